@@ -1,0 +1,137 @@
+"""The run configuration: read once from ``[tool.flwr.app.config]``, validated once.
+
+Every key is documented in docs/configuration.md. A bad value stops the run
+before any work with one line that names the key, the value and what was
+expected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from .core import NON_LAYER_MODES, SCHEDULES
+
+ALGORITHMS = ("parablock", "fedbcd")
+PRECISIONS = ("fp32", "bf16")
+WEIGHTINGS = ("examples", "uniform")
+LR_SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine")
+
+
+class ConfigError(ValueError):
+    """A run-config value is invalid; the message is one line for the user."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Typed view of the run config; field ``foo_bar`` is key ``foo-bar``."""
+
+    algorithm: str = "parablock"
+    model: str = "embedded:smollm2-135m-instruct"
+    dataset: str = "reasoning-gym:gsm_symbolic"
+    num_examples: int = 240
+    heldout_examples: int = 16
+    num_server_rounds: int = 3
+    layers_per_block: int = 5
+    non_layer_params: str = "frozen"
+    schedule: str = "descending"
+    local_steps: int = 3
+    batch_size: int = 4
+    max_seq_len: int = 192
+    learning_rate: float = 1e-4
+    weight_decay: float = 0.0
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    max_grad_norm: float = 1.0
+    server_lr: float = 1.0
+    weighting: str = "examples"
+    precision: str = "fp32"
+    seed: int = 0
+    deterministic: bool = True
+    torch_threads: int = 0
+    eval_batch_size: int = 8
+    uplink_mbps: float = 50.0
+    downlink_mbps: float = 50.0
+    latency_ms: float = 50.0
+    round_timeout_s: float = 3600.0
+    verify_invariant: bool = False
+    save_final_model: bool = False
+    output_dir: str = "~/parablock-runs"
+
+    @classmethod
+    def from_flower(cls, run_config: Mapping[str, object]) -> RunConfig:
+        """Build and validate from Flower's ``context.run_config``."""
+        values: dict[str, object] = {}
+        known = {f.name: f for f in fields(cls)}
+        for key, value in run_config.items():
+            name = key.replace("-", "_")
+            if name not in known:
+                continue  # keys of other components (e.g. Flower's own) are not ours
+            values[name] = _coerce(key, value, type(known[name].default))
+        config = cls(**values)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        _one_of("algorithm", self.algorithm, ALGORITHMS)
+        _one_of("schedule", self.schedule, SCHEDULES)
+        _one_of("non-layer-params", self.non_layer_params, NON_LAYER_MODES)
+        _one_of("precision", self.precision, PRECISIONS)
+        _one_of("weighting", self.weighting, WEIGHTINGS)
+        _one_of("lr-schedule", self.lr_schedule, LR_SCHEDULES)
+        for key in ("num-server-rounds", "layers-per-block", "local-steps", "batch-size",
+                    "max-seq-len", "eval-batch-size", "heldout-examples"):
+            _at_least(key, getattr(self, key.replace("-", "_")), 1)
+        _at_least("torch-threads", self.torch_threads, 0)
+        _at_least("warmup-steps", self.warmup_steps, 0)
+        if self.num_examples < self.heldout_examples + 1:
+            raise ConfigError(
+                f"num-examples={self.num_examples}: expected more than "
+                f"heldout-examples={self.heldout_examples} (clients need training data)"
+            )
+        for key in ("learning-rate", "server-lr", "uplink-mbps", "downlink-mbps",
+                    "round-timeout-s", "max-grad-norm"):
+            value = getattr(self, key.replace("-", "_"))
+            if not value > 0:
+                raise ConfigError(f"{key}={value}: expected a number > 0")
+        for key in ("weight-decay", "latency-ms"):
+            value = getattr(self, key.replace("-", "_"))
+            if not value >= 0:
+                raise ConfigError(f"{key}={value}: expected a number >= 0")
+        if not self.model.strip():
+            raise ConfigError("model='': expected a Hugging Face id, a local folder or embedded:<name>")
+
+    @property
+    def output_path(self) -> Path:
+        return Path(self.output_dir).expanduser().resolve()
+
+
+def check_num_clients(num_clients: int) -> None:
+    """The federation must have at least one SuperNode to train anything."""
+    if num_clients < 1:
+        raise ConfigError(f"num-supernodes={num_clients}: expected at least 1 client")
+
+
+def _coerce(key: str, value: object, expected: type) -> object:
+    if expected is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}={value!r}: expected true or false")
+    if expected is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if expected is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if expected is str and isinstance(value, str):
+        return value
+    raise ConfigError(f"{key}={value!r}: expected a value of type {expected.__name__}")
+
+
+def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r}: expected one of {', '.join(allowed)}")
+
+
+def _at_least(key: str, value: int, minimum: int) -> None:
+    if value < minimum:
+        raise ConfigError(f"{key}={value}: expected an integer >= {minimum}")

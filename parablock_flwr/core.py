@@ -1,0 +1,280 @@
+"""ParaBlock's math, as defined by this project (see docs/algorithm.md).
+
+This module is framework-free: no Flower here, only torch tensors keyed by
+parameter name. Strategies and ClientApps are thin adapters around it.
+
+Notation (as in the spec): global model ``x``, blocks ``B_1..B_M``, schedule
+``b_1..b_R``, client update ``Δ_i^r``, aggregate ``Δ̄^r``, server learning rate
+``η_s``. We call ``g^r = η_s Δ̄^r`` the *global step* of round r: the server
+applies ``x^r[b_r] = x^{r-1}[b_r] + g^r`` and clients apply the very same
+float operation, which is what keeps every copy of ``x`` bit-identical.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+Tensors = dict[str, torch.Tensor]
+
+SCHEDULES = ("ascending", "descending", "random-permutation", "uniform-random")
+NON_LAYER_MODES = ("frozen", "block")
+
+
+# --------------------------------------------------------------------------
+# Blocks
+# --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BlockPartition:
+    """The trainable parameters of a model, split into blocks.
+
+    ``blocks[b]`` holds the parameter names of block ``b``; every parameter
+    not in any block is frozen and never moves.
+    """
+
+    blocks: tuple[tuple[str, ...], ...]
+    labels: tuple[str, ...]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    def names(self, block: int) -> tuple[str, ...]:
+        return self.blocks[block]
+
+    def all_names(self) -> tuple[str, ...]:
+        return tuple(name for block in self.blocks for name in block)
+
+
+def find_decoder_layers(model: nn.Module) -> str:
+    """Return the qualified name of the model's list of decoder layers.
+
+    Architectures keep their layers under different paths (``model.layers``,
+    ``transformer.h``, ``gpt_neox.layers``, ``model.decoder.layers``...), so
+    we look for the ``ModuleList`` whose length is the configured number of
+    hidden layers instead of hard-coding paths.
+    """
+    num_layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    candidates = [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.ModuleList) and len(module) > 0
+    ]
+    if num_layers is not None:
+        matching = [(n, m) for n, m in candidates if len(m) == num_layers]
+        if matching:
+            return matching[0][0]
+    if not candidates:
+        raise ValueError(
+            f"cannot find decoder layers in {type(model).__name__}: "
+            "expected an nn.ModuleList of decoder layers"
+        )
+    return max(candidates, key=lambda item: len(item[1]))[0]
+
+
+def partition_blocks(
+    model: nn.Module, layers_per_block: int, non_layer_params: str = "frozen"
+) -> BlockPartition:
+    """Split the model into blocks of ``layers_per_block`` consecutive layers.
+
+    Parameters outside the decoder layers (embeddings, final norm, LM head)
+    are frozen, or form one extra block when ``non_layer_params="block"``.
+    Tied weights appear once (``named_parameters`` de-duplicates them).
+    """
+    if non_layer_params not in NON_LAYER_MODES:
+        raise ValueError(
+            f"non-layer-params={non_layer_params!r}: expected one of {NON_LAYER_MODES}"
+        )
+    layers_name = find_decoder_layers(model)
+    num_layers = len(model.get_submodule(layers_name))
+    if not 1 <= layers_per_block <= num_layers:
+        raise ValueError(
+            f"layers-per-block={layers_per_block}: expected 1..{num_layers} "
+            f"(the model has {num_layers} decoder layers)"
+        )
+    prefix = layers_name + "."
+    per_layer: list[list[str]] = [[] for _ in range(num_layers)]
+    others: list[str] = []
+    for name, _ in model.named_parameters():
+        if name.startswith(prefix):
+            per_layer[int(name[len(prefix):].split(".", 1)[0])].append(name)
+        else:
+            others.append(name)
+    blocks, labels = [], []
+    for start in range(0, num_layers, layers_per_block):
+        stop = min(start + layers_per_block, num_layers)
+        blocks.append(tuple(n for layer in per_layer[start:stop] for n in layer))
+        labels.append(f"layers {start}-{stop - 1}")
+    if non_layer_params == "block" and others:
+        blocks.append(tuple(others))
+        labels.append("non-layer")
+    return BlockPartition(tuple(blocks), tuple(labels))
+
+
+# --------------------------------------------------------------------------
+# Schedule
+# --------------------------------------------------------------------------
+def block_schedule(policy: str, num_blocks: int, num_rounds: int, seed: int) -> list[int]:
+    """The block ``b_r`` of each round r = 1..R (list index r-1), seeded."""
+    if policy not in SCHEDULES:
+        raise ValueError(f"schedule={policy!r}: expected one of {SCHEDULES}")
+    rng = random.Random(seed)
+    if policy == "ascending":
+        return [r % num_blocks for r in range(num_rounds)]
+    if policy == "descending":
+        return [num_blocks - 1 - r % num_blocks for r in range(num_rounds)]
+    if policy == "uniform-random":
+        return [rng.randrange(num_blocks) for _ in range(num_rounds)]
+    schedule: list[int] = []  # random permutation per epoch over the blocks
+    while len(schedule) < num_rounds:
+        epoch = list(range(num_blocks))
+        rng.shuffle(epoch)
+        schedule.extend(epoch)
+    return schedule[:num_rounds]
+
+
+# --------------------------------------------------------------------------
+# Updates, aggregation, global step
+# --------------------------------------------------------------------------
+def snapshot(params: Mapping[str, torch.Tensor], names: Iterable[str]) -> Tensors:
+    """Detached fp32 copies of the named tensors."""
+    return {n: params[n].detach().to(torch.float32).clone() for n in names}
+
+
+def delta(after: Mapping[str, torch.Tensor], before: Mapping[str, torch.Tensor]) -> Tensors:
+    """``Δ = after - before`` in fp32: the optimizer's changes to a block."""
+    return {n: after[n].detach().float() - before[n] for n in before}
+
+
+def aggregate(updates: list[Tensors], weights: list[float]) -> Tensors:
+    """``Δ̄ = Σ w_i Δ_i / Σ w_i``, computed as ``Σ (w_i / Σw) Δ_i``.
+
+    Normalising the weights first makes a single client's aggregate equal
+    its update to the last bit (``1.0 * Δ == Δ``), which the tests rely on.
+    """
+    if not updates or len(updates) != len(weights):
+        raise ValueError(f"aggregate: got {len(updates)} updates and {len(weights)} weights")
+    total = float(sum(weights))
+    if total <= 0:
+        raise ValueError(f"aggregate: weights sum to {total}, expected > 0")
+    out = {n: (weights[0] / total) * t for n, t in updates[0].items()}
+    for update, w in zip(updates[1:], weights[1:]):
+        for n, t in update.items():
+            out[n].add_(t, alpha=w / total)
+    return out
+
+
+def global_step(mean_update: Tensors, server_lr: float) -> Tensors:
+    """``g = η_s Δ̄`` (exact when η_s = 1)."""
+    if server_lr == 1.0:
+        return {n: t.clone() for n, t in mean_update.items()}
+    return {n: server_lr * t for n, t in mean_update.items()}
+
+
+@torch.no_grad()
+def apply_step(params: Mapping[str, torch.Tensor], step: Mapping[str, torch.Tensor]) -> None:
+    """In place: ``x[b] += g`` (or ``y[b] += Δ``), the one float op every copy uses."""
+    for n, t in step.items():
+        params[n].add_(t.to(params[n].dtype))
+
+
+def digest(params: Mapping[str, torch.Tensor], names: Iterable[str]) -> str:
+    """SHA-256 over the named tensors' bytes, in the given order."""
+    h = hashlib.sha256()
+    for n in names:
+        h.update(n.encode())
+        h.update(params[n].detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def digest_after(params: Mapping[str, torch.Tensor], names: Iterable[str], *steps: Tensors) -> str:
+    """Digest of ``params`` with ``steps`` added in order, ``params`` left unchanged.
+
+    Both sides of the invariant check use it: the server on ``x^{r-1} + Δ_i^r``,
+    the client on its local model, so both perform the same float additions.
+    """
+    names = tuple(names)
+    view: dict[str, torch.Tensor] = {n: params[n] for n in names}
+    for step in steps:
+        for n, t in step.items():
+            view[n] = view[n].detach() + t.to(view[n].dtype)
+    return digest(view, names)
+
+
+# --------------------------------------------------------------------------
+# The client's local model: a global version plus its own pending update
+# --------------------------------------------------------------------------
+@dataclass
+class PendingUpdate:
+    """A ParaBlock client's own update not yet folded into the global model.
+
+    The client's local model is ``y = x^{base_version}`` with
+    ``y[block] += delta``. After the correction of round r,
+    ``base_version = r - 1`` and ``delta = Δ_i^r``: the spec's invariant.
+    """
+
+    block: int
+    base_version: int
+    delta: Tensors
+
+
+def parablock_base(pending: PendingUpdate | None, server_round: int) -> tuple[int, PendingUpdate | None]:
+    """Which model round r's computation starts from.
+
+    Normally ``y = x^{r-2} + Δ_i^{r-1}`` (the stale start that lets the
+    client compute while round r-1's exchange is in flight). A client with
+    no usable pending update (round 1, or it missed round r-1) is
+    resynchronised: it starts from ``x^{r-1}`` with nothing pending, which
+    is exactly a sequential-BCD round.
+    """
+    if pending is not None and pending.base_version == server_round - 2:
+        return server_round - 2, pending
+    return server_round - 1, None
+
+
+def correct(block: int, new_delta: Tensors, server_round: int) -> PendingUpdate:
+    """The correction ``y[b_{r-1}] += η_s Δ̄^{r-1} - Δ_i^{r-1}``, applied exactly.
+
+    The local model is stored as (global version, own pending update), so the
+    additive correction amounts to re-basing onto ``x^{r-1}`` and keeping only
+    ``Δ_i^r``. This equals the additive form in exact arithmetic and, unlike
+    it, does not accumulate float rounding: the invariant holds to the bit,
+    also when ``b_r == b_{r-1}``.
+    """
+    return PendingUpdate(block=block, base_version=server_round - 1, delta=new_delta)
+
+
+# --------------------------------------------------------------------------
+# Time model
+# --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LinkModel:
+    """A client's link: rates in Mbit/s, one-way latency in ms."""
+
+    uplink_mbps: float
+    downlink_mbps: float
+    latency_ms: float
+
+    def comm_seconds(self, bytes_up: int, bytes_down: int) -> float:
+        """Time to receive the round's message and send the reply."""
+        return (
+            2 * self.latency_ms / 1e3
+            + 8 * bytes_up / (self.uplink_mbps * 1e6)
+            + 8 * bytes_down / (self.downlink_mbps * 1e6)
+        )
+
+
+def modeled_round_seconds(compute_s: list[float], comm_s: list[float], overlapped: bool) -> float:
+    """Round time of the slowest client: compute + comm, or their max.
+
+    ParaBlock hides the exchange of round r-1 behind the compute of round r,
+    so an overlapped round costs ``max(compute, comm)``; sequential BCD
+    waits for both, ``compute + comm``.
+    """
+    per_client = [max(c, m) if overlapped else c + m for c, m in zip(compute_s, comm_s)]
+    return max(per_client, default=0.0)

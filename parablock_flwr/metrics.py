@@ -1,0 +1,51 @@
+"""Per-round records: one log line each, appended to ``metrics.jsonl`` in the run folder."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+log = logging.getLogger("parablock_flwr")
+
+
+class RunRecorder:
+    """Writes ``metrics.jsonl`` (one JSON object per round, round 0 = before training)."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, record: dict) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record, sort_keys=True) + "\n")
+
+    def read(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line]
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.1f}MB"
+
+
+def round_line(rec: dict, num_rounds: int) -> str:
+    """The one human line per round."""
+    if rec["round"] == 0:
+        return f"round 0/{num_rounds} heldout_loss {rec['heldout_loss']:.4f}"
+    eta = rec.get("eta_s")
+    return (
+        f"round {rec['round']}/{num_rounds} block {rec['block']} ({rec['block_label']}) "
+        f"train_loss {_fmt(rec['train_loss'])} heldout_loss {_fmt(rec['heldout_loss'])} "
+        f"up {_mb(rec['bytes_up_per_client'])} down {_mb(rec['bytes_down_per_client'])} per client "
+        f"compute {rec['compute_s_max']:.1f}s modeled_round {rec['modeled_round_s']:.1f}s "
+        f"(sequential {rec['modeled_round_s_sequential']:.1f}s, overlapped {rec['modeled_round_s_overlapped']:.1f}s) "
+        f"accepted {rec['num_accepted']}/{rec['num_replies']} "
+        f"elapsed {rec['elapsed_s']:.0f}s" + (f" eta {eta:.0f}s" if eta is not None else "")
+    )
+
+
+def _fmt(x: float | None) -> str:
+    return "nan" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4f}"

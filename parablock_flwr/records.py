@@ -1,0 +1,17 @@
+"""Conversions between Flower's ArrayRecord and the core's name->tensor dicts."""
+
+from __future__ import annotations
+
+import torch
+from flwr.app import ArrayRecord
+
+from .core import Tensors
+
+
+def to_tensors(record: ArrayRecord) -> Tensors:
+    """fp32 tensors that own their memory (the record's buffers may be reused)."""
+    return {name: torch.from_numpy(array.numpy().copy()) for name, array in record.items()}
+
+
+def to_record(tensors: Tensors) -> ArrayRecord:
+    return ArrayRecord({name: t.detach().cpu().contiguous() for name, t in tensors.items()})

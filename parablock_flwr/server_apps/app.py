@@ -1,0 +1,101 @@
+"""The ServerApp: validate the config, load the global model, run the chosen strategy.
+
+The server keeps the global model and evaluates the held-out loss itself
+every round; messages carry only block-sized arrays.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from flwr.app import ArrayRecord, Context, MetricRecord
+from flwr.serverapp import Grid, ServerApp
+
+from .. import core
+from ..config import ConfigError, RunConfig, check_num_clients
+from ..data import in_order_batches, tokenized_splits
+from ..model import load_model, load_tokenizer
+from ..runtime import setup_torch
+from ..strategies import STRATEGIES
+from ..training import heldout_loss
+
+log = logging.getLogger("parablock_flwr")
+app = ServerApp()
+
+
+def make_run_dir(cfg: RunConfig, run_id: int) -> Path:
+    run_dir = cfg.output_path / f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.algorithm}-{run_id}"
+    run_dir.mkdir(parents=True, exist_ok=False)
+    (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2, sort_keys=True) + "\n")
+    return run_dir
+
+
+def wait_for_nodes(grid: Grid, timeout_s: float = 60.0) -> int:
+    deadline = time.monotonic() + timeout_s
+    while not (nodes := list(grid.get_node_ids())) and time.monotonic() < deadline:
+        time.sleep(1.0)
+    return len(nodes)
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    _log_to_stdout()
+    try:
+        cfg = RunConfig.from_flower(context.run_config)
+        setup_torch(cfg)
+        model = load_model(cfg.model)
+        tokenizer = load_tokenizer(cfg.model)
+        partition = core.partition_blocks(model, cfg.layers_per_block, cfg.non_layer_params)
+        num_clients = wait_for_nodes(grid)
+        check_num_clients(num_clients)
+        _, heldout = tokenized_splits(cfg.dataset, cfg.num_examples, cfg.heldout_examples, cfg.seed,
+                                      tokenizer, cfg.max_seq_len)
+        if cfg.num_examples - cfg.heldout_examples < num_clients:
+            raise ConfigError(f"num-examples={cfg.num_examples}: expected at least "
+                              f"{cfg.heldout_examples + num_clients} for {num_clients} clients")
+    except (ConfigError, ValueError) as err:
+        log.error("Invalid configuration: %s", err)
+        sys.exit(2)
+
+    run_dir = make_run_dir(cfg, context.run_id)
+    log.info("Run folder: %s", run_dir)
+    log.info("%s on %s: %d clients, %d blocks (%s), %d rounds", cfg.algorithm, cfg.model, num_clients,
+             partition.num_blocks, ", ".join(partition.labels), cfg.num_server_rounds)
+    schedule = core.block_schedule(cfg.schedule, partition.num_blocks, cfg.num_server_rounds, cfg.seed)
+    params = dict(model.named_parameters())
+    strategy = STRATEGIES[cfg.algorithm](
+        global_params={n: params[n] for n in partition.all_names()},
+        partition=partition,
+        schedule=schedule,
+        run_dir=run_dir,
+        server_lr=cfg.server_lr,
+        weighting=cfg.weighting,
+        link=core.LinkModel(cfg.uplink_mbps, cfg.downlink_mbps, cfg.latency_ms),
+        verify_invariant=cfg.verify_invariant,
+    )
+
+    def evaluate(server_round: int, _arrays: ArrayRecord) -> MetricRecord:
+        batches = in_order_batches(heldout, cfg.eval_batch_size, tokenizer.pad_token_id)
+        return MetricRecord({"heldout_loss": heldout_loss(model, batches, cfg.precision)})
+
+    strategy.start(grid, ArrayRecord(), num_rounds=cfg.num_server_rounds, timeout=cfg.round_timeout_s,
+                   evaluate_fn=evaluate)
+    if cfg.save_final_model:
+        model.save_pretrained(run_dir / "final-model")
+        tokenizer.save_pretrained(run_dir / "final-model")
+    log.info("Done. Metrics: %s", run_dir / "metrics.jsonl")
+
+
+def _log_to_stdout() -> None:
+    """Our round lines reach `flwr run --stream` and the SuperLink's log."""
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(levelname)s [parablock] %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False

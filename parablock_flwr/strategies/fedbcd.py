@@ -1,0 +1,258 @@
+"""Sequential federated block coordinate descent, the base of every block strategy.
+
+The server keeps the global model ``x``. Round r: send each client the
+previous global step ``g^{r-1} = η_s Δ̄^{r-1}`` (block-sized) and the block
+``b_r``; clients reply ``Δ_i^r`` (block-sized); the server checks each reply,
+aggregates the valid ones and applies ``x^r[b_r] = x^{r-1}[b_r] + g^r``.
+What distinguishes ParaBlock is on the client (it computes round r from a
+one-round-stale model while round r-1's exchange travels); the server side
+differs only in the time model and the invariant check (see ``parablock.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result, Strategy
+from flwr.serverapp.strategy.strategy_utils import sample_nodes
+
+from .. import core
+from ..metrics import RunRecorder, round_line
+from ..records import to_record, to_tensors
+from ..replica import StepLog
+
+log = logging.getLogger("parablock_flwr")
+
+
+class FedBCD(Strategy):
+    """Federated BCD: one block per round, every client, no overlap.
+
+    Override points (stable signatures): ``block_for_round``,
+    ``select_nodes``, ``round_config``, ``check_reply``, ``client_weight``,
+    ``combine``, ``extra_round_metrics``, ``record_round``.
+    """
+
+    algorithm = "fedbcd"
+    overlapped = False  # does a round cost max(compute, comm) instead of their sum?
+
+    def __init__(
+        self,
+        *,
+        global_params: dict[str, torch.Tensor],
+        partition: core.BlockPartition,
+        schedule: list[int],
+        run_dir: Path,
+        server_lr: float = 1.0,
+        weighting: str = "examples",
+        link: core.LinkModel = core.LinkModel(20.0, 20.0, 50.0),
+        verify_invariant: bool = False,
+    ):
+        self.global_params = global_params
+        self.partition = partition
+        self.schedule = schedule
+        self.run_dir = Path(run_dir)
+        self.server_lr = server_lr
+        self.weighting = weighting
+        self.link = link
+        self.verify_invariant = verify_invariant
+        self.step_log = StepLog(run_dir)
+        self.recorder = RunRecorder(run_dir)
+        self._round: dict = {}
+        self._started = time.perf_counter()
+        self._modeled_wall_s = 0.0
+
+    # ---------------------------------------------------------------- policy
+    def block_for_round(self, server_round: int) -> int:
+        """``b_r``: by default the precomputed seeded schedule."""
+        return self.schedule[server_round - 1]
+
+    def select_nodes(self, grid: Grid) -> list[int]:
+        """Every connected node trains every round (waits for at least one)."""
+        node_ids, _ = sample_nodes(grid, min_available_nodes=1, sample_size=len(list(grid.get_node_ids())) or 1)
+        return sorted(node_ids)
+
+    def round_config(self, server_round: int, block: int, step_block: int) -> ConfigRecord:
+        """What every client is told this round; subclasses may add keys."""
+        return ConfigRecord({
+            "server-round": server_round,
+            "block": block,
+            "step-block": step_block,
+            "algorithm": self.algorithm,
+            "run-dir": str(self.run_dir),
+        })
+
+    def client_weight(self, metrics: MetricRecord) -> float:
+        """``w_i``: number of local examples, or uniform."""
+        return float(metrics["num-examples"]) if self.weighting == "examples" else 1.0
+
+    def combine(self, updates: list[core.Tensors], weights: list[float]) -> core.Tensors:
+        """``Δ̄``: the weighted mean of the accepted updates."""
+        return core.aggregate(updates, weights)
+
+    # ---------------------------------------------------------- Flower hooks
+    def summary(self) -> None:
+        log.info("%s: %d blocks, schedule %s, server-lr %s, weighting %s", type(self).__name__,
+                 self.partition.num_blocks, self.schedule, self.server_lr, self.weighting)
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        """Send ``g^{r-1}`` (in ``arrays``, empty in round 1) and ``b_r`` to every node."""
+        self._round = {"started": time.perf_counter()}
+        block = self.block_for_round(server_round)
+        step_block = self.block_for_round(server_round - 1) if server_round > 1 else -1
+        content = RecordDict({"global-step": arrays, "round": self.round_config(server_round, block, step_block)})
+        return [Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node)
+                for node in self.select_nodes(grid)]
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]
+                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Check each reply, aggregate the valid ones, apply ``g^r`` to ``x``, log ``g^r``."""
+        block = self.block_for_round(server_round)
+        names = self.partition.names(block)
+        replies = list(replies)
+        accepted: list[tuple[core.Tensors, MetricRecord, Message]] = []
+        rejected: list[dict] = []
+        for msg in replies:
+            reason = self.check_reply(msg, server_round, block)
+            if reason is None:
+                accepted.append((to_tensors(msg.content["update"]), msg.content["metrics"], msg))
+            else:
+                node = msg.metadata.src_node_id
+                log.warning("round %d: rejected the reply of node %d: %s", server_round, node, reason)
+                rejected.append({"node": node, "reason": reason})
+
+        # Float sums depend on order and replies arrive in any order: sort them by the
+        # client's stable partition id (node ids change from run to run).
+        accepted.sort(key=lambda a: (int(a[1].get("partition-id", 0)), a[2].metadata.src_node_id))
+        invariant = self.check_invariant(accepted) if self.verify_invariant else {}
+        if accepted:
+            mean = self.combine([u for u, _, _ in accepted], [self.client_weight(m) for _, m, _ in accepted])
+            step = core.global_step(mean, self.server_lr)
+        else:  # nothing valid: x does not move, but clients still need a (zero) step to re-base on
+            step = {n: torch.zeros_like(self.global_params[n]) for n in names}
+        core.apply_step(self.global_params, step)
+        self.step_log.write(server_round, block, step)
+
+        self._round.update(self._round_metrics(server_round, block, step, accepted, replies, rejected))
+        self._round.update(invariant)
+        self._round.update(self.extra_round_metrics(server_round, accepted))
+        summary = {k: v for k, v in self._round.items() if isinstance(v, (int, float)) and k != "started"}
+        return to_record(step), MetricRecord(summary)
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        """No client-side evaluation: the server evaluates held-out loss itself."""
+        return []
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        return None
+
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
+              train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
+              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
+        """Flower's loop, with the round's record written after the server's evaluation."""
+        self._num_rounds = num_rounds
+
+        def evaluate_and_record(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+            metrics = evaluate_fn(server_round, arrays) if evaluate_fn else None
+            self.record_round(server_round, dict(metrics or {}))
+            return metrics
+
+        return super().start(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config,
+                             evaluate_and_record)
+
+    # ------------------------------------------------------------ checking
+    def check_reply(self, msg: Message, server_round: int, block: int) -> str | None:
+        """Why a reply must not enter the aggregate, or None if it is valid."""
+        if msg.has_error():
+            return f"client error: {msg.error.reason}"
+        content = msg.content
+        if "update" not in content.array_records or "metrics" not in content.metric_records:
+            return "missing 'update' arrays or 'metrics'"
+        metrics = content["metrics"]
+        for key in ("server-round", "block", "num-examples"):
+            if key not in metrics:
+                return f"missing metric {key!r}"
+        if metrics["server-round"] != server_round:
+            return f"stale round: reply is for round {metrics['server-round']}, expected {server_round}"
+        if metrics["block"] != block:
+            return f"wrong block id {metrics['block']}, expected {block}"
+        if not metrics["num-examples"] > 0:
+            return f"num-examples={metrics['num-examples']}, expected > 0"
+        update = content["update"]
+        expected = set(self.partition.names(block))
+        if set(update) != expected:
+            missing, extra = sorted(expected - set(update)), sorted(set(update) - expected)
+            return f"wrong parameters: missing {missing[:3]}, unexpected {extra[:3]}"
+        for name, array in update.items():
+            want = tuple(self.global_params[name].shape)
+            if tuple(array.shape) != want:
+                return f"wrong shape for {name}: {tuple(array.shape)}, expected {want}"
+            if array.dtype != "float32":
+                return f"wrong dtype for {name}: {array.dtype}, expected float32"
+            if not torch.isfinite(torch.from_numpy(array.numpy())).all():
+                return f"non-finite values in {name}"
+        return None
+
+    def check_invariant(self, accepted: list) -> dict:
+        """Sequential BCD keeps no local state: nothing to check."""
+        return {}
+
+    # ------------------------------------------------------------ metrics
+    def _round_metrics(self, server_round, block, step, accepted, replies, rejected) -> dict:
+        bytes_down = sum(t.numel() * 4 for t in step.values())  # g^r goes down next round
+        ups = [sum(t.numel() * 4 for t in u.values()) for u, _, _ in accepted]
+        compute = [float(m["compute-s"]) for _, m, _ in accepted if "compute-s" in m]
+        comm = [self.link.comm_seconds(u, bytes_down) for u in ups]
+        sequential = core.modeled_round_seconds(compute, comm, overlapped=False)
+        # Round 1 has nothing to overlap with yet.
+        overlapped = core.modeled_round_seconds(compute, comm, overlapped=server_round > 1)
+        modeled = overlapped if self.overlapped else sequential
+        self._modeled_wall_s += modeled
+        weights = [float(m["num-examples"]) for _, m, _ in accepted]
+        losses = [float(m["train-loss"]) for _, m, _ in accepted]
+        return {
+            "round": server_round,
+            "block": block,
+            "block_label": self.partition.labels[block],
+            "num_replies": len(replies),
+            "num_accepted": len(accepted),
+            "num_rejected": len(rejected),
+            "rejected": rejected,
+            "train_loss": sum(w * l for w, l in zip(weights, losses)) / sum(weights) if accepted else None,
+            "bytes_up_per_client": sum(ups) / len(ups) if ups else 0,
+            "bytes_down_per_client": bytes_down,
+            "bytes_up_total": sum(ups),
+            "bytes_down_total": bytes_down * len(replies),
+            "compute_s_max": max(compute, default=0.0),
+            "compute_s_mean": sum(compute) / len(compute) if compute else 0.0,
+            "comm_s_modeled": max(comm, default=0.0),
+            "modeled_round_s_sequential": sequential,
+            "modeled_round_s_overlapped": overlapped,
+            "modeled_round_s": modeled,
+            "modeled_wall_s": self._modeled_wall_s,
+        }
+
+    def extra_round_metrics(self, server_round: int, accepted: list) -> dict:
+        """Hook for subclasses: more numbers for the round's record."""
+        return {}
+
+    def record_round(self, server_round: int, evaluation: dict) -> None:
+        """Log the round's line and append its record to ``metrics.jsonl``."""
+        record = {"round": server_round, "algorithm": self.algorithm}
+        if server_round > 0:
+            record.update({k: v for k, v in self._round.items() if k != "started"})
+            record["round_wall_s"] = time.perf_counter() - self._round["started"]
+        record.update(evaluation)
+        record["elapsed_s"] = time.perf_counter() - self._started
+        if 0 < server_round < self._num_rounds:
+            record["eta_s"] = record["elapsed_s"] / server_round * (self._num_rounds - server_round)
+        self.recorder.write(record)
+        log.info(round_line(record, self._num_rounds))
+

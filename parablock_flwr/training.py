@@ -1,0 +1,103 @@
+"""The one local-training loop, shared by ParaBlock and every baseline, and the held-out loss."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import get_scheduler
+
+from .core import Tensors, delta, snapshot
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    local_steps: int
+    learning_rate: float
+    weight_decay: float
+    lr_schedule: str
+    warmup_steps: int
+    max_grad_norm: float
+    precision: str
+
+
+@dataclass
+class TrainResult:
+    delta: Tensors
+    mean_loss: float
+    compute_s: float
+
+
+def autocast(precision: str):
+    """bf16 autocast on the model's device; updates stay fp32 (the weights are fp32)."""
+    if precision == "bf16":
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        return torch.autocast(device_type=device_type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def train_block(
+    model: nn.Module, names: Iterable[str], batches: Iterable[dict[str, torch.Tensor]], settings: TrainSettings
+) -> TrainResult:
+    """Train only the named parameters for ``local_steps`` steps; return ``Δ``.
+
+    A fresh AdamW over the block alone: the rest keeps ``requires_grad=False``
+    so autograd stops at the lowest trainable layer and no optimizer state
+    exists outside the block. The model's parameters are left *changed*
+    (``y[b] += Δ``); the caller decides what to keep.
+    """
+    start = time.perf_counter()
+    params = dict(model.named_parameters())
+    names = tuple(names)
+    block = [params[n] for n in names]
+    before = snapshot(params, names)
+    for p in block:
+        p.requires_grad_(True)
+    optimizer = torch.optim.AdamW(block, lr=settings.learning_rate, weight_decay=settings.weight_decay)
+    scheduler = get_scheduler(settings.lr_schedule, optimizer, num_warmup_steps=settings.warmup_steps,
+                              num_training_steps=settings.local_steps)
+    device = next(model.parameters()).device
+    model.train()
+    losses = []
+    try:
+        for _, batch in zip(range(settings.local_steps), batches):
+            batch = {k: v.to(device) for k, v in batch.items()}
+            with autocast(settings.precision):
+                loss = model(**batch).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(block, settings.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+    finally:
+        for p in block:
+            p.requires_grad_(False)
+        model.eval()
+    if len(losses) != settings.local_steps:
+        raise ValueError(f"local-steps={settings.local_steps}: only {len(losses)} batches were available")
+    return TrainResult(delta(params, before), sum(losses) / len(losses), time.perf_counter() - start)
+
+
+@torch.no_grad()
+def heldout_loss(model: nn.Module, batches: Iterable[dict[str, torch.Tensor]], precision: str) -> float:
+    """Mean cross-entropy per answer token over the held-out batches."""
+    device = next(model.parameters()).device
+    total, tokens = 0.0, 0
+    model.eval()
+    for batch in batches:
+        batch = {k: v.to(device) for k, v in batch.items()}
+        with autocast(precision):
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        shifted = batch["labels"][:, 1:]
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].float().flatten(0, 1), shifted.flatten(), ignore_index=-100, reduction="sum"
+        )
+        total += loss.item()
+        tokens += int((shifted != -100).sum())
+    return total / tokens if tokens else math.nan

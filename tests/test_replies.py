@@ -1,0 +1,93 @@
+"""Malformed replies are rejected with a reason and counted; they never touch the global model.
+
+Real Flower Messages, real strategy, real tiny Llama and a real local update.
+"""
+
+import math
+
+import pytest
+import torch
+from flwr.app import ArrayRecord, Error, Message, MessageType, MetricRecord, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+
+from parablock_flwr import core
+from parablock_flwr.model import load_model
+from parablock_flwr.records import to_record
+from parablock_flwr.strategies import ParaBlock
+
+BLOCK = 1
+
+
+@pytest.fixture
+def setup(tmp_path, tiny_model_dir):
+    model = load_model(str(tiny_model_dir))
+    partition = core.partition_blocks(model, layers_per_block=2)
+    params = dict(model.named_parameters())
+    global_params = {n: params[n] for n in partition.all_names()}
+    strategy = ParaBlock(global_params=global_params, partition=partition, schedule=[BLOCK, 0],
+                         run_dir=tmp_path)
+    torch.manual_seed(0)
+    update = {n: 1e-3 * torch.randn_like(params[n]) for n in partition.names(BLOCK)}
+    before = core.snapshot(global_params, global_params)
+    return strategy, update, before
+
+
+def reply(node: int, update: dict | None, server_round=1, block=BLOCK, num_examples=10, error=None) -> Message:
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, node, 0
+    request = Message(content=RecordDict(), dst_node_id=node, message_type=MessageType.TRAIN)
+    TaskIdentity.node_id = node
+    if error is not None:
+        return Message(error, reply_to=request)
+    content = RecordDict({"metrics": MetricRecord({"server-round": server_round, "block": block,
+                                                   "num-examples": num_examples, "train-loss": 1.0,
+                                                   "compute-s": 0.1})})
+    if update is not None:
+        content["update"] = to_record(update) if not isinstance(update, ArrayRecord) else update
+    return Message(content, reply_to=request)
+
+
+def malformed(update):
+    name = next(iter(update))
+    wrong_shape = dict(update, **{name: torch.zeros(3, 3)})
+    nan = dict(update, **{name: torch.full_like(update[name], math.nan)})
+    inf = dict(update, **{name: torch.full_like(update[name], math.inf)})
+    missing = {n: t for n, t in list(update.items())[1:]}
+    fp16 = dict(update, **{name: update[name].half()})
+    return [
+        (reply(11, wrong_shape), "wrong shape"),
+        (reply(12, update, block=0), "wrong block id 0"),
+        (reply(13, nan), "non-finite"),
+        (reply(14, inf), "non-finite"),
+        (reply(15, update, server_round=0), "stale round"),
+        (reply(16, None), "missing 'update'"),
+        (reply(17, missing), "wrong parameters"),
+        (reply(18, fp16), "wrong dtype"),
+        (reply(19, update, num_examples=0), "num-examples=0"),
+        (reply(20, None, error=Error(code=0, reason="worker crashed")), "client error: worker crashed"),
+    ]
+
+
+def test_each_malformed_kind_is_rejected_and_counted(setup):
+    strategy, update, before = setup
+    bad = malformed(update)
+    good = reply(10, update)
+    step_record, _ = strategy.aggregate_train(1, [good] + [m for m, _ in bad])
+    rec = strategy._round
+    assert rec["num_accepted"] == 1 and rec["num_rejected"] == len(bad)
+    reasons = {r["node"]: r["reason"] for r in rec["rejected"]}
+    for msg, expected in bad:
+        assert expected in reasons[msg.metadata.src_node_id], (expected, reasons)
+    # Only the valid update moved the model: one client, so g == its update exactly.
+    for n, t in strategy.global_params.items():
+        expected = before[n] + update[n] if n in update else before[n]
+        assert torch.equal(t.detach(), expected), n
+    assert set(step_record) == set(update)
+
+
+def test_all_rejected_leaves_the_model_unchanged(setup):
+    strategy, update, before = setup
+    strategy.aggregate_train(1, [m for m, _ in malformed(update)])
+    assert strategy._round["num_accepted"] == 0
+    for n, t in strategy.global_params.items():
+        assert torch.equal(t.detach(), before[n]), n
+    assert all(torch.count_nonzero(t) == 0 for t in strategy.step_log.read(1)[1].values())

@@ -11,8 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from .core import NON_LAYER_MODES, SCHEDULES
-
+# No torch in this module: the deployment ClientApp reads the config without it.
+SCHEDULES = ("ascending", "descending", "random-permutation", "uniform-random")
+NON_LAYER_MODES = ("frozen", "block")
 ALGORITHMS = ("parablock", "fedbcd")
 PRECISIONS = ("fp32", "bf16")
 WEIGHTINGS = ("examples", "uniform")

@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -44,8 +45,8 @@ def _bin(name: str) -> str:
 
 
 @contextlib.contextmanager
-def local_superlink(workdir: Path) -> Iterator[str]:
-    """A simulation-mode SuperLink on free ports; yields its control API address."""
+def local_superlink(workdir: Path, simulation: bool = True) -> Iterator[str]:
+    """A SuperLink on a free port (simulation mode or not); yields its address."""
     workdir = Path(workdir)
     flwr_home = workdir / "flwr-home"
     flwr_home.mkdir(parents=True, exist_ok=True)
@@ -54,19 +55,24 @@ def local_superlink(workdir: Path) -> Iterator[str]:
     (flwr_home / "config.toml").write_text(
         f'[superlink]\ndefault = "local"\n\n[superlink.local]\naddress = "{control}"\ninsecure = true\n'
     )
-    cmd = [_bin("flower-superlink"), "--insecure", "--simulation", "--isolation", "subprocess",
-           "--host", "127.0.0.1", "--port", str(port),
+    cmd = [_bin("flower-superlink"), "--insecure", *(["--simulation"] if simulation else []),
+           "--isolation", "subprocess", "--host", "127.0.0.1", "--port", str(port),
            "--health-server-address", f"127.0.0.1:{free_port()}",
            "--database", str(flwr_home / "state.db")]
-    log = open(workdir / "superlink.log", "w")
-    proc = subprocess.Popen(cmd, env=flower_env(flwr_home), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    try:
-        _wait_for_port(control, proc, workdir / "superlink.log")
+    with started(cmd, workdir / "superlink.log", flower_env(flwr_home)) as proc:
+        _wait_for(lambda: _listens(control), proc, workdir / "superlink.log")
         yield control
-    finally:
-        stop_process_group(proc)
-        log.close()
+
+
+@contextlib.contextmanager
+def started(cmd: list[str], log_path: Path, env: dict[str, str]) -> Iterator[subprocess.Popen]:
+    """A process in its own session, logging to a file, stopped by PID on exit."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            yield proc
+        finally:
+            stop_process_group(proc)
 
 
 def stop_process_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
@@ -83,16 +89,22 @@ def stop_process_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
         proc.wait()
 
 
-def _wait_for_port(address: str, proc: subprocess.Popen, log_path: Path, timeout_s: float = 60) -> None:
+def _listens(address: str) -> bool:
     host, port = address.rsplit(":", 1)
+    with contextlib.suppress(OSError), socket.create_connection((host, int(port)), timeout=0.5):
+        return True
+    return False
+
+
+def _wait_for(ready, proc: subprocess.Popen, log_path: Path, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"flower-superlink exited with {proc.returncode}; see {log_path}")
-        with contextlib.suppress(OSError), socket.create_connection((host, int(port)), timeout=0.5):
+            raise RuntimeError(f"{Path(proc.args[0]).name} exited with {proc.returncode}; see {log_path}")
+        if ready():
             return
         time.sleep(0.3)
-    raise RuntimeError(f"flower-superlink did not listen on {address} within {timeout_s}s; see {log_path}")
+    raise RuntimeError(f"{Path(proc.args[0]).name} was not ready within {timeout_s}s; see {log_path}")
 
 
 def _toml_value(value: object) -> str:
@@ -113,18 +125,60 @@ def run_simulation(workdir: Path, run_config: Mapping[str, object], num_supernod
     """
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    with local_superlink(workdir) as _:
+        return _flwr_run(workdir, run_config, app_dir, timeout_s, capture, [
+            "--federation-config", f"num-supernodes={num_supernodes} client-resources-num-cpus={cpus_per_client}"])
+
+
+def _flwr_run(workdir: Path, run_config: Mapping[str, object], app_dir: Path, timeout_s: float, capture: bool,
+              extra: list[str]) -> subprocess.CompletedProcess:
     overrides = workdir / "run-config.toml"
     overrides.write_text("".join(f"{k} = {_toml_value(v)}\n" for k, v in run_config.items()))
-    with local_superlink(workdir) as _:
-        cmd = [_bin("flwr"), "run", str(app_dir), "local", "--stream", "--run-config", str(overrides),
-               "--federation-config",
-               f"num-supernodes={num_supernodes} client-resources-num-cpus={cpus_per_client}"]
-        return subprocess.run(cmd, env=flower_env(workdir / "flwr-home"), capture_output=capture, text=True,
-                              timeout=timeout_s)
+    cmd = [_bin("flwr"), "run", str(app_dir), "local", "--stream", "--run-config", str(overrides), *extra]
+    return subprocess.run(cmd, env=flower_env(workdir / "flwr-home"), capture_output=capture, text=True,
+                          timeout=timeout_s)
+
+
+
+def run_deployment(workdir: Path, run_config: Mapping[str, object], num_supernodes: int = 2,
+                   timeout_s: float = 1800, app_dir: Path = PROJECT_DIR, capture: bool = True,
+                   on_started=None) -> subprocess.CompletedProcess:
+    """A real local deployment: a SuperLink, N SuperNodes each with its node worker, then `flwr run`.
+
+    Every process is started here and stopped by its PID at the end.
+    ``on_started(workers)`` is called with the worker processes once all are up.
+    """
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    env = flower_env(workdir / "flwr-home")
+    env["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] = "0.2"  # the only Flower poll that can be tuned
+    with contextlib.ExitStack() as stack:
+        # Unix socket paths are limited to ~100 bytes: keep them short, under /tmp.
+        sockets = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="parablock-")))
+        superlink = stack.enter_context(local_superlink(workdir, simulation=False))
+        workers = []
+        for i in range(num_supernodes):
+            sock = sockets / f"worker-{i}.sock"
+            proc = stack.enter_context(started(
+                [sys.executable, "-m", "parablock_flwr.worker", "--socket", str(sock), "--idle-exit-s", "900"],
+                workdir / f"worker-{i}.log", env))
+            workers.append(proc)
+        for i, proc in enumerate(workers):
+            _wait_for((sockets / f"worker-{i}.sock").exists, proc, workdir / f"worker-{i}.log")
+        for i in range(num_supernodes):
+            node_config = (f'partition-id={i} num-partitions={num_supernodes} '
+                           f'worker-socket="{sockets / f"worker-{i}.sock"}"')
+            stack.enter_context(started(
+                [_bin("flower-supernode"), "--insecure", "--superlink", superlink, "--port", str(free_port()),
+                 "--health-server-address", f"127.0.0.1:{free_port()}", "--node-config", node_config],
+                workdir / f"supernode-{i}.log", env))
+        if on_started is not None:
+            on_started(workers)
+        return _flwr_run(workdir, run_config, app_dir, timeout_s, capture, [])
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m parablock_flwr.launch [KEY=VALUE ...]`: one simulation run, then cleanup."""
+    """`python -m parablock_flwr.launch [--deployment] [KEY=VALUE ...]`: one run, then cleanup."""
     import argparse
     import tomllib
 
@@ -133,11 +187,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-supernodes", type=int, default=2)
     parser.add_argument("--cpus-per-client", type=int, default=2)
     parser.add_argument("--workdir", type=Path, default=PROJECT_DIR / "runs" / ".flower")
+    parser.add_argument("--deployment", action="store_true",
+                        help="a real local deployment (SuperLink, SuperNodes, node workers) instead of simulation")
     args = parser.parse_args(argv)
     run_config: dict[str, object] = {"output-dir": str(PROJECT_DIR / "runs")}
     for item in args.overrides:
         run_config.update(tomllib.loads(item))
-    proc = run_simulation(args.workdir, run_config, args.num_supernodes, args.cpus_per_client, capture=False)
+    if args.deployment:
+        proc = run_deployment(args.workdir, run_config, args.num_supernodes, capture=False)
+    else:
+        proc = run_simulation(args.workdir, run_config, args.num_supernodes, args.cpus_per_client, capture=False)
     return proc.returncode
 
 

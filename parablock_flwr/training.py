@@ -31,6 +31,9 @@ class TrainResult:
     delta: Tensors
     mean_loss: float
     compute_s: float
+    num_examples: int = 0  # the client's local dataset size, its aggregation weight
+    started: float = 0.0  # wall-clock (time.time) start and end, for the deployment timeline
+    ended: float = 0.0
 
 
 def autocast(precision: str):

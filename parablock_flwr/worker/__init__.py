@@ -1,0 +1,1 @@
+"""The node worker (deployment): see ``server.py``. ``protocol.py`` is torch-free."""

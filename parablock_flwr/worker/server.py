@@ -1,0 +1,171 @@
+"""The node worker: a process beside each SuperNode that lives for the whole run.
+
+Flower 1.42 starts a new ClientApp process for every message, so the
+background computation of ParaBlock cannot live in the ClientApp. The worker
+keeps the model resident (GPU if any), the node's local model as
+(global version, pending update), and a background thread that trains the
+next block while the reply travels to the server and the next message comes
+back. The per-message ClientApp only relays arrays over a Unix socket.
+
+Round r (message ``F_r`` carries ``g^{r-1}``, ``b_r`` and ``b_{r+1}``):
+wait for round r's background computation (started at ``F_{r-1}``), apply
+the correction (re-base onto ``x^{r-1}``), start round r+1's computation in
+the background, reply ``Δ_i^r``. The correction is applied at the end of
+the local steps (``at-end``, the deterministic mode of the spec).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .. import core, node
+from ..config import RunConfig
+from ..runtime import setup_torch
+from .protocol import recv, send
+
+log = logging.getLogger("parablock_flwr.worker")
+
+
+class NodeWorker:
+    """One node's persistent state and its background computation."""
+
+    def __init__(self) -> None:
+        self.compute_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parablock-compute")
+        self.run_id: int | None = None
+        self.pending: core.PendingUpdate | None = None
+        self.next_round: tuple[int, Future] | None = None  # (round, future of its TrainResult)
+        self.last_reply_sent = 0.0
+        self.last_request = time.time()
+
+    # ------------------------------------------------------------ rounds
+    def train(self, header: dict, arrays: dict[str, np.ndarray]) -> tuple[dict, dict[str, np.ndarray]]:
+        received = time.time()
+        self.last_request = received
+        cfg = RunConfig.from_flower(header["run-config"])
+        if header["run-id"] != self.run_id:
+            self._new_run(header["run-id"])
+        setup_torch(cfg)
+        res = node.resources(cfg, header["run-id"])
+        rnd = header["round"]
+        server_round, block, next_block = int(rnd["server-round"]), int(rnd["block"]), int(rnd["next-block"])
+        pid, nparts = int(header["partition-id"]), int(header["num-partitions"])
+        step = {n: torch.from_numpy(a.copy()) for n, a in arrays.items()}
+
+        def fetch_step(version: int):
+            if version == server_round - 1:
+                return int(rnd["step-block"]), step
+            raise RuntimeError(f"this worker missed global step v{version} (it is at v{res.replica.version}); "
+                               "catching up a worker that missed rounds is not supported yet")
+
+        waited = 0.0
+        ahead = self.next_round
+        self.next_round = None
+        if rnd["algorithm"] == "parablock" and ahead is not None and ahead[0] == server_round:
+            wait_start = time.time()
+            result = ahead[1].result()  # Δ_i^r, computed from x^{r-2} + Δ_i^{r-1}
+            waited = time.time() - wait_start
+            base_version = server_round - 2
+            res.replica.advance_to(server_round - 1, fetch_step)  # the correction: re-base onto x^{r-1}
+        else:  # round 1, sequential BCD, or a node that must resynchronise: compute now from x^{r-1}
+            res.replica.advance_to(server_round - 1, fetch_step)
+            base_version = server_round - 1
+            result = self._compute(res, cfg, server_round, block, None, pid, nparts)
+        metrics = {
+            "server-round": server_round, "block": block, "num-examples": result.num_examples,
+            "partition-id": pid, "train-loss": result.mean_loss, "compute-s": result.compute_s,
+            "base-version": base_version,
+            "compute-start": result.started, "compute-end": result.ended,
+            "request-received": received, "waited-s": waited, "prev-reply-sent": self.last_reply_sent,
+        }
+        trace = {}
+        if rnd["algorithm"] == "parablock":
+            self.pending = core.correct(block, result.delta, server_round)
+            if cfg.verify_invariant:  # before the next computation touches the replica
+                trace["local-model-sha256"] = core.digest_after(res.replica.params, res.partition.all_names(),
+                                                                result.delta)
+            if next_block >= 0:
+                future = self.compute_thread.submit(self._compute, res, cfg, server_round + 1, next_block,
+                                                    self.pending, pid, nparts)
+                self.next_round = (server_round + 1, future)
+        reply_arrays = {n: t.numpy() for n, t in result.delta.items()}
+        return {"metrics": metrics, "trace": trace}, reply_arrays
+
+    @staticmethod
+    def _compute(res, cfg, server_round, block, pending, pid, nparts):
+        started = time.time()
+        result = node.compute_update(res, cfg, server_round, block, pending, pid, nparts)
+        result.started, result.ended = started, time.time()
+        return result
+
+    def _new_run(self, run_id: int) -> None:
+        """A new run on this node starts from a fresh state."""
+        if self.next_round is not None:
+            with contextlib.suppress(Exception):
+                self.next_round[1].result()
+        self.run_id, self.pending, self.next_round, self.last_reply_sent = run_id, None, None, 0.0
+        log.info("new run %s", run_id)
+
+    # ------------------------------------------------------------ serving
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            header, arrays = await recv(reader)
+            if header.get("op") == "ping":
+                await send(writer, {"ok": True, "pid": os.getpid(), "run-id": self.run_id})
+                return
+            try:
+                reply, reply_arrays = await asyncio.get_running_loop().run_in_executor(
+                    None, self.train, header, arrays)
+            except Exception as err:  # reported to the ClientApp, which replies an error to the server
+                log.exception("round failed")
+                await send(writer, {"error": f"{type(err).__name__}: {err}"})
+                return
+            await send(writer, reply, reply_arrays)
+            self.last_reply_sent = time.time()
+        finally:
+            writer.close()
+
+
+async def serve(socket_path: Path, idle_exit_s: float) -> None:
+    worker = NodeWorker()
+    socket_path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        socket_path.unlink()
+    server = await asyncio.start_unix_server(worker.handle, path=str(socket_path), limit=2**26)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("node worker %d listening on %s", os.getpid(), socket_path)
+    async with server:
+        while not stop.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=5.0)
+            if idle_exit_s and time.time() - worker.last_request > idle_exit_s:
+                log.info("no message for %.0f s: exiting", idle_exit_s)
+                break
+    with contextlib.suppress(FileNotFoundError):
+        socket_path.unlink()
+    worker.compute_thread.shutdown(wait=False, cancel_futures=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m parablock_flwr.worker",
+                                     description="Run the ParaBlock node worker beside a flower-supernode.")
+    parser.add_argument("--socket", type=Path, required=True,
+                        help="Unix socket path; pass the same path to the SuperNode as node-config worker-socket")
+    parser.add_argument("--idle-exit-s", type=float, default=3600.0,
+                        help="exit after this long without a message (0: never)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [worker] %(message)s")
+    asyncio.run(serve(args.socket, args.idle_exit_s))

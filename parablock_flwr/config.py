@@ -18,6 +18,7 @@ ALGORITHMS = ("parablock", "fedbcd")
 PRECISIONS = ("fp32", "bf16")
 WEIGHTINGS = ("examples", "uniform")
 LR_SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine")
+CORRECTIONS = ("auto", "at-end", "on-receipt")
 
 
 class ConfigError(ValueError):
@@ -29,6 +30,7 @@ class RunConfig:
     """Typed view of the run config; field ``foo_bar`` is key ``foo-bar``."""
 
     algorithm: str = "parablock"
+    strategy: str = ""
     model: str = "embedded:smollm2-135m-instruct"
     dataset: str = "reasoning-gym:gsm_symbolic"
     num_examples: int = 240
@@ -50,6 +52,7 @@ class RunConfig:
     precision: str = "fp32"
     seed: int = 0
     deterministic: bool = True
+    correction: str = "auto"
     torch_threads: int = 0
     eval_batch_size: int = 8
     uplink_mbps: float = 50.0
@@ -81,6 +84,7 @@ class RunConfig:
         _one_of("precision", self.precision, PRECISIONS)
         _one_of("weighting", self.weighting, WEIGHTINGS)
         _one_of("lr-schedule", self.lr_schedule, LR_SCHEDULES)
+        _one_of("correction", self.correction, CORRECTIONS)
         for key in ("num-server-rounds", "layers-per-block", "local-steps", "batch-size",
                     "max-seq-len", "eval-batch-size", "heldout-examples"):
             _at_least(key, getattr(self, key.replace("-", "_")), 1)
@@ -102,6 +106,13 @@ class RunConfig:
                 raise ConfigError(f"{key}={value}: expected a number >= 0")
         if not self.model.strip():
             raise ConfigError("model='': expected a Hugging Face id, a local folder or embedded:<name>")
+
+    @property
+    def correction_mode(self) -> str:
+        """``at-end`` in the deterministic mode, else ``on-receipt``, unless set explicitly."""
+        if self.correction == "auto":
+            return "at-end" if self.deterministic else "on-receipt"
+        return self.correction
 
     @property
     def output_path(self) -> Path:

@@ -248,6 +248,23 @@ def correct(block: int, new_delta: Tensors, server_round: int) -> PendingUpdate:
     return PendingUpdate(block=block, base_version=server_round - 1, delta=new_delta)
 
 
+@torch.no_grad()
+def correct_in_place(params: Mapping[str, torch.Tensor], before: Tensors, step: Tensors, own_update: Tensors) -> None:
+    """The ``on-receipt`` correction, applied to a model in the middle of training.
+
+    ``y[b_{r-1}] += η_s Δ̄^{r-1} − Δ_i^{r-1}`` on the live parameters. If the
+    block being trained is that block too, its ``before`` snapshot moves by the
+    same amount so that ``Δ_i^r`` keeps counting only the optimizer's changes.
+    Not bit-exact (float sums in another order): the deterministic mode uses
+    ``correct`` at the end instead.
+    """
+    for n, g in step.items():
+        change = g - own_update[n]
+        params[n].add_(change.to(params[n].dtype))
+        if n in before:
+            before[n].add_(change)
+
+
 # --------------------------------------------------------------------------
 # Time model
 # --------------------------------------------------------------------------

@@ -175,30 +175,3 @@ def run_deployment(workdir: Path, run_config: Mapping[str, object], num_supernod
         if on_started is not None:
             on_started(workers)
         return _flwr_run(workdir, run_config, app_dir, timeout_s, capture, [])
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m parablock_flwr.launch [--deployment] [KEY=VALUE ...]`: one run, then cleanup."""
-    import argparse
-    import tomllib
-
-    parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("overrides", nargs="*", help="run-config overrides, KEY=VALUE in TOML syntax")
-    parser.add_argument("--num-supernodes", type=int, default=2)
-    parser.add_argument("--cpus-per-client", type=int, default=2)
-    parser.add_argument("--workdir", type=Path, default=PROJECT_DIR / "runs" / ".flower")
-    parser.add_argument("--deployment", action="store_true",
-                        help="a real local deployment (SuperLink, SuperNodes, node workers) instead of simulation")
-    args = parser.parse_args(argv)
-    run_config: dict[str, object] = {"output-dir": str(PROJECT_DIR / "runs")}
-    for item in args.overrides:
-        run_config.update(tomllib.loads(item))
-    if args.deployment:
-        proc = run_deployment(args.workdir, run_config, args.num_supernodes, capture=False)
-    else:
-        proc = run_simulation(args.workdir, run_config, args.num_supernodes, args.cpus_per_client, capture=False)
-    return proc.returncode
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -19,7 +19,7 @@ from .data import client_partition, sample_batches, tokenized_splits
 from .model import load_model, load_tokenizer
 from .replica import ModelReplica
 from .runtime import round_seed
-from .training import TrainResult, TrainSettings, train_block
+from .training import BetweenSteps, TrainResult, TrainSettings, train_block
 
 
 @dataclass
@@ -55,7 +55,8 @@ def resources(cfg: RunConfig, run_id: int) -> NodeResources:
 
 
 def compute_update(res: NodeResources, cfg: RunConfig, server_round: int, block: int,
-                   pending: core.PendingUpdate | None, partition_id: int, num_partitions: int) -> TrainResult:
+                   pending: core.PendingUpdate | None, partition_id: int, num_partitions: int,
+                   between_steps: BetweenSteps | None = None) -> TrainResult:
     """Train ``block`` from ``x^{replica.version} + pending``; the replica is left as it was."""
     rows = client_partition(res.train_rows, partition_id, num_partitions)
     seed = round_seed(cfg, server_round, partition_id)
@@ -65,6 +66,6 @@ def compute_update(res: NodeResources, cfg: RunConfig, server_round: int, block:
                              cfg.warmup_steps, cfg.max_grad_norm, cfg.precision)
     names = res.partition.names(block)
     with res.replica.local_model(pending, names) as model:
-        result = train_block(model, names, batches, settings)
+        result = train_block(model, names, batches, settings, between_steps)
     result.num_examples = len(rows)
     return result

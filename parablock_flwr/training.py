@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -44,8 +44,12 @@ def autocast(precision: str):
     return contextlib.nullcontext()
 
 
+BetweenSteps = Callable[[int, dict[str, torch.Tensor], Tensors], None]
+
+
 def train_block(
-    model: nn.Module, names: Iterable[str], batches: Iterable[dict[str, torch.Tensor]], settings: TrainSettings
+    model: nn.Module, names: Iterable[str], batches: Iterable[dict[str, torch.Tensor]], settings: TrainSettings,
+    between_steps: BetweenSteps | None = None,
 ) -> TrainResult:
     """Train only the named parameters for ``local_steps`` steps; return ``Δ``.
 
@@ -53,6 +57,11 @@ def train_block(
     so autograd stops at the lowest trainable layer and no optimizer state
     exists outside the block. The model's parameters are left *changed*
     (``y[b] += Δ``); the caller decides what to keep.
+
+    ``between_steps(k, params, before)`` runs after step k < K, never inside
+    a step: the node worker applies an aggregate that arrived mid-round there
+    (``on-receipt``), shifting ``before`` so that ``Δ`` still counts only the
+    optimizer's own changes.
     """
     start = time.perf_counter()
     params = dict(model.named_parameters())
@@ -78,6 +87,9 @@ def train_block(
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             losses.append(loss.item())
+            if between_steps is not None and len(losses) < settings.local_steps:
+                with torch.no_grad():
+                    between_steps(len(losses), params, before)
     finally:
         for p in block:
             p.requires_grad_(False)

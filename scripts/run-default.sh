@@ -8,4 +8,4 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh
 . .venv/bin/activate
 # Starts a local SuperLink we own, runs `flwr run . local --stream`, stops it.
-exec python -m parablock_flwr.launch "$@"
+exec parablock-flwr simulate "$@"

@@ -76,3 +76,16 @@ def test_a_dead_worker_makes_its_node_reply_an_error_and_the_run_goes_on(tmp_pat
         assert "node worker is not running" in rec["rejected"][0]["reason"]
     losses = [r["heldout_loss"] for r in run.records]
     assert losses[-1] < losses[0]
+
+
+def test_on_receipt_applies_the_aggregate_at_a_step_boundary_of_the_running_computation(tmp_path, tiny_model_dir):
+    """Compute (~40 s) much longer than the round trip (~16 s): the aggregate lands mid-computation."""
+    steps = 120
+    run = _ok(deploy(tmp_path, tiny_model_dir, num_server_rounds=2, correction="on-receipt", local_steps=steps,
+                     batch_size=16, verify_invariant=True))
+    rows = [row for rec in run.records[2:] for row in rec["timeline"]]
+    assert any(0 < row["correction_after_step"] < steps for row in rows), rows
+    for rec in run.records[1:]:
+        assert rec["num_accepted"] == 2 and rec["invariant_failed"] == 0
+    losses = [r["heldout_loss"] for r in run.records]
+    assert losses[-1] < losses[0]

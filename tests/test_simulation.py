@@ -5,6 +5,8 @@ node's messages land on different actors and each actor's copy of the global
 model must catch up from the server's step log.
 """
 
+import json
+
 import pytest
 import torch
 
@@ -112,3 +114,18 @@ def test_invalid_config_stops_before_training_with_one_line(tmp_path, tiny_model
     run = simulate(tmp_path, tiny_model_dir, num_supernodes=1, layers_per_block=9)
     assert "Invalid configuration: layers-per-block=9: expected 1..4" in run.stdout + run.stderr
     assert run.run_dir is None  # nothing was trained or written
+
+
+def test_report_and_evaluate_commands_on_the_run(parablock_run, capsys):
+    from parablock_flwr.cli import main
+
+    run = _ok(parablock_run)
+    assert main(["report", str(run.run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "held-out loss" in out and len(out.splitlines()) >= ROUNDS + 2
+    for png in ("loss_and_bytes.png", "time_per_round.png"):
+        assert (run.run_dir / "plots" / png).stat().st_size > 10_000
+    # The saved final model, evaluated by the command, scores what the server measured last round.
+    assert main(["evaluate", str(run.run_dir / "final-model"), "--config", str(run.run_dir / "config.json")]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["heldout_loss"] == pytest.approx(run.records[-1]["heldout_loss"], rel=1e-5)

@@ -39,3 +39,30 @@ def test_too_few_batches_is_an_error(tiny_model_dir):
     with pytest.raises(ValueError, match="local-steps=3: only 1 batches"):
         train_block(model, core.partition_blocks(model, 2).names(0),
                     sample_batches(train, 1, 4, seed=0, pad_id=tokenizer.pad_token_id), settings)
+
+
+def test_on_receipt_correction_mid_training_keeps_delta_to_the_optimizer_changes(tiny_model_dir):
+    """Same block as the pending one (b_r == b_{r-1}): the hardest case for the bookkeeping."""
+    model, tokenizer = load_model(str(tiny_model_dir)), load_tokenizer(str(tiny_model_dir))
+    train, _ = tokenized_splits("reasoning-gym:gsm_symbolic", 40, 4, 0, tokenizer, 128)
+    names = core.partition_blocks(model, layers_per_block=2).names(0)
+    params = dict(model.named_parameters())
+    x_prev = core.snapshot(params, names)  # x^{r-2} on the block
+    torch.manual_seed(1)
+    own = {n: 1e-3 * torch.randn_like(params[n]) for n in names}  # Δ^{r-1}, already in y
+    step = {n: 0.5 * own[n] + 1e-4 * torch.randn_like(own[n]) for n in names}  # g^{r-1}
+    core.apply_step(params, own)  # y = x^{r-2} + Δ^{r-1}
+    applied = []
+
+    def on_receipt(k, live, before):
+        if k == 2:
+            core.correct_in_place(live, before, step, own)
+            applied.append(k)
+
+    settings = TrainSettings(4, 1e-3, 0.0, "constant", 0, 1.0, "fp32")
+    result = train_block(model, names, sample_batches(train, 4, 4, seed=0, pad_id=tokenizer.pad_token_id),
+                         settings, between_steps=on_receipt)
+    assert applied == [2]
+    for n in names:
+        # y = x^{r-1} + Δ^r with x^{r-1} = x^{r-2} + g: the correction is not part of Δ^r.
+        assert torch.allclose(params[n].detach(), x_prev[n] + step[n] + result.delta[n], atol=1e-6), n

@@ -21,7 +21,7 @@ from ..config import ConfigError, RunConfig, check_num_clients
 from ..data import in_order_batches, tokenized_splits
 from ..model import load_model, load_tokenizer
 from ..runtime import setup_torch
-from ..strategies import STRATEGIES
+from ..strategies import strategy_class
 from ..training import heldout_loss
 
 log = logging.getLogger("parablock_flwr")
@@ -51,6 +51,7 @@ def main(grid: Grid, context: Context) -> None:
         model = load_model(cfg.model)
         tokenizer = load_tokenizer(cfg.model)
         partition = core.partition_blocks(model, cfg.layers_per_block, cfg.non_layer_params)
+        strategy_cls = strategy_class(cfg.algorithm, cfg.strategy)
         num_clients = wait_for_nodes(grid)
         check_num_clients(num_clients)
         _, heldout = tokenized_splits(cfg.dataset, cfg.num_examples, cfg.heldout_examples, cfg.seed,
@@ -68,7 +69,7 @@ def main(grid: Grid, context: Context) -> None:
              partition.num_blocks, ", ".join(partition.labels), cfg.num_server_rounds)
     schedule = core.block_schedule(cfg.schedule, partition.num_blocks, cfg.num_server_rounds, cfg.seed)
     params = dict(model.named_parameters())
-    strategy = STRATEGIES[cfg.algorithm](
+    strategy = strategy_cls(
         global_params={n: params[n] for n in partition.all_names()},
         partition=partition,
         schedule=schedule,

@@ -33,9 +33,10 @@ log = logging.getLogger("parablock_flwr")
 class FedBCD(Strategy):
     """Federated BCD: one block per round, every client, no overlap.
 
-    Override points (stable signatures): ``block_for_round``,
-    ``select_nodes``, ``round_config``, ``check_reply``, ``client_weight``,
-    ``combine``, ``extra_round_metrics``, ``record_round``.
+    Override points (stable signatures, see docs/extending.md):
+    ``choose_block``, ``select_nodes``, ``round_config``, ``check_reply``,
+    ``client_weight``, ``combine``, ``server_update``, ``extra_round_metrics``,
+    ``record_round``.
     """
 
     algorithm = "fedbcd"
@@ -67,10 +68,26 @@ class FedBCD(Strategy):
         self._started = time.perf_counter()
         self._modeled_wall_s = 0.0
         self._num_rounds = len(schedule)
+        self._blocks: dict[int, int] = {}
 
     # ---------------------------------------------------------------- policy
     def block_for_round(self, server_round: int) -> int:
-        """``b_r``: by default the precomputed seeded schedule."""
+        """``b_r``, decided once by ``choose_block`` and remembered.
+
+        ParaBlock tells clients ``b_{r+1}`` in round r (so that a node worker
+        can start it early), i.e. before round r is aggregated: the choice
+        must not change afterwards.
+        """
+        if server_round not in self._blocks:
+            block = self.choose_block(server_round)
+            if not 0 <= block < self.partition.num_blocks:
+                raise ValueError(f"choose_block({server_round}) = {block}: expected 0..{self.partition.num_blocks - 1}")
+            self._blocks[server_round] = block
+        return self._blocks[server_round]
+
+    def choose_block(self, server_round: int) -> int:
+        """Override point: the block of round r. Called during round r-1 (before
+        its aggregation) for r >= 2. Default: the seeded schedule."""
         return self.schedule[server_round - 1]
 
     def select_nodes(self, grid: Grid) -> list[int]:
@@ -97,6 +114,14 @@ class FedBCD(Strategy):
     def combine(self, updates: list[core.Tensors], weights: list[float]) -> core.Tensors:
         """``Δ̄``: the weighted mean of the accepted updates."""
         return core.aggregate(updates, weights)
+
+    def server_update(self, server_round: int, block: int, mean_update: core.Tensors) -> core.Tensors:
+        """``g^r``, the step applied to ``x[b_r]`` and sent to every client: ``η_s Δ̄``.
+
+        Whatever this returns is applied by the server and by every client with the
+        same float operation, so any server optimizer keeps all copies identical.
+        """
+        return core.global_step(mean_update, self.server_lr)
 
     # ---------------------------------------------------------- Flower hooks
     def summary(self) -> None:
@@ -136,7 +161,7 @@ class FedBCD(Strategy):
         invariant = self.check_invariant(accepted) if self.verify_invariant else {}
         if accepted:
             mean = self.combine([u for u, _, _ in accepted], [self.client_weight(m) for _, m, _ in accepted])
-            step = core.global_step(mean, self.server_lr)
+            step = self.server_update(server_round, block, mean)
         else:  # nothing valid: x does not move, but clients still need a (zero) step to re-base on
             step = {n: torch.zeros_like(self.global_params[n]) for n in names}
         core.apply_step(self.global_params, step)
@@ -277,7 +302,8 @@ def timeline_metrics(accepted: list) -> dict:
         if "compute-start" not in m:
             continue
         row = {"node": msg.metadata.src_node_id, **{k.replace("-", "_"): float(m[k]) for k in (
-            "compute-start", "compute-end", "request-received", "prev-reply-sent", "waited-s")}}
+            "compute-start", "compute-end", "request-received", "prev-reply-sent", "waited-s",
+            "correction-after-step")}}
         if m.get("prev-reply-sent", 0) > 0:
             window = row["request_received"] - row["prev_reply_sent"]
             covered = min(row["compute_end"], row["request_received"]) - max(row["compute_start"],

@@ -1,3 +1,7 @@
-from .server import main
+"""`python -m parablock_flwr.worker --socket PATH` = `parablock-flwr worker --socket PATH`."""
 
-main()
+import sys
+
+from ..cli import main
+
+sys.exit(main(["worker", *sys.argv[1:]]))

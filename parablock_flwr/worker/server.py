@@ -10,18 +10,20 @@ back. The per-message ClientApp only relays arrays over a Unix socket.
 Round r (message ``F_r`` carries ``g^{r-1}``, ``b_r`` and ``b_{r+1}``):
 wait for round r's background computation (started at ``F_{r-1}``), apply
 the correction (re-base onto ``x^{r-1}``), start round r+1's computation in
-the background, reply ``Δ_i^r``. The correction is applied at the end of
-the local steps (``at-end``, the deterministic mode of the spec).
+the background, reply ``Δ_i^r``. With ``on-receipt`` the aggregate is
+applied to the running computation at its next step boundary instead of
+after its last step (less staleness when communication is fast);
+``at-end`` is the deterministic mode.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
 import os
 import signal
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -37,6 +39,30 @@ from .protocol import recv, send
 log = logging.getLogger("parablock_flwr.worker")
 
 
+class CorrectionSlot:
+    """An aggregate handed to the running computation (``on-receipt`` mode).
+
+    The request thread posts ``(g^{r-1}, Δ_i^{r-1})``; the compute thread
+    applies it at its next step boundary, never inside a step.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._posted: tuple[core.Tensors, core.Tensors] | None = None
+        self.applied_after_step: int | None = None
+
+    def post(self, step: core.Tensors, own_update: core.Tensors) -> None:
+        with self._lock:
+            self._posted = (step, own_update)
+
+    def __call__(self, k: int, params: dict, before: core.Tensors) -> None:
+        with self._lock:
+            posted, self._posted = self._posted, None
+        if posted is not None and self.applied_after_step is None:
+            core.correct_in_place(params, before, *posted)
+            self.applied_after_step = k
+
+
 class NodeWorker:
     """One node's persistent state and its background computation."""
 
@@ -44,7 +70,7 @@ class NodeWorker:
         self.compute_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parablock-compute")
         self.run_id: int | None = None
         self.pending: core.PendingUpdate | None = None
-        self.next_round: tuple[int, Future] | None = None  # (round, future of its TrainResult)
+        self.next_round: tuple[int, Future, CorrectionSlot] | None = None  # round, its TrainResult, its slot
         self.last_reply_sent = 0.0
         self.last_request = time.time()
 
@@ -71,12 +97,18 @@ class NodeWorker:
         waited = 0.0
         ahead = self.next_round
         self.next_round = None
+        correction_step = cfg.local_steps  # at the end, unless applied on receipt
         if rnd["algorithm"] == "parablock" and ahead is not None and ahead[0] == server_round:
+            _, future, slot = ahead
+            if cfg.correction_mode == "on-receipt" and self.pending is not None:
+                slot.post(step, self.pending.delta)  # applied at the next step boundary if still training
             wait_start = time.time()
-            result = ahead[1].result()  # Δ_i^r, computed from x^{r-2} + Δ_i^{r-1}
+            result = future.result()  # Δ_i^r, computed from x^{r-2} + Δ_i^{r-1}
             waited = time.time() - wait_start
             base_version = server_round - 2
-            res.replica.advance_to(server_round - 1, fetch_step)  # the correction: re-base onto x^{r-1}
+            correction_step = slot.applied_after_step or cfg.local_steps
+            # The correction as the local model's bookkeeping: re-base onto x^{r-1}, keep Δ_i^r.
+            res.replica.advance_to(server_round - 1, fetch_step)
         else:  # round 1, sequential BCD, or a node that must resynchronise: compute now from x^{r-1}
             res.replica.advance_to(server_round - 1, fetch_step)
             base_version = server_round - 1
@@ -87,6 +119,7 @@ class NodeWorker:
             "base-version": base_version,
             "compute-start": result.started, "compute-end": result.ended,
             "request-received": received, "waited-s": waited, "prev-reply-sent": self.last_reply_sent,
+            "correction-after-step": correction_step,
         }
         trace = {}
         if rnd["algorithm"] == "parablock":
@@ -95,16 +128,17 @@ class NodeWorker:
                 trace["local-model-sha256"] = core.digest_after(res.replica.params, res.partition.all_names(),
                                                                 result.delta)
             if next_block >= 0:
+                slot = CorrectionSlot()
                 future = self.compute_thread.submit(self._compute, res, cfg, server_round + 1, next_block,
-                                                    self.pending, pid, nparts)
-                self.next_round = (server_round + 1, future)
+                                                    self.pending, pid, nparts, slot)
+                self.next_round = (server_round + 1, future, slot)
         reply_arrays = {n: t.numpy() for n, t in result.delta.items()}
         return {"metrics": metrics, "trace": trace}, reply_arrays
 
     @staticmethod
-    def _compute(res, cfg, server_round, block, pending, pid, nparts):
+    def _compute(res, cfg, server_round, block, pending, pid, nparts, slot=None):
         started = time.time()
-        result = node.compute_update(res, cfg, server_round, block, pending, pid, nparts)
+        result = node.compute_update(res, cfg, server_round, block, pending, pid, nparts, slot)
         result.started, result.ended = started, time.time()
         return result
 
@@ -159,13 +193,7 @@ async def serve(socket_path: Path, idle_exit_s: float) -> None:
     worker.compute_thread.shutdown(wait=False, cancel_futures=True)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m parablock_flwr.worker",
-                                     description="Run the ParaBlock node worker beside a flower-supernode.")
-    parser.add_argument("--socket", type=Path, required=True,
-                        help="Unix socket path; pass the same path to the SuperNode as node-config worker-socket")
-    parser.add_argument("--idle-exit-s", type=float, default=3600.0,
-                        help="exit after this long without a message (0: never)")
-    args = parser.parse_args(argv)
+def run_worker(socket_path: Path, idle_exit_s: float = 3600.0) -> None:
+    """Serve one node until stopped (SIGTERM/SIGINT) or idle for ``idle_exit_s``."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [worker] %(message)s")
-    asyncio.run(serve(args.socket, args.idle_exit_s))
+    asyncio.run(serve(Path(socket_path), idle_exit_s))

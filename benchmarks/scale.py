@@ -1,0 +1,98 @@
+"""Many virtual clients on Flower's simulation engine: peak memory and wall time.
+
+For each client count, one ParaBlock simulation run with the tiny Llama; a
+sampler sums the resident memory (RSS) of every process of the run (SuperLink,
+ServerApp, Ray and its actors) every 0.5 s and keeps the peak. Appends the
+table to docs/benchmarks.md with the command that reproduces it.
+
+    .venv/bin/python benchmarks/scale.py --clients 10 50 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+from parablock_flwr.launch import PROJECT_DIR, run_simulation
+from parablock_flwr.testing import build_tiny_model
+
+
+def tree_rss(root: psutil.Process) -> int:
+    total = 0
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            total += proc.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
+def measure(clients: int, model: Path, rounds: int, workdir: Path) -> dict:
+    me = psutil.Process(os.getpid())
+    baseline, peak, done = tree_rss(me), [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], tree_rss(me))
+            time.sleep(0.5)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    out = workdir / f"out-{clients}"
+    config = {"model": str(model), "output-dir": str(out), "num-examples": max(64, 2 * clients + 8),
+              "heldout-examples": 8, "layers-per-block": 1, "num-server-rounds": rounds, "local-steps": 2,
+              "batch-size": 2, "max-seq-len": 128, "torch-threads": 1}
+    started = time.perf_counter()
+    proc = run_simulation(workdir / f"flower-{clients}", config, num_supernodes=clients, cpus_per_client=1)
+    wall = time.perf_counter() - started
+    done.set()
+    sampler.join()
+    if proc.returncode != 0:
+        sys.exit(f"{clients} clients failed:\n{proc.stdout[-3000:]}")
+    run_dir = next(out.iterdir())
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    block_bytes = records[-1]["bytes_up_per_client"]
+    files = sum(1 for _ in run_dir.rglob("*") if _.is_file())
+    return {"clients": clients, "wall_s": wall, "peak_rss_mb": (peak[0] - baseline) / 1e6,
+            "block_update_mb": block_bytes / 1e6, "accepted_last_round": records[-1]["num_accepted"],
+            "files_in_run_dir": files}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--clients", type=int, nargs="+", default=[10, 50, 100])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="parablock-scale-") as tmp:
+        model = build_tiny_model(Path(tmp) / "tiny")
+        rows = [measure(n, model, args.rounds, Path(tmp)) for n in args.clients]
+    lines = ["| virtual clients | peak RSS of the run, MB | per extra client, MB | one block update, MB | "
+             "wall s | accepted in last round | files in run folder |", "|---|---|---|---|---|---|---|"]
+    for row in rows:
+        extra = (row["peak_rss_mb"] - rows[0]["peak_rss_mb"]) / max(1, row["clients"] - rows[0]["clients"])
+        lines.append(f"| {row['clients']} | {row['peak_rss_mb']:.0f} | {extra:.2f} | {row['block_update_mb']:.2f} | "
+                     f"{row['wall_s']:.0f} | {row['accepted_last_round']} | {row['files_in_run_dir']} |")
+    text = "\n".join(lines)
+    print(text)
+    if not args.no_write:
+        command = "python benchmarks/scale.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+        with (PROJECT_DIR / "docs" / "benchmarks.md").open("a") as fh:
+            fh.write(f"\n## Many virtual clients in simulation ({time.strftime('%Y-%m-%d')})\n\n"
+                     f"Command: `{command.strip()}`  \nTiny Llama (4 layers, hidden 64), one layer per block, "
+                     f"{args.rounds} rounds of ParaBlock, 1 CPU per client (2 Ray actors on this 2-core machine). "
+                     "Peak RSS is the sum over every process of the run, above the benchmark's own.\n\n"
+                     f"{text}\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""`parablock-flwr`: what users do outside `flwr run`.
+
+    parablock-flwr simulate [KEY=VALUE ...]      one simulation run (own SuperLink, stopped after)
+    parablock-flwr deploy [KEY=VALUE ...]        a real local deployment: SuperLink, SuperNodes, workers
+    parablock-flwr worker --socket PATH          the node worker to run beside a flower-supernode
+    parablock-flwr evaluate MODEL_DIR            held-out loss of a saved model, same code as the server
+    parablock-flwr report RUN_DIR                the run's table, and PNG plots in RUN_DIR/plots
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tomllib
+from pathlib import Path
+
+from .launch import PROJECT_DIR
+
+
+def _run_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("overrides", nargs="*", help="run-config overrides, KEY=VALUE in TOML syntax")
+    parser.add_argument("--num-supernodes", type=int, default=2)
+    parser.add_argument("--workdir", type=Path, default=PROJECT_DIR / "runs" / ".flower")
+
+
+def _run_config(args) -> dict:
+    config: dict[str, object] = {"output-dir": str(PROJECT_DIR / "runs")}
+    for item in args.overrides:
+        try:
+            config.update(tomllib.loads(item))
+        except tomllib.TOMLDecodeError as err:
+            sys.exit(f"override {item!r}: expected KEY=VALUE in TOML syntax, strings quoted ({err})")
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="parablock-flwr", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sim = sub.add_parser("simulate", help="run the app on Flower's simulation engine")
+    _run_args(sim)
+    sim.add_argument("--cpus-per-client", type=int, default=2)
+    dep = sub.add_parser("deploy", help="run a real local deployment with node workers")
+    _run_args(dep)
+    wrk = sub.add_parser("worker", help="the node worker beside a flower-supernode")
+    wrk.add_argument("--socket", type=Path, required=True,
+                     help="Unix socket path; give the SuperNode --node-config 'worker-socket=\"PATH\"'")
+    wrk.add_argument("--idle-exit-s", type=float, default=3600.0, help="exit after this long idle (0: never)")
+    ev = sub.add_parser("evaluate", help="held-out loss and perplexity of a saved model")
+    ev.add_argument("model", help="a saved Hugging Face folder (e.g. RUN_DIR/final-model), an id or embedded:<name>")
+    ev.add_argument("--config", type=Path, help="the run's config.json, for the same data (default: defaults)")
+    rep = sub.add_parser("report", help="print a run's table and write PNG plots")
+    rep.add_argument("run_dir", type=Path)
+    args = parser.parse_args(argv)
+
+    if args.command == "simulate":
+        from .launch import run_simulation
+
+        return run_simulation(args.workdir, _run_config(args), args.num_supernodes, args.cpus_per_client,
+                              capture=False).returncode
+    if args.command == "deploy":
+        from .launch import run_deployment
+
+        return run_deployment(args.workdir, _run_config(args), args.num_supernodes, capture=False).returncode
+    if args.command == "worker":
+        from .worker.server import run_worker
+
+        run_worker(args.socket, args.idle_exit_s)
+        return 0
+    if args.command == "evaluate":
+        print(json.dumps(evaluate(args.model, args.config)))
+        return 0
+    from .report import report
+
+    try:
+        print(report(args.run_dir))
+    except ValueError as err:
+        sys.exit(str(err))
+    return 0
+
+
+def evaluate(model_spec: str, config_path: Path | None) -> dict:
+    """Held-out loss of any saved model on a run's held-out split (the server's own code)."""
+    from dataclasses import fields
+
+    from .config import RunConfig
+    from .data import in_order_batches, tokenized_splits
+    from .model import load_model, load_tokenizer
+    from .training import heldout_loss
+
+    values = json.loads(config_path.read_text()) if config_path else {}
+    known = {f.name for f in fields(RunConfig)}
+    cfg = RunConfig(**{k: v for k, v in values.items() if k in known})
+    model, tokenizer = load_model(model_spec), load_tokenizer(model_spec)
+    _, heldout = tokenized_splits(cfg.dataset, cfg.num_examples, cfg.heldout_examples, cfg.seed, tokenizer,
+                                  cfg.max_seq_len)
+    loss = heldout_loss(model, in_order_batches(heldout, cfg.eval_batch_size, tokenizer.pad_token_id), cfg.precision)
+    return {"model": model_spec, "heldout_loss": loss, "perplexity": math.exp(loss), "examples": len(heldout)}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,88 @@
+"""`parablock-flwr report RUN_DIR`: the run's table on stdout and PNG plots in RUN_DIR/plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .metrics import RunRecorder
+
+COLUMNS = [  # (header, key, format)
+    ("round", "round", "{:d}"), ("block", "block", "{}"), ("train loss", "train_loss", "{:.4f}"),
+    ("held-out loss", "heldout_loss", "{:.4f}"), ("up MB/client", "bytes_up_per_client", "{:.1f}"),
+    ("down MB/client", "bytes_down_per_client", "{:.1f}"), ("compute s", "compute_s_max", "{:.1f}"),
+    ("modeled round s", "modeled_round_s", "{:.1f}"), ("measured comm s", "measured_comm_s", "{:.1f}"),
+    ("overlap share", "measured_overlap_share", "{:.2f}"), ("round wall s", "round_wall_s", "{:.1f}"),
+    ("elapsed s", "elapsed_s", "{:.0f}"),
+]
+
+
+def table(records: list[dict]) -> str:
+    rows = [[h for h, _, _ in COLUMNS]]
+    for rec in records:
+        row = []
+        for _, key, fmt in COLUMNS:
+            value = rec.get(key)
+            if value is None:
+                row.append("-")
+            else:
+                row.append(fmt.format(value / 1e6 if key.startswith("bytes") else value))
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
+
+
+def plots(records: list[dict], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    trained = [r for r in records if r["round"] > 0]
+    rounds = [r["round"] for r in trained]
+    written = []
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    axes[0].plot([r["round"] for r in records], [r["heldout_loss"] for r in records], "o-", label="held-out")
+    axes[0].plot(rounds, [r.get("train_loss") for r in trained], "s--", label="train")
+    axes[0].set(xlabel="round", ylabel="loss", title="loss per round")
+    axes[0].legend()
+    axes[1].plot([r["elapsed_s"] for r in records], [r["heldout_loss"] for r in records], "o-", label="measured")
+    modeled = [0.0] + [r["modeled_wall_s"] for r in trained]
+    axes[1].plot(modeled, [r["heldout_loss"] for r in records], "s--", label="modeled (time model)")
+    axes[1].set(xlabel="wall-clock s", ylabel="held-out loss", title="held-out loss against wall-clock")
+    axes[1].legend()
+    axes[2].bar([x - 0.2 for x in rounds], [r["bytes_up_per_client"] / 1e6 for r in trained], 0.4, label="up")
+    axes[2].bar([x + 0.2 for x in rounds], [r["bytes_down_per_client"] / 1e6 for r in trained], 0.4, label="down")
+    axes[2].set(xlabel="round", ylabel="MB per client", title="bytes per round")
+    axes[2].legend()
+    fig.tight_layout()
+    written.append(out / "loss_and_bytes.png")
+    fig.savefig(written[-1], dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    compute = [r.get("measured_compute_s", r.get("compute_s_max", 0.0)) for r in trained]
+    comm = [r.get("measured_comm_s", r.get("comm_s_modeled", 0.0)) for r in trained]
+    idle = [r.get("measured_idle_s", 0.0) for r in trained]
+    ax.bar([x - 0.25 for x in rounds], compute, 0.25, label="compute")
+    ax.bar(rounds, comm, 0.25, label="communication" + ("" if "measured_comm_s" in trained[-1] else " (modeled)"))
+    ax.bar([x + 0.25 for x in rounds], idle, 0.25, label="worker idle")
+    ax.set(xlabel="round", ylabel="seconds", title="compute / communication / idle per round")
+    ax.legend()
+    fig.tight_layout()
+    written.append(out / "time_per_round.png")
+    fig.savefig(written[-1], dpi=100)
+    plt.close(fig)
+    return written
+
+
+def report(run_dir: Path) -> str:
+    records = RunRecorder(run_dir).read()
+    if not records:
+        raise ValueError(f"{run_dir}: no metrics.jsonl with records; expected a run folder")
+    text = table(records)
+    if len(records) > 1:
+        for path in plots(records, Path(run_dir) / "plots"):
+            text += f"\nwrote {path}"
+    return text

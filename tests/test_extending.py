@@ -1,0 +1,67 @@
+"""The example subclasses (docs/extending.md): unit checks and `flwr run` naming them in the run config."""
+
+import pytest
+import torch
+
+from parablock_flwr import core
+from parablock_flwr.examples.largest_update import LargestUpdateParaBlock
+from parablock_flwr.examples.trimmed_mean import TrimmedMeanParaBlock
+from parablock_flwr.model import load_model
+from parablock_flwr.strategies import FedBCD, ParaBlock, strategy_class
+
+from conftest import simulate
+
+TRIMMED = "parablock_flwr.examples.trimmed_mean:TrimmedMeanParaBlock"
+LARGEST = "parablock_flwr.examples.largest_update:LargestUpdateParaBlock"
+
+
+def make(cls, tmp_path, tiny_model_dir, rounds=6):
+    model = load_model(str(tiny_model_dir))
+    part = core.partition_blocks(model, layers_per_block=1)  # 4 blocks
+    params = dict(model.named_parameters())
+    return cls(global_params={n: params[n] for n in part.all_names()}, partition=part,
+               schedule=[0] * rounds, run_dir=tmp_path)
+
+
+def test_trimmed_mean_ignores_an_outlier(tmp_path, tiny_model_dir):
+    strategy = make(TrimmedMeanParaBlock, tmp_path, tiny_model_dir)
+    updates = [{"w": torch.tensor([1.0, 2.0])}, {"w": torch.tensor([1.2, 2.2])}, {"w": torch.tensor([0.8, 1.8])},
+               {"w": torch.tensor([1.1, 2.1])}, {"w": torch.tensor([100.0, -100.0])}]
+    mean = strategy.combine(updates, [1.0] * 5)  # trims 1 per side of each coordinate
+    # per coordinate: drop the smallest and the largest value, average the rest
+    assert torch.allclose(mean["w"], torch.tensor([(1.0 + 1.1 + 1.2) / 3, (1.8 + 2.0 + 2.1) / 3]))
+
+
+def test_largest_update_visits_every_block_then_follows_the_largest_step(tmp_path, tiny_model_dir):
+    strategy = make(LargestUpdateParaBlock, tmp_path, tiny_model_dir)
+    sizes = {0: 1e-3, 1: 5e-3, 2: 1e-4, 3: 2e-3}
+    for r in range(1, 5):
+        block = strategy.block_for_round(r)
+        names = strategy.partition.names(block)
+        strategy.server_update(r, block, {n: torch.full_like(strategy.global_params[n], sizes[block]) for n in names})
+    assert [strategy.block_for_round(r) for r in range(1, 5)] == [0, 1, 2, 3]
+    assert strategy.block_for_round(5) == 1
+    assert strategy.block_for_round(5) == 1  # decided once
+
+
+def test_strategy_key_is_checked():
+    assert strategy_class("parablock", "") is ParaBlock
+    assert strategy_class("parablock", TRIMMED) is TrimmedMeanParaBlock
+    with pytest.raises(ValueError, match="strategy='nowhere:Nothing': cannot import it"):
+        strategy_class("parablock", "nowhere:Nothing")
+    with pytest.raises(ValueError, match=r"expected a subclass of FedBCD \(algorithm='fedbcd'\)"):
+        strategy_class("fedbcd", TRIMMED)
+    assert strategy_class("fedbcd", "parablock_flwr.strategies:FedBCD") is FedBCD
+
+
+@pytest.mark.parametrize("strategy, clients", [(TRIMMED, 5), (LARGEST, 2)], ids=["trimmed-mean", "largest-update"])
+def test_examples_run_through_flwr_run(tmp_path, tiny_model_dir, strategy, clients):
+    run = simulate(tmp_path, tiny_model_dir, num_supernodes=clients, strategy=strategy, num_server_rounds=3,
+                   layers_per_block=1, verify_invariant=True)
+    assert run.returncode == 0 and run.run_dir is not None, run.stdout[-3000:]
+    assert strategy.rsplit(":", 1)[1] + ":" in run.stdout  # the strategy's summary line names the class
+    records = run.records
+    assert all(r["num_accepted"] == clients and r["invariant_failed"] == 0 for r in records[1:])
+    assert records[-1]["heldout_loss"] < records[0]["heldout_loss"]
+    if strategy == LARGEST:
+        assert [r["block"] for r in records[1:]] == [0, 1, 2]  # unvisited blocks first

@@ -49,6 +49,7 @@ class RunConfig:
     max_grad_norm: float = 1.0
     server_lr: float = 1.0
     weighting: str = "examples"
+    fraction_train: float = 1.0
     precision: str = "fp32"
     seed: int = 0
     deterministic: bool = True
@@ -100,6 +101,8 @@ class RunConfig:
             value = getattr(self, key.replace("-", "_"))
             if not value > 0:
                 raise ConfigError(f"{key}={value}: expected a number > 0")
+        if not 0.0 < self.fraction_train <= 1.0:
+            raise ConfigError(f"fraction-train={self.fraction_train}: expected a number in (0, 1]")
         for key in ("weight-decay", "latency-ms"):
             value = getattr(self, key.replace("-", "_"))
             if not value >= 0:

@@ -43,6 +43,7 @@ def resolve_model(spec: str) -> str:
 def load_model(spec: str) -> PreTrainedModel:
     """The model in fp32 with every parameter frozen (training unfreezes a block)."""
     path = resolve_model(spec)
+    log.warning("Loading model %s (fp32) from %s", spec, path)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     except OSError as err:

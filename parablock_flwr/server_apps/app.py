@@ -78,6 +78,8 @@ def main(grid: Grid, context: Context) -> None:
         weighting=cfg.weighting,
         link=core.LinkModel(cfg.uplink_mbps, cfg.downlink_mbps, cfg.latency_ms),
         verify_invariant=cfg.verify_invariant,
+        fraction_train=cfg.fraction_train,
+        seed=cfg.seed,
     )
 
     def evaluate(server_round: int, _arrays: ArrayRecord) -> MetricRecord:

@@ -12,6 +12,8 @@ differs only in the time model and the invariant check (see ``parablock.py``).
 from __future__ import annotations
 
 import logging
+import math
+import random
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -53,6 +55,8 @@ class FedBCD(Strategy):
         weighting: str = "examples",
         link: core.LinkModel = core.LinkModel(20.0, 20.0, 50.0),
         verify_invariant: bool = False,
+        fraction_train: float = 1.0,
+        seed: int = 0,
     ):
         self.global_params = global_params
         self.partition = partition
@@ -62,6 +66,8 @@ class FedBCD(Strategy):
         self.weighting = weighting
         self.link = link
         self.verify_invariant = verify_invariant
+        self.fraction_train = fraction_train
+        self.seed = seed
         self.step_log = StepLog(run_dir)
         self.recorder = RunRecorder(run_dir)
         self._round: dict = {}
@@ -90,10 +96,19 @@ class FedBCD(Strategy):
         its aggregation) for r >= 2. Default: the seeded schedule."""
         return self.schedule[server_round - 1]
 
-    def select_nodes(self, grid: Grid) -> list[int]:
-        """Every connected node trains every round (waits for at least one)."""
-        node_ids, _ = sample_nodes(grid, min_available_nodes=1, sample_size=len(list(grid.get_node_ids())) or 1)
-        return sorted(node_ids)
+    def select_nodes(self, server_round: int, grid: Grid) -> list[int]:
+        """A seeded sample of ``fraction-train`` of the connected nodes (at least one).
+
+        A ParaBlock client that sat out round r-1 holds a pending update that is
+        already aggregated (or was rejected): on its return it is resynchronised
+        and trains from ``x^{r-1}`` (``core.parablock_base``), never counted twice.
+        """
+        available, _ = sample_nodes(grid, min_available_nodes=1, sample_size=len(list(grid.get_node_ids())) or 1)
+        nodes = sorted(available)
+        if self.fraction_train >= 1.0:
+            return nodes
+        k = max(1, math.ceil(self.fraction_train * len(nodes)))
+        return sorted(random.Random(self.seed * 1_000_003 + server_round).sample(nodes, k))
 
     def round_config(self, server_round: int, block: int, step_block: int) -> ConfigRecord:
         """What every client is told this round; subclasses may add keys."""
@@ -136,7 +151,7 @@ class FedBCD(Strategy):
         step_block = self.block_for_round(server_round - 1) if server_round > 1 else -1
         content = RecordDict({"global-step": arrays, "round": self.round_config(server_round, block, step_block)})
         return [Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node)
-                for node in self.select_nodes(grid)]
+                for node in self.select_nodes(server_round, grid)]
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:

@@ -41,3 +41,10 @@ class ParaBlock(FedBCD):
                 log.error("invariant broken on node %d: local model != x^{r-1} + own update",
                           msg.metadata.src_node_id)
         return {"invariant_checked": checked, "invariant_failed": len(failed)}
+
+    def extra_round_metrics(self, server_round: int, accepted: list) -> dict:
+        """How many clients had to be resynchronised (trained from ``x^{r-1}``, no staleness)."""
+        if server_round == 1:
+            return {"num_resynchronised": 0}
+        return {"num_resynchronised": sum(1 for _, m, _ in accepted
+                                          if int(m.get("base-version", server_round - 2)) == server_round - 1)}

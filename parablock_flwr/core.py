@@ -179,7 +179,7 @@ def global_step(mean_update: Tensors, server_lr: float) -> Tensors:
 def apply_step(params: Mapping[str, torch.Tensor], step: Mapping[str, torch.Tensor]) -> None:
     """In place: ``x[b] += g`` (or ``y[b] += Δ``), the one float op every copy uses."""
     for n, t in step.items():
-        params[n].add_(t.to(params[n].dtype))
+        params[n].add_(t.to(device=params[n].device, dtype=params[n].dtype))
 
 
 def digest(params: Mapping[str, torch.Tensor], names: Iterable[str]) -> str:
@@ -201,7 +201,7 @@ def digest_after(params: Mapping[str, torch.Tensor], names: Iterable[str], *step
     view: dict[str, torch.Tensor] = {n: params[n] for n in names}
     for step in steps:
         for n, t in step.items():
-            view[n] = view[n].detach() + t.to(view[n].dtype)
+            view[n] = view[n].detach() + t.to(device=view[n].device, dtype=view[n].dtype)
     return digest(view, names)
 
 
@@ -260,9 +260,9 @@ def correct_in_place(params: Mapping[str, torch.Tensor], before: Tensors, step: 
     """
     for n, g in step.items():
         change = g - own_update[n]
-        params[n].add_(change.to(params[n].dtype))
+        params[n].add_(change.to(device=params[n].device, dtype=params[n].dtype))
         if n in before:
-            before[n].add_(change)
+            before[n].add_(change.to(before[n].device))
 
 
 # --------------------------------------------------------------------------

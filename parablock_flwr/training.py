@@ -96,7 +96,8 @@ def train_block(
         model.eval()
     if len(losses) != settings.local_steps:
         raise ValueError(f"local-steps={settings.local_steps}: only {len(losses)} batches were available")
-    return TrainResult(delta(params, before), sum(losses) / len(losses), time.perf_counter() - start)
+    update = {n: t.cpu() for n, t in delta(params, before).items()}  # updates travel from host memory
+    return TrainResult(update, sum(losses) / len(losses), time.perf_counter() - start)
 
 
 @torch.no_grad()

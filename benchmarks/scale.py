@@ -71,10 +71,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, nargs="+", default=[10, 50, 100])
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=64, help="hidden size of the tiny Llama (block size grows as its square)")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="parablock-scale-") as tmp:
-        model = build_tiny_model(Path(tmp) / "tiny")
+        model = build_tiny_model(Path(tmp) / "tiny", hidden=args.hidden)
         rows = [measure(n, model, args.rounds, Path(tmp)) for n in args.clients]
     lines = ["| virtual clients | peak RSS of the run, MB | per extra client, MB | one block update, MB | "
              "wall s | accepted in last round | files in run folder |", "|---|---|---|---|---|---|---|"]
@@ -88,7 +89,7 @@ def main() -> None:
         command = "python benchmarks/scale.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
         with (PROJECT_DIR / "docs" / "benchmarks.md").open("a") as fh:
             fh.write(f"\n## Many virtual clients in simulation ({time.strftime('%Y-%m-%d')})\n\n"
-                     f"Command: `{command.strip()}`  \nTiny Llama (4 layers, hidden 64), one layer per block, "
+                     f"Command: `{command.strip()}`  \nTiny Llama (4 layers, hidden {args.hidden}), one layer per block, "
                      f"{args.rounds} rounds of ParaBlock, 1 CPU per client (2 Ray actors on this 2-core machine). "
                      "Peak RSS is the sum over every process of the run, above the benchmark's own.\n\n"
                      f"{text}\n")

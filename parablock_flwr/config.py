@@ -50,6 +50,7 @@ class RunConfig:
     server_lr: float = 1.0
     weighting: str = "examples"
     fraction_train: float = 1.0
+    min_available_nodes: int = 1
     precision: str = "fp32"
     seed: int = 0
     deterministic: bool = True
@@ -90,6 +91,7 @@ class RunConfig:
                     "max-seq-len", "eval-batch-size", "heldout-examples"):
             _at_least(key, getattr(self, key.replace("-", "_")), 1)
         _at_least("torch-threads", self.torch_threads, 0)
+        _at_least("min-available-nodes", self.min_available_nodes, 1)
         _at_least("warmup-steps", self.warmup_steps, 0)
         if self.num_examples < self.heldout_examples + 1:
             raise ConfigError(

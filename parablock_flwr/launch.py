@@ -150,6 +150,7 @@ def run_deployment(workdir: Path, run_config: Mapping[str, object], num_supernod
     """
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    run_config = {"min-available-nodes": num_supernodes, **run_config}  # start once every node is connected
     env = flower_env(workdir / "flwr-home")
     env["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] = "0.2"  # the only Flower poll that can be tuned
     with contextlib.ExitStack() as stack:

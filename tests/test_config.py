@@ -45,3 +45,12 @@ def test_pyproject_defaults_match_the_dataclass():
     assert set(flower_defaults) == set(ours)
     for key, value in flower_defaults.items():
         assert value == ours[key], key
+
+
+def test_every_key_is_documented():
+    from dataclasses import fields
+    from pathlib import Path
+
+    doc = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
+    missing = [f.name.replace("_", "-") for f in fields(RunConfig) if f"`{f.name.replace('_', '-')}`" not in doc]
+    assert not missing, missing

@@ -79,6 +79,7 @@ def main(grid: Grid, context: Context) -> None:
         link=core.LinkModel(cfg.uplink_mbps, cfg.downlink_mbps, cfg.latency_ms),
         verify_invariant=cfg.verify_invariant,
         fraction_train=cfg.fraction_train,
+        min_available_nodes=cfg.min_available_nodes,
         seed=cfg.seed,
     )
 

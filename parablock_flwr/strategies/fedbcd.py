@@ -56,6 +56,7 @@ class FedBCD(Strategy):
         link: core.LinkModel = core.LinkModel(20.0, 20.0, 50.0),
         verify_invariant: bool = False,
         fraction_train: float = 1.0,
+        min_available_nodes: int = 1,
         seed: int = 0,
     ):
         self.global_params = global_params
@@ -67,6 +68,7 @@ class FedBCD(Strategy):
         self.link = link
         self.verify_invariant = verify_invariant
         self.fraction_train = fraction_train
+        self.min_available_nodes = min_available_nodes
         self.seed = seed
         self.step_log = StepLog(run_dir)
         self.recorder = RunRecorder(run_dir)
@@ -97,13 +99,14 @@ class FedBCD(Strategy):
         return self.schedule[server_round - 1]
 
     def select_nodes(self, server_round: int, grid: Grid) -> list[int]:
-        """A seeded sample of ``fraction-train`` of the connected nodes (at least one).
+        """A seeded sample of ``fraction-train`` of the connected nodes (at least one),
+        once at least ``min-available-nodes`` are connected.
 
         A ParaBlock client that sat out round r-1 holds a pending update that is
         already aggregated (or was rejected): on its return it is resynchronised
         and trains from ``x^{r-1}`` (``core.parablock_base``), never counted twice.
         """
-        available, _ = sample_nodes(grid, min_available_nodes=1, sample_size=len(list(grid.get_node_ids())) or 1)
+        _, available = sample_nodes(grid, self.min_available_nodes, sample_size=1)  # waits for enough nodes
         nodes = sorted(available)
         if self.fraction_train >= 1.0:
             return nodes

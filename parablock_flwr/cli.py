@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     wrk.add_argument("--idle-exit-s", type=float, default=3600.0, help="exit after this long idle (0: never)")
     ev = sub.add_parser("evaluate", help="held-out loss and perplexity of a saved model")
     ev.add_argument("model", help="a saved Hugging Face folder (e.g. RUN_DIR/final-model), an id or embedded:<name>")
-    ev.add_argument("--config", type=Path, help="the run's config.json, for the same data (default: defaults)")
+    ev.add_argument("--config", type=Path, help="a run's RUN_DIR/config.json, for the same data (default: defaults)")
     rep = sub.add_parser("report", help="print a run's table and write PNG plots")
     rep.add_argument("run_dir", type=Path)
     args = parser.parse_args(argv)
@@ -83,16 +83,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def evaluate(model_spec: str, config_path: Path | None) -> dict:
     """Held-out loss of any saved model on a run's held-out split (the server's own code)."""
-    from dataclasses import fields
-
     from .config import RunConfig
     from .data import in_order_batches, tokenized_splits
     from .model import load_model, load_tokenizer
     from .training import heldout_loss
 
-    values = json.loads(config_path.read_text()) if config_path else {}
-    known = {f.name for f in fields(RunConfig)}
-    cfg = RunConfig(**{k: v for k, v in values.items() if k in known})
+    cfg = RunConfig.from_flower(json.loads(config_path.read_text()) if config_path else {})
     model, tokenizer = load_model(model_spec), load_tokenizer(model_spec)
     _, heldout = tokenized_splits(cfg.dataset, cfg.num_examples, cfg.heldout_examples, cfg.seed, tokenizer,
                                   cfg.max_seq_len)

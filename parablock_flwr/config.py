@@ -11,9 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-# No torch in this module: the deployment ClientApp reads the config without it.
-SCHEDULES = ("ascending", "descending", "random-permutation", "uniform-random")
-NON_LAYER_MODES = ("frozen", "block")
+from .core import NON_LAYER_MODES, SCHEDULES
+
 ALGORITHMS = ("parablock", "fedbcd")
 PRECISIONS = ("fp32", "bf16")
 WEIGHTINGS = ("examples", "uniform")
@@ -111,6 +110,10 @@ class RunConfig:
                 raise ConfigError(f"{key}={value}: expected a number >= 0")
         if not self.model.strip():
             raise ConfigError("model='': expected a Hugging Face id, a local folder or embedded:<name>")
+
+    def as_run_config(self) -> dict[str, object]:
+        """The same keys as ``[tool.flwr.app.config]``: ``from_flower`` reads it back."""
+        return {f.name.replace("_", "-"): getattr(self, f.name) for f in fields(self)}
 
     @property
     def correction_mode(self) -> str:

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .config import NON_LAYER_MODES, SCHEDULES
-
 Tensors = dict[str, torch.Tensor]
+
+SCHEDULES = ("ascending", "descending", "random-permutation", "uniform-random")
+NON_LAYER_MODES = ("frozen", "block")
 
 
 # --------------------------------------------------------------------------

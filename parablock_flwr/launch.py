@@ -139,7 +139,6 @@ def _flwr_run(workdir: Path, run_config: Mapping[str, object], app_dir: Path, ti
                           timeout=timeout_s)
 
 
-
 def run_deployment(workdir: Path, run_config: Mapping[str, object], num_supernodes: int = 2,
                    timeout_s: float = 1800, app_dir: Path = PROJECT_DIR, capture: bool = True,
                    on_started=None) -> subprocess.CompletedProcess:

@@ -69,3 +69,11 @@ def compute_update(res: NodeResources, cfg: RunConfig, server_round: int, block:
         result = train_block(model, names, batches, settings, between_steps)
     result.num_examples = len(rows)
     return result
+
+
+def update_metrics(result: TrainResult, server_round: int, block: int, partition_id: int,
+                   base_version: int) -> dict:
+    """The metrics every reply carries with ``Δ_i^r`` (what ``FedBCD.check_reply`` reads)."""
+    return {"server-round": server_round, "block": block, "num-examples": result.num_examples,
+            "partition-id": partition_id, "train-loss": result.mean_loss, "compute-s": result.compute_s,
+            "base-version": base_version}

@@ -30,10 +30,13 @@ class TrainSettings:
 class TrainResult:
     delta: Tensors
     mean_loss: float
-    compute_s: float
+    started: float  # wall-clock (time.time) start and end: the deployment timeline uses them
+    ended: float
     num_examples: int = 0  # the client's local dataset size, its aggregation weight
-    started: float = 0.0  # wall-clock (time.time) start and end, for the deployment timeline
-    ended: float = 0.0
+
+    @property
+    def compute_s(self) -> float:
+        return self.ended - self.started
 
 
 def autocast(precision: str):
@@ -63,7 +66,7 @@ def train_block(
     (``on-receipt``), shifting ``before`` so that ``Δ`` still counts only the
     optimizer's own changes.
     """
-    start = time.perf_counter()
+    started = time.time()
     params = dict(model.named_parameters())
     names = tuple(names)
     block = [params[n] for n in names]
@@ -97,7 +100,7 @@ def train_block(
     if len(losses) != settings.local_steps:
         raise ValueError(f"local-steps={settings.local_steps}: only {len(losses)} batches were available")
     update = {n: t.cpu() for n, t in delta(params, before).items()}  # updates travel from host memory
-    return TrainResult(update, sum(losses) / len(losses), time.perf_counter() - start)
+    return TrainResult(update, sum(losses) / len(losses), started, time.time())
 
 
 @torch.no_grad()

@@ -56,5 +56,10 @@ def simulate(tmp_path: Path, model_dir: Path, *, num_supernodes: int = 3, cpus_p
     config = tiny_config(model_dir, out, **{k.replace("_", "-"): v for k, v in overrides.items()})
     proc = run_simulation(tmp_path / "flower", config,
                           num_supernodes=num_supernodes, cpus_per_client=cpus_per_client, timeout_s=900)
+    return finished(proc, out)
+
+
+def finished(proc, out: Path) -> FinishedRun:
+    """The finished `flwr run` and the run folder it made under ``out`` (None if none)."""
     run_dirs = sorted(out.glob("*")) if out.exists() else []
     return FinishedRun(proc.returncode, proc.stdout, proc.stderr, run_dirs[-1] if run_dirs else None)

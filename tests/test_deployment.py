@@ -4,7 +4,6 @@ Flower 1.42 starts a new ClientApp process per message; the node worker keeps
 the model and trains block r+1 while block r's reply is in flight.
 """
 
-import json
 import os
 import signal
 
@@ -13,7 +12,7 @@ import torch
 
 from parablock_flwr.launch import run_deployment
 
-from conftest import FinishedRun, simulate, tiny_config
+from conftest import FinishedRun, finished, simulate, tiny_config
 
 ROUNDS = 3
 
@@ -22,8 +21,7 @@ def deploy(tmp_path, model_dir, on_started=None, **overrides) -> FinishedRun:
     out = tmp_path / "out"
     config = tiny_config(model_dir, out, **{k.replace("_", "-"): v for k, v in overrides.items()})
     proc = run_deployment(tmp_path / "flower", config, num_supernodes=2, timeout_s=900, on_started=on_started)
-    run_dirs = sorted(out.glob("*")) if out.exists() else []
-    return FinishedRun(proc.returncode, proc.stdout, proc.stderr, run_dirs[-1] if run_dirs else None)
+    return finished(proc, out)
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,6 @@ from flwr.common.constant import ErrorCode
 from ..worker.protocol import request
 
 
-
 def _process_start_time() -> float:
     """When this process started (Linux /proc), else now: for the start-up time in the timeline."""
     try:

@@ -61,11 +61,8 @@ def train_inline(msg: Message, context: Context) -> Message:
 
     content = RecordDict({
         "update": to_record(result.delta),
-        "metrics": MetricRecord({
-            "server-round": server_round, "block": block, "num-examples": result.num_examples,
-            "partition-id": partition_id, "train-loss": result.mean_loss, "compute-s": result.compute_s,
-            "base-version": base_version, "steps-from-log": len(from_log),
-        }),
+        "metrics": MetricRecord({**node.update_metrics(result, server_round, block, partition_id, base_version),
+                                 "steps-from-log": len(from_log)}),
     })
     if parablock:
         save_pending(context.state, core.correct(block, result.delta, server_round))

@@ -10,7 +10,6 @@ import json
 import logging
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 from flwr.app import ArrayRecord, Context, MetricRecord
@@ -31,7 +30,7 @@ app = ServerApp()
 def make_run_dir(cfg: RunConfig, run_id: int) -> Path:
     run_dir = cfg.output_path / f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.algorithm}-{run_id}"
     run_dir.mkdir(parents=True, exist_ok=False)
-    (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2, sort_keys=True) + "\n")
+    (run_dir / "config.json").write_text(json.dumps(cfg.as_run_config(), indent=2, sort_keys=True) + "\n")
     return run_dir
 
 

@@ -306,7 +306,6 @@ class FedBCD(Strategy):
         log.info(round_line(record, self._num_rounds))
 
 
-
 def timeline_metrics(accepted: list) -> dict:
     """The measured timeline of node workers (deployment only; empty in simulation).
 

@@ -112,11 +112,9 @@ class NodeWorker:
         else:  # round 1, sequential BCD, or a node that must resynchronise: compute now from x^{r-1}
             res.replica.advance_to(server_round - 1, fetch_step)
             base_version = server_round - 1
-            result = self._compute(res, cfg, server_round, block, None, pid, nparts)
+            result = node.compute_update(res, cfg, server_round, block, None, pid, nparts)
         metrics = {
-            "server-round": server_round, "block": block, "num-examples": result.num_examples,
-            "partition-id": pid, "train-loss": result.mean_loss, "compute-s": result.compute_s,
-            "base-version": base_version,
+            **node.update_metrics(result, server_round, block, pid, base_version),
             "compute-start": result.started, "compute-end": result.ended,
             "request-received": received, "waited-s": waited, "prev-reply-sent": self.last_reply_sent,
             "correction-after-step": correction_step,
@@ -129,18 +127,11 @@ class NodeWorker:
                                                                 result.delta)
             if next_block >= 0:
                 slot = CorrectionSlot()
-                future = self.compute_thread.submit(self._compute, res, cfg, server_round + 1, next_block,
+                future = self.compute_thread.submit(node.compute_update, res, cfg, server_round + 1, next_block,
                                                     self.pending, pid, nparts, slot)
                 self.next_round = (server_round + 1, future, slot)
         reply_arrays = {n: t.numpy() for n, t in result.delta.items()}
         return {"metrics": metrics, "trace": trace}, reply_arrays
-
-    @staticmethod
-    def _compute(res, cfg, server_round, block, pending, pid, nparts, slot=None):
-        started = time.time()
-        result = node.compute_update(res, cfg, server_round, block, pending, pid, nparts, slot)
-        result.started, result.ended = started, time.time()
-        return result
 
     def _new_run(self, run_id: int) -> None:
         """A new run on this node starts from a fresh state."""

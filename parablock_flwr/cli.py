@@ -3,7 +3,7 @@
     parablock-flwr simulate [KEY=VALUE ...]      one simulation run (own SuperLink, stopped after)
     parablock-flwr deploy [KEY=VALUE ...]        a real local deployment: SuperLink, SuperNodes, workers
     parablock-flwr worker --socket PATH          the node worker to run beside a flower-supernode
-    parablock-flwr evaluate MODEL_DIR            held-out loss of a saved model, same code as the server
+    parablock-flwr evaluate MODEL_DIR            held-out loss, perplexity, math accuracy of a saved model
     parablock-flwr report RUN_DIR                the run's table, and PNG plots in RUN_DIR/plots
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import tomllib
 from pathlib import Path
@@ -48,9 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     wrk.add_argument("--socket", type=Path, required=True,
                      help="Unix socket path; give the SuperNode --node-config 'worker-socket=\"PATH\"'")
     wrk.add_argument("--idle-exit-s", type=float, default=3600.0, help="exit after this long idle (0: never)")
-    ev = sub.add_parser("evaluate", help="held-out loss and perplexity of a saved model")
+    ev = sub.add_parser("evaluate", help="held-out loss, perplexity and math accuracy of a saved model")
     ev.add_argument("model", help="a saved Hugging Face folder (e.g. RUN_DIR/final-model), an id or embedded:<name>")
     ev.add_argument("--config", type=Path, help="a run's RUN_DIR/config.json, for the same data (default: defaults)")
+    ev.add_argument("--samples", type=Path, help="write the generated answers (math data) to this JSONL file")
     rep = sub.add_parser("report", help="print a run's table and write PNG plots")
     rep.add_argument("run_dir", type=Path)
     args = parser.parse_args(argv)
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         run_worker(args.socket, args.idle_exit_s)
         return 0
     if args.command == "evaluate":
-        print(json.dumps(evaluate(args.model, args.config)))
+        print(json.dumps(evaluate(args.model, args.config, args.samples)))
         return 0
     from .report import report
 
@@ -81,19 +81,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def evaluate(model_spec: str, config_path: Path | None) -> dict:
-    """Held-out loss of any saved model on a run's held-out split (the server's own code)."""
+def evaluate(model_spec: str, config_path: Path | None, samples_path: Path | None = None) -> dict:
+    """A saved model (full or PEFT adapter folder) on a run's held-out split, with the server's own code."""
     from .config import RunConfig
-    from .data import in_order_batches, tokenized_splits
-    from .model import load_model, load_tokenizer
-    from .training import heldout_loss
+    from .data import tokenized_splits
+    from .evaluation import evaluate as evaluate_model
+    from .model import load_saved, load_tokenizer, resolve_model
 
     cfg = RunConfig.from_flower(json.loads(config_path.read_text()) if config_path else {})
-    model, tokenizer = load_model(model_spec), load_tokenizer(model_spec)
+    model, tokenizer = load_saved(resolve_model(model_spec)), load_tokenizer(model_spec)
     _, heldout = tokenized_splits(cfg.dataset, cfg.num_examples, cfg.heldout_examples, cfg.seed, tokenizer,
                                   cfg.max_seq_len)
-    loss = heldout_loss(model, in_order_batches(heldout, cfg.eval_batch_size, tokenizer.pad_token_id), cfg.precision)
-    return {"model": model_spec, "heldout_loss": loss, "perplexity": math.exp(loss), "examples": len(heldout)}
+    metrics, samples = evaluate_model(model, tokenizer, heldout, cfg, generate=True)
+    if samples_path is not None:
+        samples_path.write_text("".join(json.dumps(s) + "\n" for s in samples))
+    return {"model": model_spec, **metrics, "examples": len(heldout)}
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ from pathlib import Path
 
 from .core import NON_LAYER_MODES, SCHEDULES
 
-ALGORITHMS = ("parablock", "fedbcd")
+ALGORITHMS = ("parablock", "fedbcd", "fedavg-lora", "fedavg-full")
+TRAINS = ("full", "lora")
+PARTITIONINGS = ("iid", "dirichlet", "family")
 PRECISIONS = ("fp32", "bf16")
 WEIGHTINGS = ("examples", "uniform")
 LR_SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine")
@@ -31,9 +33,16 @@ class RunConfig:
     algorithm: str = "parablock"
     strategy: str = ""
     model: str = "embedded:smollm2-135m-instruct"
+    train: str = "full"
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.05
+    lora_target_modules: str = "q_proj,k_proj,v_proj,o_proj"
     dataset: str = "reasoning-gym:gsm_symbolic"
     num_examples: int = 240
     heldout_examples: int = 16
+    partitioning: str = "iid"
+    dirichlet_alpha: float = 0.5
     num_server_rounds: int = 3
     layers_per_block: int = 5
     non_layer_params: str = "frozen"
@@ -56,12 +65,17 @@ class RunConfig:
     correction: str = "auto"
     torch_threads: int = 0
     eval_batch_size: int = 8
+    eval_every: int = 1
+    generate_examples: int = 8
+    generate_every: int = 0
+    max_new_tokens: int = 128
     uplink_mbps: float = 50.0
     downlink_mbps: float = 50.0
     latency_ms: float = 50.0
     round_timeout_s: float = 3600.0
     verify_invariant: bool = False
     save_final_model: bool = False
+    save_every: int = 0
     output_dir: str = "~/parablock-runs"
 
     @classmethod
@@ -86,10 +100,13 @@ class RunConfig:
         _one_of("weighting", self.weighting, WEIGHTINGS)
         _one_of("lr-schedule", self.lr_schedule, LR_SCHEDULES)
         _one_of("correction", self.correction, CORRECTIONS)
-        for key in ("num-server-rounds", "layers-per-block", "local-steps", "batch-size",
-                    "max-seq-len", "eval-batch-size", "heldout-examples"):
+        _one_of("train", self.train, TRAINS)
+        _one_of("partitioning", self.partitioning, PARTITIONINGS)
+        for key in ("num-server-rounds", "layers-per-block", "local-steps", "batch-size", "max-seq-len",
+                    "eval-batch-size", "heldout-examples", "eval-every", "lora-rank", "max-new-tokens"):
             _at_least(key, getattr(self, key.replace("-", "_")), 1)
-        _at_least("torch-threads", self.torch_threads, 0)
+        for key in ("torch-threads", "generate-examples", "generate-every", "save-every"):
+            _at_least(key, getattr(self, key.replace("-", "_")), 0)
         _at_least("min-available-nodes", self.min_available_nodes, 1)
         _at_least("warmup-steps", self.warmup_steps, 0)
         if self.num_examples < self.heldout_examples + 1:
@@ -98,10 +115,17 @@ class RunConfig:
                 f"heldout-examples={self.heldout_examples} (clients need training data)"
             )
         for key in ("learning-rate", "server-lr", "uplink-mbps", "downlink-mbps",
-                    "round-timeout-s", "max-grad-norm"):
+                    "round-timeout-s", "max-grad-norm", "lora-alpha", "dirichlet-alpha"):
             value = getattr(self, key.replace("-", "_"))
             if not value > 0:
                 raise ConfigError(f"{key}={value}: expected a number > 0")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ConfigError(f"lora-dropout={self.lora_dropout}: expected a number in [0, 1)")
+        if not [m for m in self.lora_target_modules.split(",") if m.strip()]:
+            raise ConfigError("lora-target-modules='': expected comma-separated module names, e.g. q_proj,v_proj")
+        if self.generate_examples > self.heldout_examples:
+            raise ConfigError(f"generate-examples={self.generate_examples}: expected at most "
+                              f"heldout-examples={self.heldout_examples} (answers are generated for held-out rows)")
         if not 0.0 < self.fraction_train <= 1.0:
             raise ConfigError(f"fraction-train={self.fraction_train}: expected a number in (0, 1]")
         for key in ("weight-decay", "latency-ms"):
@@ -114,6 +138,16 @@ class RunConfig:
     def as_run_config(self) -> dict[str, object]:
         """The same keys as ``[tool.flwr.app.config]``: ``from_flower`` reads it back."""
         return {f.name.replace("_", "-"): getattr(self, f.name) for f in fields(self)}
+
+    @property
+    def trainable(self) -> str:
+        """What moves: ``lora`` adapters or the ``full`` weights. The FedAvg baselines fix it."""
+        return {"fedavg-lora": "lora", "fedavg-full": "full"}.get(self.algorithm, self.train)
+
+    @property
+    def one_block(self) -> bool:
+        """FedAvg trains (and sends) every trainable parameter each round: one block."""
+        return self.algorithm.startswith("fedavg-")
 
     @property
     def correction_mode(self) -> str:

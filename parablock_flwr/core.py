@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -78,13 +78,16 @@ def find_decoder_layers(model: nn.Module) -> str:
 
 
 def partition_blocks(
-    model: nn.Module, layers_per_block: int, non_layer_params: str = "frozen"
+    model: nn.Module, layers_per_block: int, non_layer_params: str = "frozen",
+    trainable: Callable[[str], bool] = lambda name: True,
 ) -> BlockPartition:
     """Split the model into blocks of ``layers_per_block`` consecutive layers.
 
     Parameters outside the decoder layers (embeddings, final norm, LM head)
     are frozen, or form one extra block when ``non_layer_params="block"``.
     Tied weights appear once (``named_parameters`` de-duplicates them).
+    Only names for which ``trainable(name)`` holds enter a block: with LoRA,
+    a block is the adapters of its layers and the base weights stay frozen.
     """
     if non_layer_params not in NON_LAYER_MODES:
         raise ValueError(
@@ -101,6 +104,8 @@ def partition_blocks(
     per_layer: list[list[str]] = [[] for _ in range(num_layers)]
     others: list[str] = []
     for name, _ in model.named_parameters():
+        if not trainable(name):
+            continue
         if name.startswith(prefix):
             per_layer[int(name[len(prefix):].split(".", 1)[0])].append(name)
         else:
@@ -113,7 +118,15 @@ def partition_blocks(
     if non_layer_params == "block" and others:
         blocks.append(tuple(others))
         labels.append("non-layer")
+    for names, label in zip(blocks, labels):
+        if not names:
+            raise ValueError(f"block {label!r} of {type(model).__name__} has no trainable parameter")
     return BlockPartition(tuple(blocks), tuple(labels))
+
+
+def one_block(partition: BlockPartition) -> BlockPartition:
+    """All blocks merged into one: FedAvg is BCD whose only block is everything."""
+    return BlockPartition((partition.all_names(),), ("all",))
 
 
 # --------------------------------------------------------------------------

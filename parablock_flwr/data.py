@@ -1,38 +1,108 @@
-"""Offline training data: generation, chat formatting, answer-only labels, partitions.
+"""Training data: loading, chat formatting, answer-only labels, partitions.
 
-``dataset = "reasoning-gym:<task>"`` generates ``num-examples`` seeded rows
-with the PyPI package ``reasoning-gym`` (default ``gsm_symbolic``: GSM8K-style
-word problems whose worked answers end in ``#### N``). The first
-``heldout-examples`` rows are the fixed held-out split no client trains on;
-the rest is split across clients with flwr-datasets' ``IidPartitioner``.
+``dataset`` in the run config is one of
+
+- ``reasoning-gym:<task>[,<task>...]``: ``num-examples`` seeded rows made
+  offline by the PyPI package ``reasoning-gym`` (default ``gsm_symbolic``:
+  GSM8K-style word problems whose worked answers end in ``#### N``). With
+  several tasks (or ``reasoning-gym:instruction-mix``) the rows are split
+  evenly across them and each row's ``family`` is its task.
+- ``alpaca:<hub id | file | folder>``: the Alpaca-GPT4 schema
+  (``instruction``, ``input``, ``output``).
+- ``mathinstruct:<hub id | file | folder>``: the MathInstruct schema
+  (``source``, ``instruction``, ``output``); ``family`` is ``source``.
+
+Every source becomes rows with ``prompt``, ``response`` and ``family``,
+shuffled with ``seed``. The first ``heldout-examples`` rows are the fixed
+held-out split that no client trains on; the rest is split across clients
+with a flwr-datasets partitioner (``partitioning``: IID, Dirichlet over
+``family``, or one family per client).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import datasets
 import torch
-from flwr_datasets.partitioner import IidPartitioner
+from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner, NaturalIdPartitioner
 
 IGNORE_INDEX = -100
+INSTRUCTION_MIX = ("basic_arithmetic", "chain_sum", "fraction_simplification", "time_intervals",
+                   "letter_counting", "word_sorting")
+HUB_EXAMPLES = {"alpaca": "vicgalle/alpaca-gpt4", "mathinstruct": "TIGER-Lab/MathInstruct"}
+FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+def is_math(spec: str) -> bool:
+    """Datasets whose answers end in a number: exact-match accuracy is meaningful."""
+    return spec == "reasoning-gym:gsm_symbolic" or spec.startswith("mathinstruct:")
+
+
+def load_examples(spec: str, num_examples: int, seed: int) -> datasets.Dataset:
+    """Rows with ``prompt``, ``response`` and ``family``, shuffled with ``seed``, at most ``num_examples``."""
+    kind, _, source = spec.partition(":")
+    if kind == "reasoning-gym" and source:
+        rows = generate_examples(spec, num_examples, seed)
+    elif kind == "alpaca" and source:
+        rows = _load_rows(spec, source, ("instruction", "input", "output")).map(
+            lambda r: {"prompt": r["instruction"] + (f"\n\n{r['input']}" if r["input"] else ""),
+                       "response": r["output"], "family": "alpaca"})
+    elif kind == "mathinstruct" and source:
+        rows = _load_rows(spec, source, ("source", "instruction", "output")).map(
+            lambda r: {"prompt": r["instruction"], "response": r["output"], "family": r["source"]})
+    else:
+        raise ValueError(f"dataset={spec!r}: expected reasoning-gym:<task>, alpaca:<hub id or path> "
+                         "or mathinstruct:<hub id or path>")
+    rows = rows.select_columns(["prompt", "response", "family"]).shuffle(seed=seed)
+    return rows.select(range(min(num_examples, len(rows))))
 
 
 def generate_examples(spec: str, num_examples: int, seed: int) -> datasets.Dataset:
-    """Rows with ``prompt`` and ``response`` columns."""
-    kind, _, task = spec.partition(":")
-    if kind != "reasoning-gym" or not task:
-        raise ValueError(f"dataset={spec!r}: expected reasoning-gym:<task>, e.g. reasoning-gym:gsm_symbolic")
+    """``reasoning-gym:<task>[,<task>...]``: seeded rows, split evenly across the tasks."""
     import reasoning_gym  # imported lazily: it pulls in many task modules
 
+    source = spec.partition(":")[2]
+    tasks = INSTRUCTION_MIX if source == "instruction-mix" else tuple(t.strip() for t in source.split(","))
+    prompts, responses, families = [], [], []
+    for i, task in enumerate(tasks):
+        size = num_examples // len(tasks) + (i < num_examples % len(tasks))
+        try:
+            rows = reasoning_gym.create_dataset(task, size=max(size, 1), seed=seed + i)
+        except Exception as err:  # reasoning-gym raises plain errors for unknown tasks
+            raise ValueError(f"dataset={spec!r}: reasoning-gym cannot make {task!r} ({err})") from err
+        for row in list(rows)[:size]:
+            prompts.append(row["question"])
+            # Prefer the worked solution (chain of thought ending in "#### N") when the task has one.
+            responses.append(row["metadata"].get("answer_cot") or str(row["answer"]))
+            families.append(task)
+    return datasets.Dataset.from_dict({"prompt": prompts, "response": responses, "family": families})
+
+
+def _load_rows(spec: str, source: str, columns: tuple[str, ...]) -> datasets.Dataset:
+    """``datasets.load_dataset`` on a local file, a local folder, or a hub id; check the schema."""
+    path = Path(source).expanduser()
     try:
-        rows = reasoning_gym.create_dataset(task, size=num_examples, seed=seed)
-    except Exception as err:  # reasoning-gym raises plain errors for unknown tasks
-        raise ValueError(f"dataset={spec!r}: reasoning-gym cannot make it ({err})") from err
-    prompts, responses = [], []
-    for row in rows:
-        prompts.append(row["question"])
-        # Prefer the worked solution (chain of thought ending in "#### N") when the task has one.
-        responses.append(row["metadata"].get("answer_cot") or str(row["answer"]))
-    return datasets.Dataset.from_dict({"prompt": prompts, "response": responses})
+        if path.is_file():
+            if path.suffix not in FILE_BUILDERS:
+                raise ValueError(f"dataset={spec!r}: expected a {', '.join(FILE_BUILDERS)} file")
+            rows = datasets.load_dataset(FILE_BUILDERS[path.suffix], data_files=str(path), split="train")
+        elif path.is_dir():
+            rows = datasets.load_dataset(str(path), split="train")
+        else:
+            rows = datasets.load_dataset(source, split="train")
+    except (ConnectionError, OSError, datasets.exceptions.DatasetNotFoundError) as err:
+        kind = spec.partition(":")[0]
+        raise ValueError(
+            f"dataset={spec!r}: cannot load {source!r} ({str(err).splitlines()[0]}); without hub access, "
+            f"download {HUB_EXAMPLES[kind]} elsewhere and point at the local copy, "
+            f"e.g. dataset=\"{kind}:/data/{kind}.jsonl\" (a .json/.jsonl/.csv/.parquet file or a folder)"
+        ) from err
+    missing = [c for c in columns if c not in rows.column_names]
+    if missing:
+        raise ValueError(f"dataset={spec!r}: missing columns {missing}; expected {', '.join(columns)}, "
+                         f"found {', '.join(rows.column_names)}")
+    return rows
 
 
 def encode(tokenizer, prompt: str, response: str, max_len: int) -> dict[str, list[int]]:
@@ -55,11 +125,9 @@ def tokenized_splits(
     spec: str, num_examples: int, heldout: int, seed: int, tokenizer, max_len: int
 ) -> tuple[datasets.Dataset, datasets.Dataset]:
     """(train, held-out), tokenized. The first ``heldout`` usable rows are held out."""
-    rows = generate_examples(spec, num_examples, seed)
-    encoded = rows.map(
-        lambda r: encode(tokenizer, r["prompt"], r["response"], max_len),
-        remove_columns=["prompt", "response"],
-    )
+    rows = load_examples(spec, num_examples, seed)
+    # prompt/response/family stay: generation reads prompts, partitioners read family.
+    encoded = rows.map(lambda r: encode(tokenizer, r["prompt"], r["response"], max_len))
     # An example cut before its answer would have no label at all.
     encoded = encoded.filter(lambda r: any(t != IGNORE_INDEX for t in r["labels"]))
     if len(encoded) <= heldout:
@@ -70,15 +138,33 @@ def tokenized_splits(
     return encoded.select(range(heldout, len(encoded))), encoded.select(range(heldout))
 
 
-def client_partition(train: datasets.Dataset, partition_id: int, num_partitions: int) -> datasets.Dataset:
-    """This client's IID share of the training rows."""
+def client_partition(train: datasets.Dataset, partition_id: int, num_partitions: int,
+                     partitioning: str = "iid", alpha: float = 0.5, seed: int = 0) -> datasets.Dataset:
+    """This client's share of the training rows, by a flwr-datasets partitioner.
+
+    ``iid``: equal random shares. ``dirichlet``: per ``family``, shares drawn
+    from Dirichlet(``alpha``) (small alpha, skewed clients). ``family``: one
+    family per client (the natural split of an instruction mix).
+    """
     if not 0 <= partition_id < num_partitions:
         raise ValueError(f"partition-id={partition_id}: expected 0..{num_partitions - 1}")
     if num_partitions > len(train):
         raise ValueError(
             f"num-partitions={num_partitions}: expected at most {len(train)} (one training row per client)"
         )
-    partitioner = IidPartitioner(num_partitions=num_partitions)  # rows are already random draws
+    if partitioning == "iid":
+        partitioner = IidPartitioner(num_partitions=num_partitions)  # rows are already shuffled
+    elif partitioning == "dirichlet":
+        partitioner = DirichletPartitioner(num_partitions=num_partitions, partition_by="family", alpha=alpha,
+                                           min_partition_size=1, seed=seed)
+    elif partitioning == "family":
+        families = sorted(set(train["family"]))  # for the message only
+        if len(families) != num_partitions:
+            raise ValueError(f"partitioning='family': the data has {len(families)} families ({', '.join(families)}), "
+                             f"expected one per client ({num_partitions} clients)")
+        partitioner = NaturalIdPartitioner(partition_by="family")
+    else:
+        raise ValueError(f"partitioning={partitioning!r}: expected iid, dirichlet or family")
     partitioner.dataset = train
     return partitioner.load_partition(partition_id)
 

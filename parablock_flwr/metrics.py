@@ -38,7 +38,7 @@ def round_line(rec: dict, num_rounds: int) -> str:
     eta = rec.get("eta_s")
     return (
         f"round {rec['round']}/{num_rounds} block {rec['block']} ({rec['block_label']}) "
-        f"train_loss {_fmt(rec['train_loss'])} heldout_loss {_fmt(rec['heldout_loss'])} "
+        f"train_loss {_fmt(rec['train_loss'])} heldout_loss {_fmt(rec.get('heldout_loss'))} "
         f"up {_mb(rec['bytes_up_per_client'])} down {_mb(rec['bytes_down_per_client'])} per client "
         f"compute {rec['compute_s_max']:.1f}s modeled_round {rec['modeled_round_s']:.1f}s "
         f"(sequential {rec['modeled_round_s_sequential']:.1f}s, overlapped {rec['modeled_round_s_overlapped']:.1f}s) "

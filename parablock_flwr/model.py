@@ -18,7 +18,10 @@ import tempfile
 from pathlib import Path
 
 import torch
+from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from . import core
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +57,76 @@ def load_model(spec: str) -> PreTrainedModel:
     model.requires_grad_(False)
     model.eval()
     return model
+
+
+def load_for_training(cfg) -> tuple[nn.Module, core.BlockPartition]:
+    """The model ``x^0`` and its blocks, as every process of a run builds them.
+
+    ``train = "lora"`` (and ``fedavg-lora``) wraps the frozen model with PEFT
+    LoRA adapters and makes the adapters the trainable parameters; the
+    adapters' random initialisation is seeded by ``seed``, so the server and
+    every client start from the same ``x^0`` to the bit. FedAvg trains every
+    block at once: its partition is one block.
+    """
+    model = load_model(cfg.model)
+    trainable = lambda name: True  # noqa: E731
+    if cfg.trainable == "lora":
+        model = add_lora(model, cfg)
+        trainable = is_lora_name
+    partition = core.partition_blocks(model, cfg.layers_per_block, cfg.non_layer_params, trainable)
+    return model, core.one_block(partition) if cfg.one_block else partition
+
+
+def is_lora_name(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def add_lora(model: PreTrainedModel, cfg) -> nn.Module:
+    """PEFT LoRA adapters on ``lora-target-modules`` (the FedIT recipe), all frozen until trained."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = cfg.lora_target_modules
+    modules = targets if targets == "all-linear" else [m.strip() for m in targets.split(",") if m.strip()]
+    lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=modules, task_type="CAUSAL_LM")
+    torch.manual_seed(cfg.seed)  # lora_A's random init: the same on every process
+    try:
+        peft_model = get_peft_model(model, lora)
+    except ValueError as err:
+        raise ValueError(f"lora-target-modules={targets!r}: {str(err).splitlines()[0]}; expected module names "
+                         f"of {type(model).__name__}, e.g. q_proj,v_proj") from err
+    peft_model.requires_grad_(False)
+    peft_model.eval()
+    return peft_model
+
+
+def load_saved(folder: str) -> nn.Module:
+    """A model saved by a run: a plain Hugging Face folder, or a PEFT adapter folder on its base."""
+    adapter_config = Path(folder) / "adapter_config.json"
+    if not adapter_config.exists():
+        return load_model(folder)
+    from peft import PeftConfig, PeftModel
+
+    base = PeftConfig.from_pretrained(folder).base_model_name_or_path
+    model = PeftModel.from_pretrained(load_model(base), folder)
+    model.eval()
+    return model
+
+
+def save_model(model: nn.Module, tokenizer, folder: Path) -> None:
+    """``save_pretrained``: the full model, or (PEFT) the adapter folder; plus the tokenizer.
+
+    Written to a temporary folder and renamed, so a folder that exists is complete.
+    """
+    folder = Path(folder)
+    tmp = folder.with_name(f".{folder.name}.tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if folder.exists():
+        shutil.rmtree(folder)
+    tmp.rename(folder)
 
 
 def load_tokenizer(spec: str):

@@ -16,7 +16,7 @@ import torch
 from . import core
 from .config import RunConfig
 from .data import client_partition, sample_batches, tokenized_splits
-from .model import load_model, load_tokenizer
+from .model import load_for_training, load_tokenizer
 from .replica import ModelReplica
 from .runtime import round_seed
 from .training import BetweenSteps, TrainResult, TrainSettings, train_block
@@ -26,7 +26,7 @@ from .training import BetweenSteps, TrainResult, TrainSettings, train_block
 class NodeResources:
     """Loaded once per process (a Ray actor or a node worker) and reused."""
 
-    key: tuple
+    key: tuple[int, RunConfig]
     replica: ModelReplica
     partition: core.BlockPartition
     train_rows: datasets.Dataset
@@ -39,17 +39,15 @@ _RESOURCES: NodeResources | None = None
 def resources(cfg: RunConfig, run_id: int) -> NodeResources:
     """This process's model replica and data, rebuilt only for a new run or model."""
     global _RESOURCES
-    key = (run_id, cfg.model, cfg.dataset, cfg.num_examples, cfg.heldout_examples, cfg.seed,
-           cfg.max_seq_len, cfg.layers_per_block, cfg.non_layer_params)
+    key = (run_id, cfg)
     if _RESOURCES is None or _RESOURCES.key != key:
         _RESOURCES = None  # free the previous run's model before loading the next
-        model = load_model(cfg.model)
+        model, partition = load_for_training(cfg)
         if torch.cuda.is_available():
             model.to("cuda")
         tokenizer = load_tokenizer(cfg.model)
         train_rows, _ = tokenized_splits(cfg.dataset, cfg.num_examples, cfg.heldout_examples, cfg.seed,
                                          tokenizer, cfg.max_seq_len)
-        partition = core.partition_blocks(model, cfg.layers_per_block, cfg.non_layer_params)
         _RESOURCES = NodeResources(key, ModelReplica(model), partition, train_rows, tokenizer.pad_token_id)
     return _RESOURCES
 
@@ -58,7 +56,8 @@ def compute_update(res: NodeResources, cfg: RunConfig, server_round: int, block:
                    pending: core.PendingUpdate | None, partition_id: int, num_partitions: int,
                    between_steps: BetweenSteps | None = None) -> TrainResult:
     """Train ``block`` from ``x^{replica.version} + pending``; the replica is left as it was."""
-    rows = client_partition(res.train_rows, partition_id, num_partitions)
+    rows = client_partition(res.train_rows, partition_id, num_partitions, cfg.partitioning, cfg.dirichlet_alpha,
+                            cfg.seed)
     seed = round_seed(cfg, server_round, partition_id)
     torch.manual_seed(seed)
     batches = sample_batches(rows, cfg.local_steps, cfg.batch_size, seed, res.pad_id)

@@ -43,13 +43,14 @@ def plots(records: list[dict], out: Path) -> list[Path]:
     written = []
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    axes[0].plot([r["round"] for r in records], [r["heldout_loss"] for r in records], "o-", label="held-out")
+    evaluated = [r for r in records if "heldout_loss" in r]  # every eval-every rounds
+    axes[0].plot([r["round"] for r in evaluated], [r["heldout_loss"] for r in evaluated], "o-", label="held-out")
     axes[0].plot(rounds, [r.get("train_loss") for r in trained], "s--", label="train")
     axes[0].set(xlabel="round", ylabel="loss", title="loss per round")
     axes[0].legend()
-    axes[1].plot([r["elapsed_s"] for r in records], [r["heldout_loss"] for r in records], "o-", label="measured")
-    modeled = [0.0] + [r["modeled_wall_s"] for r in trained]
-    axes[1].plot(modeled, [r["heldout_loss"] for r in records], "s--", label="modeled (time model)")
+    axes[1].plot([r["elapsed_s"] for r in evaluated], [r["heldout_loss"] for r in evaluated], "o-", label="measured")
+    modeled = [r.get("modeled_wall_s", 0.0) for r in evaluated]
+    axes[1].plot(modeled, [r["heldout_loss"] for r in evaluated], "s--", label="modeled (time model)")
     axes[1].set(xlabel="wall-clock s", ylabel="held-out loss", title="held-out loss against wall-clock")
     axes[1].legend()
     axes[2].bar([x - 0.2 for x in rounds], [r["bytes_up_per_client"] / 1e6 for r in trained], 0.4, label="up")

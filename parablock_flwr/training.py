@@ -1,9 +1,8 @@
-"""The one local-training loop, shared by ParaBlock and every baseline, and the held-out loss."""
+"""The one local-training loop, shared by ParaBlock and every baseline."""
 
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -101,22 +100,3 @@ def train_block(
         raise ValueError(f"local-steps={settings.local_steps}: only {len(losses)} batches were available")
     update = {n: t.cpu() for n, t in delta(params, before).items()}  # updates travel from host memory
     return TrainResult(update, sum(losses) / len(losses), started, time.time())
-
-
-@torch.no_grad()
-def heldout_loss(model: nn.Module, batches: Iterable[dict[str, torch.Tensor]], precision: str) -> float:
-    """Mean cross-entropy per answer token over the held-out batches."""
-    device = next(model.parameters()).device
-    total, tokens = 0.0, 0
-    model.eval()
-    for batch in batches:
-        batch = {k: v.to(device) for k, v in batch.items()}
-        with autocast(precision):
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        shifted = batch["labels"][:, 1:]
-        loss = torch.nn.functional.cross_entropy(
-            logits[:, :-1].float().flatten(0, 1), shifted.flatten(), ignore_index=-100, reduction="sum"
-        )
-        total += loss.item()
-        tokens += int((shifted != -100).sum())
-    return total / tokens if tokens else math.nan

@@ -26,6 +26,7 @@ def tiny_config(model_dir: Path, output_dir: Path, **overrides) -> dict:
         "model": str(model_dir), "output-dir": str(output_dir), "num-examples": 64, "heldout-examples": 8,
         "layers-per-block": 2, "num-server-rounds": 3, "local-steps": 4, "batch-size": 4,
         "max-seq-len": 128, "learning-rate": 3e-3, "torch-threads": 1, "latency-ms": 5.0,
+        "generate-examples": 2, "max-new-tokens": 8,
     }
     config.update(overrides)
     return config

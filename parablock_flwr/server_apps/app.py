@@ -1,7 +1,8 @@
 """The ServerApp: validate the config, load the global model, run the chosen strategy.
 
-The server keeps the global model and evaluates the held-out loss itself
-every round; messages carry only block-sized arrays.
+The server keeps the global model and evaluates it itself (held-out loss
+every ``eval-every`` rounds, generation accuracy on math data); messages
+carry only block-sized arrays. Models are exported in Hugging Face form.
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ from flwr.serverapp import Grid, ServerApp
 
 from .. import core
 from ..config import ConfigError, RunConfig, check_num_clients
-from ..data import in_order_batches, tokenized_splits
-from ..model import load_model, load_tokenizer
+from ..data import tokenized_splits
+from ..evaluation import evaluate
+from ..model import load_for_training, load_tokenizer, save_model
 from ..runtime import setup_torch
 from ..strategies import strategy_class
-from ..training import heldout_loss
 
 log = logging.getLogger("parablock_flwr")
 app = ServerApp()
@@ -47,9 +48,8 @@ def main(grid: Grid, context: Context) -> None:
     try:
         cfg = RunConfig.from_flower(context.run_config)
         setup_torch(cfg)
-        model = load_model(cfg.model)
+        model, partition = load_for_training(cfg)
         tokenizer = load_tokenizer(cfg.model)
-        partition = core.partition_blocks(model, cfg.layers_per_block, cfg.non_layer_params)
         strategy_cls = strategy_class(cfg.algorithm, cfg.strategy)
         num_clients = wait_for_nodes(grid)
         check_num_clients(num_clients)
@@ -82,16 +82,29 @@ def main(grid: Grid, context: Context) -> None:
         seed=cfg.seed,
     )
 
-    def evaluate(server_round: int, _arrays: ArrayRecord) -> MetricRecord:
-        batches = in_order_batches(heldout, cfg.eval_batch_size, tokenizer.pad_token_id)
-        return MetricRecord({"heldout_loss": heldout_loss(model, batches, cfg.precision)})
+    def evaluate_round(server_round: int, _arrays: ArrayRecord) -> MetricRecord | None:
+        """After round r (0: before training): evaluate and checkpoint on their schedules."""
+        last = server_round == cfg.num_server_rounds
+        if cfg.save_every and server_round and (server_round % cfg.save_every == 0 or last):
+            save_model(model, tokenizer, run_dir / "checkpoints" / f"round-{server_round:05d}")
+        if not (server_round % cfg.eval_every == 0 or last):
+            return None
+        generate = server_round == 0 or last or bool(cfg.generate_every and server_round % cfg.generate_every == 0)
+        metrics, samples = evaluate(model, tokenizer, heldout, cfg, generate)
+        if samples:
+            write_samples(run_dir / "samples" / f"round-{server_round:05d}.jsonl", samples)
+        return MetricRecord(metrics)
 
     strategy.start(grid, ArrayRecord(), num_rounds=cfg.num_server_rounds, timeout=cfg.round_timeout_s,
-                   evaluate_fn=evaluate)
+                   evaluate_fn=evaluate_round)
     if cfg.save_final_model:
-        model.save_pretrained(run_dir / "final-model")
-        tokenizer.save_pretrained(run_dir / "final-model")
+        save_model(model, tokenizer, run_dir / "final-model")
     log.info("Done. Metrics: %s", run_dir / "metrics.jsonl")
+
+
+def write_samples(path: Path, samples: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(s) + "\n" for s in samples))
 
 
 def _log_to_stdout() -> None:

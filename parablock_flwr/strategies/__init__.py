@@ -1,11 +1,12 @@
-"""Server strategies: sequential BCD and ParaBlock (a thin subclass of it)."""
+"""Server strategies: sequential BCD, ParaBlock and the FedAvg baselines (thin subclasses of it)."""
 
 import importlib
 
+from .fedavg import FedAvgFull, FedAvgLora
 from .fedbcd import FedBCD
 from .parablock import ParaBlock
 
-STRATEGIES = {"fedbcd": FedBCD, "parablock": ParaBlock}
+STRATEGIES = {"fedbcd": FedBCD, "parablock": ParaBlock, "fedavg-full": FedAvgFull, "fedavg-lora": FedAvgLora}
 
 
 def strategy_class(algorithm: str, strategy: str) -> type[FedBCD]:
@@ -27,4 +28,4 @@ def strategy_class(algorithm: str, strategy: str) -> type[FedBCD]:
     return cls
 
 
-__all__ = ["FedBCD", "ParaBlock", "STRATEGIES", "strategy_class"]
+__all__ = ["FedAvgFull", "FedAvgLora", "FedBCD", "ParaBlock", "STRATEGIES", "strategy_class"]

@@ -1,0 +1,95 @@
+"""Held-out evaluation, the same code for the server's rounds and `parablock-flwr evaluate`.
+
+Every evaluation gives the held-out loss (mean cross-entropy per answer
+token) and its perplexity. On math data (``data.is_math``) it can also
+generate answers greedily for the first ``generate-examples`` held-out
+prompts and score the exact match of the final number (GSM8K's ``#### N``,
+else the last number in the text).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+
+import datasets
+import torch
+from torch import nn
+
+from .data import in_order_batches, is_math
+from .training import autocast
+
+FINAL_MARK = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
+NUMBER = re.compile(r"-?\d[\d,]*\.?\d*|-?\.\d+")
+
+
+@torch.no_grad()
+def heldout_loss(model: nn.Module, batches: Iterable[dict[str, torch.Tensor]], precision: str) -> float:
+    """Mean cross-entropy per answer token over the held-out batches."""
+    device = next(model.parameters()).device
+    total, tokens = 0.0, 0
+    model.eval()
+    for batch in batches:
+        batch = {k: v.to(device) for k, v in batch.items()}
+        with autocast(precision):
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        shifted = batch["labels"][:, 1:]
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].float().flatten(0, 1), shifted.flatten(), ignore_index=-100, reduction="sum"
+        )
+        total += loss.item()
+        tokens += int((shifted != -100).sum())
+    return total / tokens if tokens else math.nan
+
+
+def final_number(text: str) -> float | None:
+    """The answer a math solution ends with: ``#### N`` if present, else the last number."""
+    marked = FINAL_MARK.findall(text)
+    found = marked or NUMBER.findall(text)
+    for candidate in reversed(found):
+        try:
+            return float(candidate.replace(",", "").rstrip("."))
+        except ValueError:
+            continue
+    return None
+
+
+@torch.no_grad()
+def greedy_answers(model: nn.Module, tokenizer, prompts: list[str], max_new_tokens: int,
+                   batch_size: int) -> list[str]:
+    """Greedy completions of chat-templated prompts (left-padded batches)."""
+    device = next(model.parameters()).device
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    answers = []
+    try:
+        for start in range(0, len(prompts), batch_size):
+            texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                   add_generation_prompt=True)
+                     for p in prompts[start:start + batch_size]]
+            enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id)
+            answers += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    finally:
+        tokenizer.padding_side = side
+    return answers
+
+
+def evaluate(model: nn.Module, tokenizer, heldout: datasets.Dataset, cfg, generate: bool) -> tuple[dict, list]:
+    """(metrics, samples): held-out loss and perplexity; with ``generate`` on math data, accuracy too."""
+    batches = in_order_batches(heldout, cfg.eval_batch_size, tokenizer.pad_token_id)
+    loss = heldout_loss(model, batches, cfg.precision)
+    metrics = {"heldout_loss": loss, "perplexity": math.exp(loss) if loss < 700 else math.inf}
+    samples: list[dict] = []
+    if generate and cfg.generate_examples > 0 and is_math(cfg.dataset):
+        rows = heldout.select(range(min(cfg.generate_examples, len(heldout))))
+        answers = greedy_answers(model, tokenizer, list(rows["prompt"]), cfg.max_new_tokens, cfg.eval_batch_size)
+        for row, answer in zip(rows, answers):
+            want, got = final_number(row["response"]), final_number(answer)
+            samples.append({"prompt": row["prompt"], "reference": row["response"], "generated": answer,
+                            "reference_number": want, "generated_number": got,
+                            "correct": want is not None and got is not None and math.isclose(want, got)})
+        metrics["math_accuracy"] = sum(s["correct"] for s in samples) / len(samples)
+        metrics["math_examples"] = len(samples)
+    return metrics, samples

@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     sim.add_argument("--cpus-per-client", type=int, default=2)
     dep = sub.add_parser("deploy", help="run a real local deployment with node workers")
     _run_args(dep)
+    dep.add_argument("--secure", action="store_true",
+                     help="TLS and SuperNode authentication (credentials made in WORKDIR/credentials)")
     wrk = sub.add_parser("worker", help="the node worker beside a flower-supernode")
     wrk.add_argument("--socket", type=Path, required=True,
                      help="Unix socket path; give the SuperNode --node-config 'worker-socket=\"PATH\"'")
@@ -63,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "deploy":
         from .launch import run_deployment
 
-        return run_deployment(args.workdir, _run_config(args), args.num_supernodes, capture=False).returncode
+        return run_deployment(args.workdir, _run_config(args), args.num_supernodes, capture=False,
+                              secure=args.secure).returncode
     if args.command == "worker":
         from .worker.server import run_worker
 

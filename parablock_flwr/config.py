@@ -20,6 +20,7 @@ PRECISIONS = ("fp32", "bf16")
 WEIGHTINGS = ("examples", "uniform")
 LR_SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine")
 CORRECTIONS = ("auto", "at-end", "on-receipt")
+TOO_FEW_REPLIES = ("retry", "stop")
 
 
 class ConfigError(ValueError):
@@ -73,6 +74,10 @@ class RunConfig:
     downlink_mbps: float = 50.0
     latency_ms: float = 50.0
     round_timeout_s: float = 3600.0
+    max_update_norm: float = 0.0
+    min_accepted_replies: int = 1
+    on_too_few_replies: str = "retry"
+    max_round_retries: int = 2
     verify_invariant: bool = False
     save_final_model: bool = False
     save_every: int = 0
@@ -102,10 +107,12 @@ class RunConfig:
         _one_of("correction", self.correction, CORRECTIONS)
         _one_of("train", self.train, TRAINS)
         _one_of("partitioning", self.partitioning, PARTITIONINGS)
+        _one_of("on-too-few-replies", self.on_too_few_replies, TOO_FEW_REPLIES)
         for key in ("num-server-rounds", "layers-per-block", "local-steps", "batch-size", "max-seq-len",
                     "eval-batch-size", "heldout-examples", "eval-every", "lora-rank", "max-new-tokens"):
             _at_least(key, getattr(self, key.replace("-", "_")), 1)
-        for key in ("torch-threads", "generate-examples", "generate-every", "save-every"):
+        for key in ("torch-threads", "generate-examples", "generate-every", "save-every", "min-accepted-replies",
+                    "max-round-retries"):
             _at_least(key, getattr(self, key.replace("-", "_")), 0)
         _at_least("min-available-nodes", self.min_available_nodes, 1)
         _at_least("warmup-steps", self.warmup_steps, 0)
@@ -128,7 +135,7 @@ class RunConfig:
                               f"heldout-examples={self.heldout_examples} (answers are generated for held-out rows)")
         if not 0.0 < self.fraction_train <= 1.0:
             raise ConfigError(f"fraction-train={self.fraction_train}: expected a number in (0, 1]")
-        for key in ("weight-decay", "latency-ms"):
+        for key in ("weight-decay", "latency-ms", "max-update-norm"):
             value = getattr(self, key.replace("-", "_"))
             if not value >= 0:
                 raise ConfigError(f"{key}={value}: expected a number >= 0")

@@ -53,9 +53,9 @@ def resources(cfg: RunConfig, run_id: int) -> NodeResources:
 
 
 def compute_update(res: NodeResources, cfg: RunConfig, server_round: int, block: int,
-                   pending: core.PendingUpdate | None, partition_id: int, num_partitions: int,
+                   pending: core.PendingUpdate | None, base_version: int, partition_id: int, num_partitions: int,
                    between_steps: BetweenSteps | None = None) -> TrainResult:
-    """Train ``block`` from ``x^{replica.version} + pending``; the replica is left as it was."""
+    """Train ``block`` from ``x^{base_version} + pending``; the replica is left as it was."""
     rows = client_partition(res.train_rows, partition_id, num_partitions, cfg.partitioning, cfg.dirichlet_alpha,
                             cfg.seed)
     seed = round_seed(cfg, server_round, partition_id)
@@ -64,7 +64,7 @@ def compute_update(res: NodeResources, cfg: RunConfig, server_round: int, block:
     settings = TrainSettings(cfg.local_steps, cfg.learning_rate, cfg.weight_decay, cfg.lr_schedule,
                              cfg.warmup_steps, cfg.max_grad_norm, cfg.precision)
     names = res.partition.names(block)
-    with res.replica.local_model(pending, names) as model:
+    with res.replica.local_model(base_version, pending, names) as model:
         result = train_block(model, names, batches, settings, between_steps)
     result.num_examples = len(rows)
     return result

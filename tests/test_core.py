@@ -78,3 +78,25 @@ def test_time_model():
     assert link.comm_seconds(bytes_up=1_000_000, bytes_down=1_000_000) == pytest.approx(0.2 + 1.0 + 0.5)
     assert core.modeled_round_seconds([3.0, 1.0], [2.0, 2.5], overlapped=False) == 5.0
     assert core.modeled_round_seconds([3.0, 1.0], [2.0, 2.5], overlapped=True) == 3.0
+
+
+def test_replica_shows_the_version_before_its_last_step_exactly():
+    """A Ray actor may already hold x^{r-1} when a ParaBlock node needs x^{r-2}: no float undo, a saved copy."""
+    from parablock_flwr.replica import ModelReplica
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    replica = ModelReplica(model)
+    x0 = {n: p.detach().clone() for n, p in model.named_parameters()}
+    steps = {1: (0, {"0.weight": torch.randn(4, 4) * 0.1}), 2: (1, {"1.weight": torch.randn(2, 4) * 0.1})}
+    replica.advance_to(2, steps.__getitem__)
+    with replica.local_model(1, None, ("0.bias",)) as m:
+        seen = dict(m.named_parameters())
+        assert torch.equal(seen["1.weight"], x0["1.weight"])  # g^2 not applied
+        assert torch.equal(seen["0.weight"], x0["0.weight"] + steps[1][1]["0.weight"])
+    assert torch.equal(replica.params["1.weight"], x0["1.weight"] + steps[2][1]["1.weight"])  # restored
+    replica.advance_to(1, steps.__getitem__)  # an older version is a no-op
+    assert replica.version == 2
+    with pytest.raises(RuntimeError, match="at global version 2, a computation needs version 0"):
+        with replica.local_model(0, None, ()):
+            pass

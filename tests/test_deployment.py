@@ -6,21 +6,27 @@ the model and trains block r+1 while block r's reply is in flight.
 
 import os
 import signal
+import subprocess
+import sys
+import threading
+import time
 
 import pytest
 import torch
 
-from parablock_flwr.launch import run_deployment
+from parablock_flwr.launch import free_port, run_deployment, stop_process_group, supernode_command
+from parablock_flwr.security import make_node_key
 
 from conftest import FinishedRun, finished, simulate, tiny_config
 
 ROUNDS = 3
 
 
-def deploy(tmp_path, model_dir, on_started=None, **overrides) -> FinishedRun:
+def deploy(tmp_path, model_dir, on_started=None, num_supernodes=2, secure=False, **overrides) -> FinishedRun:
     out = tmp_path / "out"
     config = tiny_config(model_dir, out, **{k.replace("_", "-"): v for k, v in overrides.items()})
-    proc = run_deployment(tmp_path / "flower", config, num_supernodes=2, timeout_s=900, on_started=on_started)
+    proc = run_deployment(tmp_path / "flower", config, num_supernodes=num_supernodes, timeout_s=900,
+                          on_started=on_started, secure=secure)
     return finished(proc, out)
 
 
@@ -63,17 +69,54 @@ def test_clientapp_process_does_not_import_torch(deployed):
     assert rows and all(row["clientapp_imported_torch"] == 0 for row in rows)
 
 
-def test_a_dead_worker_makes_its_node_reply_an_error_and_the_run_goes_on(tmp_path, tiny_model_dir):
-    def kill_first_worker(workers):
-        os.killpg(workers[0].pid, signal.SIGKILL)
-        workers[0].wait()
+def test_crashed_worker_restarts_and_nodes_resynchronise_under_partial_participation(tmp_path, tiny_model_dir):
+    """4 nodes, half sampled per round, 5 rounds; node 0's worker is SIGKILLed after round 1 and
+    restarted after round 2. Its node replies errors meanwhile (rejected, counted); the server then
+    sends what it missed (steps or full values) and it trains again with the invariant intact."""
+    events = {}
 
-    run = _ok(deploy(tmp_path, tiny_model_dir, on_started=kill_first_worker, num_server_rounds=2))
-    for rec in run.records[1:]:
-        assert rec["num_accepted"] == 1 and rec["num_rejected"] == 1, rec
-        assert "node worker is not running" in rec["rejected"][0]["reason"]
-    losses = [r["heldout_loss"] for r in run.records]
-    assert losses[-1] < losses[0]
+    def crash_and_restart(deployment):
+        workers = deployment.workers
+
+        def watch():
+            metrics = tmp_path / "out"
+            while not events.get("done"):
+                rounds = [len(f.read_text().splitlines()) - 1 for f in metrics.glob("*/metrics.jsonl")]
+                done = max(rounds, default=-1)
+                if done >= 1 and "killed" not in events:
+                    os.killpg(workers[0].pid, signal.SIGKILL)
+                    workers[0].wait()
+                    events["killed"] = done
+                if done >= 2 and "restarted" not in events:
+                    socket_path = workers[0].args[workers[0].args.index("--socket") + 1]
+                    events["restarted"] = subprocess.Popen(
+                        [sys.executable, "-m", "parablock_flwr.worker", "--socket", socket_path, "--idle-exit-s", "300"],
+                        start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                time.sleep(0.3)
+
+        threading.Thread(target=watch, daemon=True).start()
+
+    try:
+        run = deploy(tmp_path, tiny_model_dir, on_started=crash_and_restart, num_supernodes=4, num_server_rounds=5,
+                     fraction_train=0.5, verify_invariant=True, schedule="ascending", save_final_model=True)
+    finally:
+        events["done"] = True
+        if "restarted" in events:
+            stop_process_group(events["restarted"])
+    _ok(run)
+    assert events["killed"] == 1 and "restarted" in events
+    records = run.records[1:]
+    # Every accepted reply came from a model that is exactly x^{r-1} + its own update.
+    assert all(r["invariant_failed"] == 0 and r["invariant_checked"] == r["num_accepted"] for r in records)
+    assert all(r["num_accepted"] >= 1 for r in records)
+    # Nodes that sat out rounds were sent what they missed; the crash was seen and counted.
+    assert sum(r["catch_up_steps_sent"] + r["full_syncs_sent"] for r in records) > 0
+    # Rejections (if node 0 was sampled while down or right after the restart) are the crash's only.
+    reasons = [x["reason"] for r in records for x in r["rejected"]]
+    assert all("node worker is not running" in x or "lacks global step" in x for x in reasons), reasons
+    final = run.final_model()
+    assert all(torch.isfinite(t).all() for t in final.values())
+    assert records[-1]["heldout_loss"] < run.records[0]["heldout_loss"]
 
 
 def test_on_receipt_applies_the_aggregate_at_a_step_boundary_of_the_running_computation(tmp_path, tiny_model_dir):
@@ -87,3 +130,32 @@ def test_on_receipt_applies_the_aggregate_at_a_step_boundary_of_the_running_comp
         assert rec["num_accepted"] == 2 and rec["invariant_failed"] == 0
     losses = [r["heldout_loss"] for r in run.records]
     assert losses[-1] < losses[0]
+
+
+def test_tls_and_node_authentication_admit_a_registered_node_and_refuse_a_stranger(tmp_path, tiny_model_dir):
+    """TLS on the SuperLink, SuperNode authentication, keys registered with `flwr supernode register`:
+    the registered node trains; a node with an unregistered key is refused by the SuperLink."""
+    stranger = {}
+
+    def start_stranger(deployment):
+        key, _ = make_node_key(tmp_path / "stranger", "stranger")  # its public key is never registered
+        cmd = supernode_command(deployment.superlink, free_port(), free_port(), "partition-id=0 num-partitions=1",
+                                root_certificates=deployment.tls.ca_cert, auth_key=key)
+        stranger["log"] = tmp_path / "stranger.log"
+        with open(stranger["log"], "w") as log:
+            stranger["proc"] = subprocess.Popen(cmd, env=deployment.env, stdout=log, stderr=subprocess.STDOUT,
+                                                start_new_session=True)
+
+    try:
+        run = deploy(tmp_path, tiny_model_dir, on_started=start_stranger, num_supernodes=1, secure=True,
+                     num_server_rounds=2, generate_examples=0)
+        returncode = stranger["proc"].wait(timeout=120)
+    finally:
+        if "proc" in stranger:
+            stop_process_group(stranger["proc"])
+    _ok(run)
+    assert "Uvicorn running on https://" in (tmp_path / "flower" / "superlink.log").read_text()
+    assert returncode != 0 and "Failed to activate SuperNode" in stranger["log"].read_text()
+    for rec in run.records[1:]:  # only the registered node was ever asked, and it trained
+        assert rec["num_replies"] == 1 and rec["num_accepted"] == 1, rec
+    assert run.records[-1]["heldout_loss"] < run.records[0]["heldout_loss"]

@@ -14,6 +14,7 @@ from parablock_flwr import core
 from parablock_flwr.model import load_model
 from parablock_flwr.records import to_record
 from parablock_flwr.strategies import ParaBlock
+from parablock_flwr.strategies.fedbcd import TooFewReplies
 
 BLOCK = 1
 
@@ -25,7 +26,7 @@ def setup(tmp_path, tiny_model_dir):
     params = dict(model.named_parameters())
     global_params = {n: params[n] for n in partition.all_names()}
     strategy = ParaBlock(global_params=global_params, partition=partition, schedule=[BLOCK, 0],
-                         run_dir=tmp_path)
+                         run_dir=tmp_path, max_update_norm=10.0, min_accepted_replies=0)
     torch.manual_seed(0)
     update = {n: 1e-3 * torch.randn_like(params[n]) for n in partition.names(BLOCK)}
     before = core.snapshot(global_params, global_params)
@@ -53,6 +54,7 @@ def malformed(update):
     inf = dict(update, **{name: torch.full_like(update[name], math.inf)})
     missing = {n: t for n, t in list(update.items())[1:]}
     fp16 = dict(update, **{name: update[name].half()})
+    huge = dict(update, **{name: update[name] + 100.0})
     return [
         (reply(11, wrong_shape), "wrong shape"),
         (reply(12, update, block=0), "wrong block id 0"),
@@ -64,6 +66,7 @@ def malformed(update):
         (reply(18, fp16), "wrong dtype"),
         (reply(19, update, num_examples=0), "num-examples=0"),
         (reply(20, None, error=Error(code=0, reason="worker crashed")), "client error: worker crashed"),
+        (reply(21, huge), "above max-update-norm=10.0"),
     ]
 
 
@@ -91,3 +94,14 @@ def test_all_rejected_leaves_the_model_unchanged(setup):
     for n, t in strategy.global_params.items():
         assert torch.equal(t.detach(), before[n]), n
     assert all(torch.count_nonzero(t) == 0 for t in strategy.step_log.read(1)[1].values())
+
+
+def test_too_few_valid_replies_stop_the_run_with_one_line(setup):
+    strategy, update, before = setup
+    strategy.min_accepted_replies, strategy.on_too_few_replies = 2, "stop"
+    strategy._round = {"started": 0.0, "round_retries": 0, "nodes": [10, 13]}  # as configure_train leaves it
+    with pytest.raises(TooFewReplies, match=r"round 1: 1 valid replies, expected at least "
+                                            r"min-accepted-replies=2 \(node 13: non-finite values"):
+        strategy.aggregate_train(1, [reply(10, update), malformed(update)[2][0]])
+    for n, t in strategy.global_params.items():  # nothing was applied
+        assert torch.equal(t.detach(), before[n]), n

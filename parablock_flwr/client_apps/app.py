@@ -59,7 +59,9 @@ def relay_to_worker(msg: Message, context: Context, socket_path: str) -> Message
         "partition-id": int(context.node_config.get("partition-id", 0)),
         "num-partitions": int(context.node_config.get("num-partitions", 1)),
     }
-    arrays = {name: array.numpy() for name, array in msg.content["global-step"].items()}
+    # Every array record travels (g^{r-1}, and any catch-up), named "record/param".
+    arrays = {f"{record_name}/{name}": array.numpy()
+              for record_name, record in msg.content.array_records.items() for name, array in record.items()}
     try:
         reply, update = asyncio.run(request(socket_path, header, arrays))
     except (FileNotFoundError, ConnectionRefusedError) as err:

@@ -14,7 +14,7 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from .. import core, node
 from ..config import RunConfig
 from ..records import to_record, to_tensors
-from ..replica import StepLog
+from ..replica import StepLog, catch_up_steps
 from ..runtime import setup_torch
 
 
@@ -41,13 +41,16 @@ def train_inline(msg: Message, context: Context) -> Message:
     partition_id = int(context.node_config.get("partition-id", 0))
     num_partitions = int(context.node_config.get("num-partitions", 1))
     step_log = StepLog(round_cfg["run-dir"])
-    message_step = to_tensors(msg.content["global-step"])
+    # A full resync ("sync-values") is not needed here: the server's step log covers every version.
+    records = {name: to_tensors(msg.content[name]) for name in ("global-step", "catch-up")
+               if name in msg.content.array_records}
+    steps = catch_up_steps(round_cfg, records)
     from_log = []
 
     def fetch_step(version: int):
-        """``g^{r-1}`` came with the message; older steps from the server's log."""
-        if version == server_round - 1:
-            return int(round_cfg["step-block"]), message_step
+        """Steps come with the message; older ones (this actor is behind) from the server's log."""
+        if version in steps:
+            return steps[version]
         from_log.append(version)
         return step_log.read(version)
 
@@ -57,7 +60,8 @@ def train_inline(msg: Message, context: Context) -> Message:
     else:
         base_version, pending = server_round - 1, None
     res.replica.advance_to(base_version, fetch_step)
-    result = node.compute_update(res, cfg, server_round, block, pending, partition_id, num_partitions)
+    result = node.compute_update(res, cfg, server_round, block, pending, base_version, partition_id,
+                                 num_partitions)
 
     content = RecordDict({
         "update": to_record(result.delta),
@@ -66,9 +70,8 @@ def train_inline(msg: Message, context: Context) -> Message:
     })
     if parablock:
         save_pending(context.state, core.correct(block, result.delta, server_round))
-        if cfg.verify_invariant:
-            # y after the correction is x^{r-1} + Δ^r; the replica holds x^{base}.
-            steps = ([message_step] if base_version == server_round - 2 else []) + [result.delta]
+        if cfg.verify_invariant:  # y after the correction is x^{r-1} + Δ^r
+            res.replica.advance_to(server_round - 1, fetch_step)
             content["trace"] = ConfigRecord(
-                {"local-model-sha256": core.digest_after(res.replica.params, res.partition.all_names(), *steps)})
+                {"local-model-sha256": core.digest_after(res.replica.params, res.partition.all_names(), result.delta)})
     return Message(content=content, reply_to=msg)

@@ -23,6 +23,7 @@ from ..evaluation import evaluate
 from ..model import load_for_training, load_tokenizer, save_model
 from ..runtime import setup_torch
 from ..strategies import strategy_class
+from ..strategies.fedbcd import TooFewReplies
 
 log = logging.getLogger("parablock_flwr")
 app = ServerApp()
@@ -80,6 +81,10 @@ def main(grid: Grid, context: Context) -> None:
         fraction_train=cfg.fraction_train,
         min_available_nodes=cfg.min_available_nodes,
         seed=cfg.seed,
+        max_update_norm=cfg.max_update_norm,
+        min_accepted_replies=cfg.min_accepted_replies,
+        on_too_few_replies=cfg.on_too_few_replies,
+        max_round_retries=cfg.max_round_retries,
     )
 
     def evaluate_round(server_round: int, _arrays: ArrayRecord) -> MetricRecord | None:
@@ -95,8 +100,12 @@ def main(grid: Grid, context: Context) -> None:
             write_samples(run_dir / "samples" / f"round-{server_round:05d}.jsonl", samples)
         return MetricRecord(metrics)
 
-    strategy.start(grid, ArrayRecord(), num_rounds=cfg.num_server_rounds, timeout=cfg.round_timeout_s,
-                   evaluate_fn=evaluate_round)
+    try:
+        strategy.start(grid, ArrayRecord(), num_rounds=cfg.num_server_rounds, timeout=cfg.round_timeout_s,
+                       evaluate_fn=evaluate_round)
+    except TooFewReplies as err:
+        log.error("Stopping the run: %s", err)
+        sys.exit(3)
     if cfg.save_final_model:
         save_model(model, tokenizer, run_dir / "final-model")
     log.info("Done. Metrics: %s", run_dir / "metrics.jsonl")

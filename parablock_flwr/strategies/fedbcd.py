@@ -32,11 +32,15 @@ from ..replica import StepLog
 log = logging.getLogger("parablock_flwr")
 
 
+class TooFewReplies(RuntimeError):
+    """A round kept fewer valid replies than ``min-accepted-replies``: the run stops."""
+
+
 class FedBCD(Strategy):
     """Federated BCD: one block per round, every client, no overlap.
 
     Override points (stable signatures, see docs/extending.md):
-    ``choose_block``, ``select_nodes``, ``round_config``, ``check_reply``,
+    ``choose_block``, ``select_nodes``, ``round_config``, ``add_catch_up``, ``check_reply``,
     ``client_weight``, ``combine``, ``server_update``, ``extra_round_metrics``,
     ``record_round``.
     """
@@ -58,6 +62,10 @@ class FedBCD(Strategy):
         fraction_train: float = 1.0,
         min_available_nodes: int = 1,
         seed: int = 0,
+        max_update_norm: float = 0.0,
+        min_accepted_replies: int = 1,
+        on_too_few_replies: str = "retry",
+        max_round_retries: int = 2,
     ):
         self.global_params = global_params
         self.partition = partition
@@ -70,6 +78,10 @@ class FedBCD(Strategy):
         self.fraction_train = fraction_train
         self.min_available_nodes = min_available_nodes
         self.seed = seed
+        self.max_update_norm = max_update_norm
+        self.min_accepted_replies = min_accepted_replies
+        self.on_too_few_replies = on_too_few_replies
+        self.max_round_retries = max_round_retries
         self.step_log = StepLog(run_dir)
         self.recorder = RunRecorder(run_dir)
         self._round: dict = {}
@@ -77,6 +89,8 @@ class FedBCD(Strategy):
         self._modeled_wall_s = 0.0
         self._num_rounds = len(schedule)
         self._blocks: dict[int, int] = {}
+        # The global version each node's model holds, learned from its replies (0: unknown).
+        self.node_versions: dict[int, int] = {}
 
     # ---------------------------------------------------------------- policy
     def block_for_round(self, server_round: int) -> int:
@@ -148,13 +162,45 @@ class FedBCD(Strategy):
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        """Send ``g^{r-1}`` (in ``arrays``, empty in round 1) and ``b_r`` to every node."""
-        self._round = {"started": time.perf_counter()}
+        """Send ``g^{r-1}`` (in ``arrays``, empty in round 1), ``b_r`` and any catch-up to each node."""
+        self._round = {"started": time.perf_counter(), "catch_up_steps_sent": 0, "full_syncs_sent": 0,
+                       "round_retries": 0}
+        self._grid, self._global_step = grid, arrays  # kept for a retry of this round
+        return self.train_messages(server_round, self.select_nodes(server_round, grid))
+
+    def train_messages(self, server_round: int, nodes: list[int]) -> list[Message]:
+        """Round r's message to each node: ``g^{r-1}``, the blocks, the node's catch-up."""
         block = self.block_for_round(server_round)
         step_block = self.block_for_round(server_round - 1) if server_round > 1 else -1
-        content = RecordDict({"global-step": arrays, "round": self.round_config(server_round, block, step_block)})
-        return [Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node)
-                for node in self.select_nodes(server_round, grid)]
+        self._round["nodes"] = sorted(set(self._round.get("nodes", [])) | set(nodes))
+        messages = []
+        for node in nodes:
+            content = RecordDict({"global-step": self._global_step,
+                                  "round": self.round_config(server_round, block, step_block)})
+            self.add_catch_up(content, server_round, node)
+            messages.append(Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node))
+        return messages
+
+    def add_catch_up(self, content: RecordDict, server_round: int, node: int) -> None:
+        """What a node needs besides ``g^{r-1}`` to hold ``x^{r-1}``: the steps it missed,
+        or the values of every block when it missed more steps than there are blocks.
+
+        A node missed steps when it was not sampled, its reply failed, it restarted, or
+        it joined mid-run. The values are exact copies, so a full resync is bit-exact too.
+        """
+        missed = list(range(self.node_versions.get(node, 0) + 1, server_round - 1))
+        if not missed:
+            return
+        if len(missed) <= self.partition.num_blocks:
+            steps = {version: self.step_log.read(version) for version in missed}
+            content["round"]["catch-up-versions"] = missed
+            content["round"]["catch-up-blocks"] = [steps[v][0] for v in missed]
+            content["catch-up"] = to_record({f"v{v}/{n}": t for v in missed for n, t in steps[v][1].items()})
+            self._round["catch_up_steps_sent"] += len(missed)
+        else:
+            content["round"]["sync-version"] = server_round - 1
+            content["sync-values"] = to_record(self.global_params)
+            self._round["full_syncs_sent"] += 1
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
@@ -162,16 +208,11 @@ class FedBCD(Strategy):
         block = self.block_for_round(server_round)
         names = self.partition.names(block)
         replies = list(replies)
-        accepted: list[tuple[core.Tensors, MetricRecord, Message]] = []
-        rejected: list[dict] = []
-        for msg in replies:
-            reason = self.check_reply(msg, server_round, block)
-            if reason is None:
-                accepted.append((to_tensors(msg.content["update"]), msg.content["metrics"], msg))
-            else:
-                node = msg.metadata.src_node_id
-                log.warning("round %d: rejected the reply of node %d: %s", server_round, node, reason)
-                rejected.append({"node": node, "reason": reason})
+        accepted, rejected = self.check_replies(server_round, block, replies)
+        while len(accepted) < self.min_accepted_replies:
+            more = self.retry_round(server_round, accepted, rejected)
+            more_accepted, more_rejected = self.check_replies(server_round, block, more)
+            replies, accepted, rejected = replies + more, accepted + more_accepted, rejected + more_rejected
 
         # Float sums depend on order and replies arrive in any order: sort them by the
         # client's stable partition id (node ids change from run to run).
@@ -192,6 +233,34 @@ class FedBCD(Strategy):
         summary = {k: v for k, v in self._round.items() if isinstance(v, (int, float)) and k != "started"}
         return to_record(step), MetricRecord(summary)
 
+    def check_replies(self, server_round: int, block: int, replies: list[Message]) -> tuple[list, list[dict]]:
+        """Split replies into accepted ``(update, metrics, msg)`` and rejected ``{node, reason}``."""
+        accepted, rejected = [], []
+        for msg in replies:
+            self.track_node_version(msg, server_round)
+            reason = self.check_reply(msg, server_round, block)
+            if reason is None:
+                accepted.append((to_tensors(msg.content["update"]), msg.content["metrics"], msg))
+            else:
+                node = msg.metadata.src_node_id
+                log.warning("round %d: rejected the reply of node %d: %s", server_round, node, reason)
+                rejected.append({"node": node, "reason": reason})
+        return accepted, rejected
+
+    def retry_round(self, server_round: int, accepted: list, rejected: list[dict]) -> list[Message]:
+        """Too few valid replies: re-send the round to the nodes without one, or stop the run."""
+        if self.on_too_few_replies == "stop" or self._round["round_retries"] >= self.max_round_retries:
+            reasons = "; ".join(f"node {r['node']}: {r['reason']}" for r in rejected[-3:]) or "no replies"
+            raise TooFewReplies(f"round {server_round}: {len(accepted)} valid replies, expected at least "
+                                f"min-accepted-replies={self.min_accepted_replies} ({reasons})")
+        self._round["round_retries"] += 1
+        done = {m.metadata.src_node_id for _, _, m in accepted}
+        nodes = [n for n in self._round["nodes"] if n not in done]
+        log.warning("round %d: %d valid replies, fewer than min-accepted-replies=%d: re-sending to %d nodes "
+                    "(retry %d of %d)", server_round, len(accepted), self.min_accepted_replies, len(nodes),
+                    self._round["round_retries"], self.max_round_retries)
+        return list(self._grid.send_and_receive(self.train_messages(server_round, nodes), timeout=self._timeout))
+
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
         """No client-side evaluation: the server evaluates held-out loss itself."""
@@ -204,7 +273,7 @@ class FedBCD(Strategy):
               train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
               evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
         """Flower's loop, with the round's record written after the server's evaluation."""
-        self._num_rounds = num_rounds
+        self._num_rounds, self._timeout = num_rounds, timeout
 
         def evaluate_and_record(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
             metrics = evaluate_fn(server_round, arrays) if evaluate_fn else None
@@ -213,6 +282,14 @@ class FedBCD(Strategy):
 
         return super().start(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config,
                              evaluate_and_record)
+
+    def track_node_version(self, msg: Message, server_round: int) -> None:
+        """A node that answered round r holds ``x^{r-1}``; after an error its state is unknown."""
+        node = msg.metadata.src_node_id
+        if msg.has_error():
+            self.node_versions.pop(node, None)
+        else:
+            self.node_versions[node] = server_round - 1
 
     # ------------------------------------------------------------ checking
     def check_reply(self, msg: Message, server_round: int, block: int) -> str | None:
@@ -245,6 +322,10 @@ class FedBCD(Strategy):
                 return f"wrong dtype for {name}: {array.dtype}, expected float32"
             if not torch.isfinite(torch.from_numpy(array.numpy())).all():
                 return f"non-finite values in {name}"
+        if self.max_update_norm > 0:
+            norm = math.sqrt(sum(float(torch.from_numpy(a.numpy()).double().square().sum()) for a in update.values()))
+            if norm > self.max_update_norm:
+                return f"update norm {norm:.4g} above max-update-norm={self.max_update_norm}"
         return None
 
     def check_invariant(self, accepted: list) -> dict:

@@ -33,6 +33,7 @@ import torch
 
 from .. import core, node
 from ..config import RunConfig
+from ..replica import catch_up_steps
 from ..runtime import setup_torch
 from .protocol import recv, send
 
@@ -63,6 +64,15 @@ class CorrectionSlot:
             self.applied_after_step = k
 
 
+def split_records(arrays: dict[str, np.ndarray]) -> dict[str, core.Tensors]:
+    """``{"record/name": array}`` from the relay back into ``{record: {name: tensor}}``."""
+    records: dict[str, core.Tensors] = {"global-step": {}}
+    for key, array in arrays.items():
+        record, _, name = key.partition("/")
+        records.setdefault(record, {})[name] = torch.from_numpy(array.copy())
+    return records
+
+
 class NodeWorker:
     """One node's persistent state and its background computation."""
 
@@ -86,22 +96,30 @@ class NodeWorker:
         rnd = header["round"]
         server_round, block, next_block = int(rnd["server-round"]), int(rnd["block"]), int(rnd["next-block"])
         pid, nparts = int(header["partition-id"]), int(header["num-partitions"])
-        step = {n: torch.from_numpy(a.copy()) for n, a in arrays.items()}
+        records = split_records(arrays)
+        steps = catch_up_steps(rnd, records)
 
         def fetch_step(version: int):
-            if version == server_round - 1:
-                return int(rnd["step-block"]), step
-            raise RuntimeError(f"this worker missed global step v{version} (it is at v{res.replica.version}); "
-                               "catching up a worker that missed rounds is not supported yet")
+            if version in steps:
+                return steps[version]
+            raise RuntimeError(f"this worker's model is at v{res.replica.version} and the message lacks global "
+                               f"step v{version} (the server sends missed steps to nodes it knows are behind)")
 
         waited = 0.0
         ahead = self.next_round
         self.next_round = None
+        if ahead is not None and ahead[0] != server_round:
+            # Computed ahead for a round this node was not part of: wait for it (it uses the replica), drop it.
+            with contextlib.suppress(Exception):
+                ahead[1].result()
+            ahead = None
+        if "sync-version" in rnd:  # missed more steps than there are blocks: take x^{r-1} as values
+            res.replica.reset_to(int(rnd["sync-version"]), records["sync-values"])
         correction_step = cfg.local_steps  # at the end, unless applied on receipt
-        if rnd["algorithm"] == "parablock" and ahead is not None and ahead[0] == server_round:
+        if rnd["algorithm"] == "parablock" and ahead is not None:
             _, future, slot = ahead
             if cfg.correction_mode == "on-receipt" and self.pending is not None:
-                slot.post(step, self.pending.delta)  # applied at the next step boundary if still training
+                slot.post(steps[server_round - 1][1], self.pending.delta)  # applied at the next step boundary
             wait_start = time.time()
             result = future.result()  # Δ_i^r, computed from x^{r-2} + Δ_i^{r-1}
             waited = time.time() - wait_start
@@ -112,7 +130,7 @@ class NodeWorker:
         else:  # round 1, sequential BCD, or a node that must resynchronise: compute now from x^{r-1}
             res.replica.advance_to(server_round - 1, fetch_step)
             base_version = server_round - 1
-            result = node.compute_update(res, cfg, server_round, block, None, pid, nparts)
+            result = node.compute_update(res, cfg, server_round, block, None, base_version, pid, nparts)
         metrics = {
             **node.update_metrics(result, server_round, block, pid, base_version),
             "compute-start": result.started, "compute-end": result.ended,
@@ -128,7 +146,7 @@ class NodeWorker:
             if next_block >= 0:
                 slot = CorrectionSlot()
                 future = self.compute_thread.submit(node.compute_update, res, cfg, server_round + 1, next_block,
-                                                    self.pending, pid, nparts, slot)
+                                                    self.pending, server_round - 1, pid, nparts, slot)
                 self.next_round = (server_round + 1, future, slot)
         reply_arrays = {n: t.numpy() for n, t in result.delta.items()}
         return {"metrics": metrics, "trace": trace}, reply_arrays

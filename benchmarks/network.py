@@ -1,0 +1,689 @@
+"""Every algorithm over shaped links: network namespaces, veth pairs, `tc tbf` and a latency proxy.
+
+One command builds a small network on this one machine, runs each algorithm
+in turn over it (same model, data, seed, rounds and links), reports what was
+measured next to what the server's time model predicts, and removes
+everything it made:
+
+    namespace pbn-<pid>-link     flower-superlink on 0.0.0.0:9093, its ServerApp, `flwr run`
+         |  one veth pair per node: 10.213.<i>.1 (link side) <-> 10.213.<i>.2 (node side),
+         |  `tc tbf` on both ends: node-side egress = uplink, link-side egress = downlink
+    namespace pbn-<pid>-n<i>     latency proxy 127.0.0.1:9092 -> 10.213.<i>.1:9093 (one-way delay
+                                 on every chunk, both directions; this kernel has no netem),
+                                 flower-supernode -> the proxy, the node worker (Unix socket)
+
+SuperLink, SuperNodes, workers and proxies are restarted for every run (a fresh
+worker per run, so its peak memory is that run's); the namespaces and links
+stay, and their rate is changed between the rates of a sweep. Every process is
+stopped by its PID (with its process group), every namespace deleted, also on
+Ctrl-C, SIGTERM or an error. Needs root (`ip netns`).
+
+    .venv/bin/python benchmarks/network.py                       # SmolLM2, 2 clients, 3 rounds, every algorithm
+    .venv/bin/python benchmarks/network.py --rates 10,25,100     # a sweep of link rates
+    .venv/bin/python benchmarks/network.py --fast                # tiny model, a short smoke run (no docs)
+    .venv/bin/python benchmarks/network.py --probe               # 1 round: the rate at which link time = compute
+
+Writes into --out: results.json, loss-vs-wall.png, round-times.png, the run
+folders and every process's log; without --fast (or with --docs) also a
+section of docs/benchmarks.md with the plots under docs/img/.
+
+How the default link rate was chosen (compute ~ communication): a round of the
+default job moves one 5-layer block of SmolLM2 each way per client,
+5 x 3.54 M params x 4 B = 70.8 MB up and 70.8 MB down, and the server's time
+model charges it 2 x latency + 8 x (up + down) / rate. The link time equals a
+round's compute C at rate = 8 x 141.6 MB / (C - 2 x latency). On this 2-core
+machine (2 workers, 1 torch thread each, 3 local steps, batch 4 x 192 tokens):
+  - `--probe` (2026-11-29, while another job's tests kept the load at ~4)
+    measured C = 61.4 s, i.e. 18.5 Mbit/s;
+  - the quiet-machine local deployment in docs/benchmarks.md measured C =
+    31.6 s (ParaBlock) and 23.8 s (sequential BCD) for the same round 1, mean
+    27.7 s, i.e. 41 Mbit/s.
+The default, 40 Mbit/s with 50 ms one way, is the quiet-machine figure (the
+benchmark is meant to run on a quiet machine). On another machine run
+`--probe` first and pass the rate it prints with --rate. The same
+calculation, with the tiny model's ~0.55 s of compute and 0.59 MB each round,
+sets the --fast rate (8 Mbit/s, 20 ms); there Flower's fixed costs (3 s polls,
+process start-up) dominate the communication window anyway.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from parablock_flwr.launch import (PROJECT_DIR, _flwr_run, _wait_for, flower_env, node_config, started,
+                                   superlink_command, supernode_command, worker_command, write_connection)
+
+# Chosen so that link time ~ one round's compute: see the module docstring.
+DEFAULT_RATE_MBPS = 40.0
+DEFAULT_LATENCY_MS = 50.0
+FAST_RATE_MBPS = 8.0
+FAST_LATENCY_MS = 20.0
+
+# Ports inside the namespaces: every namespace is fresh, so fixed ports are free.
+SUPERLINK_PORT, SUPERLINK_HEALTH_PORT = 9093, 9094
+PROXY_PORT, CLIENTAPPIO_PORT, SUPERNODE_HEALTH_PORT = 9092, 9095, 9096
+PROXY = Path(__file__).resolve().parent / "latency_proxy.py"
+IP = shutil.which("ip") or "/usr/sbin/ip"
+TC = shutil.which("tc") or "/usr/sbin/tc"
+
+# The tiny model's run (as benchmarks/local_deployment.py --tiny): seconds per round.
+TINY_CONFIG = {"num-examples": 64, "heldout-examples": 8, "max-seq-len": 128, "learning-rate": 3e-3}
+
+
+# ------------------------------------------------------------------ the network
+@dataclass
+class Node:
+    index: int
+    ns: str
+    dev: str  # node-side veth: its egress is the uplink
+    link_dev: str  # link-side veth, in the SuperLink's namespace: its egress is the downlink
+    link_ip: str  # the SuperLink's address on this node's link
+
+
+@dataclass
+class Network:
+    prefix: str
+    link_ns: str
+    nodes: list[Node]
+
+
+def sh(*cmd: str) -> str:
+    """Run a setup command; fail with its own error message in one line."""
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"`{shlex.join(cmd)}` failed: {proc.stderr.strip()}")
+    return proc.stdout
+
+
+def in_netns(ns: str) -> list[str]:
+    """Prefix that runs a command inside ``ns``; `ip netns exec` execs it, so the PID stays the command's."""
+    return [IP, "netns", "exec", ns]
+
+
+def build_network(stack: contextlib.ExitStack, prefix: str, num_clients: int) -> Network:
+    """The namespaces and veth pairs, each deleted again when ``stack`` closes (registered as made)."""
+    link_ns = f"{prefix}-link"
+    _add_netns(stack, link_ns)
+    nodes = []
+    for i in range(num_clients):
+        ns = f"{prefix}-n{i}"
+        _add_netns(stack, ns)
+        tag = prefix.removeprefix("pbn-")  # interface names: 15 characters at most
+        node = Node(i, ns, dev=f"pb{tag}n{i}", link_dev=f"pb{tag}l{i}", link_ip=f"10.213.{i}.1")
+        sh(IP, "link", "add", node.link_dev, "netns", link_ns, "type", "veth", "peer", "name", node.dev,
+           "netns", ns)
+        stack.callback(_quietly, IP, "-n", link_ns, "link", "del", node.link_dev)  # takes its peer with it
+        sh(IP, "-n", link_ns, "addr", "add", f"{node.link_ip}/30", "dev", node.link_dev)
+        sh(IP, "-n", ns, "addr", "add", f"10.213.{i}.2/30", "dev", node.dev)
+        sh(IP, "-n", link_ns, "link", "set", node.link_dev, "up")
+        sh(IP, "-n", ns, "link", "set", node.dev, "up")
+        nodes.append(node)
+    return Network(prefix, link_ns, nodes)
+
+
+def _add_netns(stack: contextlib.ExitStack, ns: str) -> None:
+    sh(IP, "netns", "add", ns)
+    stack.callback(_quietly, IP, "netns", "delete", ns)
+    sh(IP, "-n", ns, "link", "set", "lo", "up")  # the SuperNode talks to its proxy and ClientApp on loopback
+
+
+def _quietly(*cmd: str) -> None:
+    subprocess.run(cmd, capture_output=True)
+
+
+def shape(net: Network, rate_mbps: float, latency_ms: float) -> None:
+    """Limit every link to ``rate_mbps`` each way (tbf on both ends of each veth pair).
+
+    The burst must hold a whole (GSO) packet of up to 64 KiB, else large packets
+    never pass; 10 ms of traffic above that. The queue holds 400 ms plus a round
+    trip of the proxy's delay, so TCP keeps the link busy.
+    """
+    burst = max(64 * 1024, int(rate_mbps * 1e6 / 8 * 0.01))
+    args = ["root", "tbf", "rate", f"{rate_mbps * 1000:.0f}kbit", "burst", str(burst),
+            "latency", f"{400 + 2 * latency_ms:.0f}ms"]
+    for node in net.nodes:
+        sh(TC, "-n", node.ns, "qdisc", "replace", "dev", node.dev, *args)
+        sh(TC, "-n", net.link_ns, "qdisc", "replace", "dev", node.link_dev, *args)
+
+
+def wire_bytes(node: Node) -> tuple[int, int]:
+    """(sent, received) bytes of the node's veth so far: what really crossed its link."""
+    stats = json.loads(sh(IP, "-n", node.ns, "-s", "-j", "link", "show", node.dev))[0]["stats64"]
+    return stats["tx"]["bytes"], stats["rx"]["bytes"]
+
+
+def listens_in(ns: str, port: int) -> bool:
+    """Does something accept TCP connections on 127.0.0.1:port inside ``ns``?"""
+    probe = [*in_netns(ns), "bash", "-c", f": </dev/tcp/127.0.0.1/{port}"]
+    return subprocess.run(probe, capture_output=True).returncode == 0
+
+
+def descendants(pids: list[int]) -> list[int]:
+    """Every live process below ``pids``: Flower starts some children in sessions of their own."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = [], list(pids)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def terminate_all(pids: list[int]) -> None:
+    """SIGTERM every process (its group, when it leads one) at once: they shut down in parallel
+    (1-3 s each) instead of one after the other in the ExitStack."""
+    for pid in pids:
+        try:
+            os.killpg(pid, signal.SIGTERM)
+        except ProcessLookupError:  # not a group leader, or gone
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie is dead, only not yet reaped by its parent)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    """Wait until none of ``pids`` runs any more; those still running after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
+
+
+def peak_rss_mb(pid: int) -> float | None:
+    """VmHWM of a live process (its peak resident memory), in MB."""
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return None
+
+
+# ------------------------------------------------------------------ one run
+def run_one(net: Network, algorithm: str, rate: float, args: argparse.Namespace, model: str, out: Path) -> dict:
+    """SuperLink, workers, proxies and SuperNodes in their namespaces, `flwr run`, then stop them all."""
+    workdir = out / "runs" / f"{rate:g}mbps-{algorithm}"
+    flwr_home = workdir / "flwr-home"
+    flwr_home.mkdir(parents=True, exist_ok=True)
+    write_connection(flwr_home, f"127.0.0.1:{SUPERLINK_PORT}")
+    run_config = make_run_config(algorithm, rate, args, model, workdir / "out")
+    wire_before = [wire_bytes(node) for node in net.nodes]
+    result: dict = {"algorithm": algorithm, "rate_mbps": rate, "latency_ms": args.latency_ms, "pids": [],
+                    "workdir": str(workdir)}
+    began = time.perf_counter()
+    with contextlib.ExitStack() as procs:  # stops each process (SIGKILL after a grace period), even on error
+        try:
+            workers = start_processes(procs, net, args.latency_ms, workdir, flower_env_for(flwr_home), result["pids"])
+            result["startup_s"] = time.perf_counter() - began
+            try:
+                proc = _flwr_run(workdir, run_config, PROJECT_DIR, args.timeout_s, True, [],
+                                 prefix=in_netns(net.link_ns))
+                (workdir / "flwr-run.log").write_text(proc.stdout + proc.stderr)
+                result["returncode"] = proc.returncode
+            except subprocess.TimeoutExpired:
+                result["returncode"] = "timeout"
+            result["total_wall_s"] = time.perf_counter() - began
+            result["worker_peak_rss_mb"] = [peak_rss_mb(w.pid) for w in workers]  # before they are stopped
+        finally:
+            stopping = time.perf_counter()
+            result["pids"] += descendants(result["pids"])  # e.g. the SuperLink's detached flower-superexec
+            terminate_all(result["pids"])
+            wait_gone(result["pids"], timeout_s=10)
+    result["killed_pids"] = wait_gone(result["pids"], timeout_s=2)  # should be none: kill them by PID
+    for pid in result["killed_pids"]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    result["stop_s"] = time.perf_counter() - stopping
+    wire_after = [wire_bytes(node) for node in net.nodes]
+    result["wire_bytes_up_per_client"] = _mean([a[0] - b[0] for a, b in zip(wire_after, wire_before)])
+    result["wire_bytes_down_per_client"] = _mean([a[1] - b[1] for a, b in zip(wire_after, wire_before)])
+    result.update(read_run(workdir / "out") if result["returncode"] == 0 else {})
+    if "rounds" not in result:
+        result["error"] = f"flwr run ended with {result['returncode']}; see {workdir}/flwr-run.log"
+    return result
+
+
+def flower_env_for(flwr_home: Path) -> dict[str, str]:
+    env = flower_env(flwr_home)
+    env["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] = "0.2"  # the only Flower poll that can be tuned
+    return env
+
+
+def start_processes(procs: contextlib.ExitStack, net: Network, latency_ms: float, workdir: Path,
+                    env: dict[str, str], pids: list[int]) -> list[subprocess.Popen]:
+    """Every process of one run, each in its namespace, each appended to ``pids``; returns the workers.
+
+    A SuperNode starts only once its worker listens (its first message needs it)
+    and its proxy accepts connections.
+    """
+    def start(ns: str, cmd: list[str], log: str) -> subprocess.Popen:
+        proc = procs.enter_context(started([*in_netns(ns), *cmd], workdir / log, env))
+        pids.append(proc.pid)  # also its process group: `started` gives each a session of its own
+        return proc
+
+    # Unix socket paths are limited to ~100 bytes: keep them short, under /tmp.
+    sockets = Path(procs.enter_context(tempfile.TemporaryDirectory(prefix=f"{net.prefix}-")))
+    superlink = start(net.link_ns, superlink_command(SUPERLINK_PORT, SUPERLINK_HEALTH_PORT, workdir / "flwr-home" /
+                                                     "state.db", host="0.0.0.0"), "superlink.log")
+    workers, proxies = [], []
+    for node in net.nodes:
+        workers.append(start(node.ns, worker_command(sockets / f"w{node.index}.sock"), f"worker-{node.index}.log"))
+        proxies.append(start(node.ns, [sys.executable, str(PROXY), "--listen", f"127.0.0.1:{PROXY_PORT}",
+                                       "--target", f"{node.link_ip}:{SUPERLINK_PORT}", "--delay-ms", str(latency_ms)],
+                             f"proxy-{node.index}.log"))
+    _wait_for(lambda: listens_in(net.link_ns, SUPERLINK_PORT), superlink, workdir / "superlink.log")
+    for node, worker, proxy in zip(net.nodes, workers, proxies):
+        sock = sockets / f"w{node.index}.sock"
+        _wait_for(sock.exists, worker, workdir / f"worker-{node.index}.log")
+        _wait_for(lambda: listens_in(node.ns, PROXY_PORT), proxy, workdir / f"proxy-{node.index}.log")
+        start(node.ns, supernode_command(f"127.0.0.1:{PROXY_PORT}", CLIENTAPPIO_PORT, SUPERNODE_HEALTH_PORT,
+                                         node_config(node.index, len(net.nodes), sock)), f"supernode-{node.index}.log")
+    return workers
+
+
+def read_run(out: Path) -> dict:
+    """The run folder's metrics.jsonl, one row per round (round 0 = before training)."""
+    run_dirs = sorted(out.glob("*")) if out.exists() else []
+    if not run_dirs or not (run_dirs[-1] / "metrics.jsonl").exists():
+        return {}
+    records = [json.loads(line) for line in (run_dirs[-1] / "metrics.jsonl").read_text().splitlines()]
+    return {"run_dir": str(run_dirs[-1]), "heldout_loss_initial": records[0].get("heldout_loss"),
+            "initial_elapsed_s": records[0].get("elapsed_s"), "rounds": [round_row(rec) for rec in records[1:]]}
+
+
+def make_run_config(algorithm: str, rate: float, args: argparse.Namespace, model: str, out: Path) -> dict:
+    """Same everything for every algorithm; the link goes into the server's time model too."""
+    config = {"algorithm": algorithm, "model": model, "output-dir": str(out), "num-server-rounds": args.rounds,
+              "layers-per-block": args.layers_per_block, "local-steps": args.local_steps, "torch-threads": 1,
+              "uplink-mbps": rate, "downlink-mbps": rate, "latency-ms": args.latency_ms,
+              "min-available-nodes": args.clients}  # the server waits for every node before round 1
+    if args.tiny:
+        config.update(TINY_CONFIG)
+    return config
+
+
+def round_row(rec: dict) -> dict:
+    """One round as measured (node workers' timeline, server's round wall) and as modeled.
+
+    Communication is the node's window from its previous reply leaving the
+    worker to this round's message reaching it (so none in round 1); idle is
+    the part of that window the node's worker did not compute; overlap
+    efficiency = round wall / max(compute, communication), 1.0 = perfect overlap.
+    """
+    compute = rec.get("measured_compute_s", rec.get("compute_s_mean"))
+    comm = rec.get("measured_comm_s")
+    wall = rec.get("round_wall_s")
+    # Idle: the part of each node's window with no compute running (all of it for sequential BCD).
+    windows = [t for t in rec.get("timeline", []) if "comm_s" in t]
+    idle = _mean([t["comm_s"] * (1 - t["overlap_share"]) for t in windows]) if windows else None
+    efficiency = wall / max(compute, comm) if None not in (wall, compute, comm) and max(compute, comm) > 0 else None
+    return {
+        "round": rec["round"], "block": rec.get("block"), "heldout_loss": rec.get("heldout_loss"),
+        "elapsed_s": rec.get("elapsed_s"), "round_wall_s": wall, "compute_s": compute, "comm_s": comm,
+        "idle_s": idle, "overlap_share": rec.get("measured_overlap_share"),
+        "overlap_efficiency": efficiency,
+        "bytes_up_per_client": rec.get("bytes_up_per_client"),
+        "bytes_down_per_client": rec.get("bytes_down_per_client"),
+        "modeled_compute_s": rec.get("compute_s_mean"), "modeled_comm_s": rec.get("comm_s_modeled"),
+        "modeled_round_s": rec.get("modeled_round_s"),
+    }
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+# ------------------------------------------------------------------ report
+def _f(x, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _sum(rows: list[dict], key: str) -> float | None:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return sum(values) if values else None
+
+
+def tables(runs: list[dict]) -> str:
+    """Markdown: per round (measured next to modeled), then per algorithm and rate."""
+    lines = ["| rate Mbit/s | algorithm | round | compute s | comm s | idle s | round wall s | overlap eff. | "
+             "modeled comm s | modeled round s | MB up / down per client | held-out loss |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for run in runs:
+        for r in run.get("rounds", []):
+            lines.append(
+                f"| {run['rate_mbps']:g} | {run['algorithm']} | {r['round']} | {_f(r['compute_s'])} | "
+                f"{_f(r['comm_s'])} | {_f(r['idle_s'])} | {_f(r['round_wall_s'])} | {_f(r['overlap_efficiency'], 2)} | "
+                f"{_f(r['modeled_comm_s'])} | {_f(r['modeled_round_s'])} | "
+                f"{_mb(r['bytes_up_per_client'])} / {_mb(r['bytes_down_per_client'])} | {_f(r['heldout_loss'], 4)} |")
+    lines += ["", "| rate Mbit/s | algorithm | total wall s | rounds 2..R wall s (modeled) | mean overlap eff. r≥2 | "
+              "wire MB per client up / down | worker peak RSS MB | held-out loss r0 → rR |",
+              "|---|---|---|---|---|---|---|---|"]
+    for run in runs:
+        if "rounds" not in run:
+            lines.append(f"| {run['rate_mbps']:g} | {run['algorithm']} | failed: {run['error']} | | | | | |")
+            continue
+        later = run["rounds"][1:]
+        effs = [r["overlap_efficiency"] for r in later if r["overlap_efficiency"] is not None]
+        peaks = ", ".join(_f(p, 0) for p in run["worker_peak_rss_mb"])
+        lines.append(
+            f"| {run['rate_mbps']:g} | {run['algorithm']} | {run['total_wall_s']:.0f} | "
+            f"{_f(_sum(later, 'round_wall_s'))} ({_f(_sum(later, 'modeled_round_s'))}) | "
+            f"{_f(_mean(effs) if effs else None, 2)} | "
+            f"{_mb(run['wire_bytes_up_per_client'])} / {_mb(run['wire_bytes_down_per_client'])} | {peaks} | "
+            f"{_f(run['heldout_loss_initial'], 4)} → {_f(run['rounds'][-1]['heldout_loss'], 4)} |")
+    return "\n".join(lines)
+
+
+def _mb(x) -> str:
+    return "-" if x is None else f"{x / 1e6:.2f}"
+
+
+def plots(runs: list[dict], folder: Path) -> list[Path]:
+    """Held-out loss against wall clock; per-round compute / communication / idle bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [r for r in runs if "rounds" in r]
+    if not done:
+        return []
+    rates = sorted({r["rate_mbps"] for r in done})
+    algorithms = list(dict.fromkeys(r["algorithm"] for r in done))
+    fig, axes = plt.subplots(1, len(rates), figsize=(6 * len(rates), 4), squeeze=False)
+    for ax, rate in zip(axes[0], rates):
+        for run in (r for r in done if r["rate_mbps"] == rate):
+            points = [(run["initial_elapsed_s"], run["heldout_loss_initial"])]
+            points += [(r["elapsed_s"], r["heldout_loss"]) for r in run["rounds"]]
+            ax.plot(*zip(*points), marker="o", label=run["algorithm"])
+        ax.set(title=f"{rate:g} Mbit/s, {runs[0]['latency_ms']:g} ms one way",
+               xlabel="wall clock since the strategy started, s (first point: before training)",
+               ylabel="held-out loss")
+        ax.legend()
+    loss_png = folder / "loss-vs-wall.png"
+    fig.tight_layout()
+    fig.savefig(loss_png, dpi=110)
+    plt.close(fig)
+
+    height = 3.2 * len(rates) + 0.5  # + a row for the legend
+    fig, axes = plt.subplots(len(rates), len(algorithms), figsize=(4 * len(algorithms), height), squeeze=False)
+    for row, rate in zip(axes, rates):
+        for ax, algorithm in zip(row, algorithms):
+            run = next((r for r in done if r["rate_mbps"] == rate and r["algorithm"] == algorithm), None)
+            if run is None:
+                ax.set_visible(False)
+                continue
+            xs = [r["round"] for r in run["rounds"]]
+            for k, (key, label) in enumerate((("compute_s", "compute"), ("comm_s", "communication"),
+                                              ("idle_s", "idle"))):
+                ax.bar([x + (k - 1) * 0.27 for x in xs], [r[key] or 0.0 for r in run["rounds"]], width=0.27,
+                       label=label)
+            ax.plot(xs, [r["round_wall_s"] for r in run["rounds"]], "k_", markersize=22, mew=2, label="round wall")
+            ax.plot(xs, [r["modeled_round_s"] for r in run["rounds"]], "_", color="grey", markersize=22, mew=2,
+                    linestyle="none", label="modeled round")
+            ax.set(title=f"{algorithm}, {rate:g} Mbit/s", xlabel="round", ylabel="s", xticks=xs)
+    fig.legend(*next(ax for ax in axes.flat if ax.get_visible()).get_legend_handles_labels(), loc="lower center",
+               ncol=5, fontsize=8)
+    times_png = folder / "round-times.png"
+    fig.tight_layout(rect=(0, 0.5 / height, 1, 1))
+    fig.savefig(times_png, dpi=110)
+    plt.close(fig)
+    return [loss_png, times_png]
+
+
+DOC_HEADING = "## Shaped links: every algorithm over rate-limited, delayed links"
+
+
+def write_docs(report: str, pngs: list[Path]) -> None:
+    """Replace (or append) this benchmark's section of docs/benchmarks.md; other sections stay as they are."""
+    img = PROJECT_DIR / "docs" / "img"
+    img.mkdir(parents=True, exist_ok=True)
+    links = []
+    for png in pngs:
+        shutil.copy(png, img / f"network-{png.name}")
+        links.append(f"![{png.stem}](img/network-{png.name})")
+    section = f"{DOC_HEADING}\n\n{report}\n\n" + "\n\n".join(links) + "\n"
+    doc = PROJECT_DIR / "docs" / "benchmarks.md"
+    text = doc.read_text() if doc.exists() else "# Benchmarks\n\nFigures measured by the scripts in `benchmarks/`.\n"
+    lines = text.splitlines(keepends=True)
+    start = next((i for i, l in enumerate(lines) if l.startswith(DOC_HEADING)), None)
+    if start is None:
+        doc.write_text(text.rstrip("\n") + "\n\n" + section)
+        return
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    tail = "".join(lines[end:])
+    doc.write_text("".join(lines[:start]) + section + ("\n" + tail if tail else ""))
+
+
+def machine() -> dict:
+    mem_kb = next(int(l.split()[1]) for l in Path("/proc/meminfo").read_text().splitlines() if l.startswith("MemTotal"))
+    cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
+                if l.startswith("model name")), platform.processor())
+    return {"nproc": os.cpu_count(), "memory_gib": round(mem_kb / 2**20, 1), "cpu": cpu,
+            "arch": platform.machine(), "gpu": "none" if not shutil.which("nvidia-smi") else "see nvidia-smi"}
+
+
+def describe(results: dict) -> str:
+    """The section's text: what ran, where, with which command, then the tables."""
+    s, m = results["settings"], results["machine"]
+    return (f"Command: `{results['command']}`  \nDate: {results['date']}  \n"
+            f"Machine: {m['arch']}, {m['cpu']}, nproc {m['nproc']}, {m['memory_gib']} GiB, GPU: {m['gpu']}  \n"
+            f"Model `{s['model_label']}`, {s['clients']} clients (each a SuperNode with a node worker, 1 torch "
+            f"thread, in its own network namespace), {s['rounds']} rounds, {s['layers_per_block']} layers per block, "
+            f"{s['local_steps']} local steps; links of {', '.join(f'{r:g}' for r in s['rates_mbps'])} Mbit/s each way "
+            f"(`tc tbf` on both ends of a veth pair) with {s['latency_ms']:g} ms one way (user-space proxy). The "
+            f"server's time model was given the same link (`modeled_*`). The default rate is the one at which the "
+            f"link time of a round equals its compute (how it was chosen: the docstring of benchmarks/network.py; "
+            f"`--probe` measures it on another machine).\n\n"
+            "compute = mean over nodes of the worker's compute of the round's update; comm = the node's window "
+            "from its previous reply leaving the worker to this round's message reaching it (includes Flower's "
+            "polling, serialization and the server's aggregation and evaluation; none in round 1); idle = the "
+            "part of that window in which the worker computed nothing; round wall = the server's round, from "
+            "sending the messages to the end of its held-out evaluation; overlap eff. = round wall / "
+            "max(compute, comm), 1.0 is "
+            "perfect overlap; wire MB = bytes that crossed each node's veth during the whole run (all rounds and "
+            "Flower's polls).\n\n" + results["tables"])
+
+
+# ------------------------------------------------------------------ command line
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse prints usage + message; one line is enough
+        sys.exit(f"network.py: {message}")
+
+
+def _positive(kind: type):
+    """An argparse type: an int or float > 0."""
+    expected = f"expected {'an integer' if kind is int else 'a number'} > 0"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: {expected}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: {expected}")
+        return value
+    return parse
+
+
+def _rates(text: str) -> list[float]:
+    return [_positive(float)(part) for part in text.split(",")]
+
+
+def algorithm_names() -> tuple[str, ...]:
+    """What the project's config accepts now (imported late: it imports torch, ~4 s, not needed for --help)."""
+    from parablock_flwr.config import ALGORITHMS
+
+    return ALGORITHMS
+
+
+def _algorithms(text: str) -> list[str]:
+    names = list(dict.fromkeys(a.strip() for a in text.split(",") if a.strip()))
+    for name in names or [text]:
+        if name not in algorithm_names():
+            raise argparse.ArgumentTypeError(f"{name!r}: expected a comma list of {', '.join(algorithm_names())}")
+    return names
+
+
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number >= 0")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rate", type=_positive(float), help=f"link rate each way, Mbit/s (default {DEFAULT_RATE_MBPS:g}; "
+                   f"--fast {FAST_RATE_MBPS:g})")
+    p.add_argument("--rates", type=_rates, help="a sweep: comma list of link rates, Mbit/s (e.g. 10,25,100)")
+    p.add_argument("--latency-ms", type=_non_negative, help=f"one-way latency (default {DEFAULT_LATENCY_MS:g}; "
+                   f"--fast {FAST_LATENCY_MS:g})")
+    p.add_argument("--clients", type=_positive(int), help="SuperNodes, each with a worker (default 2)")
+    p.add_argument("--model", help="embedded:<name>, HF id or folder (default: the embedded SmolLM2; "
+                   "--fast: a tiny Llama)")
+    p.add_argument("--layers-per-block", type=_positive(int), help="default 5 (--fast 2)")
+    p.add_argument("--local-steps", type=_positive(int), help="default 3")
+    p.add_argument("--rounds", type=_positive(int), help="default 3")
+    p.add_argument("--algorithms", type=_algorithms,
+                   help="comma list (default: every name in parablock_flwr.config.ALGORITHMS)")
+    p.add_argument("--out", type=Path, help="output folder (default runs/network-<date-time> in the project)")
+    p.add_argument("--fast", action="store_true", help="tiny model, 2 clients, 3 rounds: a short smoke run")
+    docs = p.add_mutually_exclusive_group()
+    docs.add_argument("--docs", action="store_true", help="write the docs/benchmarks.md section even with --fast")
+    docs.add_argument("--no-docs", action="store_true", help="leave docs/benchmarks.md alone")
+    p.add_argument("--probe", action="store_true",
+                   help="run 1 round of the first algorithm and print the rate at which link time = compute")
+    p.add_argument("--timeout-s", type=_positive(float), default=7200.0, help="limit for each `flwr run`")
+    args = p.parse_args(argv)
+    if args.rate is not None and args.rates is not None:
+        p.error(f"--rate={args.rate:g} and --rates={','.join(f'{r:g}' for r in args.rates)}: expected only one")
+    if args.clients is not None and args.clients > 250:
+        p.error(f"--clients={args.clients}: expected at most 250 (one /30 subnet per node in 10.213.0.0/16)")
+    _defaults(args)
+    return args
+
+
+def _defaults(args: argparse.Namespace) -> None:
+    """Fill what was not given: the defaults, or --fast's."""
+    fast = args.fast
+    args.tiny = args.model is None and fast
+    args.rates = args.rates or [args.rate or (FAST_RATE_MBPS if fast else DEFAULT_RATE_MBPS)]
+    if args.latency_ms is None:
+        args.latency_ms = FAST_LATENCY_MS if fast else DEFAULT_LATENCY_MS
+    args.clients = args.clients or 2
+    args.layers_per_block = args.layers_per_block or (2 if fast else 5)
+    args.local_steps = args.local_steps or 3
+    args.rounds = args.rounds or (1 if args.probe else 3)
+    args.algorithms = args.algorithms or list(algorithm_names())
+    if args.probe:
+        args.algorithms = args.algorithms[:1]
+    args.write_docs = not args.no_docs and not args.probe and (args.docs or not fast)
+    args.out = (args.out or PROJECT_DIR / "runs" / f"network-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+
+
+def check_machine() -> None:
+    """Network namespaces need root and iproute2's `ip` and `tc`."""
+    if os.geteuid() != 0:
+        sys.exit("network.py: needs root to create network namespaces (`ip netns add`); run it as root")
+    for tool in (IP, TC):
+        if not Path(tool).exists():
+            sys.exit(f"network.py: {tool} not found: expected iproute2's `ip` and `tc`")
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM unwinds like Ctrl-C, so every process is stopped and every namespace deleted."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
+def probe_report(run: dict) -> str:
+    """The rate at which the modeled link time of a round equals its measured compute."""
+    r = run["rounds"][0]
+    payload = r["bytes_up_per_client"] + r["bytes_down_per_client"]
+    budget = r["compute_s"] - 2 * run["latency_ms"] / 1e3
+    rate = 8 * payload / budget / 1e6 if budget > 0 else float("inf")
+    return (f"probe: compute {r['compute_s']:.1f} s (client-reported {_f(r['modeled_compute_s'])} s), "
+            f"{payload / 1e6:.1f} MB up+down per client, latency {run['latency_ms']:g} ms one way -> "
+            f"link time = compute at {rate:.1f} Mbit/s each way")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    check_machine()
+    _stop_on_sigterm()
+    args.out.mkdir(parents=True, exist_ok=True)
+    prefix = f"pbn-{os.getpid()}"
+    command = "python benchmarks/network.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    results = {"command": command.strip(), "date": time.strftime("%Y-%m-%d"), "machine": machine(),
+               "network_prefix": prefix, "runs": []}
+    with contextlib.ExitStack() as stack:
+        model = args.model or "embedded:smollm2-135m-instruct"
+        if args.tiny:
+            from parablock_flwr.testing import build_tiny_model
+
+            model = str(build_tiny_model(args.out / "tiny-model"))
+        results["settings"] = {
+            "model": model, "model_label": "tiny Llama (parablock_flwr.testing)" if args.tiny else model,
+            "clients": args.clients, "rounds": args.rounds, "layers_per_block": args.layers_per_block,
+            "local_steps": args.local_steps, "rates_mbps": args.rates, "latency_ms": args.latency_ms,
+            "algorithms": args.algorithms, "torch_threads": 1}
+        net = build_network(stack, prefix, args.clients)
+        for rate in args.rates:
+            shape(net, rate, args.latency_ms)
+            for algorithm in args.algorithms:
+                print(f"[{time.strftime('%H:%M:%S')}] {algorithm} over {rate:g} Mbit/s, {args.latency_ms:g} ms ...",
+                      flush=True)
+                run = run_one(net, algorithm, rate, args, model, args.out)
+                results["runs"].append(run)
+                print(f"    {'ok' if 'rounds' in run else run['error']}: {run['total_wall_s']:.0f} s (start-up "
+                      f"{run['startup_s']:.0f} s), then {run['stop_s']:.1f} s to stop", flush=True)
+                _save(results, args.out)
+    results["tables"] = tables(results["runs"])
+    results["plots"] = [str(p) for p in plots(results["runs"], args.out)]
+    _save(results, args.out)
+    print(results["tables"])
+    if args.probe and "rounds" in results["runs"][0]:
+        print(probe_report(results["runs"][0]))
+    if args.write_docs:
+        write_docs(describe(results), [Path(p) for p in results["plots"]])
+        print("wrote the section of docs/benchmarks.md and docs/img/network-*.png")
+    print(f"results: {args.out / 'results.json'}")
+    return 0 if all("rounds" in r for r in results["runs"]) else 1
+
+
+def _save(results: dict, out: Path) -> None:
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except RuntimeError as error:  # a setup command or a process failed; everything is already cleaned up
+        sys.exit(f"network.py: {error}")

@@ -264,6 +264,10 @@ def run_one(net: Network, algorithm: str, rate: float, args: argparse.Namespace,
     result.update(read_run(workdir / "out") if result["returncode"] == 0 else {})
     if "rounds" not in result:
         result["error"] = f"flwr run ended with {result['returncode']}; see {workdir}/flwr-run.log"
+    elif len(result["rounds"]) < args.rounds:  # `flwr run --stream` can return while the run is unfinished
+        result["error"] = (f"the run stopped after {len(result['rounds'])} of {args.rounds} rounds; "
+                           f"see {workdir}/superlink.log")
+        result["partial_rounds"] = result.pop("rounds")
     return result
 
 

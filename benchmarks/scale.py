@@ -1,9 +1,11 @@
 """Many virtual clients on Flower's simulation engine: peak memory and wall time.
 
 For each client count, one ParaBlock simulation run with the tiny Llama; a
-sampler sums the resident memory (RSS) of every process of the run (SuperLink,
-ServerApp, Ray and its actors) every 0.5 s and keeps the peak. Appends the
-table to docs/benchmarks.md with the command that reproduces it.
+sampler sums the memory of every process of the run (SuperLink, ServerApp,
+Ray and its actors) every 0.5 s and keeps the peak, both as resident memory
+(RSS, which counts pages shared between processes, such as Ray's object
+store, once per process) and as proportional memory (PSS, which splits them).
+Appends the table to docs/benchmarks.md with the command that reproduces it.
 
     .venv/bin/python benchmarks/scale.py --clients 10 50 100
 """
@@ -26,23 +28,25 @@ from parablock_flwr.launch import PROJECT_DIR, run_simulation
 from parablock_flwr.testing import build_tiny_model
 
 
-def tree_rss(root: psutil.Process) -> int:
-    total = 0
+def tree_memory(root: psutil.Process) -> tuple[int, int]:
+    """(RSS, PSS) summed over ``root`` and its descendants."""
+    rss = pss = 0
     for proc in [root, *root.children(recursive=True)]:
         try:
-            total += proc.memory_info().rss
+            info = proc.memory_full_info()
         except psutil.Error:
-            pass
-    return total
+            continue
+        rss, pss = rss + info.rss, pss + info.pss
+    return rss, pss
 
 
 def measure(clients: int, model: Path, rounds: int, workdir: Path) -> dict:
     me = psutil.Process(os.getpid())
-    baseline, peak, done = tree_rss(me), [0], threading.Event()
+    baseline, peak, done = tree_memory(me), [0, 0], threading.Event()
 
     def sample():
         while not done.is_set():
-            peak[0] = max(peak[0], tree_rss(me))
+            peak[:] = [max(p, m) for p, m in zip(peak, tree_memory(me))]
             time.sleep(0.5)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -62,7 +66,8 @@ def measure(clients: int, model: Path, rounds: int, workdir: Path) -> dict:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     block_bytes = records[-1]["bytes_up_per_client"]
     files = sum(1 for _ in run_dir.rglob("*") if _.is_file())
-    return {"clients": clients, "wall_s": wall, "peak_rss_mb": (peak[0] - baseline) / 1e6,
+    return {"clients": clients, "wall_s": wall, "peak_rss_mb": (peak[0] - baseline[0]) / 1e6,
+            "peak_pss_mb": (peak[1] - baseline[1]) / 1e6,
             "block_update_mb": block_bytes / 1e6, "accepted_last_round": records[-1]["num_accepted"],
             "files_in_run_dir": files}
 
@@ -77,12 +82,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="parablock-scale-") as tmp:
         model = build_tiny_model(Path(tmp) / "tiny", hidden=args.hidden)
         rows = [measure(n, model, args.rounds, Path(tmp)) for n in args.clients]
-    lines = ["| virtual clients | peak RSS of the run, MB | per extra client, MB | one block update, MB | "
-             "wall s | accepted in last round | files in run folder |", "|---|---|---|---|---|---|---|"]
+    lines = ["| virtual clients | peak RSS of the run, MB | peak PSS, MB | per extra client (RSS / PSS), MB | "
+             "one block update, MB | per extra client in block updates (PSS) | wall s | accepted in last round | "
+             "files in run folder |", "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
-        extra = (row["peak_rss_mb"] - rows[0]["peak_rss_mb"]) / max(1, row["clients"] - rows[0]["clients"])
-        lines.append(f"| {row['clients']} | {row['peak_rss_mb']:.0f} | {extra:.2f} | {row['block_update_mb']:.2f} | "
-                     f"{row['wall_s']:.0f} | {row['accepted_last_round']} | {row['files_in_run_dir']} |")
+        more = max(1, row["clients"] - rows[0]["clients"])
+        extra_rss = (row["peak_rss_mb"] - rows[0]["peak_rss_mb"]) / more
+        extra_pss = (row["peak_pss_mb"] - rows[0]["peak_pss_mb"]) / more
+        lines.append(f"| {row['clients']} | {row['peak_rss_mb']:.0f} | {row['peak_pss_mb']:.0f} | "
+                     f"{extra_rss:.2f} / {extra_pss:.2f} | {row['block_update_mb']:.2f} | "
+                     f"{extra_pss / row['block_update_mb']:.1f} | {row['wall_s']:.0f} | "
+                     f"{row['accepted_last_round']} | {row['files_in_run_dir']} |")
     text = "\n".join(lines)
     print(text)
     if not args.no_write:
@@ -91,7 +101,7 @@ def main() -> None:
             fh.write(f"\n## Many virtual clients in simulation ({time.strftime('%Y-%m-%d')})\n\n"
                      f"Command: `{command.strip()}`  \nTiny Llama (4 layers, hidden {args.hidden}), one layer per block, "
                      f"{args.rounds} rounds of ParaBlock, 1 CPU per client (2 Ray actors on this 2-core machine). "
-                     "Peak RSS is the sum over every process of the run, above the benchmark's own.\n\n"
+                     "Peak RSS and PSS are sums over every process of the run, above the benchmark's own.\n\n"
                      f"{text}\n")
 
 

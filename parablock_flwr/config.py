@@ -82,6 +82,7 @@ class RunConfig:
     save_final_model: bool = False
     save_every: int = 0
     output_dir: str = "~/parablock-runs"
+    resume_from: str = ""
 
     @classmethod
     def from_flower(cls, run_config: Mapping[str, object]) -> RunConfig:
@@ -166,6 +167,13 @@ class RunConfig:
     @property
     def output_path(self) -> Path:
         return Path(self.output_dir).expanduser().resolve()
+
+    @property
+    def resume_path(self) -> Path | None:
+        """The run folder to resume; a relative name is taken inside ``output-dir``."""
+        if not self.resume_from:
+            return None
+        return (self.output_path / Path(self.resume_from).expanduser()).resolve()
 
 
 def check_num_clients(num_clients: int) -> None:

@@ -164,21 +164,30 @@ def delta(after: Mapping[str, torch.Tensor], before: Mapping[str, torch.Tensor])
     return {n: after[n].detach().float() - before[n] for n in before}
 
 
-def aggregate(updates: list[Tensors], weights: list[float]) -> Tensors:
-    """``Δ̄ = Σ w_i Δ_i / Σ w_i``, computed as ``Σ (w_i / Σw) Δ_i``.
+def aggregate(updates: Iterable[Tensors], weights: list[float]) -> Tensors:
+    """``Δ̄ = Σ w_i Δ_i / Σ w_i``, computed as ``Σ (w_i / Σw) Δ_i`` in the given order.
 
     Normalising the weights first makes a single client's aggregate equal
     its update to the last bit (``1.0 * Δ == Δ``), which the tests rely on.
+    ``updates`` may be a generator: only the running sum and the current
+    update are held, however many clients there are.
     """
-    if not updates or len(updates) != len(weights):
-        raise ValueError(f"aggregate: got {len(updates)} updates and {len(weights)} weights")
     total = float(sum(weights))
     if total <= 0:
         raise ValueError(f"aggregate: weights sum to {total}, expected > 0")
-    out = {n: (weights[0] / total) * t for n, t in updates[0].items()}
-    for update, w in zip(updates[1:], weights[1:]):
+    updates = iter(updates)
+    out: Tensors = {}
+    for i, w in enumerate(weights):
+        update = next(updates, None)
+        if update is None:
+            raise ValueError(f"aggregate: got {i} updates and {len(weights)} weights")
         for n, t in update.items():
-            out[n].add_(t, alpha=w / total)
+            if i == 0:
+                out[n] = (w / total) * t
+            else:
+                out[n].add_(t, alpha=w / total)
+    if next(updates, None) is not None:
+        raise ValueError(f"aggregate: got more updates than the {len(weights)} weights")
     return out
 
 

@@ -9,8 +9,8 @@ from .core import Tensors
 
 
 def to_tensors(record: ArrayRecord) -> Tensors:
-    """fp32 tensors that own their memory (the record's buffers may be reused)."""
-    return {name: torch.from_numpy(array.numpy().copy()) for name, array in record.items()}
+    """The record's arrays as tensors (``Array.numpy()`` deserialises into new memory: no copy needed)."""
+    return {name: torch.from_numpy(array.numpy()) for name, array in record.items()}
 
 
 def to_record(tensors: Tensors) -> ArrayRecord:

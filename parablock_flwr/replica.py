@@ -127,3 +127,15 @@ def catch_up_steps(round_cfg, arrays: dict[str, torch.Tensor]) -> dict[int, Step
         steps[int(version)] = (int(block), {n[len(prefix):]: t for n, t in arrays["catch-up"].items()
                                             if n.startswith(prefix)})
     return steps
+
+
+def resumed_pending(round_cfg, arrays: dict[str, Tensors]) -> PendingUpdate | None:
+    """The client's own ``Δ_i^R`` that a resumed server hands back in round R+1 (``resume-pending``).
+
+    After a server restart the client processes are new: the server's checkpoint
+    is the only copy of the update each client would compute round R+1 from.
+    """
+    if "resume-pending" not in arrays:
+        return None
+    return PendingUpdate(block=int(round_cfg["resume-pending-block"]),
+                         base_version=int(round_cfg["resume-pending-version"]), delta=arrays["resume-pending"])

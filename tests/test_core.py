@@ -62,6 +62,12 @@ def test_aggregate_is_weighted_mean_and_exact_for_one_client():
     assert torch.allclose(core.global_step(odd, 0.5)["w"], 0.5 * odd["w"])
     with pytest.raises(ValueError):
         core.aggregate([a], [0.0])
+    # Updates may stream in (the server's generator): same bits as from a list.
+    assert torch.equal(core.aggregate((u for u in (a, b)), [1.0, 3.0])["w"], mean["w"])
+    with pytest.raises(ValueError, match="got 1 updates and 2 weights"):
+        core.aggregate(iter([a]), [1.0, 1.0])
+    with pytest.raises(ValueError, match="more updates than the 1 weights"):
+        core.aggregate(iter([a, b]), [1.0])
 
 
 def test_parablock_base_uses_pending_only_when_it_is_one_round_old():

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from parablock_flwr import core
+from parablock_flwr.checkpoint import check_resumable
 from parablock_flwr.model import load_model
 
-from conftest import simulate
+from conftest import simulate, simulate_and_kill_server
 
 ROUNDS = 4
 SCHEDULE = dict(schedule="uniform-random", seed=1)  # over 2 blocks: [0, 0, 1, 0], a block repeats
@@ -153,3 +154,32 @@ def test_too_few_valid_replies_are_retried_then_stop_the_run(tmp_path, tiny_mode
     assert "Stopping the run: round 1: 0 valid replies, expected at least min-accepted-replies=1" in out
     assert "above max-update-norm=1e-09" in out
     assert not (run.run_dir / "global-steps").exists()  # x never moved
+
+
+def test_server_killed_after_round_2_resumes_to_the_same_final_model(tmp_path, tiny_model_dir, parablock_run):
+    """The server process dies in round 3 of 4; `resume-from` continues from round 2's checkpoint
+    and ends with the uninterrupted run's model, bit for bit (the `parablock_run` fixture)."""
+    same = dict(algorithm="parablock", num_server_rounds=ROUNDS, verify_invariant=True, **SCHEDULE)
+    killed = simulate_and_kill_server(tmp_path / "killed", tiny_model_dir, after_round=2, **same)
+    assert killed.run_dir is not None and not (killed.run_dir / "final-model").exists()
+    assert [p.name for p in (killed.run_dir / "checkpoint").glob("round-*")] == ["round-00002"]
+
+    with pytest.raises(ValueError, match=r"learning-rate=0.5 differs from the checkpointed run's 0.003"):
+        check_resumable(killed.run_dir, {**json.loads((killed.run_dir / "config.json").read_text()),
+                                         "learning-rate": 0.5})
+
+    resumed = _ok(simulate(tmp_path / "resumed", tiny_model_dir, resume_from=str(killed.run_dir),
+                           save_final_model=True, **same))
+    assert "Resumed from" in resumed.stdout and "after round 2 (3 pending client updates" in resumed.stdout
+    records = resumed.records
+    assert [r["round"] for r in records] == list(range(ROUNDS + 1))
+    # Round 3 ran from each client's own x^1 + Δ_i^2 (handed back), no client resynchronised.
+    assert records[3]["num_resynchronised"] == 0 and records[3]["invariant_failed"] == 0
+    assert records[3]["invariant_checked"] == 3
+    uninterrupted = parablock_run.final_model()
+    final = resumed.final_model()
+    assert final.keys() == uninterrupted.keys()
+    assert all(torch.equal(final[n], uninterrupted[n]) for n in final)
+    for version in (3, 4):
+        assert all(torch.equal(a, b) for a, b in zip(resumed.step(version)[1].values(),
+                                                     parablock_run.step(version)[1].values()))

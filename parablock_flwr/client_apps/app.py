@@ -51,6 +51,14 @@ def train(msg: Message, context: Context) -> Message:
     return relay_to_worker(msg, context, str(socket_path))
 
 
+@app.query()
+def identify(msg: Message, context: Context) -> Message:
+    """Which data partition this node serves: a resumed server maps its new node ids to the
+    clients' checkpointed state with it."""
+    pid = int(context.node_config.get("partition-id", 0))
+    return Message(content=RecordDict({"node": MetricRecord({"partition-id": pid})}), reply_to=msg)
+
+
 def relay_to_worker(msg: Message, context: Context, socket_path: str) -> Message:
     """Hand ``g^{r-1}`` and the round's blocks to the node worker; reply its ``Δ_i^r``."""
     header = {

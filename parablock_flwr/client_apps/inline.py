@@ -14,7 +14,7 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from .. import core, node
 from ..config import RunConfig
 from ..records import to_record, to_tensors
-from ..replica import StepLog, catch_up_steps
+from ..replica import StepLog, catch_up_steps, resumed_pending
 from ..runtime import setup_torch
 
 
@@ -42,7 +42,7 @@ def train_inline(msg: Message, context: Context) -> Message:
     num_partitions = int(context.node_config.get("num-partitions", 1))
     step_log = StepLog(round_cfg["run-dir"])
     # A full resync ("sync-values") is not needed here: the server's step log covers every version.
-    records = {name: to_tensors(msg.content[name]) for name in ("global-step", "catch-up")
+    records = {name: to_tensors(msg.content[name]) for name in ("global-step", "catch-up", "resume-pending")
                if name in msg.content.array_records}
     steps = catch_up_steps(round_cfg, records)
     from_log = []
@@ -56,7 +56,8 @@ def train_inline(msg: Message, context: Context) -> Message:
 
     parablock = round_cfg["algorithm"] == "parablock"
     if parablock:
-        base_version, pending = core.parablock_base(load_pending(context.state), server_round)
+        pending = resumed_pending(round_cfg, records) or load_pending(context.state)
+        base_version, pending = core.parablock_base(pending, server_round)
     else:
         base_version, pending = server_round - 1, None
     res.replica.advance_to(base_version, fetch_step)

@@ -36,3 +36,10 @@ class LargestUpdateParaBlock(ParaBlock):
         count = sum(t.numel() for t in step.values())
         self.last_rms[block] = math.sqrt(squares / max(count, 1))
         return step
+
+    def state_dict(self) -> dict:
+        """The recorded sizes decide future blocks: a resumed run must have them."""
+        return {"last_rms": {str(b): v for b, v in self.last_rms.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.last_rms = {int(b): v for b, v in state.get("last_rms", {}).items()}

@@ -7,6 +7,8 @@ block far. An example of overriding ``combine``.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from .. import core
@@ -16,7 +18,8 @@ from ..strategies import ParaBlock
 class TrimmedMeanParaBlock(ParaBlock):
     trim_fraction = 0.2  # per side; a subclass may change it
 
-    def combine(self, updates: list[core.Tensors], weights: list[float]) -> core.Tensors:
+    def combine(self, updates: Iterable[core.Tensors], weights: list[float]) -> core.Tensors:
+        updates = list(updates)  # a coordinate-wise order statistic needs every update at once
         k = int(self.trim_fraction * len(updates))
         if k == 0:
             return super().combine(updates, weights)

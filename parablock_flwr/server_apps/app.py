@@ -17,6 +17,7 @@ from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
 from .. import core
+from ..checkpoint import check_resumable
 from ..config import ConfigError, RunConfig, check_num_clients
 from ..data import tokenized_splits
 from ..evaluation import evaluate
@@ -56,10 +57,12 @@ def main(grid: Grid, context: Context) -> None:
         check_num_clients(num_clients)
         _, heldout = tokenized_splits(cfg.dataset, cfg.num_examples, cfg.heldout_examples, cfg.seed,
                                       tokenizer, cfg.max_seq_len)
+        if cfg.resume_path:
+            check_resumable(cfg.resume_path, cfg.as_run_config())
         if cfg.num_examples - cfg.heldout_examples < num_clients:
             raise ConfigError(f"num-examples={cfg.num_examples}: expected at least "
                               f"{cfg.heldout_examples + num_clients} for {num_clients} clients")
-    except (ConfigError, ValueError) as err:
+    except (ConfigError, ValueError, FileNotFoundError) as err:
         log.error("Invalid configuration: %s", err)
         sys.exit(2)
 
@@ -100,8 +103,14 @@ def main(grid: Grid, context: Context) -> None:
             write_samples(run_dir / "samples" / f"round-{server_round:05d}.jsonl", samples)
         return MetricRecord(metrics)
 
+    # Round 1 sends no step; a resumed run sends g^R in round R+1.
     try:
-        strategy.start(grid, ArrayRecord(), num_rounds=cfg.num_server_rounds, timeout=cfg.round_timeout_s,
+        first_step = strategy.resume(cfg.resume_path) if cfg.resume_path else ArrayRecord()
+    except ValueError as err:
+        log.error("Cannot resume: %s", err)
+        sys.exit(2)
+    try:
+        strategy.start(grid, first_step, num_rounds=cfg.num_server_rounds, timeout=cfg.round_timeout_s,
                        evaluate_fn=evaluate_round)
     except TooFewReplies as err:
         log.error("Stopping the run: %s", err)

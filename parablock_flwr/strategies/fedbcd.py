@@ -15,7 +15,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -25,6 +25,7 @@ from flwr.serverapp.strategy import Result, Strategy
 from flwr.serverapp.strategy.strategy_utils import sample_nodes
 
 from .. import core
+from ..checkpoint import Checkpoint, clear_staged_pending, load_checkpoint, save_checkpoint
 from ..metrics import RunRecorder, round_line
 from ..records import to_record, to_tensors
 from ..replica import StepLog
@@ -42,7 +43,7 @@ class FedBCD(Strategy):
     Override points (stable signatures, see docs/extending.md):
     ``choose_block``, ``select_nodes``, ``round_config``, ``add_catch_up``, ``check_reply``,
     ``client_weight``, ``combine``, ``server_update``, ``extra_round_metrics``,
-    ``record_round``.
+    ``record_round``, ``state_dict``/``load_state_dict``.
     """
 
     algorithm = "fedbcd"
@@ -91,6 +92,9 @@ class FedBCD(Strategy):
         self._blocks: dict[int, int] = {}
         # The global version each node's model holds, learned from its replies (0: unknown).
         self.node_versions: dict[int, int] = {}
+        self.first_round = 1  # R+1 when resumed from round R's checkpoint
+        self.resume_pending: dict[int, core.PendingUpdate] = {}  # partition id -> Δ_i^R to hand back
+        self.node_partitions: dict[int, int] = {}  # node id -> partition id, asked when resuming
 
     # ---------------------------------------------------------------- policy
     def block_for_round(self, server_round: int) -> int:
@@ -143,8 +147,12 @@ class FedBCD(Strategy):
         """``w_i``: number of local examples, or uniform."""
         return float(metrics["num-examples"]) if self.weighting == "examples" else 1.0
 
-    def combine(self, updates: list[core.Tensors], weights: list[float]) -> core.Tensors:
-        """``Δ̄``: the weighted mean of the accepted updates."""
+    def combine(self, updates: Iterable[core.Tensors], weights: list[float]) -> core.Tensors:
+        """``Δ̄``: the weighted mean of the accepted updates.
+
+        ``updates`` come one at a time (a generator, in partition order): a combiner
+        that needs them all at once makes a list of them first.
+        """
         return core.aggregate(updates, weights)
 
     def server_update(self, server_round: int, block: int, mean_update: core.Tensors) -> core.Tensors:
@@ -154,6 +162,13 @@ class FedBCD(Strategy):
         same float operation, so any server optimizer keeps all copies identical.
         """
         return core.global_step(mean_update, self.server_lr)
+
+    def state_dict(self) -> dict:
+        """Override point: a subclass's own state (JSON-serialisable) for the checkpoint."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Override point: restore what ``state_dict`` returned."""
 
     # ---------------------------------------------------------- Flower hooks
     def summary(self) -> None:
@@ -166,7 +181,10 @@ class FedBCD(Strategy):
         self._round = {"started": time.perf_counter(), "catch_up_steps_sent": 0, "full_syncs_sent": 0,
                        "round_retries": 0}
         self._grid, self._global_step = grid, arrays  # kept for a retry of this round
-        return self.train_messages(server_round, self.select_nodes(server_round, grid))
+        nodes = self.select_nodes(server_round, grid)
+        if server_round == self.first_round and self.resume_pending:
+            self.node_partitions = self.ask_partitions(grid, nodes)
+        return self.train_messages(server_round, nodes)
 
     def train_messages(self, server_round: int, nodes: list[int]) -> list[Message]:
         """Round r's message to each node: ``g^{r-1}``, the blocks, the node's catch-up."""
@@ -178,6 +196,7 @@ class FedBCD(Strategy):
             content = RecordDict({"global-step": self._global_step,
                                   "round": self.round_config(server_round, block, step_block)})
             self.add_catch_up(content, server_round, node)
+            self.add_resume_pending(content, server_round, node)
             messages.append(Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node))
         return messages
 
@@ -202,6 +221,27 @@ class FedBCD(Strategy):
             content["sync-values"] = to_record(self.global_params)
             self._round["full_syncs_sent"] += 1
 
+    def add_resume_pending(self, content: RecordDict, server_round: int, node: int) -> None:
+        """In the first round after a resume: hand each client back its own ``Δ_i^R``.
+
+        It computes round R+1 from ``x^{R-1} + Δ_i^R``, as it would have without the
+        restart. A client with none (it sat out round R) resynchronises, as it would have.
+        """
+        pending = self.resume_pending.get(self.node_partitions.get(node, -1))
+        if server_round != self.first_round or pending is None or pending.base_version != server_round - 2:
+            return
+        content["round"]["resume-pending-block"] = pending.block
+        content["round"]["resume-pending-version"] = pending.base_version
+        content["resume-pending"] = to_record(pending.delta)
+
+    def ask_partitions(self, grid: Grid, nodes: list[int]) -> dict[int, int]:
+        """Node id -> data partition id, asked with a QUERY message: node ids change when
+        Flower restarts, partitions do not."""
+        messages = [Message(content=RecordDict(), message_type=MessageType.QUERY, dst_node_id=n) for n in nodes]
+        replies = grid.send_and_receive(messages, timeout=self._timeout)
+        return {m.metadata.src_node_id: int(m.content["node"]["partition-id"]) for m in replies
+                if not m.has_error() and "node" in m.content.metric_records}
+
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Check each reply, aggregate the valid ones, apply ``g^r`` to ``x``, log ``g^r``."""
@@ -216,10 +256,11 @@ class FedBCD(Strategy):
 
         # Float sums depend on order and replies arrive in any order: sort them by the
         # client's stable partition id (node ids change from run to run).
-        accepted.sort(key=lambda a: (int(a[1].get("partition-id", 0)), a[2].metadata.src_node_id))
-        invariant = self.check_invariant(accepted) if self.verify_invariant else {}
+        accepted.sort(key=lambda a: (int(a[0].get("partition-id", 0)), a[1].metadata.src_node_id))
+        clear_staged_pending(self.run_dir)
         if accepted:
-            mean = self.combine([u for u, _, _ in accepted], [self.client_weight(m) for _, m, _ in accepted])
+            updates = self.accepted_updates(server_round, block, accepted)
+            mean = self.combine(updates, [self.client_weight(m) for m, _ in accepted])
             step = self.server_update(server_round, block, mean)
         else:  # nothing valid: x does not move, but clients still need a (zero) step to re-base on
             step = {n: torch.zeros_like(self.global_params[n]) for n in names}
@@ -227,20 +268,36 @@ class FedBCD(Strategy):
         self.step_log.write(server_round, block, step)
 
         self._round.update(self._round_metrics(server_round, block, step, accepted, replies, rejected))
-        self._round.update(invariant)
         self._round.update(timeline_metrics(accepted))
         self._round.update(self.extra_round_metrics(server_round, accepted))
         summary = {k: v for k, v in self._round.items() if isinstance(v, (int, float)) and k != "started"}
         return to_record(step), MetricRecord(summary)
 
+    def accepted_updates(self, server_round: int, block: int, accepted: list) -> Iterator[core.Tensors]:
+        """Each accepted ``Δ_i^r`` in turn, its reply's arrays dropped once converted.
+
+        ``combine`` consumes them one by one, so the default weighted mean holds the
+        running sum and one update, not one per client. ``observe_update`` sees each
+        update here first (ParaBlock's invariant check and checkpoint).
+        """
+        for metrics, msg in accepted:
+            update = to_tensors(msg.content["update"])
+            del msg.content["update"]
+            self.observe_update(server_round, block, update, metrics, msg)
+            yield update
+
+    def observe_update(self, server_round: int, block: int, update: core.Tensors, metrics: MetricRecord,
+                       msg: Message) -> None:
+        """Every accepted update once, before it is combined: nothing to do in sequential BCD."""
+
     def check_replies(self, server_round: int, block: int, replies: list[Message]) -> tuple[list, list[dict]]:
-        """Split replies into accepted ``(update, metrics, msg)`` and rejected ``{node, reason}``."""
+        """Split replies into accepted ``(metrics, msg)`` and rejected ``{node, reason}``."""
         accepted, rejected = [], []
         for msg in replies:
             self.track_node_version(msg, server_round)
             reason = self.check_reply(msg, server_round, block)
             if reason is None:
-                accepted.append((to_tensors(msg.content["update"]), msg.content["metrics"], msg))
+                accepted.append((msg.content["metrics"], msg))
             else:
                 node = msg.metadata.src_node_id
                 log.warning("round %d: rejected the reply of node %d: %s", server_round, node, reason)
@@ -254,7 +311,7 @@ class FedBCD(Strategy):
             raise TooFewReplies(f"round {server_round}: {len(accepted)} valid replies, expected at least "
                                 f"min-accepted-replies={self.min_accepted_replies} ({reasons})")
         self._round["round_retries"] += 1
-        done = {m.metadata.src_node_id for _, _, m in accepted}
+        done = {m.metadata.src_node_id for _, m in accepted}
         nodes = [n for n in self._round["nodes"] if n not in done]
         log.warning("round %d: %d valid replies, fewer than min-accepted-replies=%d: re-sending to %d nodes "
                     "(retry %d of %d)", server_round, len(accepted), self.min_accepted_replies, len(nodes),
@@ -272,16 +329,66 @@ class FedBCD(Strategy):
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
               train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
               evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
-        """Flower's loop, with the round's record written after the server's evaluation."""
+        """Flower's round loop, from ``first_round``: train, the server's evaluation, the round's
+        record, the checkpoint. Clients never evaluate (the server does), so there is no
+        client evaluation phase. ``initial_arrays`` is the step round ``first_round`` sends."""
         self._num_rounds, self._timeout = num_rounds, timeout
+        self.summary()
+        result, arrays = Result(), initial_arrays
+        if self.first_round == 1:
+            self._evaluate_and_record(0, arrays, evaluate_fn, result)
+        for server_round in range(self.first_round, num_rounds + 1):
+            replies = grid.send_and_receive(self.configure_train(server_round, arrays, ConfigRecord(), grid),
+                                            timeout=timeout)
+            arrays, train_metrics = self.aggregate_train(server_round, replies)
+            result.arrays, result.train_metrics_clientapp[server_round] = arrays, train_metrics
+            self._evaluate_and_record(server_round, arrays, evaluate_fn, result)
+            self.save_checkpoint(server_round)
+        return result
 
-        def evaluate_and_record(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
-            metrics = evaluate_fn(server_round, arrays) if evaluate_fn else None
-            self.record_round(server_round, dict(metrics or {}))
-            return metrics
+    def _evaluate_and_record(self, server_round: int, arrays: ArrayRecord, evaluate_fn, result: Result) -> None:
+        metrics = evaluate_fn(server_round, arrays) if evaluate_fn else None
+        if metrics is not None:
+            result.evaluate_metrics_serverapp[server_round] = metrics
+        self.record_round(server_round, dict(metrics or {}))
 
-        return super().start(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config,
-                             evaluate_and_record)
+    # ------------------------------------------------------------ checkpoint and resume
+    def save_checkpoint(self, server_round: int) -> None:
+        """After round r is recorded: what a restarted server needs (``checkpoint.py``)."""
+        save_checkpoint(self.run_dir, Checkpoint(
+            round=server_round, blocks=dict(self._blocks),
+            global_sha256=core.digest(self.global_params, self.partition.all_names()),
+            elapsed_s=time.perf_counter() - self._started, modeled_wall_s=self._modeled_wall_s,
+            strategy_state=self.state_dict()))
+
+    def resume(self, from_run_dir: Path) -> ArrayRecord:
+        """Continue the run in ``from_run_dir`` after its last complete round R.
+
+        ``x^R`` is rebuilt as ``x^0`` plus the logged steps (checked against the stored
+        digest); the steps and the records of rounds 0..R are copied into this run's
+        folder. Returns ``g^R``, the step that round R+1's message carries.
+        """
+        ckpt = load_checkpoint(from_run_dir)
+        old_log = StepLog(from_run_dir)
+        for version in range(1, ckpt.round + 1):
+            block, step = old_log.read(version)
+            core.apply_step(self.global_params, step)
+            self.step_log.write(version, block, step)
+        if core.digest(self.global_params, self.partition.all_names()) != ckpt.global_sha256:
+            raise ValueError(f"resume-from={str(from_run_dir)!r}: x^0 plus the logged steps does not give the "
+                             f"checkpointed x^{ckpt.round}; expected the same model files as the first run")
+        for record in RunRecorder(from_run_dir).read():
+            if record["round"] <= ckpt.round:
+                self.recorder.write(record)
+        self.first_round = ckpt.round + 1
+        self._blocks = dict(ckpt.blocks)
+        self._modeled_wall_s = ckpt.modeled_wall_s
+        self._started = time.perf_counter() - ckpt.elapsed_s  # elapsed_s goes on where it stopped
+        self.resume_pending = ckpt.pending
+        self.load_state_dict(ckpt.strategy_state)
+        log.info("Resumed from %s after round %d (%d pending client updates to hand back)", from_run_dir,
+                 ckpt.round, len(ckpt.pending))
+        return to_record(step) if ckpt.round else ArrayRecord()
 
     def track_node_version(self, msg: Message, server_round: int) -> None:
         """A node that answered round r holds ``x^{r-1}``; after an error its state is unknown."""
@@ -328,23 +435,19 @@ class FedBCD(Strategy):
                 return f"update norm {norm:.4g} above max-update-norm={self.max_update_norm}"
         return None
 
-    def check_invariant(self, accepted: list) -> dict:
-        """Sequential BCD keeps no local state: nothing to check."""
-        return {}
-
     # ------------------------------------------------------------ metrics
     def _round_metrics(self, server_round, block, step, accepted, replies, rejected) -> dict:
         bytes_down = sum(t.numel() * 4 for t in step.values())  # g^r goes down next round
-        ups = [sum(t.numel() * 4 for t in u.values()) for u, _, _ in accepted]
-        compute = [float(m["compute-s"]) for _, m, _ in accepted if "compute-s" in m]
+        ups = [bytes_down] * len(accepted)  # an accepted Δ_i^r has the block's shapes (check_reply)
+        compute = [float(m["compute-s"]) for m, _ in accepted if "compute-s" in m]
         comm = [self.link.comm_seconds(u, bytes_down) for u in ups]
         sequential = core.modeled_round_seconds(compute, comm, overlapped=False)
         # Round 1 has nothing to overlap with yet.
         overlapped = core.modeled_round_seconds(compute, comm, overlapped=server_round > 1)
         modeled = overlapped if self.overlapped else sequential
         self._modeled_wall_s += modeled
-        weights = [float(m["num-examples"]) for _, m, _ in accepted]
-        losses = [float(m["train-loss"]) for _, m, _ in accepted]
+        weights = [float(m["num-examples"]) for m, _ in accepted]
+        losses = [float(m["train-loss"]) for m, _ in accepted]
         return {
             "round": server_round,
             "block": block,
@@ -366,7 +469,7 @@ class FedBCD(Strategy):
             "modeled_round_s": modeled,
             "modeled_wall_s": self._modeled_wall_s,
             # Global steps the client processes replayed from the step log to catch up.
-            "replica_steps_from_log": sum(int(m.get("steps-from-log", 0)) for _, m, _ in accepted),
+            "replica_steps_from_log": sum(int(m.get("steps-from-log", 0)) for m, _ in accepted),
         }
 
     def extra_round_metrics(self, server_round: int, accepted: list) -> dict:
@@ -396,7 +499,7 @@ def timeline_metrics(accepted: list) -> dict:
     the part of the window covered by compute; idle is the part after it.
     """
     rows = []
-    for _, m, msg in accepted:
+    for m, msg in accepted:
         if "compute-start" not in m:
             continue
         row = {"node": msg.metadata.src_node_id, **{k.replace("-", "_"): float(m[k]) for k in (

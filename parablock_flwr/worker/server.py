@@ -33,7 +33,7 @@ import torch
 
 from .. import core, node
 from ..config import RunConfig
-from ..replica import catch_up_steps
+from ..replica import catch_up_steps, resumed_pending
 from ..runtime import setup_torch
 from .protocol import recv, send
 
@@ -115,6 +115,8 @@ class NodeWorker:
             ahead = None
         if "sync-version" in rnd:  # missed more steps than there are blocks: take x^{r-1} as values
             res.replica.reset_to(int(rnd["sync-version"]), records["sync-values"])
+        if (handed_back := resumed_pending(rnd, records)) is not None:  # the server restarted from a checkpoint
+            self.pending = handed_back
         correction_step = cfg.local_steps  # at the end, unless applied on receipt
         if rnd["algorithm"] == "parablock" and ahead is not None:
             _, future, slot = ahead
@@ -127,10 +129,15 @@ class NodeWorker:
             correction_step = slot.applied_after_step or cfg.local_steps
             # The correction as the local model's bookkeeping: re-base onto x^{r-1}, keep Δ_i^r.
             res.replica.advance_to(server_round - 1, fetch_step)
-        else:  # round 1, sequential BCD, or a node that must resynchronise: compute now from x^{r-1}
+        else:  # nothing computed ahead: compute now (from x^{r-1}, or x^{r-2} + Δ_i^{r-1} after a resume)
+            pending = None
+            if rnd["algorithm"] == "parablock":
+                base_version, pending = core.parablock_base(self.pending, server_round)
+            else:
+                base_version = server_round - 1
+            res.replica.advance_to(base_version, fetch_step)
+            result = node.compute_update(res, cfg, server_round, block, pending, base_version, pid, nparts)
             res.replica.advance_to(server_round - 1, fetch_step)
-            base_version = server_round - 1
-            result = node.compute_update(res, cfg, server_round, block, None, base_version, pid, nparts)
         metrics = {
             **node.update_metrics(result, server_round, block, pid, base_version),
             "compute-start": result.started, "compute-end": result.ended,

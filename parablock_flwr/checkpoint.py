@@ -1,0 +1,144 @@
+"""The server's checkpoint: what a run restarted with ``resume-from`` needs.
+
+``x^R`` itself is not copied: it is ``x^0`` (loaded from the model, as at the
+start) plus the global steps ``g^1..g^R`` of the step log, replayed with the
+same float operation, and its digest is stored to check that. The checkpoint
+adds what the step log lacks:
+
+- ``state.json``: the last complete round R, the blocks already decided
+  (``b_1..b_{R+1}``), the strategy's own state, the run's clocks, the digest
+  of ``x^R``;
+- ``pending/`` (ParaBlock): each client's last update ``Δ_i^R`` by
+  partition id, in two files whatever the number of clients. In round R+1 a client computes from ``x^{R-1} + Δ_i^R``;
+  after a restart nobody else holds it, and without it the run could not
+  continue bit for bit.
+
+``RUN_DIR/checkpoint/round-NNNNN`` is written as a ``.tmp`` folder and
+renamed, so a crash leaves either the old checkpoint or the new one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .core import PendingUpdate
+
+STAGED = "pending.staged"
+
+
+# Run-config keys that may change on resume: they do not change what is trained.
+MAY_CHANGE_ON_RESUME = frozenset({
+    "resume-from", "output-dir", "round-timeout-s", "num-server-rounds", "min-available-nodes", "eval-every",
+    "eval-batch-size", "generate-examples", "generate-every", "max-new-tokens", "save-every", "save-final-model",
+    "verify-invariant",
+})
+
+
+@dataclass
+class Checkpoint:
+    """The server's state after round ``round``."""
+
+    round: int
+    blocks: dict[int, int]  # server round -> block, as decided so far
+    global_sha256: str  # digest of x^round over every trainable tensor
+    elapsed_s: float
+    modeled_wall_s: float
+    strategy_state: dict = field(default_factory=dict)
+    pending: dict[int, PendingUpdate] = field(default_factory=dict)  # partition id -> Δ_i^round (on load)
+
+
+def clear_staged_pending(run_dir: Path) -> None:
+    """A new round's aggregation starts: drop what an earlier, failed attempt staged."""
+    shutil.rmtree(Path(run_dir) / "checkpoint" / STAGED, ignore_errors=True)
+
+
+def stage_pending(run_dir: Path, partition_id: int, pending: PendingUpdate) -> None:
+    """Append one client's pending update as soon as it is aggregated (the reply can then be
+    freed): raw fp32 bytes to ``updates.bin``, their place to ``index.jsonl``. Two files
+    whatever the number of clients; the round's checkpoint takes them once it is complete."""
+    folder = Path(run_dir) / "checkpoint" / STAGED
+    folder.mkdir(parents=True, exist_ok=True)
+    entry = {"partition": partition_id, "block": pending.block, "base_version": pending.base_version, "tensors": []}
+    with open(folder / "updates.bin", "ab") as f:
+        for name, tensor in pending.delta.items():
+            array = tensor.detach().cpu().to(torch.float32).contiguous().numpy()
+            entry["tensors"].append([name, f.tell(), list(array.shape)])
+            f.write(array.tobytes())
+    with open(folder / "index.jsonl", "a") as f:
+        f.write(json.dumps(entry) + "\n")
+
+
+def save_checkpoint(run_dir: Path, ckpt: Checkpoint) -> Path:
+    """Write ``RUN_DIR/checkpoint/round-NNNNN`` atomically and drop older ones."""
+    root = Path(run_dir) / "checkpoint"
+    final = root / f"round-{ckpt.round:05d}"
+    tmp = root / f"round-{ckpt.round:05d}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    state = {
+        "round": ckpt.round, "blocks": {str(r): b for r, b in ckpt.blocks.items()},
+        "global_sha256": ckpt.global_sha256, "elapsed_s": ckpt.elapsed_s, "modeled_wall_s": ckpt.modeled_wall_s,
+        "strategy_state": ckpt.strategy_state,
+    }
+    if (root / STAGED).exists():
+        os.replace(root / STAGED, tmp / "pending")
+    (tmp / "state.json").write_text(json.dumps(state, indent=1, sort_keys=True) + "\n")
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    for old in root.glob("round-*"):
+        if old != final and not old.name.endswith(".tmp"):
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(run_dir: Path) -> Checkpoint:
+    """The latest complete checkpoint of a run folder; a clear error if there is none."""
+    folders = sorted(p for p in (Path(run_dir) / "checkpoint").glob("round-*") if not p.name.endswith(".tmp"))
+    if not folders:
+        raise FileNotFoundError(f"resume-from={str(run_dir)!r}: expected a run folder with checkpoint/round-NNNNN "
+                                f"(written after every complete round)")
+    folder = folders[-1]
+    state = json.loads((folder / "state.json").read_text())
+    pending = {}
+    index = folder / "pending" / "index.jsonl"
+    for line in index.read_text().splitlines() if index.exists() else []:
+        entry = json.loads(line)
+        delta = {name: torch.from_numpy(np.fromfile(folder / "pending" / "updates.bin", dtype=np.float32,
+                                                     count=math.prod(shape), offset=offset).reshape(shape))
+                 for name, offset, shape in entry["tensors"]}
+        pending[entry["partition"]] = PendingUpdate(entry["block"], entry["base_version"], delta)
+    return Checkpoint(round=state["round"], blocks={int(r): b for r, b in state["blocks"].items()},
+                      global_sha256=state["global_sha256"], elapsed_s=state["elapsed_s"],
+                      modeled_wall_s=state["modeled_wall_s"], strategy_state=state["strategy_state"],
+                      pending=pending)
+
+
+def check_resumable(run_dir: Path, run_config: dict[str, object]) -> Checkpoint:
+    """The checkpoint to resume from, after checking that this run trains the same thing.
+
+    Raises ``ValueError`` with one line naming the first key that differs (or the
+    missing folder) before any work starts.
+    """
+    run_dir = Path(run_dir).expanduser()
+    if not (run_dir / "config.json").exists():
+        raise ValueError(f"resume-from={str(run_dir)!r}: expected a run folder (with config.json)")
+    ckpt = load_checkpoint(run_dir)
+    before = json.loads((run_dir / "config.json").read_text())
+    for key in sorted(set(before) | set(run_config)):
+        if key in MAY_CHANGE_ON_RESUME or before.get(key) == run_config.get(key):
+            continue
+        raise ValueError(f"resume-from={str(run_dir)!r}: {key}={run_config.get(key)!r} differs from the "
+                         f"checkpointed run's {before.get(key)!r}; expected the same training configuration")
+    rounds = int(run_config["num-server-rounds"])
+    if rounds <= ckpt.round:
+        raise ValueError(f"num-server-rounds={rounds}: expected more than the {ckpt.round} rounds "
+                         f"the checkpoint in {run_dir} already holds")
+    return ckpt

@@ -291,8 +291,8 @@ def start_processes(procs: contextlib.ExitStack, net: Network, latency_ms: float
 
     # Unix socket paths are limited to ~100 bytes: keep them short, under /tmp.
     sockets = Path(procs.enter_context(tempfile.TemporaryDirectory(prefix=f"{net.prefix}-")))
-    superlink = start(net.link_ns, superlink_command(SUPERLINK_PORT, SUPERLINK_HEALTH_PORT, workdir / "flwr-home" /
-                                                     "state.db", host="0.0.0.0"), "superlink.log")
+    superlink = start(net.link_ns, superlink_command(SUPERLINK_PORT, SUPERLINK_HEALTH_PORT, host="0.0.0.0"),
+                   "superlink.log")
     workers, proxies = [], []
     for node in net.nodes:
         workers.append(start(node.ns, worker_command(sockets / f"w{node.index}.sock"), f"worker-{node.index}.log"))

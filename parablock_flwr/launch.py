@@ -59,8 +59,7 @@ def local_superlink(workdir: Path, simulation: bool = True, tls: TlsFiles | None
     port = free_port()  # Flower 1.42 serves Control, Fleet and Runtime APIs on one HTTP port
     control = f"127.0.0.1:{port}"
     write_connection(flwr_home, control, tls.ca_cert if tls else None)
-    cmd = superlink_command(port, free_port(), flwr_home / "state.db", simulation=simulation, tls=tls,
-                            node_auth=node_auth)
+    cmd = superlink_command(port, free_port(), simulation=simulation, tls=tls, node_auth=node_auth)
     with started(cmd, workdir / "superlink.log", flower_env(flwr_home)) as proc:
         _wait_for(lambda: _listens(control), proc, workdir / "superlink.log")
         yield control
@@ -74,16 +73,22 @@ def write_connection(flwr_home: Path, address: str, root_certificates: Path | No
     )
 
 
-def superlink_command(port: int, health_port: int, database: Path, *, host: str = "127.0.0.1",
+def superlink_command(port: int, health_port: int, database: Path | None = None, *, host: str = "127.0.0.1",
                       simulation: bool = False, tls: TlsFiles | None = None, node_auth: bool = False) -> list[str]:
     """`flower-superlink` serving every API on ``host:port`` (``host`` 0.0.0.0 to accept other machines),
-    over TLS with ``tls``, admitting only registered SuperNodes with ``node_auth``."""
+    over TLS with ``tls``, admitting only registered SuperNodes with ``node_auth``.
+
+    Without ``database`` the SuperLink keeps its state and the messages' arrays in memory.
+    A SQLite file also stores every array: with 70-425 MB messages that costs seconds per
+    message and, under load, fails runs with "database is locked".
+    """
     security = (["--ssl-ca-certfile", str(tls.ca_cert), "--ssl-certfile", str(tls.server_cert),
                  "--ssl-keyfile", str(tls.server_key)] if tls else ["--insecure"])
     return [_bin("flower-superlink"), *security, *(["--enable-supernode-auth"] if node_auth else []),
             *(["--simulation"] if simulation else []),
             "--isolation", "subprocess", "--host", host, "--port", str(port),
-            "--health-server-address", f"127.0.0.1:{health_port}", "--database", str(database)]
+            "--health-server-address", f"127.0.0.1:{health_port}",
+            *(["--database", str(database)] if database else [])]
 
 
 def supernode_command(superlink: str, port: int, health_port: int, node_config: str, *,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from parablock_flwr.launch import flower_env, flwr_run_command, local_superlink, run_simulation
+from parablock_flwr.launch import run_simulation
 from parablock_flwr.replica import StepLog
 from parablock_flwr.testing import build_tiny_model
 
@@ -70,56 +70,56 @@ def finished(proc, out: Path) -> FinishedRun:
     return FinishedRun(proc.returncode, proc.stdout, proc.stderr, run_dirs[-1] if run_dirs else None)
 
 
-def simulate_and_kill_server(tmp_path: Path, model_dir: Path, *, after_round: int, num_supernodes: int = 3,
-                             **overrides) -> FinishedRun:
-    """`flwr run` on the simulation engine; SIGKILL the server process once round ``after_round``
-    is checkpointed (the next round is under way), then stop Flower."""
-    out = tmp_path / "out"
-    config = tiny_config(model_dir, out, **{k.replace("_", "-"): v for k, v in overrides.items()})
-    workdir = tmp_path / "flower"
-    workdir.mkdir(parents=True)
-    flwr_home = workdir / "flwr-home"
-    with local_superlink(workdir):
-        cmd = flwr_run_command(workdir, config, extra=[
-            "--federation-config", f"num-supernodes={num_supernodes} client-resources-num-cpus=1"])
-        with open(tmp_path / "flwr-run.log", "w") as log:
-            proc = subprocess.Popen(cmd, env=flower_env(flwr_home), stdout=log, stderr=subprocess.STDOUT)
-        orphans: list[int] = []
-        try:
-            deadline = time.monotonic() + 600
-            while not list(out.glob(f"*/checkpoint/round-{after_round:05d}")):
-                assert proc.poll() is None and time.monotonic() < deadline, "the run ended before the kill"
-                time.sleep(0.1)
-            server = _simulation_server_pid(flwr_home)
-            orphans = _descendants(server)
-            os.kill(server, signal.SIGKILL)  # the ServerApp and the simulation engine's Ray driver
-            time.sleep(5)
-        finally:
-            for pid in (proc.pid, *orphans):  # `flwr run`, and what the killed driver leaves (Ray), by PID
-                _kill(pid)
-            proc.wait()
-    return finished(subprocess.CompletedProcess(cmd, proc.returncode, (tmp_path / "flwr-run.log").read_text(), ""),
-                    out)
+def kill_server_after_round(flwr_home: Path, out: Path, after_round: int) -> threading.Thread:
+    """A thread that waits until round ``after_round`` is checkpointed under ``out``, then SIGKILLs
+    the server process (`flwr-simulation`, which also drives Ray, or `flwr-serverapp` in a
+    deployment), what it leaves behind, and the `flwr run` waiting on it: the run stops as if the
+    server's machine had died in the next round."""
+
+    def kill() -> None:
+        deadline = time.monotonic() + 600
+        while not list(out.glob(f"*/checkpoint/round-{after_round:05d}")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        servers = _pids(flwr_home, lambda argv: argv[1].endswith((b"flwr-simulation", b"flwr-serverapp")))
+        left = [child for pid in servers for child in _descendants(pid)]
+        for pid in servers:
+            _kill(pid)
+        time.sleep(3)
+        for pid in left + _pids(flwr_home, lambda argv: argv[1].endswith(b"/flwr") and argv[2:3] == [b"run"]):
+            _kill(pid)
+
+    thread = threading.Thread(target=kill, daemon=True)
+    thread.start()
+    return thread
 
 
-def _simulation_server_pid(flwr_home: Path) -> int:
-    """The `flwr-simulation` process (ServerApp + Ray driver) started for this FLWR_HOME."""
-    marker = f"FLWR_HOME={flwr_home}".encode()
+def simulate_and_kill_server(tmp_path: Path, model_dir: Path, *, after_round: int, **overrides) -> FinishedRun:
+    """`simulate`, with the server killed once round ``after_round`` is checkpointed."""
+    killer = kill_server_after_round(tmp_path / "flower" / "flwr-home", tmp_path / "out", after_round)
+    run = simulate(tmp_path, model_dir, **overrides)
+    killer.join()
+    return run
+
+
+def _pids(flwr_home: Path, match) -> list[int]:
+    """Processes started for this FLWR_HOME whose argv matches."""
+    marker, found = f"FLWR_HOME={flwr_home}".encode(), []
     for proc in Path("/proc").iterdir():
         try:
             argv = (proc / "cmdline").read_bytes().split(b"\0")
-            if any(a.endswith(b"flwr-simulation") for a in argv[:2]) and marker in (proc / "environ").read_bytes():
-                return int(proc.name)
+            if len(argv) > 1 and match(argv) and marker in (proc / "environ").read_bytes().split(b"\0"):
+                found.append(int(proc.name))
         except (OSError, ValueError):
             continue
-    raise AssertionError(f"no flwr-simulation process for {flwr_home}")
+    return found
 
 
 def _descendants(pid: int) -> list[int]:
-    children = {}
+    children: dict[int, list[int]] = {}
     for proc in Path("/proc").iterdir():
         try:
-            children.setdefault(int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]), []).append(int(proc.name))
+            parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(proc.name))
         except (OSError, ValueError, IndexError):
             continue
     out, todo = [], [pid]

@@ -17,7 +17,7 @@ import torch
 from parablock_flwr.launch import free_port, run_deployment, stop_process_group, supernode_command
 from parablock_flwr.security import make_node_key
 
-from conftest import FinishedRun, finished, simulate, tiny_config
+from conftest import FinishedRun, finished, kill_server_after_round, simulate, tiny_config
 
 ROUNDS = 3
 
@@ -67,6 +67,25 @@ def test_next_block_is_computed_while_the_reply_is_in_flight(deployed):
 def test_clientapp_process_does_not_import_torch(deployed):
     rows = [row for rec in _ok(deployed).records[1:] for row in rec["timeline"]]
     assert rows and all(row["clientapp_imported_torch"] == 0 for row in rows)
+
+
+def test_killed_server_resumes_in_a_restarted_deployment_bit_for_bit(deployed, tmp_path, tiny_model_dir):
+    """The ServerApp is SIGKILLed in round 3 of 3; a new deployment (SuperLink, SuperNodes, workers:
+    every process restarted) resumes from round 2's checkpoint. The nodes are asked their partition,
+    each worker gets its own Δ_i^2 back and computes round 3 from x^1 + Δ_i^2: the last global step
+    equals the uninterrupted deployment's, bit for bit."""
+    same = dict(num_server_rounds=ROUNDS, verify_invariant=True, schedule="ascending")
+    killed_out = tmp_path / "killed" / "out"
+    killed = deploy(tmp_path / "killed", tiny_model_dir, **same, on_started=lambda dep: kill_server_after_round(
+        dep.workdir / "flwr-home", killed_out, after_round=2))
+    assert killed.run_dir is not None and not (killed.run_dir / "global-steps" / "v00003.safetensors").exists()
+    resumed = _ok(deploy(tmp_path / "resumed", tiny_model_dir, resume_from=str(killed.run_dir), **same))
+    assert "after round 2 (2 pending client updates" in resumed.stdout
+    last = resumed.records[-1]
+    assert last["round"] == 3 and last["num_accepted"] == 2
+    assert last["num_resynchronised"] == 0 and last["invariant_checked"] == 2 and last["invariant_failed"] == 0
+    (block, step), (expected_block, expected) = resumed.step(3), _ok(deployed).step(3)
+    assert block == expected_block and all(torch.equal(step[n], expected[n]) for n in expected)
 
 
 def test_crashed_worker_restarts_and_nodes_resynchronise_under_partial_participation(tmp_path, tiny_model_dir):

@@ -190,17 +190,11 @@ def _flwr_run(workdir: Path, run_config: Mapping[str, object], app_dir: Path, ti
               extra: list[str], prefix: Sequence[str] = ()) -> subprocess.CompletedProcess:
     """`flwr run` against ``$FLWR_HOME/config.toml``'s SuperLink; ``prefix`` wraps the command
     (e.g. ``ip netns exec NS`` to run it inside a network namespace)."""
-    cmd = [*prefix, *flwr_run_command(workdir, run_config, app_dir, extra)]
+    overrides = workdir / "run-config.toml"
+    overrides.write_text("".join(f"{k} = {_toml_value(v)}\n" for k, v in run_config.items()))
+    cmd = [*prefix, _bin("flwr"), "run", str(app_dir), "local", "--stream", "--run-config", str(overrides), *extra]
     return subprocess.run(cmd, env=flower_env(workdir / "flwr-home"), capture_output=capture, text=True,
                           timeout=timeout_s)
-
-
-def flwr_run_command(workdir: Path, run_config: Mapping[str, object], app_dir: Path = PROJECT_DIR,
-                     extra: Sequence[str] = ()) -> list[str]:
-    """`flwr run APP local --stream` with ``run_config`` written to ``workdir/run-config.toml``."""
-    overrides = Path(workdir) / "run-config.toml"
-    overrides.write_text("".join(f"{k} = {_toml_value(v)}\n" for k, v in run_config.items()))
-    return [_bin("flwr"), "run", str(app_dir), "local", "--stream", "--run-config", str(overrides), *extra]
 
 
 def _start_supernode(stack: contextlib.ExitStack, log_path: Path, env: dict[str, str],

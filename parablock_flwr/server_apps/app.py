@@ -57,8 +57,7 @@ def main(grid: Grid, context: Context) -> None:
         check_num_clients(num_clients)
         _, heldout = tokenized_splits(cfg.dataset, cfg.num_examples, cfg.heldout_examples, cfg.seed,
                                       tokenizer, cfg.max_seq_len)
-        if cfg.resume_path:
-            check_resumable(cfg.resume_path, cfg.as_run_config())
+        checkpoint = check_resumable(cfg.resume_path, cfg.as_run_config()) if cfg.resume_path else None
         if cfg.num_examples - cfg.heldout_examples < num_clients:
             raise ConfigError(f"num-examples={cfg.num_examples}: expected at least "
                               f"{cfg.heldout_examples + num_clients} for {num_clients} clients")
@@ -105,7 +104,7 @@ def main(grid: Grid, context: Context) -> None:
 
     # Round 1 sends no step; a resumed run sends g^R in round R+1.
     try:
-        first_step = strategy.resume(cfg.resume_path) if cfg.resume_path else ArrayRecord()
+        first_step = strategy.resume(cfg.resume_path, checkpoint) if checkpoint else ArrayRecord()
     except ValueError as err:
         log.error("Cannot resume: %s", err)
         sys.exit(2)

@@ -25,7 +25,7 @@ from flwr.serverapp.strategy import Result, Strategy
 from flwr.serverapp.strategy.strategy_utils import sample_nodes
 
 from .. import core
-from ..checkpoint import Checkpoint, clear_staged_pending, load_checkpoint, save_checkpoint
+from ..checkpoint import Checkpoint, clear_staged_pending, save_checkpoint
 from ..metrics import RunRecorder, round_line
 from ..records import to_record, to_tensors
 from ..replica import StepLog
@@ -361,14 +361,13 @@ class FedBCD(Strategy):
             elapsed_s=time.perf_counter() - self._started, modeled_wall_s=self._modeled_wall_s,
             strategy_state=self.state_dict()))
 
-    def resume(self, from_run_dir: Path) -> ArrayRecord:
-        """Continue the run in ``from_run_dir`` after its last complete round R.
+    def resume(self, from_run_dir: Path, ckpt: Checkpoint) -> ArrayRecord:
+        """Continue the run in ``from_run_dir`` after its last complete round R (``ckpt``).
 
         ``x^R`` is rebuilt as ``x^0`` plus the logged steps (checked against the stored
         digest); the steps and the records of rounds 0..R are copied into this run's
         folder. Returns ``g^R``, the step that round R+1's message carries.
         """
-        ckpt = load_checkpoint(from_run_dir)
         old_log = StepLog(from_run_dir)
         for version in range(1, ckpt.round + 1):
             block, step = old_log.read(version)
@@ -388,7 +387,7 @@ class FedBCD(Strategy):
         self.load_state_dict(ckpt.strategy_state)
         log.info("Resumed from %s after round %d (%d pending client updates to hand back)", from_run_dir,
                  ckpt.round, len(ckpt.pending))
-        return to_record(step) if ckpt.round else ArrayRecord()
+        return to_record(step)  # a checkpoint is written after round 1 at the earliest
 
     def track_node_version(self, msg: Message, server_round: int) -> None:
         """A node that answered round r holds ``x^{r-1}``; after an error its state is unknown."""

@@ -21,46 +21,76 @@ import tempfile
 import time
 from pathlib import Path
 
-from parablock_flwr.launch import PROJECT_DIR, run_simulation
-from parablock_flwr.testing import build_tiny_model
+from parablock_flwr.tools.app_config import find_project_dir
+from parablock_flwr.tools.launch import run_simulation
+from parablock_flwr.tools.tiny_model import build_tiny_model
 
-RUNS = [("parablock", "full"), ("fedbcd", "full"), ("parablock", "lora"), ("fedbcd", "lora"),
-        ("fedavg-lora", "lora"), ("fedavg-full", "full")]
+PROJECT_DIR = find_project_dir(Path(__file__).resolve().parent)  # the repository this script is in
+
+RUNS = [
+    ("parablock", "full"),
+    ("fedbcd", "full"),
+    ("parablock", "lora"),
+    ("fedbcd", "lora"),
+    ("fedavg-lora", "lora"),
+    ("fedavg-full", "full"),
+]
 SECTION = "## Every algorithm side by side in simulation"
 
 
 def run(algorithm: str, train: str, args, model: str, workdir: Path) -> list[dict]:
     out = workdir / f"out-{algorithm}-{train}"
-    config = {"algorithm": algorithm, "train": train, "model": model, "output-dir": str(out),
-              "num-server-rounds": args.rounds,
-              "learning-rate": args.lora_learning_rate if train == "lora" else args.learning_rate}
+    config = {
+        "algorithm": algorithm,
+        "train": train,
+        "model": model,
+        "output-dir": str(out),
+        "num-server-rounds": args.rounds,
+        "learning-rate": args.lora_learning_rate if train == "lora" else args.learning_rate,
+    }
     if args.tiny:
-        config.update({"num-examples": 64, "heldout-examples": 8, "layers-per-block": 2, "max-seq-len": 128,
-                       "generate-examples": 2, "max-new-tokens": 8})
+        config.update(
+            {
+                "num-examples": 64,
+                "heldout-examples": 8,
+                "layers-per-block": 2,
+                "max-seq-len": 128,
+                "generate-examples": 2,
+                "max-new-tokens": 8,
+            }
+        )
     started = time.perf_counter()
-    proc = run_simulation(workdir / f"flower-{algorithm}-{train}", config, num_supernodes=args.clients,
-                          cpus_per_client=2, timeout_s=3600)  # as `parablock-flwr simulate`
+    proc = run_simulation(
+        workdir / f"flower-{algorithm}-{train}", config, num_supernodes=args.clients, cpus_per_client=2, timeout_s=3600
+    )  # as `parablock-flwr simulate`
     if proc.returncode != 0:
-        sys.exit(f"{algorithm} ({train}) failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    run_dir = next(out.iterdir())
+        sys.exit(f"{algorithm} ({train}) failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{proc.summary()}")
+    run_dir = proc.run_dir
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     records[0]["total_wall_s"] = time.perf_counter() - started
     return records
 
 
 def table(results: dict[tuple[str, str], list[dict]]) -> str:
-    lines = ["| algorithm | trains | held-out loss r0 → rR | perplexity rR | math accuracy r0 → rR | "
-             "MB up per client per round | modeled training s | end-to-end wall s |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| algorithm | trains | held-out loss r0 → rR | perplexity rR | math accuracy r0 → rR | "
+        "MB up per client per round | modeled training s | end-to-end wall s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for (algorithm, train), records in results.items():
         first, last = records[0], records[-1]
         rounds = records[1:]
         mb_up = sum(r["bytes_up_per_client"] for r in rounds) / len(rounds) / 1e6
-        acc = (f"{first['math_accuracy']:.3f} → {last['math_accuracy']:.3f}"
-               if "math_accuracy" in first and "math_accuracy" in last else "-")
-        lines.append(f"| {algorithm} | {train} | {first['heldout_loss']:.4f} → {last['heldout_loss']:.4f} | "
-                     f"{last['perplexity']:.2f} | {acc} | {mb_up:.2f} | {last['modeled_wall_s']:.1f} | "
-                     f"{first['total_wall_s']:.0f} |")
+        acc = (
+            f"{first['math_accuracy']:.3f} → {last['math_accuracy']:.3f}"
+            if "math_accuracy" in first and "math_accuracy" in last
+            else "-"
+        )
+        lines.append(
+            f"| {algorithm} | {train} | {first['heldout_loss']:.4f} → {last['heldout_loss']:.4f} | "
+            f"{last['perplexity']:.2f} | {acc} | {mb_up:.2f} | {last['modeled_wall_s']:.1f} | "
+            f"{first['total_wall_s']:.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -80,7 +110,8 @@ def write_section(text: str, command: str, args) -> None:
         f"batch 4, 5 layers per block, LoRA r=8 on q/k/v/o); learning rate {args.learning_rate} for full weights, "
         f"{args.lora_learning_rate} for LoRA adapters. Math accuracy: exact match of the final number of greedy "
         f"answers to the first 8 held-out prompts. Modeled training time: the time model at 50 Mbit/s, 50 ms "
-        f"(docs/algorithm.md); end-to-end wall includes the SuperLink/Ray start and the evaluations.\n\n{text}\n")
+        f"(docs/algorithm.md); end-to-end wall includes the SuperLink/Ray start and the evaluations.\n\n{text}\n"
+    )
     doc.write_text(body)
 
 

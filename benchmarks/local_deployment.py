@@ -1,7 +1,7 @@
 """ParaBlock vs sequential BCD in a real local deployment (loopback), side by side.
 
 Runs each algorithm in turn with the same model, data, seed and rounds through
-`launch.run_deployment` (SuperLink, SuperNodes, node workers), then prints the
+`parablock_flwr.tools.launch.run_deployment` (SuperLink, SuperNodes, node workers), then prints the
 per-round measured compute, communication and round time and appends the table
 to docs/benchmarks.md with the command that reproduces it.
 
@@ -20,43 +20,70 @@ import tempfile
 import time
 from pathlib import Path
 
-from parablock_flwr.launch import PROJECT_DIR, run_deployment
-from parablock_flwr.testing import build_tiny_model
+from parablock_flwr.tools.app_config import find_project_dir
+from parablock_flwr.tools.launch import run_deployment
+from parablock_flwr.tools.tiny_model import build_tiny_model
+
+PROJECT_DIR = find_project_dir(Path(__file__).resolve().parent)  # the repository this script is in
 
 
 def run(algorithm: str, args, model: str, workdir: Path) -> list[dict]:
     out = workdir / f"out-{algorithm}"
-    config = {"algorithm": algorithm, "model": model, "output-dir": str(out),
-              "num-server-rounds": args.rounds, "torch-threads": 1, "local-steps": args.local_steps}
+    config = {
+        "algorithm": algorithm,
+        "model": model,
+        "output-dir": str(out),
+        "num-server-rounds": args.rounds,
+        "torch-threads": 1,
+        "local-steps": args.local_steps,
+    }
     if args.tiny:
-        config.update({"num-examples": 64, "heldout-examples": 8, "layers-per-block": 2,
-                       "max-seq-len": 128, "learning-rate": 3e-3})
+        config.update(
+            {
+                "num-examples": 64,
+                "heldout-examples": 8,
+                "layers-per-block": 2,
+                "max-seq-len": 128,
+                "learning-rate": 3e-3,
+            }
+        )
     started = time.perf_counter()
     proc = run_deployment(workdir / f"flower-{algorithm}", config, num_supernodes=args.nodes)
     wall = time.perf_counter() - started
     if proc.returncode != 0:
-        sys.exit(f"{algorithm} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    run_dir = next(out.iterdir())
+        sys.exit(f"{algorithm} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{proc.summary()}")
+    run_dir = proc.run_dir
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     records[0]["total_wall_s"] = wall
     return records
 
 
 def table(results: dict[str, list[dict]]) -> str:
-    lines = ["| algorithm | round | block | compute s (mean/node) | comm window s | overlap share | "
-             "round wall s | held-out loss |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| algorithm | round | block | compute s (mean/node) | comm window s | overlap share | "
+        "round wall s | held-out loss |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for algorithm, records in results.items():
         for rec in records[1:]:
             lines.append(
                 f"| {algorithm} | {rec['round']} | {rec['block']} | {rec.get('measured_compute_s', 0):.1f} | "
                 f"{_f(rec.get('measured_comm_s'))} | {_f(rec.get('measured_overlap_share'), 2)} | "
-                f"{rec['round_wall_s']:.1f} | {rec['heldout_loss']:.4f} |")
-    lines += ["", "| algorithm | total wall s (incl. start-up) | sum of round walls s | rounds 2..R wall s | "
-              "final held-out loss |", "|---|---|---|---|---|"]
+                f"{rec['round_wall_s']:.1f} | {rec['heldout_loss']:.4f} |"
+            )
+    lines += [
+        "",
+        "| algorithm | total wall s (incl. start-up) | sum of round walls s | rounds 2..R wall s | "
+        "final held-out loss |",
+        "|---|---|---|---|---|",
+    ]
     for algorithm, records in results.items():
         rounds = records[1:]
-        lines.append(f"| {algorithm} | {records[0]['total_wall_s']:.0f} | {sum(r['round_wall_s'] for r in rounds):.1f} | "
-                     f"{sum(r['round_wall_s'] for r in rounds[1:]):.1f} | {rounds[-1]['heldout_loss']:.4f} |")
+        lines.append(
+            f"| {algorithm} | {records[0]['total_wall_s']:.0f} | "
+            f"{sum(r['round_wall_s'] for r in rounds):.1f} | "
+            f"{sum(r['round_wall_s'] for r in rounds[1:]):.1f} | {rounds[-1]['heldout_loss']:.4f} |"
+        )
     return "\n".join(lines)
 
 
@@ -86,12 +113,14 @@ def main() -> None:
         doc = PROJECT_DIR / "docs" / "benchmarks.md"
         header = "" if doc.exists() else "# Benchmarks\n\nFigures measured by the scripts in `benchmarks/`.\n"
         with doc.open("a") as fh:
-            fh.write(f"{header}\n## Local deployment, {'tiny Llama' if args.tiny else 'SmolLM2-135M'}: "
-                     f"ParaBlock vs sequential BCD ({time.strftime('%Y-%m-%d')})\n\n"
-                     f"Command: `{command.strip()}`  \nMachine: {platform.machine()}, "
-                     f"{_cpus()} CPUs, no GPU, loopback (no link shaping); {args.nodes} SuperNodes each with a "
-                     f"node worker (1 torch thread), {args.rounds} rounds, {args.local_steps} local steps.\n\n"
-                     f"{text}\n\nParaBlock / sequential BCD, wall time of rounds 2..R: **{ratio:.2f}**\n")
+            fh.write(
+                f"{header}\n## Local deployment, {'tiny Llama' if args.tiny else 'SmolLM2-135M'}: "
+                f"ParaBlock vs sequential BCD ({time.strftime('%Y-%m-%d')})\n\n"
+                f"Command: `{command.strip()}`  \nMachine: {platform.machine()}, "
+                f"{_cpus()} CPUs, no GPU, loopback (no link shaping); {args.nodes} SuperNodes each with a "
+                f"node worker (1 torch thread), {args.rounds} rounds, {args.local_steps} local steps.\n\n"
+                f"{text}\n\nParaBlock / sequential BCD, wall time of rounds 2..R: **{ratio:.2f}**\n"
+            )
 
 
 def _cpus() -> int:

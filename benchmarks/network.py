@@ -16,7 +16,8 @@ SuperLink, SuperNodes, workers and proxies are restarted for every run (a fresh
 worker per run, so its peak memory is that run's); the namespaces and links
 stay, and their rate is changed between the rates of a sweep. Every process is
 stopped by its PID (with its process group), every namespace deleted, also on
-Ctrl-C, SIGTERM or an error. Needs root (`ip netns`).
+Ctrl-C, SIGTERM or an error. Needs root (`ip netns`). The namespaces, links, shaping,
+proxy and clean-up are benchmarks/netlab.py; this file is the experiment: runs, tables, plots.
 
     .venv/bin/python benchmarks/network.py                       # SmolLM2, 2 clients, 3 rounds, every algorithm
     .venv/bin/python benchmarks/network.py --rates 10,25,100     # a sweep of link rates
@@ -51,6 +52,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import platform
 import shlex
@@ -60,11 +62,40 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from parablock_flwr.launch import (PROJECT_DIR, _flwr_run, _wait_for, flower_env, node_config, started,
-                                   superlink_command, supernode_command, worker_command, write_connection)
+from parablock_flwr.tools.app_config import find_project_dir
+from parablock_flwr.tools.launch import (
+    flower_env,
+    flwr_run,
+    node_config,
+    superlink_command,
+    supernode_command,
+    wait_for,
+    worker_command,
+    write_connection,
+)
+
+from netlab import (
+    Network,
+    build_network,
+    check_machine,
+    descendants,
+    in_netns,
+    listens_in,
+    peak_rss_mb,
+    proxy_command,
+    shape,
+    started_in,
+    stop_on_sigterm,
+    terminate_all,
+    wait_gone,
+    wire_bytes,
+)
+
+log = logging.getLogger(__name__)
+
+PROJECT_DIR = find_project_dir(Path(__file__).resolve().parent)  # the repository this script is in
 
 # Chosen so that link time ~ one round's compute: see the module docstring.
 DEFAULT_RATE_MBPS = 40.0
@@ -75,152 +106,9 @@ FAST_LATENCY_MS = 20.0
 # Ports inside the namespaces: every namespace is fresh, so fixed ports are free.
 SUPERLINK_PORT, SUPERLINK_HEALTH_PORT = 9093, 9094
 PROXY_PORT, CLIENTAPPIO_PORT, SUPERNODE_HEALTH_PORT = 9092, 9095, 9096
-PROXY = Path(__file__).resolve().parent / "latency_proxy.py"
-IP = shutil.which("ip") or "/usr/sbin/ip"
-TC = shutil.which("tc") or "/usr/sbin/tc"
 
 # The tiny model's run (as benchmarks/local_deployment.py --tiny): seconds per round.
 TINY_CONFIG = {"num-examples": 64, "heldout-examples": 8, "max-seq-len": 128, "learning-rate": 3e-3}
-
-
-# ------------------------------------------------------------------ the network
-@dataclass
-class Node:
-    index: int
-    ns: str
-    dev: str  # node-side veth: its egress is the uplink
-    link_dev: str  # link-side veth, in the SuperLink's namespace: its egress is the downlink
-    link_ip: str  # the SuperLink's address on this node's link
-
-
-@dataclass
-class Network:
-    prefix: str
-    link_ns: str
-    nodes: list[Node]
-
-
-def sh(*cmd: str) -> str:
-    """Run a setup command; fail with its own error message in one line."""
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"`{shlex.join(cmd)}` failed: {proc.stderr.strip()}")
-    return proc.stdout
-
-
-def in_netns(ns: str) -> list[str]:
-    """Prefix that runs a command inside ``ns``; `ip netns exec` execs it, so the PID stays the command's."""
-    return [IP, "netns", "exec", ns]
-
-
-def build_network(stack: contextlib.ExitStack, prefix: str, num_clients: int) -> Network:
-    """The namespaces and veth pairs, each deleted again when ``stack`` closes (registered as made)."""
-    link_ns = f"{prefix}-link"
-    _add_netns(stack, link_ns)
-    nodes = []
-    for i in range(num_clients):
-        ns = f"{prefix}-n{i}"
-        _add_netns(stack, ns)
-        tag = prefix.removeprefix("pbn-")  # interface names: 15 characters at most
-        node = Node(i, ns, dev=f"pb{tag}n{i}", link_dev=f"pb{tag}l{i}", link_ip=f"10.213.{i}.1")
-        sh(IP, "link", "add", node.link_dev, "netns", link_ns, "type", "veth", "peer", "name", node.dev,
-           "netns", ns)
-        stack.callback(_quietly, IP, "-n", link_ns, "link", "del", node.link_dev)  # takes its peer with it
-        sh(IP, "-n", link_ns, "addr", "add", f"{node.link_ip}/30", "dev", node.link_dev)
-        sh(IP, "-n", ns, "addr", "add", f"10.213.{i}.2/30", "dev", node.dev)
-        sh(IP, "-n", link_ns, "link", "set", node.link_dev, "up")
-        sh(IP, "-n", ns, "link", "set", node.dev, "up")
-        nodes.append(node)
-    return Network(prefix, link_ns, nodes)
-
-
-def _add_netns(stack: contextlib.ExitStack, ns: str) -> None:
-    sh(IP, "netns", "add", ns)
-    stack.callback(_quietly, IP, "netns", "delete", ns)
-    sh(IP, "-n", ns, "link", "set", "lo", "up")  # the SuperNode talks to its proxy and ClientApp on loopback
-
-
-def _quietly(*cmd: str) -> None:
-    subprocess.run(cmd, capture_output=True)
-
-
-def shape(net: Network, rate_mbps: float, latency_ms: float) -> None:
-    """Limit every link to ``rate_mbps`` each way (tbf on both ends of each veth pair).
-
-    The burst must hold a whole (GSO) packet of up to 64 KiB, else large packets
-    never pass; 10 ms of traffic above that. The queue holds 400 ms plus a round
-    trip of the proxy's delay, so TCP keeps the link busy.
-    """
-    burst = max(64 * 1024, int(rate_mbps * 1e6 / 8 * 0.01))
-    args = ["root", "tbf", "rate", f"{rate_mbps * 1000:.0f}kbit", "burst", str(burst),
-            "latency", f"{400 + 2 * latency_ms:.0f}ms"]
-    for node in net.nodes:
-        sh(TC, "-n", node.ns, "qdisc", "replace", "dev", node.dev, *args)
-        sh(TC, "-n", net.link_ns, "qdisc", "replace", "dev", node.link_dev, *args)
-
-
-def wire_bytes(node: Node) -> tuple[int, int]:
-    """(sent, received) bytes of the node's veth so far: what really crossed its link."""
-    stats = json.loads(sh(IP, "-n", node.ns, "-s", "-j", "link", "show", node.dev))[0]["stats64"]
-    return stats["tx"]["bytes"], stats["rx"]["bytes"]
-
-
-def listens_in(ns: str, port: int) -> bool:
-    """Does something accept TCP connections on 127.0.0.1:port inside ``ns``?"""
-    probe = [*in_netns(ns), "bash", "-c", f": </dev/tcp/127.0.0.1/{port}"]
-    return subprocess.run(probe, capture_output=True).returncode == 0
-
-
-def descendants(pids: list[int]) -> list[int]:
-    """Every live process below ``pids``: Flower starts some children in sessions of their own."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(stat.parent.name))
-    found, todo = [], list(pids)
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def terminate_all(pids: list[int]) -> None:
-    """SIGTERM every process (its group, when it leads one) at once: they shut down in parallel
-    (1-3 s each) instead of one after the other in the ExitStack."""
-    for pid in pids:
-        try:
-            os.killpg(pid, signal.SIGTERM)
-        except ProcessLookupError:  # not a group leader, or gone
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
-
-
-def alive(pid: int) -> bool:
-    """Running (a zombie is dead, only not yet reaped by its parent)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
-
-
-def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
-    """Wait until none of ``pids`` runs any more; those still running after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return [p for p in pids if alive(p)]
-
-
-def peak_rss_mb(pid: int) -> float | None:
-    """VmHWM of a live process (its peak resident memory), in MB."""
-    with contextlib.suppress(OSError):
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return None
 
 
 # ------------------------------------------------------------------ one run
@@ -232,20 +120,22 @@ def run_one(net: Network, algorithm: str, rate: float, args: argparse.Namespace,
     write_connection(flwr_home, f"127.0.0.1:{SUPERLINK_PORT}")
     run_config = make_run_config(algorithm, rate, args, model, workdir / "out")
     wire_before = [wire_bytes(node) for node in net.nodes]
-    result: dict = {"algorithm": algorithm, "rate_mbps": rate, "latency_ms": args.latency_ms, "pids": [],
-                    "workdir": str(workdir)}
+    result: dict = {
+        "algorithm": algorithm,
+        "rate_mbps": rate,
+        "latency_ms": args.latency_ms,
+        "pids": [],
+        "workdir": str(workdir),
+    }
     began = time.perf_counter()
     with contextlib.ExitStack() as procs:  # stops each process (SIGKILL after a grace period), even on error
         try:
             workers = start_processes(procs, net, args.latency_ms, workdir, flower_env_for(flwr_home), result["pids"])
             result["startup_s"] = time.perf_counter() - began
-            try:
-                proc = _flwr_run(workdir, run_config, PROJECT_DIR, args.timeout_s, True, [],
-                                 prefix=in_netns(net.link_ns))
-                (workdir / "flwr-run.log").write_text(proc.stdout + proc.stderr)
-                result["returncode"] = proc.returncode
-            except subprocess.TimeoutExpired:
-                result["returncode"] = "timeout"
+            proc = flwr_run(workdir, run_config, PROJECT_DIR, args.timeout_s, prefix=in_netns(net.link_ns))
+            (workdir / "flwr-run.log").write_text(proc.stdout + proc.stderr + proc.summary("network.py") + "\n")
+            result["returncode"] = "timeout" if proc.kind == "timeout" else proc.returncode
+            result["status"] = proc.status
             result["total_wall_s"] = time.perf_counter() - began
             result["worker_peak_rss_mb"] = [peak_rss_mb(w.pid) for w in workers]  # before they are stopped
         finally:
@@ -263,10 +153,11 @@ def run_one(net: Network, algorithm: str, rate: float, args: argparse.Namespace,
     result["wire_bytes_down_per_client"] = _mean([a[1] - b[1] for a, b in zip(wire_after, wire_before)])
     result.update(read_run(workdir / "out") if result["returncode"] == 0 else {})
     if "rounds" not in result:
-        result["error"] = f"flwr run ended with {result['returncode']}; see {workdir}/flwr-run.log"
+        result["error"] = f"the run ended with {result['returncode']}; see {workdir}/flwr-run.log"
     elif len(result["rounds"]) < args.rounds:  # `flwr run --stream` can return while the run is unfinished
-        result["error"] = (f"the run stopped after {len(result['rounds'])} of {args.rounds} rounds; "
-                           f"see {workdir}/superlink.log")
+        result["error"] = (
+            f"the run stopped after {len(result['rounds'])} of {args.rounds} rounds; see {workdir}/superlink.log"
+        )
         result["partial_rounds"] = result.pop("rounds")
     return result
 
@@ -277,35 +168,50 @@ def flower_env_for(flwr_home: Path) -> dict[str, str]:
     return env
 
 
-def start_processes(procs: contextlib.ExitStack, net: Network, latency_ms: float, workdir: Path,
-                    env: dict[str, str], pids: list[int]) -> list[subprocess.Popen]:
+def start_processes(
+    procs: contextlib.ExitStack, net: Network, latency_ms: float, workdir: Path, env: dict[str, str], pids: list[int]
+) -> list[subprocess.Popen]:
     """Every process of one run, each in its namespace, each appended to ``pids``; returns the workers.
 
     A SuperNode starts only once its worker listens (its first message needs it)
     and its proxy accepts connections.
     """
+
     def start(ns: str, cmd: list[str], log: str) -> subprocess.Popen:
-        proc = procs.enter_context(started([*in_netns(ns), *cmd], workdir / log, env))
-        pids.append(proc.pid)  # also its process group: `started` gives each a session of its own
+        proc = procs.enter_context(started_in(ns, cmd, workdir / log, env))
+        pids.append(proc.pid)  # also its process group: `started_in` gives each a session of its own
         return proc
 
     # Unix socket paths are limited to ~100 bytes: keep them short, under /tmp.
     sockets = Path(procs.enter_context(tempfile.TemporaryDirectory(prefix=f"{net.prefix}-")))
-    superlink = start(net.link_ns, superlink_command(SUPERLINK_PORT, SUPERLINK_HEALTH_PORT, host="0.0.0.0"),
-                   "superlink.log")
+    superlink = start(
+        net.link_ns, superlink_command(SUPERLINK_PORT, SUPERLINK_HEALTH_PORT, host="0.0.0.0"), "superlink.log"
+    )
     workers, proxies = [], []
     for node in net.nodes:
         workers.append(start(node.ns, worker_command(sockets / f"w{node.index}.sock"), f"worker-{node.index}.log"))
-        proxies.append(start(node.ns, [sys.executable, str(PROXY), "--listen", f"127.0.0.1:{PROXY_PORT}",
-                                       "--target", f"{node.link_ip}:{SUPERLINK_PORT}", "--delay-ms", str(latency_ms)],
-                             f"proxy-{node.index}.log"))
-    _wait_for(lambda: listens_in(net.link_ns, SUPERLINK_PORT), superlink, workdir / "superlink.log")
+        proxies.append(
+            start(
+                node.ns,
+                proxy_command(f"127.0.0.1:{PROXY_PORT}", f"{node.link_ip}:{SUPERLINK_PORT}", latency_ms),
+                f"proxy-{node.index}.log",
+            )
+        )
+    wait_for(lambda: listens_in(net.link_ns, SUPERLINK_PORT), superlink, workdir / "superlink.log")
     for node, worker, proxy in zip(net.nodes, workers, proxies):
         sock = sockets / f"w{node.index}.sock"
-        _wait_for(sock.exists, worker, workdir / f"worker-{node.index}.log")
-        _wait_for(lambda: listens_in(node.ns, PROXY_PORT), proxy, workdir / f"proxy-{node.index}.log")
-        start(node.ns, supernode_command(f"127.0.0.1:{PROXY_PORT}", CLIENTAPPIO_PORT, SUPERNODE_HEALTH_PORT,
-                                         node_config(node.index, len(net.nodes), sock)), f"supernode-{node.index}.log")
+        wait_for(sock.exists, worker, workdir / f"worker-{node.index}.log")
+        wait_for(lambda ns=node.ns: listens_in(ns, PROXY_PORT), proxy, workdir / f"proxy-{node.index}.log")
+        start(
+            node.ns,
+            supernode_command(
+                f"127.0.0.1:{PROXY_PORT}",
+                CLIENTAPPIO_PORT,
+                SUPERNODE_HEALTH_PORT,
+                node_config(node.index, len(net.nodes), sock),
+            ),
+            f"supernode-{node.index}.log",
+        )
     return workers
 
 
@@ -315,16 +221,29 @@ def read_run(out: Path) -> dict:
     if not run_dirs or not (run_dirs[-1] / "metrics.jsonl").exists():
         return {}
     records = [json.loads(line) for line in (run_dirs[-1] / "metrics.jsonl").read_text().splitlines()]
-    return {"run_dir": str(run_dirs[-1]), "heldout_loss_initial": records[0].get("heldout_loss"),
-            "initial_elapsed_s": records[0].get("elapsed_s"), "rounds": [round_row(rec) for rec in records[1:]]}
+    return {
+        "run_dir": str(run_dirs[-1]),
+        "heldout_loss_initial": records[0].get("heldout_loss"),
+        "initial_elapsed_s": records[0].get("elapsed_s"),
+        "rounds": [round_row(rec) for rec in records[1:]],
+    }
 
 
 def make_run_config(algorithm: str, rate: float, args: argparse.Namespace, model: str, out: Path) -> dict:
     """Same everything for every algorithm; the link goes into the server's time model too."""
-    config = {"algorithm": algorithm, "model": model, "output-dir": str(out), "num-server-rounds": args.rounds,
-              "layers-per-block": args.layers_per_block, "local-steps": args.local_steps, "torch-threads": 1,
-              "uplink-mbps": rate, "downlink-mbps": rate, "latency-ms": args.latency_ms,
-              "min-available-nodes": args.clients}  # the server waits for every node before round 1
+    config = {
+        "algorithm": algorithm,
+        "model": model,
+        "output-dir": str(out),
+        "num-server-rounds": args.rounds,
+        "layers-per-block": args.layers_per_block,
+        "local-steps": args.local_steps,
+        "torch-threads": 1,
+        "uplink-mbps": rate,
+        "downlink-mbps": rate,
+        "latency-ms": args.latency_ms,
+        "min-available-nodes": args.clients,
+    }  # the server waits for every node before round 1
     if args.tiny:
         config.update(TINY_CONFIG)
     return config
@@ -346,13 +265,20 @@ def round_row(rec: dict) -> dict:
     idle = _mean([t["comm_s"] * (1 - t["overlap_share"]) for t in windows]) if windows else None
     efficiency = wall / max(compute, comm) if None not in (wall, compute, comm) and max(compute, comm) > 0 else None
     return {
-        "round": rec["round"], "block": rec.get("block"), "heldout_loss": rec.get("heldout_loss"),
-        "elapsed_s": rec.get("elapsed_s"), "round_wall_s": wall, "compute_s": compute, "comm_s": comm,
-        "idle_s": idle, "overlap_share": rec.get("measured_overlap_share"),
+        "round": rec["round"],
+        "block": rec.get("block"),
+        "heldout_loss": rec.get("heldout_loss"),
+        "elapsed_s": rec.get("elapsed_s"),
+        "round_wall_s": wall,
+        "compute_s": compute,
+        "comm_s": comm,
+        "idle_s": idle,
+        "overlap_share": rec.get("measured_overlap_share"),
         "overlap_efficiency": efficiency,
         "bytes_up_per_client": rec.get("bytes_up_per_client"),
         "bytes_down_per_client": rec.get("bytes_down_per_client"),
-        "modeled_compute_s": rec.get("compute_s_mean"), "modeled_comm_s": rec.get("comm_s_modeled"),
+        "modeled_compute_s": rec.get("compute_s_mean"),
+        "modeled_comm_s": rec.get("comm_s_modeled"),
         "modeled_round_s": rec.get("modeled_round_s"),
     }
 
@@ -373,19 +299,25 @@ def _sum(rows: list[dict], key: str) -> float | None:
 
 def tables(runs: list[dict]) -> str:
     """Markdown: per round (measured next to modeled), then per algorithm and rate."""
-    lines = ["| rate Mbit/s | algorithm | round | compute s | comm s | idle s | round wall s | overlap eff. | "
-             "modeled comm s | modeled round s | MB up / down per client | held-out loss |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| rate Mbit/s | algorithm | round | compute s | comm s | idle s | round wall s | overlap eff. | "
+        "modeled comm s | modeled round s | MB up / down per client | held-out loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for run in runs:
         for r in run.get("rounds", []):
             lines.append(
                 f"| {run['rate_mbps']:g} | {run['algorithm']} | {r['round']} | {_f(r['compute_s'])} | "
                 f"{_f(r['comm_s'])} | {_f(r['idle_s'])} | {_f(r['round_wall_s'])} | {_f(r['overlap_efficiency'], 2)} | "
                 f"{_f(r['modeled_comm_s'])} | {_f(r['modeled_round_s'])} | "
-                f"{_mb(r['bytes_up_per_client'])} / {_mb(r['bytes_down_per_client'])} | {_f(r['heldout_loss'], 4)} |")
-    lines += ["", "| rate Mbit/s | algorithm | total wall s | rounds 2..R wall s (modeled) | mean overlap eff. r≥2 | "
-              "wire MB per client up / down | worker peak RSS MB | held-out loss r0 → rR |",
-              "|---|---|---|---|---|---|---|---|"]
+                f"{_mb(r['bytes_up_per_client'])} / {_mb(r['bytes_down_per_client'])} | {_f(r['heldout_loss'], 4)} |"
+            )
+    lines += [
+        "",
+        "| rate Mbit/s | algorithm | total wall s | rounds 2..R wall s (modeled) | mean overlap eff. r≥2 | "
+        "wire MB per client up / down | worker peak RSS MB | held-out loss r0 → rR |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for run in runs:
         if "rounds" not in run:
             lines.append(f"| {run['rate_mbps']:g} | {run['algorithm']} | failed: {run['error']} | | | | | |")
@@ -398,7 +330,8 @@ def tables(runs: list[dict]) -> str:
             f"{_f(_sum(later, 'round_wall_s'))} ({_f(_sum(later, 'modeled_round_s'))}) | "
             f"{_f(_mean(effs) if effs else None, 2)} | "
             f"{_mb(run['wire_bytes_up_per_client'])} / {_mb(run['wire_bytes_down_per_client'])} | {peaks} | "
-            f"{_f(run['heldout_loss_initial'], 4)} → {_f(run['rounds'][-1]['heldout_loss'], 4)} |")
+            f"{_f(run['heldout_loss_initial'], 4)} → {_f(run['rounds'][-1]['heldout_loss'], 4)} |"
+        )
     return "\n".join(lines)
 
 
@@ -424,9 +357,11 @@ def plots(runs: list[dict], folder: Path) -> list[Path]:
             points = [(run["initial_elapsed_s"], run["heldout_loss_initial"])]
             points += [(r["elapsed_s"], r["heldout_loss"]) for r in run["rounds"]]
             ax.plot(*zip(*points), marker="o", label=run["algorithm"])
-        ax.set(title=f"{rate:g} Mbit/s, {runs[0]['latency_ms']:g} ms one way",
-               xlabel="wall clock since the strategy started, s (first point: before training)",
-               ylabel="held-out loss")
+        ax.set(
+            title=f"{rate:g} Mbit/s, {runs[0]['latency_ms']:g} ms one way",
+            xlabel="wall clock since the strategy started, s (first point: before training)",
+            ylabel="held-out loss",
+        )
         ax.legend()
     loss_png = folder / "loss-vs-wall.png"
     fig.tight_layout()
@@ -442,16 +377,30 @@ def plots(runs: list[dict], folder: Path) -> list[Path]:
                 ax.set_visible(False)
                 continue
             xs = [r["round"] for r in run["rounds"]]
-            for k, (key, label) in enumerate((("compute_s", "compute"), ("comm_s", "communication"),
-                                              ("idle_s", "idle"))):
-                ax.bar([x + (k - 1) * 0.27 for x in xs], [r[key] or 0.0 for r in run["rounds"]], width=0.27,
-                       label=label)
+            for k, (key, label) in enumerate(
+                (("compute_s", "compute"), ("comm_s", "communication"), ("idle_s", "idle"))
+            ):
+                ax.bar(
+                    [x + (k - 1) * 0.27 for x in xs], [r[key] or 0.0 for r in run["rounds"]], width=0.27, label=label
+                )
             ax.plot(xs, [r["round_wall_s"] for r in run["rounds"]], "k_", markersize=22, mew=2, label="round wall")
-            ax.plot(xs, [r["modeled_round_s"] for r in run["rounds"]], "_", color="grey", markersize=22, mew=2,
-                    linestyle="none", label="modeled round")
+            ax.plot(
+                xs,
+                [r["modeled_round_s"] for r in run["rounds"]],
+                "_",
+                color="grey",
+                markersize=22,
+                mew=2,
+                linestyle="none",
+                label="modeled round",
+            )
             ax.set(title=f"{algorithm}, {rate:g} Mbit/s", xlabel="round", ylabel="s", xticks=xs)
-    fig.legend(*next(ax for ax in axes.flat if ax.get_visible()).get_legend_handles_labels(), loc="lower center",
-               ncol=5, fontsize=8)
+    fig.legend(
+        *next(ax for ax in axes.flat if ax.get_visible()).get_legend_handles_labels(),
+        loc="lower center",
+        ncol=5,
+        fontsize=8,
+    )
     times_png = folder / "round-times.png"
     fig.tight_layout(rect=(0, 0.5 / height, 1, 1))
     fig.savefig(times_png, dpi=110)
@@ -474,7 +423,7 @@ def write_docs(report: str, pngs: list[Path]) -> None:
     doc = PROJECT_DIR / "docs" / "benchmarks.md"
     text = doc.read_text() if doc.exists() else "# Benchmarks\n\nFigures measured by the scripts in `benchmarks/`.\n"
     lines = text.splitlines(keepends=True)
-    start = next((i for i, l in enumerate(lines) if l.startswith(DOC_HEADING)), None)
+    start = next((i for i, line in enumerate(lines) if line.startswith(DOC_HEADING)), None)
     if start is None:
         doc.write_text(text.rstrip("\n") + "\n\n" + section)
         return
@@ -484,33 +433,48 @@ def write_docs(report: str, pngs: list[Path]) -> None:
 
 
 def machine() -> dict:
-    mem_kb = next(int(l.split()[1]) for l in Path("/proc/meminfo").read_text().splitlines() if l.startswith("MemTotal"))
-    cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
-                if l.startswith("model name")), platform.processor())
-    return {"nproc": os.cpu_count(), "memory_gib": round(mem_kb / 2**20, 1), "cpu": cpu,
-            "arch": platform.machine(), "gpu": "none" if not shutil.which("nvidia-smi") else "see nvidia-smi"}
+    mem_kb = next(
+        int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal")
+    )
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    return {
+        "nproc": os.cpu_count(),
+        "memory_gib": round(mem_kb / 2**20, 1),
+        "cpu": cpu,
+        "arch": platform.machine(),
+        "gpu": "none" if not shutil.which("nvidia-smi") else "see nvidia-smi",
+    }
 
 
 def describe(results: dict) -> str:
     """The section's text: what ran, where, with which command, then the tables."""
     s, m = results["settings"], results["machine"]
-    return (f"Command: `{results['command']}`  \nDate: {results['date']}  \n"
-            f"Machine: {m['arch']}, {m['cpu']}, nproc {m['nproc']}, {m['memory_gib']} GiB, GPU: {m['gpu']}  \n"
-            f"Model `{s['model_label']}`, {s['clients']} clients (each a SuperNode with a node worker, 1 torch "
-            f"thread, in its own network namespace), {s['rounds']} rounds, {s['layers_per_block']} layers per block, "
-            f"{s['local_steps']} local steps; links of {', '.join(f'{r:g}' for r in s['rates_mbps'])} Mbit/s each way "
-            f"(`tc tbf` on both ends of a veth pair) with {s['latency_ms']:g} ms one way (user-space proxy). The "
-            f"server's time model was given the same link (`modeled_*`). The default rate is the one at which the "
-            f"link time of a round equals its compute (how it was chosen: the docstring of benchmarks/network.py; "
-            f"`--probe` measures it on another machine).\n\n"
-            "compute = mean over nodes of the worker's compute of the round's update; comm = the node's window "
-            "from its previous reply leaving the worker to this round's message reaching it (includes Flower's "
-            "polling, serialization and the server's aggregation and evaluation; none in round 1); idle = the "
-            "part of that window in which the worker computed nothing; round wall = the server's round, from "
-            "sending the messages to the end of its held-out evaluation; overlap eff. = round wall / "
-            "max(compute, comm), 1.0 is "
-            "perfect overlap; wire MB = bytes that crossed each node's veth during the whole run (all rounds and "
-            "Flower's polls).\n\n" + results["tables"])
+    return (
+        f"Command: `{results['command']}`  \nDate: {results['date']}  \n"
+        f"Machine: {m['arch']}, {m['cpu']}, nproc {m['nproc']}, {m['memory_gib']} GiB, GPU: {m['gpu']}  \n"
+        f"Model `{s['model_label']}`, {s['clients']} clients (each a SuperNode with a node worker, 1 torch "
+        f"thread, in its own network namespace), {s['rounds']} rounds, {s['layers_per_block']} layers per block, "
+        f"{s['local_steps']} local steps; links of {', '.join(f'{r:g}' for r in s['rates_mbps'])} Mbit/s each way "
+        f"(`tc tbf` on both ends of a veth pair) with {s['latency_ms']:g} ms one way (user-space proxy). The "
+        f"server's time model was given the same link (`modeled_*`). The default rate is the one at which the "
+        f"link time of a round equals its compute (how it was chosen: the docstring of benchmarks/network.py; "
+        f"`--probe` measures it on another machine).\n\n"
+        "compute = mean over nodes of the worker's compute of the round's update; comm = the node's window "
+        "from its previous reply leaving the worker to this round's message reaching it (includes Flower's "
+        "polling, serialization and the server's aggregation and evaluation; none in round 1); idle = the "
+        "part of that window in which the worker computed nothing; round wall = the server's round, from "
+        "sending the messages to the end of its held-out evaluation; overlap eff. = round wall / "
+        "max(compute, comm), 1.0 is "
+        "perfect overlap; wire MB = bytes that crossed each node's veth during the whole run (all rounds and "
+        "Flower's polls).\n\n" + results["tables"]
+    )
 
 
 # ------------------------------------------------------------------ command line
@@ -531,6 +495,7 @@ def _positive(kind: type):
         if not value > 0:
             raise argparse.ArgumentTypeError(f"{text!r}: {expected}")
         return value
+
     return parse
 
 
@@ -565,26 +530,37 @@ def _non_negative(text: str) -> float:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rate", type=_positive(float), help=f"link rate each way, Mbit/s (default {DEFAULT_RATE_MBPS:g}; "
-                   f"--fast {FAST_RATE_MBPS:g})")
+    p.add_argument(
+        "--rate",
+        type=_positive(float),
+        help=f"link rate each way, Mbit/s (default {DEFAULT_RATE_MBPS:g}; --fast {FAST_RATE_MBPS:g})",
+    )
     p.add_argument("--rates", type=_rates, help="a sweep: comma list of link rates, Mbit/s (e.g. 10,25,100)")
-    p.add_argument("--latency-ms", type=_non_negative, help=f"one-way latency (default {DEFAULT_LATENCY_MS:g}; "
-                   f"--fast {FAST_LATENCY_MS:g})")
+    p.add_argument(
+        "--latency-ms",
+        type=_non_negative,
+        help=f"one-way latency (default {DEFAULT_LATENCY_MS:g}; --fast {FAST_LATENCY_MS:g})",
+    )
     p.add_argument("--clients", type=_positive(int), help="SuperNodes, each with a worker (default 2)")
-    p.add_argument("--model", help="embedded:<name>, HF id or folder (default: the embedded SmolLM2; "
-                   "--fast: a tiny Llama)")
+    p.add_argument(
+        "--model", help="embedded:<name>, HF id or folder (default: the embedded SmolLM2; --fast: a tiny Llama)"
+    )
     p.add_argument("--layers-per-block", type=_positive(int), help="default 5 (--fast 2)")
     p.add_argument("--local-steps", type=_positive(int), help="default 3")
     p.add_argument("--rounds", type=_positive(int), help="default 3")
-    p.add_argument("--algorithms", type=_algorithms,
-                   help="comma list (default: every name in parablock_flwr.config.ALGORITHMS)")
+    p.add_argument(
+        "--algorithms", type=_algorithms, help="comma list (default: every name in parablock_flwr.config.ALGORITHMS)"
+    )
     p.add_argument("--out", type=Path, help="output folder (default runs/network-<date-time> in the project)")
     p.add_argument("--fast", action="store_true", help="tiny model, 2 clients, 3 rounds: a short smoke run")
     docs = p.add_mutually_exclusive_group()
     docs.add_argument("--docs", action="store_true", help="write the docs/benchmarks.md section even with --fast")
     docs.add_argument("--no-docs", action="store_true", help="leave docs/benchmarks.md alone")
-    p.add_argument("--probe", action="store_true",
-                   help="run 1 round of the first algorithm and print the rate at which link time = compute")
+    p.add_argument(
+        "--probe",
+        action="store_true",
+        help="run 1 round of the first algorithm and print the rate at which link time = compute",
+    )
     p.add_argument("--timeout-s", type=_positive(float), default=7200.0, help="limit for each `flwr run`")
     args = p.parse_args(argv)
     if args.rate is not None and args.rates is not None:
@@ -613,61 +589,66 @@ def _defaults(args: argparse.Namespace) -> None:
     args.out = (args.out or PROJECT_DIR / "runs" / f"network-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
 
 
-def check_machine() -> None:
-    """Network namespaces need root and iproute2's `ip` and `tc`."""
-    if os.geteuid() != 0:
-        sys.exit("network.py: needs root to create network namespaces (`ip netns add`); run it as root")
-    for tool in (IP, TC):
-        if not Path(tool).exists():
-            sys.exit(f"network.py: {tool} not found: expected iproute2's `ip` and `tc`")
-
-
-def _stop_on_sigterm() -> None:
-    """SIGTERM unwinds like Ctrl-C, so every process is stopped and every namespace deleted."""
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-
-
 def probe_report(run: dict) -> str:
     """The rate at which the modeled link time of a round equals its measured compute."""
     r = run["rounds"][0]
     payload = r["bytes_up_per_client"] + r["bytes_down_per_client"]
     budget = r["compute_s"] - 2 * run["latency_ms"] / 1e3
     rate = 8 * payload / budget / 1e6 if budget > 0 else float("inf")
-    return (f"probe: compute {r['compute_s']:.1f} s (client-reported {_f(r['modeled_compute_s'])} s), "
-            f"{payload / 1e6:.1f} MB up+down per client, latency {run['latency_ms']:g} ms one way -> "
-            f"link time = compute at {rate:.1f} Mbit/s each way")
+    return (
+        f"probe: compute {r['compute_s']:.1f} s (client-reported {_f(r['modeled_compute_s'])} s), "
+        f"{payload / 1e6:.1f} MB up+down per client, latency {run['latency_ms']:g} ms one way -> "
+        f"link time = compute at {rate:.1f} Mbit/s each way"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     check_machine()
-    _stop_on_sigterm()
+    stop_on_sigterm()
     args.out.mkdir(parents=True, exist_ok=True)
     prefix = f"pbn-{os.getpid()}"
     command = "python benchmarks/network.py " + shlex.join(sys.argv[1:] if argv is None else argv)
-    results = {"command": command.strip(), "date": time.strftime("%Y-%m-%d"), "machine": machine(),
-               "network_prefix": prefix, "runs": []}
+    results = {
+        "command": command.strip(),
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": machine(),
+        "network_prefix": prefix,
+        "runs": [],
+    }
     with contextlib.ExitStack() as stack:
         model = args.model or "embedded:smollm2-135m-instruct"
         if args.tiny:
-            from parablock_flwr.testing import build_tiny_model
+            from parablock_flwr.tools.tiny_model import build_tiny_model
 
             model = str(build_tiny_model(args.out / "tiny-model"))
         results["settings"] = {
-            "model": model, "model_label": "tiny Llama (parablock_flwr.testing)" if args.tiny else model,
-            "clients": args.clients, "rounds": args.rounds, "layers_per_block": args.layers_per_block,
-            "local_steps": args.local_steps, "rates_mbps": args.rates, "latency_ms": args.latency_ms,
-            "algorithms": args.algorithms, "torch_threads": 1}
+            "model": model,
+            "model_label": "tiny Llama (parablock_flwr.tools.tiny_model)" if args.tiny else model,
+            "clients": args.clients,
+            "rounds": args.rounds,
+            "layers_per_block": args.layers_per_block,
+            "local_steps": args.local_steps,
+            "rates_mbps": args.rates,
+            "latency_ms": args.latency_ms,
+            "algorithms": args.algorithms,
+            "torch_threads": 1,
+        }
         net = build_network(stack, prefix, args.clients)
         for rate in args.rates:
             shape(net, rate, args.latency_ms)
             for algorithm in args.algorithms:
-                print(f"[{time.strftime('%H:%M:%S')}] {algorithm} over {rate:g} Mbit/s, {args.latency_ms:g} ms ...",
-                      flush=True)
+                print(
+                    f"[{time.strftime('%H:%M:%S')}] {algorithm} over {rate:g} Mbit/s, {args.latency_ms:g} ms ...",
+                    flush=True,
+                )
                 run = run_one(net, algorithm, rate, args, model, args.out)
                 results["runs"].append(run)
-                print(f"    {'ok' if 'rounds' in run else run['error']}: {run['total_wall_s']:.0f} s (start-up "
-                      f"{run['startup_s']:.0f} s), then {run['stop_s']:.1f} s to stop", flush=True)
+                print(
+                    f"    {'ok' if 'rounds' in run else run['error']}: {run['total_wall_s']:.0f} s (start-up "
+                    f"{run['startup_s']:.0f} s), then {run['stop_s']:.1f} s to stop",
+                    flush=True,
+                )
                 _save(results, args.out)
     results["tables"] = tables(results["runs"])
     results["plots"] = [str(p) for p in plots(results["runs"], args.out)]

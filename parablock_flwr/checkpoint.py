@@ -35,11 +35,23 @@ STAGED = "pending.staged"
 
 
 # Run-config keys that may change on resume: they do not change what is trained.
-MAY_CHANGE_ON_RESUME = frozenset({
-    "resume-from", "output-dir", "round-timeout-s", "num-server-rounds", "min-available-nodes", "eval-every",
-    "eval-batch-size", "generate-examples", "generate-every", "max-new-tokens", "save-every", "save-final-model",
-    "verify-invariant",
-})
+MAY_CHANGE_ON_RESUME = frozenset(
+    {
+        "resume-from",
+        "output-dir",
+        "round-timeout-s",
+        "num-server-rounds",
+        "min-available-nodes",
+        "eval-every",
+        "eval-batch-size",
+        "generate-examples",
+        "generate-every",
+        "max-new-tokens",
+        "save-every",
+        "save-final-model",
+        "verify-invariant",
+    }
+)
 
 
 @dataclass
@@ -84,8 +96,11 @@ def save_checkpoint(run_dir: Path, ckpt: Checkpoint) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     state = {
-        "round": ckpt.round, "blocks": {str(r): b for r, b in ckpt.blocks.items()},
-        "global_sha256": ckpt.global_sha256, "elapsed_s": ckpt.elapsed_s, "modeled_wall_s": ckpt.modeled_wall_s,
+        "round": ckpt.round,
+        "blocks": {str(r): b for r, b in ckpt.blocks.items()},
+        "global_sha256": ckpt.global_sha256,
+        "elapsed_s": ckpt.elapsed_s,
+        "modeled_wall_s": ckpt.modeled_wall_s,
         "strategy_state": ckpt.strategy_state,
     }
     if (root / STAGED).exists():
@@ -103,22 +118,34 @@ def load_checkpoint(run_dir: Path) -> Checkpoint:
     """The latest complete checkpoint of a run folder; a clear error if there is none."""
     folders = sorted(p for p in (Path(run_dir) / "checkpoint").glob("round-*") if not p.name.endswith(".tmp"))
     if not folders:
-        raise FileNotFoundError(f"resume-from={str(run_dir)!r}: expected a run folder with checkpoint/round-NNNNN "
-                                f"(written after every complete round)")
+        raise FileNotFoundError(
+            f"resume-from={str(run_dir)!r}: expected a run folder with checkpoint/round-NNNNN "
+            f"(written after every complete round)"
+        )
     folder = folders[-1]
     state = json.loads((folder / "state.json").read_text())
     pending = {}
     index = folder / "pending" / "index.jsonl"
     for line in index.read_text().splitlines() if index.exists() else []:
         entry = json.loads(line)
-        delta = {name: torch.from_numpy(np.fromfile(folder / "pending" / "updates.bin", dtype=np.float32,
-                                                     count=math.prod(shape), offset=offset).reshape(shape))
-                 for name, offset, shape in entry["tensors"]}
+        delta = {
+            name: torch.from_numpy(
+                np.fromfile(
+                    folder / "pending" / "updates.bin", dtype=np.float32, count=math.prod(shape), offset=offset
+                ).reshape(shape)
+            )
+            for name, offset, shape in entry["tensors"]
+        }
         pending[entry["partition"]] = PendingUpdate(entry["block"], entry["base_version"], delta)
-    return Checkpoint(round=state["round"], blocks={int(r): b for r, b in state["blocks"].items()},
-                      global_sha256=state["global_sha256"], elapsed_s=state["elapsed_s"],
-                      modeled_wall_s=state["modeled_wall_s"], strategy_state=state["strategy_state"],
-                      pending=pending)
+    return Checkpoint(
+        round=state["round"],
+        blocks={int(r): b for r, b in state["blocks"].items()},
+        global_sha256=state["global_sha256"],
+        elapsed_s=state["elapsed_s"],
+        modeled_wall_s=state["modeled_wall_s"],
+        strategy_state=state["strategy_state"],
+        pending=pending,
+    )
 
 
 def check_resumable(run_dir: Path, run_config: dict[str, object]) -> Checkpoint:
@@ -135,10 +162,48 @@ def check_resumable(run_dir: Path, run_config: dict[str, object]) -> Checkpoint:
     for key in sorted(set(before) | set(run_config)):
         if key in MAY_CHANGE_ON_RESUME or before.get(key) == run_config.get(key):
             continue
-        raise ValueError(f"resume-from={str(run_dir)!r}: {key}={run_config.get(key)!r} differs from the "
-                         f"checkpointed run's {before.get(key)!r}; expected the same training configuration")
+        raise ValueError(
+            f"resume-from={str(run_dir)!r}: {key}={run_config.get(key)!r} differs from the "
+            f"checkpointed run's {before.get(key)!r}; expected the same training configuration"
+        )
     rounds = int(run_config["num-server-rounds"])
     if rounds <= ckpt.round:
-        raise ValueError(f"num-server-rounds={rounds}: expected more than the {ckpt.round} rounds "
-                         f"the checkpoint in {run_dir} already holds")
+        raise ValueError(
+            f"num-server-rounds={rounds}: expected more than the {ckpt.round} rounds "
+            f"the checkpoint in {run_dir} already holds"
+        )
     return ckpt
+
+
+def replay_run(
+    from_run_dir: Path,
+    ckpt: Checkpoint,
+    global_params: dict[str, torch.Tensor],
+    names: tuple[str, ...],
+    step_log,
+    recorder,
+    before_each_step=None,
+) -> dict[str, torch.Tensor]:
+    """Rebuild ``x^R`` in place as ``x^0`` plus the logged steps of ``from_run_dir`` (checked against
+    the checkpoint's digest), copying the steps and the records of rounds 0..R into this run's
+    ``step_log`` and ``recorder``. Returns ``g^R``, the step round R+1's message carries."""
+    from .core import apply_step, digest
+    from .metrics import RunRecorder
+    from .replica import StepLog
+
+    old_log = StepLog(from_run_dir)
+    for version in range(1, ckpt.round + 1):
+        block, step = old_log.read(version)
+        if before_each_step is not None:
+            before_each_step(step)
+        apply_step(global_params, step)
+        step_log.write(version, block, step)
+    if digest(global_params, names) != ckpt.global_sha256:
+        raise ValueError(
+            f"resume-from={str(from_run_dir)!r}: x^0 plus the logged steps does not give the "
+            f"checkpointed x^{ckpt.round}; expected the same model files as the first run"
+        )
+    for record in RunRecorder(from_run_dir).read():
+        if record["round"] <= ckpt.round:
+            recorder.write(record)
+    return step

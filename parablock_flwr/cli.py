@@ -4,51 +4,101 @@
     parablock-flwr deploy [KEY=VALUE ...]        a real local deployment: SuperLink, SuperNodes, workers
     parablock-flwr worker --socket PATH          the node worker to run beside a flower-supernode
     parablock-flwr evaluate MODEL_DIR            held-out loss, perplexity, math accuracy of a saved model
-    parablock-flwr report RUN_DIR                the run's table, and PNG plots in RUN_DIR/plots
+    parablock-flwr report RUN_DIR                the run's status, its table, and PNG plots in RUN_DIR/plots
+
+`simulate` and `deploy` check every override against the app's run-config keys and
+types before anything starts, and exit with the code of the run's status record
+(run_status.EXIT_CODES; README, "Exit codes"), its reason on the last line.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
-import tomllib
 from pathlib import Path
 
-from .launch import PROJECT_DIR
+from .tools.app_config import OverrideError, ProjectNotFound, find_project_dir, parse_overrides
+
+log = logging.getLogger(__name__)
 
 
 def _run_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", help="run-config overrides, KEY=VALUE in TOML syntax")
     parser.add_argument("--num-supernodes", type=int, default=2)
-    parser.add_argument("--workdir", type=Path, default=PROJECT_DIR / "runs" / ".flower")
+    parser.add_argument(
+        "--app-dir",
+        type=Path,
+        help="the Flower app: the nearest folder, from this one upwards, "
+        "whose pyproject.toml has [tool.flwr.app] (default: from the working directory)",
+    )
+    parser.add_argument(
+        "--workdir", type=Path, help="Flower's home, logs and credentials (default: APP_DIR/runs/.flower)"
+    )
 
 
-def _run_config(args) -> dict:
-    config: dict[str, object] = {"output-dir": str(PROJECT_DIR / "runs")}
-    for item in args.overrides:
-        try:
-            config.update(tomllib.loads(item))
-        except tomllib.TOMLDecodeError as err:
-            sys.exit(f"override {item!r}: expected KEY=VALUE in TOML syntax, strings quoted ({err})")
-    return config
+def _run_config(args, app_dir: Path) -> dict:
+    """The overrides, after ``output-dir = APP_DIR/runs`` (KEY=VALUE arguments win)."""
+    return {"output-dir": str(app_dir / "runs"), **parse_overrides(args.overrides)}
+
+
+def _launch(args) -> int:
+    """`simulate` / `deploy`: check the overrides, run, and end with one line saying how the run ended."""
+    from .tools.launch import refused, run_deployment, run_simulation
+
+    try:
+        app_dir = find_project_dir(args.app_dir)  # None: from the working directory
+        config = _run_config(args, app_dir)
+    except ProjectNotFound as err:
+        result = refused(str(err), kind="error")
+    except OverrideError as err:
+        result = refused(str(err))
+    else:
+        workdir = args.workdir or app_dir / "runs" / ".flower"
+        if args.command == "simulate":
+            result = run_simulation(
+                workdir, config, args.num_supernodes, args.cpus_per_client, app_dir=app_dir, capture=False
+            )
+        else:
+            result = run_deployment(
+                workdir, config, args.num_supernodes, app_dir=app_dir, capture=False, secure=args.secure
+            )
+    sys.stdout.flush()
+    if result.run_dir is not None:
+        print(f"run folder: {result.run_dir}", flush=True)
+    print(result.summary(), file=sys.stdout if result.returncode == 0 else sys.stderr, flush=True)
+    return result.returncode
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="parablock-flwr", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="parablock-flwr", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     sim = sub.add_parser("simulate", help="run the app on Flower's simulation engine")
     _run_args(sim)
     sim.add_argument("--cpus-per-client", type=int, default=2)
     dep = sub.add_parser("deploy", help="run a real local deployment with node workers")
     _run_args(dep)
-    dep.add_argument("--secure", action="store_true",
-                     help="TLS and SuperNode authentication (credentials made in WORKDIR/credentials)")
+    dep.add_argument(
+        "--secure",
+        action="store_true",
+        help="TLS and SuperNode authentication (credentials made in WORKDIR/credentials)",
+    )
     wrk = sub.add_parser("worker", help="the node worker beside a flower-supernode")
-    wrk.add_argument("--socket", type=Path, required=True,
-                     help="Unix socket path; give the SuperNode --node-config 'worker-socket=\"PATH\"'")
-    wrk.add_argument("--idle-exit-s", type=float, default=3600.0, help="exit after this long idle (0: never)")
+    wrk.add_argument(
+        "--socket",
+        type=Path,
+        required=True,
+        help="Unix socket path; give the SuperNode --node-config 'worker-socket=\"PATH\"'",
+    )
+    wrk.add_argument(
+        "--idle-exit-s",
+        type=float,
+        default=0.0,
+        help="exit after this long without a message (default 0: never, it lives as long as its node)",
+    )
     ev = sub.add_parser("evaluate", help="held-out loss, perplexity and math accuracy of a saved model")
     ev.add_argument("model", help="a saved Hugging Face folder (e.g. RUN_DIR/final-model), an id or embedded:<name>")
     ev.add_argument("--config", type=Path, help="a run's RUN_DIR/config.json, for the same data (default: defaults)")
@@ -57,16 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("run_dir", type=Path)
     args = parser.parse_args(argv)
 
-    if args.command == "simulate":
-        from .launch import run_simulation
-
-        return run_simulation(args.workdir, _run_config(args), args.num_supernodes, args.cpus_per_client,
-                              capture=False).returncode
-    if args.command == "deploy":
-        from .launch import run_deployment
-
-        return run_deployment(args.workdir, _run_config(args), args.num_supernodes, capture=False,
-                              secure=args.secure).returncode
+    if args.command in ("simulate", "deploy"):
+        return _launch(args)
     if args.command == "worker":
         from .worker.server import run_worker
 
@@ -93,8 +135,9 @@ def evaluate(model_spec: str, config_path: Path | None, samples_path: Path | Non
 
     cfg = RunConfig.from_flower(json.loads(config_path.read_text()) if config_path else {})
     model, tokenizer = load_saved(resolve_model(model_spec)), load_tokenizer(model_spec)
-    _, heldout = tokenized_splits(cfg.dataset, cfg.num_examples, cfg.heldout_examples, cfg.seed, tokenizer,
-                                  cfg.max_seq_len)
+    _, heldout = tokenized_splits(
+        cfg.dataset, cfg.num_examples, cfg.heldout_examples, cfg.seed, tokenizer, cfg.max_seq_len
+    )
     metrics, samples = evaluate_model(model, tokenizer, heldout, cfg, generate=True)
     if samples_path is not None:
         samples_path.write_text("".join(json.dumps(s) + "\n" for s in samples))

@@ -21,6 +21,7 @@ WEIGHTINGS = ("examples", "uniform")
 LR_SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine")
 CORRECTIONS = ("auto", "at-end", "on-receipt")
 TOO_FEW_REPLIES = ("retry", "stop")
+TRANSFER_DTYPES = ("fp32", "bf16", "fp16")
 
 
 class ConfigError(ValueError):
@@ -61,6 +62,7 @@ class RunConfig:
     fraction_train: float = 1.0
     min_available_nodes: int = 1
     precision: str = "fp32"
+    transfer_dtype: str = "fp32"
     seed: int = 0
     deterministic: bool = True
     correction: str = "auto"
@@ -74,7 +76,9 @@ class RunConfig:
     downlink_mbps: float = 50.0
     latency_ms: float = 50.0
     round_timeout_s: float = 3600.0
+    pull_interval_s: float = 0.1
     max_update_norm: float = 0.0
+    max_num_examples: int = 0
     min_accepted_replies: int = 1
     on_too_few_replies: str = "retry"
     max_round_retries: int = 2
@@ -103,17 +107,35 @@ class RunConfig:
         _one_of("schedule", self.schedule, SCHEDULES)
         _one_of("non-layer-params", self.non_layer_params, NON_LAYER_MODES)
         _one_of("precision", self.precision, PRECISIONS)
+        _one_of("transfer-dtype", self.transfer_dtype, TRANSFER_DTYPES)
         _one_of("weighting", self.weighting, WEIGHTINGS)
         _one_of("lr-schedule", self.lr_schedule, LR_SCHEDULES)
         _one_of("correction", self.correction, CORRECTIONS)
         _one_of("train", self.train, TRAINS)
         _one_of("partitioning", self.partitioning, PARTITIONINGS)
         _one_of("on-too-few-replies", self.on_too_few_replies, TOO_FEW_REPLIES)
-        for key in ("num-server-rounds", "layers-per-block", "local-steps", "batch-size", "max-seq-len",
-                    "eval-batch-size", "heldout-examples", "eval-every", "lora-rank", "max-new-tokens"):
+        for key in (
+            "num-server-rounds",
+            "layers-per-block",
+            "local-steps",
+            "batch-size",
+            "max-seq-len",
+            "eval-batch-size",
+            "heldout-examples",
+            "eval-every",
+            "lora-rank",
+            "max-new-tokens",
+        ):
             _at_least(key, getattr(self, key.replace("-", "_")), 1)
-        for key in ("torch-threads", "generate-examples", "generate-every", "save-every", "min-accepted-replies",
-                    "max-round-retries"):
+        for key in (
+            "torch-threads",
+            "generate-examples",
+            "generate-every",
+            "save-every",
+            "min-accepted-replies",
+            "max-round-retries",
+            "max-num-examples",
+        ):
             _at_least(key, getattr(self, key.replace("-", "_")), 0)
         _at_least("min-available-nodes", self.min_available_nodes, 1)
         _at_least("warmup-steps", self.warmup_steps, 0)
@@ -122,8 +144,17 @@ class RunConfig:
                 f"num-examples={self.num_examples}: expected more than "
                 f"heldout-examples={self.heldout_examples} (clients need training data)"
             )
-        for key in ("learning-rate", "server-lr", "uplink-mbps", "downlink-mbps",
-                    "round-timeout-s", "max-grad-norm", "lora-alpha", "dirichlet-alpha"):
+        for key in (
+            "learning-rate",
+            "server-lr",
+            "uplink-mbps",
+            "downlink-mbps",
+            "round-timeout-s",
+            "pull-interval-s",
+            "max-grad-norm",
+            "lora-alpha",
+            "dirichlet-alpha",
+        ):
             value = getattr(self, key.replace("-", "_"))
             if not value > 0:
                 raise ConfigError(f"{key}={value}: expected a number > 0")
@@ -132,8 +163,10 @@ class RunConfig:
         if not [m for m in self.lora_target_modules.split(",") if m.strip()]:
             raise ConfigError("lora-target-modules='': expected comma-separated module names, e.g. q_proj,v_proj")
         if self.generate_examples > self.heldout_examples:
-            raise ConfigError(f"generate-examples={self.generate_examples}: expected at most "
-                              f"heldout-examples={self.heldout_examples} (answers are generated for held-out rows)")
+            raise ConfigError(
+                f"generate-examples={self.generate_examples}: expected at most "
+                f"heldout-examples={self.heldout_examples} (answers are generated for held-out rows)"
+            )
         if not 0.0 < self.fraction_train <= 1.0:
             raise ConfigError(f"fraction-train={self.fraction_train}: expected a number in (0, 1]")
         for key in ("weight-decay", "latency-ms", "max-update-norm"):
@@ -163,6 +196,12 @@ class RunConfig:
         if self.correction == "auto":
             return "at-end" if self.deterministic else "on-receipt"
         return self.correction
+
+    @property
+    def max_examples_per_client(self) -> int:
+        """The largest ``num-examples`` a reply may claim (its aggregation weight): ``max-num-examples``,
+        or by default the whole dataset's size, which no client's share can exceed."""
+        return self.max_num_examples or self.num_examples
 
     @property
     def output_path(self) -> Path:

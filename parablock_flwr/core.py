@@ -71,14 +71,15 @@ def find_decoder_layers(model: nn.Module) -> str:
             return matching[0][0]
     if not candidates:
         raise ValueError(
-            f"cannot find decoder layers in {type(model).__name__}: "
-            "expected an nn.ModuleList of decoder layers"
+            f"cannot find decoder layers in {type(model).__name__}: expected an nn.ModuleList of decoder layers"
         )
     return max(candidates, key=lambda item: len(item[1]))[0]
 
 
 def partition_blocks(
-    model: nn.Module, layers_per_block: int, non_layer_params: str = "frozen",
+    model: nn.Module,
+    layers_per_block: int,
+    non_layer_params: str = "frozen",
     trainable: Callable[[str], bool] = lambda name: True,
 ) -> BlockPartition:
     """Split the model into blocks of ``layers_per_block`` consecutive layers.
@@ -90,15 +91,12 @@ def partition_blocks(
     a block is the adapters of its layers and the base weights stay frozen.
     """
     if non_layer_params not in NON_LAYER_MODES:
-        raise ValueError(
-            f"non-layer-params={non_layer_params!r}: expected one of {NON_LAYER_MODES}"
-        )
+        raise ValueError(f"non-layer-params={non_layer_params!r}: expected one of {NON_LAYER_MODES}")
     layers_name = find_decoder_layers(model)
     num_layers = len(model.get_submodule(layers_name))
     if not 1 <= layers_per_block <= num_layers:
         raise ValueError(
-            f"layers-per-block={layers_per_block}: expected 1..{num_layers} "
-            f"(the model has {num_layers} decoder layers)"
+            f"layers-per-block={layers_per_block}: expected 1..{num_layers} (the model has {num_layers} decoder layers)"
         )
     prefix = layers_name + "."
     per_layer: list[list[str]] = [[] for _ in range(num_layers)]
@@ -107,7 +105,7 @@ def partition_blocks(
         if not trainable(name):
             continue
         if name.startswith(prefix):
-            per_layer[int(name[len(prefix):].split(".", 1)[0])].append(name)
+            per_layer[int(name[len(prefix) :].split(".", 1)[0])].append(name)
         else:
             others.append(name)
     blocks, labels = [], []
@@ -259,18 +257,6 @@ def parablock_base(pending: PendingUpdate | None, server_round: int) -> tuple[in
     return server_round - 1, None
 
 
-def correct(block: int, new_delta: Tensors, server_round: int) -> PendingUpdate:
-    """The correction ``y[b_{r-1}] += η_s Δ̄^{r-1} - Δ_i^{r-1}``, applied exactly.
-
-    The local model is stored as (global version, own pending update), so the
-    additive correction amounts to re-basing onto ``x^{r-1}`` and keeping only
-    ``Δ_i^r``. This equals the additive form in exact arithmetic and, unlike
-    it, does not accumulate float rounding: the invariant holds to the bit,
-    also when ``b_r == b_{r-1}``.
-    """
-    return PendingUpdate(block=block, base_version=server_round - 1, delta=new_delta)
-
-
 @torch.no_grad()
 def correct_in_place(params: Mapping[str, torch.Tensor], before: Tensors, step: Tensors, own_update: Tensors) -> None:
     """The ``on-receipt`` correction, applied to a model in the middle of training.
@@ -278,14 +264,43 @@ def correct_in_place(params: Mapping[str, torch.Tensor], before: Tensors, step: 
     ``y[b_{r-1}] += η_s Δ̄^{r-1} − Δ_i^{r-1}`` on the live parameters. If the
     block being trained is that block too, its ``before`` snapshot moves by the
     same amount so that ``Δ_i^r`` keeps counting only the optimizer's changes.
-    Not bit-exact (float sums in another order): the deterministic mode uses
-    ``correct`` at the end instead.
+    Not bit-exact (float sums in another order): the deterministic mode corrects
+    at the end instead (``strategies.ParaBlockClient.correct``).
     """
     for n, g in step.items():
         change = g - own_update[n]
         params[n].add_(change.to(device=params[n].device, dtype=params[n].dtype))
         if n in before:
             before[n].add_(change.to(before[n].device))
+
+
+# --------------------------------------------------------------------------
+# Transfer precision: Δ_i and g travel rounded, every copy applies the rounded values
+# --------------------------------------------------------------------------
+TRANSFER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def round_for_transfer(tensors: Tensors, transfer_dtype: str) -> Tensors:
+    """The values as they will arrive, in fp32: exactly representable in ``transfer_dtype``.
+
+    The server applies the rounded ``g`` it sends, so every copy of ``x`` stays identical.
+    """
+    if transfer_dtype == "fp32":
+        return tensors
+    dtype = TRANSFER_DTYPES[transfer_dtype]
+    return {n: t.to(dtype).to(torch.float32) for n, t in tensors.items()}
+
+
+def round_with_feedback(update: Tensors, residual: Tensors | None, transfer_dtype: str) -> tuple[Tensors, Tensors]:
+    """Error feedback: ``sent = round(Δ + e)``, ``e' = Δ + e − sent``.
+
+    A client sends (and keeps as its pending update) exactly ``sent``, so the invariant
+    ``y = x^{r-1} + sent`` stays bit-exact; what rounding dropped, ``e'``, is added to its
+    next update of the same block instead of being lost.
+    """
+    corrected = {n: t + residual[n] for n, t in update.items()} if residual else update
+    sent = round_for_transfer(corrected, transfer_dtype)
+    return sent, {n: corrected[n] - sent[n] for n in corrected}
 
 
 # --------------------------------------------------------------------------

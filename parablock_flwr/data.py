@@ -28,8 +28,14 @@ import torch
 from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner, NaturalIdPartitioner
 
 IGNORE_INDEX = -100
-INSTRUCTION_MIX = ("basic_arithmetic", "chain_sum", "fraction_simplification", "time_intervals",
-                   "letter_counting", "word_sorting")
+INSTRUCTION_MIX = (
+    "basic_arithmetic",
+    "chain_sum",
+    "fraction_simplification",
+    "time_intervals",
+    "letter_counting",
+    "word_sorting",
+)
 HUB_EXAMPLES = {"alpaca": "vicgalle/alpaca-gpt4", "mathinstruct": "TIGER-Lab/MathInstruct"}
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
@@ -46,14 +52,20 @@ def load_examples(spec: str, num_examples: int, seed: int) -> datasets.Dataset:
         rows = generate_examples(spec, num_examples, seed)
     elif kind == "alpaca" and source:
         rows = _load_rows(spec, source, ("instruction", "input", "output")).map(
-            lambda r: {"prompt": r["instruction"] + (f"\n\n{r['input']}" if r["input"] else ""),
-                       "response": r["output"], "family": "alpaca"})
+            lambda r: {
+                "prompt": r["instruction"] + (f"\n\n{r['input']}" if r["input"] else ""),
+                "response": r["output"],
+                "family": "alpaca",
+            }
+        )
     elif kind == "mathinstruct" and source:
         rows = _load_rows(spec, source, ("source", "instruction", "output")).map(
-            lambda r: {"prompt": r["instruction"], "response": r["output"], "family": r["source"]})
+            lambda r: {"prompt": r["instruction"], "response": r["output"], "family": r["source"]}
+        )
     else:
-        raise ValueError(f"dataset={spec!r}: expected reasoning-gym:<task>, alpaca:<hub id or path> "
-                         "or mathinstruct:<hub id or path>")
+        raise ValueError(
+            f"dataset={spec!r}: expected reasoning-gym:<task>, alpaca:<hub id or path> or mathinstruct:<hub id or path>"
+        )
     rows = rows.select_columns(["prompt", "response", "family"]).shuffle(seed=seed)
     return rows.select(range(min(num_examples, len(rows))))
 
@@ -96,12 +108,14 @@ def _load_rows(spec: str, source: str, columns: tuple[str, ...]) -> datasets.Dat
         raise ValueError(
             f"dataset={spec!r}: cannot load {source!r} ({str(err).splitlines()[0]}); without hub access, "
             f"download {HUB_EXAMPLES[kind]} elsewhere and point at the local copy, "
-            f"e.g. dataset=\"{kind}:/data/{kind}.jsonl\" (a .json/.jsonl/.csv/.parquet file or a folder)"
+            f'e.g. dataset="{kind}:/data/{kind}.jsonl" (a .json/.jsonl/.csv/.parquet file or a folder)'
         ) from err
     missing = [c for c in columns if c not in rows.column_names]
     if missing:
-        raise ValueError(f"dataset={spec!r}: missing columns {missing}; expected {', '.join(columns)}, "
-                         f"found {', '.join(rows.column_names)}")
+        raise ValueError(
+            f"dataset={spec!r}: missing columns {missing}; expected {', '.join(columns)}, "
+            f"found {', '.join(rows.column_names)}"
+        )
     return rows
 
 
@@ -109,13 +123,11 @@ def encode(tokenizer, prompt: str, response: str, max_len: int) -> dict[str, lis
     """Chat-template the pair; labels cover the assistant's answer only."""
     user = [{"role": "user", "content": prompt}]
     prompt_text = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
-    full_text = tokenizer.apply_chat_template(
-        user + [{"role": "assistant", "content": response}], tokenize=False
-    )
+    full_text = tokenizer.apply_chat_template(user + [{"role": "assistant", "content": response}], tokenize=False)
     if not full_text.startswith(prompt_text):
         raise ValueError("the tokenizer's chat template does not extend the prompt with the answer")
     prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
-    answer_ids = tokenizer(full_text[len(prompt_text):], add_special_tokens=False)["input_ids"]
+    answer_ids = tokenizer(full_text[len(prompt_text) :], add_special_tokens=False)["input_ids"]
     input_ids = (prompt_ids + answer_ids)[:max_len]
     labels = ([IGNORE_INDEX] * len(prompt_ids) + answer_ids)[:max_len]
     return {"input_ids": input_ids, "labels": labels}
@@ -138,8 +150,14 @@ def tokenized_splits(
     return encoded.select(range(heldout, len(encoded))), encoded.select(range(heldout))
 
 
-def client_partition(train: datasets.Dataset, partition_id: int, num_partitions: int,
-                     partitioning: str = "iid", alpha: float = 0.5, seed: int = 0) -> datasets.Dataset:
+def client_partition(
+    train: datasets.Dataset,
+    partition_id: int,
+    num_partitions: int,
+    partitioning: str = "iid",
+    alpha: float = 0.5,
+    seed: int = 0,
+) -> datasets.Dataset:
     """This client's share of the training rows, by a flwr-datasets partitioner.
 
     ``iid``: equal random shares. ``dirichlet``: per ``family``, shares drawn
@@ -155,13 +173,16 @@ def client_partition(train: datasets.Dataset, partition_id: int, num_partitions:
     if partitioning == "iid":
         partitioner = IidPartitioner(num_partitions=num_partitions)  # rows are already shuffled
     elif partitioning == "dirichlet":
-        partitioner = DirichletPartitioner(num_partitions=num_partitions, partition_by="family", alpha=alpha,
-                                           min_partition_size=1, seed=seed)
+        partitioner = DirichletPartitioner(
+            num_partitions=num_partitions, partition_by="family", alpha=alpha, min_partition_size=1, seed=seed
+        )
     elif partitioning == "family":
         families = sorted(set(train["family"]))  # for the message only
         if len(families) != num_partitions:
-            raise ValueError(f"partitioning='family': the data has {len(families)} families ({', '.join(families)}), "
-                             f"expected one per client ({num_partitions} clients)")
+            raise ValueError(
+                f"partitioning='family': the data has {len(families)} families ({', '.join(families)}), "
+                f"expected one per client ({num_partitions} clients)"
+            )
         partitioner = NaturalIdPartitioner(partition_by="family")
     else:
         raise ValueError(f"partitioning={partitioning!r}: expected iid, dirichlet or family")
@@ -190,7 +211,7 @@ def sample_batches(rows: datasets.Dataset, num_batches: int, batch_size: int, se
     while len(order) < num_batches * batch_size:
         order.extend(torch.randperm(len(rows), generator=gen).tolist())
     for b in range(num_batches):
-        picked = order[b * batch_size:(b + 1) * batch_size]
+        picked = order[b * batch_size : (b + 1) * batch_size]
         yield collate([rows[i] for i in picked], pad_id)
 
 

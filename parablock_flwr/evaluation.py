@@ -56,21 +56,24 @@ def final_number(text: str) -> float | None:
 
 
 @torch.no_grad()
-def greedy_answers(model: nn.Module, tokenizer, prompts: list[str], max_new_tokens: int,
-                   batch_size: int) -> list[str]:
+def greedy_answers(model: nn.Module, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int) -> list[str]:
     """Greedy completions of chat-templated prompts (left-padded batches)."""
     device = next(model.parameters()).device
     side, tokenizer.padding_side = tokenizer.padding_side, "left"
     answers = []
     try:
         for start in range(0, len(prompts), batch_size):
-            texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                                   add_generation_prompt=True)
-                     for p in prompts[start:start + batch_size]]
+            texts = [
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+                )
+                for p in prompts[start : start + batch_size]
+            ]
             enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=tokenizer.pad_token_id)
-            answers += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+            out = model.generate(
+                **enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+            )
+            answers += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     finally:
         tokenizer.padding_side = side
     return answers
@@ -87,9 +90,16 @@ def evaluate(model: nn.Module, tokenizer, heldout: datasets.Dataset, cfg, genera
         answers = greedy_answers(model, tokenizer, list(rows["prompt"]), cfg.max_new_tokens, cfg.eval_batch_size)
         for row, answer in zip(rows, answers):
             want, got = final_number(row["response"]), final_number(answer)
-            samples.append({"prompt": row["prompt"], "reference": row["response"], "generated": answer,
-                            "reference_number": want, "generated_number": got,
-                            "correct": want is not None and got is not None and math.isclose(want, got)})
+            samples.append(
+                {
+                    "prompt": row["prompt"],
+                    "reference": row["response"],
+                    "generated": answer,
+                    "reference_number": want,
+                    "generated_number": got,
+                    "correct": want is not None and got is not None and math.isclose(want, got),
+                }
+            )
         metrics["math_accuracy"] = sum(s["correct"] for s in samples) / len(samples)
         metrics["math_examples"] = len(samples)
     return metrics, samples

@@ -37,8 +37,7 @@ def resolve_model(spec: str) -> str:
     if spec.startswith("embedded:"):
         name = spec.removeprefix("embedded:")
         if name not in EMBEDDED:
-            raise ValueError(f"model={spec!r}: expected one of "
-                             + ", ".join(f"embedded:{n}" for n in EMBEDDED))
+            raise ValueError(f"model={spec!r}: expected one of " + ", ".join(f"embedded:{n}" for n in EMBEDDED))
         return str(_converted_embedded(name))
     return spec
 
@@ -87,14 +86,21 @@ def add_lora(model: PreTrainedModel, cfg) -> nn.Module:
 
     targets = cfg.lora_target_modules
     modules = targets if targets == "all-linear" else [m.strip() for m in targets.split(",") if m.strip()]
-    lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=modules, task_type="CAUSAL_LM")
+    lora = LoraConfig(
+        r=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=modules,
+        task_type="CAUSAL_LM",
+    )
     torch.manual_seed(cfg.seed)  # lora_A's random init: the same on every process
     try:
         peft_model = get_peft_model(model, lora)
     except ValueError as err:
-        raise ValueError(f"lora-target-modules={targets!r}: {str(err).splitlines()[0]}; expected module names "
-                         f"of {type(model).__name__}, e.g. q_proj,v_proj") from err
+        raise ValueError(
+            f"lora-target-modules={targets!r}: {str(err).splitlines()[0]}; expected module names "
+            f"of {type(model).__name__}, e.g. q_proj,v_proj"
+        ) from err
     peft_model.requires_grad_(False)
     peft_model.eval()
     return peft_model
@@ -160,8 +166,7 @@ def _converted_embedded(name: str) -> Path:
             )
         gguf_dir = Path(spec.origin).parent
         log.warning("Converting %s (GGUF, about 20 s) into %s, once", filename, target)
-        gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=filename,
-                                                          dtype=torch.float32)
+        gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=filename, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=filename)
         config_dict = gguf_model.config.to_dict()
         config_dict.pop("quantization_config", None)

@@ -25,6 +25,7 @@ from torch import nn
 from .core import PendingUpdate, Tensors, apply_step
 
 Step = tuple[int, Tensors]  # (block, g)
+FetchStep = Callable[[int], Step]  # version k -> (b_k, g^k)
 
 
 class StepLog:
@@ -66,7 +67,7 @@ class ModelReplica:
         self.version = 0
         self._before_last_step: Tensors = {}
 
-    def advance_to(self, version: int, fetch_step: Callable[[int], Step]) -> None:
+    def advance_to(self, version: int, fetch_step: FetchStep) -> None:
         """Apply ``g^{v+1}..g^{version}``; asking for an older version is a no-op."""
         while self.version < version:
             _, step = fetch_step(self.version + 1)
@@ -82,8 +83,9 @@ class ModelReplica:
         self.version, self._before_last_step = version, {}
 
     @contextlib.contextmanager
-    def local_model(self, version: int, pending: PendingUpdate | None,
-                    train_names: tuple[str, ...]) -> Iterator[nn.Module]:
+    def local_model(
+        self, version: int, pending: PendingUpdate | None, train_names: tuple[str, ...]
+    ) -> Iterator[nn.Module]:
         """Yield the model as ``x^version + Δ_pending``; restore ``x`` exactly afterwards.
 
         ``version`` is this copy's version or the one before it. Only the
@@ -95,8 +97,9 @@ class ModelReplica:
         if version == self.version - 1 and self._before_last_step:
             back = self._before_last_step
         elif version != self.version:
-            raise RuntimeError(f"this process's model is at global version {self.version}, "
-                               f"a computation needs version {version}")
+            raise RuntimeError(
+                f"this process's model is at global version {self.version}, a computation needs version {version}"
+            )
         touched = set(train_names) | (set(pending.delta) if pending else set()) | set(back)
         saved = {n: self.params[n].detach().clone() for n in touched}
         try:
@@ -124,8 +127,10 @@ def catch_up_steps(round_cfg, arrays: dict[str, torch.Tensor]) -> dict[int, Step
         steps[server_round - 1] = (int(round_cfg["step-block"]), arrays["global-step"])
     for version, block in zip(round_cfg.get("catch-up-versions", []), round_cfg.get("catch-up-blocks", [])):
         prefix = f"v{version}/"
-        steps[int(version)] = (int(block), {n[len(prefix):]: t for n, t in arrays["catch-up"].items()
-                                            if n.startswith(prefix)})
+        steps[int(version)] = (
+            int(block),
+            {n[len(prefix) :]: t for n, t in arrays["catch-up"].items() if n.startswith(prefix)},
+        )
     return steps
 
 
@@ -137,5 +142,8 @@ def resumed_pending(round_cfg, arrays: dict[str, Tensors]) -> PendingUpdate | No
     """
     if "resume-pending" not in arrays:
         return None
-    return PendingUpdate(block=int(round_cfg["resume-pending-block"]),
-                         base_version=int(round_cfg["resume-pending-version"]), delta=arrays["resume-pending"])
+    return PendingUpdate(
+        block=int(round_cfg["resume-pending-block"]),
+        base_version=int(round_cfg["resume-pending-version"]),
+        delta=arrays["resume-pending"],
+    )

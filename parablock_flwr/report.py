@@ -1,17 +1,27 @@
-"""`parablock-flwr report RUN_DIR`: the run's table on stdout and PNG plots in RUN_DIR/plots."""
+"""`parablock-flwr report RUN_DIR`: the run's status (one line), its table on stdout, PNG plots in RUN_DIR/plots."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from .metrics import RunRecorder
+from .run_status import STATUS_FILE, read_status
+
+log = logging.getLogger(__name__)
 
 COLUMNS = [  # (header, key, format)
-    ("round", "round", "{:d}"), ("block", "block", "{}"), ("train loss", "train_loss", "{:.4f}"),
-    ("held-out loss", "heldout_loss", "{:.4f}"), ("up MB/client", "bytes_up_per_client", "{:.1f}"),
-    ("down MB/client", "bytes_down_per_client", "{:.1f}"), ("compute s", "compute_s_max", "{:.1f}"),
-    ("modeled round s", "modeled_round_s", "{:.1f}"), ("measured comm s", "measured_comm_s", "{:.1f}"),
-    ("overlap share", "measured_overlap_share", "{:.2f}"), ("round wall s", "round_wall_s", "{:.1f}"),
+    ("round", "round", "{:d}"),
+    ("block", "block", "{}"),
+    ("train loss", "train_loss", "{:.4f}"),
+    ("held-out loss", "heldout_loss", "{:.4f}"),
+    ("up MB/client", "bytes_up_per_client", "{:.1f}"),
+    ("down MB/client", "bytes_down_per_client", "{:.1f}"),
+    ("compute s", "compute_s_max", "{:.1f}"),
+    ("modeled round s", "modeled_round_s", "{:.1f}"),
+    ("measured comm s", "measured_comm_s", "{:.1f}"),
+    ("overlap share", "measured_overlap_share", "{:.2f}"),
+    ("round wall s", "round_wall_s", "{:.1f}"),
     ("elapsed s", "elapsed_s", "{:.0f}"),
 ]
 
@@ -29,6 +39,18 @@ def table(records: list[dict]) -> str:
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
+
+
+def status_line(status: dict | None) -> str:
+    """How the run ended, in one line (``status.json``; none while it runs or if it was killed)."""
+    if status is None:
+        return f"status: unknown (no {STATUS_FILE}: the run is still going, or its ServerApp was killed or crashed)"
+    rounds = f"{status.get('rounds_completed')}/{status.get('num_rounds')} rounds"
+    if status.get("status") == "completed":
+        return f"status: completed ({rounds})"
+    return (
+        f"status: failed ({status.get('kind')}, exit code {status.get('exit_code')}, {rounds}): {status.get('reason')}"
+    )
 
 
 def plots(records: list[dict], out: Path) -> list[Path]:
@@ -79,10 +101,16 @@ def plots(records: list[dict], out: Path) -> list[Path]:
 
 
 def report(run_dir: Path) -> str:
-    records = RunRecorder(run_dir).read()
+    """The status line, then the table (and the plots written), or only the status if no round was recorded."""
+    if not Path(run_dir).is_dir():
+        raise ValueError(f"{run_dir}: not a folder; expected a run folder")
+    status = read_status(run_dir)
+    records = RunRecorder(run_dir).read()  # (RunRecorder makes its folder: checked above)
     if not records:
-        raise ValueError(f"{run_dir}: no metrics.jsonl with records; expected a run folder")
-    text = table(records)
+        if status is None:
+            raise ValueError(f"{run_dir}: no metrics.jsonl with records and no {STATUS_FILE}; expected a run folder")
+        return status_line(status) + "\nno round was recorded"
+    text = status_line(status) + "\n" + table(records)
     if len(records) > 1:
         for path in plots(records, Path(run_dir) / "plots"):
             text += f"\nwrote {path}"

@@ -50,7 +50,10 @@ BetweenSteps = Callable[[int, dict[str, torch.Tensor], Tensors], None]
 
 
 def train_block(
-    model: nn.Module, names: Iterable[str], batches: Iterable[dict[str, torch.Tensor]], settings: TrainSettings,
+    model: nn.Module,
+    names: Iterable[str],
+    batches: Iterable[dict[str, torch.Tensor]],
+    settings: TrainSettings,
     between_steps: BetweenSteps | None = None,
 ) -> TrainResult:
     """Train only the named parameters for ``local_steps`` steps; return ``Δ``.
@@ -73,8 +76,9 @@ def train_block(
     for p in block:
         p.requires_grad_(True)
     optimizer = torch.optim.AdamW(block, lr=settings.learning_rate, weight_decay=settings.weight_decay)
-    scheduler = get_scheduler(settings.lr_schedule, optimizer, num_warmup_steps=settings.warmup_steps,
-                              num_training_steps=settings.local_steps)
+    scheduler = get_scheduler(
+        settings.lr_schedule, optimizer, num_warmup_steps=settings.warmup_steps, num_training_steps=settings.local_steps
+    )
     device = next(model.parameters()).device
     model.train()
     losses = []

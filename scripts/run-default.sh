@@ -7,5 +7,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 . .venv/bin/activate
-# Starts a local SuperLink we own, runs `flwr run . local --stream`, stops it.
+# Starts a local SuperLink we own, runs `flwr run . local --stream`, stops it, and exits
+# with the run's status code (README, "Exit codes"), the reason on the last line.
 exec parablock-flwr simulate "$@"

@@ -1,22 +1,17 @@
-"""Shared fixtures: a tiny real Llama with a locally trained tokenizer, and Flower runs."""
+"""Fixtures (a tiny real Llama with a locally trained tokenizer), and the `e2e` marker applied to every
+test that starts Flower processes. What tests import is in helpers.py."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import threading
-import time
-from dataclasses import dataclass
+import inspect
+import types
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
-from parablock_flwr.launch import run_simulation
-from parablock_flwr.replica import StepLog
-from parablock_flwr.testing import build_tiny_model
+from parablock_flwr.tools.tiny_model import build_tiny_model
+
+from helpers import STARTS_FLOWER
 
 
 @pytest.fixture(scope="session")
@@ -24,114 +19,47 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
-def tiny_config(model_dir: Path, output_dir: Path, **overrides) -> dict:
-    """A run config small enough for a few seconds per round on a CPU."""
-    config = {
-        "model": str(model_dir), "output-dir": str(output_dir), "num-examples": 64, "heldout-examples": 8,
-        "layers-per-block": 2, "num-server-rounds": 3, "local-steps": 4, "batch-size": 4,
-        "max-seq-len": 128, "learning-rate": 3e-3, "torch-threads": 1, "latency-ms": 5.0,
-        "generate-examples": 2, "max-new-tokens": 8,
-    }
-    config.update(overrides)
-    return config
+def _names(code: types.CodeType) -> set[str]:
+    """Global names a function's code (its lambdas, comprehensions and inner functions included) uses."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names
 
 
-@dataclass
-class FinishedRun:
-    returncode: int
-    stdout: str
-    stderr: str
-    run_dir: Path | None
-
-    @property
-    def records(self) -> list[dict]:
-        return [json.loads(l) for l in (self.run_dir / "metrics.jsonl").read_text().splitlines()]
-
-    def step(self, version: int) -> tuple[int, dict[str, torch.Tensor]]:
-        return StepLog(self.run_dir).read(version)
-
-    def final_model(self) -> dict[str, torch.Tensor]:
-        return load_file(str(self.run_dir / "final-model" / "model.safetensors"))
-
-
-def simulate(tmp_path: Path, model_dir: Path, *, num_supernodes: int = 3, cpus_per_client: int = 1,
-             **overrides) -> FinishedRun:
-    """Run the app through `flwr run` on Flower's Ray simulation engine."""
-    out = tmp_path / "out"
-    config = tiny_config(model_dir, out, **{k.replace("_", "-"): v for k, v in overrides.items()})
-    proc = run_simulation(tmp_path / "flower", config,
-                          num_supernodes=num_supernodes, cpus_per_client=cpus_per_client, timeout_s=900)
-    return finished(proc, out)
+def starts_flower(func, depth: int = 3, seen: set | None = None) -> bool:
+    """Does ``func`` call one of helpers.STARTS_FLOWER, directly or through functions of its own module?"""
+    func = inspect.unwrap(func)
+    code, module_globals = getattr(func, "__code__", None), getattr(func, "__globals__", {})
+    if code is None:
+        return False
+    seen = set() if seen is None else seen
+    seen.add(func)
+    for name in _names(code):
+        obj = module_globals.get(name)
+        if any(obj is starter for starter in STARTS_FLOWER):
+            return True
+        if (
+            depth
+            and inspect.isfunction(obj)
+            and obj not in seen
+            and obj.__module__ == func.__module__
+            and starts_flower(obj, depth - 1, seen)
+        ):
+            return True
+    return False
 
 
-def finished(proc, out: Path) -> FinishedRun:
-    """The finished `flwr run` and the run folder it made under ``out`` (None if none)."""
-    run_dirs = sorted(out.glob("*")) if out.exists() else []
-    return FinishedRun(proc.returncode, proc.stdout, proc.stderr, run_dirs[-1] if run_dirs else None)
-
-
-def kill_server_after_round(flwr_home: Path, out: Path, after_round: int) -> threading.Thread:
-    """A thread that waits until round ``after_round`` is checkpointed under ``out``, then SIGKILLs
-    the server process (`flwr-simulation`, which also drives Ray, or `flwr-serverapp` in a
-    deployment), what it leaves behind, and the `flwr run` waiting on it: the run stops as if the
-    server's machine had died in the next round."""
-
-    def kill() -> None:
-        deadline = time.monotonic() + 600
-        while not list(out.glob(f"*/checkpoint/round-{after_round:05d}")) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        servers = _pids(flwr_home, lambda argv: argv[1].endswith((b"flwr-simulation", b"flwr-serverapp")))
-        left = [child for pid in servers for child in _descendants(pid)]
-        for pid in servers:
-            _kill(pid)
-        time.sleep(3)
-        for pid in left + _pids(flwr_home, lambda argv: argv[1].endswith(b"/flwr") and argv[2:3] == [b"run"]):
-            _kill(pid)
-
-    thread = threading.Thread(target=kill, daemon=True)
-    thread.start()
-    return thread
-
-
-def simulate_and_kill_server(tmp_path: Path, model_dir: Path, *, after_round: int, **overrides) -> FinishedRun:
-    """`simulate`, with the server killed once round ``after_round`` is checkpointed."""
-    killer = kill_server_after_round(tmp_path / "flower" / "flwr-home", tmp_path / "out", after_round)
-    run = simulate(tmp_path, model_dir, **overrides)
-    killer.join()
-    return run
-
-
-def _pids(flwr_home: Path, match) -> list[int]:
-    """Processes started for this FLWR_HOME whose argv matches."""
-    marker, found = f"FLWR_HOME={flwr_home}".encode(), []
-    for proc in Path("/proc").iterdir():
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-            if len(argv) > 1 and match(argv) and marker in (proc / "environ").read_bytes().split(b"\0"):
-                found.append(int(proc.name))
-        except (OSError, ValueError):
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    """Mark `e2e` every test that starts Flower processes (its function or one of its fixtures calls a
+    function of helpers.STARTS_FLOWER): the fast tier (`-m "not e2e and not netns"`) then cannot
+    start one by mistake, also in files that mix unit tests and `flwr run` tests."""
+    for item in items:
+        if item.get_closest_marker("e2e") is not None or not hasattr(item, "function"):
             continue
-    return found
-
-
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for proc in Path("/proc").iterdir():
-        try:
-            parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            children.setdefault(parent, []).append(int(proc.name))
-        except (OSError, ValueError, IndexError):
-            continue
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def _kill(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+        fixtures = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+        funcs = [item.function] + [d.func for defs in fixtures.values() for d in defs]
+        if any(starts_flower(f) for f in funcs):
+            item.add_marker(pytest.mark.e2e)

@@ -17,7 +17,9 @@ from parablock_flwr import core
 from parablock_flwr.config import RunConfig
 from parablock_flwr.model import load_for_training
 
-from conftest import simulate
+from helpers import simulate
+
+pytestmark = pytest.mark.e2e  # every test here runs `flwr run`
 
 
 def _ok(run):
@@ -41,8 +43,18 @@ def _nbytes(names, params) -> int:
 
 
 def test_fedavg_lora_sends_every_adapter_and_exports_a_peft_folder(tmp_path, tiny_model_dir, capsys):
-    run = _ok(simulate(tmp_path, tiny_model_dir, algorithm="fedavg-lora", num_supernodes=2, num_server_rounds=2,
-                       save_final_model=True, save_every=1, learning_rate=1e-2))
+    run = _ok(
+        simulate(
+            tmp_path,
+            tiny_model_dir,
+            algorithm="fedavg-lora",
+            num_supernodes=2,
+            num_server_rounds=2,
+            save_final_model=True,
+            save_every=1,
+            learning_rate=1e-2,
+        )
+    )
     model, partition, initial = _replayed(run)
     params = dict(model.named_parameters())
     assert partition.num_blocks == 1 and all(".lora_" in n for n in partition.all_names())
@@ -53,8 +65,9 @@ def test_fedavg_lora_sends_every_adapter_and_exports_a_peft_folder(tmp_path, tin
     assert len((run.run_dir / "samples" / "round-00002.jsonl").read_text().splitlines()) == 2
 
     # The adapter folder loads with plain peft on the plain base model and equals x^R.
-    exported = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
-                                         run.run_dir / "final-model")
+    exported = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir), run.run_dir / "final-model"
+    )
     loaded = dict(exported.named_parameters())
     for name in partition.all_names():
         assert torch.equal(loaded[name], params[name]), name
@@ -76,8 +89,17 @@ def test_fedavg_lora_sends_every_adapter_and_exports_a_peft_folder(tmp_path, tin
 
 
 def test_fedavg_full_sends_every_weight_and_exports_a_plain_folder(tmp_path, tiny_model_dir):
-    run = _ok(simulate(tmp_path, tiny_model_dir, algorithm="fedavg-full", num_supernodes=2, num_server_rounds=2,
-                       save_final_model=True, generate_examples=0))
+    run = _ok(
+        simulate(
+            tmp_path,
+            tiny_model_dir,
+            algorithm="fedavg-full",
+            num_supernodes=2,
+            num_server_rounds=2,
+            save_final_model=True,
+            generate_examples=0,
+        )
+    )
     model, partition, initial = _replayed(run)
     params = dict(model.named_parameters())
     layers = core.partition_blocks(model, 1)  # every decoder layer: what fedavg-full trains
@@ -92,8 +114,18 @@ def test_fedavg_full_sends_every_weight_and_exports_a_plain_folder(tmp_path, tin
 
 def test_parablock_over_lora_blocks_keeps_the_invariant(tmp_path, tiny_model_dir):
     """train="lora": a block is the adapters of its layers; the ParaBlock invariant holds to the bit."""
-    run = _ok(simulate(tmp_path, tiny_model_dir, algorithm="parablock", train="lora", num_server_rounds=3,
-                       verify_invariant=True, generate_examples=0, learning_rate=1e-2))
+    run = _ok(
+        simulate(
+            tmp_path,
+            tiny_model_dir,
+            algorithm="parablock",
+            train="lora",
+            num_server_rounds=3,
+            verify_invariant=True,
+            generate_examples=0,
+            learning_rate=1e-2,
+        )
+    )
     model, partition, initial = _replayed(run)
     params = dict(model.named_parameters())
     assert partition.num_blocks == 2 and all(".lora_" in n for n in partition.all_names())

@@ -5,16 +5,19 @@ import pytest
 from parablock_flwr.config import ConfigError, RunConfig, check_num_clients
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"algorithm": "fedsgd"}, "algorithm='fedsgd': expected one of parablock, fedbcd"),
-    ({"schedule": "zigzag"}, "schedule='zigzag': expected one of ascending"),
-    ({"precision": "fp8"}, "precision='fp8': expected one of fp32, bf16"),
-    ({"local-steps": 0}, "local-steps=0: expected an integer >= 1"),
-    ({"server-lr": -1.0}, "server-lr=-1.0: expected a number > 0"),
-    ({"num-examples": 10, "heldout-examples": 10}, "num-examples=10: expected more than heldout-examples=10"),
-    ({"local-steps": "three"}, "local-steps='three': expected a value of type int"),
-    ({"deterministic": 1}, "deterministic=1: expected true or false"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"algorithm": "fedsgd"}, "algorithm='fedsgd': expected one of parablock, fedbcd"),
+        ({"schedule": "zigzag"}, "schedule='zigzag': expected one of ascending"),
+        ({"precision": "fp8"}, "precision='fp8': expected one of fp32, bf16"),
+        ({"local-steps": 0}, "local-steps=0: expected an integer >= 1"),
+        ({"server-lr": -1.0}, "server-lr=-1.0: expected a number > 0"),
+        ({"num-examples": 10, "heldout-examples": 10}, "num-examples=10: expected more than heldout-examples=10"),
+        ({"local-steps": "three"}, "local-steps='three': expected a value of type int"),
+        ({"deterministic": 1}, "deterministic=1: expected true or false"),
+    ],
+)
 def test_invalid_values_name_key_value_and_expectation(overrides, message):
     with pytest.raises(ConfigError) as err:
         RunConfig.from_flower(overrides)

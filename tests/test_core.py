@@ -6,6 +6,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForC
 
 from parablock_flwr import core
 from parablock_flwr.model import load_model
+from parablock_flwr.replica import ModelReplica
+from parablock_flwr.strategies import ParaBlockClient
 
 
 def test_partition_groups_consecutive_layers_and_freezes_the_rest(tiny_model_dir):
@@ -21,13 +23,28 @@ def test_partition_groups_consecutive_layers_and_freezes_the_rest(tiny_model_dir
     assert "lm_head.weight" not in with_embed.all_names()  # tied to the embedding: appears once
 
 
-@pytest.mark.parametrize("model", [
-    GPT2LMHeadModel(GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=64)),
-    GPTNeoXForCausalLM(GPTNeoXConfig(num_hidden_layers=3, hidden_size=32, num_attention_heads=2,
-                                     intermediate_size=64, vocab_size=64)),
-    OPTForCausalLM(OPTConfig(num_hidden_layers=3, hidden_size=32, num_attention_heads=2, ffn_dim=64,
-                             vocab_size=64, word_embed_proj_dim=32)),
-], ids=["gpt2", "gpt-neox", "opt"])
+@pytest.mark.parametrize(
+    "model",
+    [
+        GPT2LMHeadModel(GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=64)),
+        GPTNeoXForCausalLM(
+            GPTNeoXConfig(
+                num_hidden_layers=3, hidden_size=32, num_attention_heads=2, intermediate_size=64, vocab_size=64
+            )
+        ),
+        OPTForCausalLM(
+            OPTConfig(
+                num_hidden_layers=3,
+                hidden_size=32,
+                num_attention_heads=2,
+                ffn_dim=64,
+                vocab_size=64,
+                word_embed_proj_dim=32,
+            )
+        ),
+    ],
+    ids=["gpt2", "gpt-neox", "opt"],
+)
 def test_partition_finds_layers_of_other_architectures(model):
     part = core.partition_blocks(model, layers_per_block=1)
     assert part.num_blocks == 3
@@ -75,8 +92,17 @@ def test_parablock_base_uses_pending_only_when_it_is_one_round_old():
     assert core.parablock_base(pending, server_round=4) == (2, pending)
     assert core.parablock_base(pending, server_round=5) == (4, None)  # missed a round: resync
     assert core.parablock_base(None, server_round=1) == (0, None)
-    corrected = core.correct(block=0, new_delta={"w": torch.ones(1)}, server_round=4)
+    replica = ModelReplica(torch.nn.Linear(1, 1, bias=False))
+    replica.version = 2
+    corrected = ParaBlockClient.correct(
+        replica,
+        {"weight": torch.ones(1, 1)},
+        block=0,
+        server_round=4,
+        fetch_step=lambda v: (0, {"weight": torch.zeros(1, 1)}),
+    )
     assert (corrected.block, corrected.base_version) == (0, 3)
+    assert replica.version == 3  # re-based onto x^{r-1}
 
 
 def test_time_model():

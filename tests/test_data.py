@@ -7,11 +7,18 @@ import pytest
 from parablock_flwr.data import client_partition, load_examples
 from parablock_flwr.evaluation import final_number
 
-ALPACA = [{"instruction": f"Give a word that rhymes with {w}.", "input": "" if i % 2 else "Be brief.",
-           "output": f"{w}s"} for i, w in enumerate(["cat", "dog", "sun", "tree", "car", "hat"])]
-MATHINSTRUCT = [{"source": ["data/CoT/gsm_rft.json", "data/PoT/mathqa.json"][i % 2],
-                 "instruction": f"What is {i} + {i}?", "output": f"{i} + {i} = {2 * i}. The answer is {2 * i}"}
-                for i in range(8)]
+ALPACA = [
+    {"instruction": f"Give a word that rhymes with {w}.", "input": "" if i % 2 else "Be brief.", "output": f"{w}s"}
+    for i, w in enumerate(["cat", "dog", "sun", "tree", "car", "hat"])
+]
+MATHINSTRUCT = [
+    {
+        "source": ["data/CoT/gsm_rft.json", "data/PoT/mathqa.json"][i % 2],
+        "instruction": f"What is {i} + {i}?",
+        "output": f"{i} + {i} = {2 * i}. The answer is {2 * i}",
+    }
+    for i in range(8)
+]
 
 
 def test_alpaca_jsonl_file(tmp_path):
@@ -67,9 +74,15 @@ def test_instruction_mix_families_and_partitioners():
     assert max(max(s.count(f) for f in set(s)) / len(s) for s in skewed) > 0.6
 
 
-@pytest.mark.parametrize("text, number", [
-    ("He has 3 + 4 = 7 apples.\n#### 7", 7.0), ("so 1,250 dollars. #### 1,250", 1250.0),
-    ("The answer is -3.5.", -3.5), ("no digits here", None), ("#### 12 and then 99", 12.0),
-])
+@pytest.mark.parametrize(
+    "text, number",
+    [
+        ("He has 3 + 4 = 7 apples.\n#### 7", 7.0),
+        ("so 1,250 dollars. #### 1,250", 1250.0),
+        ("The answer is -3.5.", -3.5),
+        ("no digits here", None),
+        ("#### 12 and then 99", 12.0),
+    ],
+)
 def test_final_number(text, number):
     assert final_number(text) == number

@@ -14,10 +14,12 @@ import time
 import pytest
 import torch
 
-from parablock_flwr.launch import free_port, run_deployment, stop_process_group, supernode_command
-from parablock_flwr.security import make_node_key
+from parablock_flwr.tools.credentials import make_node_key
+from parablock_flwr.tools.launch import free_port, run_deployment, stop_process_group, supernode_command
 
-from conftest import FinishedRun, finished, kill_server_after_round, simulate, tiny_config
+from helpers import FinishedRun, finished, kill_server_after_round, simulate, tiny_config
+
+pytestmark = pytest.mark.e2e  # every test here starts a SuperLink, SuperNodes and workers
 
 ROUNDS = 3
 
@@ -25,15 +27,21 @@ ROUNDS = 3
 def deploy(tmp_path, model_dir, on_started=None, num_supernodes=2, secure=False, **overrides) -> FinishedRun:
     out = tmp_path / "out"
     config = tiny_config(model_dir, out, **{k.replace("_", "-"): v for k, v in overrides.items()})
-    proc = run_deployment(tmp_path / "flower", config, num_supernodes=num_supernodes, timeout_s=900,
-                          on_started=on_started, secure=secure)
+    proc = run_deployment(
+        tmp_path / "flower", config, num_supernodes=num_supernodes, timeout_s=900, on_started=on_started, secure=secure
+    )
     return finished(proc, out)
 
 
 @pytest.fixture(scope="module")
 def deployed(tmp_path_factory, tiny_model_dir):
-    return deploy(tmp_path_factory.mktemp("deploy"), tiny_model_dir, num_server_rounds=ROUNDS,
-                  verify_invariant=True, schedule="ascending")
+    return deploy(
+        tmp_path_factory.mktemp("deploy"),
+        tiny_model_dir,
+        num_server_rounds=ROUNDS,
+        verify_invariant=True,
+        schedule="ascending",
+    )
 
 
 def _ok(run):
@@ -42,8 +50,14 @@ def _ok(run):
 
 
 def test_deployment_equals_simulation_bit_for_bit(deployed, tmp_path, tiny_model_dir):
-    sim = simulate(tmp_path, tiny_model_dir, num_supernodes=2, num_server_rounds=ROUNDS,
-                   verify_invariant=True, schedule="ascending")
+    sim = simulate(
+        tmp_path,
+        tiny_model_dir,
+        num_supernodes=2,
+        num_server_rounds=ROUNDS,
+        verify_invariant=True,
+        schedule="ascending",
+    )
     _ok(deployed), _ok(sim)
     for version in range(1, ROUNDS + 1):
         (bd, sd), (bs, ss) = deployed.step(version), sim.step(version)
@@ -69,23 +83,49 @@ def test_clientapp_process_does_not_import_torch(deployed):
     assert rows and all(row["clientapp_imported_torch"] == 0 for row in rows)
 
 
-def test_killed_server_resumes_in_a_restarted_deployment_bit_for_bit(deployed, tmp_path, tiny_model_dir):
-    """The ServerApp is SIGKILLed in round 3 of 3; a new deployment (SuperLink, SuperNodes, workers:
-    every process restarted) resumes from round 2's checkpoint. The nodes are asked their partition,
-    each worker gets its own Δ_i^2 back and computes round 3 from x^1 + Δ_i^2: the last global step
-    equals the uninterrupted deployment's, bit for bit."""
-    same = dict(num_server_rounds=ROUNDS, verify_invariant=True, schedule="ascending")
+LONG_ROUNDS = 7  # more than 2M+1 rounds for M = 2 blocks (4 layers, 2 per block)
+
+
+@pytest.fixture(scope="module")
+def deployed_long(tmp_path_factory, tiny_model_dir):
+    return deploy(
+        tmp_path_factory.mktemp("deploy-long"),
+        tiny_model_dir,
+        num_server_rounds=LONG_ROUNDS,
+        verify_invariant=True,
+        schedule="ascending",
+    )
+
+
+@pytest.mark.parametrize("after_round", [1, 6])
+def test_killed_server_resumes_at_any_round_in_a_restarted_deployment_bit_for_bit(
+    deployed_long, tmp_path, tiny_model_dir, after_round
+):
+    """The ServerApp is SIGKILLed in round R+1 (R = 1, and R = 6 > 2M+1); a new deployment
+    (SuperLink, SuperNodes, workers: every process restarted) resumes from round R's checkpoint.
+    The nodes are asked their partition; each worker gets the exact values of x^{R-1} (a full
+    sync) and its own Δ_i^R back, and computes round R+1 from x^{R-1} + Δ_i^R: every later global
+    step equals the uninterrupted deployment's, bit for bit."""
+    same = dict(num_server_rounds=LONG_ROUNDS, verify_invariant=True, schedule="ascending")
     killed_out = tmp_path / "killed" / "out"
-    killed = deploy(tmp_path / "killed", tiny_model_dir, **same, on_started=lambda dep: kill_server_after_round(
-        dep.workdir / "flwr-home", killed_out, after_round=2))
-    assert killed.run_dir is not None and not (killed.run_dir / "global-steps" / "v00003.safetensors").exists()
+    killed = deploy(
+        tmp_path / "killed",
+        tiny_model_dir,
+        **same,
+        on_started=lambda dep: kill_server_after_round(dep.workdir / "flwr-home", killed_out, after_round=after_round),
+    )
+    assert killed.run_dir is not None
+    assert not (killed.run_dir / "global-steps" / f"v{after_round + 1:05d}.safetensors").exists()
     resumed = _ok(deploy(tmp_path / "resumed", tiny_model_dir, resume_from=str(killed.run_dir), **same))
-    assert "after round 2 (2 pending client updates" in resumed.stdout
-    last = resumed.records[-1]
-    assert last["round"] == 3 and last["num_accepted"] == 2
-    assert last["num_resynchronised"] == 0 and last["invariant_checked"] == 2 and last["invariant_failed"] == 0
-    (block, step), (expected_block, expected) = resumed.step(3), _ok(deployed).step(3)
-    assert block == expected_block and all(torch.equal(step[n], expected[n]) for n in expected)
+    assert f"after round {after_round} (2 pending client updates" in resumed.stdout
+    records = {r["round"]: r for r in resumed.records}
+    assert sorted(records) == list(range(LONG_ROUNDS + 1))
+    assert records[after_round + 1]["full_syncs_sent"] == 2 and records[after_round + 1]["num_resynchronised"] == 0
+    for server_round in range(after_round + 1, LONG_ROUNDS + 1):
+        record = records[server_round]
+        assert record["num_accepted"] == 2 and record["invariant_checked"] == 2 and record["invariant_failed"] == 0
+        (block, step), (expected_block, expected) = resumed.step(server_round), _ok(deployed_long).step(server_round)
+        assert block == expected_block and all(torch.equal(step[n], expected[n]) for n in expected), server_round
 
 
 def test_crashed_worker_restarts_and_nodes_resynchronise_under_partial_participation(tmp_path, tiny_model_dir):
@@ -109,15 +149,27 @@ def test_crashed_worker_restarts_and_nodes_resynchronise_under_partial_participa
                 if done >= 2 and "restarted" not in events:
                     socket_path = workers[0].args[workers[0].args.index("--socket") + 1]
                     events["restarted"] = subprocess.Popen(
-                        [sys.executable, "-m", "parablock_flwr.worker", "--socket", socket_path, "--idle-exit-s", "300"],
-                        start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                        [sys.executable, "-m", "parablock_flwr.worker", "--socket", socket_path],
+                        start_new_session=True,
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL,
+                    )
                 time.sleep(0.3)
 
         threading.Thread(target=watch, daemon=True).start()
 
     try:
-        run = deploy(tmp_path, tiny_model_dir, on_started=crash_and_restart, num_supernodes=4, num_server_rounds=5,
-                     fraction_train=0.5, verify_invariant=True, schedule="ascending", save_final_model=True)
+        run = deploy(
+            tmp_path,
+            tiny_model_dir,
+            on_started=crash_and_restart,
+            num_supernodes=4,
+            num_server_rounds=5,
+            fraction_train=0.5,
+            verify_invariant=True,
+            schedule="ascending",
+            save_final_model=True,
+        )
     finally:
         events["done"] = True
         if "restarted" in events:
@@ -141,8 +193,17 @@ def test_crashed_worker_restarts_and_nodes_resynchronise_under_partial_participa
 def test_on_receipt_applies_the_aggregate_at_a_step_boundary_of_the_running_computation(tmp_path, tiny_model_dir):
     """Compute (~40 s) much longer than the round trip (~16 s): the aggregate lands mid-computation."""
     steps = 120
-    run = _ok(deploy(tmp_path, tiny_model_dir, num_server_rounds=2, correction="on-receipt", local_steps=steps,
-                     batch_size=16, verify_invariant=True))
+    run = _ok(
+        deploy(
+            tmp_path,
+            tiny_model_dir,
+            num_server_rounds=2,
+            correction="on-receipt",
+            local_steps=steps,
+            batch_size=16,
+            verify_invariant=True,
+        )
+    )
     rows = [row for rec in run.records[2:] for row in rec["timeline"]]
     assert any(0 < row["correction_after_step"] < steps for row in rows), rows
     for rec in run.records[1:]:
@@ -158,16 +219,30 @@ def test_tls_and_node_authentication_admit_a_registered_node_and_refuse_a_strang
 
     def start_stranger(deployment):
         key, _ = make_node_key(tmp_path / "stranger", "stranger")  # its public key is never registered
-        cmd = supernode_command(deployment.superlink, free_port(), free_port(), "partition-id=0 num-partitions=1",
-                                root_certificates=deployment.tls.ca_cert, auth_key=key)
+        cmd = supernode_command(
+            deployment.superlink,
+            free_port(),
+            free_port(),
+            "partition-id=0 num-partitions=1",
+            root_certificates=deployment.tls.ca_cert,
+            auth_key=key,
+        )
         stranger["log"] = tmp_path / "stranger.log"
         with open(stranger["log"], "w") as log:
-            stranger["proc"] = subprocess.Popen(cmd, env=deployment.env, stdout=log, stderr=subprocess.STDOUT,
-                                                start_new_session=True)
+            stranger["proc"] = subprocess.Popen(
+                cmd, env=deployment.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
 
     try:
-        run = deploy(tmp_path, tiny_model_dir, on_started=start_stranger, num_supernodes=1, secure=True,
-                     num_server_rounds=2, generate_examples=0)
+        run = deploy(
+            tmp_path,
+            tiny_model_dir,
+            on_started=start_stranger,
+            num_supernodes=1,
+            secure=True,
+            num_server_rounds=2,
+            generate_examples=0,
+        )
         returncode = stranger["proc"].wait(timeout=120)
     finally:
         if "proc" in stranger:

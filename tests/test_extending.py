@@ -9,7 +9,7 @@ from parablock_flwr.examples.trimmed_mean import TrimmedMeanParaBlock
 from parablock_flwr.model import load_model
 from parablock_flwr.strategies import FedBCD, ParaBlock, strategy_class
 
-from conftest import simulate
+from helpers import simulate
 
 TRIMMED = "parablock_flwr.examples.trimmed_mean:TrimmedMeanParaBlock"
 LARGEST = "parablock_flwr.examples.largest_update:LargestUpdateParaBlock"
@@ -19,14 +19,20 @@ def make(cls, tmp_path, tiny_model_dir, rounds=6):
     model = load_model(str(tiny_model_dir))
     part = core.partition_blocks(model, layers_per_block=1)  # 4 blocks
     params = dict(model.named_parameters())
-    return cls(global_params={n: params[n] for n in part.all_names()}, partition=part,
-               schedule=[0] * rounds, run_dir=tmp_path)
+    return cls(
+        global_params={n: params[n] for n in part.all_names()}, partition=part, schedule=[0] * rounds, run_dir=tmp_path
+    )
 
 
 def test_trimmed_mean_ignores_an_outlier(tmp_path, tiny_model_dir):
     strategy = make(TrimmedMeanParaBlock, tmp_path, tiny_model_dir)
-    updates = [{"w": torch.tensor([1.0, 2.0])}, {"w": torch.tensor([1.2, 2.2])}, {"w": torch.tensor([0.8, 1.8])},
-               {"w": torch.tensor([1.1, 2.1])}, {"w": torch.tensor([100.0, -100.0])}]
+    updates = [
+        {"w": torch.tensor([1.0, 2.0])},
+        {"w": torch.tensor([1.2, 2.2])},
+        {"w": torch.tensor([0.8, 1.8])},
+        {"w": torch.tensor([1.1, 2.1])},
+        {"w": torch.tensor([100.0, -100.0])},
+    ]
     mean = strategy.combine(updates, [1.0] * 5)  # trims 1 per side of each coordinate
     # per coordinate: drop the smallest and the largest value, average the rest
     assert torch.allclose(mean["w"], torch.tensor([(1.0 + 1.1 + 1.2) / 3, (1.8 + 2.0 + 2.1) / 3]))
@@ -56,8 +62,15 @@ def test_strategy_key_is_checked():
 
 @pytest.mark.parametrize("strategy, clients", [(TRIMMED, 5), (LARGEST, 2)], ids=["trimmed-mean", "largest-update"])
 def test_examples_run_through_flwr_run(tmp_path, tiny_model_dir, strategy, clients):
-    run = simulate(tmp_path, tiny_model_dir, num_supernodes=clients, strategy=strategy, num_server_rounds=3,
-                   layers_per_block=1, verify_invariant=True)
+    run = simulate(
+        tmp_path,
+        tiny_model_dir,
+        num_supernodes=clients,
+        strategy=strategy,
+        num_server_rounds=3,
+        layers_per_block=1,
+        verify_invariant=True,
+    )
     assert run.returncode == 0 and run.run_dir is not None, run.stdout[-3000:]
     assert strategy.rsplit(":", 1)[1] + ":" in run.stdout  # the strategy's summary line names the class
     records = run.records

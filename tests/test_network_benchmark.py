@@ -1,7 +1,9 @@
-"""benchmarks/network.py for real: namespaces, shaped veth links, the latency proxy, SuperLink,
-SuperNodes and node workers, every process stopped and every namespace deleted afterwards.
+"""benchmarks/network.py (and the plumbing in benchmarks/netlab.py) for real: namespaces, shaped veth
+links, the latency proxy, SuperLink, SuperNodes and node workers, every process stopped and every
+namespace deleted afterwards.
 
-Needs root (`ip netns`); skipped with the reason otherwise.
+Needs root (`ip netns`); those tests are marked `netns` and skipped with the reason otherwise. Nothing
+is probed at import: the check runs once, in the `namespaces` fixture, for the tests that ask for it.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from parablock_flwr.launch import PROJECT_DIR
+from parablock_flwr.tools.app_config import find_project_dir
 
+PROJECT_DIR = find_project_dir(Path(__file__).resolve().parent)  # the repository these tests are in
 SCRIPT = PROJECT_DIR / "benchmarks" / "network.py"
+NETLAB = PROJECT_DIR / "benchmarks" / "netlab.py"
 ALGORITHMS = ["parablock", "fedbcd"]  # two runs in turn over the same links: ~3.5 min on 2 cores (all 4: ~10)
 
 
@@ -40,8 +44,12 @@ def _namespaces_unavailable() -> str | None:
     return None
 
 
-_WHY_NOT = _namespaces_unavailable()
-needs_namespaces = pytest.mark.skipif(_WHY_NOT is not None, reason=f"benchmarks/network.py {_WHY_NOT}")
+@pytest.fixture(scope="session")
+def namespaces() -> None:
+    """Skip (with the reason) unless this machine can build network namespaces; probed once, lazily."""
+    why_not = _namespaces_unavailable()
+    if why_not is not None:
+        pytest.skip(f"benchmarks/network.py {why_not}")
 
 
 def _namespaces(prefix: str) -> list[str]:
@@ -67,8 +75,13 @@ def _in_groups(pgids: set[int]) -> list[int]:
 
 
 def _run(args: list[str], timeout_s: float) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), *args], cwd=PROJECT_DIR, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), *args],
+        cwd=PROJECT_DIR,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -79,13 +92,15 @@ def _run(args: list[str], timeout_s: float) -> tuple[subprocess.Popen, str]:
 
 
 @pytest.fixture(scope="module")
-def fast_run(tmp_path_factory):
+def fast_run(namespaces, tmp_path_factory):
     out = tmp_path_factory.mktemp("network")
     proc, log = _run(["--fast", "--algorithms", ",".join(ALGORITHMS), "--out", str(out)], timeout_s=900)
     return proc, log, out
 
 
-@needs_namespaces
+@pytest.mark.netns
+@pytest.mark.e2e
+@pytest.mark.usefixtures("namespaces")
 def test_every_algorithm_ran_three_rounds_over_the_shaped_links(fast_run):
     proc, log, out = fast_run
     assert proc.returncode == 0, log[-4000:]
@@ -105,14 +120,17 @@ def test_every_algorithm_ran_three_rounds_over_the_shaped_links(fast_run):
         assert all(p is not None and p > 0 for p in run["worker_peak_rss_mb"]), run["worker_peak_rss_mb"]
         # The server's time model was given the same link as tc and the proxy.
         for r in rounds:
-            expected = (2 * run["latency_ms"] / 1e3
-                        + 8 * (r["bytes_up_per_client"] + r["bytes_down_per_client"]) / (run["rate_mbps"] * 1e6))
+            expected = 2 * run["latency_ms"] / 1e3 + 8 * (r["bytes_up_per_client"] + r["bytes_down_per_client"]) / (
+                run["rate_mbps"] * 1e6
+            )
             assert r["modeled_comm_s"] == pytest.approx(expected, rel=1e-6), r
     for name in ("loss-vs-wall.png", "round-times.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
 
 
-@needs_namespaces
+@pytest.mark.netns
+@pytest.mark.e2e
+@pytest.mark.usefixtures("namespaces")
 def test_nothing_is_left_behind(fast_run):
     proc, log, out = fast_run
     results = json.loads((out / "results.json").read_text())
@@ -124,19 +142,28 @@ def test_nothing_is_left_behind(fast_run):
     assert _in_groups(started) == []
 
 
-@needs_namespaces
+@pytest.mark.netns
+@pytest.mark.e2e
+@pytest.mark.usefixtures("namespaces")
 def test_sigterm_mid_run_stops_every_process_and_deletes_the_namespaces(tmp_path):
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--fast", "--algorithms", "parablock",
-                             "--out", str(tmp_path)], cwd=PROJECT_DIR, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--fast", "--algorithms", "parablock", "--out", str(tmp_path)],
+        cwd=PROJECT_DIR,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     prefix = f"pbn-{proc.pid}"
     try:
         deadline = time.monotonic() + 180
         while not list(tmp_path.glob("runs/*/proxy-1.log")):  # SuperLink, workers and proxies started
             assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
             time.sleep(0.5)
-        pids = {int(p) for ns in _namespaces(prefix) for p in subprocess.run(
-            ["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()}
+        pids = {
+            int(p)
+            for ns in _namespaces(prefix)
+            for p in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+        }
         assert len(pids) >= 5  # SuperLink + 2 x (worker, proxy)
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -146,27 +173,33 @@ def test_sigterm_mid_run_stops_every_process_and_deletes_the_namespaces(tmp_path
     assert [p for p in pids if _alive(p)] == [], log[-3000:]
 
 
-@needs_namespaces
+@pytest.mark.netns  # namespaces, an echo server and the proxy; no Flower process
+@pytest.mark.usefixtures("namespaces")
 def test_links_have_the_configured_rate_and_latency():
     """tbf limits each direction, the proxy delays each way: 1 MB at 8 Mbit/s ~ 1 s, RTT ~ 2 x 100 ms."""
-    spec = importlib.util.spec_from_file_location("network_benchmark", SCRIPT)
+    spec = importlib.util.spec_from_file_location("netlab", NETLAB)
     network = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look it up
     spec.loader.exec_module(network)
 
-    echo = ("import socket\ns = socket.create_server(('0.0.0.0', 9093))\nwhile True:\n    c, _ = s.accept()\n"
-            "    while data := c.recv(1 << 16):\n        c.sendall(data)\n    c.close()\n")
-    client = ("import socket, sys, time\nc = socket.create_connection(('127.0.0.1', 9092))\n"
-              "t = time.perf_counter(); c.sendall(b'x'); c.recv(1); rtt = time.perf_counter() - t\n"
-              "t = time.perf_counter(); c.sendall(b'y' * 1_000_000); n = 0\n"
-              "while n < 1_000_000: n += len(c.recv(1 << 16))\n"
-              "print(rtt, time.perf_counter() - t)\n")
+    echo = (
+        "import socket\ns = socket.create_server(('0.0.0.0', 9093))\nwhile True:\n    c, _ = s.accept()\n"
+        "    while data := c.recv(1 << 16):\n        c.sendall(data)\n    c.close()\n"
+    )
+    client = (
+        "import socket, sys, time\nc = socket.create_connection(('127.0.0.1', 9092))\n"
+        "t = time.perf_counter(); c.sendall(b'x'); c.recv(1); rtt = time.perf_counter() - t\n"
+        "t = time.perf_counter(); c.sendall(b'y' * 1_000_000); n = 0\n"
+        "while n < 1_000_000: n += len(c.recv(1 << 16))\n"
+        "print(rtt, time.perf_counter() - t)\n"
+    )
     with contextlib.ExitStack() as stack:
         net = network.build_network(stack, f"pbn-{os.getpid()}t", 1)
         network.shape(net, 8.0, 100.0)
         node = net.nodes[0]
-        for ns, cmd in ((net.link_ns, [sys.executable, "-c", echo]),
-                        (node.ns, [sys.executable, str(network.PROXY), "--listen", "127.0.0.1:9092",
-                                   "--target", f"{node.link_ip}:9093", "--delay-ms", "100"])):
+        for ns, cmd in (
+            (net.link_ns, [sys.executable, "-c", echo]),
+            (node.ns, network.proxy_command("127.0.0.1:9092", f"{node.link_ip}:9093", 100)),
+        ):
             p = subprocess.Popen([*network.in_netns(ns), *cmd], start_new_session=True)
             stack.callback(lambda p=p: (p.kill(), p.wait()))
         for ns, port in ((net.link_ns, 9093), (node.ns, 9092)):
@@ -174,8 +207,9 @@ def test_links_have_the_configured_rate_and_latency():
             while not network.listens_in(ns, port):
                 assert time.monotonic() < deadline
                 time.sleep(0.1)
-        measured = subprocess.run([*network.in_netns(node.ns), sys.executable, "-c", client], capture_output=True,
-                                  text=True, timeout=60)
+        measured = subprocess.run(
+            [*network.in_netns(node.ns), sys.executable, "-c", client], capture_output=True, text=True, timeout=60
+        )
         assert measured.returncode == 0, measured.stderr
         rtt, echo_s = map(float, measured.stdout.split())
     assert _namespaces(f"pbn-{os.getpid()}t") == []
@@ -184,11 +218,18 @@ def test_links_have_the_configured_rate_and_latency():
     assert 1.0 < echo_s < 2.0
 
 
-@pytest.mark.parametrize("args, bad", [(["--rate", "0"], "'0'"), (["--algorithms", "fedsgd"], "'fedsgd'"),
-                                       (["--rate", "5", "--rates", "1,2"], "--rates=1,2")])
+@pytest.mark.parametrize(
+    "args, bad",
+    [
+        (["--rate", "0"], "'0'"),
+        (["--algorithms", "fedsgd"], "'fedsgd'"),
+        (["--rate", "5", "--rates", "1,2"], "--rates=1,2"),
+    ],
+)
 def test_a_bad_argument_gets_one_line_naming_it(args, bad):
-    proc = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=PROJECT_DIR, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), *args], cwd=PROJECT_DIR, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and bad in lines[0] and "expected" in lines[0], proc.stderr

@@ -5,16 +5,18 @@ Real Flower Messages, real strategy, real tiny Llama and a real local update.
 
 import math
 
+import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord, Error, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
 from parablock_flwr import core
+from parablock_flwr.config import RunConfig
 from parablock_flwr.model import load_model
 from parablock_flwr.records import to_record
 from parablock_flwr.strategies import ParaBlock
-from parablock_flwr.strategies.fedbcd import TooFewReplies
+from parablock_flwr.strategies.round_stats import RoundStats, TooFewReplies
 
 BLOCK = 1
 
@@ -25,8 +27,13 @@ def setup(tmp_path, tiny_model_dir):
     partition = core.partition_blocks(model, layers_per_block=2)
     params = dict(model.named_parameters())
     global_params = {n: params[n] for n in partition.all_names()}
-    strategy = ParaBlock(global_params=global_params, partition=partition, schedule=[BLOCK, 0],
-                         run_dir=tmp_path, max_update_norm=10.0, min_accepted_replies=0)
+    strategy = ParaBlock(
+        global_params=global_params,
+        partition=partition,
+        schedule=[BLOCK, 0],
+        run_dir=tmp_path,
+        config=RunConfig(max_update_norm=10.0, min_accepted_replies=0),
+    )
     torch.manual_seed(0)
     update = {n: 1e-3 * torch.randn_like(params[n]) for n in partition.names(BLOCK)}
     before = core.snapshot(global_params, global_params)
@@ -39,9 +46,21 @@ def reply(node: int, update: dict | None, server_round=1, block=BLOCK, num_examp
     TaskIdentity.node_id = node
     if error is not None:
         return Message(error, reply_to=request)
-    content = RecordDict({"metrics": MetricRecord({"server-round": server_round, "block": block,
-                                                   "num-examples": num_examples, "train-loss": 1.0,
-                                                   "compute-s": 0.1})})
+    content = RecordDict(
+        {
+            "metrics": MetricRecord(
+                {
+                    "server-round": server_round,
+                    "block": block,
+                    "num-examples": num_examples,
+                    "train-loss": 1.0,
+                    "compute-s": 0.1,
+                    "partition-id": node,
+                    "base-version": server_round - 1,
+                }
+            )
+        }
+    )
     if update is not None:
         content["update"] = to_record(update) if not isinstance(update, ArrayRecord) else update
     return Message(content, reply_to=request)
@@ -75,7 +94,7 @@ def test_each_malformed_kind_is_rejected_and_counted(setup):
     bad = malformed(update)
     good = reply(10, update)
     step_record, _ = strategy.aggregate_train(1, [good] + [m for m, _ in bad])
-    rec = strategy._round
+    rec = strategy.last_metrics
     assert rec["num_accepted"] == 1 and rec["num_rejected"] == len(bad)
     reasons = {r["node"]: r["reason"] for r in rec["rejected"]}
     for msg, expected in bad:
@@ -90,7 +109,7 @@ def test_each_malformed_kind_is_rejected_and_counted(setup):
 def test_all_rejected_leaves_the_model_unchanged(setup):
     strategy, update, before = setup
     strategy.aggregate_train(1, [m for m, _ in malformed(update)])
-    assert strategy._round["num_accepted"] == 0
+    assert strategy.last_metrics["num_accepted"] == 0
     for n, t in strategy.global_params.items():
         assert torch.equal(t.detach(), before[n]), n
     assert all(torch.count_nonzero(t) == 0 for t in strategy.step_log.read(1)[1].values())
@@ -98,10 +117,34 @@ def test_all_rejected_leaves_the_model_unchanged(setup):
 
 def test_too_few_valid_replies_stop_the_run_with_one_line(setup):
     strategy, update, before = setup
-    strategy.min_accepted_replies, strategy.on_too_few_replies = 2, "stop"
-    strategy._round = {"started": 0.0, "round_retries": 0, "nodes": [10, 13]}  # as configure_train leaves it
-    with pytest.raises(TooFewReplies, match=r"round 1: 1 valid replies, expected at least "
-                                            r"min-accepted-replies=2 \(node 13: non-finite values"):
+    strategy.config = RunConfig(max_update_norm=10.0, min_accepted_replies=2, on_too_few_replies="stop")
+    strategy.stats = RoundStats(1, nodes=[10, 13])  # as configure_train leaves it
+    with pytest.raises(
+        TooFewReplies,
+        match=r"round 1: 1 valid replies, expected at least "
+        r"min-accepted-replies=2 \(node 13: non-finite values",
+    ):
         strategy.aggregate_train(1, [reply(10, update), malformed(update)[2][0]])
     for n, t in strategy.global_params.items():  # nothing was applied
         assert torch.equal(t.detach(), before[n]), n
+
+
+def test_a_failed_invariant_check_rejects_the_update_and_resynchronises_the_node(setup):
+    """With verify-invariant, a client whose local model is not x^{r-1} + its update is rejected
+    (counted), x does not move, and its next message is a full sync that drops its own state."""
+    strategy, update, before = setup
+    strategy.config = RunConfig(verify_invariant=True, min_accepted_replies=0)
+    good, bad = reply(10, update), reply(11, update)
+    names = strategy.partition.all_names()
+    good.content["trace"] = ConfigRecord({"local-model-sha256": core.digest_after(before, names, update)})
+    bad.content["trace"] = ConfigRecord({"local-model-sha256": core.digest(before, names)})  # its update is missing
+    strategy.aggregate_train(1, [good, bad])
+    rec = strategy.last_metrics
+    assert (rec["num_accepted"], rec["invariant_checked"], rec["invariant_failed"]) == (1, 2, 1)
+    assert "invariant broken" in rec["rejected"][0]["reason"]
+    strategy._global_step = to_record(strategy.step_log.read(1)[1])
+    messages = {m.metadata.dst_node_id: m for m in strategy.train_messages(2, [10, 11])}
+    assert "sync-values" not in messages[10].content and "sync-values" in messages[11].content
+    assert messages[11].content["round"]["sync-version"] == 0
+    sent = messages[11].content["sync-values"]
+    assert all(np.array_equal(sent[n].numpy(), before[n].numpy()) for n in names)  # x^0, exactly

@@ -14,7 +14,9 @@ from parablock_flwr import core
 from parablock_flwr.checkpoint import check_resumable
 from parablock_flwr.model import load_model
 
-from conftest import simulate, simulate_and_kill_server
+from helpers import simulate, simulate_and_kill_server
+
+pytestmark = pytest.mark.e2e  # every test here runs `flwr run` (or reads a run's output)
 
 ROUNDS = 4
 SCHEDULE = dict(schedule="uniform-random", seed=1)  # over 2 blocks: [0, 0, 1, 0], a block repeats
@@ -22,16 +24,27 @@ SCHEDULE = dict(schedule="uniform-random", seed=1)  # over 2 blocks: [0, 0, 1, 0
 
 @pytest.fixture(scope="module")
 def parablock_run(tmp_path_factory, tiny_model_dir):
-    return simulate(tmp_path_factory.mktemp("parablock"), tiny_model_dir, algorithm="parablock",
-                    num_server_rounds=ROUNDS, verify_invariant=True, save_final_model=True,
-                    **SCHEDULE)
+    return simulate(
+        tmp_path_factory.mktemp("parablock"),
+        tiny_model_dir,
+        algorithm="parablock",
+        num_server_rounds=ROUNDS,
+        verify_invariant=True,
+        save_final_model=True,
+        **SCHEDULE,
+    )
 
 
 @pytest.fixture(scope="module")
 def fedbcd_run(tmp_path_factory, tiny_model_dir):
-    return simulate(tmp_path_factory.mktemp("fedbcd"), tiny_model_dir, algorithm="fedbcd",
-                    num_server_rounds=ROUNDS, save_final_model=True,
-                    **SCHEDULE)
+    return simulate(
+        tmp_path_factory.mktemp("fedbcd"),
+        tiny_model_dir,
+        algorithm="fedbcd",
+        num_server_rounds=ROUNDS,
+        save_final_model=True,
+        **SCHEDULE,
+    )
 
 
 def _ok(run):
@@ -59,11 +72,20 @@ def test_invariant_holds_bit_for_bit_on_every_client_every_round(parablock_run):
 
 def test_each_round_is_logged_and_recorded(parablock_run):
     _ok(parablock_run)
-    lines = [l for l in parablock_run.stdout.splitlines() if "[parablock] round " in l]
+    lines = [line for line in parablock_run.stdout.splitlines() if "[parablock] round " in line]
     assert len(lines) == ROUNDS + 1
     rec = parablock_run.records[2]
-    for key in ("block", "train_loss", "heldout_loss", "bytes_up_per_client", "bytes_down_per_client",
-                "compute_s_max", "modeled_round_s", "modeled_round_s_sequential", "modeled_round_s_overlapped"):
+    for key in (
+        "block",
+        "train_loss",
+        "heldout_loss",
+        "bytes_up_per_client",
+        "bytes_down_per_client",
+        "compute_s_max",
+        "modeled_round_s",
+        "modeled_round_s_sequential",
+        "modeled_round_s_overlapped",
+    ):
         assert key in rec, key
     assert rec["modeled_round_s_overlapped"] < rec["modeled_round_s_sequential"]
     assert rec["modeled_round_s"] == rec["modeled_round_s_overlapped"]
@@ -102,8 +124,19 @@ def test_frozen_parameters_are_untouched_and_only_scheduled_blocks_move(parabloc
 
 def test_single_client_parablock_equals_fedbcd_bit_for_bit(tmp_path, tiny_model_dir):
     """With one client Δ̄ = Δ, so the correction is zero and there is no staleness."""
-    runs = [simulate(tmp_path / algo, tiny_model_dir, algorithm=algo, num_supernodes=1, cpus_per_client=2,
-                     num_server_rounds=3, deterministic=True, server_lr=1.0) for algo in ("parablock", "fedbcd")]
+    runs = [
+        simulate(
+            tmp_path / algo,
+            tiny_model_dir,
+            algorithm=algo,
+            num_supernodes=1,
+            cpus_per_client=2,
+            num_server_rounds=3,
+            deterministic=True,
+            server_lr=1.0,
+        )
+        for algo in ("parablock", "fedbcd")
+    ]
     for run in runs:
         _ok(run)
     for version in (1, 2, 3):
@@ -115,7 +148,9 @@ def test_single_client_parablock_equals_fedbcd_bit_for_bit(tmp_path, tiny_model_
 def test_invalid_config_stops_before_training_with_one_line(tmp_path, tiny_model_dir):
     run = simulate(tmp_path, tiny_model_dir, num_supernodes=1, layers_per_block=9)
     assert "Invalid configuration: layers-per-block=9: expected 1..4" in run.stdout + run.stderr
-    assert run.run_dir is None  # nothing was trained or written
+    # Nothing was trained or written but the status record, and the exit code says why.
+    assert run.returncode == 2 and [p.name for p in run.run_dir.iterdir()] == ["status.json"]
+    assert run.status["kind"] == "invalid-config" and "layers-per-block=9" in run.status["reason"]
 
 
 def test_report_and_evaluate_commands_on_the_run(parablock_run, capsys):
@@ -135,8 +170,11 @@ def test_report_and_evaluate_commands_on_the_run(parablock_run, capsys):
 
 def test_partial_participation_resynchronises_returning_clients(tmp_path, tiny_model_dir):
     """4 clients, half sampled each round: a client back from a skipped round trains from x^{r-1}."""
-    run = _ok(simulate(tmp_path, tiny_model_dir, num_supernodes=4, fraction_train=0.5, num_server_rounds=6,
-                       verify_invariant=True))
+    run = _ok(
+        simulate(
+            tmp_path, tiny_model_dir, num_supernodes=4, fraction_train=0.5, num_server_rounds=6, verify_invariant=True
+        )
+    )
     records = run.records[1:]
     assert all(r["num_replies"] == 2 and r["num_accepted"] == 2 for r in records)
     # Every participating client's local model is exactly x^{r-1} + its own update, resynchronised or not.
@@ -147,8 +185,9 @@ def test_partial_participation_resynchronises_returning_clients(tmp_path, tiny_m
 
 def test_too_few_valid_replies_are_retried_then_stop_the_run(tmp_path, tiny_model_dir):
     """Every update breaks a tiny norm bound: the round is re-sent once, then the run stops with one line."""
-    run = simulate(tmp_path, tiny_model_dir, num_supernodes=2, num_server_rounds=2, max_update_norm=1e-9,
-                   max_round_retries=1)
+    run = simulate(
+        tmp_path, tiny_model_dir, num_supernodes=2, num_server_rounds=2, max_update_norm=1e-9, max_round_retries=1
+    )
     out = run.stdout + run.stderr
     assert out.count("fewer than min-accepted-replies=1: re-sending to 2 nodes (retry 1 of 1)") == 1, out[-3000:]
     assert "Stopping the run: round 1: 0 valid replies, expected at least min-accepted-replies=1" in out
@@ -165,11 +204,13 @@ def test_server_killed_after_round_2_resumes_to_the_same_final_model(tmp_path, t
     assert [p.name for p in (killed.run_dir / "checkpoint").glob("round-*")] == ["round-00002"]
 
     with pytest.raises(ValueError, match=r"learning-rate=0.5 differs from the checkpointed run's 0.003"):
-        check_resumable(killed.run_dir, {**json.loads((killed.run_dir / "config.json").read_text()),
-                                         "learning-rate": 0.5})
+        check_resumable(
+            killed.run_dir, {**json.loads((killed.run_dir / "config.json").read_text()), "learning-rate": 0.5}
+        )
 
-    resumed = _ok(simulate(tmp_path / "resumed", tiny_model_dir, resume_from=str(killed.run_dir),
-                           save_final_model=True, **same))
+    resumed = _ok(
+        simulate(tmp_path / "resumed", tiny_model_dir, resume_from=str(killed.run_dir), save_final_model=True, **same)
+    )
     assert "Resumed from" in resumed.stdout and "after round 2 (3 pending client updates" in resumed.stdout
     records = resumed.records
     assert [r["round"] for r in records] == list(range(ROUNDS + 1))
@@ -181,5 +222,33 @@ def test_server_killed_after_round_2_resumes_to_the_same_final_model(tmp_path, t
     assert final.keys() == uninterrupted.keys()
     assert all(torch.equal(final[n], uninterrupted[n]) for n in final)
     for version in (3, 4):
-        assert all(torch.equal(a, b) for a, b in zip(resumed.step(version)[1].values(),
-                                                     parablock_run.step(version)[1].values()))
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(resumed.step(version)[1].values(), parablock_run.step(version)[1].values())
+        )
+
+
+def test_bf16_transfer_halves_the_bytes_and_keeps_the_invariant_exact(tmp_path, tiny_model_dir, parablock_run):
+    """transfer-dtype=bf16: Δ_i and g travel as bf16 (half the bytes on the wire), each client keeps
+    exactly the rounded update it sent, so its local model is still x^{r-1} + Δ_i^r to the bit; the
+    server's steps are bf16-representable; the loss still falls."""
+    run = _ok(
+        simulate(
+            tmp_path,
+            tiny_model_dir,
+            algorithm="parablock",
+            num_server_rounds=ROUNDS,
+            verify_invariant=True,
+            transfer_dtype="bf16",
+            **SCHEDULE,
+        )
+    )
+    fp32 = {r["round"]: r for r in _ok(parablock_run).records}
+    for rec in run.records[1:]:
+        assert rec["num_accepted"] == 3 and rec["invariant_checked"] == 3 and rec["invariant_failed"] == 0, rec
+        # The same block's arrays, half the payload bytes (each array's npy header aside).
+        ratio = rec["wire_bytes_up"] / fp32[rec["round"]]["wire_bytes_up"]
+        assert 0.5 <= ratio < 0.52, (rec["round"], ratio)
+        step = run.step(rec["round"])[1]
+        assert all(torch.equal(t, t.to(torch.bfloat16).float()) for t in step.values())
+    assert run.records[-1]["heldout_loss"] < run.records[0]["heldout_loss"]

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import difflib
 import os
 import sys
 import time
@@ -40,9 +41,24 @@ def _process_start_time() -> float:
 _PROCESS_STARTED = _process_start_time()
 app = ClientApp()
 
+# The node-config keys this app reads; any other key is refused rather than silently ignored.
+NODE_CONFIG_KEYS = ("partition-id", "num-partitions", "worker-socket")
+
+
+def unknown_node_config_key(node_config) -> str | None:
+    """One line naming the first node-config key this app does not know, with the closest known one."""
+    for key in sorted(node_config):
+        if key not in NODE_CONFIG_KEYS:
+            close = difflib.get_close_matches(key, NODE_CONFIG_KEYS, n=1)
+            hint = f"did you mean {close[0]}?" if close else f"expected one of {', '.join(NODE_CONFIG_KEYS)}"
+            return f"node config {key}: unknown key; {hint}"
+    return None
+
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
+    if (problem := unknown_node_config_key(context.node_config)) is not None:
+        return _error(msg, problem)
     socket_path = context.node_config.get("worker-socket")
     if not socket_path:
         from .inline import train_inline  # imports torch: only where the model lives in this process
@@ -55,34 +71,51 @@ def train(msg: Message, context: Context) -> Message:
 def identify(msg: Message, context: Context) -> Message:
     """Which data partition this node serves: a resumed server maps its new node ids to the
     clients' checkpointed state with it."""
-    pid = int(context.node_config.get("partition-id", 0))
-    return Message(content=RecordDict({"node": MetricRecord({"partition-id": pid})}), reply_to=msg)
+    partition_id = int(context.node_config.get("partition-id", 0))
+    return Message(content=RecordDict({"node": MetricRecord({"partition-id": partition_id})}), reply_to=msg)
 
 
 def relay_to_worker(msg: Message, context: Context, socket_path: str) -> Message:
     """Hand ``g^{r-1}`` and the round's blocks to the node worker; reply its ``Δ_i^r``."""
     header = {
-        "op": "train", "run-id": context.run_id, "run-config": dict(context.run_config),
+        "op": "train",
+        "run-id": context.run_id,
+        "run-config": dict(context.run_config),
         "round": dict(msg.content["round"]),
         "partition-id": int(context.node_config.get("partition-id", 0)),
         "num-partitions": int(context.node_config.get("num-partitions", 1)),
     }
     # Every array record travels (g^{r-1}, and any catch-up), named "record/param".
-    arrays = {f"{record_name}/{name}": array.numpy()
-              for record_name, record in msg.content.array_records.items() for name, array in record.items()}
+    arrays = {
+        f"{record_name}/{name}": array.numpy()
+        for record_name, record in msg.content.array_records.items()
+        for name, array in record.items()
+    }
+    # A round cannot take longer than the server waits for it; a worker silent for longer is stuck.
+    timeout_s = float(context.run_config.get("round-timeout-s", 3600.0))
     try:
-        reply, update = asyncio.run(request(socket_path, header, arrays))
+        reply, update = asyncio.run(request(socket_path, header, arrays, timeout_s=timeout_s))
     except (FileNotFoundError, ConnectionRefusedError) as err:
-        return _error(msg, f"node worker is not running at {socket_path} ({type(err).__name__}); start it "
-                           f"with: python -m parablock_flwr.worker --socket {socket_path}")
+        return _error(
+            msg,
+            f"node worker is not running at {socket_path} ({type(err).__name__}); start it "
+            f"with: python -m parablock_flwr.worker --socket {socket_path}",
+        )
+    except TimeoutError:
+        return _error(msg, f"node worker at {socket_path} did not answer within round-timeout-s={timeout_s:g}")
     if "error" in reply:
         return _error(msg, f"node worker failed: {reply['error']}")
-    metrics = dict(reply["metrics"], **{
-        "clientapp-start": _PROCESS_STARTED, "clientapp-reply": time.time(),
-        "clientapp-imported-torch": int("torch" in sys.modules),
-    })
-    content = RecordDict({"update": ArrayRecord({n: Array(a) for n, a in update.items()}),
-                          "metrics": MetricRecord(metrics)})
+    metrics = dict(
+        reply["metrics"],
+        **{
+            "clientapp-start": _PROCESS_STARTED,
+            "clientapp-reply": time.time(),
+            "clientapp-imported-torch": int("torch" in sys.modules),
+        },
+    )
+    content = RecordDict(
+        {"update": ArrayRecord({n: Array(a) for n, a in update.items()}), "metrics": MetricRecord(metrics)}
+    )
     if reply.get("trace"):
         content["trace"] = ConfigRecord(reply["trace"])
     return Message(content=content, reply_to=msg)

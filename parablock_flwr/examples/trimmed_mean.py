@@ -27,5 +27,5 @@ class TrimmedMeanParaBlock(ParaBlock):
         for name in updates[0]:
             stacked = torch.stack([u[name] for u in updates])
             ordered, _ = stacked.sort(dim=0)
-            out[name] = ordered[k:len(updates) - k].mean(dim=0)
+            out[name] = ordered[k : len(updates) - k].mean(dim=0)
         return out

@@ -22,18 +22,19 @@ from ..config import ConfigError, RunConfig, check_num_clients
 from ..data import tokenized_splits
 from ..evaluation import evaluate
 from ..model import load_for_training, load_tokenizer, save_model
+from ..run_status import EXIT_CODES, write_status
 from ..runtime import setup_torch
 from ..strategies import strategy_class
 from ..strategies.fedbcd import TooFewReplies
 
-log = logging.getLogger("parablock_flwr")
+log = logging.getLogger("parablock_flwr")  # the package logger: every module's lines reach stdout
 app = ServerApp()
 
 
-def make_run_dir(cfg: RunConfig, run_id: int) -> Path:
-    run_dir = cfg.output_path / f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.algorithm}-{run_id}"
+def make_run_dir(output_path: Path, algorithm: str, run_id: int) -> Path:
+    """``OUTPUT_DIR/<time>-<algorithm>-<run_id>``: the launchers find a run's folder by its id."""
+    run_dir = output_path / f"{time.strftime('%Y%m%d-%H%M%S')}-{algorithm}-{run_id}"
     run_dir.mkdir(parents=True, exist_ok=False)
-    (run_dir / "config.json").write_text(json.dumps(cfg.as_run_config(), indent=2, sort_keys=True) + "\n")
     return run_dir
 
 
@@ -44,31 +45,73 @@ def wait_for_nodes(grid: Grid, timeout_s: float = 60.0) -> int:
     return len(nodes)
 
 
+class RunFailed(Exception):
+    """The run cannot go on: ``kind`` is a key of ``run_status.EXIT_CODES``."""
+
+    def __init__(self, kind: str, reason: str):
+        super().__init__(reason)
+        self.kind = kind
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
+    """Run the app and leave ``status.json`` in the run folder, whatever happens; exit with its code."""
     _log_to_stdout()
+    run = {"dir": None, "strategy": None, "num_rounds": 0}
+    try:
+        run_app(grid, context, run)
+    except RunFailed as err:
+        kind, reason = err.kind, str(err)
+    except Exception as err:  # an unexpected error: still a status record, then the traceback
+        log.exception("The run failed")
+        kind, reason = "error", f"{type(err).__name__}: {err}"
+    else:
+        kind, reason = "completed", f"{run['num_rounds']} rounds"
+    run_dir = run["dir"] or _run_dir_for_failure(context)
+    if run_dir is not None:
+        rounds_completed = run["strategy"].rounds_completed if run["strategy"] else 0
+        write_status(run_dir, kind, reason, rounds_completed, run["num_rounds"])
+    if kind != "completed":
+        log.error("Run failed (%s): %s", kind, reason)
+        sys.exit(EXIT_CODES[kind])
+    log.info("Done. Metrics: %s", run_dir / "metrics.jsonl")
+
+
+def run_app(grid: Grid, context: Context, run: dict) -> None:
+    """Validate, load, train; fills ``run`` (its folder, the strategy) as it goes."""
     try:
         cfg = RunConfig.from_flower(context.run_config)
+        run["num_rounds"] = cfg.num_server_rounds
         setup_torch(cfg)
         model, partition = load_for_training(cfg)
         tokenizer = load_tokenizer(cfg.model)
         strategy_cls = strategy_class(cfg.algorithm, cfg.strategy)
         num_clients = wait_for_nodes(grid)
         check_num_clients(num_clients)
-        _, heldout = tokenized_splits(cfg.dataset, cfg.num_examples, cfg.heldout_examples, cfg.seed,
-                                      tokenizer, cfg.max_seq_len)
+        _, heldout = tokenized_splits(
+            cfg.dataset, cfg.num_examples, cfg.heldout_examples, cfg.seed, tokenizer, cfg.max_seq_len
+        )
         checkpoint = check_resumable(cfg.resume_path, cfg.as_run_config()) if cfg.resume_path else None
         if cfg.num_examples - cfg.heldout_examples < num_clients:
-            raise ConfigError(f"num-examples={cfg.num_examples}: expected at least "
-                              f"{cfg.heldout_examples + num_clients} for {num_clients} clients")
+            raise ConfigError(
+                f"num-examples={cfg.num_examples}: expected at least "
+                f"{cfg.heldout_examples + num_clients} for {num_clients} clients"
+            )
     except (ConfigError, ValueError, FileNotFoundError) as err:
-        log.error("Invalid configuration: %s", err)
-        sys.exit(2)
+        raise RunFailed("invalid-config", f"Invalid configuration: {err}") from err
 
-    run_dir = make_run_dir(cfg, context.run_id)
+    run_dir = run["dir"] = make_run_dir(cfg.output_path, cfg.algorithm, context.run_id)
+    (run_dir / "config.json").write_text(json.dumps(cfg.as_run_config(), indent=2, sort_keys=True) + "\n")
     log.info("Run folder: %s", run_dir)
-    log.info("%s on %s: %d clients, %d blocks (%s), %d rounds", cfg.algorithm, cfg.model, num_clients,
-             partition.num_blocks, ", ".join(partition.labels), cfg.num_server_rounds)
+    log.info(
+        "%s on %s: %d clients, %d blocks (%s), %d rounds",
+        cfg.algorithm,
+        cfg.model,
+        num_clients,
+        partition.num_blocks,
+        ", ".join(partition.labels),
+        cfg.num_server_rounds,
+    )
     schedule = core.block_schedule(cfg.schedule, partition.num_blocks, cfg.num_server_rounds, cfg.seed)
     params = dict(model.named_parameters())
     strategy = strategy_cls(
@@ -76,17 +119,7 @@ def main(grid: Grid, context: Context) -> None:
         partition=partition,
         schedule=schedule,
         run_dir=run_dir,
-        server_lr=cfg.server_lr,
-        weighting=cfg.weighting,
-        link=core.LinkModel(cfg.uplink_mbps, cfg.downlink_mbps, cfg.latency_ms),
-        verify_invariant=cfg.verify_invariant,
-        fraction_train=cfg.fraction_train,
-        min_available_nodes=cfg.min_available_nodes,
-        seed=cfg.seed,
-        max_update_norm=cfg.max_update_norm,
-        min_accepted_replies=cfg.min_accepted_replies,
-        on_too_few_replies=cfg.on_too_few_replies,
-        max_round_retries=cfg.max_round_retries,
+        config=cfg,
     )
 
     def evaluate_round(server_round: int, _arrays: ArrayRecord) -> MetricRecord | None:
@@ -106,17 +139,31 @@ def main(grid: Grid, context: Context) -> None:
     try:
         first_step = strategy.resume(cfg.resume_path, checkpoint) if checkpoint else ArrayRecord()
     except ValueError as err:
-        log.error("Cannot resume: %s", err)
-        sys.exit(2)
+        raise RunFailed("invalid-config", f"Cannot resume: {err}") from err
+    run["strategy"] = strategy
     try:
-        strategy.start(grid, first_step, num_rounds=cfg.num_server_rounds, timeout=cfg.round_timeout_s,
-                       evaluate_fn=evaluate_round)
+        strategy.start(
+            grid, first_step, num_rounds=cfg.num_server_rounds, timeout=cfg.round_timeout_s, evaluate_fn=evaluate_round
+        )
     except TooFewReplies as err:
-        log.error("Stopping the run: %s", err)
-        sys.exit(3)
+        raise RunFailed(err.kind, f"Stopping the run: {err}") from err
     if cfg.save_final_model:
         save_model(model, tokenizer, run_dir / "final-model")
-    log.info("Done. Metrics: %s", run_dir / "metrics.jsonl")
+
+
+def _run_dir_for_failure(context: Context) -> Path | None:
+    """A folder for the status record of a run that failed before it had one (a bad configuration)."""
+    output_dir, algorithm = (
+        context.run_config.get("output-dir", "~/parablock-runs"),
+        context.run_config.get("algorithm", "invalid"),
+    )
+    if not isinstance(output_dir, str):
+        return None
+    safe = algorithm if isinstance(algorithm, str) and algorithm.replace("-", "").isalnum() else "invalid"
+    try:
+        return make_run_dir(Path(output_dir).expanduser().resolve(), safe, context.run_id)
+    except OSError:
+        return None
 
 
 def write_samples(path: Path, samples: list[dict]) -> None:

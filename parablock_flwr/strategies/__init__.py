@@ -1,12 +1,30 @@
-"""Server strategies: sequential BCD, ParaBlock and the FedAvg baselines (thin subclasses of it)."""
+"""The algorithms: each is a server half (a Flower strategy) and a client half, registered together.
+
+| algorithm     | server half  | client half       |
+|---------------|--------------|-------------------|
+| `fedbcd`      | `FedBCD`     | `BCDClient`       |
+| `parablock`   | `ParaBlock`  | `ParaBlockClient` |
+| `fedavg-full` | `FedAvgFull` | `BCDClient`       |
+| `fedavg-lora` | `FedAvgLora` | `BCDClient`       |
+
+The FedAvg baselines are sequential BCD over a single block (``core.one_block``).
+"""
 
 import importlib
 
 from .fedavg import FedAvgFull, FedAvgLora
-from .fedbcd import FedBCD
-from .parablock import ParaBlock
+from .fedbcd import BCDClient, FedBCD
+from .parablock import ParaBlock, ParaBlockClient
 
 STRATEGIES = {"fedbcd": FedBCD, "parablock": ParaBlock, "fedavg-full": FedAvgFull, "fedavg-lora": FedAvgLora}
+CLIENTS = {"fedbcd": BCDClient, "parablock": ParaBlockClient, "fedavg-full": BCDClient, "fedavg-lora": BCDClient}
+
+
+def client_half(algorithm: str) -> BCDClient:
+    """The client half of ``algorithm`` (named in every round's message)."""
+    if algorithm not in CLIENTS:
+        raise ValueError(f"algorithm={algorithm!r}: expected one of {', '.join(CLIENTS)}")
+    return CLIENTS[algorithm]()
 
 
 def strategy_class(algorithm: str, strategy: str) -> type[FedBCD]:
@@ -28,4 +46,15 @@ def strategy_class(algorithm: str, strategy: str) -> type[FedBCD]:
     return cls
 
 
-__all__ = ["FedAvgFull", "FedAvgLora", "FedBCD", "ParaBlock", "STRATEGIES", "strategy_class"]
+__all__ = [
+    "BCDClient",
+    "CLIENTS",
+    "FedAvgFull",
+    "FedAvgLora",
+    "FedBCD",
+    "ParaBlock",
+    "ParaBlockClient",
+    "STRATEGIES",
+    "client_half",
+    "strategy_class",
+]

@@ -19,8 +19,9 @@ MAX_HEADER = 16 * 1024 * 1024
 
 async def send(writer: asyncio.StreamWriter, header: dict, arrays: dict[str, np.ndarray] | None = None) -> None:
     arrays = arrays or {}
-    header = dict(header, arrays=[{"name": n, "dtype": str(a.dtype), "shape": list(a.shape)}
-                                  for n, a in arrays.items()])
+    header = dict(
+        header, arrays=[{"name": n, "dtype": str(a.dtype), "shape": list(a.shape)} for n, a in arrays.items()]
+    )
     raw = json.dumps(header).encode()
     writer.write(_LEN.pack(len(raw)) + raw)
     for a in arrays.values():
@@ -41,8 +42,9 @@ async def recv(reader: asyncio.StreamReader) -> tuple[dict, dict[str, np.ndarray
     return header, arrays
 
 
-async def request(socket_path: str, header: dict, arrays: dict[str, np.ndarray] | None = None,
-                  timeout_s: float | None = None) -> tuple[dict, dict[str, np.ndarray]]:
+async def request(
+    socket_path: str, header: dict, arrays: dict[str, np.ndarray] | None = None, timeout_s: float | None = None
+) -> tuple[dict, dict[str, np.ndarray]]:
     """One request/response over a fresh connection to the worker."""
     reader, writer = await asyncio.open_unix_connection(socket_path, limit=2**26)
     try:

@@ -29,15 +29,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from .. import core, node
 from ..config import RunConfig
+from ..records import decode, encode
 from ..replica import catch_up_steps, resumed_pending
 from ..runtime import setup_torch
+from ..strategies import client_half
 from .protocol import recv, send
 
-log = logging.getLogger("parablock_flwr.worker")
+log = logging.getLogger(__name__)
 
 
 class CorrectionSlot:
@@ -69,7 +70,7 @@ def split_records(arrays: dict[str, np.ndarray]) -> dict[str, core.Tensors]:
     records: dict[str, core.Tensors] = {"global-step": {}}
     for key, array in arrays.items():
         record, _, name = key.partition("/")
-        records.setdefault(record, {})[name] = torch.from_numpy(array.copy())
+        records.setdefault(record, {})[name] = decode(array.copy())  # frombuffer arrays are read-only
     return records
 
 
@@ -80,102 +81,126 @@ class NodeWorker:
         self.compute_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parablock-compute")
         self.run_id: int | None = None
         self.pending: core.PendingUpdate | None = None
-        self.next_round: tuple[int, Future, CorrectionSlot] | None = None  # round, its TrainResult, its slot
+        self.residuals: dict[int, core.Tensors] = {}  # transfer-dtype's error feedback, by block
+        self.ahead: tuple[int, Future, CorrectionSlot] | None = None  # round, its TrainResult, its slot
         self.last_reply_sent = 0.0
-        self.last_request = time.time()
+        self.last_request = time.time()  # for the optional idle exit
 
     # ------------------------------------------------------------ rounds
     def train(self, header: dict, arrays: dict[str, np.ndarray]) -> tuple[dict, dict[str, np.ndarray]]:
         received = time.time()
-        self.last_request = received
         cfg = RunConfig.from_flower(header["run-config"])
         if header["run-id"] != self.run_id:
             self._new_run(header["run-id"])
         setup_torch(cfg)
-        res = node.resources(cfg, header["run-id"])
-        rnd = header["round"]
-        server_round, block, next_block = int(rnd["server-round"]), int(rnd["block"]), int(rnd["next-block"])
-        pid, nparts = int(header["partition-id"]), int(header["num-partitions"])
+        resources = node.resources(cfg, header["run-id"])
+        round_cfg = header["round"]
+        server_round, block = int(round_cfg["server-round"]), int(round_cfg["block"])
+        partition_id, num_partitions = int(header["partition-id"]), int(header["num-partitions"])
+        client = client_half(str(round_cfg["algorithm"]))
         records = split_records(arrays)
-        steps = catch_up_steps(rnd, records)
+        steps = catch_up_steps(round_cfg, records)
 
         def fetch_step(version: int):
             if version in steps:
                 return steps[version]
-            raise RuntimeError(f"this worker's model is at v{res.replica.version} and the message lacks global "
-                               f"step v{version} (the server sends missed steps to nodes it knows are behind)")
+            raise RuntimeError(
+                f"this worker's model is at v{resources.replica.version} and the message lacks "
+                f"global step v{version} (the server sends missed steps to nodes it knows are behind)"
+            )
 
-        waited = 0.0
-        ahead = self.next_round
-        self.next_round = None
-        if ahead is not None and ahead[0] != server_round:
-            # Computed ahead for a round this node was not part of: wait for it (it uses the replica), drop it.
-            with contextlib.suppress(Exception):
-                ahead[1].result()
+        handed_back = resumed_pending(round_cfg, records)
+        full_sync = "sync-version" in round_cfg
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and (ahead[0] != server_round or full_sync or handed_back is not None):
+            # Computed ahead from a state the server has just replaced (or for a round this node is
+            # not part of): let it finish before the replica is touched, then drop it.
+            self._finish(ahead)
             ahead = None
-        if "sync-version" in rnd:  # missed more steps than there are blocks: take x^{r-1} as values
-            res.replica.reset_to(int(rnd["sync-version"]), records["sync-values"])
-        if (handed_back := resumed_pending(rnd, records)) is not None:  # the server restarted from a checkpoint
+        if full_sync:  # the server's exact values of x^{r-2}; the node's own state is dropped
+            resources.replica.reset_to(int(round_cfg["sync-version"]), records["sync-values"])
+            self.pending, self.residuals = None, {}
+        if handed_back is not None:  # the server restarted from a checkpoint
             self.pending = handed_back
-        correction_step = cfg.local_steps  # at the end, unless applied on receipt
-        if rnd["algorithm"] == "parablock" and ahead is not None:
+        waited, computed_ahead, correction_step = 0.0, None, cfg.local_steps
+        if ahead is not None:
             _, future, slot = ahead
             if cfg.correction_mode == "on-receipt" and self.pending is not None:
                 slot.post(steps[server_round - 1][1], self.pending.delta)  # applied at the next step boundary
             wait_start = time.time()
             result = future.result()  # Δ_i^r, computed from x^{r-2} + Δ_i^{r-1}
             waited = time.time() - wait_start
-            base_version = server_round - 2
+            computed_ahead = (server_round - 2, result)
             correction_step = slot.applied_after_step or cfg.local_steps
-            # The correction as the local model's bookkeeping: re-base onto x^{r-1}, keep Δ_i^r.
-            res.replica.advance_to(server_round - 1, fetch_step)
-        else:  # nothing computed ahead: compute now (from x^{r-1}, or x^{r-2} + Δ_i^{r-1} after a resume)
-            pending = None
-            if rnd["algorithm"] == "parablock":
-                base_version, pending = core.parablock_base(self.pending, server_round)
-            else:
-                base_version = server_round - 1
-            res.replica.advance_to(base_version, fetch_step)
-            result = node.compute_update(res, cfg, server_round, block, pending, base_version, pid, nparts)
-            res.replica.advance_to(server_round - 1, fetch_step)
+        done = node.train_round(
+            resources,
+            cfg,
+            client,
+            server_round,
+            block,
+            self.pending,
+            fetch_step,
+            partition_id,
+            num_partitions,
+            self.residuals,
+            computed_ahead,
+        )
+        self.pending = done.kept
+        next_block = int(round_cfg["next-block"])
+        if client.runs_ahead and next_block >= 0:  # round r+1 starts now, while this reply travels
+            base_version, pending = client.start_point(self.pending, server_round + 1)
+            slot = CorrectionSlot()
+            future = self.compute_thread.submit(
+                node.compute_update,
+                resources,
+                cfg,
+                server_round + 1,
+                next_block,
+                pending,
+                base_version,
+                partition_id,
+                num_partitions,
+                slot,
+            )
+            self.ahead = (server_round + 1, future, slot)
+        result = done.result
         metrics = {
-            **node.update_metrics(result, server_round, block, pid, base_version),
-            "compute-start": result.started, "compute-end": result.ended,
-            "request-received": received, "waited-s": waited, "prev-reply-sent": self.last_reply_sent,
+            **node.update_metrics(result, server_round, block, partition_id, done.base_version),
+            "compute-start": result.started,
+            "compute-end": result.ended,
+            "request-received": received,
+            "waited-s": waited,
+            "prev-reply-sent": self.last_reply_sent,
             "correction-after-step": correction_step,
         }
-        trace = {}
-        if rnd["algorithm"] == "parablock":
-            self.pending = core.correct(block, result.delta, server_round)
-            if cfg.verify_invariant:  # before the next computation touches the replica
-                trace["local-model-sha256"] = core.digest_after(res.replica.params, res.partition.all_names(),
-                                                                result.delta)
-            if next_block >= 0:
-                slot = CorrectionSlot()
-                future = self.compute_thread.submit(node.compute_update, res, cfg, server_round + 1, next_block,
-                                                    self.pending, server_round - 1, pid, nparts, slot)
-                self.next_round = (server_round + 1, future, slot)
-        reply_arrays = {n: t.numpy() for n, t in result.delta.items()}
-        return {"metrics": metrics, "trace": trace}, reply_arrays
+        return {"metrics": metrics, "trace": done.trace}, {
+            n: encode(t, cfg.transfer_dtype) for n, t in result.delta.items()
+        }
+
+    @staticmethod
+    def _finish(ahead: tuple[int, Future, CorrectionSlot]) -> None:
+        """Wait for a computation running ahead (it holds the replica), whatever its outcome."""
+        with contextlib.suppress(Exception):
+            ahead[1].result()
 
     def _new_run(self, run_id: int) -> None:
         """A new run on this node starts from a fresh state."""
-        if self.next_round is not None:
-            with contextlib.suppress(Exception):
-                self.next_round[1].result()
-        self.run_id, self.pending, self.next_round, self.last_reply_sent = run_id, None, None, 0.0
+        if self.ahead is not None:
+            self._finish(self.ahead)
+        self.run_id, self.pending, self.ahead, self.last_reply_sent = run_id, None, None, 0.0
+        self.residuals = {}
         log.info("new run %s", run_id)
 
     # ------------------------------------------------------------ serving
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             header, arrays = await recv(reader)
+            self.last_request = time.time()
             if header.get("op") == "ping":
                 await send(writer, {"ok": True, "pid": os.getpid(), "run-id": self.run_id})
                 return
             try:
-                reply, reply_arrays = await asyncio.get_running_loop().run_in_executor(
-                    None, self.train, header, arrays)
+                reply, reply_arrays = await asyncio.get_running_loop().run_in_executor(None, self.train, header, arrays)
             except Exception as err:  # reported to the ClientApp, which replies an error to the server
                 log.exception("round failed")
                 await send(writer, {"error": f"{type(err).__name__}: {err}"})
@@ -209,7 +234,10 @@ async def serve(socket_path: Path, idle_exit_s: float) -> None:
     worker.compute_thread.shutdown(wait=False, cancel_futures=True)
 
 
-def run_worker(socket_path: Path, idle_exit_s: float = 3600.0) -> None:
-    """Serve one node until stopped (SIGTERM/SIGINT) or idle for ``idle_exit_s``."""
+def run_worker(socket_path: Path, idle_exit_s: float = 0.0) -> None:
+    """Serve one node until stopped (SIGTERM/SIGINT), or idle for ``idle_exit_s`` if that is > 0.
+
+    By default the worker lives as long as its node: a node not sampled for hours, or a
+    round longer than an hour, must not lose its model and its pending update."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [worker] %(message)s")
     asyncio.run(serve(Path(socket_path), idle_exit_s))

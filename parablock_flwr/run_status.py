@@ -1,0 +1,48 @@
+"""How a run ended: ``RUN_DIR/status.json``, written once, atomically, at the end.
+
+The ServerApp writes it whatever happens (completed, invalid configuration, too
+few valid replies, a timeout, an unexpected error); the project's commands read
+it to exit with the code below, and ``parablock-flwr report`` prints it first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+STATUS_FILE = "status.json"
+
+# One exit code per way a run can end (documented in README.md).
+EXIT_CODES = {
+    "completed": 0,
+    "error": 1,  # an unexpected error
+    "invalid-config": 2,  # a bad run-config value or key, a failed resume check
+    "too-few-replies": 3,  # a round kept fewer valid replies than min-accepted-replies
+    "timeout": 4,  # no node answered a round within round-timeout-s, or the launcher's limit passed
+}
+
+
+def write_status(run_dir: Path, kind: str, reason: str, rounds_completed: int, num_rounds: int) -> Path:
+    """Write ``status.json``: ``kind`` is a key of ``EXIT_CODES``, ``reason`` one line."""
+    if kind not in EXIT_CODES:
+        raise ValueError(f"kind={kind!r}: expected one of {', '.join(EXIT_CODES)}")
+    record = {
+        "status": "completed" if kind == "completed" else "failed",
+        "kind": kind,
+        "exit_code": EXIT_CODES[kind],
+        "reason": reason,
+        "rounds_completed": rounds_completed,
+        "num_rounds": num_rounds,
+    }
+    path = Path(run_dir) / STATUS_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def read_status(run_dir: Path) -> dict | None:
+    """The run's status record, or None if the run did not write one (still running, or killed)."""
+    path = Path(run_dir) / STATUS_FILE
+    return json.loads(path.read_text()) if path.exists() else None

@@ -1,0 +1,108 @@
+"""What the server knows of each node's copy of the model, and what it sends to keep it exact.
+
+A node that answered round r (and whose reply was accepted) holds ``x^{r-1}``.
+Any other node (not sampled, failed, rejected, restarted, new) gets with its
+next message either the global steps it missed (``catch-up``) or, when it
+missed more steps than there are blocks or must drop its own state, the values
+of every block (a full sync, ``sync-values``). A full sync carries
+``x^{r-2}`` and lets ``g^{r-1}`` (in every message) move it to ``x^{r-1}``: the
+node can then show ``x^{r-2}`` again exactly, which is what a ParaBlock client
+handed back its own ``Δ_i^{r-1}`` after a server restart trains from.
+"""
+
+from __future__ import annotations
+
+from flwr.app import Message, MessageType, RecordDict
+from flwr.serverapp import Grid
+
+from .. import core
+from ..records import to_record
+from ..replica import StepLog
+
+
+class NodeSync:
+    """Node versions and partitions; the catch-up, full sync and resume hand-back of each message."""
+
+    def __init__(self, global_params: core.Tensors, num_blocks: int, step_log: StepLog, transfer_dtype: str = "fp32"):
+        self.global_params = global_params
+        self.num_blocks = num_blocks
+        self.step_log = step_log
+        self.transfer_dtype = transfer_dtype  # steps travel rounded to it already: encoding them is lossless
+        self.versions: dict[int, int] = {}  # node id -> global version its model holds (absent: unknown)
+        self.partitions: dict[int, int] = {}  # node id -> partition id, from accepted replies or a QUERY
+        self.needs_full_sync: set[int] = set()  # nodes whose own state must be dropped
+        self.resume_pending: dict[int, core.PendingUpdate] = {}  # partition id -> Δ_i^R to hand back
+        self.first_round = 1
+        # The values block b_{r-1} had before g^{r-1}: x^{r-2} = x^{r-1} with these put back.
+        self.before_last_step: core.Tensors = {}
+
+    # ------------------------------------------------------------ what the server learns
+    def accepted(self, node: int, server_round: int, partition_id: int) -> None:
+        """An accepted round-r reply: the node holds ``x^{r-1}``."""
+        self.versions[node] = server_round - 1
+        self.partitions[node] = partition_id
+        self.needs_full_sync.discard(node)
+
+    def failed(self, node: int) -> None:
+        """An error or a rejected reply: the node's state is unknown; it starts over from a full sync."""
+        self.versions.pop(node, None)
+        self.needs_full_sync.add(node)
+
+    def applying(self, step: core.Tensors) -> None:
+        """Called just before ``g^r`` is applied to ``x``: keep what it overwrites."""
+        self.before_last_step = {n: self.global_params[n].detach().clone() for n in step}
+
+    # ------------------------------------------------------------ what a message carries
+    def add_to_message(self, content: RecordDict, server_round: int, node: int) -> dict[str, int]:
+        """Catch-up or full sync, and any resume hand-back, for ``node``; returns what was added."""
+        pending = self.pending_to_hand_back(server_round, node)
+        missed = list(range(self.versions.get(node, 0) + 1, server_round - 1))
+        full = node in self.needs_full_sync or (
+            server_round >= 2 and (len(missed) > self.num_blocks or (pending is not None and node not in self.versions))
+        )
+        sent = {"catch_up_steps_sent": 0, "full_syncs_sent": 0}
+        if full and server_round >= 2:
+            content["round"]["sync-version"] = server_round - 2
+            content["sync-values"] = to_record(self.values_before_last_step())
+            sent["full_syncs_sent"] = 1
+        elif missed:
+            steps = {version: self.step_log.read(version) for version in missed}
+            content["round"]["catch-up-versions"] = missed
+            content["round"]["catch-up-blocks"] = [steps[v][0] for v in missed]
+            content["catch-up"] = to_record(
+                {f"v{v}/{n}": t for v in missed for n, t in steps[v][1].items()}, self.transfer_dtype
+            )
+            sent["catch_up_steps_sent"] = len(missed)
+        if pending is not None:
+            content["round"]["resume-pending-block"] = pending.block
+            content["round"]["resume-pending-version"] = pending.base_version
+            content["resume-pending"] = to_record(pending.delta)
+        return sent
+
+    def values_before_last_step(self) -> core.Tensors:
+        """``x^{r-2}`` while the server holds ``x^{r-1}``: every block's exact values."""
+        return {n: self.before_last_step.get(n, t) for n, t in self.global_params.items()}
+
+    def pending_to_hand_back(self, server_round: int, node: int) -> core.PendingUpdate | None:
+        """In the first round after a resume: the node's own ``Δ_i^R``, by its partition id.
+
+        It computes round R+1 from ``x^{R-1} + Δ_i^R``, as it would have without the restart.
+        A client with none (it sat out round R) resynchronises, as it would have.
+        """
+        if server_round != self.first_round or node not in self.partitions:
+            return None
+        pending = self.resume_pending.get(self.partitions[node])
+        return pending if pending is not None and pending.base_version == server_round - 2 else None
+
+
+def ask_partitions(grid: Grid, nodes: list[int], timeout: float) -> dict[int, int]:
+    """Node id -> data partition id, asked with a QUERY message (a resumed server maps its new
+    node ids to the clients' checkpointed updates with it: node ids change, partitions do not)."""
+    messages = [Message(content=RecordDict(), message_type=MessageType.QUERY, dst_node_id=n) for n in nodes]
+    answers = {}
+    for msg in grid.send_and_receive(messages, timeout=timeout):
+        record = None if msg.has_error() else msg.content.metric_records.get("node")
+        value = record.get("partition-id") if record is not None else None
+        if type(value) is int and value >= 0:
+            answers[msg.metadata.src_node_id] = value
+    return answers

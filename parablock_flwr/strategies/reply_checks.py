@@ -1,0 +1,179 @@
+"""Checking one client reply before anything on the server changes: pure functions.
+
+A reply is judged on what it carries, not on what it declares: each array's
+payload is deserialised once, and its real dtype, shape, finiteness and norm are
+checked on the very tensor that the aggregation will then use. Every metric the
+server reads is type-checked (a finite number where a number is expected), so a
+malformed reply is rejected with a reason instead of crashing the round.
+``parse_reply`` returns a ``Reply`` or the reason (a string); the strategy adds
+the checks that need the round's state (``check_partition``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, Message
+
+from .. import core
+from ..records import WIRE_DTYPES, decode
+
+# Metrics every reply carries (``node.update_metrics``) and their kinds.
+INT_METRICS = ("server-round", "block", "partition-id", "base-version")
+NUMBER_METRICS = ("num-examples", "train-loss", "compute-s")
+# Optional metrics: the deployment's timeline (node worker, ClientApp) and replica catch-up.
+OPTIONAL_NUMBER_METRICS = (
+    "steps-from-log",
+    "compute-start",
+    "compute-end",
+    "request-received",
+    "prev-reply-sent",
+    "waited-s",
+    "correction-after-step",
+    "clientapp-start",
+    "clientapp-reply",
+    "clientapp-imported-torch",
+)
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What a valid reply of this round looks like."""
+
+    server_round: int
+    block: int
+    shapes: dict[str, tuple[int, ...]]  # the block's parameters
+    max_num_examples: float
+    max_update_norm: float = 0.0  # 0: no bound
+    transfer_dtype: str = "fp32"  # the payload dtype updates travel in (records.WIRE_DTYPES)
+
+
+@dataclass
+class Reply:
+    """A reply that passed every check: typed metrics and the update to aggregate."""
+
+    node: int
+    metrics: dict[str, float | int]
+    update: core.Tensors | None  # set to None once aggregated (its memory is freed)
+    trace: dict[str, str] = field(default_factory=dict)
+    payload_bytes: int = 0  # the update's bytes as received
+
+    @property
+    def partition_id(self) -> int:
+        return int(self.metrics["partition-id"])
+
+    @property
+    def num_examples(self) -> float:
+        return float(self.metrics["num-examples"])
+
+
+def parse_reply(msg: Message, expected: Expected) -> Reply | str:
+    """The checked reply, or why it must not enter the aggregate."""
+    if msg.has_error():
+        return f"client error: {msg.error.reason}"
+    content = msg.content
+    arrays, metric_record = content.array_records.get("update"), content.metric_records.get("metrics")
+    if arrays is None or metric_record is None:
+        return "missing 'update' arrays or 'metrics'"
+    metrics = read_metrics(dict(metric_record))
+    if isinstance(metrics, str):
+        return metrics
+    if metrics["server-round"] != expected.server_round:
+        return f"stale round: reply is for round {metrics['server-round']}, expected {expected.server_round}"
+    if metrics["block"] != expected.block:
+        return f"wrong block id {metrics['block']}, expected {expected.block}"
+    if not 0 < metrics["num-examples"] <= expected.max_num_examples:
+        return f"num-examples={metrics['num-examples']}, expected a number in (0, {expected.max_num_examples:g}]"
+    if metrics["partition-id"] < 0:
+        return f"partition-id={metrics['partition-id']}, expected >= 0"
+    update = read_update(arrays, expected.shapes, expected.transfer_dtype)
+    if isinstance(update, str):
+        return update
+    if expected.max_update_norm > 0:
+        norm = update_norm(update)
+        if norm > expected.max_update_norm:
+            return f"update norm {norm:.4g} above max-update-norm={expected.max_update_norm}"
+    trace = read_trace(content)
+    if isinstance(trace, str):
+        return trace
+    return Reply(
+        node=msg.metadata.src_node_id,
+        metrics=metrics,
+        update=update,
+        trace=trace,
+        payload_bytes=sum(t.numel() * t.element_size() for t in update.values()),
+    )
+
+
+def read_metrics(metrics: dict) -> dict[str, float | int] | str:
+    """The metrics the server reads, each a finite number of the right kind, or why not."""
+    out: dict[str, float | int] = {}
+    for key in INT_METRICS + NUMBER_METRICS + OPTIONAL_NUMBER_METRICS:
+        if key not in metrics:
+            if key in OPTIONAL_NUMBER_METRICS:
+                continue
+            return f"missing metric {key!r}"
+        value = metrics[key]
+        if type(value) not in (int, float) or not math.isfinite(value):
+            return f"metric {key}={value!r:.40}: expected a finite number"
+        if key in INT_METRICS and type(value) is not int:
+            return f"metric {key}={value!r}: expected an integer"
+        out[key] = value
+    if out["compute-s"] < 0:
+        return f"metric compute-s={out['compute-s']}: expected >= 0"
+    return out
+
+
+def read_update(
+    arrays: ArrayRecord, shapes: dict[str, tuple[int, ...]], transfer_dtype: str = "fp32"
+) -> core.Tensors | str:
+    """Deserialise each array once and check the payload itself: names, dtype, shape, finiteness.
+    The update comes back in fp32 (decoded from ``transfer-dtype``)."""
+    wire_dtype = WIRE_DTYPES[transfer_dtype]
+    if set(arrays) != set(shapes):
+        missing, extra = sorted(set(shapes) - set(arrays)), sorted(set(arrays) - set(shapes))
+        return f"wrong parameters: missing {missing[:3]}, unexpected {extra[:3]}"
+    update: core.Tensors = {}
+    for name in shapes:  # the partition's order, whatever order the reply used
+        try:
+            payload = arrays[name].numpy()
+        except Exception as err:  # a payload that is not a valid array: say so, never raise
+            return f"unreadable array {name}: {type(err).__name__}"
+        if not isinstance(payload, np.ndarray) or payload.dtype != wire_dtype:
+            found = getattr(payload, "dtype", type(payload).__name__)
+            return f"wrong dtype for {name}: {found}, expected {wire_dtype} (transfer-dtype={transfer_dtype})"
+        if payload.shape != shapes[name]:
+            return f"wrong shape for {name}: {payload.shape}, expected {shapes[name]}"
+        tensor = decode(payload)
+        if not torch.isfinite(tensor).all():
+            return f"non-finite values in {name}"
+        update[name] = tensor
+    return update
+
+
+def read_trace(content) -> dict[str, str] | str:
+    """The client's optional trace (its local model's digest), strings only."""
+    record = content.config_records.get("trace")
+    if record is None:
+        return {}
+    trace = dict(record)
+    if not all(isinstance(v, str) for v in trace.values()):
+        return "trace values: expected strings"
+    return trace
+
+
+def update_norm(update: core.Tensors) -> float:
+    """L2 norm over every tensor of an update, accumulated in float64."""
+    return math.sqrt(sum(float(t.double().square().sum()) for t in update.values()))
+
+
+def check_partition(reply: Reply, seen: set[int], known: dict[int, int]) -> str | None:
+    """A partition id answers once per round, and a node keeps the partition it is known by."""
+    if reply.partition_id in seen:
+        return f"partition-id={reply.partition_id} already answered this round"
+    if known.get(reply.node, reply.partition_id) != reply.partition_id:
+        return f"partition-id={reply.partition_id}, expected this node's {known[reply.node]}"
+    return None

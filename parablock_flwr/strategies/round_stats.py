@@ -1,0 +1,184 @@
+"""One round's numbers: what the server counted while running it, and the record it writes.
+
+``RoundStats`` is filled as the round goes (messages, retries, rejections,
+invariant checks); ``round_record`` turns it and the accepted replies into the
+round's line in ``metrics.jsonl`` (bytes, measured compute, the time model, the
+deployment timeline).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+from .. import core
+from .reply_checks import Reply
+
+
+class TooFewReplies(RuntimeError):
+    """A round kept fewer valid replies than ``min-accepted-replies``: the run stops.
+
+    ``kind`` is ``timeout`` when no node answered at all, else ``too-few-replies``.
+    """
+
+    def __init__(self, message: str, kind: str = "too-few-replies"):
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass
+class RoundStats:
+    """Counters of one round, from its first message to its aggregation."""
+
+    server_round: int
+    started: float = field(default_factory=time.perf_counter)
+    nodes: list[int] = field(default_factory=list)  # every node sent this round's message
+    catch_up_steps_sent: int = 0
+    full_syncs_sent: int = 0
+    round_retries: int = 0
+    num_replies: int = 0
+    wire_bytes_down: int = 0  # array bytes in this round's messages: g^{r-1}, catch-up, full syncs, hand-backs
+    wire_bytes_up: int = 0  # array bytes in every reply received, accepted or not
+    rejected: list[dict] = field(default_factory=list)  # {node, reason}
+    invariant_checked: int = 0
+    invariant_failed: int = 0
+
+    def counters(self) -> dict:
+        out = asdict(self)
+        for key in ("server_round", "started", "nodes"):
+            out.pop(key)
+        out["num_rejected"] = len(self.rejected)
+        return out
+
+
+def array_bytes(content) -> int:
+    """The serialised bytes of every array a message carries (what Flower sends, framing aside)."""
+    return sum(len(array.data) for record in content.array_records.values() for array in record.values())
+
+
+def round_record(
+    stats: RoundStats,
+    block_label: str,
+    block: int,
+    step: core.Tensors,
+    accepted: list[Reply],
+    link: core.LinkModel,
+    overlapped: bool,
+) -> dict:
+    """The round's numbers: replies, loss, bytes, measured compute, the modeled round time."""
+    bytes_down = sum(t.numel() * t.element_size() for t in step.values())  # g^r goes down next round
+    ups = [r.payload_bytes for r in accepted]
+    compute = [float(r.metrics["compute-s"]) for r in accepted]
+    comm = [link.comm_seconds(u, bytes_down) for u in ups]
+    sequential = core.modeled_round_seconds(compute, comm, overlapped=False)
+    # Round 1 has nothing to overlap with yet.
+    overlapped_s = core.modeled_round_seconds(compute, comm, overlapped=stats.server_round > 1)
+    weights = [r.num_examples for r in accepted]
+    losses = [float(r.metrics["train-loss"]) for r in accepted]
+    return {
+        "round": stats.server_round,
+        "block": block,
+        "block_label": block_label,
+        **stats.counters(),
+        "num_accepted": len(accepted),
+        "train_loss": sum(w * x for w, x in zip(weights, losses)) / sum(weights) if accepted else None,
+        "bytes_up_per_client": sum(ups) / len(ups) if ups else 0,
+        "bytes_down_per_client": bytes_down,
+        "bytes_up_total": sum(ups),
+        "bytes_down_total": bytes_down * stats.num_replies,
+        "compute_s_max": max(compute, default=0.0),
+        "compute_s_mean": sum(compute) / len(compute) if compute else 0.0,
+        "comm_s_modeled": max(comm, default=0.0),
+        "modeled_round_s_sequential": sequential,
+        "modeled_round_s_overlapped": overlapped_s,
+        "modeled_round_s": overlapped_s if overlapped else sequential,
+        # Global steps the client processes replayed from the step log to catch up.
+        "replica_steps_from_log": sum(int(r.metrics.get("steps-from-log", 0)) for r in accepted),
+        **timeline_metrics(accepted),
+    }
+
+
+def timeline_metrics(accepted: list[Reply]) -> dict:
+    """The measured timeline of node workers (deployment only; empty in simulation).
+
+    For round r on one node: the communication window runs from the reply of
+    round r-1 leaving the worker to message ``F_r`` reaching it; the compute
+    of ``Δ^r`` ran from ``compute-start`` to ``compute-end``. The overlap is
+    the part of the window covered by compute; idle is the part after it.
+    """
+    keys = ("compute-start", "compute-end", "request-received", "prev-reply-sent", "waited-s", "correction-after-step")
+    rows = []
+    for reply in accepted:
+        m = reply.metrics
+        if not all(k in m for k in keys):
+            continue
+        row = {"node": reply.node, **{k.replace("-", "_"): float(m[k]) for k in keys}}
+        if row["prev_reply_sent"] > 0:
+            window = row["request_received"] - row["prev_reply_sent"]
+            covered = min(row["compute_end"], row["request_received"]) - max(
+                row["compute_start"], row["prev_reply_sent"]
+            )
+            row["comm_s"] = window
+            row["overlap_share"] = max(0.0, covered) / window if window > 0 else 0.0
+            row["idle_s"] = max(0.0, row["request_received"] - row["compute_end"])
+        if all(k in m for k in ("clientapp-imported-torch", "clientapp-start", "clientapp-reply")):
+            row["clientapp_imported_torch"] = int(m["clientapp-imported-torch"])
+            row["clientapp_start_to_reply_s"] = float(m["clientapp-reply"]) - float(m["clientapp-start"])
+        rows.append(row)
+    if not rows:
+        return {}
+    out: dict = {"timeline": rows}
+    for key in ("comm_s", "overlap_share", "idle_s", "waited_s", "clientapp_start_to_reply_s"):
+        values = [r[key] for r in rows if key in r]
+        if values:
+            out[f"measured_{key}"] = sum(values) / len(values)
+    out["measured_compute_s"] = sum(r["compute_end"] - r["compute_start"] for r in rows) / len(rows)
+    return out
+
+
+# The legs of a round's critical path, in order: from round r-1's last reply to round r's
+# message reaching each worker (down), and from round r-1's reply leaving the worker to the
+# server holding it (up). Every timestamp is wall-clock: comparable on one host.
+CRITICAL_PATH_LEGS = (
+    "aggregate",
+    "dispatch",
+    "delivery",
+    "clientapp_relay",
+    "reply_relay",
+    "reply_to_server",
+    "wait_for_others",
+)
+
+
+def critical_path_rows(accepted_metrics: dict[int, dict], previous: dict, pushed: float | None) -> dict:
+    """Per node (deployment, where workers report their timeline), the legs between round r-1's
+    reply and round r's message reaching the worker, and their means over nodes.
+
+    down: ``aggregate`` (server: last reply of r-1 to its aggregate), ``dispatch`` (aggregate to
+    round r's messages pushed), ``delivery`` (pushed to the ClientApp process starting: SuperLink,
+    SuperNode, process start), ``clientapp_relay`` (ClientApp start to the worker holding F_r);
+    up: ``reply_relay`` (worker reply of r-1 to its ClientApp returning it), ``reply_to_server``
+    (ClientApp to the server pulling it: SuperNode, SuperLink, the pull interval),
+    ``wait_for_others`` (its arrival to the round's last reply).
+    """
+    if pushed is None or previous.get("last_reply") is None:
+        return {}
+    legs: dict[str, list[float]] = {leg: [] for leg in CRITICAL_PATH_LEGS}
+    for node, m in accepted_metrics.items():
+        arrived, returned = previous["arrivals"].get(node), previous["clientapp_reply"].get(node)
+        if arrived is None or returned is None or "clientapp-start" not in m or "request-received" not in m:
+            continue
+        values = {
+            "aggregate": previous["aggregated"] - previous["last_reply"],
+            "dispatch": pushed - previous["aggregated"],
+            "delivery": m["clientapp-start"] - pushed,
+            "clientapp_relay": m["request-received"] - m["clientapp-start"],
+            "reply_relay": returned - m["prev-reply-sent"],
+            "reply_to_server": arrived - returned,
+            "wait_for_others": previous["last_reply"] - arrived,
+        }
+        for leg, value in values.items():
+            legs[leg].append(value)
+    if not legs["aggregate"]:
+        return {}
+    return {f"critical_path_{leg}_s": sum(v) / len(v) for leg, v in legs.items()}

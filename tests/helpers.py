@@ -1,0 +1,162 @@
+"""What tests import: a tiny run config, Flower runs through the project's launcher, and the
+process helpers that kill a run's server. Fixtures are in conftest.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from parablock_flwr.replica import StepLog
+from parablock_flwr.tools.launch import run_deployment, run_simulation
+
+# Functions that start Flower processes: a test that calls one (directly, or through a function or
+# fixture of its own module) is marked `e2e` by conftest.py even without a marker of its own.
+STARTS_FLOWER: set = {run_simulation, run_deployment}
+
+
+def starts_flower(func):
+    """Register ``func`` as starting Flower processes (see ``STARTS_FLOWER``)."""
+    STARTS_FLOWER.add(func)
+    return func
+
+
+def tiny_config(model_dir: Path, output_dir: Path, **overrides) -> dict:
+    """A run config small enough for a few seconds per round on a CPU."""
+    config = {
+        "model": str(model_dir),
+        "output-dir": str(output_dir),
+        "num-examples": 64,
+        "heldout-examples": 8,
+        "layers-per-block": 2,
+        "num-server-rounds": 3,
+        "local-steps": 4,
+        "batch-size": 4,
+        "max-seq-len": 128,
+        "learning-rate": 3e-3,
+        "torch-threads": 1,
+        "latency-ms": 5.0,
+        "generate-examples": 2,
+        "max-new-tokens": 8,
+    }
+    config.update(overrides)
+    return config
+
+
+@dataclass
+class FinishedRun:
+    returncode: int  # the launcher's exit code: the run's status record's (README, "Exit codes")
+    stdout: str
+    stderr: str
+    run_dir: Path | None
+    status: dict | None = None  # the run folder's status.json (None: not written)
+
+    @property
+    def records(self) -> list[dict]:
+        return [json.loads(line) for line in (self.run_dir / "metrics.jsonl").read_text().splitlines()]
+
+    def step(self, version: int) -> tuple[int, dict[str, torch.Tensor]]:
+        return StepLog(self.run_dir).read(version)
+
+    def final_model(self) -> dict[str, torch.Tensor]:
+        return load_file(str(self.run_dir / "final-model" / "model.safetensors"))
+
+
+@starts_flower
+def simulate(
+    tmp_path: Path, model_dir: Path, *, num_supernodes: int = 3, cpus_per_client: int = 1, **overrides
+) -> FinishedRun:
+    """Run the app through `flwr run` on Flower's Ray simulation engine."""
+    out = tmp_path / "out"
+    config = tiny_config(model_dir, out, **{k.replace("_", "-"): v for k, v in overrides.items()})
+    result = run_simulation(
+        tmp_path / "flower", config, num_supernodes=num_supernodes, cpus_per_client=cpus_per_client, timeout_s=900
+    )
+    return finished(result, out)
+
+
+def finished(result, out: Path) -> FinishedRun:
+    """The finished run (a ``launch.RunResult``) and its run folder: the one the launcher found from
+    the run id, else the newest under ``out`` (None if none)."""
+    run_dir = getattr(result, "run_dir", None)
+    if run_dir is None:
+        run_dirs = sorted(p for p in out.glob("*") if p.is_dir()) if out.exists() else []
+        run_dir = run_dirs[-1] if run_dirs else None
+    return FinishedRun(result.returncode, result.stdout, result.stderr, run_dir, getattr(result, "status", None))
+
+
+def kill_server_after_round(flwr_home: Path, out: Path, after_round: int) -> threading.Thread:
+    """A thread that waits until round ``after_round`` is checkpointed under ``out``, then SIGKILLs
+    the server process (`flwr-simulation`, which also drives Ray, or `flwr-serverapp` in a
+    deployment), what it leaves behind, and the `flwr run` waiting on it: the run stops as if the
+    server's machine had died in the next round."""
+
+    def kill_all() -> None:
+        deadline = time.monotonic() + 600
+        while not list(out.glob(f"*/checkpoint/round-{after_round:05d}")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        servers = flower_pids(flwr_home, lambda argv: argv[1].endswith((b"flwr-simulation", b"flwr-serverapp")))
+        left = [child for pid in servers for child in descendants(pid)]
+        for pid in servers:
+            kill(pid)
+        time.sleep(3)
+        for pid in left + flower_pids(flwr_home, lambda argv: argv[1].endswith(b"/flwr") and argv[2:3] == [b"run"]):
+            kill(pid)
+
+    thread = threading.Thread(target=kill_all, daemon=True)
+    thread.start()
+    return thread
+
+
+@starts_flower
+def simulate_and_kill_server(tmp_path: Path, model_dir: Path, *, after_round: int, **overrides) -> FinishedRun:
+    """`simulate`, with the server killed once round ``after_round`` is checkpointed."""
+    killer = kill_server_after_round(tmp_path / "flower" / "flwr-home", tmp_path / "out", after_round)
+    run = simulate(tmp_path, model_dir, **overrides)
+    killer.join()
+    return run
+
+
+def flower_pids(flwr_home: Path, match) -> list[int]:
+    """Processes started for this FLWR_HOME whose argv matches."""
+    marker, found = f"FLWR_HOME={flwr_home}".encode(), []
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            if len(argv) > 1 and match(argv) and marker in (proc / "environ").read_bytes().split(b"\0"):
+                found.append(int(proc.name))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid``."""
+    children: dict[int, list[int]] = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(proc.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill(pid: int) -> None:
+    """SIGKILL one process by its PID, if it still runs."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

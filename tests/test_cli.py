@@ -1,0 +1,245 @@
+"""The `parablock-flwr` command: overrides checked before anything starts, the project found from the
+working directory, and an exit code that tells how the run ended (README, "Exit codes").
+
+The fast tests run the real installed command and start no Flower process (its work folder is never
+made). The `e2e` ones run real simulations; they read the run folder's status.json, which the ServerApp
+writes at the end of every run (parablock_flwr/run_status.py).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from parablock_flwr.cli import main
+from parablock_flwr.run_status import EXIT_CODES, write_status
+from parablock_flwr.tools.app_config import (
+    OverrideError,
+    ProjectNotFound,
+    app_config,
+    check_overrides,
+    find_project_dir,
+    parse_overrides,
+    toml_value,
+)
+from parablock_flwr.tools.launch import RunResult, check_run_config, find_run_dir, run_simulation
+
+from helpers import simulate_and_kill_server, tiny_config
+
+PROJECT_DIR = find_project_dir(Path(__file__).resolve().parent)
+COMMAND = str(Path(sys.executable).parent / "parablock-flwr")  # the installed console script
+
+
+def parablock_flwr(*args: str, cwd: Path = PROJECT_DIR, timeout_s: float = 60) -> subprocess.CompletedProcess:
+    """The real command, its stderr after its stdout (the last line is the verdict)."""
+    return subprocess.run(
+        [COMMAND, *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout_s
+    )
+
+
+def last_line(proc: subprocess.CompletedProcess) -> str:
+    return proc.stdout.strip().splitlines()[-1]
+
+
+# ------------------------------------------------------------------ fast: nothing starts
+@pytest.mark.parametrize("command", ["simulate", "deploy"])
+def test_a_misspelt_key_exits_2_naming_it_and_the_closest_key(tmp_path, command):
+    proc = parablock_flwr(command, "--workdir", str(tmp_path / "flower"), "learnin-rate=0.1")
+    assert proc.returncode == EXIT_CODES["invalid-config"] == 2, proc.stdout
+    assert last_line(proc) == "parablock-flwr: learnin-rate: unknown key; did you mean learning-rate?"
+    assert not (tmp_path / "flower").exists()  # no SuperLink, no FLWR_HOME: nothing was started
+
+
+@pytest.mark.parametrize(
+    "override, line",
+    [
+        ('layers-per-block="5"', 'layers-per-block="5": expected an integer'),
+        ("learning-rate=true", "learning-rate=true: expected a number"),
+        ("deterministic=1", "deterministic=1: expected true or false"),
+        ("model=5", "model=5: expected a string (in double quotes)"),
+        ("model=foo", "'model=foo': expected KEY=VALUE in TOML syntax, strings quoted"),
+    ],
+)
+def test_a_wrongly_typed_value_exits_2_naming_key_value_and_type(tmp_path, override, line):
+    proc = parablock_flwr("simulate", "--workdir", str(tmp_path / "flower"), "num-server-rounds=2", override)
+    assert proc.returncode == 2, proc.stdout
+    assert last_line(proc).startswith("parablock-flwr: " + line), proc.stdout
+    assert not (tmp_path / "flower").exists()
+
+
+def test_outside_a_project_the_command_says_so_in_one_line(tmp_path):
+    proc = parablock_flwr("simulate", "--workdir", str(tmp_path / "flower"), cwd=tmp_path)
+    assert proc.returncode == 1
+    assert proc.stdout.strip().splitlines() == [
+        f"parablock-flwr: no Flower app in {tmp_path.resolve()} or above it: expected a folder whose "
+        "pyproject.toml has [tool.flwr.app]; run from the project's folder or name it (--app-dir)"
+    ]
+
+
+def test_in_process_the_launcher_refuses_a_bad_key_before_starting_anything(tmp_path, capsys):
+    """`main` -> `run_simulation`, which checks the overrides before it starts a SuperLink."""
+    assert main(["simulate", "--workdir", str(tmp_path / "flower"), "num-server-round=2"]) == 2
+    expected = "parablock-flwr: num-server-round: unknown key; did you mean num-server-rounds?"
+    assert capsys.readouterr().err.strip().splitlines()[-1] == expected
+    assert not (tmp_path / "flower").exists()
+    result = check_run_config({"num-server-round": 2}, PROJECT_DIR)
+    assert (result.returncode, result.kind, result.run_id, result.run_dir) == (2, "invalid-config", None, None)
+    assert result.refused and result.summary() == expected
+    assert check_run_config({"num-server-rounds": 2, "learning-rate": 1}, PROJECT_DIR) is None
+
+
+def test_project_dir_is_the_nearest_folder_with_a_flower_app(tmp_path, monkeypatch):
+    app = tmp_path / "app"
+    (app / "pkg" / "sub").mkdir(parents=True)
+    (app / "pyproject.toml").write_text('[project]\nname = "x"\n\n[tool.flwr.app]\npublisher = "me"\n')
+    (app / "pkg" / "pyproject.toml").write_text('[project]\nname = "not-an-app"\n')  # no [tool.flwr.app]
+    (app / "pkg" / "sub" / "pyproject.toml").write_text("not = [valid toml")
+    assert find_project_dir(app / "pkg" / "sub") == app.resolve()
+    monkeypatch.chdir(app / "pkg")
+    assert find_project_dir() == app.resolve()
+    with pytest.raises(ProjectNotFound, match=r"^no Flower app in .* or above it: expected a folder"):
+        find_project_dir(tmp_path)
+    assert find_project_dir(PROJECT_DIR / "parablock_flwr" / "tools") == PROJECT_DIR
+
+
+def test_override_types_follow_the_apps_defaults():
+    defaults = app_config(PROJECT_DIR)
+    check_overrides({"learning-rate": 1, "server-lr": 0.5, "seed": 3, "deterministic": False, "model": "m"}, defaults)
+    for overrides, message in [
+        ({"seed": 1.5}, "seed=1.5: expected an integer"),
+        ({"seed": True}, "seed=true: expected an integer"),
+        ({"server-lr": "1"}, 'server-lr="1": expected a number'),
+        ({"save-every": [1]}, "save-every=[1]: expected an integer"),
+        ({"zzzzzz": 1}, "zzzzzz: unknown key; docs/configuration.md lists the keys"),
+    ]:
+        with pytest.raises(OverrideError) as err:
+            check_overrides(overrides, defaults)
+        assert str(err.value) == message
+    assert parse_overrides(['algorithm="fedbcd"', "seed=1", "seed=2"]) == {"algorithm": "fedbcd", "seed": 2}
+
+
+scalars = st.text() | st.booleans() | st.integers(min_value=-(2**63), max_value=2**63 - 1) | st.floats(allow_nan=False)
+
+
+@given(scalars)
+def test_toml_value_reads_back_as_the_same_value(value):
+    """What the launcher writes into the run-config file that `flwr run` reads."""
+    read = tomllib.loads(f"key = {toml_value(value)}")["key"]
+    assert read == value and type(read) is type(value)
+
+
+def test_run_result_summaries():
+    done = RunResult(
+        0,
+        "completed",
+        "3 rounds",
+        run_dir=Path("/runs/x-7"),
+        run_id=7,
+        status={"status": "completed", "rounds_completed": 3, "num_rounds": 3},
+    )
+    assert done.summary() == "parablock-flwr: run completed (3/3 rounds): /runs/x-7"
+    failed = RunResult(
+        3, "too-few-replies", "round 2: 1 valid reply, expected at least min-accepted-replies=5", run_id=7
+    )
+    assert failed.summary() == (
+        "parablock-flwr: run failed (too-few-replies): round 2: 1 valid reply, expected at least min-accepted-replies=5"
+    )
+
+
+def test_run_folder_is_found_by_run_id_and_report_prints_its_status_first(tmp_path, capsys):
+    run_dir = tmp_path / "20261130-010203-parablock-4242"
+    run_dir.mkdir()
+    (tmp_path / "20261130-010203-parablock-14242").mkdir()  # another run whose id ends the same way
+    assert find_run_dir(tmp_path, 4242) == run_dir and find_run_dir(tmp_path, 42) is None
+    with pytest.raises(SystemExit, match="no metrics.jsonl with records and no status.json; expected a run folder"):
+        main(["report", str(run_dir)])
+    write_status(run_dir, "too-few-replies", "round 2: 0 valid replies", rounds_completed=1, num_rounds=3)
+    capsys.readouterr()
+    assert main(["report", str(run_dir)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "status: failed (too-few-replies, exit code 3, 1/3 rounds): round 2: 0 valid replies"
+
+
+def test_report_of_a_folder_that_is_not_a_run_says_so(tmp_path):
+    proc = parablock_flwr("report", str(tmp_path / "nothing"))
+    assert proc.returncode == 1 and "not a folder; expected a run folder" in last_line(proc)
+    assert not (tmp_path / "nothing").exists()
+
+
+# ------------------------------------------------------------------ e2e: real runs, real status records
+def simulate_command(tmp_path: Path, model_dir: Path, num_supernodes: int, **overrides) -> subprocess.Popen:
+    """`parablock-flwr simulate` on the tiny model, its output into ``tmp_path/out``."""
+    config = tiny_config(model_dir, tmp_path / "out", **{k.replace("_", "-"): v for k, v in overrides.items()})
+    return parablock_flwr(
+        "simulate",
+        "--num-supernodes",
+        str(num_supernodes),
+        "--cpus-per-client",
+        "1",
+        "--workdir",
+        str(tmp_path / "flower"),
+        *(f"{k}={toml_value(v)}" for k, v in config.items()),
+        timeout_s=900,
+    )
+
+
+def run_folder(tmp_path: Path) -> tuple[Path, dict]:
+    (run_dir,) = [p for p in (tmp_path / "out").iterdir() if p.is_dir()]
+    return run_dir, json.loads((run_dir / "status.json").read_text())
+
+
+@pytest.mark.e2e
+def test_a_completed_run_exits_0(tmp_path, tiny_model_dir):
+    proc = simulate_command(tmp_path, tiny_model_dir, 2, num_server_rounds=2)
+    run_dir, status = run_folder(tmp_path)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert status["status"] == "completed" and status["rounds_completed"] == status["num_rounds"] == 2
+    assert last_line(proc) == f"parablock-flwr: run completed (2/2 rounds): {run_dir}"
+
+
+@pytest.mark.e2e
+def test_an_invalid_value_exits_2_with_a_failed_status_record(tmp_path, tiny_model_dir):
+    proc = simulate_command(tmp_path, tiny_model_dir, 1, layers_per_block=99)
+    run_dir, status = run_folder(tmp_path)
+    assert proc.returncode == 2, proc.stdout[-4000:]
+    run_id = re.search(r"Successfully started run (\d+)", proc.stdout).group(1)
+    assert run_dir.name.endswith(f"-{run_id}") and status["kind"] == "invalid-config"
+    assert status["status"] == "failed" and status["exit_code"] == 2 and "layers-per-block=99" in status["reason"]
+    assert last_line(proc) == f"parablock-flwr: run failed (invalid-config): {status['reason']}"
+
+
+@pytest.mark.e2e
+def test_too_few_replies_exits_3(tmp_path, tiny_model_dir):
+    proc = simulate_command(
+        tmp_path, tiny_model_dir, 3, num_server_rounds=2, min_accepted_replies=5, on_too_few_replies="stop"
+    )
+    _, status = run_folder(tmp_path)
+    assert proc.returncode == 3, proc.stdout[-4000:]
+    assert status["kind"] == "too-few-replies" and status["rounds_completed"] == 0
+    assert last_line(proc) == f"parablock-flwr: run failed (too-few-replies): {status['reason']}"
+    assert "min-accepted-replies=5" in status["reason"]
+
+
+@pytest.mark.e2e
+def test_the_launchers_time_limit_exits_4(tmp_path, tiny_model_dir):
+    config = tiny_config(tiny_model_dir, tmp_path / "out", **{"num-server-rounds": 50})
+    result = run_simulation(tmp_path / "flower", config, num_supernodes=1, cpus_per_client=1, timeout_s=20)
+    assert (result.returncode, result.kind) == (EXIT_CODES["timeout"], "timeout") == (4, "timeout")
+    assert result.summary() == (
+        "parablock-flwr: run failed (timeout): the launcher's time limit of 20 s passed; `flwr run` was stopped"
+    )
+
+
+@pytest.mark.e2e
+def test_a_killed_server_leaves_no_status_record_and_exits_1(tmp_path, tiny_model_dir):
+    run = simulate_and_kill_server(tmp_path, tiny_model_dir, after_round=1, num_supernodes=2)
+    assert run.returncode == 1 and run.status is None and run.run_dir is not None
+    assert not (run.run_dir / "status.json").exists()

@@ -1,0 +1,71 @@
+"""The node worker in process (real tiny Llama, real training, its real compute thread): what it does
+when the server replaces its state while a computation runs ahead, and the node-config check of
+the ClientApp that relays to it."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from parablock_flwr import core, node
+from parablock_flwr.client_apps.app import unknown_node_config_key
+from parablock_flwr.config import RunConfig
+from parablock_flwr.model import load_for_training
+from parablock_flwr.worker.server import NodeWorker
+
+from helpers import tiny_config
+
+
+def header(config: dict, server_round: int, block: int, next_block: int, **extra) -> dict:
+    return {
+        "op": "train",
+        "run-id": 7,
+        "run-config": config,
+        "partition-id": 0,
+        "num-partitions": 1,
+        "round": {
+            "server-round": server_round,
+            "block": block,
+            "step-block": 0 if server_round > 1 else -1,
+            "next-block": next_block,
+            "algorithm": "parablock",
+            "run-dir": "unused",
+            **extra,
+        },
+    }
+
+
+def test_a_full_sync_during_a_computation_ahead_leaves_the_invariant_exact(tmp_path, tiny_model_dir):
+    """Round 1 starts round 2's computation ahead; round 2's message is a full sync (the server
+    lost track of the node) that arrives while that computation still runs. The worker lets it
+    finish, drops it, takes the server's values and recomputes round 2 from x^1: its local model
+    is x^1 + Δ^2 to the bit, and its copy of the global model is exactly x^1."""
+    config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 40, "verify-invariant": True})
+    worker = NodeWorker()
+    reply, update1 = worker.train(header(config, 1, block=0, next_block=1), {})
+    assert worker.ahead is not None and worker.ahead[0] == 2 and not worker.ahead[1].done()
+
+    model, partition = load_for_training(RunConfig.from_flower(config))  # x^0, as the server holds it
+    x0 = {n: p.detach().clone() for n, p in model.named_parameters() if n in partition.all_names()}
+    g1 = {n: torch.from_numpy(a) * 0.5 for n, a in update1.items()}  # any step the server may have taken
+    arrays = {f"global-step/{n}": t.numpy() for n, t in g1.items()}
+    arrays.update({f"sync-values/{n}": t.numpy() for n, t in x0.items()})
+    reply, update2 = worker.train(header(config, 2, block=1, next_block=-1, **{"sync-version": 0}), arrays)
+
+    assert reply["metrics"]["base-version"] == 1  # resynchronised: trained from x^1, nothing pending
+    x1 = {n: t.clone() for n, t in x0.items()}
+    core.apply_step(x1, g1)
+    replica = node.resources(RunConfig.from_flower(config), 7).replica
+    assert replica.version == 1
+    assert all(torch.equal(replica.params[n].detach(), x1[n]) for n in x1)
+    delta2 = {n: torch.from_numpy(np.array(a)) for n, a in update2.items()}
+    assert reply["trace"]["local-model-sha256"] == core.digest_after(x1, partition.all_names(), delta2)
+    assert worker.pending.base_version == 1 and worker.ahead is None
+
+
+def test_an_unknown_node_config_key_is_named_with_the_closest_known_one():
+    assert unknown_node_config_key({"partition-id": 0, "worker-sockt": "/tmp/w.sock"}) == (
+        "node config worker-sockt: unknown key; did you mean worker-socket?"
+    )
+    assert "unknown key; expected one of partition-id" in unknown_node_config_key({"dataset": "alpaca:x"})
+    assert unknown_node_config_key({"partition-id": 1, "num-partitions": 2}) is None

@@ -130,7 +130,15 @@ def run_one(net: Network, algorithm: str, rate: float, args: argparse.Namespace,
     began = time.perf_counter()
     with contextlib.ExitStack() as procs:  # stops each process (SIGKILL after a grace period), even on error
         try:
-            workers = start_processes(procs, net, args.latency_ms, workdir, flower_env_for(flwr_home), result["pids"])
+            workers = start_processes(
+                procs,
+                net,
+                args.latency_ms,
+                workdir,
+                flower_env_for(flwr_home),
+                result["pids"],
+                getattr(args, "compute_cpus", ""),
+            )
             result["startup_s"] = time.perf_counter() - began
             proc = flwr_run(workdir, run_config, PROJECT_DIR, args.timeout_s, prefix=in_netns(net.link_ns))
             (workdir / "flwr-run.log").write_text(proc.stdout + proc.stderr + proc.summary("network.py") + "\n")
@@ -169,9 +177,16 @@ def flower_env_for(flwr_home: Path) -> dict[str, str]:
 
 
 def start_processes(
-    procs: contextlib.ExitStack, net: Network, latency_ms: float, workdir: Path, env: dict[str, str], pids: list[int]
+    procs: contextlib.ExitStack,
+    net: Network,
+    latency_ms: float,
+    workdir: Path,
+    env: dict[str, str],
+    pids: list[int],
+    compute_cpus: str = "",
 ) -> list[subprocess.Popen]:
-    """Every process of one run, each in its namespace, each appended to ``pids``; returns the workers.
+    """Every process of one run, each in its namespace, each appended to ``pids``; returns the workers
+    (their compute thread pinned to ``compute_cpus`` when given).
 
     A SuperNode starts only once its worker listens (its first message needs it)
     and its proxy accepts connections.
@@ -189,7 +204,8 @@ def start_processes(
     )
     workers, proxies = [], []
     for node in net.nodes:
-        workers.append(start(node.ns, worker_command(sockets / f"w{node.index}.sock"), f"worker-{node.index}.log"))
+        worker = worker_command(sockets / f"w{node.index}.sock", compute_cpus=compute_cpus)
+        workers.append(start(node.ns, worker, f"worker-{node.index}.log"))
         proxies.append(
             start(
                 node.ns,
@@ -246,6 +262,7 @@ def make_run_config(algorithm: str, rate: float, args: argparse.Namespace, model
     }  # the server waits for every node before round 1
     if args.tiny:
         config.update(TINY_CONFIG)
+    config.update(getattr(args, "extra_config", {}))
     return config
 
 
@@ -419,11 +436,16 @@ def write_docs(report: str, pngs: list[Path]) -> None:
     for png in pngs:
         shutil.copy(png, img / f"network-{png.name}")
         links.append(f"![{png.stem}](img/network-{png.name})")
-    section = f"{DOC_HEADING}\n\n{report}\n\n" + "\n\n".join(links) + "\n"
+    replace_doc_section(DOC_HEADING, f"{report}\n\n" + "\n\n".join(links) + "\n")
+
+
+def replace_doc_section(heading: str, body: str) -> None:
+    """Replace (or append) the section under ``heading`` in docs/benchmarks.md; other sections stay."""
+    section = f"{heading}\n\n{body}"
     doc = PROJECT_DIR / "docs" / "benchmarks.md"
     text = doc.read_text() if doc.exists() else "# Benchmarks\n\nFigures measured by the scripts in `benchmarks/`.\n"
     lines = text.splitlines(keepends=True)
-    start = next((i for i, line in enumerate(lines) if line.startswith(DOC_HEADING)), None)
+    start = next((i for i, line in enumerate(lines) if line.startswith(heading)), None)
     if start is None:
         doc.write_text(text.rstrip("\n") + "\n\n" + section)
         return

@@ -2,7 +2,8 @@
 
 ``x^R`` itself is not copied: it is ``x^0`` (loaded from the model, as at the
 start) plus the global steps ``g^1..g^R`` of the step log, replayed with the
-same float operation, and its digest is stored to check that. The checkpoint
+same float operation (with ``snapshot-every``: the newest snapshot before R plus
+the steps after it), and its digest is stored to check that. The checkpoint
 adds what the step log lacks:
 
 - ``state.json``: the last complete round R, the blocks already decided
@@ -50,6 +51,9 @@ MAY_CHANGE_ON_RESUME = frozenset(
         "save-every",
         "save-final-model",
         "verify-invariant",
+        "evaluation",
+        "eval-device",
+        "snapshot-every",
     }
 )
 
@@ -192,7 +196,16 @@ def replay_run(
     from .replica import StepLog
 
     old_log = StepLog(from_run_dir)
-    for version in range(1, ckpt.round + 1):
+    # A bounded log (snapshot-every) starts at a snapshot: the newest before R (g^R is replayed, so
+    # before_each_step sees the values x^{R-1} had, which a full sync sends).
+    start = old_log.latest_snapshot(ckpt.round - 1) or 0
+    if start:
+        values = old_log.read_snapshot(start)
+        with torch.no_grad():
+            for n, t in values.items():
+                global_params[n].copy_(t)
+        step_log.write_snapshot(start, values)
+    for version in range(start + 1, ckpt.round + 1):
         block, step = old_log.read(version)
         if before_each_step is not None:
             before_each_step(step)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -71,6 +72,28 @@ def _launch(args) -> int:
     return result.returncode
 
 
+def _cpu_list(text: str) -> set[int]:
+    """``1``, ``0,2`` or ``2-7``: a set of CPU ids this machine has."""
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            first, _, last = part.partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected CPU ids like 1, 0,2 or 2-7") from None
+    if not cpus or not cpus <= set(range(os.cpu_count() or 1)):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected CPUs among 0..{(os.cpu_count() or 1) - 1}")
+    return cpus
+
+
+def _device(text: str) -> str:
+    from .node_data import device_valid
+
+    if not device_valid(text):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected cpu, cuda or cuda:<index>")
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="parablock-flwr", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -99,6 +122,16 @@ def main(argv: list[str] | None = None) -> int:
         default=0.0,
         help="exit after this long without a message (default 0: never, it lives as long as its node)",
     )
+    wrk.add_argument(
+        "--compute-cpus",
+        type=_cpu_list,
+        help="pin the compute thread to these CPUs, e.g. 1 or 2-7 (the I/O threads stay off them)",
+    )
+    wrk.add_argument(
+        "--device",
+        type=_device,
+        help="cpu, cuda or cuda:N (default: cuda if there is a GPU, else cpu; a node config's device wins)",
+    )
     ev = sub.add_parser("evaluate", help="held-out loss, perplexity and math accuracy of a saved model")
     ev.add_argument("model", help="a saved Hugging Face folder (e.g. RUN_DIR/final-model), an id or embedded:<name>")
     ev.add_argument("--config", type=Path, help="a run's RUN_DIR/config.json, for the same data (default: defaults)")
@@ -112,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "worker":
         from .worker.server import run_worker
 
-        run_worker(args.socket, args.idle_exit_s)
+        run_worker(args.socket, args.idle_exit_s, args.compute_cpus, args.device or "")
         return 0
     if args.command == "evaluate":
         print(json.dumps(evaluate(args.model, args.config, args.samples)))

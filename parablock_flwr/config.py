@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from .core import NON_LAYER_MODES, SCHEDULES
+from .node_data import device_valid
 
 ALGORITHMS = ("parablock", "fedbcd", "fedavg-lora", "fedavg-full")
 TRAINS = ("full", "lora")
@@ -20,8 +21,11 @@ PRECISIONS = ("fp32", "bf16")
 WEIGHTINGS = ("examples", "uniform")
 LR_SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine")
 CORRECTIONS = ("auto", "at-end", "on-receipt")
+LR_SCHEDULE_SCOPES = ("round", "run")
 TOO_FEW_REPLIES = ("retry", "stop")
 TRANSFER_DTYPES = ("fp32", "bf16", "fp16")
+EVALUATIONS = ("server", "clients")
+WEIGHTS = ("fp32", "bf16")
 
 
 class ConfigError(ValueError):
@@ -51,10 +55,13 @@ class RunConfig:
     schedule: str = "descending"
     local_steps: int = 3
     batch_size: int = 4
+    micro_batch_size: int = 0
+    gradient_checkpointing: bool = False
     max_seq_len: int = 192
     learning_rate: float = 1e-4
     weight_decay: float = 0.0
     lr_schedule: str = "constant"
+    lr_schedule_scope: str = "round"
     warmup_steps: int = 0
     max_grad_norm: float = 1.0
     server_lr: float = 1.0
@@ -62,11 +69,14 @@ class RunConfig:
     fraction_train: float = 1.0
     min_available_nodes: int = 1
     precision: str = "fp32"
+    weights: str = "fp32"
     transfer_dtype: str = "fp32"
     seed: int = 0
     deterministic: bool = True
     correction: str = "auto"
     torch_threads: int = 0
+    evaluation: str = "server"
+    eval_device: str = "cpu"
     eval_batch_size: int = 8
     eval_every: int = 1
     generate_examples: int = 8
@@ -75,16 +85,19 @@ class RunConfig:
     uplink_mbps: float = 50.0
     downlink_mbps: float = 50.0
     latency_ms: float = 50.0
+    message_overhead_s: float = 0.0
     round_timeout_s: float = 3600.0
     pull_interval_s: float = 0.1
     max_update_norm: float = 0.0
     max_num_examples: int = 0
+    max_correction_drift: float = 0.0
     min_accepted_replies: int = 1
     on_too_few_replies: str = "retry"
     max_round_retries: int = 2
     verify_invariant: bool = False
     save_final_model: bool = False
     save_every: int = 0
+    snapshot_every: int = 0
     output_dir: str = "~/parablock-runs"
     resume_from: str = ""
 
@@ -114,6 +127,21 @@ class RunConfig:
         _one_of("train", self.train, TRAINS)
         _one_of("partitioning", self.partitioning, PARTITIONINGS)
         _one_of("on-too-few-replies", self.on_too_few_replies, TOO_FEW_REPLIES)
+        _one_of("evaluation", self.evaluation, EVALUATIONS)
+        _one_of("weights", self.weights, WEIGHTS)
+        if self.snapshot_every == 1:
+            raise ConfigError(
+                "snapshot-every=1: expected 0 (keep every step) or at least 2 (a resumed run needs a snapshot "
+                "older than its last checkpoint's round, which the two kept snapshots then always include)"
+            )
+        _one_of("lr-schedule-scope", self.lr_schedule_scope, LR_SCHEDULE_SCOPES)
+        if self.micro_batch_size < 0 or (self.micro_batch_size and self.batch_size % self.micro_batch_size):
+            raise ConfigError(
+                f"micro-batch-size={self.micro_batch_size}: expected 0 (no accumulation) or a divisor of "
+                f"batch-size={self.batch_size}"
+            )
+        if not device_valid(self.eval_device):
+            raise ConfigError(f"eval-device={self.eval_device!r}: expected cpu, cuda or cuda:<index>")
         for key in (
             "num-server-rounds",
             "layers-per-block",
@@ -135,6 +163,7 @@ class RunConfig:
             "min-accepted-replies",
             "max-round-retries",
             "max-num-examples",
+            "snapshot-every",
         ):
             _at_least(key, getattr(self, key.replace("-", "_")), 0)
         _at_least("min-available-nodes", self.min_available_nodes, 1)
@@ -169,7 +198,7 @@ class RunConfig:
             )
         if not 0.0 < self.fraction_train <= 1.0:
             raise ConfigError(f"fraction-train={self.fraction_train}: expected a number in (0, 1]")
-        for key in ("weight-decay", "latency-ms", "max-update-norm"):
+        for key in ("weight-decay", "latency-ms", "max-update-norm", "message-overhead-s", "max-correction-drift"):
             value = getattr(self, key.replace("-", "_"))
             if not value >= 0:
                 raise ConfigError(f"{key}={value}: expected a number >= 0")

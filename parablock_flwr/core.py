@@ -308,16 +308,20 @@ def round_with_feedback(update: Tensors, residual: Tensors | None, transfer_dtyp
 # --------------------------------------------------------------------------
 @dataclass(frozen=True)
 class LinkModel:
-    """A client's link: rates in Mbit/s, one-way latency in ms."""
+    """A client's link: rates in Mbit/s, one-way latency in ms, and the fixed cost of one
+    exchange (``message_overhead_s``: the framework's delivery, process start and polls,
+    and the server's aggregation; measured by ``benchmarks/overlap.py``'s probe)."""
 
     uplink_mbps: float
     downlink_mbps: float
     latency_ms: float
+    message_overhead_s: float = 0.0
 
     def comm_seconds(self, bytes_up: int, bytes_down: int) -> float:
-        """Time to receive the round's message and send the reply."""
+        """Time from a reply leaving the client to the next message reaching it."""
         return (
-            2 * self.latency_ms / 1e3
+            self.message_overhead_s
+            + 2 * self.latency_ms / 1e3
             + 8 * bytes_up / (self.uplink_mbps * 1e6)
             + 8 * bytes_down / (self.downlink_mbps * 1e6)
         )

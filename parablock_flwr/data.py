@@ -45,10 +45,13 @@ def is_math(spec: str) -> bool:
     return spec == "reasoning-gym:gsm_symbolic" or spec.startswith("mathinstruct:")
 
 
-def load_examples(spec: str, num_examples: int, seed: int) -> datasets.Dataset:
-    """Rows with ``prompt``, ``response`` and ``family``, shuffled with ``seed``, at most ``num_examples``."""
+def load_examples(spec: str, num_examples: int | None, seed: int) -> datasets.Dataset:
+    """Rows with ``prompt``, ``response`` and ``family``, shuffled with ``seed``, at most ``num_examples``
+    (None: every row of a file, folder or hub dataset; reasoning-gym needs a number)."""
     kind, _, source = spec.partition(":")
     if kind == "reasoning-gym" and source:
+        if num_examples is None:
+            raise ValueError(f"dataset={spec!r}: reasoning-gym needs a number of rows to make")
         rows = generate_examples(spec, num_examples, seed)
     elif kind == "alpaca" and source:
         rows = _load_rows(spec, source, ("instruction", "input", "output")).map(
@@ -67,7 +70,7 @@ def load_examples(spec: str, num_examples: int, seed: int) -> datasets.Dataset:
             f"dataset={spec!r}: expected reasoning-gym:<task>, alpaca:<hub id or path> or mathinstruct:<hub id or path>"
         )
     rows = rows.select_columns(["prompt", "response", "family"]).shuffle(seed=seed)
-    return rows.select(range(min(num_examples, len(rows))))
+    return rows if num_examples is None else rows.select(range(min(num_examples, len(rows))))
 
 
 def generate_examples(spec: str, num_examples: int, seed: int) -> datasets.Dataset:
@@ -130,18 +133,46 @@ def encode(tokenizer, prompt: str, response: str, max_len: int) -> dict[str, lis
     answer_ids = tokenizer(full_text[len(prompt_text) :], add_special_tokens=False)["input_ids"]
     input_ids = (prompt_ids + answer_ids)[:max_len]
     labels = ([IGNORE_INDEX] * len(prompt_ids) + answer_ids)[:max_len]
-    return {"input_ids": input_ids, "labels": labels}
+    return {"input_ids": input_ids, "labels": labels, "truncated": int(len(prompt_ids) + len(answer_ids) > max_len)}
 
 
-def tokenized_splits(
-    spec: str, num_examples: int, heldout: int, seed: int, tokenizer, max_len: int
-) -> tuple[datasets.Dataset, datasets.Dataset]:
-    """(train, held-out), tokenized. The first ``heldout`` usable rows are held out."""
+def tokenized_rows(spec: str, num_examples: int | None, seed: int, tokenizer, max_len: int) -> datasets.Dataset:
+    """``load_examples``, chat-templated and tokenized; rows cut before their answer are dropped."""
     rows = load_examples(spec, num_examples, seed)
     # prompt/response/family stay: generation reads prompts, partitioners read family.
     encoded = rows.map(lambda r: encode(tokenizer, r["prompt"], r["response"], max_len))
     # An example cut before its answer would have no label at all.
-    encoded = encoded.filter(lambda r: any(t != IGNORE_INDEX for t in r["labels"]))
+    return encoded.filter(lambda r: any(t != IGNORE_INDEX for t in r["labels"]))
+
+
+def local_rows_limit(spec: str, num_examples: int) -> int | None:
+    """How many rows a node's own ``dataset`` gives: every row of a file, folder or hub dataset;
+    ``num-examples`` generated rows for ``reasoning-gym:``."""
+    return num_examples if spec.startswith("reasoning-gym:") else None
+
+
+def node_splits(
+    dataset: str, heldout_dataset: str, heldout: int, num_examples: int, seed: int, tokenizer, max_len: int
+) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """A node's own (train, held-out) rows. With ``heldout_dataset`` every row of ``dataset`` trains;
+    without it (``heldout > 0``) the first ``heldout`` usable rows of ``dataset`` are held out."""
+    if heldout_dataset:
+        train, held = (
+            tokenized_rows(spec, local_rows_limit(spec, num_examples), seed, tokenizer, max_len)
+            for spec in (dataset, heldout_dataset)
+        )
+        if not len(train) or not len(held):
+            empty = dataset if not len(train) else heldout_dataset
+            raise ValueError(f"node config {empty!r}: no example keeps answer tokens at max-seq-len={max_len}")
+        return train, held
+    return tokenized_splits(dataset, local_rows_limit(dataset, num_examples), heldout, seed, tokenizer, max_len)
+
+
+def tokenized_splits(
+    spec: str, num_examples: int | None, heldout: int, seed: int, tokenizer, max_len: int
+) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """(train, held-out), tokenized. The first ``heldout`` usable rows are held out."""
+    encoded = tokenized_rows(spec, num_examples, seed, tokenizer, max_len)
     if len(encoded) <= heldout:
         raise ValueError(
             f"max-seq-len={max_len}: only {len(encoded)} examples keep answer tokens; "
@@ -204,12 +235,26 @@ def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def sample_batches(rows: datasets.Dataset, num_batches: int, batch_size: int, seed: int, pad_id: int):
-    """``num_batches`` batches drawn by a seeded permutation (cycled if short)."""
+def batch_order(num_rows: int, num_batches: int, batch_size: int, seed: int) -> list[int]:
+    """The row indices ``sample_batches`` draws, in order: a seeded permutation, cycled if short."""
     gen = torch.Generator().manual_seed(seed)
     order: list[int] = []
     while len(order) < num_batches * batch_size:
-        order.extend(torch.randperm(len(rows), generator=gen).tolist())
+        order.extend(torch.randperm(num_rows, generator=gen).tolist())
+    return order[: num_batches * batch_size]
+
+
+def truncated_in_batches(rows: datasets.Dataset, num_batches: int, batch_size: int, seed: int) -> int:
+    """How many of the examples ``sample_batches`` draws were cut at ``max-seq-len``."""
+    if "truncated" not in rows.column_names:
+        return 0
+    flags = rows["truncated"]
+    return sum(flags[i] for i in batch_order(len(rows), num_batches, batch_size, seed))
+
+
+def sample_batches(rows: datasets.Dataset, num_batches: int, batch_size: int, seed: int, pad_id: int):
+    """``num_batches`` batches drawn by a seeded permutation (cycled if short)."""
+    order = batch_order(len(rows), num_batches, batch_size, seed)
     for b in range(num_batches):
         picked = order[b * batch_size : (b + 1) * batch_size]
         yield collate([rows[i] for i in picked], pad_id)

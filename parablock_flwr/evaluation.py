@@ -32,7 +32,7 @@ def heldout_loss(model: nn.Module, batches: Iterable[dict[str, torch.Tensor]], p
     model.eval()
     for batch in batches:
         batch = {k: v.to(device) for k, v in batch.items()}
-        with autocast(precision):
+        with autocast(precision, device):
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         shifted = batch["labels"][:, 1:]
         loss = torch.nn.functional.cross_entropy(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from pathlib import Path
 
 log = logging.getLogger("parablock_flwr")
@@ -21,6 +22,16 @@ class RunRecorder:
         with self.path.open("a") as f:
             f.write(json.dumps(record, sort_keys=True) + "\n")
 
+    def update(self, server_round: int, fields: dict) -> None:
+        """Add ``fields`` to round ``server_round``'s record (the file is replaced atomically)."""
+        records = self.read()
+        for record in records:
+            if record.get("round") == server_round:
+                record.update(fields)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
+        os.replace(tmp, self.path)
+
     def read(self) -> list[dict]:
         if not self.path.exists():
             return []
@@ -34,7 +45,7 @@ def _mb(n: float) -> str:
 def round_line(rec: dict, num_rounds: int) -> str:
     """The one human line per round."""
     if rec["round"] == 0:
-        return f"round 0/{num_rounds} heldout_loss {rec['heldout_loss']:.4f}"
+        return f"round 0/{num_rounds} heldout_loss {_fmt(rec.get('heldout_loss'))}"
     eta = rec.get("eta_s")
     return (
         f"round {rec['round']}/{num_rounds} block {rec['block']} ({rec['block_label']}) "

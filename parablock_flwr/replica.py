@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -29,7 +29,16 @@ FetchStep = Callable[[int], Step]  # version k -> (b_k, g^k)
 
 
 class StepLog:
-    """``global-steps/v{k}.safetensors``: the block and ``g^k`` of every round k."""
+    """``global-steps/v{k}.safetensors``: the block and ``g^k`` of every round k.
+
+    With ``snapshot-every = W`` the log is bounded: every W rounds the server also writes
+    ``snapshot-v{S}.safetensors`` (the exact values of every trainable tensor of ``x^S``), and once
+    two snapshots exist it keeps only the two latest and the steps after the older of them
+    (``prune``): at most 2 snapshots and 2W steps, whatever the number of rounds. What reads the
+    log still finds what it needs: a resumed server rebuilds ``x^R`` from the latest snapshot
+    before R plus the steps after it; a Ray actor too far behind starts again from a snapshot; a
+    node that missed steps no longer in the log gets a full sync (``NodeSync``).
+    """
 
     def __init__(self, run_dir: Path | str):
         self.dir = Path(run_dir) / "global-steps"
@@ -41,6 +50,52 @@ class StepLog:
         tensors = {n: t.contiguous() for n, t in step.items()}
         save_file(tensors, str(tmp), metadata={"block": json.dumps(block), "version": str(version)})
         os.replace(tmp, final)  # readers never see a half-written step
+
+    def write_snapshot(self, version: int, values: Tensors) -> None:
+        """``x^version``'s exact values, written atomically."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        final = self.dir / f"snapshot-v{version:05d}.safetensors"
+        tmp = final.with_suffix(".tmp")
+        save_file({n: t.detach().cpu().contiguous() for n, t in values.items()}, str(tmp))
+        os.replace(tmp, final)
+
+    def snapshots(self) -> list[int]:
+        return sorted(int(p.stem.removeprefix("snapshot-v")) for p in self.dir.glob("snapshot-v*.safetensors"))
+
+    def latest_snapshot(self, at_most: int) -> int | None:
+        """The newest snapshot version <= ``at_most``, or None."""
+        return max((v for v in self.snapshots() if v <= at_most), default=None)
+
+    def read_snapshot(self, version: int) -> Tensors:
+        return load_file(str(self.dir / f"snapshot-v{version:05d}.safetensors"))
+
+    def steps(self) -> list[int]:
+        return sorted(int(p.stem.removeprefix("v")) for p in self.dir.glob("v*.safetensors"))
+
+    def has(self, version: int) -> bool:
+        return (self.dir / f"v{version:05d}.safetensors").exists()
+
+    def prune(self) -> None:
+        """Keep the two latest snapshots and the steps after the older one; drop the rest."""
+        snapshots = self.snapshots()
+        if len(snapshots) < 2:
+            return  # x^0 (the model itself) plus every step is still the only way back to early versions
+        oldest_kept = snapshots[-2]
+        for version in snapshots[:-2]:
+            (self.dir / f"snapshot-v{version:05d}.safetensors").unlink(missing_ok=True)
+        for version in self.steps():
+            if version <= oldest_kept:
+                (self.dir / f"v{version:05d}.safetensors").unlink(missing_ok=True)
+
+    def rebase_if_pruned(self, replica: ModelReplica, needed: int) -> None:
+        """Move a replica that is behind the pruned log (it needs steps no longer there) onto the
+        newest snapshot at or before ``needed``, the version it must show next."""
+        steps = self.steps()
+        if not steps or replica.version + 1 >= steps[0]:
+            return
+        version = self.latest_snapshot(needed)
+        if version is not None and version > replica.version:
+            replica.reset_to(version, self.read_snapshot(version))
 
     def read(self, version: int) -> Step:
         path = self.dir / f"v{version:05d}.safetensors"
@@ -59,13 +114,36 @@ class ModelReplica:
     It also keeps the values the last step overwrote, so that ``x^{version-1}``
     (what a ParaBlock client computes from) can be shown again exactly when
     another node served by this process has already moved the copy on.
+
+    With ``weights_dtype`` (``weights = "bf16"``), ``x`` itself lives in an fp32 master copy in
+    host memory (``params``: every trainable tensor; steps are applied there, with the server's
+    float operation, so it stays bit-identical to the server's ``x``), and the model on the device
+    holds bf16 casts of it. The block being trained is put on the device in fp32 (``local_model``):
+    fp32 master weights and fp32 optimizer state for the active block, an fp32 update.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, master_names: Iterable[str] = (), weights_dtype: torch.dtype | None = None):
         self.model = model
-        self.params = dict(model.named_parameters())
+        self.device_params = dict(model.named_parameters())
+        self.weights_dtype = weights_dtype if weights_dtype not in (None, torch.float32) else None
+        if self.weights_dtype is None:
+            self.params = self.device_params  # x is the model's own fp32 parameters
+        else:
+            # The fp32 tensors themselves become the master (no copy): the model's casts replace them.
+            self.params = {n: self.device_params[n].detach().to("cpu", torch.float32) for n in master_names}
+            model.to(self.weights_dtype)
         self.version = 0
         self._before_last_step: Tensors = {}
+
+    def _to_device(self, names: Iterable[str], fp32: Iterable[str] = ()) -> None:
+        """Cast the master's values of ``names`` into the device model (``fp32`` ones as fp32 copies)."""
+        if self.weights_dtype is None:
+            return
+        fp32 = set(fp32)
+        with torch.no_grad():
+            for n in names:
+                p = self.device_params[n]
+                p.data = self.params[n].to(p.device, torch.float32 if n in fp32 else self.weights_dtype, copy=True)
 
     def advance_to(self, version: int, fetch_step: FetchStep) -> None:
         """Apply ``g^{v+1}..g^{version}``; asking for an older version is a no-op."""
@@ -73,6 +151,7 @@ class ModelReplica:
             _, step = fetch_step(self.version + 1)
             self._before_last_step = {n: self.params[n].detach().clone() for n in step}
             apply_step(self.params, step)
+            self._to_device(step)
             self.version += 1
 
     def reset_to(self, version: int, values: Tensors) -> None:
@@ -80,6 +159,7 @@ class ModelReplica:
         with torch.no_grad():
             for n, t in values.items():
                 self.params[n].copy_(t.to(device=self.params[n].device, dtype=self.params[n].dtype))
+        self._to_device(values)
         self.version, self._before_last_step = version, {}
 
     @contextlib.contextmanager
@@ -108,11 +188,13 @@ class ModelReplica:
                     self.params[n].copy_(t)
             if pending is not None:
                 apply_step(self.params, pending.delta)
+            self._to_device(touched, fp32=train_names)  # the trained block as fp32 master weights
             yield self.model
         finally:
             with torch.no_grad():
                 for n, t in saved.items():
                     self.params[n].copy_(t)
+            self._to_device(touched)
 
 
 def catch_up_steps(round_cfg, arrays: dict[str, torch.Tensor]) -> dict[int, Step]:

@@ -23,6 +23,10 @@ class TrainSettings:
     warmup_steps: int
     max_grad_norm: float
     precision: str
+    micro_batch_size: int = 0  # > 0: each batch runs as micro-batches of this size (gradient accumulation)
+    gradient_checkpointing: bool = False  # recompute activations in backward instead of keeping them
+    schedule_steps: int = 0  # > 0: the schedule spans this many steps (the run's R x K) ...
+    schedule_offset: int = 0  # ... and this round starts at step (r-1) x K of it
 
 
 @dataclass
@@ -32,18 +36,62 @@ class TrainResult:
     started: float  # wall-clock (time.time) start and end: the deployment timeline uses them
     ended: float
     num_examples: int = 0  # the client's local dataset size, its aggregation weight
+    truncated: int = 0  # examples of this round's batches cut at max-seq-len
 
     @property
     def compute_s(self) -> float:
         return self.ended - self.started
 
 
-def autocast(precision: str):
+def autocast(precision: str, device: torch.device | None = None):
     """bf16 autocast on the model's device; updates stay fp32 (the weights are fp32)."""
     if precision == "bf16":
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        device_type = device.type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
         return torch.autocast(device_type=device_type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+def run_schedule(optimizer: torch.optim.Optimizer, settings: TrainSettings) -> torch.optim.lr_scheduler.LambdaLR:
+    """``lr-schedule`` over this round's K steps, or (``schedule_steps``) over the whole run, from step
+    ``schedule_offset``: warm-up and decay are not restarted every round."""
+    total = settings.schedule_steps or settings.local_steps
+    inner = get_scheduler(
+        settings.lr_schedule, optimizer, num_warmup_steps=settings.warmup_steps, num_training_steps=total
+    )
+    if not settings.schedule_offset:
+        return inner
+    factor, offset = inner.lr_lambdas[0], settings.schedule_offset
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: factor(step + offset))
+
+
+def micro_batches(batch: dict[str, torch.Tensor], size: int) -> list[dict[str, torch.Tensor]]:
+    """The batch in slices of ``size`` rows (all of it when ``size`` is 0 or not smaller)."""
+    rows = batch["input_ids"].shape[0]
+    if not size or size >= rows:
+        return [batch]
+    return [{k: v[i : i + size] for k, v in batch.items()} for i in range(0, rows, size)]
+
+
+def accumulated_loss(model: nn.Module, batch: dict[str, torch.Tensor], settings: TrainSettings, device) -> float:
+    """Forward and backward of one batch, as micro-batches whose gradients add up to the batch's:
+    each micro-batch's token losses are summed and divided by the whole batch's answer tokens (what
+    the loss of the batch in one piece averages over). Returns the batch's loss."""
+    pieces = micro_batches(batch, settings.micro_batch_size)
+    if len(pieces) == 1:
+        batch = {k: v.to(device) for k, v in batch.items()}
+        with autocast(settings.precision, device):
+            loss = model(**batch).loss
+        loss.backward()
+        return loss.item()
+    tokens = int((batch["labels"][:, 1:] != -100).sum())  # the shifted labels the loss counts
+    total = 0.0
+    for piece in pieces:
+        piece = {k: v.to(device) for k, v in piece.items()}
+        with autocast(settings.precision, device):
+            loss = model(**piece, num_items_in_batch=tokens).loss  # sum over the piece / the batch's tokens
+        loss.backward()
+        total += loss.item()
+    return total
 
 
 BetweenSteps = Callable[[int, dict[str, torch.Tensor], Tensors], None]
@@ -76,23 +124,21 @@ def train_block(
     for p in block:
         p.requires_grad_(True)
     optimizer = torch.optim.AdamW(block, lr=settings.learning_rate, weight_decay=settings.weight_decay)
-    scheduler = get_scheduler(
-        settings.lr_schedule, optimizer, num_warmup_steps=settings.warmup_steps, num_training_steps=settings.local_steps
-    )
+    scheduler = run_schedule(optimizer, settings)
     device = next(model.parameters()).device
+    if settings.gradient_checkpointing and not getattr(model, "is_activation_checkpointing", False):
+        # Non-reentrant: gradients reach the block even though the embeddings below it are frozen.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     losses = []
     try:
         for _, batch in zip(range(settings.local_steps), batches):
-            batch = {k: v.to(device) for k, v in batch.items()}
-            with autocast(settings.precision):
-                loss = model(**batch).loss
-            loss.backward()
+            loss = accumulated_loss(model, batch, settings, device)
             torch.nn.utils.clip_grad_norm_(block, settings.max_grad_norm)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.item())
+            losses.append(loss)
             if between_steps is not None and len(losses) < settings.local_steps:
                 with torch.no_grad():
                     between_steps(len(losses), params, before)

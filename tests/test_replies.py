@@ -148,3 +148,16 @@ def test_a_failed_invariant_check_rejects_the_update_and_resynchronises_the_node
     assert messages[11].content["round"]["sync-version"] == 0
     sent = messages[11].content["sync-values"]
     assert all(np.array_equal(sent[n].numpy(), before[n].numpy()) for n in names)  # x^0, exactly
+
+
+def test_a_reply_whose_on_receipt_correction_drifted_too_far_is_rejected(setup):
+    strategy, update, before = setup
+    strategy.config = RunConfig(max_correction_drift=1e-4, min_accepted_replies=0)
+    drifted = reply(11, update)
+    drifted.content["metrics"]["correction-drift"] = 0.5
+    strategy.aggregate_train(1, [reply(10, update), drifted])
+    rec = strategy.last_metrics
+    assert (
+        rec["num_accepted"] == 1
+        and "correction drift 0.5 above max-correction-drift=0.0001" in rec["rejected"][0]["reason"]
+    )

@@ -13,6 +13,7 @@ import torch
 from parablock_flwr import core
 from parablock_flwr.checkpoint import check_resumable
 from parablock_flwr.model import load_model
+from parablock_flwr.replica import StepLog
 
 from helpers import simulate, simulate_and_kill_server
 
@@ -252,3 +253,47 @@ def test_bf16_transfer_halves_the_bytes_and_keeps_the_invariant_exact(tmp_path, 
         step = run.step(rec["round"])[1]
         assert all(torch.equal(t, t.to(torch.bfloat16).float()) for t in step.values())
     assert run.records[-1]["heldout_loss"] < run.records[0]["heldout_loss"]
+
+
+def test_a_bounded_step_log_resumes_from_its_snapshot_bit_for_bit(tmp_path, tiny_model_dir, parablock_run):
+    """`snapshot-every = 2`: the server is killed in round 4 of 4; the steps the log would drop at its
+    next snapshot (v1, v2: up to the older snapshot) are removed, so the resumed run can only rebuild
+    x^3 from snapshot v2 plus step 3, and its fresh Ray actors start from that snapshot too. It ends
+    with the uninterrupted run's model (`parablock_run`, every step kept), bit for bit."""
+    same = dict(algorithm="parablock", num_server_rounds=ROUNDS, verify_invariant=True, **SCHEDULE)
+    killed = simulate_and_kill_server(tmp_path / "killed", tiny_model_dir, after_round=3, snapshot_every=2, **same)
+    assert killed.run_dir is not None
+    log = StepLog(killed.run_dir)
+    assert 2 in log.snapshots()
+    for version in (1, 2):
+        (log.dir / f"v{version:05d}.safetensors").unlink(missing_ok=True)
+    resumed = _ok(
+        simulate(
+            tmp_path / "resumed",
+            tiny_model_dir,
+            resume_from=str(killed.run_dir),
+            save_final_model=True,
+            snapshot_every=2,
+            **same,
+        )
+    )
+    assert "after round 3" in resumed.stdout
+    assert all(r["invariant_failed"] == 0 for r in resumed.records[1:])
+    final, uninterrupted = resumed.final_model(), parablock_run.final_model()
+    assert final.keys() == uninterrupted.keys() and all(torch.equal(final[n], uninterrupted[n]) for n in final)
+    new_log = StepLog(resumed.run_dir)
+    assert new_log.snapshots() == [2, 4] and new_log.steps() == [3, 4]
+
+
+def test_only_aggregation_lies_between_a_rounds_last_reply_and_the_next_messages(parablock_run):
+    """The server pushes round r+1's messages as soon as g^r exists and evaluates round r only
+    afterwards, while round r+1's replies are outstanding; replies are checked as they arrive
+    (the first one before the last has come)."""
+    records = _ok(parablock_run).records
+    for rec in records[1:-1]:
+        assert rec["evaluation_started_after_next_push_s"] >= 0, rec["round"]
+        assert rec["heldout_loss"] is not None and rec["evaluate_s"] > 0
+        times = rec["server_times"]
+        assert times["pushed"] <= times["first_reply_checked"] <= times["last_reply"] <= times["aggregated"]
+    # Between the last reply and the next messages: aggregation, the step log, the next messages.
+    assert max(rec["server_critical_path_s"] for rec in records[1:-1]) < 5.0

@@ -67,5 +67,19 @@ def test_an_unknown_node_config_key_is_named_with_the_closest_known_one():
     assert unknown_node_config_key({"partition-id": 0, "worker-sockt": "/tmp/w.sock"}) == (
         "node config worker-sockt: unknown key; did you mean worker-socket?"
     )
-    assert "unknown key; expected one of partition-id" in unknown_node_config_key({"dataset": "alpaca:x"})
+    assert "unknown key; expected one of partition-id" in unknown_node_config_key({"colour": "blue"})
     assert unknown_node_config_key({"partition-id": 1, "num-partitions": 2}) is None
+
+
+def test_on_receipt_the_drift_of_the_live_model_is_measured_and_small(tmp_path, tiny_model_dir):
+    """on-receipt: round 2's message reaches the worker while round 2 runs ahead; the aggregate is
+    applied in place at a step boundary, and the reply reports how far the live model the round
+    finished on is from the exact x^1 + Δ^2: float rounding only."""
+    config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 40, "correction": "on-receipt"})
+    worker = NodeWorker()
+    _, update1 = worker.train(header(config, 1, block=1, next_block=1), {})
+    g1 = {f"global-step/{n}": a * np.float32(0.5) for n, a in update1.items()}
+    reply, _ = worker.train(header(config, 2, block=1, next_block=-1), g1)
+    metrics = reply["metrics"]
+    assert 1 <= metrics["correction-after-step"] < 40  # applied mid-round, at a step boundary
+    assert 0.0 <= metrics["correction-drift"] < 1e-5, metrics["correction-drift"]

@@ -23,6 +23,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, 
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
+from ..node_data import NODE_SETTINGS_KEYS, NodeSettings, node_settings_problem
 from ..worker.protocol import request
 
 
@@ -30,11 +31,11 @@ def _process_start_time() -> float:
     """When this process started (Linux /proc), else now: for the start-up time in the timeline."""
     try:
         with open("/proc/self/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # since boot, in clock ticks
+        # The boot time to the clock's precision (/proc/stat's btime is whole seconds).
+        boot = time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
         return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, StopIteration):
+    except (OSError, ValueError, AttributeError):
         return time.time()
 
 
@@ -42,7 +43,7 @@ _PROCESS_STARTED = _process_start_time()
 app = ClientApp()
 
 # The node-config keys this app reads; any other key is refused rather than silently ignored.
-NODE_CONFIG_KEYS = ("partition-id", "num-partitions", "worker-socket")
+NODE_CONFIG_KEYS = ("partition-id", "num-partitions", "worker-socket", *NODE_SETTINGS_KEYS)
 
 
 def unknown_node_config_key(node_config) -> str | None:
@@ -52,7 +53,7 @@ def unknown_node_config_key(node_config) -> str | None:
             close = difflib.get_close_matches(key, NODE_CONFIG_KEYS, n=1)
             hint = f"did you mean {close[0]}?" if close else f"expected one of {', '.join(NODE_CONFIG_KEYS)}"
             return f"node config {key}: unknown key; {hint}"
-    return None
+    return node_settings_problem(node_config)
 
 
 @app.train()
@@ -67,6 +68,20 @@ def train(msg: Message, context: Context) -> Message:
     return relay_to_worker(msg, context, str(socket_path))
 
 
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    """``evaluation = "clients"``, after the last round: the held-out loss of ``x^R`` on this node's own
+    held-out split (every earlier ``x^{r-1}`` is evaluated inside round r, see docs/architecture.md)."""
+    if (problem := unknown_node_config_key(context.node_config)) is not None:
+        return _error(msg, problem)
+    socket_path = context.node_config.get("worker-socket")
+    if not socket_path:
+        from .inline import evaluate_inline
+
+        return evaluate_inline(msg, context)
+    return relay_to_worker(msg, context, str(socket_path), op="evaluate")
+
+
 @app.query()
 def identify(msg: Message, context: Context) -> Message:
     """Which data partition this node serves: a resumed server maps its new node ids to the
@@ -75,15 +90,17 @@ def identify(msg: Message, context: Context) -> Message:
     return Message(content=RecordDict({"node": MetricRecord({"partition-id": partition_id})}), reply_to=msg)
 
 
-def relay_to_worker(msg: Message, context: Context, socket_path: str) -> Message:
-    """Hand ``g^{r-1}`` and the round's blocks to the node worker; reply its ``Δ_i^r``."""
+def relay_to_worker(msg: Message, context: Context, socket_path: str, op: str = "train") -> Message:
+    """Hand ``g^{r-1}`` and the round's blocks to the node worker; reply its ``Δ_i^r`` (``op="train"``),
+    or its evaluation of ``x^R`` (``op="evaluate"``)."""
     header = {
-        "op": "train",
+        "op": op,
         "run-id": context.run_id,
         "run-config": dict(context.run_config),
         "round": dict(msg.content["round"]),
         "partition-id": int(context.node_config.get("partition-id", 0)),
         "num-partitions": int(context.node_config.get("num-partitions", 1)),
+        "node": NodeSettings.from_node_config(context.node_config).as_header(),  # its own data and device
     }
     # Every array record travels (g^{r-1}, and any catch-up), named "record/param".
     arrays = {
@@ -113,6 +130,8 @@ def relay_to_worker(msg: Message, context: Context, socket_path: str) -> Message
             "clientapp-imported-torch": int("torch" in sys.modules),
         },
     )
+    if op == "evaluate":
+        return Message(content=RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
     content = RecordDict(
         {"update": ArrayRecord({n: Array(a) for n, a in update.items()}), "metrics": MetricRecord(metrics)}
     )

@@ -13,6 +13,7 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from .. import core, node
 from ..config import RunConfig
+from ..node_data import NodeSettings
 from ..records import to_record, to_tensors
 from ..replica import StepLog, catch_up_steps, resumed_pending
 from ..runtime import setup_torch
@@ -42,7 +43,7 @@ def train_inline(msg: Message, context: Context) -> Message:
     """Round r of the algorithm named in the message, for the node this context belongs to."""
     cfg = RunConfig.from_flower(context.run_config)
     setup_torch(cfg)
-    resources = node.resources(cfg, context.run_id)
+    resources = node.resources(cfg, context.run_id, NodeSettings.from_node_config(context.node_config))
     round_cfg = msg.content["round"]
     server_round, block = int(round_cfg["server-round"]), int(round_cfg["block"])
     partition_id = int(context.node_config.get("partition-id", 0))
@@ -65,9 +66,14 @@ def train_inline(msg: Message, context: Context) -> Message:
         from_log.append(version)
         return step_log.read(version)
 
+    # Behind a pruned step log (snapshot-every): start again from a snapshot. ParaBlock needs x^{r-2} next.
+    step_log.rebase_if_pruned(resources.replica, server_round - 2)
     pending = resumed_pending(round_cfg, records)
     if pending is None and "sync-version" not in round_cfg:
         pending = load_pending(context.state)
+    if "sync-version" in round_cfg:  # a full sync: the node's own state goes, its residuals too
+        for key in [k for k in context.state if k.startswith("residual-")]:
+            del context.state[key]
     residual_key = f"residual-{block}"  # error feedback of transfer-dtype, one record per block trained
     residuals = {block: to_tensors(context.state[residual_key])} if residual_key in context.state else {}
     done = node.train_round(
@@ -86,6 +92,8 @@ def train_inline(msg: Message, context: Context) -> Message:
     if block in residuals:
         context.state[residual_key] = to_record(residuals[block])
     metrics = node.update_metrics(done.result, server_round, block, partition_id, done.base_version)
+    if (version := node.evaluation_due(round_cfg)) is not None:  # x^{r-1}: the replica holds it now
+        metrics.update(node.evaluate_replica(resources, cfg, version, bool(round_cfg.get("evaluate-generate", 0))))
     content = RecordDict(
         {
             "update": to_record(done.result.delta, cfg.transfer_dtype),
@@ -95,3 +103,20 @@ def train_inline(msg: Message, context: Context) -> Message:
     if done.trace:
         content["trace"] = ConfigRecord(done.trace)
     return Message(content=content, reply_to=msg)
+
+
+def evaluate_inline(msg: Message, context: Context) -> Message:
+    """``evaluation = "clients"`` after the last round: this node's held-out loss of ``x^R``."""
+    cfg = RunConfig.from_flower(context.run_config)
+    setup_torch(cfg)
+    resources = node.resources(cfg, context.run_id, NodeSettings.from_node_config(context.node_config))
+    round_cfg = msg.content["round"]
+    records = {name: to_tensors(msg.content[name]) for name in ("global-step", "catch-up") if name in msg.content}
+    steps = catch_up_steps(round_cfg, records)
+    step_log = StepLog(round_cfg["run-dir"])
+    version = int(round_cfg["evaluate-version"])
+    step_log.rebase_if_pruned(resources.replica, version - 1)
+    resources.replica.advance_to(version, lambda v: steps[v] if v in steps else step_log.read(v))
+    metrics = node.evaluate_replica(resources, cfg, version, bool(round_cfg.get("evaluate-generate", 0)))
+    metrics["partition-id"] = int(context.node_config.get("partition-id", 0))
+    return Message(content=RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)

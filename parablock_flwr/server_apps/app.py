@@ -1,8 +1,9 @@
 """The ServerApp: validate the config, load the global model, run the chosen strategy.
 
 The server keeps the global model and evaluates it itself (held-out loss
-every ``eval-every`` rounds, generation accuracy on math data); messages
-carry only block-sized arrays. Models are exported in Hugging Face form.
+every ``eval-every`` rounds, generation accuracy on math data), or with
+``evaluation = "clients"`` aggregates the nodes' evaluations on their own
+held-out rows and loads no data; messages carry only block-sized arrays. Models are exported in Hugging Face form.
 """
 
 from __future__ import annotations
@@ -88,9 +89,12 @@ def run_app(grid: Grid, context: Context, run: dict) -> None:
         strategy_cls = strategy_class(cfg.algorithm, cfg.strategy)
         num_clients = wait_for_nodes(grid)
         check_num_clients(num_clients)
-        _, heldout = tokenized_splits(
-            cfg.dataset, cfg.num_examples, cfg.heldout_examples, cfg.seed, tokenizer, cfg.max_seq_len
-        )
+        heldout = None  # evaluation = "clients": the server reads no data and runs no forward pass
+        if cfg.evaluation == "server":
+            check_eval_device(cfg.eval_device)
+            _, heldout = tokenized_splits(
+                cfg.dataset, cfg.num_examples, cfg.heldout_examples, cfg.seed, tokenizer, cfg.max_seq_len
+            )
         checkpoint = check_resumable(cfg.resume_path, cfg.as_run_config()) if cfg.resume_path else None
         if cfg.num_examples - cfg.heldout_examples < num_clients:
             raise ConfigError(
@@ -127,10 +131,10 @@ def run_app(grid: Grid, context: Context, run: dict) -> None:
         last = server_round == cfg.num_server_rounds
         if cfg.save_every and server_round and (server_round % cfg.save_every == 0 or last):
             save_model(model, tokenizer, run_dir / "checkpoints" / f"round-{server_round:05d}")
-        if not (server_round % cfg.eval_every == 0 or last):
-            return None
+        if heldout is None or not (server_round % cfg.eval_every == 0 or last):
+            return None  # with evaluation = "clients" the nodes' evaluation completes the record
         generate = server_round == 0 or last or bool(cfg.generate_every and server_round % cfg.generate_every == 0)
-        metrics, samples = evaluate(model, tokenizer, heldout, cfg, generate)
+        metrics, samples = evaluate_on(cfg.eval_device, model, tokenizer, heldout, cfg, generate)
         if samples:
             write_samples(run_dir / "samples" / f"round-{server_round:05d}.jsonl", samples)
         return MetricRecord(metrics)
@@ -149,6 +153,28 @@ def run_app(grid: Grid, context: Context, run: dict) -> None:
         raise RunFailed(err.kind, f"Stopping the run: {err}") from err
     if cfg.save_final_model:
         save_model(model, tokenizer, run_dir / "final-model")
+
+
+def evaluate_on(device: str, model, tokenizer, heldout, cfg: RunConfig, generate: bool) -> tuple[dict, list]:
+    """``evaluate`` on ``eval-device``: the model (whose parameters are the global ``x``) is moved there
+    and back to the CPU afterwards; ``Module.to`` keeps the same parameter objects and copies exactly."""
+    if device == "cpu":
+        return evaluate(model, tokenizer, heldout, cfg, generate)
+    model.to(device)
+    try:
+        return evaluate(model, tokenizer, heldout, cfg, generate)
+    finally:
+        model.to("cpu")
+
+
+def check_eval_device(device: str) -> None:
+    """A CUDA ``eval-device`` this machine has (checked before any work)."""
+    if device == "cpu":
+        return
+    import torch
+
+    if not torch.cuda.is_available() or (torch.device(device).index or 0) >= torch.cuda.device_count():
+        raise ConfigError(f"eval-device={device!r}: this machine has {torch.cuda.device_count()} CUDA devices")
 
 
 def _run_dir_for_failure(context: Context) -> Path | None:

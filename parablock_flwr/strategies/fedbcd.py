@@ -11,8 +11,7 @@ The parts live beside the class, as Flower keeps ``strategy_utils`` beside ``Fed
 from __future__ import annotations
 
 import logging
-import math
-import random
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from ..checkpoint import clear_staged_pending
 from ..config import RunConfig
 from ..records import to_record
 from ..replica import FetchStep, ModelReplica
-from .node_sync import NodeSync, ask_partitions
+from .node_sync import NodeSync, ask_partitions, seeded_sample
 from .reply_checks import Expected, Reply, check_partition, parse_reply
 from .round_loop import RoundLoop
 from .round_stats import RoundStats, TooFewReplies, array_bytes, round_record
@@ -60,7 +59,8 @@ class FedBCD(RoundLoop):
         self.global_params = global_params
         self.partition = partition
         self.schedule = schedule
-        self.link = core.LinkModel(self.config.uplink_mbps, self.config.downlink_mbps, self.config.latency_ms)
+        cfg = self.config
+        self.link = core.LinkModel(cfg.uplink_mbps, cfg.downlink_mbps, cfg.latency_ms, cfg.message_overhead_s)
         self.sync = NodeSync(global_params, partition.num_blocks, self.step_log, self.config.transfer_dtype)
         self.stats = RoundStats(0)
         self.last_metrics: dict = {}  # the last round's record
@@ -92,16 +92,13 @@ class FedBCD(RoundLoop):
         already aggregated (or was rejected): on its return it is resynchronised.
         """
         _, available = sample_nodes(grid, self.config.min_available_nodes, sample_size=1)  # waits for enough
-        nodes = sorted(available)
-        if self.config.fraction_train >= 1.0:
-            return nodes
-        k = max(1, math.ceil(self.config.fraction_train * len(nodes)))
-        return sorted(random.Random(self.config.seed * 1_000_003 + server_round).sample(nodes, k))
+        return seeded_sample(sorted(available), self.config.fraction_train, self.config.seed * 1_000_003 + server_round)
 
     def round_config(self, server_round: int, block: int, step_block: int) -> ConfigRecord:
         """What every client is told this round; subclasses may add keys."""
         return ConfigRecord(
             {
+                **self.client_evaluation_keys(server_round - 1),
                 "server-round": server_round,
                 "block": block,
                 "step-block": step_block,
@@ -198,11 +195,16 @@ class FedBCD(RoundLoop):
         self.sync.applying(step)
         core.apply_step(self.global_params, step)
         self.step_log.write(server_round, block, step)
+        if self.config.snapshot_every and server_round % self.config.snapshot_every == 0:
+            self.step_log.write_snapshot(server_round, self.global_params)  # bounded disk: StepLog.prune
+            self.step_log.prune()
         for reply in accepted:
             self.sync.accepted(reply.node, server_round, reply.partition_id)
 
+        self.collect_client_evaluation(server_round - 1, accepted)
+        weights = [self.client_weight(r.metrics) for r in accepted]
         record = round_record(
-            self.stats, self.partition.labels[block], block, step, accepted, self.link, self.overlapped
+            self.stats, self.partition.labels[block], block, step, accepted, weights, self.link, self.overlapped
         )
         record.update(self.round_clock({r.node: r.metrics for r in accepted}))
         record.update(self.extra_round_metrics(server_round, accepted))
@@ -216,14 +218,14 @@ class FedBCD(RoundLoop):
         """``accepted`` plus the valid ones of ``replies``; each rejection is logged and counted."""
         shapes = {n: tuple(self.global_params[n].shape) for n in self.partition.names(block)}
         cfg = self.config
-        expected = Expected(
-            server_round, block, shapes, cfg.max_examples_per_client, cfg.max_update_norm, cfg.transfer_dtype
-        )
+        expected = Expected(server_round, block, shapes, cfg.max_examples_per_client, cfg.max_update_norm,
+                            cfg.transfer_dtype, cfg.max_correction_drift)  # fmt: skip
         seen = {r.partition_id for r in accepted}
         for msg in replies:
             self.stats.num_replies += 1
             self.stats.wire_bytes_up += 0 if msg.has_error() else array_bytes(msg.content)
             reply = parse_reply(msg, expected)
+            self._times.setdefault("first_reply_checked", time.time())
             if isinstance(reply, Reply):  # well-formed: the round's rules, then the subclass's
                 reply = (
                     check_partition(reply, seen, self.sync.partitions)

@@ -12,6 +12,9 @@ handed back its own ``Δ_i^{r-1}`` after a server restart trains from.
 
 from __future__ import annotations
 
+import math
+import random
+
 from flwr.app import Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
@@ -57,8 +60,10 @@ class NodeSync:
         """Catch-up or full sync, and any resume hand-back, for ``node``; returns what was added."""
         pending = self.pending_to_hand_back(server_round, node)
         missed = list(range(self.versions.get(node, 0) + 1, server_round - 1))
+        pruned = any(not self.step_log.has(version) for version in missed)  # snapshot-every dropped them
         full = node in self.needs_full_sync or (
-            server_round >= 2 and (len(missed) > self.num_blocks or (pending is not None and node not in self.versions))
+            server_round >= 2
+            and (len(missed) > self.num_blocks or pruned or (pending is not None and node not in self.versions))
         )
         sent = {"catch_up_steps_sent": 0, "full_syncs_sent": 0}
         if full and server_round >= 2:
@@ -106,3 +111,11 @@ def ask_partitions(grid: Grid, nodes: list[int], timeout: float) -> dict[int, in
         if type(value) is int and value >= 0:
             answers[msg.metadata.src_node_id] = value
     return answers
+
+
+def seeded_sample(nodes: list[int], fraction: float, seed: int) -> list[int]:
+    """``fraction`` of ``nodes`` (at least one), sorted, the same for the same seed."""
+    if fraction >= 1.0:
+        return nodes
+    k = max(1, math.ceil(fraction * len(nodes)))
+    return sorted(random.Random(seed).sample(nodes, k))

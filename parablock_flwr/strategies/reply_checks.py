@@ -33,9 +33,17 @@ OPTIONAL_NUMBER_METRICS = (
     "prev-reply-sent",
     "waited-s",
     "correction-after-step",
+    "correction-drift",
     "clientapp-start",
     "clientapp-reply",
     "clientapp-imported-torch",
+    "truncated-examples",  # examples of the round's batches cut at max-seq-len
+    # evaluation = "clients": the node's held-out evaluation of x^{eval-version} (node.evaluate_replica)
+    "eval-version",
+    "heldout-loss",
+    "heldout-examples",
+    "math-accuracy",
+    "math-examples",
 )
 
 
@@ -49,6 +57,7 @@ class Expected:
     max_num_examples: float
     max_update_norm: float = 0.0  # 0: no bound
     transfer_dtype: str = "fp32"  # the payload dtype updates travel in (records.WIRE_DTYPES)
+    max_correction_drift: float = 0.0  # on-receipt: the bound on a node's reported drift (0: none)
 
 
 @dataclass
@@ -89,6 +98,9 @@ def parse_reply(msg: Message, expected: Expected) -> Reply | str:
         return f"num-examples={metrics['num-examples']}, expected a number in (0, {expected.max_num_examples:g}]"
     if metrics["partition-id"] < 0:
         return f"partition-id={metrics['partition-id']}, expected >= 0"
+    drift = metrics.get("correction-drift", 0.0)
+    if expected.max_correction_drift > 0 and drift > expected.max_correction_drift:
+        return f"correction drift {drift:.3g} above max-correction-drift={expected.max_correction_drift:g}"
     update = read_update(arrays, expected.shapes, expected.transfer_dtype)
     if isinstance(update, str):
         return update

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
@@ -22,7 +22,9 @@ from ..checkpoint import Checkpoint, replay_run, save_checkpoint
 from ..metrics import RunRecorder, round_line
 from ..records import to_record
 from ..replica import StepLog
+from . import client_evaluation
 from .node_sync import NodeSync
+from .reply_checks import Reply
 from .round_stats import critical_path_rows
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,9 @@ class RoundLoop(Strategy):
         self._previous: dict = {}
         self._arrivals: dict[int, float] = {}
         self._modeled_wall_s = 0.0
+        # evaluation = "clients": version -> the nodes' aggregated held-out evaluation of x^version; it comes
+        # with round version+1's replies, after round version's record is written (which it then completes).
+        self.client_evaluations: dict[int, dict] = {}
 
     @property
     def first_round(self) -> int:
@@ -66,6 +71,33 @@ class RoundLoop(Strategy):
 
     def load_state_dict(self, state: dict) -> None:
         """Override point: restore what ``state_dict`` returned."""
+
+    def client_evaluation_keys(self, version: int) -> dict:
+        """``evaluation = "clients"``: what asks the nodes of round ``version + 1`` to evaluate ``x^version``."""
+        return client_evaluation.request_keys(self.config, version, self._num_rounds)
+
+    def collect_client_evaluation(self, version: int, replies: list[Reply]) -> None:
+        """The nodes' evaluations of ``x^version`` that came with round ``version + 1``'s replies."""
+        rows = [r.metrics for r in replies if r.metrics.get("eval-version") == version]
+        if rows:
+            self.client_evaluations[version] = client_evaluation.aggregate(rows)
+
+    def final_evaluation(self, grid: Grid, arrays: ArrayRecord, num_rounds: int) -> None:
+        """``evaluation = "clients"``: the nodes of the last round evaluate ``x^R`` (an EVALUATE message
+        carrying ``g^R`` and any catch-up) after the last round."""
+        if self.config.evaluation != "clients" or not self.stats.nodes:
+            return
+        round_cfg = {"server-round": num_rounds + 1, "block": -1, "step-block": self.block_for_round(num_rounds),
+                     "next-block": -1, "algorithm": self.algorithm, "run-dir": str(self.run_dir),
+                     **self.client_evaluation_keys(num_rounds)}  # fmt: skip
+        messages = []
+        for node in self.stats.nodes:
+            content = RecordDict({"global-step": arrays, "round": ConfigRecord(dict(round_cfg))})
+            self.sync.add_to_message(content, num_rounds + 1, node)
+            messages.append(Message(content=content, message_type=MessageType.EVALUATE, dst_node_id=node))
+        replies = self.replies_as_they_arrive(grid, list(grid.push_messages(messages)))
+        if rows := client_evaluation.valid_rows(replies, num_rounds):
+            self.client_evaluations[num_rounds] = client_evaluation.aggregate(rows)
 
     def summary(self) -> None:
         log.info("%s: %d blocks, %d rounds", type(self).__name__, self.partition.num_blocks, self._num_rounds)
@@ -105,11 +137,13 @@ class RoundLoop(Strategy):
         for server_round in range(self.first_round, num_rounds + 1):
             message_ids = list(grid.push_messages(self.configure_train(server_round, arrays, ConfigRecord(), grid)))
             self._times["pushed"] = time.time()
+            self._times.pop("first_reply_checked", None)
             if due is not None:
                 self.finish_round(due, result, evaluate_fn)
             arrays, train_metrics = self.aggregate_train(server_round, self.replies_as_they_arrive(grid, message_ids))
             result.arrays, result.train_metrics_clientapp[server_round] = arrays, train_metrics
             due = server_round
+        self.final_evaluation(grid, result.arrays, num_rounds)
         self.finish_round(due, result, evaluate_fn)
         return result
 
@@ -134,6 +168,8 @@ class RoundLoop(Strategy):
         clock = {
             "round_wall_s": now - self._times.get("aggregated", now),
             "aggregate_s": now - self._times.get("last_reply", now),
+            # Wall-clock stamps of the round on the server: pushed, first reply checked, last reply, aggregated.
+            "server_times": {**self._times, "aggregated": now},
             **critical_path_rows(accepted_metrics, self._previous, self._times.get("pushed")),
         }
         self._previous = {
@@ -147,15 +183,21 @@ class RoundLoop(Strategy):
 
     def finish_round(self, server_round: int, result: Result, evaluate_fn) -> None:
         """Round r's evaluation, record and checkpoint (r = 0: the evaluation before training)."""
-        started = time.time()
+        started = time.time()  # round r+1's messages are out already (``pushed``)
         metrics = evaluate_fn(server_round, result.arrays) if evaluate_fn else None
         evaluation = dict(metrics or {})
         if metrics is not None:
             result.evaluate_metrics_serverapp[server_round] = metrics
         evaluation["evaluate_s"] = time.time() - started
+        evaluation.update(self.client_evaluations.pop(server_round, {}))
+        for version in sorted(self.client_evaluations):  # earlier rounds' records, completed in place
+            done = self.client_evaluations.pop(version)
+            self.recorder.update(version, done)
+            log.info("round %d: heldout_loss %.4f (clients' own held-out rows)", version, done["heldout_loss"])
         if 0 < server_round < self._num_rounds and "last_reply" in self._times:
             # From the round's last reply to the next round's messages being out: only aggregation.
             evaluation["server_critical_path_s"] = self._times["pushed"] - self._times["last_reply"]
+            evaluation["evaluation_started_after_next_push_s"] = started - self._times["pushed"]
         self.record_round(server_round, evaluation)
         if server_round > 0:
             self.save_checkpoint(server_round)

@@ -62,6 +62,7 @@ def round_record(
     block: int,
     step: core.Tensors,
     accepted: list[Reply],
+    weights: list[float],
     link: core.LinkModel,
     overlapped: bool,
 ) -> dict:
@@ -94,6 +95,13 @@ def round_record(
         "modeled_round_s": overlapped_s if overlapped else sequential,
         # Global steps the client processes replayed from the step log to catch up.
         "replica_steps_from_log": sum(int(r.metrics.get("steps-from-log", 0)) for r in accepted),
+        # Each accepted client's weight: its own example count (node-local data) or its partition's size.
+        "client_weights": [
+            {"partition_id": r.partition_id, "num_examples": r.num_examples, "weight": w}
+            for r, w in zip(accepted, weights)
+        ],
+        "correction_drift_max": max((r.metrics.get("correction-drift", 0.0) for r in accepted), default=0.0),
+        "truncated_examples": sum(int(r.metrics.get("truncated-examples", 0)) for r in accepted),
         **timeline_metrics(accepted),
     }
 

@@ -176,17 +176,12 @@ def register_supernode(public_key: Path, env: dict[str, str]) -> None:
         raise RuntimeError(f"flwr supernode register {public_key} failed: {proc.stdout[-500:]}{proc.stderr[-500:]}")
 
 
-def worker_command(socket_path: Path, idle_exit_s: int = 0) -> list[str]:
-    """The node worker listening on the Unix socket ``socket_path``."""
-    return [
-        sys.executable,
-        "-m",
-        "parablock_flwr.worker",
-        "--socket",
-        str(socket_path),
-        "--idle-exit-s",
-        str(idle_exit_s),
-    ]
+def worker_command(socket_path: Path, idle_exit_s: int = 0, compute_cpus: str = "") -> list[str]:
+    """The node worker listening on the Unix socket ``socket_path`` (its compute thread pinned to
+    ``compute_cpus``, e.g. "1", when given)."""
+    pin = ["--compute-cpus", compute_cpus] if compute_cpus else []
+    return [sys.executable, "-m", "parablock_flwr.worker", "--socket", str(socket_path),
+            "--idle-exit-s", str(idle_exit_s), *pin]  # fmt: skip
 
 
 def node_config(partition_id: int, num_partitions: int, worker_socket: Path) -> str:
@@ -547,6 +542,7 @@ def run_deployment(
     capture: bool = True,
     on_started: Callable[[LocalDeployment], None] | None = None,
     secure: bool = False,
+    node_settings: Sequence[str] = (),
 ) -> RunResult:
     """A real local deployment: a SuperLink, N SuperNodes each with its node worker, then `flwr run`.
 
@@ -555,7 +551,8 @@ def run_deployment(
     and admits only SuperNodes whose keys were registered with `flwr supernode
     register`; each SuperNode gets its own key, registered before it starts.
     ``on_started(deployment)`` is called once every process is up. ``app_dir`` and the
-    check of the overrides: as ``run_simulation``.
+    check of the overrides: as ``run_simulation``. ``node_settings[i]``, when given, is added to
+    SuperNode i's ``--node-config`` (its own data and device, e.g. ``dataset="alpaca:/srv/a.jsonl"``).
     """
     app_dir = find_project_dir() if app_dir is None else Path(app_dir)
     run_config = {"min-available-nodes": num_supernodes, **run_config}  # start once every node is connected
@@ -583,6 +580,8 @@ def run_deployment(
                 auth_key, public_key = make_node_key(workdir / "credentials", f"supernode-{i}")
                 register_supernode(public_key, env)
             config = node_config(i, num_supernodes, sockets / f"worker-{i}.sock")
+            if i < len(node_settings) and node_settings[i]:
+                config = f"{config} {node_settings[i]}"
             _start_supernode(
                 stack,
                 workdir / f"supernode-{i}.log",

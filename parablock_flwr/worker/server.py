@@ -32,6 +32,7 @@ import numpy as np
 
 from .. import core, node
 from ..config import RunConfig
+from ..node_data import NodeSettings
 from ..records import decode, encode
 from ..replica import catch_up_steps, resumed_pending
 from ..runtime import setup_torch
@@ -52,6 +53,8 @@ class CorrectionSlot:
         self._lock = threading.Lock()
         self._posted: tuple[core.Tensors, core.Tensors] | None = None
         self.applied_after_step: int | None = None
+        self._touched: set[str] = set()
+        self.live: core.Tensors = {}  # the corrected blocks as training left them (``capture``)
 
     def post(self, step: core.Tensors, own_update: core.Tensors) -> None:
         with self._lock:
@@ -63,6 +66,24 @@ class CorrectionSlot:
         if posted is not None and self.applied_after_step is None:
             core.correct_in_place(params, before, *posted)
             self.applied_after_step = k
+            self._touched = set(posted[0]) | set(before)
+
+    def capture(self, params: dict) -> None:
+        """After the last step: keep what the correction touched, to measure its drift (``drift``)."""
+        if self.applied_after_step is not None:
+            self.live = {n: params[n].detach().float().clone() for n in self._touched}
+
+    def drift(self, replica_params: dict, own_update: core.Tensors) -> float:
+        """The largest difference between the live model the round finished on and the exact
+        ``x^{r-1} + Δ_i^r`` (the replica once re-based, plus the node's update): float rounding of
+        the in-place correction; 0 when it was not applied."""
+        worst = 0.0
+        for n, live in self.live.items():
+            exact = replica_params[n].detach().float().cpu()
+            if n in own_update:
+                exact = exact + own_update[n].float()
+            worst = max(worst, float((live.cpu() - exact).abs().max()))
+        return worst
 
 
 def split_records(arrays: dict[str, np.ndarray]) -> dict[str, core.Tensors]:
@@ -77,9 +98,14 @@ def split_records(arrays: dict[str, np.ndarray]) -> dict[str, core.Tensors]:
 class NodeWorker:
     """One node's persistent state and its background computation."""
 
-    def __init__(self) -> None:
-        self.compute_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parablock-compute")
+    def __init__(self, compute_cpus: set[int] | None = None) -> None:
+        # Every computation runs in this one thread; pinned to ``compute_cpus`` when given, so that
+        # receiving, decoding and sending arrays (the request threads) stay off the compute's cores.
+        self.compute_thread = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="parablock-compute", initializer=_pin_thread, initargs=(compute_cpus,)
+        )
         self.run_id: int | None = None
+        self.device = ""  # --device: the node's device unless its node config names one
         self.pending: core.PendingUpdate | None = None
         self.residuals: dict[int, core.Tensors] = {}  # transfer-dtype's error feedback, by block
         self.ahead: tuple[int, Future, CorrectionSlot] | None = None  # round, its TrainResult, its slot
@@ -93,7 +119,7 @@ class NodeWorker:
         if header["run-id"] != self.run_id:
             self._new_run(header["run-id"])
         setup_torch(cfg)
-        resources = node.resources(cfg, header["run-id"])
+        resources = node.resources(cfg, header["run-id"], self.node_settings(header))
         round_cfg = header["round"]
         server_round, block = int(round_cfg["server-round"]), int(round_cfg["block"])
         partition_id, num_partitions = int(header["partition-id"]), int(header["num-partitions"])
@@ -122,7 +148,7 @@ class NodeWorker:
             self.pending, self.residuals = None, {}
         if handed_back is not None:  # the server restarted from a checkpoint
             self.pending = handed_back
-        waited, computed_ahead, correction_step = 0.0, None, cfg.local_steps
+        waited, computed_ahead, correction_step, drift_slot = 0.0, None, cfg.local_steps, None
         if ahead is not None:
             _, future, slot = ahead
             if cfg.correction_mode == "on-receipt" and self.pending is not None:
@@ -132,6 +158,12 @@ class NodeWorker:
             waited = time.time() - wait_start
             computed_ahead = (server_round - 2, result)
             correction_step = slot.applied_after_step or cfg.local_steps
+            drift_slot = slot
+        else:  # nothing ran ahead: compute now, in the compute thread too
+            base_version, pending = client.start_point(self.pending, server_round)
+            resources.replica.advance_to(base_version, fetch_step)
+            args = (resources, cfg, server_round, block, pending, base_version, partition_id, num_partitions)
+            computed_ahead = (base_version, self.compute_thread.submit(node.compute_update, *args).result())
         done = node.train_round(
             resources,
             cfg,
@@ -146,6 +178,14 @@ class NodeWorker:
             computed_ahead,
         )
         self.pending = done.kept
+        drift = {}
+        if drift_slot is not None and drift_slot.live and done.kept is not None:  # on-receipt: measured, bounded
+            drift = {"correction-drift": drift_slot.drift(resources.replica.params, done.kept.delta)}
+        evaluation = {}
+        if (version := node.evaluation_due(round_cfg)) is not None:
+            # x^{r-1}, which the replica holds now; nothing runs on it until round r+1 starts below.
+            generate = bool(round_cfg.get("evaluate-generate", 0))
+            evaluation = self.compute_thread.submit(node.evaluate_replica, resources, cfg, version, generate).result()
         next_block = int(round_cfg["next-block"])
         if client.runs_ahead and next_block >= 0:  # round r+1 starts now, while this reply travels
             base_version, pending = client.start_point(self.pending, server_round + 1)
@@ -161,6 +201,7 @@ class NodeWorker:
                 partition_id,
                 num_partitions,
                 slot,
+                slot.capture,
             )
             self.ahead = (server_round + 1, future, slot)
         result = done.result
@@ -172,10 +213,50 @@ class NodeWorker:
             "waited-s": waited,
             "prev-reply-sent": self.last_reply_sent,
             "correction-after-step": correction_step,
+            **drift,
+            **evaluation,
         }
         return {"metrics": metrics, "trace": done.trace}, {
             n: encode(t, cfg.transfer_dtype) for n, t in result.delta.items()
         }
+
+    def evaluate(self, header: dict, arrays: dict[str, np.ndarray]) -> tuple[dict, dict[str, np.ndarray]]:
+        """``evaluation = "clients"`` after the last round: the held-out loss of ``x^R``.
+
+        Nothing runs ahead after round R (its message carried no next block); any computation
+        still running is waited for before the replica moves to ``x^R``."""
+        cfg = RunConfig.from_flower(header["run-config"])
+        if header["run-id"] != self.run_id:
+            self._new_run(header["run-id"])
+        setup_torch(cfg)
+        resources = node.resources(cfg, header["run-id"], self.node_settings(header))
+        round_cfg = header["round"]
+        records = split_records(arrays)
+        steps = catch_up_steps(round_cfg, records)
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None:
+            self._finish(ahead)
+        if "sync-version" in round_cfg:
+            resources.replica.reset_to(int(round_cfg["sync-version"]), records["sync-values"])
+            self.pending, self.residuals = None, {}
+        version = int(round_cfg["evaluate-version"])
+
+        def fetch_step(v: int):
+            if v in steps:
+                return steps[v]
+            raise RuntimeError(f"this worker's model is at v{resources.replica.version}; the message lacks step v{v}")
+
+        resources.replica.advance_to(version, fetch_step)
+        generate = bool(round_cfg.get("evaluate-generate", 0))
+        metrics = self.compute_thread.submit(node.evaluate_replica, resources, cfg, version, generate).result()
+        return {"metrics": {**metrics, "partition-id": int(header["partition-id"])}}, {}
+
+    def node_settings(self, header: dict) -> NodeSettings:
+        """The node's own data and device (its node config, relayed), the device defaulting to ``--device``."""
+        settings = NodeSettings.from_header(header.get("node"))
+        if not settings.device and self.device:
+            settings = NodeSettings(settings.dataset, settings.heldout_dataset, self.device)
+        return settings
 
     @staticmethod
     def _finish(ahead: tuple[int, Future, CorrectionSlot]) -> None:
@@ -200,7 +281,8 @@ class NodeWorker:
                 await send(writer, {"ok": True, "pid": os.getpid(), "run-id": self.run_id})
                 return
             try:
-                reply, reply_arrays = await asyncio.get_running_loop().run_in_executor(None, self.train, header, arrays)
+                handler = self.evaluate if header.get("op") == "evaluate" else self.train
+                reply, reply_arrays = await asyncio.get_running_loop().run_in_executor(None, handler, header, arrays)
             except Exception as err:  # reported to the ClientApp, which replies an error to the server
                 log.exception("round failed")
                 await send(writer, {"error": f"{type(err).__name__}: {err}"})
@@ -211,8 +293,15 @@ class NodeWorker:
             writer.close()
 
 
-async def serve(socket_path: Path, idle_exit_s: float) -> None:
-    worker = NodeWorker()
+def _pin_thread(cpus: set[int] | None) -> None:
+    """Pin the calling thread (Linux: pid 0 is the calling thread) to ``cpus``."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+
+
+async def serve(socket_path: Path, idle_exit_s: float, compute_cpus: set[int] | None = None, device: str = "") -> None:
+    worker = NodeWorker(compute_cpus)
+    worker.device = device
     socket_path.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(FileNotFoundError):
         socket_path.unlink()
@@ -234,10 +323,12 @@ async def serve(socket_path: Path, idle_exit_s: float) -> None:
     worker.compute_thread.shutdown(wait=False, cancel_futures=True)
 
 
-def run_worker(socket_path: Path, idle_exit_s: float = 0.0) -> None:
+def run_worker(
+    socket_path: Path, idle_exit_s: float = 0.0, compute_cpus: set[int] | None = None, device: str = ""
+) -> None:
     """Serve one node until stopped (SIGTERM/SIGINT), or idle for ``idle_exit_s`` if that is > 0.
 
     By default the worker lives as long as its node: a node not sampled for hours, or a
     round longer than an hour, must not lose its model and its pending update."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [worker] %(message)s")
-    asyncio.run(serve(Path(socket_path), idle_exit_s))
+    asyncio.run(serve(Path(socket_path), idle_exit_s, compute_cpus, device))

@@ -1,0 +1,103 @@
+"""Half the bytes, same invariant: the default job with updates and steps sent in fp32, bf16, fp16.
+
+Each run is the README's main job (ParaBlock, the embedded SmolLM2, 2 virtual clients,
+3 rounds on Flower's simulation engine) with only ``transfer-dtype`` changed, and
+``verify-invariant`` on: every client's local model must still be exactly
+``x^{r-1} + Δ_i^r`` (it keeps the rounded update it sent; error feedback carries the
+rounding into its next update of that block). Prints and writes to docs/benchmarks.md:
+the held-out loss after the last round against fp32's, the bytes that crossed (the
+arrays of every message and reply, as serialised), and the invariant checks.
+
+    .venv/bin/python benchmarks/transfer_dtype.py            # fp32, bf16, fp16 (~15 min here)
+    .venv/bin/python benchmarks/transfer_dtype.py --tiny --no-write
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import network
+
+from parablock_flwr.tools.launch import run_simulation
+from parablock_flwr.tools.tiny_model import build_tiny_model
+
+SECTION = "## Transfer precision: bf16 and fp16 updates against fp32"
+
+
+def run(dtype: str, args, model: str, workdir: Path) -> dict:
+    out = workdir / f"out-{dtype}"
+    config = {"model": model, "output-dir": str(out), "num-server-rounds": args.rounds, "transfer-dtype": dtype,
+              "verify-invariant": True, "generate-examples": 0}  # fmt: skip
+    if args.tiny:
+        config.update({"num-examples": 64, "heldout-examples": 8, "layers-per-block": 2, "max-seq-len": 128})
+    print(f"[{time.strftime('%H:%M:%S')}] transfer-dtype={dtype} ...", flush=True)
+    result = run_simulation(workdir / f"flower-{dtype}", config, num_supernodes=2, cpus_per_client=1, timeout_s=3600)
+    if result.returncode != 0 or result.run_dir is None:
+        return {"dtype": dtype, "error": result.reason}
+    records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    trained = records[1:]
+    return {
+        "dtype": dtype,
+        "heldout_loss_initial": records[0]["heldout_loss"],
+        "heldout_loss_final": records[-1]["heldout_loss"],
+        "wire_bytes_up": sum(r["wire_bytes_up"] for r in trained),
+        "wire_bytes_down": sum(r["wire_bytes_down"] for r in trained),
+        "invariant_checked": sum(r.get("invariant_checked", 0) for r in trained),
+        "invariant_failed": sum(r.get("invariant_failed", 0) for r in trained),
+    }
+
+
+def table(rows: list[dict]) -> str:
+    base = next((r for r in rows if r["dtype"] == "fp32" and "error" not in r), None)
+    lines = [
+        "| transfer-dtype | held-out loss r0 → rR | vs fp32 | MB up (all rounds) | MB down | bytes vs fp32 | "
+        "invariant checks (failed) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['dtype']} | failed: {r['error']} | | | | | |")
+            continue
+        gap = f"{100 * (r['heldout_loss_final'] / base['heldout_loss_final'] - 1):+.2f}%" if base else "-"
+        total = r["wire_bytes_up"] + r["wire_bytes_down"]
+        ratio = f"{total / (base['wire_bytes_up'] + base['wire_bytes_down']):.3f}" if base else "-"
+        lines.append(
+            f"| {r['dtype']} | {r['heldout_loss_initial']:.4f} → {r['heldout_loss_final']:.4f} | {gap} | "
+            f"{r['wire_bytes_up'] / 1e6:.1f} | {r['wire_bytes_down'] / 1e6:.1f} | {ratio} | "
+            f"{r['invariant_checked']} ({r['invariant_failed']}) |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtypes", default="fp32,bf16,fp16")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--tiny", action="store_true", help="the tiny test model (seconds), not SmolLM2")
+    p.add_argument("--no-write", action="store_true", help="leave docs/benchmarks.md alone")
+    args = p.parse_args(argv)
+    command = "python benchmarks/transfer_dtype.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    with tempfile.TemporaryDirectory(prefix="parablock-transfer-") as tmp:
+        model = str(build_tiny_model(Path(tmp) / "tiny")) if args.tiny else "embedded:smollm2-135m-instruct"
+        rows = [run(dtype, args, model, Path(tmp)) for dtype in args.dtypes.split(",")]
+    text = table(rows)
+    print(text)
+    if not args.no_write:
+        network.replace_doc_section(
+            SECTION,
+            f"Command: `{command.strip()}`  \nDate: {time.strftime('%Y-%m-%d')}  \n"
+            f"ParaBlock, `{'tiny Llama' if args.tiny else model}`, 2 virtual clients, {args.rounds} rounds, "
+            "verify-invariant on; bytes = the serialised arrays of every message and reply (`wire_bytes_*` in "
+            "metrics.jsonl).\n\n" + text + "\n",
+        )
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""A SuperNode's own data and device, named in its node config (no torch here: the thin ClientApp reads it).
+
+``--node-config 'dataset="alpaca:/srv/site-a/train.jsonl" heldout-dataset="alpaca:/srv/site-a/dev.jsonl"'``:
+such a node trains on its own rows only and never reads the run config's ``dataset``; its
+aggregation weight is its own example count. A node without ``dataset`` trains on its
+``partition-id`` share of the run config's dataset, as in simulation. Both kinds may serve one run.
+``device="cuda:1"`` puts the node's model on that device (default: the worker's ``--device``,
+else ``cuda`` when there is one, else ``cpu``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+DATASET_KINDS = ("reasoning-gym", "alpaca", "mathinstruct")
+NODE_SETTINGS_KEYS = ("dataset", "heldout-dataset", "device")
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    """The node's own settings: empty strings mean "the run config's" (data) or "the default" (device)."""
+
+    dataset: str = ""  # the node's own training data (every form of the run config's ``dataset``)
+    heldout_dataset: str = ""  # its own held-out split for ``evaluation = "clients"``
+    device: str = ""  # cpu, cuda, cuda:N
+
+    @property
+    def local(self) -> bool:
+        return bool(self.dataset)
+
+    @classmethod
+    def from_node_config(cls, node_config: Mapping[str, object]) -> NodeSettings:
+        return cls(*(str(node_config.get(key, "")) for key in NODE_SETTINGS_KEYS))
+
+    @classmethod
+    def from_header(cls, header: Mapping[str, object] | None) -> NodeSettings:
+        """What the relay sent the node worker (``as_header``: the node-config keys)."""
+        return cls.from_node_config(header or {})
+
+    def as_header(self) -> dict[str, str]:
+        return {key: getattr(self, key.replace("-", "_")) for key in NODE_SETTINGS_KEYS}
+
+
+def node_settings_problem(node_config: Mapping[str, object]) -> str | None:
+    """One line saying what is wrong with the node config's data or device settings, or None."""
+    if "device" in node_config and not device_valid(node_config["device"]):
+        return f"node config device={node_config['device']!r}: expected cpu, cuda or cuda:<index>"
+    for key in ("dataset", "heldout-dataset"):
+        if key not in node_config:
+            continue
+        value = node_config[key]
+        kind, _, source = value.partition(":") if isinstance(value, str) else ("", "", "")
+        if kind not in DATASET_KINDS or not source:
+            return (
+                f"node config {key}={value!r}: expected reasoning-gym:<task>, alpaca:<path or hub id> "
+                f"or mathinstruct:<path or hub id>"
+            )
+    if "dataset" in node_config and "partition-id" not in node_config:
+        return (
+            f"node config dataset={node_config['dataset']!r}: also set partition-id=<an integer unique among "
+            f"the nodes> (the node's identity: its batches' seed, its place in the aggregation order, resume)"
+        )
+    return None
+
+
+def device_valid(value: object) -> bool:
+    """``cpu``, ``cuda`` or ``cuda:<index>`` (whether that GPU exists is checked where torch runs)."""
+    if not isinstance(value, str):
+        return False
+    kind, colon, index = value.partition(":")
+    return value == "cpu" or (kind == "cuda" and (not colon or index.isdigit()))

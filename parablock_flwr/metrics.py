@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 from pathlib import Path
-
-log = logging.getLogger("parablock_flwr")
 
 
 class RunRecorder:

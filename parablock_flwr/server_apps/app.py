@@ -28,7 +28,7 @@ from ..runtime import setup_torch
 from ..strategies import strategy_class
 from ..strategies.fedbcd import TooFewReplies
 
-log = logging.getLogger("parablock_flwr")  # the package logger: every module's lines reach stdout
+log = logging.getLogger(__name__)
 app = ServerApp()
 
 
@@ -198,10 +198,12 @@ def write_samples(path: Path, samples: list[dict]) -> None:
 
 
 def _log_to_stdout() -> None:
-    """Our round lines reach `flwr run --stream` and the SuperLink's log."""
-    if not log.handlers:
+    """Our round lines reach `flwr run --stream` and the SuperLink's log: a handler on the package's
+    logger, which every module's ``logging.getLogger(__name__)`` propagates to."""
+    package = logging.getLogger(__name__.split(".")[0])
+    if not package.handlers:
         handler = logging.StreamHandler(sys.stdout)
         handler.setFormatter(logging.Formatter("%(levelname)s [parablock] %(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
-        log.propagate = False
+        package.addHandler(handler)
+        package.setLevel(logging.INFO)
+        package.propagate = False

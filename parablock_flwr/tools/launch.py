@@ -353,7 +353,7 @@ def run_finished(run_id: int, env: dict[str, str], prefix: Sequence[str] = ()) -
 
 
 def await_status(
-    output_dir: Path, run_id: int, env: dict[str, str], prefix: Sequence[str] = (), grace_s: float = 60.0
+    output_dir: Path, run_id: int, env: dict[str, str], prefix: Sequence[str] = (), grace_s: float = 20.0
 ) -> tuple[Path | None, dict | None]:
     """The run folder and its status record. `flwr run --stream` can return before the ServerApp
     has ended: wait (at most ``grace_s``) until the record is there or the SuperLink says the run

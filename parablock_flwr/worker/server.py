@@ -115,25 +115,10 @@ class NodeWorker:
     # ------------------------------------------------------------ rounds
     def train(self, header: dict, arrays: dict[str, np.ndarray]) -> tuple[dict, dict[str, np.ndarray]]:
         received = time.time()
-        cfg = RunConfig.from_flower(header["run-config"])
-        if header["run-id"] != self.run_id:
-            self._new_run(header["run-id"])
-        setup_torch(cfg)
-        resources = node.resources(cfg, header["run-id"], self.node_settings(header))
-        round_cfg = header["round"]
+        cfg, resources, round_cfg, records, steps, fetch_step = self._open(header, arrays)
         server_round, block = int(round_cfg["server-round"]), int(round_cfg["block"])
         partition_id, num_partitions = int(header["partition-id"]), int(header["num-partitions"])
         client = client_half(str(round_cfg["algorithm"]))
-        records = split_records(arrays)
-        steps = catch_up_steps(round_cfg, records)
-
-        def fetch_step(version: int):
-            if version in steps:
-                return steps[version]
-            raise RuntimeError(
-                f"this worker's model is at v{resources.replica.version} and the message lacks "
-                f"global step v{version} (the server sends missed steps to nodes it knows are behind)"
-            )
 
         handed_back = resumed_pending(round_cfg, records)
         full_sync = "sync-version" in round_cfg
@@ -225,6 +210,22 @@ class NodeWorker:
 
         Nothing runs ahead after round R (its message carried no next block); any computation
         still running is waited for before the replica moves to ``x^R``."""
+        cfg, resources, round_cfg, records, _, fetch_step = self._open(header, arrays)
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None:
+            self._finish(ahead)
+        if "sync-version" in round_cfg:
+            resources.replica.reset_to(int(round_cfg["sync-version"]), records["sync-values"])
+            self.pending, self.residuals = None, {}
+        version = int(round_cfg["evaluate-version"])
+        resources.replica.advance_to(version, fetch_step)
+        generate = bool(round_cfg.get("evaluate-generate", 0))
+        metrics = self.compute_thread.submit(node.evaluate_replica, resources, cfg, version, generate).result()
+        return {"metrics": {**metrics, "partition-id": int(header["partition-id"])}}, {}
+
+    def _open(self, header: dict, arrays: dict[str, np.ndarray]):
+        """What every message needs: the run config, this node's resources (a new run starts from a
+        fresh state), the round's config, its arrays, the global steps it carries and a fetcher."""
         cfg = RunConfig.from_flower(header["run-config"])
         if header["run-id"] != self.run_id:
             self._new_run(header["run-id"])
@@ -233,23 +234,16 @@ class NodeWorker:
         round_cfg = header["round"]
         records = split_records(arrays)
         steps = catch_up_steps(round_cfg, records)
-        ahead, self.ahead = self.ahead, None
-        if ahead is not None:
-            self._finish(ahead)
-        if "sync-version" in round_cfg:
-            resources.replica.reset_to(int(round_cfg["sync-version"]), records["sync-values"])
-            self.pending, self.residuals = None, {}
-        version = int(round_cfg["evaluate-version"])
 
-        def fetch_step(v: int):
-            if v in steps:
-                return steps[v]
-            raise RuntimeError(f"this worker's model is at v{resources.replica.version}; the message lacks step v{v}")
+        def fetch_step(version: int):
+            if version in steps:
+                return steps[version]
+            raise RuntimeError(
+                f"this worker's model is at v{resources.replica.version} and the message lacks "
+                f"global step v{version} (the server sends missed steps to nodes it knows are behind)"
+            )
 
-        resources.replica.advance_to(version, fetch_step)
-        generate = bool(round_cfg.get("evaluate-generate", 0))
-        metrics = self.compute_thread.submit(node.evaluate_replica, resources, cfg, version, generate).result()
-        return {"metrics": {**metrics, "partition-id": int(header["partition-id"])}}, {}
+        return cfg, resources, round_cfg, records, steps, fetch_step
 
     def node_settings(self, header: dict) -> NodeSettings:
         """The node's own data and device (its node config, relayed), the device defaulting to ``--device``."""

@@ -94,7 +94,8 @@ def _device(text: str) -> str:
     return text
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: every subcommand and its options."""
     parser = argparse.ArgumentParser(
         prog="parablock-flwr", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -138,7 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--samples", type=Path, help="write the generated answers (math data) to this JSONL file")
     rep = sub.add_parser("report", help="print a run's table and write PNG plots")
     rep.add_argument("run_dir", type=Path)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     if args.command in ("simulate", "deploy"):
         return _launch(args)

@@ -4,14 +4,21 @@ the ClientApp that relays to it."""
 
 from __future__ import annotations
 
+import inspect
+import socket
+import time
+
 import numpy as np
 import torch
+from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
 
 from parablock_flwr import core, node
-from parablock_flwr.client_apps.app import unknown_node_config_key
+from parablock_flwr.cli import build_parser
+from parablock_flwr.client_apps.app import relay_to_worker, unknown_node_config_key
 from parablock_flwr.config import RunConfig
 from parablock_flwr.model import load_for_training
-from parablock_flwr.worker.server import NodeWorker
+from parablock_flwr.worker.server import NodeWorker, run_worker
 
 from helpers import tiny_config
 
@@ -83,3 +90,31 @@ def test_on_receipt_the_drift_of_the_live_model_is_measured_and_small(tmp_path, 
     metrics = reply["metrics"]
     assert 1 <= metrics["correction-after-step"] < 40  # applied mid-round, at a step boundary
     assert 0.0 <= metrics["correction-drift"] < 1e-5, metrics["correction-drift"]
+
+
+def test_a_stuck_worker_is_an_error_reply_after_round_timeout_s(tmp_path):
+    """The relay's wait for the worker is bounded by round-timeout-s: a worker that accepts the
+    message and never answers (a fault a healthy worker cannot produce) gives an error reply."""
+    path = tmp_path / "stuck.sock"
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(path))
+    server.listen(1)
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 5, 0
+    msg = Message(content=RecordDict({"round": ConfigRecord({"server-round": 1})}), dst_node_id=5,
+                  message_type=MessageType.TRAIN)  # fmt: skip
+    TaskIdentity.node_id = 5
+    context = Context(run_id=1, node_id=5, node_config={"worker-socket": str(path)}, state=RecordDict(),
+                      run_config={"round-timeout-s": 1.0})  # fmt: skip
+    started = time.monotonic()
+    try:
+        reply = relay_to_worker(msg, context, str(path))
+    finally:
+        server.close()
+    assert reply.has_error() and "did not answer within round-timeout-s=1" in reply.error.reason
+    assert time.monotonic() - started < 10
+
+
+def test_the_worker_lives_as_long_as_its_node_unless_asked():
+    """No idle exit by default (a node not sampled for hours keeps its model and pending update)."""
+    parser_default = build_parser().parse_args(["worker", "--socket", "/tmp/w.sock"]).idle_exit_s
+    assert parser_default == 0 and inspect.signature(run_worker).parameters["idle_exit_s"].default == 0

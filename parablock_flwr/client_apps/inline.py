@@ -39,41 +39,45 @@ def save_pending(state: RecordDict, pending: core.PendingUpdate | None) -> None:
     state["pending-delta"] = to_record(pending.delta)
 
 
-def train_inline(msg: Message, context: Context) -> Message:
-    """Round r of the algorithm named in the message, for the node this context belongs to."""
+def _open(msg: Message, context: Context, records: tuple[str, ...]):
+    """What every message needs: the run config, this actor's resources for the node, the round's
+    config, and a step fetcher: steps come with the message, older ones (this actor is behind)
+    from the server's log (the versions it read are appended to the returned list)."""
     cfg = RunConfig.from_flower(context.run_config)
     setup_torch(cfg)
     resources = node.resources(cfg, context.run_id, NodeSettings.from_node_config(context.node_config))
     round_cfg = msg.content["round"]
-    server_round, block = int(round_cfg["server-round"]), int(round_cfg["block"])
-    partition_id = int(context.node_config.get("partition-id", 0))
-    num_partitions = int(context.node_config.get("num-partitions", 1))
-    step_log = StepLog(round_cfg["run-dir"])
-    # The values of a full sync are not needed here (the server's step log covers every
-    # version); what a full sync means for the node's own state is: drop it.
-    records = {
-        name: to_tensors(msg.content[name])
-        for name in ("global-step", "catch-up", "resume-pending")
-        if name in msg.content.array_records
-    }
-    steps = catch_up_steps(round_cfg, records)
-    from_log = []
+    arrays = {name: to_tensors(msg.content[name]) for name in records if name in msg.content.array_records}
+    steps = catch_up_steps(round_cfg, arrays)
+    step_log, from_log = StepLog(round_cfg["run-dir"]), []
 
     def fetch_step(version: int):
-        """Steps come with the message; older ones (this actor is behind) from the server's log."""
         if version in steps:
             return steps[version]
         from_log.append(version)
         return step_log.read(version)
 
+    return cfg, resources, round_cfg, arrays, step_log, fetch_step, from_log
+
+
+def train_inline(msg: Message, context: Context) -> Message:
+    """Round r of the algorithm named in the message, for the node this context belongs to."""
+    # The values of a full sync are not needed here (the server's step log covers every
+    # version); what a full sync means for the node's own state is: drop it.
+    cfg, resources, round_cfg, records, step_log, fetch_step, from_log = _open(
+        msg, context, ("global-step", "catch-up", "resume-pending")
+    )
+    server_round, block = int(round_cfg["server-round"]), int(round_cfg["block"])
+    partition_id = int(context.node_config.get("partition-id", 0))
+    num_partitions = int(context.node_config.get("num-partitions", 1))
     # Behind a pruned step log (snapshot-every): start again from a snapshot. ParaBlock needs x^{r-2} next.
     step_log.rebase_if_pruned(resources.replica, server_round - 2)
     pending = resumed_pending(round_cfg, records)
-    if pending is None and "sync-version" not in round_cfg:
-        pending = load_pending(context.state)
     if "sync-version" in round_cfg:  # a full sync: the node's own state goes, its residuals too
         for key in [k for k in context.state if k.startswith("residual-")]:
             del context.state[key]
+    elif pending is None:
+        pending = load_pending(context.state)
     residual_key = f"residual-{block}"  # error feedback of transfer-dtype, one record per block trained
     residuals = {block: to_tensors(context.state[residual_key])} if residual_key in context.state else {}
     done = node.train_round(
@@ -107,16 +111,10 @@ def train_inline(msg: Message, context: Context) -> Message:
 
 def evaluate_inline(msg: Message, context: Context) -> Message:
     """``evaluation = "clients"`` after the last round: this node's held-out loss of ``x^R``."""
-    cfg = RunConfig.from_flower(context.run_config)
-    setup_torch(cfg)
-    resources = node.resources(cfg, context.run_id, NodeSettings.from_node_config(context.node_config))
-    round_cfg = msg.content["round"]
-    records = {name: to_tensors(msg.content[name]) for name in ("global-step", "catch-up") if name in msg.content}
-    steps = catch_up_steps(round_cfg, records)
-    step_log = StepLog(round_cfg["run-dir"])
+    cfg, resources, round_cfg, _, step_log, fetch_step, _ = _open(msg, context, ("global-step", "catch-up"))
     version = int(round_cfg["evaluate-version"])
     step_log.rebase_if_pruned(resources.replica, version - 1)
-    resources.replica.advance_to(version, lambda v: steps[v] if v in steps else step_log.read(v))
+    resources.replica.advance_to(version, fetch_step)
     metrics = node.evaluate_replica(resources, cfg, version, bool(round_cfg.get("evaluate-generate", 0)))
     metrics["partition-id"] = int(context.node_config.get("partition-id", 0))
     return Message(content=RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)

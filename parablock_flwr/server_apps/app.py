@@ -23,6 +23,7 @@ from ..config import ConfigError, RunConfig, check_num_clients
 from ..data import tokenized_splits
 from ..evaluation import evaluate
 from ..model import load_for_training, load_tokenizer, save_model
+from ..node import node_device
 from ..run_status import EXIT_CODES, write_status
 from ..runtime import setup_torch
 from ..strategies import strategy_class
@@ -168,13 +169,11 @@ def evaluate_on(device: str, model, tokenizer, heldout, cfg: RunConfig, generate
 
 
 def check_eval_device(device: str) -> None:
-    """A CUDA ``eval-device`` this machine has (checked before any work)."""
-    if device == "cpu":
-        return
-    import torch
-
-    if not torch.cuda.is_available() or (torch.device(device).index or 0) >= torch.cuda.device_count():
-        raise ConfigError(f"eval-device={device!r}: this machine has {torch.cuda.device_count()} CUDA devices")
+    """An ``eval-device`` this machine has (checked before any work), as a node's ``device`` is."""
+    try:
+        node_device(device)
+    except ValueError as err:
+        raise ConfigError(f"eval-{err}") from err
 
 
 def _run_dir_for_failure(context: Context) -> Path | None:

@@ -20,7 +20,7 @@ PARTITIONINGS = ("iid", "dirichlet", "family")
 PRECISIONS = ("fp32", "bf16")
 WEIGHTINGS = ("examples", "uniform")
 LR_SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine")
-CORRECTIONS = ("auto", "at-end", "on-receipt")
+CORRECTIONS = ("auto", "at-end", "on-receipt", "none")
 LR_SCHEDULE_SCOPES = ("round", "run")
 TOO_FEW_REPLIES = ("retry", "stop")
 TRANSFER_DTYPES = ("fp32", "bf16", "fp16")
@@ -135,6 +135,7 @@ class RunConfig:
                 "older than its last checkpoint's round, which the two kept snapshots then always include)"
             )
         _one_of("lr-schedule-scope", self.lr_schedule_scope, LR_SCHEDULE_SCOPES)
+        self._check_uncorrected()
         if self.micro_batch_size < 0 or (self.micro_batch_size and self.batch_size % self.micro_batch_size):
             raise ConfigError(
                 f"micro-batch-size={self.micro_batch_size}: expected 0 (no accumulation) or a divisor of "
@@ -204,6 +205,21 @@ class RunConfig:
                 raise ConfigError(f"{key}={value}: expected a number >= 0")
         if not self.model.strip():
             raise ConfigError("model='': expected a Hugging Face id, a local folder or embedded:<name>")
+
+    def _check_uncorrected(self) -> None:
+        """``correction = "none"`` is an ablation: its clients' models are not ``x^{r-1} + Δ_i^r``, so
+        what relies on that (the invariant check, a resume's hand-back, a pruned step log) is refused."""
+        if self.correction != "none":
+            return
+        for key, value, off in (
+            ("verify-invariant", self.verify_invariant, False),
+            ("resume-from", self.resume_from, ""),
+            ("snapshot-every", self.snapshot_every, 0),
+        ):
+            if value != off:
+                raise ConfigError(
+                    f"{key}={value!r}: expected {off!r} with correction='none' (the ablation without the correction)"
+                )
 
     def as_run_config(self) -> dict[str, object]:
         """The same keys as ``[tool.flwr.app.config]``: ``from_flower`` reads it back."""

@@ -274,6 +274,18 @@ def correct_in_place(params: Mapping[str, torch.Tensor], before: Tensors, step: 
             before[n].add_(change.to(before[n].device))
 
 
+def uncorrected_offset(offset: Tensors, own_update: Tensors, steps: Iterable[Tensors]) -> Tensors:
+    """``correction = "none"``: a client model that never takes in the aggregate, ``y = x^v + offset``,
+    after its own update and written on a version ``len(steps)`` newer: ``offset + Δ_i − Σ g``."""
+    out = dict(offset)
+    for n, t in own_update.items():
+        out[n] = out[n] + t if n in out else t.clone()
+    for step in steps:
+        for n, g in step.items():
+            out[n] = out[n] - g if n in out else -g
+    return out
+
+
 # --------------------------------------------------------------------------
 # Transfer precision: Δ_i and g travel rounded, every copy applies the rounded values
 # --------------------------------------------------------------------------

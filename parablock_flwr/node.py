@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import datasets
 import torch
@@ -33,6 +32,7 @@ from .model import load_for_training, load_tokenizer
 from .node_data import NodeSettings
 from .replica import FetchStep, ModelReplica
 from .runtime import round_seed
+from .strategies import BCDClient, CorrectionSlot
 from .training import BetweenSteps, TrainResult, TrainSettings, train_block
 
 
@@ -57,9 +57,6 @@ class NodeResources:
             self.train_rows, partition_id, num_partitions, cfg.partitioning, cfg.dirichlet_alpha, cfg.seed
         )
 
-
-if TYPE_CHECKING:
-    from .strategies import BCDClient
 
 _RESOURCES: NodeResources | None = None
 WEIGHTS_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
@@ -170,18 +167,24 @@ def train_round(
     The replica ends at ``x^{r-1}``.
     """
     if computed_ahead is None:
-        base_version, pending = client.start_point(pending, server_round)
+        base_version, pending = client.start_point(pending, server_round, fetch_step)
         resources.replica.advance_to(base_version, fetch_step)
+        slot = None
+        if cfg.correction_mode == "on-receipt" and pending is not None and base_version == server_round - 2:
+            # Inline (simulation), g^{r-1} came with the message: it is applied at the first step
+            # boundary, as a node worker does when the exchange is shorter than one local step.
+            slot = CorrectionSlot()
+            slot.post(fetch_step(server_round - 1)[1], pending.delta)
         result = compute_update(
-            resources, cfg, server_round, block, pending, base_version, partition_id, num_partitions
+            resources, cfg, server_round, block, pending, base_version, partition_id, num_partitions, slot
         )
-    else:
+    else:  # the worker computed it from client.start_point(pending, ...), which was x^{r-2} + pending
         base_version, result = computed_ahead
     if cfg.transfer_dtype != "fp32":
         result.delta, residuals[block] = core.round_with_feedback(
             result.delta, residuals.get(block), cfg.transfer_dtype
         )
-    kept = client.finish_round(resources.replica, result.delta, block, server_round, fetch_step)
+    kept = client.finish_round(resources.replica, pending, result.delta, block, server_round, fetch_step)
     resources.replica.advance_to(server_round - 1, fetch_step)
     trace = {}
     if cfg.verify_invariant and kept is not None:  # y after the correction is x^{r-1} + Δ_i^r

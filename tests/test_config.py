@@ -16,6 +16,11 @@ from parablock_flwr.config import ConfigError, RunConfig, check_num_clients
         ({"num-examples": 10, "heldout-examples": 10}, "num-examples=10: expected more than heldout-examples=10"),
         ({"local-steps": "three"}, "local-steps='three': expected a value of type int"),
         ({"deterministic": 1}, "deterministic=1: expected true or false"),
+        (
+            {"correction": "none", "verify-invariant": True},
+            "verify-invariant=True: expected False with correction='none'",
+        ),
+        ({"correction": "none", "snapshot-every": 4}, "snapshot-every=4: expected 0 with correction='none'"),
     ],
 )
 def test_invalid_values_name_key_value_and_expectation(overrides, message):

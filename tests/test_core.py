@@ -7,7 +7,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForC
 from parablock_flwr import core
 from parablock_flwr.model import load_model
 from parablock_flwr.replica import ModelReplica
-from parablock_flwr.strategies import ParaBlockClient
+from parablock_flwr.strategies import ParaBlockClient, UncorrectedClient, client_half
 
 
 def test_partition_groups_consecutive_layers_and_freezes_the_rest(tiny_model_dir):
@@ -103,6 +103,32 @@ def test_parablock_base_uses_pending_only_when_it_is_one_round_old():
     )
     assert (corrected.block, corrected.base_version) == (0, 3)
     assert replica.version == 3  # re-based onto x^{r-1}
+
+
+def test_without_the_correction_a_client_keeps_its_own_model_across_skipped_rounds():
+    """correction = "none": y_i = x^0 + Σ own Δ_i, whatever the global steps, also after a skipped round."""
+    assert isinstance(client_half("parablock", "none"), UncorrectedClient)
+    assert type(client_half("parablock", "at-end")) is ParaBlockClient
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+    replica = ModelReplica(model)
+    x0 = {n: p.detach().clone() for n, p in model.named_parameters()}
+    steps = {v: (v % 2, {f"{v % 2}.weight": torch.randn(3, 3)}) for v in range(1, 6)}  # g^v on block v % 2
+    own = {r: {f"{r % 2}.weight": torch.randn(3, 3)} for r in (1, 2, 5)}  # Δ_i^r; rounds 3 and 4 skipped
+    client, pending, expected = UncorrectedClient(), None, dict(x0)
+    for r in (1, 2, 5):
+        base, start = client.start_point(pending, r, steps.__getitem__)
+        assert base == (r - 1 if pending is None else r - 2)
+        replica.advance_to(base, steps.__getitem__)
+        with replica.local_model(base, start, ()) as m:  # the model round r trains from is y_i
+            assert all(torch.allclose(p, expected[n], atol=1e-6) for n, p in m.named_parameters())
+        pending = client.finish_round(replica, start, own[r], r % 2, r, steps.__getitem__)
+        assert (pending.base_version, replica.version) == (r - 1, r - 1)
+        for n, d in own[r].items():
+            expected[n] = expected[n] + d
+    with replica.local_model(4, pending, ()) as m:
+        assert all(torch.allclose(p, expected[n], atol=1e-6) for n, p in m.named_parameters())
+    assert not torch.allclose(replica.params["0.weight"], expected["0.weight"])  # x moved on without it
 
 
 def test_time_model():

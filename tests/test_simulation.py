@@ -108,6 +108,27 @@ def test_parablock_and_fedbcd_differ_from_round_2(parablock_run, fedbcd_run):
     assert any(not torch.equal(step_p2[n], step_f2[n]) for n in step_p2)
 
 
+def test_the_correction_modes_change_the_run_only_where_the_correction_acts(tmp_path, tiny_model_dir, parablock_run):
+    """Against ParaBlock at-end: ``on-receipt`` (in simulation, after the first local step) first differs in
+    round 2, whose computation it corrects; the ablation ``none`` trains round 2 from the same
+    x^0 + Δ_i^1 and first differs in round 3, the first computation that at-end's correction reaches."""
+    _ok(parablock_run)
+    runs = {
+        mode: _ok(simulate(tmp_path / mode, tiny_model_dir, num_server_rounds=ROUNDS, correction=mode, **SCHEDULE))
+        for mode in ("on-receipt", "none")
+    }
+    first_difference = {}
+    for mode, run in runs.items():
+        for version in range(1, ROUNDS + 1):
+            (block, step), (block_at_end, step_at_end) = run.step(version), parablock_run.step(version)
+            assert block == block_at_end
+            if any(not torch.equal(step[n], step_at_end[n]) for n in step):
+                first_difference[mode] = version
+                break
+    assert first_difference == {"on-receipt": 2, "none": 3}
+    assert all(r["num_accepted"] == 3 for run in runs.values() for r in run.records[1:])
+
+
 def test_frozen_parameters_are_untouched_and_only_scheduled_blocks_move(parablock_run, tiny_model_dir):
     base = dict(load_model(str(tiny_model_dir)).named_parameters())
     final = _ok(parablock_run).final_model()

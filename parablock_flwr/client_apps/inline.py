@@ -4,7 +4,8 @@ Per-node state (ParaBlock's pending update and the version it sits on) lives
 in ``context.state``, because one Ray actor serves many virtual nodes. The
 model is loaded once per actor (``node.resources``). There is no network to
 overlap with here: the round runs inline (``node.train_round``, the same as in
-the node worker), correcting at the end (``at-end``), and the saving is modeled.
+the node worker), correcting at the end (``at-end``) or, with ``on-receipt``, after
+the first local step (the aggregate came with the message), and the saving is modeled.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def train_inline(msg: Message, context: Context) -> Message:
     done = node.train_round(
         resources,
         cfg,
-        client_half(str(round_cfg["algorithm"])),
+        client_half(str(round_cfg["algorithm"]), cfg.correction_mode),
         server_round,
         block,
         pending,

@@ -7,6 +7,8 @@
 | `fedavg-full` | `FedAvgFull` | `BCDClient`       |
 | `fedavg-lora` | `FedAvgLora` | `BCDClient`       |
 
+``correction = "none"`` (an ablation) gives ParaBlock the client half ``UncorrectedClient``.
+
 The FedAvg baselines are sequential BCD over a single block (``core.one_block``).
 """
 
@@ -14,16 +16,19 @@ import importlib
 
 from .fedavg import FedAvgFull, FedAvgLora
 from .fedbcd import BCDClient, FedBCD
-from .parablock import ParaBlock, ParaBlockClient
+from .parablock import CorrectionSlot, ParaBlock, ParaBlockClient, UncorrectedClient
 
 STRATEGIES = {"fedbcd": FedBCD, "parablock": ParaBlock, "fedavg-full": FedAvgFull, "fedavg-lora": FedAvgLora}
 CLIENTS = {"fedbcd": BCDClient, "parablock": ParaBlockClient, "fedavg-full": BCDClient, "fedavg-lora": BCDClient}
 
 
-def client_half(algorithm: str) -> BCDClient:
-    """The client half of ``algorithm`` (named in every round's message)."""
+def client_half(algorithm: str, correction: str = "at-end") -> BCDClient:
+    """The client half of ``algorithm`` (named in every round's message); ``correction`` is
+    ``RunConfig.correction_mode``, whose ``"none"`` turns ParaBlock's correction off."""
     if algorithm not in CLIENTS:
         raise ValueError(f"algorithm={algorithm!r}: expected one of {', '.join(CLIENTS)}")
+    if algorithm == "parablock" and correction == "none":
+        return UncorrectedClient()
     return CLIENTS[algorithm]()
 
 
@@ -49,12 +54,14 @@ def strategy_class(algorithm: str, strategy: str) -> type[FedBCD]:
 __all__ = [
     "BCDClient",
     "CLIENTS",
+    "CorrectionSlot",
     "FedAvgFull",
     "FedAvgLora",
     "FedBCD",
     "ParaBlock",
     "ParaBlockClient",
     "STRATEGIES",
+    "UncorrectedClient",
     "client_half",
     "strategy_class",
 ]

@@ -281,13 +281,20 @@ class BCDClient:
     runs_ahead = False  # may the node worker start round r+1 before its message arrives?
 
     def start_point(
-        self, pending: core.PendingUpdate | None, server_round: int
+        self, pending: core.PendingUpdate | None, server_round: int, fetch_step: FetchStep
     ) -> tuple[int, core.PendingUpdate | None]:
         """``(v, pending)``: round r trains from ``x^v + pending``. BCD: ``x^{r-1}``."""
         return server_round - 1, None
 
     def finish_round(
-        self, replica: ModelReplica, delta: core.Tensors, block: int, server_round: int, fetch_step: FetchStep
+        self,
+        replica: ModelReplica,
+        started_from: core.PendingUpdate | None,
+        delta: core.Tensors,
+        block: int,
+        server_round: int,
+        fetch_step: FetchStep,
     ) -> core.PendingUpdate | None:
-        """After ``Δ_i^r``: what the client keeps until the next round. BCD: nothing."""
+        """After ``Δ_i^r`` (trained from ``x^v + started_from``): what the client keeps until the
+        next round. BCD: nothing."""
         return None

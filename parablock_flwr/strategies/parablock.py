@@ -11,6 +11,7 @@ and each client's ``Δ_i^r`` in the checkpoint (what a restarted server hands ba
 from __future__ import annotations
 
 import logging
+import threading
 
 from .. import core
 from ..checkpoint import stage_pending
@@ -64,14 +65,20 @@ class ParaBlockClient(BCDClient):
     runs_ahead = True
 
     def start_point(
-        self, pending: core.PendingUpdate | None, server_round: int
+        self, pending: core.PendingUpdate | None, server_round: int, fetch_step: FetchStep
     ) -> tuple[int, core.PendingUpdate | None]:
         """``x^{r-2} + Δ_i^{r-1}``; a client without a one-round-old pending update (round 1,
         it missed round r-1, it was resynchronised) starts from ``x^{r-1}``, as in BCD."""
         return core.parablock_base(pending, server_round)
 
     def finish_round(
-        self, replica: ModelReplica, delta: core.Tensors, block: int, server_round: int, fetch_step: FetchStep
+        self,
+        replica: ModelReplica,
+        started_from: core.PendingUpdate | None,
+        delta: core.Tensors,
+        block: int,
+        server_round: int,
+        fetch_step: FetchStep,
     ) -> core.PendingUpdate:
         return self.correct(replica, delta, block, server_round, fetch_step)
 
@@ -90,3 +97,87 @@ class ParaBlockClient(BCDClient):
         """
         replica.advance_to(server_round - 1, fetch_step)
         return core.PendingUpdate(block=block, base_version=server_round - 1, delta=delta)
+
+
+class CorrectionSlot:
+    """An aggregate handed to the running computation (``on-receipt`` mode).
+
+    The request thread posts ``(g^{r-1}, Δ_i^{r-1})``; the compute thread
+    applies it at its next step boundary, never inside a step.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._posted: tuple[core.Tensors, core.Tensors] | None = None
+        self.applied_after_step: int | None = None
+        self._touched: set[str] = set()
+        self.live: core.Tensors = {}  # the corrected blocks as training left them (``capture``)
+
+    def post(self, step: core.Tensors, own_update: core.Tensors) -> None:
+        with self._lock:
+            self._posted = (step, own_update)
+
+    def __call__(self, k: int, params: dict, before: core.Tensors) -> None:
+        with self._lock:
+            posted, self._posted = self._posted, None
+        if posted is not None and self.applied_after_step is None:
+            core.correct_in_place(params, before, *posted)
+            self.applied_after_step = k
+            self._touched = set(posted[0]) | set(before)
+
+    def capture(self, params: dict) -> None:
+        """After the last step: keep what the correction touched, to measure its drift (``drift``)."""
+        if self.applied_after_step is not None:
+            self.live = {n: params[n].detach().float().clone() for n in self._touched}
+
+    def drift(self, replica_params: dict, own_update: core.Tensors) -> float:
+        """The largest difference between the live model the round finished on and the exact
+        ``x^{r-1} + Δ_i^r`` (the replica once re-based, plus the node's update): float rounding of
+        the in-place correction; 0 when it was not applied."""
+        worst = 0.0
+        for n, live in self.live.items():
+            exact = replica_params[n].detach().float().cpu()
+            if n in own_update:
+                exact = exact + own_update[n].float()
+            worst = max(worst, float((live.cpu() - exact).abs().max()))
+        return worst
+
+
+class UncorrectedClient(ParaBlockClient):
+    """The ablation ``correction = "none"``: ParaBlock's staleness without the correction.
+
+    The client never takes in the aggregate: its model is ``y_i = x^0 + Σ_s Δ_i^s``, its
+    own updates only, on every block it trained, while the server still aggregates
+    ``x^r = x^{r-1} + g^r``. It is stored, like ParaBlock's, as a global version plus an
+    offset (``y_i − x^v``, now over several blocks): after round r, ``v = r − 1``.
+    Only for measuring what the correction buys (docs/algorithm.md, "Without the correction").
+    """
+
+    def start_point(
+        self, pending: core.PendingUpdate | None, server_round: int, fetch_step: FetchStep
+    ) -> tuple[int, core.PendingUpdate | None]:
+        """``y_i`` written on ``x^{r-2}``; a client that has not trained yet starts from ``x^{r-1}``."""
+        if pending is None:
+            return server_round - 1, None
+        steps = [fetch_step(v)[1] for v in range(pending.base_version + 1, server_round - 1)]
+        return server_round - 2, core.PendingUpdate(
+            pending.block, server_round - 2, core.uncorrected_offset(pending.delta, {}, steps)
+        )
+
+    def finish_round(
+        self,
+        replica: ModelReplica,
+        started_from: core.PendingUpdate | None,
+        delta: core.Tensors,
+        block: int,
+        server_round: int,
+        fetch_step: FetchStep,
+    ) -> core.PendingUpdate:
+        """``y_i += Δ_i^r``, written on ``x^{r-1}``: the offset loses ``g^{r-1}`` where ParaBlock's
+        correction would have taken it in."""
+        if started_from is None:  # trained from x^{r-1}
+            offset = dict(delta)
+        else:  # trained from x^{r-2} + offset
+            offset = core.uncorrected_offset(started_from.delta, delta, [fetch_step(server_round - 1)[1]])
+        replica.advance_to(server_round - 1, fetch_step)
+        return core.PendingUpdate(block=block, base_version=server_round - 1, delta=offset)

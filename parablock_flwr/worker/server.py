@@ -23,7 +23,6 @@ import contextlib
 import logging
 import os
 import signal
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -36,54 +35,10 @@ from ..node_data import NodeSettings
 from ..records import decode, encode
 from ..replica import catch_up_steps, resumed_pending
 from ..runtime import setup_torch
-from ..strategies import client_half
+from ..strategies import CorrectionSlot, client_half
 from .protocol import recv, send
 
 log = logging.getLogger(__name__)
-
-
-class CorrectionSlot:
-    """An aggregate handed to the running computation (``on-receipt`` mode).
-
-    The request thread posts ``(g^{r-1}, Δ_i^{r-1})``; the compute thread
-    applies it at its next step boundary, never inside a step.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._posted: tuple[core.Tensors, core.Tensors] | None = None
-        self.applied_after_step: int | None = None
-        self._touched: set[str] = set()
-        self.live: core.Tensors = {}  # the corrected blocks as training left them (``capture``)
-
-    def post(self, step: core.Tensors, own_update: core.Tensors) -> None:
-        with self._lock:
-            self._posted = (step, own_update)
-
-    def __call__(self, k: int, params: dict, before: core.Tensors) -> None:
-        with self._lock:
-            posted, self._posted = self._posted, None
-        if posted is not None and self.applied_after_step is None:
-            core.correct_in_place(params, before, *posted)
-            self.applied_after_step = k
-            self._touched = set(posted[0]) | set(before)
-
-    def capture(self, params: dict) -> None:
-        """After the last step: keep what the correction touched, to measure its drift (``drift``)."""
-        if self.applied_after_step is not None:
-            self.live = {n: params[n].detach().float().clone() for n in self._touched}
-
-    def drift(self, replica_params: dict, own_update: core.Tensors) -> float:
-        """The largest difference between the live model the round finished on and the exact
-        ``x^{r-1} + Δ_i^r`` (the replica once re-based, plus the node's update): float rounding of
-        the in-place correction; 0 when it was not applied."""
-        worst = 0.0
-        for n, live in self.live.items():
-            exact = replica_params[n].detach().float().cpu()
-            if n in own_update:
-                exact = exact + own_update[n].float()
-            worst = max(worst, float((live.cpu() - exact).abs().max()))
-        return worst
 
 
 def split_records(arrays: dict[str, np.ndarray]) -> dict[str, core.Tensors]:
@@ -118,7 +73,7 @@ class NodeWorker:
         cfg, resources, round_cfg, records, steps, fetch_step = self._open(header, arrays)
         server_round, block = int(round_cfg["server-round"]), int(round_cfg["block"])
         partition_id, num_partitions = int(header["partition-id"]), int(header["num-partitions"])
-        client = client_half(str(round_cfg["algorithm"]))
+        client = client_half(str(round_cfg["algorithm"]), cfg.correction_mode)
 
         handed_back = resumed_pending(round_cfg, records)
         full_sync = "sync-version" in round_cfg
@@ -145,7 +100,7 @@ class NodeWorker:
             correction_step = slot.applied_after_step or cfg.local_steps
             drift_slot = slot
         else:  # nothing ran ahead: compute now, in the compute thread too
-            base_version, pending = client.start_point(self.pending, server_round)
+            base_version, pending = client.start_point(self.pending, server_round, fetch_step)
             resources.replica.advance_to(base_version, fetch_step)
             args = (resources, cfg, server_round, block, pending, base_version, partition_id, num_partitions)
             computed_ahead = (base_version, self.compute_thread.submit(node.compute_update, *args).result())
@@ -173,7 +128,7 @@ class NodeWorker:
             evaluation = self.compute_thread.submit(node.evaluate_replica, resources, cfg, version, generate).result()
         next_block = int(round_cfg["next-block"])
         if client.runs_ahead and next_block >= 0:  # round r+1 starts now, while this reply travels
-            base_version, pending = client.start_point(self.pending, server_round + 1)
+            base_version, pending = client.start_point(self.pending, server_round + 1, fetch_step)
             slot = CorrectionSlot()
             future = self.compute_thread.submit(
                 node.compute_update,

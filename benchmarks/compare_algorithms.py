@@ -2,7 +2,7 @@
 
 Runs each (algorithm, train) pair in turn through `flwr run` on Flower's
 simulation engine with the same model, data, seed, clients and rounds, then
-prints one table (held-out loss, math accuracy, bytes per round per client,
+prints one table (held-out loss, task accuracy, bytes per round per client,
 modeled and measured time) and writes it into docs/benchmarks.md with the
 command that reproduces it.
 
@@ -73,7 +73,7 @@ def run(algorithm: str, train: str, args, model: str, workdir: Path) -> list[dic
 
 def table(results: dict[tuple[str, str], list[dict]]) -> str:
     lines = [
-        "| algorithm | trains | held-out loss r0 → rR | perplexity rR | math accuracy r0 → rR | "
+        "| algorithm | trains | held-out loss r0 → rR | perplexity rR | task accuracy r0 → rR | "
         "MB up per client per round | modeled training s | end-to-end wall s |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -82,8 +82,8 @@ def table(results: dict[tuple[str, str], list[dict]]) -> str:
         rounds = records[1:]
         mb_up = sum(r["bytes_up_per_client"] for r in rounds) / len(rounds) / 1e6
         acc = (
-            f"{first['math_accuracy']:.3f} → {last['math_accuracy']:.3f}"
-            if "math_accuracy" in first and "math_accuracy" in last
+            f"{first['task_accuracy']:.3f} → {last['task_accuracy']:.3f}"
+            if "task_accuracy" in first and "task_accuracy" in last
             else "-"
         )
         lines.append(
@@ -108,8 +108,8 @@ def write_section(text: str, command: str, args) -> None:
         f"Command: `{command}`  \nMachine: {os.cpu_count()} CPUs, no GPU. {model}, GSM-style reasoning-gym math, "
         f"{args.clients} virtual clients, {args.rounds} rounds, the default run config otherwise (3 local steps, "
         f"batch 4, 5 layers per block, LoRA r=8 on q/k/v/o); learning rate {args.learning_rate} for full weights, "
-        f"{args.lora_learning_rate} for LoRA adapters. Math accuracy: exact match of the final number of greedy "
-        f"answers to the first 8 held-out prompts. Modeled training time: the time model at 50 Mbit/s, 50 ms "
+        f"{args.lora_learning_rate} for LoRA adapters. Task accuracy: greedy answers to the first 8 held-out "
+        f"prompts, scored by their exact answer. Modeled training time: the time model at 50 Mbit/s, 50 ms "
         f"(docs/algorithm.md); end-to-end wall includes the SuperLink/Ray start and the evaluations.\n\n{text}\n"
     )
     doc.write_text(body)

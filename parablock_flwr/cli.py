@@ -3,7 +3,7 @@
     parablock-flwr simulate [KEY=VALUE ...]      one simulation run (own SuperLink, stopped after)
     parablock-flwr deploy [KEY=VALUE ...]        a real local deployment: SuperLink, SuperNodes, workers
     parablock-flwr worker --socket PATH          the node worker to run beside a flower-supernode
-    parablock-flwr evaluate MODEL_DIR            held-out loss, perplexity, math accuracy of a saved model
+    parablock-flwr evaluate MODEL_DIR            held-out loss, perplexity, task accuracy of a saved model
     parablock-flwr report RUN_DIR                the run's status, its table, and PNG plots in RUN_DIR/plots
 
 `simulate` and `deploy` check every override against the app's run-config keys and
@@ -133,10 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_device,
         help="cpu, cuda or cuda:N (default: cuda if there is a GPU, else cpu; a node config's device wins)",
     )
-    ev = sub.add_parser("evaluate", help="held-out loss, perplexity and math accuracy of a saved model")
+    ev = sub.add_parser("evaluate", help="held-out loss, perplexity and task accuracy of a saved model")
     ev.add_argument("model", help="a saved Hugging Face folder (e.g. RUN_DIR/final-model), an id or embedded:<name>")
     ev.add_argument("--config", type=Path, help="a run's RUN_DIR/config.json, for the same data (default: defaults)")
-    ev.add_argument("--samples", type=Path, help="write the generated answers (math data) to this JSONL file")
+    ev.add_argument(
+        "--samples", type=Path, help="write the generated answers (data with exact answers) to this JSONL file"
+    )
     rep = sub.add_parser("report", help="print a run's table and write PNG plots")
     rep.add_argument("run_dir", type=Path)
     return parser

@@ -40,9 +40,10 @@ HUB_EXAMPLES = {"alpaca": "vicgalle/alpaca-gpt4", "mathinstruct": "TIGER-Lab/Mat
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
-def is_math(spec: str) -> bool:
-    """Datasets whose answers end in a number: exact-match accuracy is meaningful."""
-    return spec == "reasoning-gym:gsm_symbolic" or spec.startswith("mathinstruct:")
+def has_exact_answers(spec: str) -> bool:
+    """Datasets whose answers are short and exact (reasoning-gym's tasks, MathInstruct's final
+    numbers), so that the accuracy of generated answers means something; Alpaca's are free text."""
+    return spec.startswith(("reasoning-gym:", "mathinstruct:"))
 
 
 def load_examples(spec: str, num_examples: int | None, seed: int) -> datasets.Dataset:

@@ -1,10 +1,9 @@
 """Held-out evaluation, the same code for the server's rounds and `parablock-flwr evaluate`.
 
 Every evaluation gives the held-out loss (mean cross-entropy per answer
-token) and its perplexity. On math data (``data.is_math``) it can also
-generate answers greedily for the first ``generate-examples`` held-out
-prompts and score the exact match of the final number (GSM8K's ``#### N``,
-else the last number in the text).
+token) and its perplexity. On data with exact answers (``data.has_exact_answers``)
+it can also generate answers greedily for the first ``generate-examples``
+held-out prompts and score them (``answer_correct``): the task accuracy.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import datasets
 import torch
 from torch import nn
 
-from .data import in_order_batches, is_math
+from .data import has_exact_answers, in_order_batches
 from .training import autocast
 
 FINAL_MARK = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
@@ -55,6 +54,27 @@ def final_number(text: str) -> float | None:
     return None
 
 
+def reference_answer(response: str) -> str:
+    """The answer a reference response gives: after GSM8K's ``####`` if present, else all of it."""
+    return response.rpartition("####")[2].strip() if "####" in response else response.strip()
+
+
+def normalised(text: str) -> str:
+    return " ".join(text.lower().split()).rstrip(".").strip()
+
+
+def answer_correct(reference: str, generated: str) -> bool:
+    """Whether ``generated`` answers like ``reference``: a numeric answer by the value of the final
+    number in the text (``#### N``, else the last number), any other by exact match up to case,
+    spacing and a final full stop."""
+    want = reference_answer(reference)
+    number = final_number(want) if NUMBER.fullmatch(want.replace(" ", "")) else None
+    if number is not None:
+        got = final_number(generated)
+        return got is not None and math.isclose(number, got)
+    return normalised(generated) == normalised(want)
+
+
 @torch.no_grad()
 def greedy_answers(model: nn.Module, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int) -> list[str]:
     """Greedy completions of chat-templated prompts (left-padded batches)."""
@@ -80,26 +100,24 @@ def greedy_answers(model: nn.Module, tokenizer, prompts: list[str], max_new_toke
 
 
 def evaluate(model: nn.Module, tokenizer, heldout: datasets.Dataset, cfg, generate: bool) -> tuple[dict, list]:
-    """(metrics, samples): held-out loss and perplexity; with ``generate`` on math data, accuracy too."""
+    """(metrics, samples): held-out loss and perplexity; with ``generate`` on data with exact answers,
+    the task accuracy too."""
     batches = in_order_batches(heldout, cfg.eval_batch_size, tokenizer.pad_token_id)
     loss = heldout_loss(model, batches, cfg.precision)
     metrics = {"heldout_loss": loss, "perplexity": math.exp(loss) if loss < 700 else math.inf}
     samples: list[dict] = []
-    if generate and cfg.generate_examples > 0 and is_math(cfg.dataset):
+    if generate and cfg.generate_examples > 0 and has_exact_answers(cfg.dataset):
         rows = heldout.select(range(min(cfg.generate_examples, len(heldout))))
         answers = greedy_answers(model, tokenizer, list(rows["prompt"]), cfg.max_new_tokens, cfg.eval_batch_size)
         for row, answer in zip(rows, answers):
-            want, got = final_number(row["response"]), final_number(answer)
             samples.append(
                 {
                     "prompt": row["prompt"],
                     "reference": row["response"],
                     "generated": answer,
-                    "reference_number": want,
-                    "generated_number": got,
-                    "correct": want is not None and got is not None and math.isclose(want, got),
+                    "correct": answer_correct(row["response"], answer),
                 }
             )
-        metrics["math_accuracy"] = sum(s["correct"] for s in samples) / len(samples)
-        metrics["math_examples"] = len(samples)
+        metrics["task_accuracy"] = sum(s["correct"] for s in samples) / len(samples)
+        metrics["task_examples"] = len(samples)
     return metrics, samples

@@ -41,18 +41,39 @@ def _mb(n: float) -> str:
 
 def round_line(rec: dict, num_rounds: int) -> str:
     """The one human line per round."""
+    accuracy = _accuracy(rec)
     if rec["round"] == 0:
-        return f"round 0/{num_rounds} heldout_loss {_fmt(rec.get('heldout_loss'))}"
+        return f"round 0/{num_rounds} heldout_loss {_fmt(rec.get('heldout_loss'))}{accuracy}"
     eta = rec.get("eta_s")
     return (
         f"round {rec['round']}/{num_rounds} block {rec['block']} ({rec['block_label']}) "
-        f"train_loss {_fmt(rec['train_loss'])} heldout_loss {_fmt(rec.get('heldout_loss'))} "
+        f"train_loss {_fmt(rec['train_loss'])} heldout_loss {_fmt(rec.get('heldout_loss'))}{accuracy} "
         f"up {_mb(rec['bytes_up_per_client'])} down {_mb(rec['bytes_down_per_client'])} per client "
         f"compute {rec['compute_s_max']:.1f}s modeled_round {rec['modeled_round_s']:.1f}s "
         f"(sequential {rec['modeled_round_s_sequential']:.1f}s, overlapped {rec['modeled_round_s_overlapped']:.1f}s) "
         f"accepted {rec['num_accepted']}/{rec['num_replies']} "
         f"elapsed {rec['elapsed_s']:.0f}s" + (f" eta {eta:.0f}s" if eta is not None else "")
     )
+
+
+def run_summary(records: list[dict]) -> str:
+    """The run in one line: the held-out loss and task accuracy before training and at the end."""
+    parts = []
+    for key, label, fmt in (("heldout_loss", "heldout_loss", "{:.4f}"), ("task_accuracy", "task_accuracy", "{:.3f}")):
+        measured = [r for r in records if r.get(key) is not None]
+        if len(measured) >= 2:
+            first, last = measured[0], measured[-1]
+            before, after = fmt.format(first[key]), fmt.format(last[key])
+            parts.append(f"{label} {before} (round {first['round']}) -> {after} (round {last['round']})")
+    return "; ".join(parts)
+
+
+def _accuracy(rec: dict) -> str:
+    """`` task_accuracy 0.250 (16/64)`` where the round measured it, else nothing."""
+    if rec.get("task_accuracy") is None:
+        return ""
+    n = rec.get("task_examples", 0)
+    return f" task_accuracy {rec['task_accuracy']:.3f} ({round(rec['task_accuracy'] * n)}/{n})"
 
 
 def _fmt(x: float | None) -> str:

@@ -117,15 +117,15 @@ def evaluate_replica(resources: NodeResources, cfg: RunConfig, version: int, gen
         raise RuntimeError(f"evaluation of x^{version} asked while this node's model is at x^{have}")
     if resources.heldout_rows is None or not len(resources.heldout_rows):
         raise ValueError("evaluation='clients': this node has no held-out rows")
-    own = dataclasses.replace(cfg, dataset=resources.settings.dataset or cfg.dataset)  # math accuracy by its data
+    own = dataclasses.replace(cfg, dataset=resources.settings.dataset or cfg.dataset)  # task accuracy by its data
     metrics, _ = evaluate(resources.replica.model, resources.tokenizer, resources.heldout_rows, own, generate)
     out = {
         "eval-version": version,
         "heldout-loss": metrics["heldout_loss"],
         "heldout-examples": len(resources.heldout_rows),
     }
-    if "math_accuracy" in metrics:
-        out["math-accuracy"], out["math-examples"] = metrics["math_accuracy"], metrics["math_examples"]
+    if "task_accuracy" in metrics:
+        out["task-accuracy"], out["task-examples"] = metrics["task_accuracy"], metrics["task_examples"]
     return out
 
 

@@ -61,7 +61,7 @@ def test_fedavg_lora_sends_every_adapter_and_exports_a_peft_folder(tmp_path, tin
     records = run.records
     assert all(r["bytes_up_per_client"] == _nbytes(partition.all_names(), params) for r in records[1:])
     assert records[-1]["heldout_loss"] < records[0]["heldout_loss"]
-    assert 0.0 <= records[0]["math_accuracy"] <= 1.0 and "math_accuracy" in records[-1]
+    assert 0.0 <= records[0]["task_accuracy"] <= 1.0 and "task_accuracy" in records[-1]
     assert len((run.run_dir / "samples" / "round-00002.jsonl").read_text().splitlines()) == 2
 
     # The adapter folder loads with plain peft on the plain base model and equals x^R.
@@ -85,7 +85,7 @@ def test_fedavg_lora_sends_every_adapter_and_exports_a_peft_folder(tmp_path, tin
     assert main(["evaluate", str(run.run_dir / "final-model"), "--config", str(run.run_dir / "config.json")]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["heldout_loss"] == pytest.approx(records[-1]["heldout_loss"], rel=1e-5)
-    assert result["math_accuracy"] == records[-1]["math_accuracy"]
+    assert result["task_accuracy"] == records[-1]["task_accuracy"]
 
 
 def test_fedavg_full_sends_every_weight_and_exports_a_plain_folder(tmp_path, tiny_model_dir):
@@ -105,7 +105,7 @@ def test_fedavg_full_sends_every_weight_and_exports_a_plain_folder(tmp_path, tin
     layers = core.partition_blocks(model, 1)  # every decoder layer: what fedavg-full trains
     assert set(partition.all_names()) == set(layers.all_names())
     assert all(r["bytes_up_per_client"] == _nbytes(partition.all_names(), params) for r in run.records[1:])
-    assert "math_accuracy" not in run.records[0]
+    assert "task_accuracy" not in run.records[0]
     exported = load_file(str(run.run_dir / "final-model" / "model.safetensors"))
     for name, tensor in params.items():
         assert torch.equal(exported[name], tensor), name

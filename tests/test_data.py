@@ -5,7 +5,7 @@ import json
 import pytest
 
 from parablock_flwr.data import client_partition, load_examples
-from parablock_flwr.evaluation import final_number
+from parablock_flwr.evaluation import answer_correct, final_number
 
 ALPACA = [
     {"instruction": f"Give a word that rhymes with {w}.", "input": "" if i % 2 else "Be brief.", "output": f"{w}s"}
@@ -86,3 +86,22 @@ def test_instruction_mix_families_and_partitioners():
 )
 def test_final_number(text, number):
     assert final_number(text) == number
+
+
+@pytest.mark.parametrize(
+    "reference, generated, correct",
+    [
+        ("3 + 4 = 7.\n#### 7", "First 3 + 4 = 7, so #### 7", True),  # GSM8K style: the final number
+        ("3 + 4 = 7.\n#### 7", "It is 8.", False),
+        ("12", "The answer is 12.", True),  # a numeric answer: the value of the final number
+        ("1,250", "1250", True),
+        ("-0.5", "-.5", True),
+        ("12", "12 or 13", False),
+        ("Yes", " yes.", True),  # any other answer: exact up to case, spacing and a final full stop
+        ("apple, banana", "banana, apple", False),
+        ("apple, banana", "Apple, banana.", True),
+        ("olleh", "The reverse is olleh", False),
+    ],
+)
+def test_answer_correct(reference, generated, correct):
+    assert answer_correct(reference, generated) is correct

@@ -1,7 +1,7 @@
 """The ServerApp: validate the config, load the global model, run the chosen strategy.
 
 The server keeps the global model and evaluates it itself (held-out loss
-every ``eval-every`` rounds, generation accuracy on math data), or with
+every ``eval-every`` rounds, the task accuracy of generated answers), or with
 ``evaluation = "clients"`` aggregates the nodes' evaluations on their own
 held-out rows and loads no data; messages carry only block-sized arrays. Models are exported in Hugging Face form.
 """
@@ -22,6 +22,7 @@ from ..checkpoint import check_resumable
 from ..config import ConfigError, RunConfig, check_num_clients
 from ..data import tokenized_splits
 from ..evaluation import evaluate
+from ..metrics import RunRecorder, run_summary
 from ..model import load_for_training, load_tokenizer, save_model
 from ..node import node_device
 from ..run_status import EXIT_CODES, write_status
@@ -76,6 +77,8 @@ def main(grid: Grid, context: Context) -> None:
     if kind != "completed":
         log.error("Run failed (%s): %s", kind, reason)
         sys.exit(EXIT_CODES[kind])
+    if summary := run_summary(RunRecorder(run_dir).read()):
+        log.info("Run: %s", summary)
     log.info("Done. Metrics: %s", run_dir / "metrics.jsonl")
 
 

@@ -67,7 +67,7 @@ def read_evaluation(msg: Message) -> dict | str:
 
 def aggregate(rows: list[dict]) -> dict:
     """The nodes' own held-out losses, weighted by their held-out example counts (accuracy by
-    ``math-examples``), and each node's own numbers."""
+    ``task-examples``), and each node's own numbers."""
     weights = [float(m["heldout-examples"]) for m in rows]
     loss = sum(w * float(m["heldout-loss"]) for w, m in zip(weights, rows)) / sum(weights)
     out = {
@@ -84,9 +84,9 @@ def aggregate(rows: list[dict]) -> dict:
             for m in rows
         ],  # fmt: skip
     }
-    math_rows = [m for m in rows if m.get("math-examples", 0) > 0]
-    if math_rows:
-        n = sum(float(m["math-examples"]) for m in math_rows)
-        out["math_accuracy"] = sum(float(m["math-accuracy"]) * float(m["math-examples"]) for m in math_rows) / n
-        out["math_examples"] = int(n)
+    answered_rows = [m for m in rows if m.get("task-examples", 0) > 0]
+    if answered_rows:
+        n = sum(float(m["task-examples"]) for m in answered_rows)
+        out["task_accuracy"] = sum(float(m["task-accuracy"]) * float(m["task-examples"]) for m in answered_rows) / n
+        out["task_examples"] = int(n)
     return out

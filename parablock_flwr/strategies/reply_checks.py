@@ -42,8 +42,8 @@ OPTIONAL_NUMBER_METRICS = (
     "eval-version",
     "heldout-loss",
     "heldout-examples",
-    "math-accuracy",
-    "math-examples",
+    "task-accuracy",
+    "task-examples",
 )
 
 

@@ -44,6 +44,10 @@ def run(algorithm: str, train: str, args, model: str, workdir: Path) -> list[dic
         "algorithm": algorithm,
         "train": train,
         "model": model,
+        "dataset": "reasoning-gym:gsm_symbolic",  # the data of its figures in docs/
+        "heldout-examples": 16,
+        "generate-examples": 8,
+        "max-new-tokens": 128,
         "output-dir": str(out),
         "num-server-rounds": args.rounds,
         "learning-rate": args.lora_learning_rate if train == "lora" else args.learning_rate,

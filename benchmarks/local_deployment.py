@@ -32,6 +32,7 @@ def run(algorithm: str, args, model: str, workdir: Path) -> list[dict]:
     config = {
         "algorithm": algorithm,
         "model": model,
+        "dataset": "reasoning-gym:gsm_symbolic",  # the data of its figures in docs/
         "output-dir": str(out),
         "num-server-rounds": args.rounds,
         "torch-threads": 1,

@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         model = str(build_tiny_model(args.out / "tiny-model"))
     results["settings"] = {"model": model, "rounds": args.rounds, "layers_per_block": args.layers_per_block,
                            "local_steps": args.local_steps, "latency_ms": args.latency_ms}  # fmt: skip
-    extra = {"eval-every": args.rounds, "generate-examples": 0}
+    extra = {"eval-every": args.rounds, "generate-examples": 0, "dataset": "reasoning-gym:gsm_symbolic"}  # as measured
 
     def record(result: dict) -> None:
         results["runs"].append({k: v for k, v in result.items() if k != "records"})

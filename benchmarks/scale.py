@@ -57,6 +57,7 @@ def measure(clients: int, model: Path, rounds: int, workdir: Path) -> dict:
     out = workdir / f"out-{clients}"
     config = {
         "model": str(model),
+        "dataset": "reasoning-gym:gsm_symbolic",  # the data of its figures in docs/
         "output-dir": str(out),
         "num-examples": max(64, 2 * clients + 8),
         "heldout-examples": 8,

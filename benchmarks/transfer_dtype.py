@@ -32,7 +32,8 @@ SECTION = "## Transfer precision: bf16 and fp16 updates against fp32"
 
 def run(dtype: str, args, model: str, workdir: Path) -> dict:
     out = workdir / f"out-{dtype}"
-    config = {"model": model, "output-dir": str(out), "num-server-rounds": args.rounds, "transfer-dtype": dtype,
+    config = {"model": model, "dataset": "reasoning-gym:gsm_symbolic",
+              "output-dir": str(out), "num-server-rounds": args.rounds, "transfer-dtype": dtype,
               "verify-invariant": True, "generate-examples": 0}  # fmt: skip
     if args.tiny:
         config.update({"num-examples": 64, "heldout-examples": 8, "layers-per-block": 2, "max-seq-len": 128})

@@ -44,9 +44,9 @@ class RunConfig:
     lora_alpha: float = 16.0
     lora_dropout: float = 0.05
     lora_target_modules: str = "q_proj,k_proj,v_proj,o_proj"
-    dataset: str = "reasoning-gym:gsm_symbolic"
+    dataset: str = "reasoning-gym:syllogism"
     num_examples: int = 240
-    heldout_examples: int = 16
+    heldout_examples: int = 64
     partitioning: str = "iid"
     dirichlet_alpha: float = 0.5
     num_server_rounds: int = 3
@@ -79,9 +79,9 @@ class RunConfig:
     eval_device: str = "cpu"
     eval_batch_size: int = 8
     eval_every: int = 1
-    generate_examples: int = 8
+    generate_examples: int = 64
     generate_every: int = 0
-    max_new_tokens: int = 128
+    max_new_tokens: int = 8
     uplink_mbps: float = 50.0
     downlink_mbps: float = 50.0
     latency_ms: float = 50.0

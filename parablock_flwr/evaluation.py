@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections import Counter
 from collections.abc import Iterable
 
 import datasets
@@ -120,4 +121,8 @@ def evaluate(model: nn.Module, tokenizer, heldout: datasets.Dataset, cfg, genera
             )
         metrics["task_accuracy"] = sum(s["correct"] for s in samples) / len(samples)
         metrics["task_examples"] = len(samples)
+        # What always giving the most common reference answer would score: a model that only learned
+        # the answer format and the labels' prior reaches this, not more.
+        answers = Counter(normalised(reference_answer(s["reference"])) for s in samples)
+        metrics["task_accuracy_constant"] = answers.most_common(1)[0][1] / len(samples)
     return metrics, samples

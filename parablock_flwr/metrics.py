@@ -65,6 +65,9 @@ def run_summary(records: list[dict]) -> str:
             first, last = measured[0], measured[-1]
             before, after = fmt.format(first[key]), fmt.format(last[key])
             parts.append(f"{label} {before} (round {first['round']}) -> {after} (round {last['round']})")
+    constant = next((r["task_accuracy_constant"] for r in records if r.get("task_accuracy_constant") is not None), None)
+    if len(parts) == 2 and constant is not None:
+        parts[-1] += f" (always the most common answer: {constant:.3f})"
     return "; ".join(parts)
 
 

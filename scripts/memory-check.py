@@ -60,7 +60,8 @@ def main() -> None:
 
     model = random_llama(args.cache, "embedded:smollm2-135m-instruct") if args.model == "random-1b" else args.model
     config = {
-        "model": model, "output-dir": tempfile.mkdtemp(), "num-examples": 40, "heldout-examples": 4,
+        "model": model, "dataset": "reasoning-gym:gsm_symbolic",
+        "output-dir": tempfile.mkdtemp(), "num-examples": 40, "heldout-examples": 4,
         "layers-per-block": args.layers_per_block, "local-steps": 1, "batch-size": args.batch_size,
         "micro-batch-size": args.micro_batch_size, "max-seq-len": args.max_seq_len, "weights": args.weights,
         "generate-examples": 0, "torch-threads": 2, "schedule": "ascending",

@@ -33,6 +33,7 @@ def tiny_config(model_dir: Path, output_dir: Path, **overrides) -> dict:
     config = {
         "model": str(model_dir),
         "output-dir": str(output_dir),
+        "dataset": "reasoning-gym:gsm_symbolic",  # prompts the tiny tokenizer (trained on it) keeps short
         "num-examples": 64,
         "heldout-examples": 8,
         "layers-per-block": 2,

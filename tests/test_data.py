@@ -105,3 +105,24 @@ def test_final_number(text, number):
 )
 def test_answer_correct(reference, generated, correct):
     assert answer_correct(reference, generated) is correct
+
+
+def test_the_run_summary_puts_the_task_accuracy_beside_a_constant_answer():
+    from parablock_flwr.metrics import round_line, run_summary
+
+    records = [
+        {"round": 0, "heldout_loss": 1.9, "task_accuracy": 4 / 64, "task_examples": 64, "task_accuracy_constant": 0.75},
+        {"round": 1, "heldout_loss": 0.5},
+        {
+            "round": 2,
+            "heldout_loss": 0.2,
+            "task_accuracy": 40 / 64,
+            "task_examples": 64,
+            "task_accuracy_constant": 0.75,
+        },
+    ]
+    assert run_summary(records) == (
+        "heldout_loss 1.9000 (round 0) -> 0.2000 (round 2); "
+        "task_accuracy 0.062 (round 0) -> 0.625 (round 2) (always the most common answer: 0.750)"
+    )
+    assert round_line(records[0], 2) == "round 0/2 heldout_loss 1.9000 task_accuracy 0.062 (4/64)"

@@ -282,8 +282,11 @@ def claims(setting: str, by_label: dict, skip: int) -> list[str]:
             statistics.fmean(by_label[ranked[-1]]["final_loss"]) / statistics.fmean(by_label[ranked[0]]["final_loss"])
             - 1
         )
+        best, worst = by_label[ranked[0]]["final_loss"], by_label[ranked[-1]]["final_loss"]
+        overlap = "the seeds' ranges overlap" if max(best) >= min(worst) else "the seeds' ranges are apart"
         lines.append(
-            f"- {setting}: best to worst final loss {' < '.join(ranked)}; the worst is {spread:+.2%} above the best."
+            f"- {setting}: best to worst mean final loss {' < '.join(ranked)}; the worst is {spread:+.2%} above "
+            f"the best ({overlap})."
         )
     return lines
 

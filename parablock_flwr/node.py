@@ -178,7 +178,7 @@ def train_round(
         result = compute_update(
             resources, cfg, server_round, block, pending, base_version, partition_id, num_partitions, slot
         )
-    else:  # the worker computed it from client.start_point(pending, ...), which was x^{r-2} + pending
+    else:  # the worker computed it from x^{base_version} + pending (client.start_point's)
         base_version, result = computed_ahead
     if cfg.transfer_dtype != "fp32":
         result.delta, residuals[block] = core.round_with_feedback(

@@ -70,6 +70,34 @@ def test_a_full_sync_during_a_computation_ahead_leaves_the_invariant_exact(tmp_p
     assert worker.pending.base_version == 1 and worker.ahead is None
 
 
+def test_without_the_correction_a_node_back_from_a_skipped_round_keeps_its_own_model(tmp_path, tiny_model_dir):
+    """correction = "none" in the worker: round 1 runs round 2 ahead, the node is not sampled in
+    round 2, round 3's message brings g^1 (catch-up) and g^2. The worker drops the computation
+    ahead, trains round 3 from its own model written on x^1, and keeps y = x^0 + Δ^1 + Δ^3."""
+    config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 4, "correction": "none"})
+    worker = NodeWorker()
+    _, update1 = worker.train(header(config, 1, block=0, next_block=1), {})
+    model, partition = load_for_training(RunConfig.from_flower(config))
+    x0 = {n: p.detach().clone() for n, p in model.named_parameters() if n in partition.all_names()}
+    g1 = {n: torch.from_numpy(np.array(a)) * 0.5 for n, a in update1.items()}
+    g2 = {n: torch.randn_like(x0[n]) * 1e-3 for n in partition.names(1)}
+    arrays = {f"global-step/{n}": t.numpy() for n, t in g2.items()}
+    arrays.update({f"catch-up/v1/{n}": t.numpy() for n, t in g1.items()})
+    message = header(config, 3, block=0, next_block=-1, **{"catch-up-versions": [1], "catch-up-blocks": [0]})
+    message["round"]["step-block"] = 1
+    reply, update3 = worker.train(message, arrays)
+
+    assert reply["metrics"]["base-version"] == 1  # x^1 + its own offset, one round stale
+    replica = node.resources(RunConfig.from_flower(config), 7).replica
+    assert replica.version == 2 and worker.pending.base_version == 2
+    own = {n: x0[n] + torch.from_numpy(np.array(update1[n])) for n in x0 if n in update1}
+    for n, a in update3.items():
+        own[n] = own.get(n, x0[n]) + torch.from_numpy(np.array(a))
+    for n, expected in own.items():
+        assert torch.allclose(replica.params[n].detach() + worker.pending.delta[n], expected, atol=1e-6), n
+    assert not torch.allclose(replica.params[partition.names(1)[0]], x0[partition.names(1)[0]])  # x moved on
+
+
 def test_an_unknown_node_config_key_is_named_with_the_closest_known_one():
     assert unknown_node_config_key({"partition-id": 0, "worker-sockt": "/tmp/w.sock"}) == (
         "node config worker-sockt: unknown key; did you mean worker-socket?"

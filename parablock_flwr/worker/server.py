@@ -89,6 +89,7 @@ class NodeWorker:
         if handed_back is not None:  # the server restarted from a checkpoint
             self.pending = handed_back
         waited, computed_ahead, correction_step, drift_slot = 0.0, None, cfg.local_steps, None
+        started_from = self.pending  # what round r trained from, on x^{r-2} (the ahead computation's start)
         if ahead is not None:
             _, future, slot = ahead
             if cfg.correction_mode == "on-receipt" and self.pending is not None:
@@ -100,9 +101,9 @@ class NodeWorker:
             correction_step = slot.applied_after_step or cfg.local_steps
             drift_slot = slot
         else:  # nothing ran ahead: compute now, in the compute thread too
-            base_version, pending = client.start_point(self.pending, server_round, fetch_step)
+            base_version, started_from = client.start_point(self.pending, server_round, fetch_step)
             resources.replica.advance_to(base_version, fetch_step)
-            args = (resources, cfg, server_round, block, pending, base_version, partition_id, num_partitions)
+            args = (resources, cfg, server_round, block, started_from, base_version, partition_id, num_partitions)
             computed_ahead = (base_version, self.compute_thread.submit(node.compute_update, *args).result())
         done = node.train_round(
             resources,
@@ -110,7 +111,7 @@ class NodeWorker:
             client,
             server_round,
             block,
-            self.pending,
+            started_from,
             fetch_step,
             partition_id,
             num_partitions,

@@ -10,14 +10,15 @@ Every run is a real `flwr run` on Flower's simulation engine. Three parts:
 - ``schedules``: ParaBlock's four block schedules on one of those settings.
 - ``smollm2``: the default job (SmolLM2-135M-Instruct, its data and settings)
   with 4 clients, half of them sampled each round, the same six algorithms,
-  12 rounds, one seed, with the task accuracy before and after.
+  12 rounds, one seed, with the task accuracy before and after;
+  ``smollm2-gsm``: the same on GSM-style math, whose loss keeps falling.
 
 It prints the tables, draws held-out loss against rounds and against bytes sent
 (mean and range over seeds) into docs/img/, writes the summary to
 docs/convergence.json and the section of docs/benchmarks.md. Each finished run's
 records are kept under ``--workdir``: an interrupted study continues where it stopped.
 
-    .venv/bin/python benchmarks/convergence.py                    # everything (about 1.5 h here)
+    .venv/bin/python benchmarks/convergence.py                    # tiny, schedules, smollm2 (about 70 min here)
     .venv/bin/python benchmarks/convergence.py --parts tiny       # one part
     .venv/bin/python benchmarks/convergence.py --quick --no-write # a smoke check
 """
@@ -163,15 +164,23 @@ def schedules_part(args, model: Path, workdir: Path) -> dict:
     return out
 
 
-def smollm2_part(args, workdir: Path) -> dict:
-    """The embedded SmolLM2 on the default data, one seed: {setting: {label: [result]}}."""
-    setting = "SmolLM2-135M, default data"
+SMOLLM2_GSM = {  # GSM-style math: worked answers, a loss that keeps falling; held-out and generation as before
+    "dataset": "reasoning-gym:gsm_symbolic",
+    "heldout-examples": 16,
+    "generate-examples": 0,  # SmolLM2-135M answers none of them, before or after (docs/benchmarks.md)
+}
+
+
+def smollm2_part(args, workdir: Path, gsm: bool = False) -> dict:
+    """SmolLM2 as in the default job (or on GSM-style math), one seed: {setting: {label: [result]}}."""
+    setting = "SmolLM2-135M, GSM-style math" if gsm else "SmolLM2-135M, default data"
     out = {setting: {}}
     for label, algorithm in ALGORITHMS.items():
-        config = {**SMOLLM2, **algorithm, "num-server-rounds": args.smollm2_rounds, "seed": args.seeds[0]}
+        config = {**SMOLLM2, **(SMOLLM2_GSM if gsm else {}), **algorithm}
+        config.update({"num-server-rounds": args.smollm2_rounds, "seed": args.seeds[0]})
         if label == "fedavg-lora":
             config["learning-rate"] = SMOLLM2_LORA_LR
-        name = f"smollm2-{label}-s{args.seeds[0]}-r{args.smollm2_rounds}"
+        name = f"smollm2{'-gsm' if gsm else ''}-{label}-s{args.seeds[0]}-r{args.smollm2_rounds}"
         out[setting][label] = [run_once(name, config, args.smollm2_clients, workdir)]
     return out
 
@@ -312,13 +321,26 @@ def plot(setting: str, by_label: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def rounded(value):
+    """Floats to 5 significant digits, for a summary file that stays small and readable."""
+    if isinstance(value, float):
+        return float(f"{value:.5g}")
+    if isinstance(value, dict):
+        return {k: rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [rounded(v) for v in value]
+    return value
+
+
 def slug(setting: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in setting.lower()).strip("-").replace("--", "-")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--parts", default="tiny,schedules,smollm2", help="comma-separated: tiny, schedules, smollm2")
+    parser.add_argument(
+        "--parts", default="tiny,schedules,smollm2", help="comma-separated: tiny, schedules, smollm2, smollm2-gsm"
+    )
     parser.add_argument("--rounds", type=int, default=40, help="rounds of the tiny-model runs")
     parser.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 2])
     parser.add_argument("--alphas", type=lambda s: [float(x) for x in s.split(",")], default=[0.1, 1.0])
@@ -333,7 +355,7 @@ def main() -> None:
     parts = set(args.parts.split(","))
     if args.quick:
         args.rounds, args.seeds, args.clients, args.skip_rounds, args.alphas = 4, [0], 4, 1, args.alphas[:1]
-        parts -= {"smollm2"}
+        parts -= {"smollm2", "smollm2-gsm"}
     args.workdir.mkdir(parents=True, exist_ok=True)
     runs: dict = {}
     part_s: dict = {}
@@ -342,6 +364,7 @@ def main() -> None:
         ("tiny", lambda: tiny_part(args, model, args.workdir)),
         ("schedules", lambda: schedules_part(args, model, args.workdir)),
         ("smollm2", lambda: smollm2_part(args, args.workdir)),
+        ("smollm2-gsm", lambda: smollm2_part(args, args.workdir, gsm=True)),
     ):
         if part in parts:
             print(f"{part} ...", flush=True)
@@ -354,15 +377,15 @@ def main() -> None:
     print("\n\n".join(tables) + "\n\n" + "\n".join(checked))
     if args.no_write:
         return
-    command = "python benchmarks/convergence.py " + shlex.join(sys.argv[1:])
+    command = ("python benchmarks/convergence.py " + shlex.join(sys.argv[1:])).strip()
     figures = []
     for setting, by_label in summary.items():
         path = PROJECT_DIR / "docs" / "img" / f"convergence-{slug(setting)}.png"
         plot(setting, by_label, path)
         figures.append(f"![{setting}](img/{path.name})")
     (PROJECT_DIR / "docs" / "convergence.json").write_text(
-        json.dumps({"command": command, "runs_s": sum(WALL_S.values()), "part_s": part_s, "summary": summary},
-                   indent=1) + "\n"
+        json.dumps({"command": command, "runs_s": sum(WALL_S.values()), "part_s": part_s, "summary": rounded(summary)})
+        + "\n"
     )  # fmt: skip
     parts_took = ", ".join(f"{p} {s / 60:.0f} min" for p, s in part_s.items())
     took = (

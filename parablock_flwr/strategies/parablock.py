@@ -6,6 +6,8 @@ round r-1's exchange travels, then corrects (``ParaBlockClient.correct``).
 The server adds the overlapped time model, (``verify-invariant``) a check that
 each client's local model after the correction is exactly ``x^{r-1} + Δ_i^r``,
 and each client's ``Δ_i^r`` in the checkpoint (what a restarted server hands back).
+Beside them: ``CorrectionSlot`` (the ``on-receipt`` correction of a running computation)
+and ``UncorrectedClient`` (the ablation ``correction = "none"``).
 """
 
 from __future__ import annotations

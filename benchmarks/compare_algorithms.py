@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from parablock_flwr.tools.app_config import find_project_dir
+from parablock_flwr.tools.app_config import GSM_AS_MEASURED, find_project_dir
 from parablock_flwr.tools.launch import run_simulation
 from parablock_flwr.tools.tiny_model import build_tiny_model
 
@@ -44,10 +44,7 @@ def run(algorithm: str, train: str, args, model: str, workdir: Path) -> list[dic
         "algorithm": algorithm,
         "train": train,
         "model": model,
-        "dataset": "reasoning-gym:gsm_symbolic",  # the data of its figures in docs/
-        "heldout-examples": 16,
-        "generate-examples": 8,
-        "max-new-tokens": 128,
+        **GSM_AS_MEASURED,
         "output-dir": str(out),
         "num-server-rounds": args.rounds,
         "learning-rate": args.lora_learning_rate if train == "lora" else args.learning_rate,

@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from parablock_flwr.tools.app_config import find_project_dir
+from parablock_flwr.tools.app_config import GSM_AS_MEASURED, find_project_dir
 from parablock_flwr.tools.launch import run_deployment
 from parablock_flwr.tools.tiny_model import build_tiny_model
 
@@ -32,7 +32,7 @@ def run(algorithm: str, args, model: str, workdir: Path) -> list[dict]:
     config = {
         "algorithm": algorithm,
         "model": model,
-        "dataset": "reasoning-gym:gsm_symbolic",  # the data of its figures in docs/
+        **GSM_AS_MEASURED,
         "output-dir": str(out),
         "num-server-rounds": args.rounds,
         "torch-threads": 1,

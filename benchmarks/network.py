@@ -64,7 +64,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from parablock_flwr.tools.app_config import find_project_dir
+from parablock_flwr.tools.app_config import GSM_AS_MEASURED, find_project_dir
 from parablock_flwr.tools.launch import (
     flower_env,
     flwr_run,
@@ -250,7 +250,7 @@ def make_run_config(algorithm: str, rate: float, args: argparse.Namespace, model
     config = {
         "algorithm": algorithm,
         "model": model,
-        "dataset": "reasoning-gym:gsm_symbolic",  # the data of its figures in docs/
+        **GSM_AS_MEASURED,
         "output-dir": str(out),
         "num-server-rounds": args.rounds,
         "layers-per-block": args.layers_per_block,
@@ -647,7 +647,7 @@ def main(argv: list[str] | None = None) -> int:
             model = str(build_tiny_model(args.out / "tiny-model"))
         results["settings"] = {
             "model": model,
-            "dataset": "reasoning-gym:gsm_symbolic",  # the data of its figures in docs/
+            **GSM_AS_MEASURED,
             "model_label": "tiny Llama (parablock_flwr.tools.tiny_model)" if args.tiny else model,
             "clients": args.clients,
             "rounds": args.rounds,

@@ -42,6 +42,8 @@ from pathlib import Path
 
 import network
 
+from parablock_flwr.tools.app_config import GSM_AS_MEASURED
+
 from netlab import build_network, check_machine, shape, stop_on_sigterm
 
 PROJECT_DIR = network.PROJECT_DIR
@@ -297,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         model = str(build_tiny_model(args.out / "tiny-model"))
     results["settings"] = {"model": model, "rounds": args.rounds, "layers_per_block": args.layers_per_block,
                            "local_steps": args.local_steps, "latency_ms": args.latency_ms}  # fmt: skip
-    extra = {"eval-every": args.rounds, "generate-examples": 0, "dataset": "reasoning-gym:gsm_symbolic"}  # as measured
+    extra = {**GSM_AS_MEASURED, "eval-every": args.rounds, "generate-examples": 0}
 
     def record(result: dict) -> None:
         results["runs"].append({k: v for k, v in result.items() if k != "records"})

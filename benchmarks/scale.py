@@ -24,7 +24,7 @@ from pathlib import Path
 
 import psutil
 
-from parablock_flwr.tools.app_config import find_project_dir
+from parablock_flwr.tools.app_config import GSM_AS_MEASURED, find_project_dir
 from parablock_flwr.tools.launch import run_simulation
 from parablock_flwr.tools.tiny_model import build_tiny_model
 
@@ -57,7 +57,7 @@ def measure(clients: int, model: Path, rounds: int, workdir: Path) -> dict:
     out = workdir / f"out-{clients}"
     config = {
         "model": str(model),
-        "dataset": "reasoning-gym:gsm_symbolic",  # the data of its figures in docs/
+        **GSM_AS_MEASURED,
         "output-dir": str(out),
         "num-examples": max(64, 2 * clients + 8),
         "heldout-examples": 8,

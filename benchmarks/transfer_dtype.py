@@ -24,6 +24,7 @@ from pathlib import Path
 
 import network
 
+from parablock_flwr.tools.app_config import GSM_AS_MEASURED
 from parablock_flwr.tools.launch import run_simulation
 from parablock_flwr.tools.tiny_model import build_tiny_model
 
@@ -32,7 +33,7 @@ SECTION = "## Transfer precision: bf16 and fp16 updates against fp32"
 
 def run(dtype: str, args, model: str, workdir: Path) -> dict:
     out = workdir / f"out-{dtype}"
-    config = {"model": model, "dataset": "reasoning-gym:gsm_symbolic",
+    config = {"model": model, **GSM_AS_MEASURED,
               "output-dir": str(out), "num-server-rounds": args.rounds, "transfer-dtype": dtype,
               "verify-invariant": True, "generate-examples": 0}  # fmt: skip
     if args.tiny:

@@ -192,11 +192,6 @@ class RunConfig:
             raise ConfigError(f"lora-dropout={self.lora_dropout}: expected a number in [0, 1)")
         if not [m for m in self.lora_target_modules.split(",") if m.strip()]:
             raise ConfigError("lora-target-modules='': expected comma-separated module names, e.g. q_proj,v_proj")
-        if self.generate_examples > self.heldout_examples:
-            raise ConfigError(
-                f"generate-examples={self.generate_examples}: expected at most "
-                f"heldout-examples={self.heldout_examples} (answers are generated for held-out rows)"
-            )
         if not 0.0 < self.fraction_train <= 1.0:
             raise ConfigError(f"fraction-train={self.fraction_train}: expected a number in (0, 1]")
         for key in ("weight-decay", "latency-ms", "max-update-norm", "message-overhead-s", "max-correction-drift"):

@@ -31,11 +31,12 @@ from pathlib import Path
 import torch
 
 from parablock_flwr.tools.launch import run_deployment
+from parablock_flwr.tools.app_config import GSM_AS_MEASURED
 
 devices = ["cuda:0", "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"]
 out = Path(os.environ["GPU_CHECK_OUT"])
 config = {
-    "model": os.environ["GPU_CHECK_MODEL"], "dataset": "reasoning-gym:gsm_symbolic", "output-dir": str(out / "runs"), "num-server-rounds": 3,
+    "model": os.environ["GPU_CHECK_MODEL"], **GSM_AS_MEASURED, "output-dir": str(out / "runs"), "num-server-rounds": 3,
     "weights": "bf16", "precision": "bf16", "evaluation": "clients", "micro-batch-size": 2,
     "gradient-checkpointing": True, "lr-schedule": "cosine", "lr-schedule-scope": "run", "warmup-steps": 1,
     "verify-invariant": True, "snapshot-every": 2, "generate-examples": 0,

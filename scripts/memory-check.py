@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from parablock_flwr.tools.app_config import GSM_AS_MEASURED
+
 
 def random_llama(folder: Path, tokenizer_from: str) -> str:
     """A randomly initialised Llama of about 1.1B parameters (TinyLlama's shape), saved once."""
@@ -60,7 +62,7 @@ def main() -> None:
 
     model = random_llama(args.cache, "embedded:smollm2-135m-instruct") if args.model == "random-1b" else args.model
     config = {
-        "model": model, "dataset": "reasoning-gym:gsm_symbolic",
+        "model": model, **GSM_AS_MEASURED,
         "output-dir": tempfile.mkdtemp(), "num-examples": 40, "heldout-examples": 4,
         "layers-per-block": args.layers_per_block, "local-steps": 1, "batch-size": args.batch_size,
         "micro-batch-size": args.micro_batch_size, "max-seq-len": args.max_seq_len, "weights": args.weights,

@@ -18,7 +18,7 @@ It prints the tables, draws held-out loss against rounds and against bytes sent
 docs/convergence.json and the section of docs/benchmarks.md. Each finished run's
 records are kept under ``--workdir``: an interrupted study continues where it stopped.
 
-    .venv/bin/python benchmarks/convergence.py                    # tiny, schedules, smollm2 (about 70 min here)
+    .venv/bin/python benchmarks/convergence.py                    # everything (about 100 min here)
     .venv/bin/python benchmarks/convergence.py --parts tiny       # one part
     .venv/bin/python benchmarks/convergence.py --quick --no-write # a smoke check
 """
@@ -339,7 +339,9 @@ def slug(setting: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--parts", default="tiny,schedules,smollm2", help="comma-separated: tiny, schedules, smollm2, smollm2-gsm"
+        "--parts",
+        default="tiny,schedules,smollm2,smollm2-gsm",
+        help="comma-separated: tiny, schedules, smollm2, smollm2-gsm",
     )
     parser.add_argument("--rounds", type=int, default=40, help="rounds of the tiny-model runs")
     parser.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 2])

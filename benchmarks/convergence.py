@@ -269,10 +269,12 @@ def claims(setting: str, by_label: dict, skip: int) -> list[str]:
             worst = max(abs(g) for g in gaps)
             verdict = "holds" if worst <= 0.02 else "does not hold"
             seeds = ", ".join(f"{g:+.1%}" for g in paired(by_label, label, REFERENCE))
+            ref = by_label[REFERENCE]["final_loss"]
+            spread = f" (BCD's own spread over the seeds: {max(ref) / min(ref) - 1:.1%})" if len(ref) > 1 else ""
             lines.append(
                 f"- {setting}: {label}'s mean held-out loss stays within {worst:.2%} of sequential BCD's after "
                 f"round {skip} (from {max(gaps):+.2%} to {min(gaps):+.2%}; claim: within 2%, {verdict}); "
-                f"final loss against BCD's, seed by seed: {seeds}."
+                f"final loss against BCD's, seed by seed: {seeds}{spread}."
             )
     if "parablock" in by_label and "parablock-no-correction" in by_label:
         change = paired(by_label, "parablock-no-correction", "parablock")
@@ -284,7 +286,27 @@ def claims(setting: str, by_label: dict, skip: int) -> list[str]:
         else:
             verdict = f"not measurably worse: above on {worse} of {len(change)} seeds"
         seeds = ", ".join(f"{c:+.1%}" for c in change)
-        lines.append(f"- {setting}: without the correction the final loss is, seed by seed, {seeds} ({verdict}).")
+        with_c, without = by_label["parablock"], by_label["parablock-no-correction"]
+        rounds = with_c["rounds"]
+        at = sorted({rounds[len(rounds) * q // 4] for q in (1, 2, 3)} | {rounds[-1]})
+        growth = ", ".join(
+            f"{without['heldout_loss_mean'][rounds.index(r)] / with_c['heldout_loss_mean'][rounds.index(r)] - 1:+.1%} "
+            f"at round {r}"
+            for r in at
+        )
+        lines.append(
+            f"- {setting}: without the correction the final loss is, seed by seed, {seeds} ({verdict}); "
+            f"its mean loss against ParaBlock's: {growth}."
+        )
+    if "fedavg-full" in by_label and REFERENCE in by_label:
+        ref, full = by_label[REFERENCE], by_label["fedavg-full"]
+        budget = ref["mb_sent_mean"][-1]
+        k = max(i for i, mb in enumerate(full["mb_sent_mean"]) if mb <= budget)
+        lines.append(
+            f"- {setting}: per byte: with the {budget:.0f} MB sequential BCD sends in its {ref['rounds'][-1]} rounds "
+            f"(mean loss {ref['heldout_loss_mean'][-1]:.4f}), full FedAvg reaches round {full['rounds'][k]} "
+            f"({full['mb_sent_mean'][k]:.0f} MB, mean loss {full['heldout_loss_mean'][k]:.4f})."
+        )
     if set(SCHEDULES) <= set(by_label):
         ranked = sorted(SCHEDULES, key=lambda s: statistics.fmean(by_label[s]["final_loss"]))
         spread = (

@@ -59,12 +59,12 @@ def round_line(rec: dict, num_rounds: int) -> str:
 def run_summary(records: list[dict]) -> str:
     """The run in one line: the held-out loss and task accuracy before training and at the end."""
     parts = []
-    for key, label, fmt in (("heldout_loss", "heldout_loss", "{:.4f}"), ("task_accuracy", "task_accuracy", "{:.3f}")):
+    for key, fmt in (("heldout_loss", "{:.4f}"), ("task_accuracy", "{:.3f}")):
         measured = [r for r in records if r.get(key) is not None]
         if len(measured) >= 2:
             first, last = measured[0], measured[-1]
             before, after = fmt.format(first[key]), fmt.format(last[key])
-            parts.append(f"{label} {before} (round {first['round']}) -> {after} (round {last['round']})")
+            parts.append(f"{key} {before} (round {first['round']}) -> {after} (round {last['round']})")
     constant = next((r["task_accuracy_constant"] for r in records if r.get("task_accuracy_constant") is not None), None)
     if len(parts) == 2 and constant is not None:
         parts[-1] += f" (always the most common answer: {constant:.3f})"

@@ -170,7 +170,7 @@ def train_round(
         base_version, pending = client.start_point(pending, server_round, fetch_step)
         resources.replica.advance_to(base_version, fetch_step)
         slot = None
-        if cfg.correction_mode == "on-receipt" and pending is not None and base_version == server_round - 2:
+        if cfg.correction_mode == "on-receipt" and pending is not None:  # trained from x^{r-2} + Δ_i^{r-1}
             # Inline (simulation), g^{r-1} came with the message: it is applied at the first step
             # boundary, as a node worker does when the exchange is shorter than one local step.
             slot = CorrectionSlot()

@@ -1,7 +1,7 @@
 """What one node computes, shared by the inline ClientApp (simulation) and the node worker.
 
 ``train_round`` is one client round of any algorithm: the algorithm's client half
-(``strategies.BCDClient``, ``strategies.ParaBlockClient``) says which model it
+(``strategies/fedbcd/client.py``, ``strategies/parablock/client.py``) says which model it
 trains from and what the client keeps; ``compute_update`` trains block ``b_r`` from
 ``x^{base} + pending`` and returns ``Δ_i^r``. When it runs (inline in the handler,
 or ahead in the worker's background thread) is the driver's business.
@@ -32,7 +32,8 @@ from .model import load_for_training, load_tokenizer
 from .node_data import NodeSettings
 from .replica import FetchStep, ModelReplica
 from .runtime import round_seed
-from .strategies import BCDClient, CorrectionSlot
+from .strategies.fedbcd.client import BCDClient
+from .strategies.parablock.client import CorrectionSlot
 from .training import BetweenSteps, TrainResult, TrainSettings, train_block
 
 

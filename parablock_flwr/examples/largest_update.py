@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 from .. import core
-from ..strategies import ParaBlock
+from ..strategies.parablock.server import ParaBlock
 
 
 class LargestUpdateParaBlock(ParaBlock):

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 import torch
 
 from .. import core
-from ..strategies import ParaBlock
+from ..strategies.parablock.server import ParaBlock
 
 
 class TrimmedMeanParaBlock(ParaBlock):

@@ -2,7 +2,7 @@
 checkpoint, and resuming from a checkpoint.
 
 ``RoundLoop`` is the base of ``FedBCD``: it holds what belongs to the run (the step
-log, ``metrics.jsonl``, the clocks, the checkpoint) so that ``fedbcd.py`` holds only
+log, ``metrics.jsonl``, the clocks, the checkpoint) so that ``fedbcd/server.py`` holds only
 what belongs to the algorithm's rounds.
 """
 

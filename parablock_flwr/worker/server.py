@@ -35,7 +35,8 @@ from ..node_data import NodeSettings
 from ..records import decode, encode
 from ..replica import catch_up_steps, resumed_pending
 from ..runtime import setup_torch
-from ..strategies import CorrectionSlot, client_half
+from ..strategies import client_half
+from ..strategies.parablock.client import CorrectionSlot
 from .protocol import recv, send
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ the strategy; these classes only name the algorithm in messages and records.
 
 from __future__ import annotations
 
-from .fedbcd import FedBCD
+from ..fedbcd.server import FedBCD
 
 
 class FedAvgFull(FedBCD):

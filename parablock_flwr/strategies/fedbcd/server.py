@@ -1,4 +1,4 @@
-"""Sequential federated block coordinate descent: ``FedBCD`` (server half) and ``BCDClient``.
+"""Sequential federated block coordinate descent, the server half: ``FedBCD`` (client half: ``client.py``).
 
 Round r: send each client ``g^{r-1} = η_s Δ̄^{r-1}`` and the block ``b_r``; clients reply
 ``Δ_i^r``; the server checks each reply, aggregates the valid ones and applies
@@ -20,15 +20,14 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy.strategy_utils import sample_nodes
 
-from .. import core
-from ..checkpoint import clear_staged_pending
-from ..config import RunConfig
-from ..records import to_record
-from ..replica import FetchStep, ModelReplica
-from .node_sync import NodeSync, ask_partitions, seeded_sample
-from .reply_checks import Expected, Reply, check_partition, parse_reply
-from .round_loop import RoundLoop
-from .round_stats import RoundStats, TooFewReplies, array_bytes, round_record
+from ... import core
+from ...checkpoint import clear_staged_pending
+from ...config import RunConfig
+from ...records import to_record
+from ..node_sync import NodeSync, ask_partitions, seeded_sample
+from ..reply_checks import Expected, Reply, check_partition, parse_reply
+from ..round_loop import RoundLoop
+from ..round_stats import RoundStats, TooFewReplies, array_bytes, round_record
 
 log = logging.getLogger(__name__)
 
@@ -268,33 +267,3 @@ class FedBCD(RoundLoop):
                     stats.round_retries, self.config.max_round_retries)  # fmt: skip
         message_ids = self._grid.push_messages(self.train_messages(server_round, nodes))
         return list(self.replies_as_they_arrive(self._grid, message_ids))
-
-
-class BCDClient:
-    """Sequential BCD's client half: round r trains ``b_r`` from ``x^{r-1}`` and keeps nothing.
-
-    A client half says which model a round trains from and what the client keeps
-    afterwards; the drivers (the simulation's inline ClientApp and the deployment's
-    node worker) decide only where that state lives and when the computation runs.
-    """
-
-    runs_ahead = False  # may the node worker start round r+1 before its message arrives?
-
-    def start_point(
-        self, pending: core.PendingUpdate | None, server_round: int, fetch_step: FetchStep
-    ) -> tuple[int, core.PendingUpdate | None]:
-        """``(v, pending)``: round r trains from ``x^v + pending``. BCD: ``x^{r-1}``."""
-        return server_round - 1, None
-
-    def finish_round(
-        self,
-        replica: ModelReplica,
-        started_from: core.PendingUpdate | None,
-        delta: core.Tensors,
-        block: int,
-        server_round: int,
-        fetch_step: FetchStep,
-    ) -> core.PendingUpdate | None:
-        """After ``Δ_i^r`` (trained from ``x^v + started_from``): what the client keeps until the
-        next round. BCD: nothing."""
-        return None

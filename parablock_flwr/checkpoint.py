@@ -14,8 +14,9 @@ adds what the step log lacks:
   after a restart nobody else holds it, and without it the run could not
   continue bit for bit.
 
-``RUN_DIR/checkpoint/round-NNNNN`` is written as a ``.tmp`` folder and
-renamed, so a crash leaves either the old checkpoint or the new one.
+``RUN_DIR/checkpoint/round-NNNNN`` is written as a ``.tmp`` folder, made durable and renamed
+(``durable.replace_folder``); the older checkpoint is removed only after that, so a crash or a
+power loss leaves the old checkpoint, the new one, or both, never neither.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import numpy as np
 import torch
 
 from .core import PendingUpdate
+from .durable import crash_point, fsync_path, replace_folder
 
 STAGED = "pending.staged"
 
@@ -54,6 +56,7 @@ MAY_CHANGE_ON_RESUME = frozenset(
         "evaluation",
         "eval-device",
         "snapshot-every",
+        "max-consecutive-rejections",
     }
 )
 
@@ -93,7 +96,10 @@ def stage_pending(run_dir: Path, partition_id: int, pending: PendingUpdate) -> N
 
 
 def save_checkpoint(run_dir: Path, ckpt: Checkpoint) -> Path:
-    """Write ``RUN_DIR/checkpoint/round-NNNNN`` atomically and drop older ones."""
+    """Write ``RUN_DIR/checkpoint/round-NNNNN`` atomically and durably, then drop older ones.
+
+    Its size does not grow with the round: only the blocks of rounds R and later are kept
+    (what rounds after R still name; the step log holds each earlier step's block)."""
     root = Path(run_dir) / "checkpoint"
     final = root / f"round-{ckpt.round:05d}"
     tmp = root / f"round-{ckpt.round:05d}.tmp"
@@ -101,7 +107,7 @@ def save_checkpoint(run_dir: Path, ckpt: Checkpoint) -> Path:
     tmp.mkdir(parents=True)
     state = {
         "round": ckpt.round,
-        "blocks": {str(r): b for r, b in ckpt.blocks.items()},
+        "blocks": {str(r): b for r, b in ckpt.blocks.items() if r >= ckpt.round},
         "global_sha256": ckpt.global_sha256,
         "elapsed_s": ckpt.elapsed_s,
         "modeled_wall_s": ckpt.modeled_wall_s,
@@ -110,11 +116,13 @@ def save_checkpoint(run_dir: Path, ckpt: Checkpoint) -> Path:
     if (root / STAGED).exists():
         os.replace(root / STAGED, tmp / "pending")
     (tmp / "state.json").write_text(json.dumps(state, indent=1, sort_keys=True) + "\n")
+    crash_point("checkpoint", ckpt.round)
     shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
+    replace_folder(tmp, final)
     for old in root.glob("round-*"):
         if old != final and not old.name.endswith(".tmp"):
             shutil.rmtree(old, ignore_errors=True)
+    fsync_path(root)
     return final
 
 
@@ -192,7 +200,6 @@ def replay_run(
     the checkpoint's digest), copying the steps and the records of rounds 0..R into this run's
     ``step_log`` and ``recorder``. Returns ``g^R``, the step round R+1's message carries."""
     from .core import apply_step, digest
-    from .metrics import RunRecorder
     from .replica import StepLog
 
     old_log = StepLog(from_run_dir)
@@ -216,7 +223,5 @@ def replay_run(
             f"resume-from={str(from_run_dir)!r}: x^0 plus the logged steps does not give the "
             f"checkpointed x^{ckpt.round}; expected the same model files as the first run"
         )
-    for record in RunRecorder(from_run_dir).read():
-        if record["round"] <= ckpt.round:
-            recorder.write(record)
+    recorder.copy_rounds(from_run_dir, ckpt.round)
     return step

@@ -94,6 +94,7 @@ class RunConfig:
     min_accepted_replies: int = 1
     on_too_few_replies: str = "retry"
     max_round_retries: int = 2
+    max_consecutive_rejections: int = 3
     verify_invariant: bool = False
     save_final_model: bool = False
     save_every: int = 0
@@ -163,6 +164,7 @@ class RunConfig:
             "save-every",
             "min-accepted-replies",
             "max-round-retries",
+            "max-consecutive-rejections",
             "max-num-examples",
             "snapshot-every",
         ):

@@ -1,38 +1,61 @@
-"""Per-round records: one log line each, appended to ``metrics.jsonl`` in the run folder."""
+"""Per-round records: one log line each, appended to ``metrics.jsonl`` in the run folder.
+
+A round's record is written in parts, each one appended line: the training numbers once the
+round is aggregated, then its evaluation once it is done (the server's, or the nodes' that come
+with the next round's replies). Writing a round costs the same at round 10 and at round 1000
+(nothing earlier is rewritten), and the same for 2 nodes and for 200: what is per node (each
+accepted client's weight, the workers' timelines, each rejection, each node's held-out loss)
+goes to ``nodes.jsonl`` instead, one line per round. ``RunRecorder.read`` merges both files
+into one dict per round, as a run's record always was.
+"""
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from pathlib import Path
+
+from .durable import append_line, read_jsonl
+
+# Keys whose value has one entry per node: kept out of the main record (``nodes.jsonl``).
+PER_NODE_KEYS = ("client_weights", "timeline", "rejected", "heldout_nodes")
 
 
 class RunRecorder:
-    """Writes ``metrics.jsonl`` (one JSON object per round, round 0 = before training)."""
+    """``metrics.jsonl`` (round 0 = before training) and ``nodes.jsonl`` (the per-node detail)."""
 
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / "metrics.jsonl"
+        self.nodes_path = Path(run_dir) / "nodes.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
-    def write(self, record: dict) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps(record, sort_keys=True) + "\n")
-
-    def update(self, server_round: int, fields: dict) -> None:
-        """Add ``fields`` to round ``server_round``'s record (the file is replaced atomically)."""
-        records = self.read()
-        for record in records:
-            if record.get("round") == server_round:
-                record.update(fields)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
-        os.replace(tmp, self.path)
+    def write(self, record: dict, crash_stage: tuple[str, int] | None = None) -> None:
+        """Append one part of a round's record (it must carry ``round``), durably; its per-node
+        keys go to ``nodes.jsonl``. ``crash_stage``: the crash tests' point (``durable.crash_point``)."""
+        main = {k: v for k, v in record.items() if k not in PER_NODE_KEYS}
+        detail = {k: v for k, v in record.items() if k in PER_NODE_KEYS}
+        if detail:
+            append_line(self.nodes_path, {"round": record["round"], **detail})
+        append_line(self.path, main, crash_stage)
 
     def read(self) -> list[dict]:
-        if not self.path.exists():
-            return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line]
+        """One merged dict per round, in round order (a torn last line is skipped with a warning)."""
+        return merge_rounds(read_jsonl(self.path) + read_jsonl(self.nodes_path))
+
+    def copy_rounds(self, from_run_dir: Path, up_to: int) -> None:
+        """Append the record parts of rounds ``0..up_to`` of another run (a resumed one) to this one."""
+        source = RunRecorder(from_run_dir)
+        for src, dst in ((source.path, self.path), (source.nodes_path, self.nodes_path)):
+            for part in read_jsonl(src):
+                if part["round"] <= up_to:
+                    append_line(dst, part)
+
+
+def merge_rounds(parts: list[dict]) -> list[dict]:
+    """The parts of each round merged in the order they were written, one dict per round."""
+    rounds: dict[int, dict] = {}
+    for part in parts:
+        rounds.setdefault(part["round"], {}).update(part)
+    return [rounds[r] for r in sorted(rounds)]
 
 
 def _mb(n: float) -> str:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .core import PendingUpdate, Tensors, apply_step
+from .durable import crash_point, replace_file
 
 Step = tuple[int, Tensors]  # (block, g)
 FetchStep = Callable[[int], Step]  # version k -> (b_k, g^k)
@@ -44,20 +44,20 @@ class StepLog:
         self.dir = Path(run_dir) / "global-steps"
 
     def write(self, version: int, block: int, step: Tensors) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        final = self.dir / f"v{version:05d}.safetensors"
-        tmp = final.with_suffix(".tmp")
+        """``g^version``, written atomically and durably (``durable.replace_file``): readers never see
+        a half-written step, and a resumed server finds every step its checkpoint counts on."""
         tensors = {n: t.contiguous() for n, t in step.items()}
-        save_file(tensors, str(tmp), metadata={"block": json.dumps(block), "version": str(version)})
-        os.replace(tmp, final)  # readers never see a half-written step
+
+        def write(tmp: Path) -> None:
+            save_file(tensors, str(tmp), metadata={"block": json.dumps(block), "version": str(version)})
+            crash_point("step-log", version)  # the crash tests' point: the step written, not yet renamed
+
+        replace_file(self.dir / f"v{version:05d}.safetensors", write)
 
     def write_snapshot(self, version: int, values: Tensors) -> None:
-        """``x^version``'s exact values, written atomically."""
-        self.dir.mkdir(parents=True, exist_ok=True)
-        final = self.dir / f"snapshot-v{version:05d}.safetensors"
-        tmp = final.with_suffix(".tmp")
-        save_file({n: t.detach().cpu().contiguous() for n, t in values.items()}, str(tmp))
-        os.replace(tmp, final)
+        """``x^version``'s exact values, written atomically and durably."""
+        tensors = {n: t.detach().cpu().contiguous() for n, t in values.items()}
+        replace_file(self.dir / f"snapshot-v{version:05d}.safetensors", lambda tmp: save_file(tensors, str(tmp)))
 
     def snapshots(self) -> list[int]:
         return sorted(int(p.stem.removeprefix("snapshot-v")) for p in self.dir.glob("snapshot-v*.safetensors"))

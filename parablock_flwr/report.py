@@ -48,6 +48,9 @@ def status_line(status: dict | None) -> str:
     rounds = f"{status.get('rounds_completed')}/{status.get('num_rounds')} rounds"
     if status.get("status") == "completed":
         return f"status: completed ({rounds})"
+    if status.get("status") == "completed-with-exclusions":
+        code = status.get("exit_code")
+        return f"status: completed with exclusions (exit code {code}, {rounds}): {status.get('reason')}"
     return (
         f"status: failed ({status.get('kind')}, exit code {status.get('exit_code')}, {rounds}): {status.get('reason')}"
     )

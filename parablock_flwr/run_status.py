@@ -1,4 +1,4 @@
-"""How a run ended: ``RUN_DIR/status.json``, written once, atomically, at the end.
+"""How a run ended: ``RUN_DIR/status.json``, written once, atomically and durably, at the end.
 
 The ServerApp writes it whatever happens (completed, invalid configuration, too
 few valid replies, a timeout, an unexpected error); the project's commands read
@@ -8,8 +8,9 @@ it to exit with the code below, and ``parablock-flwr report`` prints it first.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
+
+from .durable import replace_file
 
 STATUS_FILE = "status.json"
 
@@ -20,26 +21,29 @@ EXIT_CODES = {
     "invalid-config": 2,  # a bad run-config value or key, a failed resume check
     "too-few-replies": 3,  # a round kept fewer valid replies than min-accepted-replies
     "timeout": 4,  # no node answered a round within round-timeout-s, or the launcher's limit passed
+    # every round ran, but a node was left out: never aggregated, or not in max-consecutive-rejections
+    # rounds in a row (status.json's excluded_nodes names each, and the run's last line)
+    "completed-with-exclusions": 5,
 }
 
 
-def write_status(run_dir: Path, kind: str, reason: str, rounds_completed: int, num_rounds: int) -> Path:
-    """Write ``status.json``: ``kind`` is a key of ``EXIT_CODES``, ``reason`` one line."""
+def write_status(
+    run_dir: Path, kind: str, reason: str, rounds_completed: int, num_rounds: int, excluded_nodes: list[str] = ()
+) -> Path:
+    """Write ``status.json``: ``kind`` is a key of ``EXIT_CODES``, ``reason`` one line,
+    ``excluded_nodes`` one line per node the run left out."""
     if kind not in EXIT_CODES:
         raise ValueError(f"kind={kind!r}: expected one of {', '.join(EXIT_CODES)}")
     record = {
-        "status": "completed" if kind == "completed" else "failed",
+        "status": kind if kind.startswith("completed") else "failed",
         "kind": kind,
         "exit_code": EXIT_CODES[kind],
         "reason": reason,
         "rounds_completed": rounds_completed,
         "num_rounds": num_rounds,
+        "excluded_nodes": list(excluded_nodes),
     }
-    path = Path(run_dir) / STATUS_FILE
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-    return path
+    return replace_file(Path(run_dir) / STATUS_FILE, json.dumps(record, indent=1, sort_keys=True) + "\n")
 
 
 def read_status(run_dir: Path) -> dict | None:

@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 
+from parablock_flwr.metrics import RunRecorder
 from parablock_flwr.tools.credentials import make_node_key
 from parablock_flwr.tools.launch import free_port, run_deployment, stop_process_group, supernode_command
 
@@ -149,7 +150,7 @@ def test_crashed_worker_restarts_and_nodes_resynchronise_under_partial_participa
         def watch():
             metrics = tmp_path / "out"
             while not events.get("done"):
-                rounds = [len(f.read_text().splitlines()) - 1 for f in metrics.glob("*/metrics.jsonl")]
+                rounds = [len(RunRecorder(f.parent).read()) - 1 for f in metrics.glob("*/metrics.jsonl")]
                 done = max(rounds, default=-1)
                 if done >= 1 and "killed" not in events:
                     os.killpg(workers[0].pid, signal.SIGKILL)

@@ -72,7 +72,7 @@ def test_client_evaluation_is_the_example_weighted_mean_and_completes_earlier_re
     recorder = RunRecorder(tmp_path)
     recorder.write({"round": 0})
     recorder.write({"round": 1, "train_loss": 3.0})
-    recorder.update(0, {"heldout_loss": 2.5})
+    recorder.write({"round": 0, "heldout_loss": 2.5})  # completes round 0's record by appending
     assert recorder.read() == [{"round": 0, "heldout_loss": 2.5}, {"round": 1, "train_loss": 3.0}]
 
 

@@ -6,6 +6,7 @@ model must catch up from the server's step log.
 """
 
 import json
+import logging
 
 import pytest
 import torch
@@ -14,8 +15,9 @@ from parablock_flwr import core
 from parablock_flwr.checkpoint import check_resumable
 from parablock_flwr.model import load_model
 from parablock_flwr.replica import StepLog
+from parablock_flwr.report import report
 
-from helpers import simulate, simulate_and_kill_server
+from helpers import simulate, simulate_and_kill_server, simulate_until_crash
 
 pytestmark = pytest.mark.e2e  # every test here runs `flwr run` (or reads a run's output)
 
@@ -217,33 +219,49 @@ def test_too_few_valid_replies_are_retried_then_stop_the_run(tmp_path, tiny_mode
     assert not (run.run_dir / "global-steps").exists()  # x never moved
 
 
-def test_server_killed_after_round_2_resumes_to_the_same_final_model(tmp_path, tiny_model_dir, parablock_run):
-    """The server process dies in round 3 of 4; `resume-from` continues from round 2's checkpoint
-    and ends with the uninterrupted run's model, bit for bit (the `parablock_run` fixture)."""
+def test_a_server_killed_at_every_stage_of_a_round_resumes_to_the_same_final_model(
+    tmp_path, tiny_model_dir, parablock_run, caplog
+):
+    """The server SIGKILLs itself (``PARABLOCK_CRASH_AT``) at each stage of a round, one stage per
+    run, each run resumed from the one before: in the middle of round 1's record (a torn last line
+    of metrics.jsonl), in round 3's step-log write, in round 3's evaluation (its checkpoint is
+    durable already), in round 4's checkpoint (the old one stays). The last run ends with the
+    uninterrupted run's model (`parablock_run`), bit for bit, every round recorded once."""
     same = dict(algorithm="parablock", num_server_rounds=ROUNDS, verify_invariant=True, **SCHEDULE)
-    killed = simulate_and_kill_server(tmp_path / "killed", tiny_model_dir, after_round=2, **same)
-    assert killed.run_dir is not None and not (killed.run_dir / "final-model").exists()
-    assert [p.name for p in (killed.run_dir / "checkpoint").glob("round-*")] == ["round-00002"]
+    chain = [("record@1", 1), ("step-log@3", 2), ("evaluation@3", 3), ("checkpoint@4", 3)]
+    resume_from, runs = {}, []
+    for crash_at, checkpointed in chain:
+        run = simulate_until_crash(tmp_path / crash_at, tiny_model_dir, crash_at, **same, **resume_from)
+        assert run.run_dir is not None and run.status is None, (crash_at, run.stdout[-3000:])
+        checkpoints = sorted(p.name for p in (run.run_dir / "checkpoint").glob("round-*"))
+        assert checkpoints[0] == f"round-{checkpointed:05d}", (crash_at, checkpoints)
+        runs.append(run)
+        resume_from = {"resume_from": str(run.run_dir)}
 
+    metrics = runs[0].run_dir / "metrics.jsonl"
+    assert not metrics.read_bytes().endswith(b"\n")  # round 1's record was cut mid-line
+    assert (runs[1].run_dir / "global-steps" / "v00003.safetensors.tmp").exists()
+    assert checkpoints == ["round-00003", "round-00004.tmp"]  # the crash left the new one unfinished
     with pytest.raises(ValueError, match=r"learning-rate=0.5 differs from the checkpointed run's 0.003"):
-        check_resumable(
-            killed.run_dir, {**json.loads((killed.run_dir / "config.json").read_text()), "learning-rate": 0.5}
-        )
+        check_resumable(runs[-1].run_dir, {**json.loads((runs[-1].run_dir / "config.json").read_text()),
+                                           "learning-rate": 0.5})  # fmt: skip
 
-    resumed = _ok(
-        simulate(tmp_path / "resumed", tiny_model_dir, resume_from=str(killed.run_dir), save_final_model=True, **same)
-    )
-    assert "Resumed from" in resumed.stdout and "after round 2 (3 pending client updates" in resumed.stdout
+    resumed = _ok(simulate(tmp_path / "resumed", tiny_model_dir, save_final_model=True, **same, **resume_from))
+    assert "after round 3 (3 pending client updates" in resumed.stdout
+    assert f"{metrics}: line 3 is torn" in runs[1].stdout + runs[1].stderr  # the resume skipped it, said so
+    with caplog.at_level(logging.WARNING):
+        assert "status: unknown" in report(runs[0].run_dir)  # so does `report`
+    assert f"{metrics}: line 3 is torn" in caplog.text
     records = resumed.records
     assert [r["round"] for r in records] == list(range(ROUNDS + 1))
-    # Round 3 ran from each client's own x^1 + Δ_i^2 (handed back), no client resynchronised.
-    assert records[3]["num_resynchronised"] == 0 and records[3]["invariant_failed"] == 0
-    assert records[3]["invariant_checked"] == 3
-    uninterrupted = parablock_run.final_model()
-    final = resumed.final_model()
+    assert all(r["heldout_loss"] is not None and "evaluate_s" in r for r in records)  # x^1, x^3 evaluated again
+    # Round 4 ran from each client's own x^2 + Δ_i^3 (handed back), no client resynchronised.
+    assert records[4]["num_resynchronised"] == 0 and records[4]["invariant_checked"] == 3
+    assert all(r["invariant_failed"] == 0 for r in records[1:])
+    uninterrupted, final = parablock_run.final_model(), resumed.final_model()
     assert final.keys() == uninterrupted.keys()
     assert all(torch.equal(final[n], uninterrupted[n]) for n in final)
-    for version in (3, 4):
+    for version in range(1, ROUNDS + 1):
         assert all(
             torch.equal(a, b)
             for a, b in zip(resumed.step(version)[1].values(), parablock_run.step(version)[1].values())

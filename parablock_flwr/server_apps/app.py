@@ -21,6 +21,7 @@ from .. import core
 from ..checkpoint import check_resumable
 from ..config import ConfigError, RunConfig, check_num_clients
 from ..data import tokenized_splits
+from ..durable import replace_file
 from ..evaluation import evaluate
 from ..metrics import RunRecorder, run_summary
 from ..model import load_for_training, load_tokenizer, save_model
@@ -70,10 +71,16 @@ def main(grid: Grid, context: Context) -> None:
         kind, reason = "error", f"{type(err).__name__}: {err}"
     else:
         kind, reason = "completed", f"{run['num_rounds']} rounds"
+    excluded = run["strategy"].excluded_nodes() if run["strategy"] else []
+    if kind == "completed" and excluded:
+        kind, reason = "completed-with-exclusions", f"{reason}; left out: {'; '.join(excluded)}"
     run_dir = run["dir"] or _run_dir_for_failure(context)
     if run_dir is not None:
         rounds_completed = run["strategy"].rounds_completed if run["strategy"] else 0
-        write_status(run_dir, kind, reason, rounds_completed, run["num_rounds"])
+        write_status(run_dir, kind, reason, rounds_completed, run["num_rounds"], excluded)
+    if kind == "completed-with-exclusions":
+        log.error("Run completed with exclusions (exit code %d): %s", EXIT_CODES[kind], reason)
+        sys.exit(EXIT_CODES[kind])
     if kind != "completed":
         log.error("Run failed (%s): %s", kind, reason)
         sys.exit(EXIT_CODES[kind])
@@ -109,7 +116,7 @@ def run_app(grid: Grid, context: Context, run: dict) -> None:
         raise RunFailed("invalid-config", f"Invalid configuration: {err}") from err
 
     run_dir = run["dir"] = make_run_dir(cfg.output_path, cfg.algorithm, context.run_id)
-    (run_dir / "config.json").write_text(json.dumps(cfg.as_run_config(), indent=2, sort_keys=True) + "\n")
+    replace_file(run_dir / "config.json", json.dumps(cfg.as_run_config(), indent=2, sort_keys=True) + "\n")
     log.info("Run folder: %s", run_dir)
     log.info(
         "%s on %s: %d clients, %d blocks (%s), %d rounds",

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import random
 
-from flwr.app import Message, MessageType, RecordDict
+from flwr.app import ArrayRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
 from .. import core
@@ -38,6 +38,7 @@ class NodeSync:
         self.first_round = 1
         # The values block b_{r-1} had before g^{r-1}: x^{r-2} = x^{r-1} with these put back.
         self.before_last_step: core.Tensors = {}
+        self._full_sync: tuple[int, ArrayRecord | None] = (0, None)  # (round, its full-sync record)
 
     # ------------------------------------------------------------ what the server learns
     def accepted(self, node: int, server_round: int, partition_id: int) -> None:
@@ -47,7 +48,8 @@ class NodeSync:
         self.needs_full_sync.discard(node)
 
     def failed(self, node: int) -> None:
-        """An error or a rejected reply: the node's state is unknown; it starts over from a full sync."""
+        """An error or a rejected reply: the node's state is unknown; it starts over from a full sync.
+        (An error reply that says its state is intact does not call this: ``reply_checks.STATE_INTACT``.)"""
         self.versions.pop(node, None)
         self.needs_full_sync.add(node)
 
@@ -68,7 +70,7 @@ class NodeSync:
         sent = {"catch_up_steps_sent": 0, "full_syncs_sent": 0}
         if full and server_round >= 2:
             content["round"]["sync-version"] = server_round - 2
-            content["sync-values"] = to_record(self.values_before_last_step())
+            content["sync-values"] = self.full_sync_record(server_round)
             sent["full_syncs_sent"] = 1
         elif missed:
             steps = {version: self.step_log.read(version) for version in missed}
@@ -83,6 +85,14 @@ class NodeSync:
             content["round"]["resume-pending-version"] = pending.base_version
             content["resume-pending"] = to_record(pending.delta)
         return sent
+
+    def full_sync_record(self, server_round: int) -> ArrayRecord:
+        """Round r's full sync (``x^{r-2}``), built once and shared by every message of the round
+        that carries one: the server holds one copy of ``x`` for them, not one per node."""
+        if self._full_sync[0] != server_round:
+            self._full_sync = (server_round, None)  # the previous round's copy is freed first
+            self._full_sync = (server_round, to_record(self.values_before_last_step()))
+        return self._full_sync[1]
 
     def values_before_last_step(self) -> core.Tensors:
         """``x^{r-2}`` while the server holds ``x^{r-1}``: every block's exact values."""
@@ -103,7 +113,7 @@ class NodeSync:
 def ask_partitions(grid: Grid, nodes: list[int], timeout: float) -> dict[int, int]:
     """Node id -> data partition id, asked with a QUERY message (a resumed server maps its new
     node ids to the clients' checkpointed updates with it: node ids change, partitions do not)."""
-    messages = [Message(content=RecordDict(), message_type=MessageType.QUERY, dst_node_id=n) for n in nodes]
+    messages = [Message(RecordDict(), n, MessageType.QUERY, ttl=timeout) for n in nodes]
     answers = {}
     for msg in grid.send_and_receive(messages, timeout=timeout):
         record = None if msg.has_error() else msg.content.metric_records.get("node")

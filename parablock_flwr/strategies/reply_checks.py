@@ -38,6 +38,7 @@ OPTIONAL_NUMBER_METRICS = (
     "clientapp-reply",
     "clientapp-imported-torch",
     "truncated-examples",  # examples of the round's batches cut at max-seq-len
+    "own-data",  # 1: the node trains on its own dataset (its num-examples is bounded by max-num-examples only)
     # evaluation = "clients": the node's held-out evaluation of x^{eval-version} (node.evaluate_replica)
     "eval-version",
     "heldout-loss",
@@ -47,6 +48,16 @@ OPTIONAL_NUMBER_METRICS = (
 )
 
 
+# An error reply whose reason starts with this comes from a node whose model state is intact (it
+# ran out of memory, or its data failed): it is rejected and counted, but keeps its sync state.
+STATE_INTACT = "state-intact: "
+
+
+def state_intact(msg: Message) -> bool:
+    """Is ``msg`` an error reply from a node that says its model state is intact?"""
+    return msg.has_error() and str(msg.error.reason).startswith(STATE_INTACT)
+
+
 @dataclass(frozen=True)
 class Expected:
     """What a valid reply of this round looks like."""
@@ -54,10 +65,16 @@ class Expected:
     server_round: int
     block: int
     shapes: dict[str, tuple[int, ...]]  # the block's parameters
-    max_num_examples: float
+    max_num_examples: float  # the bound on a partitioned node's num-examples
     max_update_norm: float = 0.0  # 0: no bound
     transfer_dtype: str = "fp32"  # the payload dtype updates travel in (records.WIRE_DTYPES)
     max_correction_drift: float = 0.0  # on-receipt: the bound on a node's reported drift (0: none)
+    max_own_examples: float = math.inf  # the bound on a node with its own data (own-data = 1): max-num-examples
+
+    def examples_bound(self, metrics: dict) -> float:
+        """A node with its own data is bounded by ``max-num-examples`` alone (when set); a
+        partitioned node by its share of the run's ``num-examples``."""
+        return self.max_own_examples if metrics.get("own-data") == 1 else self.max_num_examples
 
 
 @dataclass
@@ -79,8 +96,9 @@ class Reply:
         return float(self.metrics["num-examples"])
 
 
-def parse_reply(msg: Message, expected: Expected) -> Reply | str:
-    """The checked reply, or why it must not enter the aggregate."""
+def parse_reply(msg: Message, expected: Expected, node: int | None = None) -> Reply | str:
+    """The checked reply, or why it must not enter the aggregate. ``node``: the node the message
+    went to (default: the reply's sender)."""
     if msg.has_error():
         return f"client error: {msg.error.reason}"
     content = msg.content
@@ -94,8 +112,11 @@ def parse_reply(msg: Message, expected: Expected) -> Reply | str:
         return f"stale round: reply is for round {metrics['server-round']}, expected {expected.server_round}"
     if metrics["block"] != expected.block:
         return f"wrong block id {metrics['block']}, expected {expected.block}"
-    if not 0 < metrics["num-examples"] <= expected.max_num_examples:
-        return f"num-examples={metrics['num-examples']}, expected a number in (0, {expected.max_num_examples:g}]"
+    bound = expected.examples_bound(metrics)
+    if not 0 < metrics["num-examples"] <= bound:
+        return f"num-examples={metrics['num-examples']}, expected a number in (0, {bound:g}]"
+    if metrics.get("own-data", 0) not in (0, 1):
+        return f"metric own-data={metrics['own-data']}: expected 0 or 1"
     if metrics["partition-id"] < 0:
         return f"partition-id={metrics['partition-id']}, expected >= 0"
     drift = metrics.get("correction-drift", 0.0)
@@ -112,7 +133,7 @@ def parse_reply(msg: Message, expected: Expected) -> Reply | str:
     if isinstance(trace, str):
         return trace
     return Reply(
-        node=msg.metadata.src_node_id,
+        node=msg.metadata.src_node_id if node is None else node,
         metrics=metrics,
         update=update,
         trace=trace,

@@ -18,14 +18,15 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from .. import core
-from ..checkpoint import Checkpoint, replay_run, save_checkpoint
+from ..checkpoint import Checkpoint, replay_run, save_checkpoint, stage_pending
+from ..durable import crash_point
 from ..metrics import RunRecorder, round_line
 from ..records import to_record
 from ..replica import StepLog
 from . import client_evaluation
 from .node_sync import NodeSync
 from .reply_checks import Reply
-from .round_stats import critical_path_rows
+from .round_stats import array_bytes, critical_path_rows
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,12 @@ class RoundLoop(Strategy):
         # evaluation = "clients": version -> the nodes' aggregated held-out evaluation of x^version; it comes
         # with round version+1's replies, after round version's record is written (which it then completes).
         self.client_evaluations: dict[int, dict] = {}
+        self._recorded: dict[int, dict] = {}  # round -> its training record, until its evaluation is logged
+        self.unevaluated_round: int | None = None  # resumed after a round whose evaluation was lost
+        self._deadline = 0.0  # time.monotonic() at which the round's outstanding replies are abandoned
+        self._abandoned: dict[str, tuple[int, float]] = {}  # message id -> (node, when it expires)
+        self._replied_by: dict[str, int] = {}  # message id -> its node, for the replies of this round
+        self._participation: dict[int, dict] = {}  # node -> rounds asked, aggregated, not in a row
 
     @property
     def first_round(self) -> int:
@@ -90,12 +97,14 @@ class RoundLoop(Strategy):
         round_cfg = {"server-round": num_rounds + 1, "block": -1, "step-block": self.block_for_round(num_rounds),
                      "next-block": -1, "algorithm": self.algorithm, "run-dir": str(self.run_dir),
                      **self.client_evaluation_keys(num_rounds)}  # fmt: skip
-        messages = []
-        for node in self.stats.nodes:
-            content = RecordDict({"global-step": arrays, "round": ConfigRecord(dict(round_cfg))})
-            self.sync.add_to_message(content, num_rounds + 1, node)
-            messages.append(Message(content=content, message_type=MessageType.EVALUATE, dst_node_id=node))
-        replies = self.replies_as_they_arrive(grid, list(grid.push_messages(messages)))
+
+        def messages() -> Iterator[Message]:
+            for node in self.stats.nodes:
+                content = RecordDict({"global-step": arrays, "round": ConfigRecord(dict(round_cfg))})
+                self.sync.add_to_message(content, num_rounds + 1, node)
+                yield Message(content=content, message_type=MessageType.EVALUATE, dst_node_id=node)
+
+        replies = self.replies_as_they_arrive(grid, self.push(grid, messages()))
         if rows := client_evaluation.valid_rows(replies, num_rounds):
             self.client_evaluations[num_rounds] = client_evaluation.aggregate(rows)
 
@@ -124,40 +133,102 @@ class RoundLoop(Strategy):
         """Flower's round loop, from ``first_round``, with nothing but aggregation between a
         round's last reply and the next round's messages.
 
-        Round r's messages go out as soon as ``g^{r-1}`` exists; round r-1's evaluation, record
-        and checkpoint run while round r's replies are outstanding, and complete before round r
+        Round r's messages go out as soon as ``g^{r-1}`` exists; round r-1's checkpoint, evaluation
+        and record then run while round r's replies are outstanding, and complete before round r
         is aggregated (a stopped run loses at most the round in flight). ``initial_arrays`` is
         the step round ``first_round`` sends.
         """
         self._num_rounds, self._timeout = num_rounds, timeout
         self.summary()
         result, arrays = Result(), initial_arrays
-        due = 0 if self.first_round == 1 else None  # a round whose evaluation, record, checkpoint are due
+        due = 0 if self.first_round == 1 else self.unevaluated_round  # a round whose finish is due
         self._times = {"aggregated": time.time()}
         for server_round in range(self.first_round, num_rounds + 1):
-            message_ids = list(grid.push_messages(self.configure_train(server_round, arrays, ConfigRecord(), grid)))
+            self._replied_by.clear()
+            sent = self.push(grid, self.configure_train(server_round, arrays, ConfigRecord(), grid))
             self._times["pushed"] = time.time()
             self._times.pop("first_reply_checked", None)
             if due is not None:
                 self.finish_round(due, result, evaluate_fn)
-            arrays, train_metrics = self.aggregate_train(server_round, self.replies_as_they_arrive(grid, message_ids))
+            arrays, train_metrics = self.aggregate_train(server_round, self.replies_as_they_arrive(grid, sent))
             result.arrays, result.train_metrics_clientapp[server_round] = arrays, train_metrics
             due = server_round
         self.final_evaluation(grid, result.arrays, num_rounds)
         self.finish_round(due, result, evaluate_fn)
         return result
 
-    def replies_as_they_arrive(self, grid: Grid, message_ids: Iterable[str]) -> Iterator[Message]:
+    # ------------------------------------------------------------ messages
+    def push(self, grid: Grid, messages: Iterable[Message]) -> dict[str, int]:
+        """Push ``messages`` (each expires after ``round-timeout-s``); returns message id -> node
+        for those the Grid took, with the round's deadline counted from now.
+
+        ``messages`` may be a generator: they are built and pushed in batches of at most one
+        model's worth of arrays, so catch-ups for many nodes never sit in memory together. A
+        message the Grid did not take (an empty or ``None`` id) is logged and counted
+        (``messages_not_pushed``); its node is then one that did not answer."""
+        sent: dict[str, int] = {}
+        batch: list[Message] = []
+        batch_bytes, limit = 0, sum(t.numel() * t.element_size() for t in self.global_params.values())
+        for msg in messages:
+            msg.metadata.ttl = self._timeout
+            batch.append(msg)
+            batch_bytes += array_bytes(msg.content)
+            if batch_bytes >= limit:
+                sent.update(self._push_batch(grid, batch))
+                batch, batch_bytes = [], 0
+        sent.update(self._push_batch(grid, batch))
+        self._deadline = time.monotonic() + self._timeout
+        return sent
+
+    def _push_batch(self, grid: Grid, batch: list[Message]) -> dict[str, int]:
+        if not batch:
+            return {}
+        taken = {mid for mid in grid.push_messages(batch) if mid}
+        sent = {}
+        for msg in batch:
+            if msg.metadata.message_id in taken:
+                sent[msg.metadata.message_id] = msg.metadata.dst_node_id
+            else:
+                log.warning("the Grid did not take the message to node %d", msg.metadata.dst_node_id)
+                self.stats.messages_not_pushed += 1
+        return sent
+
+    def replies_as_they_arrive(self, grid: Grid, sent: dict[str, int]) -> Iterator[Message]:
         """Each reply as soon as it is pulled (every ``pull-interval-s``), until all have come or
-        ``round-timeout-s`` passes: the aggregation checks each on arrival."""
-        waiting, deadline = set(message_ids), time.monotonic() + self._timeout
-        while waiting and time.monotonic() < deadline:
-            for reply in grid.pull_messages(waiting):
-                waiting.discard(reply.metadata.reply_to_message_id)
-                self._times["last_reply"] = self._arrivals[reply.metadata.src_node_id] = time.time()
+        the deadline (``round-timeout-s`` after the push) passes: the aggregation checks each on
+        arrival. ``sent_to`` then names the node the message went to (a reply Flower makes itself
+        for an unavailable node names the SuperLink as its sender).
+
+        Messages still unanswered at the deadline are abandoned: they expire on the SuperLink at
+        the same time (their TTL), and a reply to one that still arrives later is pulled and
+        dropped, counted in the round that pulls it (``late_replies_dropped``)."""
+        waiting = dict(sent)
+        while waiting and time.monotonic() < self._deadline:
+            for reply in grid.pull_messages(set(waiting) | set(self._abandoned)):
+                mid = reply.metadata.reply_to_message_id
+                if mid in self._abandoned:
+                    node, _ = self._abandoned.pop(mid)
+                    self.stats.late_replies_dropped += 1
+                    log.warning("dropped a late reply of node %d (its round had ended)", node)
+                    continue
+                if mid not in waiting:
+                    continue  # not a message of ours: nothing to check it against
+                node = waiting.pop(mid)
+                self._times["last_reply"] = self._arrivals[node] = time.time()
+                self._replied_by[mid] = node
                 yield reply
             if waiting:
                 time.sleep(self.pull_interval_s)
+        now = time.monotonic()
+        self._abandoned = {m: v for m, v in self._abandoned.items() if v[1] > now}  # expired on the SuperLink
+        for mid, node in waiting.items():
+            log.warning("node %d did not answer within round-timeout-s=%g", node, self._timeout)
+            self.stats.replies_missing += 1
+            self._abandoned[mid] = (node, now + self._timeout)
+
+    def sent_to(self, reply: Message) -> int:
+        """The node a reply answers for: the one its message went to (``push``)."""
+        return self._replied_by.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
 
     def round_clock(self, accepted_metrics: dict[int, dict]) -> dict:
         """Called once round r is aggregated (``accepted_metrics``: node -> its reply's metrics):
@@ -182,39 +253,76 @@ class RoundLoop(Strategy):
         return clock
 
     def finish_round(self, server_round: int, result: Result, evaluate_fn) -> None:
-        """Round r's evaluation, record and checkpoint (r = 0: the evaluation before training)."""
+        """Round r's record and checkpoint, then its evaluation (r = 0: the evaluation before training).
+
+        In this order, each step durable before the next starts: the round's training record,
+        its checkpoint (a crash from here on loses nothing of round r), its evaluation (which may
+        take minutes), then the evaluation's part of the record. A resumed run whose last round
+        was not evaluated evaluates it first (``unevaluated_round``)."""
+        if server_round > self.rounds_completed:
+            self.record_round(server_round, {})
+            self.save_checkpoint(server_round)
+            self.rounds_completed = server_round
         started = time.time()  # round r+1's messages are out already (``pushed``)
         metrics = evaluate_fn(server_round, result.arrays) if evaluate_fn else None
+        crash_point("evaluation", server_round)
         evaluation = dict(metrics or {})
         if metrics is not None:
             result.evaluate_metrics_serverapp[server_round] = metrics
         evaluation["evaluate_s"] = time.time() - started
         evaluation.update(self.client_evaluations.pop(server_round, {}))
-        for version in sorted(self.client_evaluations):  # earlier rounds' records, completed in place
+        for version in sorted(self.client_evaluations):  # earlier rounds' records, completed by appending
             done = self.client_evaluations.pop(version)
-            self.recorder.update(version, done)
+            self.recorder.write({"round": version, **done})
             log.info("round %d: heldout_loss %.4f (clients' own held-out rows)", version, done["heldout_loss"])
         if 0 < server_round < self._num_rounds and "last_reply" in self._times:
             # From the round's last reply to the next round's messages being out: only aggregation.
             evaluation["server_critical_path_s"] = self._times["pushed"] - self._times["last_reply"]
             evaluation["evaluation_started_after_next_push_s"] = started - self._times["pushed"]
-        self.record_round(server_round, evaluation)
-        if server_round > 0:
-            self.save_checkpoint(server_round)
-            self.rounds_completed = server_round
+        self.recorder.write({"round": server_round, **evaluation}, crash_stage=("record", server_round))
+        log.info(round_line({**self._recorded.pop(server_round, {"round": server_round}), **evaluation},
+                            self._num_rounds))  # fmt: skip
 
-    def record_round(self, server_round: int, evaluation: dict) -> None:
-        """Log the round's line and append its record to ``metrics.jsonl``."""
-        record = {"round": server_round, "algorithm": self.algorithm}
-        if server_round > 0:
-            self._modeled_wall_s += self.last_metrics.get("modeled_round_s", 0.0)
-            record.update(self.last_metrics, modeled_wall_s=self._modeled_wall_s)
-        record.update(evaluation)
+    def record_round(self, server_round: int, record: dict) -> None:
+        """Append round r's training record (the aggregation's numbers) to ``metrics.jsonl``.
+        Override point: a subclass may add keys to ``record`` and call this."""
+        record = {"round": server_round, "algorithm": self.algorithm, **record}
+        self._modeled_wall_s += self.last_metrics.get("modeled_round_s", 0.0)
+        record.update(self.last_metrics, modeled_wall_s=self._modeled_wall_s)
         record["elapsed_s"] = time.perf_counter() - self._started
-        if 0 < server_round < self._num_rounds:
+        if server_round < self._num_rounds:
             record["eta_s"] = record["elapsed_s"] / server_round * (self._num_rounds - server_round)
         self.recorder.write(record)
-        log.info(round_line(record, self._num_rounds))
+        self._recorded[server_round] = record
+
+    # ------------------------------------------------------------ no node silently left out
+    def note_participation(self, stats, accepted_nodes: set[int]) -> None:
+        """After round r: each node sent the round's message and not aggregated (rejected, an
+        error, no reply) counts towards its exclusion (``excluded_nodes``)."""
+        reasons = {r["node"]: r["reason"] for r in stats.rejected}
+        for node in stats.nodes:
+            row = self._participation.setdefault(node, {"rounds": 0, "accepted": 0, "streak": 0, "longest": 0})
+            row["rounds"] += 1
+            if node in accepted_nodes:
+                row["accepted"] += 1
+                row["streak"] = 0
+            else:
+                row["streak"] += 1
+                row["longest"] = max(row["longest"], row["streak"])
+                row["last_reason"] = reasons.get(node, f"no reply within round-timeout-s={self._timeout:g}")
+
+    def excluded_nodes(self) -> list[str]:
+        """The nodes this run left out, one line each: never aggregated in any round it was asked,
+        or not aggregated in ``max-consecutive-rejections`` consecutive rounds (0: only the former)."""
+        k = self.config.max_consecutive_rejections
+        out = []
+        for node, row in sorted(self._participation.items()):
+            if row["accepted"] == 0 or (k and row["longest"] >= k):
+                partition = self.sync.partitions.get(node)
+                name = f"node {node}" + (f" (partition {partition})" if partition is not None else "")
+                out.append(f"{name}: not aggregated in {row['rounds'] - row['accepted']} of {row['rounds']} rounds "
+                           f"({row['longest']} in a row; last: {row['last_reason']})")  # fmt: skip
+        return out
 
     # ------------------------------------------------------------ checkpoint and resume
     def save_checkpoint(self, server_round: int) -> None:
@@ -249,11 +357,16 @@ class RoundLoop(Strategy):
         )  # keeps x^{R-1} for a full sync
         self.sync.first_round = ckpt.round + 1
         self.rounds_completed = ckpt.round
+        last = next((r for r in self.recorder.read() if r["round"] == ckpt.round), {})
+        self.unevaluated_round = None if "evaluate_s" in last else ckpt.round  # killed during its evaluation
         self.sync.resume_pending = ckpt.pending
         self._blocks = dict(ckpt.blocks)
         self._modeled_wall_s = ckpt.modeled_wall_s
         self._started = time.perf_counter() - ckpt.elapsed_s  # elapsed_s goes on where it stopped
         self.load_state_dict(ckpt.strategy_state)
+        for partition_id, pending in ckpt.pending.items():  # this folder's own copy of the checkpoint:
+            stage_pending(self.run_dir, partition_id, pending)  # resumable from its first moment
+        self.save_checkpoint(ckpt.round)
         log.info(
             "Resumed from %s after round %d (%d pending client updates to hand back)",
             from_run_dir,

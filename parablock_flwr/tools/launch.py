@@ -308,6 +308,8 @@ class RunResult:
         if self.kind == "completed":
             rounds = f"{self.status['rounds_completed']}/{self.status['num_rounds']} rounds" if self.status else ""
             return f"{prog}: run completed ({rounds}): {self.run_dir}"
+        if self.kind == "completed-with-exclusions":
+            return f"{prog}: run completed with exclusions: {self.reason}"
         if self.refused:
             return f"{prog}: {self.reason}"
         return f"{prog}: run failed ({self.kind}): {self.reason}"

@@ -11,6 +11,7 @@ The parts live beside the class, as Flower keeps ``strategy_utils`` beside ``Fed
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -25,7 +26,7 @@ from ...checkpoint import clear_staged_pending
 from ...config import RunConfig
 from ...records import to_record
 from ..node_sync import NodeSync, ask_partitions, seeded_sample
-from ..reply_checks import Expected, Reply, check_partition, parse_reply
+from ..reply_checks import Expected, Reply, check_partition, parse_reply, state_intact
 from ..round_loop import RoundLoop
 from ..round_stats import RoundStats, TooFewReplies, array_bytes, round_record
 
@@ -151,12 +152,12 @@ class FedBCD(RoundLoop):
             self.sync.partitions.update(ask_partitions(grid, nodes, self._timeout))
         return self.train_messages(server_round, nodes)
 
-    def train_messages(self, server_round: int, nodes: list[int]) -> list[Message]:
-        """Round r's message to each node: ``g^{r-1}``, the blocks, the node's catch-up."""
+    def train_messages(self, server_round: int, nodes: list[int]) -> Iterator[Message]:
+        """Round r's message to each node: ``g^{r-1}``, the blocks, the node's catch-up; built one
+        at a time as the round loop pushes them (``RoundLoop.push``)."""
         block = self.block_for_round(server_round)
         step_block = self.block_for_round(server_round - 1) if server_round > 1 else -1
         self.stats.nodes = sorted(set(self.stats.nodes) | set(nodes))
-        messages = []
         for node in nodes:
             content = RecordDict(
                 {"global-step": self._global_step, "round": self.round_config(server_round, block, step_block)}
@@ -165,8 +166,7 @@ class FedBCD(RoundLoop):
             self.stats.catch_up_steps_sent += sent["catch_up_steps_sent"]
             self.stats.full_syncs_sent += sent["full_syncs_sent"]
             self.stats.wire_bytes_down += array_bytes(content)
-            messages.append(Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node))
-        return messages
+            yield Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node, ttl=self._timeout)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -199,6 +199,7 @@ class FedBCD(RoundLoop):
             self.step_log.prune()
         for reply in accepted:
             self.sync.accepted(reply.node, server_round, reply.partition_id)
+        self.note_participation(self.stats, {r.node for r in accepted})
 
         self.collect_client_evaluation(server_round - 1, accepted)
         weights = [self.client_weight(r.metrics) for r in accepted]
@@ -214,16 +215,20 @@ class FedBCD(RoundLoop):
     def check_replies(
         self, server_round: int, block: int, replies: Iterable[Message], accepted: list[Reply]
     ) -> list[Reply]:
-        """``accepted`` plus the valid ones of ``replies``; each rejection is logged and counted."""
+        """``accepted`` plus the valid ones of ``replies``; each rejection is logged and counted,
+        and its node gets a full sync next time unless the reply says that its state is intact
+        (``reply_checks.STATE_INTACT``). A reply is the node's its message went to (``sent_to``)."""
         shapes = {n: tuple(self.global_params[n].shape) for n in self.partition.names(block)}
         cfg = self.config
         expected = Expected(server_round, block, shapes, cfg.max_examples_per_client, cfg.max_update_norm,
-                            cfg.transfer_dtype, cfg.max_correction_drift)  # fmt: skip
+                            cfg.transfer_dtype, cfg.max_correction_drift,
+                            max_own_examples=cfg.max_num_examples or math.inf)  # fmt: skip
         seen = {r.partition_id for r in accepted}
         for msg in replies:
+            node = self.sent_to(msg)
             self.stats.num_replies += 1
             self.stats.wire_bytes_up += 0 if msg.has_error() else array_bytes(msg.content)
-            reply = parse_reply(msg, expected)
+            reply = parse_reply(msg, expected, node)
             self._times.setdefault("first_reply_checked", time.time())
             if isinstance(reply, Reply):  # well-formed: the round's rules, then the subclass's
                 reply = (
@@ -235,10 +240,12 @@ class FedBCD(RoundLoop):
                 seen.add(reply.partition_id)
                 accepted = accepted + [reply]
                 continue
-            node = msg.metadata.src_node_id
             log.warning("round %d: rejected the reply of node %d: %s", server_round, node, reply)
             self.stats.rejected.append({"node": node, "reason": reply})
-            self.sync.failed(node)  # its own state is not trusted: it gets a full sync next time
+            if state_intact(msg):
+                self.stats.state_intact_errors += 1  # its model is as it was: no full sync
+            else:
+                self.sync.failed(node)  # its own state is not trusted: it gets a full sync next time
         return accepted
 
     def accepted_updates(self, server_round: int, block: int, accepted: list[Reply]) -> Iterator[core.Tensors]:
@@ -265,5 +272,5 @@ class FedBCD(RoundLoop):
         log.warning("round %d: %d valid replies, fewer than min-accepted-replies=%d: re-sending to %d nodes "
                     "(retry %d of %d)", server_round, len(accepted), self.config.min_accepted_replies, len(nodes),
                     stats.round_retries, self.config.max_round_retries)  # fmt: skip
-        message_ids = self._grid.push_messages(self.train_messages(server_round, nodes))
-        return list(self.replies_as_they_arrive(self._grid, message_ids))
+        sent = self.push(self._grid, self.train_messages(server_round, nodes))
+        return list(self.replies_as_they_arrive(self._grid, sent))

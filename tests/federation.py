@@ -1,0 +1,79 @@
+"""Flower's simulation plumbing without Ray, for tests that drive a strategy in-process.
+
+A real ``InMemoryLinkState`` and ``InMemoryGrid`` (what a ServerApp gets in simulation), and nodes
+as threads that pull their messages from the LinkState and store their replies, as the
+simulation engine's workers do (flwr/server/superlink/fleet/vce/vce_api.py): TTLs, expiry,
+unavailable nodes and late replies behave as in Flower. What a node answers is the test's
+``answer(node_index, message)``: a reply content, an ``Error``, or ``None`` for no reply.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from uuid import uuid4
+
+from flwr.app import Error, Message, RecordDict
+from flwr.common.constant import NOOP_ACCOUNT_NAME, NOOP_FLWR_AID, SUPERLINK_NODE_ID
+from flwr.proto.task_pb2 import Task  # pylint: disable=E0611
+from flwr.server.superlink.linkstate import LinkStateFactory
+from flwr.server.superlink.linkstate.in_memory_linkstate import RunRecord
+from flwr.supercore.constant import FLWR_IN_MEMORY_DB_NAME, NOOP_FEDERATION_ID
+from flwr.supercore.object_store import ObjectStoreFactory
+from flwr.supercore.run import Run
+from flwr.supercore.task_identity import TaskIdentity
+from flwr.superlink.federation import NoOpFederationManager
+from flwr.superlink.grid import InMemoryGrid
+
+Answer = Callable[[int, Message], RecordDict | Error | None]
+
+
+class InMemoryFederation:
+    """``num_nodes`` node threads answering through a real LinkState; ``grid`` is the server's."""
+
+    def __init__(self, num_nodes: int, answer: Answer, heartbeat_s: float = 1e9):
+        factory = LinkStateFactory(FLWR_IN_MEMORY_DB_NAME, NoOpFederationManager(), ObjectStoreFactory())
+        self.state = factory.state()
+        run = Run.create_empty(run_id=1)
+        run.primary_task_id, run.federation_id = 1, NOOP_FEDERATION_ID
+        self.state.run_ids[run.run_id] = RunRecord(run=run)
+        self.state.task_store[1] = Task(task_id=1, run_id=run.run_id)
+        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = run.run_id, SUPERLINK_NODE_ID, 1
+        self.grid = InMemoryGrid(state_factory=factory)
+        self.grid.set_run(run)
+        self.nodes: list[int] = []
+        for _ in range(num_nodes):
+            node = self.state.create_node(NOOP_FLWR_AID, NOOP_ACCOUNT_NAME, secrets.token_bytes(32), heartbeat_s)
+            self.state.acknowledge_node_heartbeat(node_id=node, heartbeat_interval=heartbeat_s)
+            self.nodes.append(node)
+        self.answer = answer
+        self.heartbeat_s = heartbeat_s
+        self.heartbeat: Callable[[int], bool] = lambda index: True  # does node ``index`` still heartbeat?
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._serve, args=(i,), daemon=True) for i in range(num_nodes)]
+
+    def __enter__(self) -> InMemoryFederation:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(timeout=10)
+
+    def _serve(self, index: int) -> None:
+        node = self.nodes[index]
+        while not self.stop.is_set():
+            if self.heartbeat(index):
+                self.state.acknowledge_node_heartbeat(node_id=node, heartbeat_interval=self.heartbeat_s)
+            for msg in self.state.get_message_ins(node_id=node, limit=1):
+                content = self.answer(index, msg)
+                if content is None:
+                    continue
+                reply = Message(content, reply_to=msg)
+                reply.metadata.__dict__["_message_id"] = str(uuid4())
+                self.state.store_message_res(reply)
+            time.sleep(0.01)

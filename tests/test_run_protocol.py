@@ -1,0 +1,199 @@
+"""The server's side of the message protocol, driven in-process over Flower's own in-memory
+LinkState and Grid (tests/federation.py): bounded bytes per round, messages that expire, replies
+mapped to the node they came from, error replies from nodes whose state is intact, and nodes
+with their own data.
+
+The nodes here answer with a deterministic update of the block's shape (the protocol of
+``node.update_metrics``, as tests/test_replies.py builds replies): what is tested is the server.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from federation import InMemoryFederation
+from flwr.app import ArrayRecord, Error, Message, MessageType, MetricRecord, RecordDict
+
+from parablock_flwr import core
+from parablock_flwr.config import RunConfig
+from parablock_flwr.metrics import RunRecorder
+from parablock_flwr.model import load_model
+from parablock_flwr.records import to_record
+from parablock_flwr.strategies import FedBCD
+
+# Flower's SuperLink state and Grid with node threads, some rounds waiting out a timeout: a minute in all.
+pytestmark = pytest.mark.e2e
+
+
+def make_strategy(tmp_path: Path, model_dir: Path, rounds: int, **config) -> FedBCD:
+    model = load_model(str(model_dir))
+    partition = core.partition_blocks(model, layers_per_block=2)
+    params = dict(model.named_parameters())
+    cfg = RunConfig(num_server_rounds=rounds, pull_interval_s=0.01, **config)
+    return FedBCD(
+        global_params={n: params[n] for n in partition.all_names()},
+        partition=partition,
+        schedule=core.block_schedule("ascending", partition.num_blocks, rounds, 0),
+        run_dir=tmp_path,
+        config=cfg,
+    )
+
+
+def honest_answer(strategy: FedBCD, num_examples: int = 10, own_data: int | None = None):
+    """A node's reply: a small deterministic update of the round's block, the metrics every reply
+    carries, and the held-out evaluation the message asks for (``evaluation = "clients"``)."""
+
+    def answer(index: int, msg: Message) -> RecordDict:
+        cfg = msg.content.config_records["round"]
+        metrics = {"server-round": int(cfg["server-round"]), "block": int(cfg["block"]), "partition-id": index,
+                   "num-examples": num_examples, "train-loss": 1.0, "compute-s": 0.01,
+                   "base-version": int(cfg["server-round"]) - 1}  # fmt: skip
+        if own_data is not None:
+            metrics["own-data"] = own_data
+        if "evaluate-version" in cfg:
+            metrics.update({"eval-version": int(cfg["evaluate-version"]), "heldout-loss": 2.0, "heldout-examples": 4})
+        content = RecordDict({"metrics": MetricRecord(metrics)})
+        if msg.metadata.message_type == MessageType.TRAIN:
+            names = strategy.partition.names(int(cfg["block"]))
+            update = {n: torch.full_like(strategy.global_params[n], 1e-4 * (index + 1)) for n in names}
+            content["update"] = to_record(update)
+        return content
+
+    return answer
+
+
+def run(strategy: FedBCD, federation: InMemoryFederation, rounds: int) -> list[dict]:
+    with federation:
+        strategy.start(federation.grid, ArrayRecord(), num_rounds=rounds, timeout=strategy.config.round_timeout_s)
+    return RunRecorder(strategy.run_dir).read()
+
+
+def written_bytes() -> int:
+    """Bytes this process has written so far (``/proc/self/io``: every file and stream)."""
+    return int(dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())["wchar"])
+
+
+def test_bytes_written_per_round_do_not_grow_over_200_rounds(tmp_path, tiny_model_dir):
+    """``evaluation = "clients"`` completes each round's record with the next round's replies:
+    appended, never rewritten, and the checkpoint does not grow with the round (before: the
+    whole metrics.jsonl was rewritten every round and the checkpoint held every round's block)."""
+    rounds, per_round, last = 200, {}, [written_bytes()]
+
+    class Measured(FedBCD):
+        def extra_round_metrics(self, server_round, accepted):
+            now = written_bytes()
+            per_round[server_round], last[0] = now - last[0], now
+            return {}
+
+    strategy = make_strategy(tmp_path, tiny_model_dir, rounds, evaluation="clients", eval_every=1)
+    strategy.__class__ = Measured
+    records = run(strategy, InMemoryFederation(2, honest_answer(strategy)), rounds)
+    assert [r["round"] for r in records] == list(range(rounds + 1))
+    assert all(r["heldout_loss"] == 2.0 for r in records), "every x^r evaluated by the nodes"
+    print(f"bytes written in round 10: {per_round[10]}, in round 200: {per_round[200]}")
+    assert per_round[200] <= per_round[10] * 1.05 + 256, (per_round[10], per_round[200])
+    assert max(per_round[r] for r in range(150, 200)) <= per_round[10] * 1.05 + 256
+
+
+def test_messages_expire_with_the_round_and_a_stalled_node_is_left_behind(tmp_path, tiny_model_dir):
+    """Every message's TTL is ``round-timeout-s``; a node that stalls past it in round 2 is counted
+    missing, its message expires on the SuperLink and what comes back for it later is dropped;
+    the node recovers in round 3 and is aggregated again."""
+    ttls, stalled = set(), {}
+    strategy = make_strategy(tmp_path, tiny_model_dir, 4, round_timeout_s=1.5)
+    honest = honest_answer(strategy)
+
+    def answer(index, msg):
+        ttls.add(msg.metadata.ttl)
+        if index == 2 and int(msg.content.config_records["round"]["server-round"]) == 2 and not stalled:
+            stalled["at"] = time.monotonic()
+            time.sleep(2.5)  # past the deadline: the reply goes nowhere (its message expired)
+        return honest(index, msg)
+
+    records = run(strategy, InMemoryFederation(3, answer), 4)
+    assert ttls == {1.5}
+    by_round = {r["round"]: r for r in records}
+    assert by_round[2]["replies_missing"] == 1 and by_round[2]["num_accepted"] == 2
+    assert by_round[3]["num_accepted"] == 3 and by_round[4]["num_accepted"] == 3
+    assert by_round[3]["catch_up_steps_sent"] == 1  # the stalled node missed g^1 and catches up
+    assert sum(r.get("late_replies_dropped", 0) for r in records) == 1  # its expired message, pulled and dropped
+
+
+def test_an_unavailable_node_is_marked_by_the_message_it_was_sent(tmp_path, tiny_model_dir):
+    """Flower answers for a node that stopped heartbeating with a reply whose sender is the
+    SuperLink: the server marks the node it sent the message to (before: the SuperLink's id)."""
+    strategy = make_strategy(tmp_path, tiny_model_dir, 2)
+    honest, stopped = honest_answer(strategy), set()
+
+    def answer(index, msg):
+        if index == 1:  # takes its first message, then neither answers nor heartbeats: unavailable
+            stopped.add(index)
+            return None
+        return honest(index, msg)
+
+    federation = InMemoryFederation(2, answer, heartbeat_s=0.5)
+    federation.heartbeat = lambda index: index not in stopped
+    gone = federation.nodes[1]
+    records = run(strategy, federation, 2)
+    rejected = [x for r in records for x in r.get("rejected", [])]
+    assert rejected and {x["node"] for x in rejected} == {gone}, rejected
+    assert gone in strategy.sync.needs_full_sync
+
+
+def test_a_message_the_grid_did_not_take_is_counted_and_not_waited_for(tmp_path, tiny_model_dir):
+    strategy = make_strategy(tmp_path, tiny_model_dir, 2, round_timeout_s=30.0)
+    federation = InMemoryFederation(2, honest_answer(strategy))
+    push = federation.grid.push_messages
+
+    def push_dropping_one(messages):  # a malformed push: Flower's HTTP grid returns None for it
+        messages = list(messages)
+        ids = list(push(messages[:1]))
+        return ids + [None] * (len(messages) - 1)
+
+    federation.grid.push_messages = push_dropping_one
+    started = time.monotonic()
+    records = run(strategy, federation, 2)
+    assert time.monotonic() - started < 20, "a round waited for a message that was never sent"
+    assert all(r["messages_not_pushed"] == 1 and r["num_accepted"] == 1 for r in records[1:])
+
+
+@pytest.mark.parametrize("reason, full_sync", [("state-intact: CUDA out of memory", 0), ("CUDA out of memory", 1)])
+def test_an_error_from_a_node_whose_state_is_intact_costs_no_full_sync(tmp_path, tiny_model_dir, reason, full_sync):
+    strategy = make_strategy(tmp_path, tiny_model_dir, 3)
+    honest = honest_answer(strategy)
+
+    def answer(index, msg):
+        if index == 1 and int(msg.content.config_records["round"]["server-round"]) == 2:
+            return Error(code=0, reason=reason)
+        return honest(index, msg)
+
+    records = {r["round"]: r for r in run(strategy, InMemoryFederation(2, answer), 3)}
+    assert records[2]["num_rejected"] == 1 and records[2]["state_intact_errors"] == 1 - full_sync
+    assert records[3]["full_syncs_sent"] == full_sync
+    assert records[3]["catch_up_steps_sent"] == 1 - full_sync  # missed g^1 only: a catch-up suffices
+    assert records[3]["num_accepted"] == 2
+
+
+def test_a_node_with_its_own_data_is_bounded_by_max_num_examples_only(tmp_path, tiny_model_dir):
+    """num-examples = 40 bounds a partitioned node's count; a node with its own 64 rows (own-data = 1)
+    is not rejected for it, and is by ``max-num-examples`` when that is set lower."""
+    for max_num_examples, accepted in ((0, 2), (50, 1)):
+        strategy = make_strategy(tmp_path / str(max_num_examples), tiny_model_dir, 2, num_examples=40,
+                                 max_num_examples=max_num_examples)  # fmt: skip
+        answers = [honest_answer(strategy, num_examples=20), honest_answer(strategy, num_examples=64, own_data=1)]
+        records = run(strategy, InMemoryFederation(2, lambda i, m, answers=answers: answers[i](i, m)), 2)
+        assert all(r["num_accepted"] == accepted for r in records[1:]), (max_num_examples, records[1:])
+        if accepted == 1:
+            assert "num-examples=64, expected a number in (0, 50]" in records[1]["rejected"][0]["reason"]
+
+
+def test_a_node_rejected_in_every_round_is_named_as_excluded(tmp_path, tiny_model_dir):
+    strategy = make_strategy(tmp_path, tiny_model_dir, 3, num_examples=40)
+    honest, big = honest_answer(strategy, num_examples=20), honest_answer(strategy, num_examples=64)
+    run(strategy, InMemoryFederation(2, lambda i, m: big(i, m) if i else honest(i, m)), 3)
+    excluded = strategy.excluded_nodes()
+    assert len(excluded) == 1 and "not aggregated in 3 of 3 rounds" in excluded[0], excluded
+    assert "num-examples=64, expected a number in (0, 40]" in excluded[0]

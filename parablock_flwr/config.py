@@ -11,10 +11,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from .core import NON_LAYER_MODES, SCHEDULES
+from . import strategies  # the algorithm registry (imports neither half: no torch)
 from .node_data import device_valid
 
-ALGORITHMS = ("parablock", "fedbcd", "fedavg-lora", "fedavg-full")
+SCHEDULES = ("ascending", "descending", "random-permutation", "uniform-random")  # core.block_schedule
+NON_LAYER_MODES = ("frozen", "block")  # core.partition_blocks
+ALGORITHMS = strategies.algorithms()  # the registry's (validation asks it again: one registered later counts)
 TRAINS = ("full", "lora")
 PARTITIONINGS = ("iid", "dirichlet", "family")
 PRECISIONS = ("fp32", "bf16")
@@ -23,7 +25,7 @@ LR_SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine")
 CORRECTIONS = ("auto", "at-end", "on-receipt", "none")
 LR_SCHEDULE_SCOPES = ("round", "run")
 TOO_FEW_REPLIES = ("retry", "stop")
-TRANSFER_DTYPES = ("fp32", "bf16", "fp16")
+TRANSFER_DTYPES = ("fp32", "bf16", "fp16")  # the keys of core.TRANSFER_DTYPES, the one table of them
 EVALUATIONS = ("server", "clients")
 WEIGHTS = ("fp32", "bf16")
 
@@ -117,7 +119,7 @@ class RunConfig:
         return config
 
     def validate(self) -> None:
-        _one_of("algorithm", self.algorithm, ALGORITHMS)
+        _one_of("algorithm", self.algorithm, strategies.algorithms())
         _one_of("schedule", self.schedule, SCHEDULES)
         _one_of("non-layer-params", self.non_layer_params, NON_LAYER_MODES)
         _one_of("precision", self.precision, PRECISIONS)
@@ -224,13 +226,15 @@ class RunConfig:
 
     @property
     def trainable(self) -> str:
-        """What moves: ``lora`` adapters or the ``full`` weights. The FedAvg baselines fix it."""
-        return {"fedavg-lora": "lora", "fedavg-full": "full"}.get(self.algorithm, self.train)
+        """What moves: ``lora`` adapters or the ``full`` weights; an algorithm may fix it (the
+        registry's ``TRAINS_ONLY``: the FedAvg baselines)."""
+        return strategies.TRAINS_ONLY.get(self.algorithm, self.train)
 
     @property
     def one_block(self) -> bool:
-        """FedAvg trains (and sends) every trainable parameter each round: one block."""
-        return self.algorithm.startswith("fedavg-")
+        """Does the algorithm train (and send) every trainable parameter each round, as one block
+        (the registry's ``ONE_BLOCK``: the FedAvg baselines)?"""
+        return self.algorithm in strategies.ONE_BLOCK
 
     @property
     def correction_mode(self) -> str:

@@ -20,10 +20,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-Tensors = dict[str, torch.Tensor]
+from .config import NON_LAYER_MODES, SCHEDULES  # the choices live with the other settings (no torch there)
 
-SCHEDULES = ("ascending", "descending", "random-permutation", "uniform-random")
-NON_LAYER_MODES = ("frozen", "block")
+Tensors = dict[str, torch.Tensor]
 
 
 # --------------------------------------------------------------------------

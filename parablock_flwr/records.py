@@ -13,8 +13,12 @@ from flwr.app import Array, ArrayRecord
 
 from .core import TRANSFER_DTYPES, Tensors
 
-# The payload dtype each transfer precision uses on the wire.
-WIRE_DTYPES = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": np.dtype(np.int16)}
+# The payload dtype each transfer precision uses on the wire, from core.TRANSFER_DTYPES (the one table):
+# the same dtype in numpy, but bf16 (which numpy lacks) as its raw 16-bit patterns.
+WIRE_DTYPES = {
+    name: np.dtype(np.int16) if dtype == torch.bfloat16 else np.dtype(str(dtype).removeprefix("torch."))
+    for name, dtype in TRANSFER_DTYPES.items()
+}
 
 
 def encode(tensor: torch.Tensor, transfer_dtype: str = "fp32") -> np.ndarray:

@@ -4,7 +4,8 @@ A real ``InMemoryLinkState`` and ``InMemoryGrid`` (what a ServerApp gets in simu
 as threads that pull their messages from the LinkState and store their replies, as the
 simulation engine's workers do (flwr/server/superlink/fleet/vce/vce_api.py): TTLs, expiry,
 unavailable nodes and late replies behave as in Flower. What a node answers is the test's
-``answer(node_index, message)``: a reply content, an ``Error``, or ``None`` for no reply.
+``answer(node_index, message)``: a reply content, an ``Error``, or ``None`` for no reply; or the
+project's real ClientApp, run in this process (``client_app_answer``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,33 @@ from flwr.supercore.task_identity import TaskIdentity
 from flwr.superlink.federation import NoOpFederationManager
 from flwr.superlink.grid import InMemoryGrid
 
-Answer = Callable[[int, Message], RecordDict | Error | None]
+Answer = Callable[[int, Message], RecordDict | Error | Message | None]
+
+
+def client_app_answer(run_config: dict, num_nodes: int) -> Answer:
+    """The project's ClientApp (the simulation's inline path), one node's message at a time as one
+    Ray actor would serve them, each node with its own Context (partition, ``context.state``)."""
+    from flwr.app import Context
+
+    from parablock_flwr.client_apps.app import app
+
+    contexts = [
+        Context(
+            run_id=1,
+            node_id=i,
+            node_config={"partition-id": i, "num-partitions": num_nodes},
+            state=RecordDict(),
+            run_config=dict(run_config),
+        )  # fmt: skip
+        for i in range(num_nodes)
+    ]
+    lock = threading.Lock()
+
+    def answer(index: int, msg: Message) -> Message:
+        with lock:
+            return app(msg, contexts[index])
+
+    return answer
 
 
 class InMemoryFederation:
@@ -73,7 +100,7 @@ class InMemoryFederation:
                 content = self.answer(index, msg)
                 if content is None:
                     continue
-                reply = Message(content, reply_to=msg)
+                reply = content if isinstance(content, Message) else Message(content, reply_to=msg)
                 reply.metadata.__dict__["_message_id"] = str(uuid4())
                 self.state.store_message_res(reply)
             time.sleep(0.01)

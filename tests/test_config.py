@@ -62,3 +62,20 @@ def test_every_key_is_documented():
     doc = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
     missing = [f.name.replace("_", "-") for f in fields(RunConfig) if f"`{f.name.replace('_', '-')}`" not in doc]
     assert not missing, missing
+
+
+def test_the_config_imports_no_torch():
+    """The run config is read where torch is not needed (a launcher, a report): importing it (and
+    the algorithm registry it reads) must not load torch."""
+    import subprocess
+    import sys
+
+    code = "import sys, parablock_flwr.config; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
+
+
+def test_one_table_of_transfer_dtypes():
+    from parablock_flwr import config, core, records
+
+    assert config.TRANSFER_DTYPES == tuple(core.TRANSFER_DTYPES) == tuple(records.WIRE_DTYPES)
+    assert [str(records.WIRE_DTYPES[n]) for n in ("fp32", "bf16", "fp16")] == ["float32", "int16", "float16"]

@@ -78,3 +78,36 @@ def test_examples_run_through_flwr_run(tmp_path, tiny_model_dir, strategy, clien
     assert records[-1]["heldout_loss"] < records[0]["heldout_loss"]
     if strategy == LARGEST:
         assert [r["block"] for r in records[1:]] == [0, 1, 2]  # unvisited blocks first
+
+
+def test_a_new_algorithm_added_as_the_docs_say_runs(tmp_path, tiny_model_dir, monkeypatch):
+    """docs/extending.md, "A new algorithm": register a server half and a client half by name, and
+    nothing else. The run config accepts the name, its trainable set comes from the registry, and
+    two rounds run (in-process, the project's real ClientApp over Flower's in-memory Grid)."""
+    from damped_algorithm import DampedClient
+    from federation import InMemoryFederation, client_app_answer
+    from flwr.app import ArrayRecord
+
+    from parablock_flwr import strategies
+    from parablock_flwr.config import RunConfig
+    from parablock_flwr.metrics import RunRecorder
+
+    from helpers import tiny_config
+
+    monkeypatch.setitem(strategies.SERVER_HALVES, "damped-bcd", "damped_algorithm:DampedBCD")
+    monkeypatch.setitem(strategies.CLIENT_HALVES, "damped-bcd", "damped_algorithm:DampedClient")
+    run_config = tiny_config(tiny_model_dir, tmp_path, algorithm="damped-bcd", **{"num-server-rounds": 2})
+    cfg = RunConfig.from_flower(run_config)
+    assert cfg.trainable == "full" and not cfg.one_block
+    model = load_model(str(tiny_model_dir))
+    part = core.partition_blocks(model, layers_per_block=2)
+    params = dict(model.named_parameters())
+    strategy = strategy_class("damped-bcd", "")(
+        global_params={n: params[n] for n in part.all_names()}, partition=part, schedule=[0, 1],
+        run_dir=tmp_path / "run", config=cfg,
+    )  # fmt: skip
+    with InMemoryFederation(2, client_app_answer(run_config, 2)) as federation:
+        strategy.start(federation.grid, ArrayRecord(), num_rounds=2, timeout=600)
+    records = RunRecorder(tmp_path / "run").read()
+    assert [r["num_accepted"] for r in records[1:]] == [2, 2], records
+    assert DampedClient.rounds_finished == 4

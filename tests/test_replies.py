@@ -16,7 +16,8 @@ from parablock_flwr.config import RunConfig
 from parablock_flwr.model import load_model
 from parablock_flwr.records import to_record
 from parablock_flwr.strategies import ParaBlock
-from parablock_flwr.strategies.round_stats import RoundStats, TooFewReplies
+from parablock_flwr.strategies.round_loop import TooFewReplies
+from parablock_flwr.strategies.round_stats import RoundStats
 
 BLOCK = 1
 

@@ -219,6 +219,20 @@ def test_too_few_valid_replies_are_retried_then_stop_the_run(tmp_path, tiny_mode
     assert not (run.run_dir / "global-steps").exists()  # x never moved
 
 
+def test_a_run_that_left_nodes_out_says_so_and_exits_5(tmp_path, tiny_model_dir):
+    """Every reply claims more examples than `max-num-examples = 1` allows: each round is rejected
+    (and, with `min-accepted-replies = 0`, left empty). The run does not end as `completed`: its
+    status, exit code and last line name each node left out and why (before: exit 0, "completed")."""
+    run = simulate(tmp_path, tiny_model_dir, num_supernodes=2, num_server_rounds=2, max_num_examples=1,
+                   min_accepted_replies=0)  # fmt: skip
+    assert run.returncode == 5 and run.status["kind"] == "completed-with-exclusions", run.stdout[-3000:]
+    excluded = run.status["excluded_nodes"]
+    assert len(excluded) == 2 and all("not aggregated in 2 of 2 rounds" in line for line in excluded), excluded
+    assert all("expected a number in (0, 1]" in line for line in excluded)
+    last = [line for line in run.stdout.splitlines() if "[parablock]" in line][-1]
+    assert "Run completed with exclusions (exit code 5)" in last and excluded[0] in last
+
+
 def test_a_server_killed_at_every_stage_of_a_round_resumes_to_the_same_final_model(
     tmp_path, tiny_model_dir, parablock_run, caplog
 ):

@@ -26,7 +26,7 @@ class LargestUpdateParaBlock(ParaBlock):
         to; here the choice is purely by the recorded sizes.
         """
         for block in range(self.partition.num_blocks):
-            if block not in self.last_rms and block not in self._blocks.values():
+            if block not in self.last_rms and block not in self.decided_blocks().values():
                 return block
         return max(self.last_rms, key=self.last_rms.get)
 

@@ -29,7 +29,7 @@ from ..node import node_device
 from ..run_status import EXIT_CODES, write_status
 from ..runtime import setup_torch
 from ..strategies import strategy_class
-from ..strategies.round_stats import TooFewReplies
+from ..strategies.round_loop import TooFewReplies
 
 log = logging.getLogger(__name__)
 app = ServerApp()

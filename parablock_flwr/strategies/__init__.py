@@ -21,18 +21,30 @@ from __future__ import annotations
 import importlib
 
 # name -> "module:Class", relative to this package
-SERVER_HALVES = {
-    "fedbcd": "fedbcd.server:FedBCD",
+SERVER_HALVES = {  # the default first (``RunConfig.algorithm``)
     "parablock": "parablock.server:ParaBlock",
+    "fedbcd": "fedbcd.server:FedBCD",
     "fedavg-full": "fedavg.server:FedAvgFull",
     "fedavg-lora": "fedavg.server:FedAvgLora",
 }
 CLIENT_HALVES = {
-    "fedbcd": "fedbcd.client:BCDClient",
     "parablock": "parablock.client:ParaBlockClient",
+    "fedbcd": "fedbcd.client:BCDClient",
     "fedavg-full": "fedbcd.client:BCDClient",
     "fedavg-lora": "fedbcd.client:BCDClient",
 }
+# What else an algorithm fixes (config.RunConfig reads these; every other algorithm leaves them to the
+# run config): the parameters it trains whatever ``train`` says, and whether its one block is every
+# trainable parameter (``core.one_block``).
+TRAINS_ONLY = {"fedavg-full": "full", "fedavg-lora": "lora"}
+ONE_BLOCK = frozenset({"fedavg-full", "fedavg-lora"})
+
+
+def algorithms() -> tuple[str, ...]:
+    """The run config's choices of ``algorithm``: every registered algorithm."""
+    return tuple(SERVER_HALVES)
+
+
 _EXPORTS = {  # the names this package has always exported, imported on first use
     "FedBCD": "fedbcd.server",
     "ParaBlock": "parablock.server",
@@ -46,8 +58,16 @@ _EXPORTS = {  # the names this package has always exported, imported on first us
 
 
 def _load(path: str):
+    """``"module:Class"``: ``module`` relative to this package (the shipped algorithms), else an
+    absolute module name (an algorithm in a package of your own)."""
     module, _, name = path.partition(":")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    try:
+        loaded = importlib.import_module(f"{__name__}.{module}")
+    except ModuleNotFoundError as err:
+        if not f"{__name__}.{module}".startswith(str(err.name)):
+            raise  # the module exists but imports something missing: say that
+        loaded = importlib.import_module(module)
+    return getattr(loaded, name)
 
 
 def __getattr__(name: str):
@@ -59,7 +79,7 @@ def __getattr__(name: str):
 def client_half(algorithm: str, correction: str = "at-end"):
     """The client half of ``algorithm`` (named in every round's message); ``correction`` is
     ``RunConfig.correction_mode``, whose ``"none"`` turns ParaBlock's correction off."""
-    if algorithm not in CLIENT_HALVES:
+    if algorithm not in CLIENT_HALVES:  # (RunConfig checked it against SERVER_HALVES already)
         raise ValueError(f"algorithm={algorithm!r}: expected one of {', '.join(CLIENT_HALVES)}")
     if algorithm == "parablock" and correction == "none":
         return _load("parablock.client:UncorrectedClient")()

@@ -31,9 +31,31 @@ from .round_stats import array_bytes, critical_path_rows
 log = logging.getLogger(__name__)
 
 
+class TooFewReplies(RuntimeError):
+    """A round kept fewer valid replies than ``min-accepted-replies``: the run stops.
+
+    ``kind`` is ``timeout`` when no node answered at all, else ``too-few-replies``.
+    """
+
+    def __init__(self, message: str, kind: str = "too-few-replies"):
+        super().__init__(message)
+        self.kind = kind
+
+
 class RoundLoop(Strategy):
-    """Run-level state and the loop; the rounds themselves are the subclass's
-    (``configure_train``/``aggregate_train``, ``FedBCD``)."""
+    """Run-level state and the loop; the rounds themselves are the subclass's (``FedBCD``).
+
+    The interface between the two, by name (neither touches the other's private fields):
+
+    - the run gives the algorithm: ``push``, ``replies_as_they_arrive``, ``sent_to`` (messages),
+      ``block_for_round``/``decided_blocks`` (the checkpointed block choices), ``note_participation``,
+      ``round_clock``, ``collect_client_evaluation``/``client_evaluation_keys``, ``record_round``,
+      ``num_rounds``, ``round_timeout_s``, ``step_log``, ``run_dir``, ``first_round``;
+    - the algorithm gives the run: ``configure_train``/``aggregate_train`` (Flower's), ``choose_block``,
+      ``config`` (the ``RunConfig``), ``partition``, ``global_params``, ``sync`` (``NodeSync``),
+      ``stats`` (the round's ``RoundStats``), ``last_metrics`` (the last round's record),
+      ``state_dict``/``load_state_dict``.
+    """
 
     algorithm = "?"
     partition: core.BlockPartition
@@ -46,9 +68,9 @@ class RoundLoop(Strategy):
         self.step_log = StepLog(run_dir)  # g^1..g^r: clients catch up from it, resume replays it
         self.recorder = RunRecorder(run_dir)
         self.rounds_completed = 0  # the last round whose checkpoint is on disk
-        self._blocks: dict[int, int] = {}  # server round -> block, as decided so far
-        self._num_rounds = num_rounds
-        self._timeout = round_timeout_s
+        self._blocks: dict[int, int] = {}  # server round -> block, as decided so far (``block_for_round``)
+        self.num_rounds = num_rounds
+        self.round_timeout_s = round_timeout_s
         self.pull_interval_s = pull_interval_s
         self._started = time.perf_counter()
         # Wall-clock times (time.time, comparable with the node workers' on one host) of this round's
@@ -67,6 +89,23 @@ class RoundLoop(Strategy):
         self._replied_by: dict[str, int] = {}  # message id -> its node, for the replies of this round
         self._participation: dict[int, dict] = {}  # node -> rounds asked, aggregated, not in a row
 
+    def block_for_round(self, server_round: int) -> int:
+        """``b_r``, decided once by the algorithm's ``choose_block`` and remembered (checkpointed).
+
+        ParaBlock tells clients ``b_{r+1}`` in round r (so that a node worker can start it early),
+        i.e. before round r is aggregated: the choice must not change afterwards."""
+        if server_round not in self._blocks:
+            block = self.choose_block(server_round)
+            if not 0 <= block < self.partition.num_blocks:
+                raise ValueError(f"choose_block({server_round}) = {block}: expected 0..{self.partition.num_blocks - 1}")
+            self._blocks[server_round] = block
+        return self._blocks[server_round]
+
+    def decided_blocks(self) -> dict[int, int]:
+        """Round -> block, for the rounds decided so far (after a resume: from the last checkpointed
+        round on; the step log names each earlier step's block)."""
+        return dict(self._blocks)
+
     @property
     def first_round(self) -> int:
         """1, or R+1 when resumed from round R's checkpoint."""
@@ -81,7 +120,7 @@ class RoundLoop(Strategy):
 
     def client_evaluation_keys(self, version: int) -> dict:
         """``evaluation = "clients"``: what asks the nodes of round ``version + 1`` to evaluate ``x^version``."""
-        return client_evaluation.request_keys(self.config, version, self._num_rounds)
+        return client_evaluation.request_keys(self.config, version, self.num_rounds)
 
     def collect_client_evaluation(self, version: int, replies: list[Reply]) -> None:
         """The nodes' evaluations of ``x^version`` that came with round ``version + 1``'s replies."""
@@ -109,7 +148,7 @@ class RoundLoop(Strategy):
             self.client_evaluations[num_rounds] = client_evaluation.aggregate(rows)
 
     def summary(self) -> None:
-        log.info("%s: %d blocks, %d rounds", type(self).__name__, self.partition.num_blocks, self._num_rounds)
+        log.info("%s: %d blocks, %d rounds", type(self).__name__, self.partition.num_blocks, self.num_rounds)
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -138,7 +177,7 @@ class RoundLoop(Strategy):
         is aggregated (a stopped run loses at most the round in flight). ``initial_arrays`` is
         the step round ``first_round`` sends.
         """
-        self._num_rounds, self._timeout = num_rounds, timeout
+        self.num_rounds, self.round_timeout_s = num_rounds, timeout
         self.summary()
         result, arrays = Result(), initial_arrays
         due = 0 if self.first_round == 1 else self.unevaluated_round  # a round whose finish is due
@@ -170,14 +209,14 @@ class RoundLoop(Strategy):
         batch: list[Message] = []
         batch_bytes, limit = 0, sum(t.numel() * t.element_size() for t in self.global_params.values())
         for msg in messages:
-            msg.metadata.ttl = self._timeout
+            msg.metadata.ttl = self.round_timeout_s
             batch.append(msg)
             batch_bytes += array_bytes(msg.content)
             if batch_bytes >= limit:
                 sent.update(self._push_batch(grid, batch))
                 batch, batch_bytes = [], 0
         sent.update(self._push_batch(grid, batch))
-        self._deadline = time.monotonic() + self._timeout
+        self._deadline = time.monotonic() + self.round_timeout_s
         return sent
 
     def _push_batch(self, grid: Grid, batch: list[Message]) -> dict[str, int]:
@@ -215,6 +254,7 @@ class RoundLoop(Strategy):
                     continue  # not a message of ours: nothing to check it against
                 node = waiting.pop(mid)
                 self._times["last_reply"] = self._arrivals[node] = time.time()
+                self._times.setdefault("first_reply_checked", self._times["last_reply"])  # checked on arrival
                 self._replied_by[mid] = node
                 yield reply
             if waiting:
@@ -222,9 +262,9 @@ class RoundLoop(Strategy):
         now = time.monotonic()
         self._abandoned = {m: v for m, v in self._abandoned.items() if v[1] > now}  # expired on the SuperLink
         for mid, node in waiting.items():
-            log.warning("node %d did not answer within round-timeout-s=%g", node, self._timeout)
+            log.warning("node %d did not answer within round-timeout-s=%g", node, self.round_timeout_s)
             self.stats.replies_missing += 1
-            self._abandoned[mid] = (node, now + self._timeout)
+            self._abandoned[mid] = (node, now + self.round_timeout_s)
 
     def sent_to(self, reply: Message) -> int:
         """The node a reply answers for: the one its message went to (``push``)."""
@@ -275,13 +315,13 @@ class RoundLoop(Strategy):
             done = self.client_evaluations.pop(version)
             self.recorder.write({"round": version, **done})
             log.info("round %d: heldout_loss %.4f (clients' own held-out rows)", version, done["heldout_loss"])
-        if 0 < server_round < self._num_rounds and "last_reply" in self._times:
+        if 0 < server_round < self.num_rounds and "last_reply" in self._times:
             # From the round's last reply to the next round's messages being out: only aggregation.
             evaluation["server_critical_path_s"] = self._times["pushed"] - self._times["last_reply"]
             evaluation["evaluation_started_after_next_push_s"] = started - self._times["pushed"]
         self.recorder.write({"round": server_round, **evaluation}, crash_stage=("record", server_round))
         log.info(round_line({**self._recorded.pop(server_round, {"round": server_round}), **evaluation},
-                            self._num_rounds))  # fmt: skip
+                            self.num_rounds))  # fmt: skip
 
     def record_round(self, server_round: int, record: dict) -> None:
         """Append round r's training record (the aggregation's numbers) to ``metrics.jsonl``.
@@ -290,8 +330,8 @@ class RoundLoop(Strategy):
         self._modeled_wall_s += self.last_metrics.get("modeled_round_s", 0.0)
         record.update(self.last_metrics, modeled_wall_s=self._modeled_wall_s)
         record["elapsed_s"] = time.perf_counter() - self._started
-        if server_round < self._num_rounds:
-            record["eta_s"] = record["elapsed_s"] / server_round * (self._num_rounds - server_round)
+        if server_round < self.num_rounds:
+            record["eta_s"] = record["elapsed_s"] / server_round * (self.num_rounds - server_round)
         self.recorder.write(record)
         self._recorded[server_round] = record
 
@@ -309,7 +349,7 @@ class RoundLoop(Strategy):
             else:
                 row["streak"] += 1
                 row["longest"] = max(row["longest"], row["streak"])
-                row["last_reason"] = reasons.get(node, f"no reply within round-timeout-s={self._timeout:g}")
+                row["last_reason"] = reasons.get(node, f"no reply within round-timeout-s={self.round_timeout_s:g}")
 
     def excluded_nodes(self) -> list[str]:
         """The nodes this run left out, one line each: never aggregated in any round it was asked,
@@ -358,7 +398,8 @@ class RoundLoop(Strategy):
         self.sync.first_round = ckpt.round + 1
         self.rounds_completed = ckpt.round
         last = next((r for r in self.recorder.read() if r["round"] == ckpt.round), {})
-        self.unevaluated_round = None if "evaluate_s" in last else ckpt.round  # killed during its evaluation
+        if "evaluate_s" not in last:  # killed during its evaluation: evaluated first, its line logged then
+            self.unevaluated_round, self._recorded[ckpt.round] = ckpt.round, last
         self.sync.resume_pending = ckpt.pending
         self._blocks = dict(ckpt.blocks)
         self._modeled_wall_s = ckpt.modeled_wall_s

@@ -15,17 +15,6 @@ from .. import core
 from .reply_checks import Reply
 
 
-class TooFewReplies(RuntimeError):
-    """A round kept fewer valid replies than ``min-accepted-replies``: the run stops.
-
-    ``kind`` is ``timeout`` when no node answered at all, else ``too-few-replies``.
-    """
-
-    def __init__(self, message: str, kind: str = "too-few-replies"):
-        super().__init__(message)
-        self.kind = kind
-
-
 @dataclass
 class RoundStats:
     """Counters of one round, from its first message to its aggregation."""

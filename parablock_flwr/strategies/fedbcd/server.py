@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -27,8 +26,8 @@ from ...config import RunConfig
 from ...records import to_record
 from ..node_sync import NodeSync, ask_partitions, seeded_sample
 from ..reply_checks import Expected, Reply, check_partition, parse_reply, state_intact
-from ..round_loop import RoundLoop
-from ..round_stats import RoundStats, TooFewReplies, array_bytes, round_record
+from ..round_loop import RoundLoop, TooFewReplies
+from ..round_stats import RoundStats, array_bytes, round_record
 
 log = logging.getLogger(__name__)
 
@@ -65,20 +64,6 @@ class FedBCD(RoundLoop):
         self.stats = RoundStats(0)
         self.last_metrics: dict = {}  # the last round's record
 
-    def block_for_round(self, server_round: int) -> int:
-        """``b_r``, decided once by ``choose_block`` and remembered.
-
-        ParaBlock tells clients ``b_{r+1}`` in round r (so that a node worker can
-        start it early), i.e. before round r is aggregated: the choice must not
-        change afterwards.
-        """
-        if server_round not in self._blocks:
-            block = self.choose_block(server_round)
-            if not 0 <= block < self.partition.num_blocks:
-                raise ValueError(f"choose_block({server_round}) = {block}: expected 0..{self.partition.num_blocks - 1}")
-            self._blocks[server_round] = block
-        return self._blocks[server_round]
-
     def choose_block(self, server_round: int) -> int:
         """Override point: the block of round r. Called during round r-1 (before
         its aggregation) for r >= 2. Default: the seeded schedule."""
@@ -103,7 +88,7 @@ class FedBCD(RoundLoop):
                 "block": block,
                 "step-block": step_block,
                 # Lets a node worker start the next round's computation before the next message.
-                "next-block": self.block_for_round(server_round + 1) if server_round < self._num_rounds else -1,
+                "next-block": self.block_for_round(server_round + 1) if server_round < self.num_rounds else -1,
                 "algorithm": self.algorithm,
                 "run-dir": str(self.run_dir),
             }
@@ -146,10 +131,10 @@ class FedBCD(RoundLoop):
     ) -> Iterable[Message]:
         """Send ``g^{r-1}`` (in ``arrays``, empty in round 1), ``b_r`` and any catch-up to each node."""
         self.stats = RoundStats(server_round)
-        self._grid, self._global_step = grid, arrays  # kept for a retry of this round
+        self._retry_grid, self._global_step = grid, arrays  # kept for a retry of this round
         nodes = self.select_nodes(server_round, grid)
         if server_round == self.first_round and self.sync.resume_pending:
-            self.sync.partitions.update(ask_partitions(grid, nodes, self._timeout))
+            self.sync.partitions.update(ask_partitions(grid, nodes, self.round_timeout_s))
         return self.train_messages(server_round, nodes)
 
     def train_messages(self, server_round: int, nodes: list[int]) -> Iterator[Message]:
@@ -166,7 +151,7 @@ class FedBCD(RoundLoop):
             self.stats.catch_up_steps_sent += sent["catch_up_steps_sent"]
             self.stats.full_syncs_sent += sent["full_syncs_sent"]
             self.stats.wire_bytes_down += array_bytes(content)
-            yield Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node, ttl=self._timeout)
+            yield Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node, ttl=self.round_timeout_s)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -229,7 +214,6 @@ class FedBCD(RoundLoop):
             self.stats.num_replies += 1
             self.stats.wire_bytes_up += 0 if msg.has_error() else array_bytes(msg.content)
             reply = parse_reply(msg, expected, node)
-            self._times.setdefault("first_reply_checked", time.time())
             if isinstance(reply, Reply):  # well-formed: the round's rules, then the subclass's
                 reply = (
                     check_partition(reply, seen, self.sync.partitions)
@@ -272,5 +256,5 @@ class FedBCD(RoundLoop):
         log.warning("round %d: %d valid replies, fewer than min-accepted-replies=%d: re-sending to %d nodes "
                     "(retry %d of %d)", server_round, len(accepted), self.config.min_accepted_replies, len(nodes),
                     stats.round_retries, self.config.max_round_retries)  # fmt: skip
-        sent = self.push(self._grid, self.train_messages(server_round, nodes))
-        return list(self.replies_as_they_arrive(self._grid, sent))
+        sent = self.push(self._retry_grid, self.train_messages(server_round, nodes))
+        return list(self.replies_as_they_arrive(self._retry_grid, sent))

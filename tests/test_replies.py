@@ -162,3 +162,15 @@ def test_a_reply_whose_on_receipt_correction_drifted_too_far_is_rejected(setup):
         rec["num_accepted"] == 1
         and "correction drift 0.5 above max-correction-drift=0.0001" in rec["rejected"][0]["reason"]
     )
+
+
+def test_a_rounds_full_syncs_share_one_copy_of_the_model(setup):
+    """After a resume every node gets a full sync: the server builds it once per round (O(|x|)
+    memory, not one copy per node), and the round's messages are built as they are pushed."""
+    strategy, _, _ = setup
+    strategy.stats, strategy._global_step = RoundStats(2), ArrayRecord()
+    strategy.sync.needs_full_sync |= {1, 2, 3}
+    messages = strategy.train_messages(2, [1, 2, 3])
+    assert not isinstance(messages, list)  # a generator: RoundLoop.push builds and pushes in batches
+    syncs = [m.content["sync-values"] for m in messages]
+    assert syncs[0] is syncs[1] is syncs[2] and strategy.stats.full_syncs_sent == 3

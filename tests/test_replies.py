@@ -170,6 +170,7 @@ def test_a_rounds_full_syncs_share_one_copy_of_the_model(setup):
     strategy, _, _ = setup
     strategy.stats, strategy._global_step = RoundStats(2), ArrayRecord()
     strategy.sync.needs_full_sync |= {1, 2, 3}
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0
     messages = strategy.train_messages(2, [1, 2, 3])
     assert not isinstance(messages, list)  # a generator: RoundLoop.push builds and pushes in batches
     syncs = [m.content["sync-values"] for m in messages]

@@ -73,7 +73,8 @@ def plots(records: list[dict], out: Path) -> list[Path]:
     axes[0].plot(rounds, [r.get("train_loss") for r in trained], "s--", label="train")
     axes[0].set(xlabel="round", ylabel="loss", title="loss per round")
     axes[0].legend()
-    axes[1].plot([r["elapsed_s"] for r in evaluated], [r["heldout_loss"] for r in evaluated], "o-", label="measured")
+    elapsed = [r.get("elapsed_s", 0.0) for r in evaluated]  # (a record whose training part was lost: 0)
+    axes[1].plot(elapsed, [r["heldout_loss"] for r in evaluated], "o-", label="measured")
     modeled = [r.get("modeled_wall_s", 0.0) for r in evaluated]
     axes[1].plot(modeled, [r["heldout_loss"] for r in evaluated], "s--", label="modeled (time model)")
     axes[1].set(xlabel="wall-clock s", ylabel="held-out loss", title="held-out loss against wall-clock")

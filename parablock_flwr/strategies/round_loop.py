@@ -319,6 +319,8 @@ class RoundLoop(Strategy):
             # From the round's last reply to the next round's messages being out: only aggregation.
             evaluation["server_critical_path_s"] = self._times["pushed"] - self._times["last_reply"]
             evaluation["evaluation_started_after_next_push_s"] = started - self._times["pushed"]
+        if server_round == 0:  # a round with no training record: its evaluation part says what ran, when
+            evaluation.update(algorithm=self.algorithm, elapsed_s=time.perf_counter() - self._started)
         self.recorder.write({"round": server_round, **evaluation}, crash_stage=("record", server_round))
         log.info(round_line({**self._recorded.pop(server_round, {"round": server_round}), **evaluation},
                             self.num_rounds))  # fmt: skip

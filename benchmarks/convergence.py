@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from parablock_flwr.config import RunConfig
+from parablock_flwr.metrics import RunRecorder
 from parablock_flwr.tools.app_config import find_project_dir
 from parablock_flwr.tools.launch import run_simulation
 from parablock_flwr.tools.tiny_model import build_tiny_model
@@ -100,7 +101,7 @@ def run_once(name: str, config: dict, clients: int, workdir: Path) -> dict:
     )  # fmt: skip
     if proc.returncode != 0:
         sys.exit(f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{proc.summary()}")
-    records = [json.loads(line) for line in (proc.run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = RunRecorder(proc.run_dir).read()
     result = {"name": name, "config": config, "wall_s": time.perf_counter() - started, "records": records}
     done.parent.mkdir(parents=True, exist_ok=True)
     done.write_text(json.dumps(result))

@@ -12,7 +12,6 @@ to docs/benchmarks.md with the command that reproduces it.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import shlex
 import sys
@@ -20,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from parablock_flwr.metrics import RunRecorder
 from parablock_flwr.tools.app_config import GSM_AS_MEASURED, find_project_dir
 from parablock_flwr.tools.launch import run_deployment
 from parablock_flwr.tools.tiny_model import build_tiny_model
@@ -54,7 +54,7 @@ def run(algorithm: str, args, model: str, workdir: Path) -> list[dict]:
     if proc.returncode != 0:
         sys.exit(f"{algorithm} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{proc.summary()}")
     run_dir = proc.run_dir
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = RunRecorder(run_dir).read()
     records[0]["total_wall_s"] = wall
     return records
 

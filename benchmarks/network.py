@@ -64,6 +64,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from parablock_flwr.metrics import RunRecorder
 from parablock_flwr.tools.app_config import GSM_AS_MEASURED, find_project_dir
 from parablock_flwr.tools.launch import (
     flower_env,
@@ -236,7 +237,7 @@ def read_run(out: Path) -> dict:
     run_dirs = sorted(out.glob("*")) if out.exists() else []
     if not run_dirs or not (run_dirs[-1] / "metrics.jsonl").exists():
         return {}
-    records = [json.loads(line) for line in (run_dirs[-1] / "metrics.jsonl").read_text().splitlines()]
+    records = RunRecorder(run_dirs[-1]).read()
     return {
         "run_dir": str(run_dirs[-1]),
         "heldout_loss_initial": records[0].get("heldout_loss"),

@@ -42,6 +42,7 @@ from pathlib import Path
 
 import network
 
+from parablock_flwr.metrics import RunRecorder
 from parablock_flwr.tools.app_config import GSM_AS_MEASURED
 
 from netlab import build_network, check_machine, shape, stop_on_sigterm
@@ -65,7 +66,7 @@ def run(net, algorithm: str, rate: float, args, model: str, out: Path, compute_c
 
 def read_records(result: dict) -> list[dict]:
     path = Path(result.get("run_dir", "/nonexistent")) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return RunRecorder(path.parent).read() if path.exists() else []
 
 
 def later(result: dict) -> list[dict]:

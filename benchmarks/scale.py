@@ -13,7 +13,6 @@ Appends the table to docs/benchmarks.md with the command that reproduces it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import sys
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import psutil
 
+from parablock_flwr.metrics import RunRecorder
 from parablock_flwr.tools.app_config import GSM_AS_MEASURED, find_project_dir
 from parablock_flwr.tools.launch import run_simulation
 from parablock_flwr.tools.tiny_model import build_tiny_model
@@ -76,7 +76,7 @@ def measure(clients: int, model: Path, rounds: int, workdir: Path) -> dict:
     if proc.returncode != 0:
         sys.exit(f"{clients} clients failed:\n{proc.stdout[-3000:]}\n{proc.summary()}")
     run_dir = proc.run_dir
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = RunRecorder(run_dir).read()
     block_bytes = records[-1]["bytes_up_per_client"]
     files = sum(1 for _ in run_dir.rglob("*") if _.is_file())
     return {

@@ -15,7 +15,6 @@ arrays of every message and reply, as serialised), and the invariant checks.
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 import tempfile
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import network
 
+from parablock_flwr.metrics import RunRecorder
 from parablock_flwr.tools.app_config import GSM_AS_MEASURED
 from parablock_flwr.tools.launch import run_simulation
 from parablock_flwr.tools.tiny_model import build_tiny_model
@@ -42,7 +42,7 @@ def run(dtype: str, args, model: str, workdir: Path) -> dict:
     result = run_simulation(workdir / f"flower-{dtype}", config, num_supernodes=2, cpus_per_client=1, timeout_s=3600)
     if result.returncode != 0 or result.run_dir is None:
         return {"dtype": dtype, "error": result.reason}
-    records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = RunRecorder(result.run_dir).read()
     trained = records[1:]
     return {
         "dtype": dtype,

@@ -48,8 +48,8 @@ print(f"gpu-check: deployment on {devices} exited {result.returncode} after {tim
 run_dir = result.run_dir
 if run_dir is None:
     raise SystemExit(result.stdout[-3000:] + result.stderr[-3000:])
-for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
-    r = json.loads(line)
+from parablock_flwr.metrics import RunRecorder  # noqa: E402  (one merged record per round)
+for r in RunRecorder(run_dir).read():
     keep = ("round", "heldout_loss", "train_loss", "round_wall_s", "measured_compute_s", "measured_overlap_share",
             "invariant_checked", "invariant_failed", "truncated_examples")
     print("gpu-check:", json.dumps({k: r[k] for k in keep if k in r}))

@@ -80,6 +80,7 @@ def test_examples_run_through_flwr_run(tmp_path, tiny_model_dir, strategy, clien
         assert [r["block"] for r in records[1:]] == [0, 1, 2]  # unvisited blocks first
 
 
+@pytest.mark.e2e  # Flower's in-memory SuperLink state and Grid, the real ClientApp: about 20 s
 def test_a_new_algorithm_added_as_the_docs_say_runs(tmp_path, tiny_model_dir, monkeypatch):
     """docs/extending.md, "A new algorithm": register a server half and a client half by name, and
     nothing else. The run config accepts the name, its trainable set comes from the registry, and

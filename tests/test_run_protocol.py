@@ -195,5 +195,5 @@ def test_a_node_rejected_in_every_round_is_named_as_excluded(tmp_path, tiny_mode
     honest, big = honest_answer(strategy, num_examples=20), honest_answer(strategy, num_examples=64)
     run(strategy, InMemoryFederation(2, lambda i, m: big(i, m) if i else honest(i, m)), 3)
     excluded = strategy.excluded_nodes()
-    assert len(excluded) == 1 and "not aggregated in 3 of 3 rounds" in excluded[0], excluded
+    assert len(excluded) == 1 and "(partition 1): not aggregated in 3 of 3 rounds" in excluded[0], excluded
     assert "num-examples=64, expected a number in (0, 40]" in excluded[0]

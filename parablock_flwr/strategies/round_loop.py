@@ -353,6 +353,15 @@ class RoundLoop(Strategy):
                 row["longest"] = max(row["longest"], row["streak"])
                 row["last_reason"] = reasons.get(node, f"no reply within round-timeout-s={self.round_timeout_s:g}")
 
+    def note_partition(self, node: int, msg: Message) -> None:
+        """The partition id a rejected reply claims, if it says one: only to name the node to the
+        operator (``excluded_nodes``); the server trusts partition ids from accepted replies alone."""
+        record = None if msg.has_error() else msg.content.metric_records.get("metrics")
+        claimed = record.get("partition-id") if record is not None else None
+        if type(claimed) is int:
+            self._participation.setdefault(node, {"rounds": 0, "accepted": 0, "streak": 0, "longest": 0})
+            self._participation[node]["claimed_partition"] = claimed
+
     def excluded_nodes(self) -> list[str]:
         """The nodes this run left out, one line each: never aggregated in any round it was asked,
         or not aggregated in ``max-consecutive-rejections`` consecutive rounds (0: only the former)."""
@@ -360,7 +369,7 @@ class RoundLoop(Strategy):
         out = []
         for node, row in sorted(self._participation.items()):
             if row["accepted"] == 0 or (k and row["longest"] >= k):
-                partition = self.sync.partitions.get(node)
+                partition = self.sync.partitions.get(node, row.get("claimed_partition"))
                 name = f"node {node}" + (f" (partition {partition})" if partition is not None else "")
                 out.append(f"{name}: not aggregated in {row['rounds'] - row['accepted']} of {row['rounds']} rounds "
                            f"({row['longest']} in a row; last: {row['last_reason']})")  # fmt: skip

@@ -226,6 +226,7 @@ class FedBCD(RoundLoop):
                 continue
             log.warning("round %d: rejected the reply of node %d: %s", server_round, node, reply)
             self.stats.rejected.append({"node": node, "reason": reply})
+            self.note_partition(node, msg)
             if state_intact(msg):
                 self.stats.state_intact_errors += 1  # its model is as it was: no full sync
             else:

@@ -73,11 +73,14 @@ class WorkerSocket:
             raise SocketRefused(f"--socket {path}: {len(os.fsencode(path))} bytes; expected at most {SUN_PATH_MAX}")
         allowed = frozenset((os.geteuid(), *allowed_uids))
         shared = len(allowed) > 1
-        _prepare_directory(path.parent, shared)
-        with _directory_lock(path.parent):
-            _remove_if_stale(path)
-            sock = _listen(path, 0o660 if shared else 0o600)
-            st = os.lstat(path)
+        try:
+            _prepare_directory(path, shared)
+            with _directory_lock(path.parent):
+                _remove_if_stale(path)
+                sock = _listen(path, 0o660 if shared else 0o600)
+                st = os.lstat(path)
+        except OSError as err:  # e.g. a directory this user may not create or write
+            raise SocketRefused(f"--socket {path}: {err.strerror or err} ({err.filename or path})") from None
         return cls(path, allowed, sock, (st.st_dev, st.st_ino, st.st_ctime_ns))
 
     def describe(self) -> str:
@@ -104,6 +107,8 @@ class WorkerSocket:
     def release(self) -> None:
         """Stop listening; remove the path only if it is still the file this worker created."""
         self.sock.close()  # a second call (or after the server closed it) does nothing
+        if not self.path.parent.is_dir():
+            return  # the directory went first (a launcher's temporary one): nothing left to remove
         with _directory_lock(self.path.parent):
             try:
                 st = os.lstat(self.path)
@@ -115,9 +120,9 @@ class WorkerSocket:
                 log.warning("left %s in place: it is no longer the socket this worker created", self.path)
 
 
-def _prepare_directory(directory: Path, shared: bool) -> None:
-    """Create the missing directories with the socket directory's mode; check the one that holds it."""
-    mode = 0o710 if shared else 0o700
+def _prepare_directory(path: Path, shared: bool) -> None:
+    """Create the socket's missing directories with its directory's mode; check the one that holds it."""
+    directory, mode = path.parent, 0o710 if shared else 0o700
     missing = [d for d in (directory, *directory.parents) if not d.exists()]
     for created in reversed(missing):
         with contextlib.suppress(FileExistsError):  # another worker made it meanwhile: checked below
@@ -126,10 +131,10 @@ def _prepare_directory(directory: Path, shared: bool) -> None:
     st = os.stat(directory)
     forbidden = 0o027 if shared else 0o077  # shared: the group may traverse and list, never write
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & forbidden:
-        have = stat.S_IMODE(st.st_mode)
+        have, own = stat.S_IMODE(st.st_mode), directory / "parablock" / path.name
         raise SocketRefused(
             f"socket directory {directory}: mode {have:04o}, owner uid {st.st_uid}; expected a directory of uid "
-            f"{os.geteuid()} with mode {mode:04o} (chmod {mode:o} {directory}, or choose another --socket)"
+            f"{os.geteuid()} with mode {mode:04o}, e.g. one the worker creates: --socket {own}"
         )
 
 

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -22,10 +23,13 @@ import tracemalloc
 from pathlib import Path
 
 import pytest
+from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from parablock_flwr import node
+from parablock_flwr.client_apps.app import relay_to_worker
 from parablock_flwr.config import RunConfig
 from parablock_flwr.worker.endpoint import MESSAGE_MARGIN_BYTES, MessageLimit, SocketRefused, WorkerSocket
 from parablock_flwr.worker.protocol import MAX_HEADER_BYTES, ProtocolError, recv, request
@@ -304,15 +308,15 @@ def raw_ping(path: Path) -> dict:
         return json.loads(client.recv(size, socket.MSG_WAITALL))
 
 
-def ping_as(uid: int, path: Path) -> dict:
-    """A ping from a forked process of ``uid`` that keeps root's groups (so the file system lets it reach
-    a socket shared with the group): only the worker's own check can tell it apart."""
+def as_uid(uid: int, call) -> dict:
+    """``call()`` in a forked process of ``uid`` that keeps root's groups (so the file system lets it
+    reach a socket shared with the group): only the worker's own check can tell it apart."""
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: never returns into pytest
         try:
             os.setuid(uid)
-            result = raw_ping(path)
+            result = call()
         except BaseException as err:
             result = {"child-error": repr(err)}
         finally:
@@ -325,13 +329,26 @@ def ping_as(uid: int, path: Path) -> dict:
     return result
 
 
+def relay_error(path: Path) -> dict:
+    """What the deployment's ClientApp replies when it relays a round to the worker at ``path``."""
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 5, 0
+    msg = Message(content=RecordDict({"round": ConfigRecord({"server-round": 1})}), dst_node_id=5,
+                  message_type=MessageType.TRAIN)  # fmt: skip
+    TaskIdentity.node_id = 5
+    context = Context(run_id=1, node_id=5, node_config={"worker-socket": str(path)}, state=RecordDict(),
+                      run_config={"round-timeout-s": 20.0})  # fmt: skip
+    reply = relay_to_worker(msg, context, str(path))
+    return {"reason": reply.error.reason if reply.has_error() else None}
+
+
 @pytest.mark.e2e
 @pytest.mark.skipif(os.geteuid() != 0, reason="runs clients as other users: needs root")
 def test_peers_are_admitted_by_uid(tmp_path):
     """With --allow-uid 65534 the socket is shared with the group (0660, directory 0710): uid 65534 is
     admitted, uid 65533 (same groups, so the file system lets it through) gets one error line from
     the worker's own check, and the worker logs it (today: no such option, and any peer the file
-    modes let through was served)."""
+    modes let through was served). The ClientApp relays the refusal as its error reply, and names the
+    option when the file system keeps its user out."""
     root = Path(tempfile.mkdtemp(prefix="pb-uid-", dir="/tmp"))  # /tmp: others may traverse it
     os.chmod(root, 0o710)
     path, log = root / "w.sock", tmp_path / "worker.log"
@@ -339,11 +356,21 @@ def test_peers_are_admitted_by_uid(tmp_path):
     try:
         assert wait_until_serving(path, worker, log)["pid"] == worker.pid
         assert mode(path) == 0o660
-        assert ping_as(65534, path)["pid"] == worker.pid
-        refused = ping_as(65533, path)["error"]
+        assert as_uid(65534, lambda: raw_ping(path))["pid"] == worker.pid
+        refused = as_uid(65533, lambda: raw_ping(path))["error"]
         assert refused == f"uid 65533 may not use this node worker (allowed uids: {os.geteuid()}, 65534)"
+        assert as_uid(65533, lambda: relay_error(path)) == {"reason": f"node worker failed: {refused}"}
         assert ping(path)["pid"] == worker.pid
+        with socket.socket(socket.AF_UNIX) as private:  # a socket only its own user may open
+            private.bind(str(root / "private.sock"))
+            private.listen(1)
+            os.chmod(root / "private.sock", 0o600)
+            assert as_uid(65534, lambda: relay_error(root / "private.sock"))["reason"] == (
+                f"node worker socket {root / 'private.sock'}: permission denied for uid 65534; run the SuperNode as "
+                "the worker's user, or start the worker with --allow-uid 65534 (docs/deployment.md)"
+            )
+        os.unlink(root / "private.sock")
     finally:
         stop(worker)
-        os.rmdir(root)
+        shutil.rmtree(root)
     assert "refused a connection from pid" in log.read_text() and "uid 65533" in log.read_text()

@@ -89,7 +89,8 @@ class WorkerSocket:
 
     def admitting(self, handler: Handler) -> Handler:
         """``handler`` for each connection whose peer's uid is allowed; any other peer is answered one
-        error line and closed before anything it sent is read."""
+        error line and closed before anything it sent is read. A peer that leaves before its reply
+        is a warning line, not a traceback."""
 
         async def connection(reader, writer) -> None:
             pid, uid, _ = peer_credentials(writer.get_extra_info("socket"))
@@ -100,7 +101,10 @@ class WorkerSocket:
                     await send(writer, {"error": f"uid {uid} may not use this node worker (allowed uids: {allowed})"})
                 writer.close()
                 return
-            await handler(reader, writer)
+            try:
+                await handler(reader, writer)
+            except ConnectionError as err:  # e.g. a ClientApp that stopped waiting (round-timeout-s)
+                log.warning("pid %d left before its reply (%s)", pid, type(err).__name__)
 
         return connection
 

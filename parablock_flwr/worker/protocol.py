@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import math
+import socket
 import struct
 from collections.abc import Callable
 
@@ -39,15 +40,19 @@ class ProtocolError(ValueError):
     """A frame refused before (or instead of) allocating what it declares; the message is one line."""
 
 
-async def send(writer: asyncio.StreamWriter, header: dict, arrays: dict[str, np.ndarray] | None = None) -> None:
+def _frame(header: dict, arrays: dict[str, np.ndarray] | None) -> list[bytes | memoryview]:
+    """The buffers of one frame: length, JSON header (with each array's name, dtype, shape), arrays."""
     arrays = arrays or {}
     header = dict(
         header, arrays=[{"name": n, "dtype": str(a.dtype), "shape": list(a.shape)} for n, a in arrays.items()]
     )
     raw = json.dumps(header).encode()
-    writer.write(_LEN.pack(len(raw)) + raw)
-    for a in arrays.values():
-        writer.write(memoryview(np.ascontiguousarray(a)).cast("B"))
+    return [_LEN.pack(len(raw)) + raw, *(memoryview(np.ascontiguousarray(a)).cast("B") for a in arrays.values())]
+
+
+async def send(writer: asyncio.StreamWriter, header: dict, arrays: dict[str, np.ndarray] | None = None) -> None:
+    for buffer in _frame(header, arrays):
+        writer.write(buffer)
     await writer.drain()
 
 
@@ -122,17 +127,39 @@ async def request(
 ) -> tuple[dict, dict[str, np.ndarray]]:
     """One request/response over a fresh connection to the worker.
 
-    A worker that refuses the request (its peer check, or a frame over its bound) answers one
-    error frame and closes without reading the rest; that answer is returned even when
-    sending the request then fails with a broken pipe."""
-    reader, writer = await asyncio.open_unix_connection(socket_path, limit=2**26)
-    try:
+    A worker that refuses a request (its peer check, or a frame over its bound) answers one error
+    frame and closes without reading the rest, so sending fails; its answer is still read and
+    returned (from the socket itself: a stream transport would drop it with the connection)."""
+    loop = asyncio.get_running_loop()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.setblocking(False)
+        await loop.sock_connect(sock, socket_path)
         try:
-            await send(writer, header, arrays)
+            for buffer in _frame(header, arrays):
+                await loop.sock_sendall(sock, buffer)
         except (BrokenPipeError, ConnectionResetError):
-            pass  # the worker closed early: its reason, if it gave one, is already in the socket
-        return await asyncio.wait_for(recv(reader), timeout_s)
-    finally:
-        writer.close()
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
+            return await asyncio.wait_for(_answer_before_close(loop, sock), timeout_s)
+        reader, writer = await asyncio.open_unix_connection(sock=sock.dup(), limit=2**26)
+        try:
+            return await asyncio.wait_for(recv(reader), timeout_s)
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+
+async def _answer_before_close(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> tuple[dict, dict]:
+    """The (small) frame a worker sent before closing a connection it refused."""
+    received = bytearray()
+    while len(received) <= _LEN.size + MAX_HEADER_BYTES:
+        try:
+            chunk = await loop.sock_recv(sock, 65536)
+        except ConnectionResetError:  # reported once what was queued has been read
+            chunk = b""
+        if not chunk:
+            break
+        received += chunk
+    reader = asyncio.StreamReader()
+    reader.feed_data(bytes(received))
+    reader.feed_eof()
+    return await recv(reader)

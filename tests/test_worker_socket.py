@@ -29,6 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from parablock_flwr import node
+from parablock_flwr.cli import build_parser
 from parablock_flwr.client_apps.app import relay_to_worker
 from parablock_flwr.config import RunConfig
 from parablock_flwr.worker.endpoint import MESSAGE_MARGIN_BYTES, MessageLimit, SocketRefused, WorkerSocket
@@ -136,6 +137,16 @@ def test_the_bound_is_the_largest_message_for_the_loaded_model(tmp_path, tiny_mo
     assert sum(blocks) + 2 * max(blocks) <= bound  # the largest full sync
     assert MessageLimit()({"run-id": 8})[0] == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert MessageLimit(1234)({"run-id": 7}) == (1234, "--max-message-bytes")
+
+
+def test_the_worker_options_take_uid_lists_and_a_byte_count(capsys):
+    args = build_parser().parse_args(
+        ["worker", "--socket", "w.sock", "--allow-uid", "1001,1002", "--allow-uid", "7", "--max-message-bytes", "99"]
+    )
+    assert (args.allow_uid, args.max_message_bytes) == ([[1001, 1002], [7]], 99)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["worker", "--socket", "w.sock", "--allow-uid", "flwr"])
+    assert "argument --allow-uid: 'flwr': expected user ids like 1001 or 1001,1002" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- the socket file, in process

@@ -86,6 +86,27 @@ def _cpu_list(text: str) -> set[int]:
     return cpus
 
 
+def _uid_list(text: str) -> list[int]:
+    """``1001`` or ``1001,1002``: user ids (``id -u NAME`` prints one)."""
+    try:
+        uids = [int(part) for part in text.split(",")]
+    except ValueError:
+        uids = [-1]
+    if any(uid < 0 for uid in uids):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected user ids like 1001 or 1001,1002")
+    return uids
+
+
+def _byte_count(text: str) -> int:
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if count <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of bytes > 0, like 8000000000")
+    return count
+
+
 def _device(text: str) -> str:
     from .node_data import device_valid
 
@@ -133,6 +154,20 @@ def build_parser() -> argparse.ArgumentParser:
         type=_device,
         help="cpu, cuda or cuda:N (default: cuda if there is a GPU, else cpu; a node config's device wins)",
     )
+    wrk.add_argument(
+        "--allow-uid",
+        type=_uid_list,
+        action="append",
+        default=[],
+        help="also admit peers with this uid (repeatable, or a comma list): a SuperNode run as another user, "
+        "who must share the worker's group (the socket is then 0660, its directory 0710); default: own uid only",
+    )
+    wrk.add_argument(
+        "--max-message-bytes",
+        type=_byte_count,
+        help="refuse a message whose arrays declare more bytes than this (default: the largest message "
+        "the server sends for the run's model, with a margin; before the model is loaded, the machine's memory)",
+    )
     ev = sub.add_parser("evaluate", help="held-out loss, perplexity and task accuracy of a saved model")
     ev.add_argument("model", help="a saved Hugging Face folder (e.g. RUN_DIR/final-model), an id or embedded:<name>")
     ev.add_argument("--config", type=Path, help="a run's RUN_DIR/config.json, for the same data (default: defaults)")
@@ -144,16 +179,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _worker(args) -> int:
+    """`worker`: claim the socket first (a refusal costs no torch import), then serve; give it back at exit."""
+    from .worker.endpoint import SocketRefused, WorkerSocket
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [worker] %(message)s")
+    try:
+        endpoint = WorkerSocket.claim(args.socket, [uid for uids in args.allow_uid for uid in uids])
+    except SocketRefused as err:
+        sys.exit(f"parablock-flwr worker: {err}")
+    try:
+        from .worker.server import run_worker  # torch and transformers: seconds
+
+        run_worker(endpoint, args.idle_exit_s, args.compute_cpus, args.device or "", args.max_message_bytes or 0)
+    finally:
+        endpoint.release()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     if args.command in ("simulate", "deploy"):
         return _launch(args)
     if args.command == "worker":
-        from .worker.server import run_worker
-
-        run_worker(args.socket, args.idle_exit_s, args.compute_cpus, args.device or "")
-        return 0
+        return _worker(args)
     if args.command == "evaluate":
         print(json.dumps(evaluate(args.model, args.config, args.samples)))
         return 0

@@ -99,6 +99,11 @@ def resources(cfg: RunConfig, run_id: int, settings: NodeSettings | None = None)
     return _RESOURCES
 
 
+def loaded() -> NodeResources | None:
+    """The resources this process holds, if any: the worker bounds a run's messages by its model."""
+    return _RESOURCES
+
+
 def node_device(name: str) -> torch.device:
     """The node's device: as named (``cuda:1``), else CUDA when there is a GPU, else the CPU."""
     if not name:

@@ -24,7 +24,7 @@ from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
 from ..node_data import NODE_SETTINGS_KEYS, NodeSettings, node_settings_problem
-from ..worker.protocol import request
+from ..worker.protocol import ProtocolError, request
 
 
 def _process_start_time() -> float:
@@ -118,8 +118,16 @@ def relay_to_worker(msg: Message, context: Context, socket_path: str, op: str = 
             f"node worker is not running at {socket_path} ({type(err).__name__}); start it "
             f"with: python -m parablock_flwr.worker --socket {socket_path}",
         )
+    except PermissionError:
+        return _error(
+            msg,
+            f"node worker socket {socket_path}: permission denied for uid {os.geteuid()}; run the SuperNode as the "
+            f"worker's user, or start the worker with --allow-uid {os.geteuid()} (docs/deployment.md)",
+        )
     except TimeoutError:
         return _error(msg, f"node worker at {socket_path} did not answer within round-timeout-s={timeout_s:g}")
+    except (ProtocolError, asyncio.IncompleteReadError, ConnectionError) as err:
+        return _error(msg, f"node worker at {socket_path} gave no readable reply ({type(err).__name__}: {err})")
     if "error" in reply:
         return _error(msg, f"node worker failed: {reply['error']}")
     metrics = dict(

@@ -3,53 +3,163 @@
 One frame = 8-byte big-endian header length, a JSON header, then the raw
 bytes of each array in header order. Arrays are numpy buffers, sent without
 pickle: a 15 MB block crosses a Unix socket in tens of milliseconds.
+
+The receiver trusts nothing a frame declares: the header's length is bounded,
+every array's dtype, shape and name are checked, and the sum of the declared
+array sizes is compared with the receiver's bound before a single array byte is
+read. Each array is then built from the bytes actually read (a frame that ends
+early is refused), so memory grows only with what a peer really sends, up to
+the bound. Every refusal is a ``ProtocolError`` with a one-line reason.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import math
+import socket
 import struct
+from collections.abc import Callable
 
 import numpy as np
 
 _LEN = struct.Struct(">Q")
-MAX_HEADER = 16 * 1024 * 1024
+# A header holds the run config and one entry per array (name, dtype, shape: about 150 bytes), so
+# 4 MiB holds some 25,000 arrays: far above a full sync of any model this project trains.
+MAX_HEADER_BYTES = 4 * 1024 * 1024
+# What travels: fp32, fp16, bf16 as int16 (records.WIRE_DTYPES), and any other plain number type.
+ARRAY_DTYPES = frozenset(("float32", "float16", "float64", "int8", "int16", "int32", "int64", "uint8", "bool"))
+MAX_ARRAY_DIMS = 32
+
+# The receiver's bound on a frame's array bytes, given its header: (bytes, where the bound comes from).
+ArrayLimit = Callable[[dict], tuple[int, str]]
 
 
-async def send(writer: asyncio.StreamWriter, header: dict, arrays: dict[str, np.ndarray] | None = None) -> None:
+class ProtocolError(ValueError):
+    """A frame refused before (or instead of) allocating what it declares; the message is one line."""
+
+
+def _frame(header: dict, arrays: dict[str, np.ndarray] | None) -> list[bytes | memoryview]:
+    """The buffers of one frame: length, JSON header (with each array's name, dtype, shape), arrays."""
     arrays = arrays or {}
     header = dict(
         header, arrays=[{"name": n, "dtype": str(a.dtype), "shape": list(a.shape)} for n, a in arrays.items()]
     )
     raw = json.dumps(header).encode()
-    writer.write(_LEN.pack(len(raw)) + raw)
-    for a in arrays.values():
-        writer.write(memoryview(np.ascontiguousarray(a)).cast("B"))
+    return [_LEN.pack(len(raw)) + raw, *(memoryview(np.ascontiguousarray(a)).cast("B") for a in arrays.values())]
+
+
+async def send(writer: asyncio.StreamWriter, header: dict, arrays: dict[str, np.ndarray] | None = None) -> None:
+    for buffer in _frame(header, arrays):
+        writer.write(buffer)
     await writer.drain()
 
 
-async def recv(reader: asyncio.StreamReader) -> tuple[dict, dict[str, np.ndarray]]:
+async def recv(reader: asyncio.StreamReader, limit: ArrayLimit | None = None) -> tuple[dict, dict[str, np.ndarray]]:
+    """One frame. ``limit`` bounds the sum of its arrays' bytes (the worker's side; ``None``: the reply
+    a ClientApp reads from its own node's worker). Raises ``ProtocolError`` for a frame refused, and
+    ``asyncio.IncompleteReadError`` when the peer sent nothing at all (it connected and left)."""
     (size,) = _LEN.unpack(await reader.readexactly(_LEN.size))
-    if size > MAX_HEADER:
-        raise ValueError(f"IPC header of {size} bytes, expected at most {MAX_HEADER}")
-    header = json.loads(await reader.readexactly(size))
+    if size > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {size:,} bytes; expected at most {MAX_HEADER_BYTES:,}")
+    header = _parse_header(await _read(reader, size, "the header"))
+    specs = [_array_spec(i, spec) for i, spec in enumerate(header.pop("arrays"))]
+    if len({name for name, _, _ in specs}) != len(specs):
+        raise ProtocolError("the header names an array twice; expected unique names")
+    declared = sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in specs)
+    if limit is not None:
+        bound, source = limit(header)
+        if declared > bound:
+            raise ProtocolError(
+                f"message declares {declared:,} bytes of arrays; this worker accepts at most {bound:,} ({source})"
+            )
     arrays = {}
-    for spec in header.pop("arrays"):
-        dtype, shape = np.dtype(spec["dtype"]), tuple(spec["shape"])
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        arrays[spec["name"]] = np.frombuffer(await reader.readexactly(nbytes), dtype=dtype).reshape(shape)
+    for name, dtype, shape in specs:
+        nbytes = math.prod(shape) * dtype.itemsize
+        arrays[name] = np.frombuffer(await _read(reader, nbytes, f"array {name!r}"), dtype=dtype).reshape(shape)
     return header, arrays
+
+
+async def _read(reader: asyncio.StreamReader, nbytes: int, what: str) -> bytes:
+    """Exactly ``nbytes`` (bytes accumulate as they arrive: nothing is allocated up front)."""
+    try:
+        return await reader.readexactly(nbytes)
+    except asyncio.IncompleteReadError as err:
+        raise ProtocolError(f"the frame ended after {len(err.partial):,} of the {nbytes:,} bytes of {what}") from None
+
+
+def _parse_header(raw: bytes) -> dict:
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError) as err:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise ProtocolError(f"header is not JSON ({type(err).__name__}); expected a JSON object") from None
+    if not isinstance(header, dict) or not isinstance(header.get("arrays"), list):
+        raise ProtocolError("header is not a JSON object with an 'arrays' list")
+    return header
+
+
+def _array_spec(index: int, spec) -> tuple[str, np.dtype, tuple[int, ...]]:
+    """``(name, dtype, shape)`` of one declared array, each checked, with a one-line refusal."""
+    if not isinstance(spec, dict):
+        raise ProtocolError(f"array {index}: {type(spec).__name__}; expected an object with name, dtype, shape")
+    name, dtype, shape = spec.get("name"), spec.get("dtype"), spec.get("shape")
+    if not isinstance(name, str):
+        raise ProtocolError(f"array {index}: name {name!r:.60}; expected a string")
+    if dtype not in ARRAY_DTYPES:
+        raise ProtocolError(
+            f"array {name!r:.80}: dtype {dtype!r:.40}; expected one of {', '.join(sorted(ARRAY_DTYPES))}"
+        )
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_ARRAY_DIMS
+        or not all(type(d) is int and d >= 0 for d in shape)  # bool is not a dimension
+    ):
+        raise ProtocolError(
+            f"array {name!r:.80}: shape {shape!r:.80}; "
+            f"expected a list of at most {MAX_ARRAY_DIMS} non-negative integers"
+        )
+    return name, np.dtype(dtype), tuple(shape)
 
 
 async def request(
     socket_path: str, header: dict, arrays: dict[str, np.ndarray] | None = None, timeout_s: float | None = None
 ) -> tuple[dict, dict[str, np.ndarray]]:
-    """One request/response over a fresh connection to the worker."""
-    reader, writer = await asyncio.open_unix_connection(socket_path, limit=2**26)
-    try:
-        await send(writer, header, arrays)
-        return await asyncio.wait_for(recv(reader), timeout_s)
-    finally:
-        writer.close()
-        await writer.wait_closed()
+    """One request/response over a fresh connection to the worker.
+
+    A worker that refuses a request (its peer check, or a frame over its bound) answers one error
+    frame and closes without reading the rest, so sending fails; its answer is still read and
+    returned (from the socket itself: a stream transport would drop it with the connection)."""
+    loop = asyncio.get_running_loop()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.setblocking(False)
+        await loop.sock_connect(sock, socket_path)
+        try:
+            for buffer in _frame(header, arrays):
+                await loop.sock_sendall(sock, buffer)
+        except (BrokenPipeError, ConnectionResetError):
+            return await asyncio.wait_for(_answer_before_close(loop, sock), timeout_s)
+        reader, writer = await asyncio.open_unix_connection(sock=sock.dup(), limit=2**26)
+        try:
+            return await asyncio.wait_for(recv(reader), timeout_s)
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+
+async def _answer_before_close(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> tuple[dict, dict]:
+    """The (small) frame a worker sent before closing a connection it refused."""
+    received = bytearray()
+    while len(received) <= _LEN.size + MAX_HEADER_BYTES:
+        try:
+            chunk = await loop.sock_recv(sock, 65536)
+        except ConnectionResetError:  # reported once what was queued has been read
+            chunk = b""
+        if not chunk:
+            break
+        received += chunk
+    reader = asyncio.StreamReader()
+    reader.feed_data(bytes(received))
+    reader.feed_eof()
+    return await recv(reader)

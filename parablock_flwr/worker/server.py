@@ -25,7 +25,6 @@ import os
 import signal
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 
@@ -37,7 +36,8 @@ from ..replica import catch_up_steps, resumed_pending
 from ..runtime import setup_torch
 from ..strategies import client_half
 from ..strategies.parablock.client import CorrectionSlot
-from .protocol import recv, send
+from .endpoint import MessageLimit, WorkerSocket
+from .protocol import ProtocolError, recv, send
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,7 @@ class NodeWorker:
         self.ahead: tuple[int, Future, CorrectionSlot] | None = None  # round, its TrainResult, its slot
         self.last_reply_sent = 0.0
         self.last_request = time.time()  # for the optional idle exit
+        self.message_limit = MessageLimit()  # the most array bytes a message may declare (serve sets it)
 
     # ------------------------------------------------------------ rounds
     def train(self, header: dict, arrays: dict[str, np.ndarray]) -> tuple[dict, dict[str, np.ndarray]]:
@@ -226,7 +227,15 @@ class NodeWorker:
     # ------------------------------------------------------------ serving
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            header, arrays = await recv(reader)
+            try:
+                header, arrays = await recv(reader, self.message_limit)
+            except ProtocolError as err:  # nothing it declared was allocated: answered with the reason
+                log.warning("refused a message: %s", err)
+                with contextlib.suppress(OSError):
+                    await send(writer, {"error": f"ProtocolError: {err}"})
+                return
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return  # connected and left without a message (another worker's start-up check)
             self.last_request = time.time()
             if header.get("op") == "ping":
                 await send(writer, {"ok": True, "pid": os.getpid(), "run-id": self.run_id})
@@ -250,18 +259,22 @@ def _pin_thread(cpus: set[int] | None) -> None:
         os.sched_setaffinity(0, cpus)
 
 
-async def serve(socket_path: Path, idle_exit_s: float, compute_cpus: set[int] | None = None, device: str = "") -> None:
+async def serve(
+    endpoint: WorkerSocket,
+    idle_exit_s: float,
+    compute_cpus: set[int] | None = None,
+    device: str = "",
+    max_message_bytes: int = 0,
+) -> None:
     worker = NodeWorker(compute_cpus)
     worker.device = device
-    socket_path.parent.mkdir(parents=True, exist_ok=True)
-    with contextlib.suppress(FileNotFoundError):
-        socket_path.unlink()
-    server = await asyncio.start_unix_server(worker.handle, path=str(socket_path), limit=2**26)
+    worker.message_limit = MessageLimit(max_message_bytes)
+    server = await asyncio.start_unix_server(endpoint.admitting(worker.handle), sock=endpoint.sock, limit=2**26)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    log.info("node worker %d listening on %s", os.getpid(), socket_path)
+    log.info("node worker %d listening on %s", os.getpid(), endpoint.describe())
     async with server:
         while not stop.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
@@ -269,17 +282,19 @@ async def serve(socket_path: Path, idle_exit_s: float, compute_cpus: set[int] | 
             if idle_exit_s and time.time() - worker.last_request > idle_exit_s:
                 log.info("no message for %.0f s: exiting", idle_exit_s)
                 break
-    with contextlib.suppress(FileNotFoundError):
-        socket_path.unlink()
     worker.compute_thread.shutdown(wait=False, cancel_futures=True)
 
 
 def run_worker(
-    socket_path: Path, idle_exit_s: float = 0.0, compute_cpus: set[int] | None = None, device: str = ""
+    endpoint: WorkerSocket,
+    idle_exit_s: float = 0.0,
+    compute_cpus: set[int] | None = None,
+    device: str = "",
+    max_message_bytes: int = 0,
 ) -> None:
-    """Serve one node until stopped (SIGTERM/SIGINT), or idle for ``idle_exit_s`` if that is > 0.
+    """Serve one node on a claimed socket (``WorkerSocket.claim``; its claimer releases it) until
+    stopped (SIGTERM/SIGINT), or idle for ``idle_exit_s`` if that is > 0.
 
     By default the worker lives as long as its node: a node not sampled for hours, or a
     round longer than an hour, must not lose its model and its pending update."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [worker] %(message)s")
-    asyncio.run(serve(Path(socket_path), idle_exit_s, compute_cpus, device))
+    asyncio.run(serve(endpoint, idle_exit_s, compute_cpus, device, max_message_bytes))

@@ -19,6 +19,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from parablock_flwr import core, node
 from parablock_flwr.client_apps.app import relay_to_worker
+from parablock_flwr.client_apps.inline import train_inline
 from parablock_flwr.config import RunConfig
 from parablock_flwr.model import load_for_training
 from parablock_flwr.worker.protocol import request
@@ -237,3 +238,32 @@ print(json.dumps(bad))
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+def test_the_inline_clientapp_replies_state_intact_errors_itself(tmp_path, tiny_model_dir, monkeypatch):
+    """Simulation's adapter: out of memory twice and a repeated round are Flower error replies whose
+    reasons start with `state-intact: `; the node's state in `context.state` is left as it was."""
+    config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 2})
+    round_cfg = dict(header(config, 4, 1, block=0, next_block=1)["round"], **{"run-dir": str(tmp_path / "run")})
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 4, 6, 0
+    msg = Message(content=RecordDict({"round": ConfigRecord(round_cfg)}), dst_node_id=6,
+                  message_type=MessageType.TRAIN)  # fmt: skip
+    TaskIdentity.node_id = 6
+    context = Context(run_id=4, node_id=6, node_config={"partition-id": 0, "num-partitions": 2}, state=RecordDict(),
+                      run_config=config)  # fmt: skip
+    real = node.train_block
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB.")
+
+    monkeypatch.setattr(node, "train_block", out_of_memory)
+    reply = train_inline(msg, context)
+    assert reply.has_error() and reply.error.reason.startswith("state-intact: out of memory on cpu"), reply.error
+    assert len(context.state) == 0  # nothing stored: the node is as before the message
+
+    monkeypatch.setattr(node, "train_block", real)
+    reply = train_inline(msg, context)
+    assert not reply.has_error() and reply.content["metrics"]["own-data"] == 0
+    assert context.state["node"]["last-round"] == 1 and "pending" in context.state
+    again = train_inline(msg, context)
+    assert again.has_error() and again.error.reason.startswith("state-intact: round 1 (train) refused")

@@ -1,19 +1,13 @@
-"""The node worker: a process beside each SuperNode that lives for the whole run.
+"""The node worker: a process beside each SuperNode that lives for the whole run, the deployment's
+adapter of the node runtime (``node.Node``, where what a round does is written).
 
-Flower 1.42 starts a new ClientApp process for every message, so the
-background computation of ParaBlock cannot live in the ClientApp. The worker
-keeps the model resident (GPU if any), the node's local model as
-(global version, pending update), and a background thread that trains the
-next block while the reply travels to the server and the next message comes
-back. The per-message ClientApp only relays arrays over a Unix socket.
-
-Round r (message ``F_r`` carries ``g^{r-1}``, ``b_r`` and ``b_{r+1}``):
-wait for round r's background computation (started at ``F_{r-1}``), apply
-the correction (re-base onto ``x^{r-1}``), start round r+1's computation in
-the background, reply ``Δ_i^r``. With ``on-receipt`` the aggregate is
-applied to the running computation at its next step boundary instead of
-after its last step (less staleness when communication is fast);
-``at-end`` is the deterministic mode.
+Flower 1.42 starts a new ClientApp process for every message, so the background computation of
+ParaBlock cannot live in the ClientApp. The worker keeps the model resident (GPU if any), the
+node's state in memory, and a compute thread that trains the next block while the reply travels
+to the server and the next message comes back. The per-message ClientApp only relays arrays over
+a Unix socket. What this module adds to the runtime: one request at a time, in order, for one
+partition, a repeat answered with the same reply; and where computations run (the compute thread).
+It imports no Flower (``wire.py`` encodes arrays), so no server code reaches this process.
 """
 
 from __future__ import annotations

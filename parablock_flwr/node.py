@@ -301,7 +301,9 @@ class Node:
             **client.round_metrics(slot, res.replica, kept, cfg.local_steps),
         }
         if req.evaluate_version is not None:  # x^{r-1}: the replica holds it, nothing runs on it
-            metrics.update(self.evaluation(res, cfg, req.evaluate_version, req.evaluate_generate))
+            # Not StateIntact if it fails: the node has taken round r in already, the server has not.
+            job = (res, cfg, req.evaluate_version, req.evaluate_generate)
+            metrics.update(self.submit(evaluate_replica, *job).result())
         if self.runs_ahead and client.runs_ahead and req.next_block >= 0:
             self.start_ahead(res, cfg, req, client, fetch_step)
         return Reply(metrics, result.delta, trace)
@@ -313,7 +315,7 @@ class Node:
         self.drop_ahead()
         self.apply_sync(res, req, None)
         res.replica.advance_to(req.evaluate_version, fetch_step)
-        metrics = self.evaluation(res, cfg, req.evaluate_version, req.evaluate_generate)
+        metrics = computed(self.submit(evaluate_replica, res, cfg, req.evaluate_version, req.evaluate_generate))
         self.state.last_round = req.server_round
         return Reply({**metrics, "partition-id": req.partition_id})
 
@@ -381,9 +383,6 @@ class Node:
                req.num_partitions, slot)  # fmt: skip
         future = self.submit(compute_update, *job)
         self.ahead = Ahead(req.run_id, req.partition_id, next_round, base_version, started_from, future, slot)
-
-    def evaluation(self, res: NodeResources, cfg: RunConfig, version: int, generate: bool) -> dict:
-        return computed(self.submit(evaluate_replica, res, cfg, version, generate))
 
 
 def finish(ahead: Ahead) -> None:

@@ -217,7 +217,8 @@ def test_out_of_memory_retries_once_with_half_the_micro_batch_then_names_the_key
     assert worker.node.state.last_round == 1  # round 2 did not happen: a retry of it may come
 
 
-@pytest.mark.slow  # a fresh Python importing torch and transformers
+@pytest.mark.e2e  # a node worker in a fresh process (torch and transformers imported cold: 15-75 s here)
+@pytest.mark.slow
 def test_the_worker_process_imports_no_server_code(tmp_path, tiny_model_dir):
     """The node worker's process, after a real round, holds no Flower server code, no checkpointing and
     no strategy's server half (nor flwr.app, which imports flwr.serverapp in Flower 1.42)."""

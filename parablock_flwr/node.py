@@ -1,16 +1,35 @@
-"""What one node computes, shared by the inline ClientApp (simulation) and the node worker.
+"""What a node does in a round: the node runtime, the same in simulation and deployment.
 
-``train_round`` is one client round of any algorithm: the algorithm's client half
-(``strategies/fedbcd/client.py``, ``strategies/parablock/client.py``) says which model it
-trains from and what the client keeps; ``compute_update`` trains block ``b_r`` from
-``x^{base} + pending`` and returns ``Δ_i^r``. When it runs (inline in the handler,
-or ahead in the worker's background thread) is the driver's business.
+A round-r message (``Request``, parsed here and nowhere else) reaches ``Node.train``, which owns the
+node's state (``node_state.NodeState``: its pending update, its residuals, the last round it answered)
+and the computation running ahead, and is the only code that changes them:
+
+1. refuse a message for an older round (``Refused``: nothing changes);
+2. keep the computation running ahead only if it is this run's, this partition's, this round's, and
+   nothing replaced the state it started from; else let it finish and drop it;
+3. a full sync (``sync-version``) drops the node's own state; a resumed server hands its pending
+   update back (``resume-pending``); the first message of a resumed run restores the residuals;
+4. round r's update: the computation ahead's (``g^{r-1}`` is handed to it, ``aggregate_arrived``),
+   or computed now from the client half's start point;
+5. round it to ``transfer-dtype`` with error feedback (residuals, written durably);
+6. the client half finishes the round (ParaBlock: the correction); the replica ends at ``x^{r-1}``;
+7. evaluate ``x^{r-1}`` if asked (nothing runs on the replica then);
+8. start round r+1 ahead when the driver runs computations in a thread of their own (the worker).
+
+The algorithm's rule lives in its client half (``strategies/<algo>/client.py``); the two drivers
+(``client_apps/inline.py``, ``worker/server.py``) only load and store this state and say where the
+computation runs. A failure that leaves the node's model state intact (a refused message, out of
+memory, a data error) raises ``StateIntact``: its reply's reason starts with ``state-intact: `` and
+the server keeps that node's sync state.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import datasets
@@ -30,11 +49,23 @@ from .data import (
 from .evaluation import evaluate
 from .model import load_for_training, load_tokenizer
 from .node_data import NodeSettings
-from .replica import FetchStep, ModelReplica
+from .node_state import NodeState, ResidualStore
+from .replica import FetchStep, ModelReplica, Step, catch_up_steps, resumed_pending
 from .runtime import round_seed
-from .strategies.fedbcd.client import BCDClient
-from .strategies.parablock.client import CorrectionSlot
-from .training import BetweenSteps, TrainResult, TrainSettings, train_block
+from .strategies import client_half
+from .training import TrainResult, TrainSettings, train_block
+
+log = logging.getLogger(__name__)
+
+
+class StateIntact(Exception):
+    """A request failed and the node's model state is as it was before it (or as consistent: the
+    replica at an exact version, the pending update unchanged): the server may keep its sync state.
+    Its reply's reason starts with ``node_data.STATE_INTACT``."""
+
+
+class Refused(StateIntact):
+    """A message the node must not act on (an older round, another run, another partition)."""
 
 
 @dataclass
@@ -114,6 +145,269 @@ def node_device(name: str) -> torch.device:
     return device
 
 
+# ------------------------------------------------------------------ a message, parsed once
+@dataclass
+class Request:
+    """One message to a node: every key a round's (or the final evaluation's) message carries."""
+
+    op: str  # "train" or "evaluate"
+    run_id: int
+    partition_id: int
+    num_partitions: int
+    server_round: int
+    block: int
+    next_block: int  # -1: none (the last round, or the final evaluation)
+    algorithm: str
+    run_dir: str  # the server's run folder (simulation: the step log the replica catches up from)
+    steps: dict[int, Step]  # g^{r-1} and any catch-up steps, by version
+    sync_version: int | None = None  # a full sync: the node's own state is dropped ...
+    sync_values: core.Tensors | None = None  # ... and x^{sync_version} given (None: the driver replays it)
+    handed_back: core.PendingUpdate | None = None  # a resumed server's Δ_i^R
+    evaluate_version: int | None = None  # evaluation = "clients": evaluate x^v in this round
+    evaluate_generate: bool = False
+
+    @classmethod
+    def parse(
+        cls, op: str, run_id: int, round_cfg, arrays: dict[str, core.Tensors], partition_id: int, num_partitions: int
+    ) -> Request:
+        """``round_cfg`` is the message's ``round`` config; ``arrays`` its array records as tensors."""
+        version = int(round_cfg.get("evaluate-version", -1))
+        return cls(
+            op=op,
+            run_id=int(run_id),
+            partition_id=int(partition_id),
+            num_partitions=int(num_partitions),
+            server_round=int(round_cfg["server-round"]),
+            block=int(round_cfg.get("block", -1)),
+            next_block=int(round_cfg.get("next-block", -1)),
+            algorithm=str(round_cfg.get("algorithm", "")),
+            run_dir=str(round_cfg.get("run-dir", "")),
+            steps=catch_up_steps(round_cfg, arrays),
+            sync_version=int(round_cfg["sync-version"]) if "sync-version" in round_cfg else None,
+            sync_values=arrays.get("sync-values"),
+            handed_back=resumed_pending(round_cfg, arrays),
+            evaluate_version=version if version >= 0 else None,
+            evaluate_generate=bool(round_cfg.get("evaluate-generate", 0)),
+        )
+
+    @property
+    def key(self) -> tuple:
+        """What makes two messages the same request (a repeat gets the same reply)."""
+        return self.op, self.run_id, self.partition_id, self.server_round
+
+    def step(self, version: int) -> core.Tensors:
+        return self.steps[version][1]
+
+
+@dataclass
+class Reply:
+    """What a node answers: its metrics, its update (train only) and its trace (``verify-invariant``)."""
+
+    metrics: dict
+    update: core.Tensors = field(default_factory=dict)
+    trace: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Ahead:
+    """Round ``server_round``'s computation, started before its message came (deployment)."""
+
+    run_id: int
+    partition_id: int
+    server_round: int
+    base_version: int
+    started_from: core.PendingUpdate | None
+    future: Future
+    slot: object  # the client half's correction slot (None: nothing reaches it while it runs)
+
+
+def run_here(fn: Callable, *args):
+    """Run ``fn`` now, in the caller's thread (the inline ClientApp's way), as a finished Future."""
+    future: Future = Future()
+    try:
+        future.set_result(fn(*args))
+    except BaseException as err:  # noqa: BLE001 - re-raised by .result()
+        future.set_exception(err)
+    return future
+
+
+# ------------------------------------------------------------------ the runtime
+class Node:
+    """One node's state and the only code that changes it (see the module's docstring).
+
+    ``submit(fn, *args) -> Future`` says where computations run: ``run_here`` (inline: simulation),
+    or the worker's compute thread, in which case ParaBlock's round r+1 starts ahead. ``store`` keeps
+    the residuals durably (None: they are not kept across processes; fp32 transfer needs none).
+    """
+
+    def __init__(
+        self, state: NodeState | None = None, submit: Callable[..., Future] = run_here, runs_ahead: bool = False
+    ) -> None:
+        self.state = state or NodeState()
+        self.submit = submit
+        self.runs_ahead = runs_ahead
+        self.ahead: Ahead | None = None
+
+    # -------------------------------------------------------------- round r
+    def train(
+        self,
+        res: NodeResources,
+        cfg: RunConfig,
+        req: Request,
+        fetch_step: FetchStep,
+        store: ResidualStore | None = None,
+        resumed_store: ResidualStore | None = None,
+    ) -> Reply:
+        """Round ``req.server_round``; ``resumed_store`` is where a resumed run's residuals come from."""
+        self.check_order(req)
+        client = client_half(req.algorithm, cfg.correction_mode)
+        ahead = self.take_ahead(req)
+        self.apply_sync(res, req, store)
+        if store is not None and self.state.last_round == 0:  # this node's first message in this run
+            self.begin_run(cfg, req, store, resumed_store)
+
+        waited = 0.0
+        if ahead is not None:  # round r, started from x^{r-2} + Δ_i^{r-1} when round r-1 was answered
+            base_version, started_from, slot = ahead.base_version, ahead.started_from, ahead.slot
+            client.aggregate_arrived(slot, req.step(req.server_round - 1), started_from)
+            wait_start = time.time()
+            result = computed(ahead.future)
+            waited = time.time() - wait_start
+        else:
+            base_version, started_from = client.start_point(self.state.pending, req.server_round, fetch_step)
+            res.replica.advance_to(base_version, fetch_step)
+            slot = client.new_slot()
+            if slot is not None and req.server_round > 1:  # g^{r-1} came with the message
+                client.aggregate_arrived(slot, req.step(req.server_round - 1), started_from)
+            job = (res, cfg, req.server_round, req.block, started_from, base_version, req.partition_id,
+                   req.num_partitions, slot)  # fmt: skip
+            result = computed(self.submit(compute_update, *job))
+
+        if cfg.transfer_dtype != "fp32":  # error feedback: what rounding dropped goes into the next update
+            result.delta, self.state.residuals[req.block] = core.round_with_feedback(
+                result.delta, self.state.residuals.get(req.block), cfg.transfer_dtype
+            )
+            if store is not None:
+                store.save(req.server_round, req.block, self.state.residuals[req.block])
+        kept = client.finish_round(res.replica, started_from, result.delta, req.block, req.server_round, fetch_step)
+        res.replica.advance_to(req.server_round - 1, fetch_step)
+        self.state.pending, self.state.last_round = kept, req.server_round
+
+        trace = {}
+        if cfg.verify_invariant and kept is not None:  # y after the correction is x^{r-1} + Δ_i^r
+            trace["local-model-sha256"] = core.digest_after(res.replica.params, res.partition.all_names(), kept.delta)
+        metrics = {
+            **update_metrics(result, req.server_round, req.block, req.partition_id, base_version),
+            "own-data": int(res.settings.local),
+            "oom-retries": result.oom_retries,
+            "compute-start": result.started,
+            "compute-end": result.ended,
+            "waited-s": waited,
+            **client.round_metrics(slot, res.replica, kept, cfg.local_steps),
+        }
+        if req.evaluate_version is not None:  # x^{r-1}: the replica holds it, nothing runs on it
+            # Not StateIntact if it fails: the node has taken round r in already, the server has not.
+            job = (res, cfg, req.evaluate_version, req.evaluate_generate)
+            metrics.update(self.submit(evaluate_replica, *job).result())
+        if self.runs_ahead and client.runs_ahead and req.next_block >= 0:
+            self.start_ahead(res, cfg, req, client, fetch_step)
+        return Reply(metrics, result.delta, trace)
+
+    def evaluate(self, res: NodeResources, cfg: RunConfig, req: Request, fetch_step: FetchStep) -> Reply:
+        """``evaluation = "clients"`` after the last round: the held-out loss of ``x^R``. Anything still
+        running is waited for before the replica moves."""
+        self.check_order(req)
+        self.drop_ahead()
+        self.apply_sync(res, req, None)
+        res.replica.advance_to(req.evaluate_version, fetch_step)
+        metrics = computed(self.submit(evaluate_replica, res, cfg, req.evaluate_version, req.evaluate_generate))
+        self.state.last_round = req.server_round
+        return Reply({**metrics, "partition-id": req.partition_id})
+
+    # -------------------------------------------------------------- its steps
+    def check_order(self, req: Request) -> None:
+        """A message for a round this node has answered already changes nothing."""
+        if req.server_round <= self.state.last_round and not (
+            req.server_round == self.state.last_round and req.sync_version is not None
+        ):
+            raise Refused(
+                f"round {req.server_round} ({req.op}) refused: this node already answered round "
+                f"{self.state.last_round} of run {req.run_id}"
+            )
+
+    def take_ahead(self, req: Request) -> Ahead | None:
+        """The computation running ahead, if it is this request's round, run and partition and the
+        message keeps the state it started from; any other is finished and dropped."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is None:
+            return None
+        same = (ahead.run_id, ahead.partition_id, ahead.server_round) == (
+            req.run_id, req.partition_id, req.server_round
+        )  # fmt: skip
+        if same and req.sync_version is None and req.handed_back is None:
+            return ahead
+        finish(ahead)  # it holds the replica until it is done
+        return None
+
+    def drop_ahead(self) -> None:
+        if self.ahead is not None:
+            finish(self.ahead)
+            self.ahead = None
+
+    def apply_sync(self, res: NodeResources, req: Request, store: ResidualStore | None) -> None:
+        """A full sync drops the node's own state (the server's values of ``x^{r-2}`` replace the
+        replica's where the message carries them); a resumed server's hand-back becomes the pending."""
+        if req.sync_version is not None:
+            if req.sync_values is not None:
+                res.replica.reset_to(req.sync_version, req.sync_values)
+            self.state.pending, self.state.residuals = None, {}
+            if store is not None:
+                store.reset(req.server_round)
+        if req.handed_back is not None:
+            self.state.pending = req.handed_back
+
+    def begin_run(
+        self, cfg: RunConfig, req: Request, store: ResidualStore, resumed_store: ResidualStore | None
+    ) -> None:
+        """A resumed run: the residuals as of the checkpoint's round R (the hand-back names it; a node
+        without one is taken to resume at the round before its first message); a new run: none."""
+        if not cfg.resume_from or resumed_store is None:
+            store.clear()
+            return
+        resumed_after = req.handed_back.base_version + 1 if req.handed_back else req.server_round - 1
+        self.state.residuals = resumed_store.as_of(resumed_after)
+        store.restart_at(resumed_after, self.state.residuals)
+        log.info("resumed after round %d with residuals of blocks %s", resumed_after, sorted(self.state.residuals))
+
+    def start_ahead(self, res: NodeResources, cfg: RunConfig, req: Request, client, fetch_step: FetchStep) -> None:
+        """Round r+1 starts now, from the client half's start point, while round r's reply travels."""
+        next_round = req.server_round + 1
+        base_version, started_from = client.start_point(self.state.pending, next_round, fetch_step)
+        slot = client.new_slot()
+        job = (res, cfg, next_round, req.next_block, started_from, base_version, req.partition_id,
+               req.num_partitions, slot)  # fmt: skip
+        future = self.submit(compute_update, *job)
+        self.ahead = Ahead(req.run_id, req.partition_id, next_round, base_version, started_from, future, slot)
+
+
+def finish(ahead: Ahead) -> None:
+    """Wait for a computation running ahead (it holds the replica), whatever its outcome."""
+    try:
+        ahead.future.result()
+    except Exception as err:  # noqa: BLE001 - dropped anyway; said
+        log.warning("round %d computed ahead failed and was dropped: %s", ahead.server_round, err)
+
+
+def computed(future: Future):
+    """A computation's result; its failure leaves the replica as it was (``local_model`` restores it)."""
+    try:
+        return future.result()
+    except StateIntact:
+        raise
+    except (ValueError, RuntimeError, OSError) as err:  # a data or memory error inside the computation
+        raise StateIntact(f"{type(err).__name__}: {err}") from err
+
+
 def evaluate_replica(resources: NodeResources, cfg: RunConfig, version: int, generate: bool) -> dict:
     """``evaluation = "clients"``: the held-out loss of ``x^version`` (the replica, nothing applied, nothing
     running on it) on this node's held-out rows, as reply metrics. The caller guarantees that no
@@ -135,71 +429,6 @@ def evaluate_replica(resources: NodeResources, cfg: RunConfig, version: int, gen
     return out
 
 
-def evaluation_due(round_cfg) -> int | None:
-    """The version the server asks this message to evaluate (``evaluate-version``), or None."""
-    version = int(round_cfg.get("evaluate-version", -1))
-    return version if version >= 0 else None
-
-
-@dataclass
-class ClientRound:
-    """What a client round produced: the update to send and the state the client keeps."""
-
-    result: TrainResult
-    base_version: int  # the global version it trained from
-    kept: core.PendingUpdate | None  # the client's own update not yet in the global model
-    trace: dict[str, str] = field(default_factory=dict)  # the local model's digest (verify-invariant)
-
-
-def train_round(
-    resources: NodeResources,
-    cfg: RunConfig,
-    client: BCDClient,
-    server_round: int,
-    block: int,
-    pending: core.PendingUpdate | None,
-    fetch_step: FetchStep,
-    partition_id: int,
-    num_partitions: int,
-    residuals: dict[int, core.Tensors],
-    computed_ahead: tuple[int, TrainResult] | None = None,
-) -> ClientRound:
-    """One client round of any algorithm, the same in simulation and deployment.
-
-    Train ``b_r`` from the client half's start point (unless the worker already
-    computed it ahead: ``(base_version, result)``), round the update to
-    ``transfer-dtype`` (error feedback through ``residuals``, by block), then let the
-    client half finish the round with the update as sent (ParaBlock: the correction).
-    The replica ends at ``x^{r-1}``.
-    """
-    if computed_ahead is None:
-        base_version, pending = client.start_point(pending, server_round, fetch_step)
-        resources.replica.advance_to(base_version, fetch_step)
-        slot = None
-        if cfg.correction_mode == "on-receipt" and pending is not None:  # trained from x^{r-2} + Δ_i^{r-1}
-            # Inline (simulation), g^{r-1} came with the message: it is applied at the first step
-            # boundary, as a node worker does when the exchange is shorter than one local step.
-            slot = CorrectionSlot()
-            slot.post(fetch_step(server_round - 1)[1], pending.delta)
-        result = compute_update(
-            resources, cfg, server_round, block, pending, base_version, partition_id, num_partitions, slot
-        )
-    else:  # the worker computed it from x^{base_version} + pending (client.start_point's)
-        base_version, result = computed_ahead
-    if cfg.transfer_dtype != "fp32":
-        result.delta, residuals[block] = core.round_with_feedback(
-            result.delta, residuals.get(block), cfg.transfer_dtype
-        )
-    kept = client.finish_round(resources.replica, pending, result.delta, block, server_round, fetch_step)
-    resources.replica.advance_to(server_round - 1, fetch_step)
-    trace = {}
-    if cfg.verify_invariant and kept is not None:  # y after the correction is x^{r-1} + Δ_i^r
-        trace["local-model-sha256"] = core.digest_after(
-            resources.replica.params, resources.partition.all_names(), kept.delta
-        )
-    return ClientRound(result, base_version, kept, trace)
-
-
 def compute_update(
     resources: NodeResources,
     cfg: RunConfig,
@@ -209,15 +438,16 @@ def compute_update(
     base_version: int,
     partition_id: int,
     num_partitions: int,
-    between_steps: BetweenSteps | None = None,
-    after_training: Callable[[dict[str, torch.Tensor]], None] | None = None,
+    slot=None,
 ) -> TrainResult:
     """Train ``block`` from ``x^{base_version} + pending``; the replica is left as it was.
-    ``after_training`` sees the trained model's parameters before they are restored."""
+
+    ``slot`` (a client half's correction slot) is called between steps and sees the trained
+    model's parameters before they are restored (``capture``). Out of device memory, the round is
+    tried once more with half the micro-batch (``oom-retries``), else it fails naming what to change.
+    """
     rows = resources.rows(cfg, partition_id, num_partitions)
     seed = round_seed(cfg, server_round, partition_id)
-    torch.manual_seed(seed)
-    batches = sample_batches(rows, cfg.local_steps, cfg.batch_size, seed, resources.pad_id)
     settings = TrainSettings(
         cfg.local_steps,
         cfg.learning_rate,
@@ -233,13 +463,49 @@ def compute_update(
         schedule_offset=(server_round - 1) * cfg.local_steps if cfg.lr_schedule_scope == "run" else 0,
     )
     names = resources.partition.names(block)
-    with resources.replica.local_model(base_version, pending, names) as model:
-        result = train_block(model, names, batches, settings, between_steps)
-        if after_training is not None:
-            after_training(dict(model.named_parameters()))
+    device = next(resources.replica.model.parameters()).device
+    for attempt in (0, 1):
+        torch.manual_seed(seed)
+        batches = sample_batches(rows, cfg.local_steps, cfg.batch_size, seed, resources.pad_id)
+        try:
+            with resources.replica.local_model(base_version, pending, names) as model:
+                result = train_block(model, names, batches, settings, slot)
+                if slot is not None:
+                    slot.capture(dict(model.named_parameters()))
+            break
+        except torch.OutOfMemoryError as err:
+            first = settings.micro_batch_size or cfg.batch_size
+            if attempt or first <= 1:
+                raise StateIntact(out_of_memory(err, device, first, cfg)) from err
+            settings = dataclasses.replace(settings, micro_batch_size=max(1, first // 2))
+            log.warning("round %d: out of memory on %s with micro-batch %d; retrying once with %d",
+                        server_round, device, first, settings.micro_batch_size)  # fmt: skip
+            free_device_cache(device)
+            if slot is not None:
+                slot.rearm()
+    result.oom_retries = attempt
     result.num_examples = len(rows)
     result.truncated = truncated_in_batches(rows, cfg.local_steps, cfg.batch_size, seed)
     return result
+
+
+def free_device_cache(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def out_of_memory(err: BaseException, device: torch.device, micro_batch: int, cfg: RunConfig) -> str:
+    """One line: the memory the round needed (torch's own figure and the peak), and the keys to change."""
+    first_line = str(err).strip().splitlines()[0] if str(err).strip() else "out of memory"
+    peak = ""
+    if device.type == "cuda":
+        peak = f"; peak {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB allocated of "
+        peak += f"{torch.cuda.get_device_properties(device).total_memory / 2**30:.2f} GiB"
+    return (
+        f"out of memory on {device} (micro-batch {micro_batch}, after one retry at half of it): {first_line}{peak}; "
+        f"lower micro-batch-size (now {cfg.micro_batch_size}) or layers-per-block (now {cfg.layers_per_block}), "
+        f"or set gradient-checkpointing = true"
+    )
 
 
 def update_metrics(result: TrainResult, server_round: int, block: int, partition_id: int, base_version: int) -> dict:

@@ -5,7 +5,8 @@ such a node trains on its own rows only and never reads the run config's ``datas
 aggregation weight is its own example count. A node without ``dataset`` trains on its
 ``partition-id`` share of the run config's dataset, as in simulation. Both kinds may serve one run.
 ``device="cuda:1"`` puts the node's model on that device (default: the worker's ``--device``,
-else ``cuda`` when there is one, else ``cpu``).
+else ``cuda`` when there is one, else ``cpu``). ``state-dir="/var/lib/parablock/site-a"`` is where the
+node worker keeps its error-feedback residuals durably (default: ``SOCKET.state`` beside its socket).
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 DATASET_KINDS = ("reasoning-gym", "alpaca", "mathinstruct")
-NODE_SETTINGS_KEYS = ("dataset", "heldout-dataset", "device")
+NODE_SETTINGS_KEYS = ("dataset", "heldout-dataset", "device", "state-dir")
+# An error reply whose reason starts with this says the node's model state is intact (a refused message,
+# out of memory, a data error): the server keeps that node's sync state (``node.StateIntact``).
+STATE_INTACT = "state-intact: "
 
 
 @dataclass(frozen=True)
@@ -24,6 +28,7 @@ class NodeSettings:
     dataset: str = ""  # the node's own training data (every form of the run config's ``dataset``)
     heldout_dataset: str = ""  # its own held-out split for ``evaluation = "clients"``
     device: str = ""  # cpu, cuda, cuda:N
+    state_dir: str = ""  # where the node worker keeps what must outlive it (default: beside its socket)
 
     @property
     def local(self) -> bool:

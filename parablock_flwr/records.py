@@ -1,40 +1,18 @@
 """Conversions between Flower's ArrayRecord and the core's name->tensor dicts.
 
-Tensors travel as fp32, fp16, or bf16; numpy has no bf16, so bf16 travels as its raw
-16-bit patterns in an ``int16`` array (no other tensor travels as int16). Decoding
-reads the payload's own dtype, so a receiver needs no setting to decode.
+The arrays themselves are encoded as ``wire.py`` says (fp32, fp16, or bf16 as int16
+patterns); this module only adds Flower's records around them, so that the node worker,
+which never imports Flower, shares the encoding.
 """
 
 from __future__ import annotations
 
-import numpy as np
-import torch
 from flwr.app import Array, ArrayRecord
 
-from .core import TRANSFER_DTYPES, Tensors
+from .core import Tensors
+from .wire import WIRE_DTYPES, decode, encode
 
-# The payload dtype each transfer precision uses on the wire, from core.TRANSFER_DTYPES (the one table):
-# the same dtype in numpy, but bf16 (which numpy lacks) as its raw 16-bit patterns.
-WIRE_DTYPES = {
-    name: np.dtype(np.int16) if dtype == torch.bfloat16 else np.dtype(str(dtype).removeprefix("torch."))
-    for name, dtype in TRANSFER_DTYPES.items()
-}
-
-
-def encode(tensor: torch.Tensor, transfer_dtype: str = "fp32") -> np.ndarray:
-    """One tensor as the numpy array that travels (lossless for values already rounded)."""
-    t = tensor.detach().cpu().to(TRANSFER_DTYPES[transfer_dtype]).contiguous()
-    return t.view(torch.int16).numpy() if transfer_dtype == "bf16" else t.numpy()
-
-
-def decode(array: np.ndarray) -> torch.Tensor:
-    """The fp32 (or fp32-valued) tensor an array that travelled stands for."""
-    t = torch.from_numpy(np.ascontiguousarray(array))
-    if array.dtype == np.int16:
-        return t.view(torch.bfloat16).to(torch.float32)
-    if array.dtype == np.float16:
-        return t.to(torch.float32)
-    return t
+__all__ = ["WIRE_DTYPES", "decode", "encode", "to_record", "to_tensors"]
 
 
 def to_tensors(record: ArrayRecord) -> Tensors:

@@ -37,6 +37,7 @@ class TrainResult:
     ended: float
     num_examples: int = 0  # the client's local dataset size, its aggregation weight
     truncated: int = 0  # examples of this round's batches cut at max-seq-len
+    oom_retries: int = 0  # 1: the round ran again with half the micro-batch after running out of memory
 
     @property
     def compute_s(self) -> float:

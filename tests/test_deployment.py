@@ -25,12 +25,15 @@ pytestmark = pytest.mark.e2e  # every test here starts a SuperLink, SuperNodes a
 ROUNDS = 3
 
 
-def deploy(tmp_path, model_dir, on_started=None, num_supernodes=2, secure=False, **overrides) -> FinishedRun:
+def deploy(
+    tmp_path, model_dir, on_started=None, num_supernodes=2, secure=False, node_settings=(), **overrides
+) -> FinishedRun:
     out = tmp_path / "out"
     config = tiny_config(model_dir, out, **{k.replace("_", "-"): v for k, v in overrides.items()})
     proc = run_deployment(
-        tmp_path / "flower", config, num_supernodes=num_supernodes, timeout_s=900, on_started=on_started, secure=secure
-    )
+        tmp_path / "flower", config, num_supernodes=num_supernodes, timeout_s=900, on_started=on_started,
+        secure=secure, node_settings=node_settings,
+    )  # fmt: skip
     return finished(proc, out)
 
 
@@ -135,6 +138,34 @@ def test_killed_server_resumes_at_any_round_in_a_restarted_deployment_bit_for_bi
         record = records[server_round]
         assert record["num_accepted"] == 2 and record["invariant_checked"] == 2 and record["invariant_failed"] == 0
         (block, step), (expected_block, expected) = resumed.step(server_round), _ok(deployed_long).step(server_round)
+        assert block == expected_block and all(torch.equal(step[n], expected[n]) for n in expected), server_round
+
+
+def test_with_bf16_transfer_a_restarted_deployment_resumes_bit_for_bit(tmp_path, tiny_model_dir):
+    """transfer-dtype = "bf16": every process is killed in round 2 of 3 and restarted (server, SuperNodes,
+    workers). Each worker keeps its error-feedback residuals in its node config's `state-dir`, written
+    durably each round; the restarted worker reads them back as of round 1 (the checkpoint) and rounds
+    2-3 equal an uninterrupted bf16 deployment's, bit for bit."""
+    same = dict(num_server_rounds=ROUNDS, verify_invariant=True, schedule="ascending", transfer_dtype="bf16")
+    states = [f'state-dir="{tmp_path / "state" / f"node-{i}"}"' for i in range(2)]
+    uninterrupted = _ok(deploy(tmp_path / "whole", tiny_model_dir, **same))
+    killed_out = tmp_path / "killed" / "out"
+    killed = deploy(
+        tmp_path / "killed",
+        tiny_model_dir,
+        node_settings=states,
+        on_started=lambda dep: kill_server_after_round(dep.workdir / "flwr-home", killed_out, after_round=1),
+        **same,
+    )
+    assert killed.run_dir is not None and not (killed.run_dir / "global-steps" / "v00002.safetensors").exists()
+    assert list((tmp_path / "state" / "node-0" / "partition-0").glob("r00001-b*.safetensors"))
+    resumed = _ok(
+        deploy(tmp_path / "resumed", tiny_model_dir, node_settings=states, resume_from=str(killed.run_dir), **same)
+    )
+    records = {r["round"]: r for r in resumed.records}
+    assert records[2]["full_syncs_sent"] == 2 and records[2]["invariant_failed"] == 0
+    for server_round in (2, 3):
+        (block, step), (expected_block, expected) = resumed.step(server_round), uninterrupted.step(server_round)
         assert block == expected_block and all(torch.equal(step[n], expected[n]) for n in expected), server_round
 
 

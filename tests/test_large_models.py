@@ -122,10 +122,10 @@ def test_bf16_weights_keep_every_copy_of_x_bit_identical_and_training_lowers_the
                       "next-block": blocks[r] if r < len(blocks) else -1, "algorithm": "parablock",
                       "run-dir": "unused"},
         }  # fmt: skip
-        reply, update = worker.train(header, arrays)
+        reply, update = worker.serve_request(header, arrays)
         delta = {n: torch.from_numpy(a.copy()) for n, a in update.items()}
-        if worker.ahead is not None:  # round r+1 runs ahead on the replica: let it finish before reading it
-            worker.ahead[1].result()
+        if worker.node.ahead is not None:  # round r+1 runs ahead on the replica: let it finish before reading it
+            worker.node.ahead.future.result()
         replica = node.resources(cfg, 21).replica
         assert replica.version == r - 1 and all(torch.equal(replica.params[n], x[n]) for n in names)
         assert reply["trace"]["local-model-sha256"] == core.digest_after(x, names, delta)

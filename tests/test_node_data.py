@@ -98,7 +98,7 @@ def test_a_worker_with_node_local_data_reads_only_its_own_files_and_evaluates_wh
                   "run-dir": "unused", "evaluate-version": 0, "evaluate-generate": 1},
     }  # fmt: skip
     worker = NodeWorker()
-    reply, update = worker.train(header, {})
+    reply, update = worker.serve_request(header, {})
     metrics = reply["metrics"]
     assert metrics["num-examples"] == 20 and metrics["heldout-examples"] == 5 and metrics["eval-version"] == 0
 
@@ -113,7 +113,7 @@ def test_a_worker_with_node_local_data_reads_only_its_own_files_and_evaluates_wh
     evaluate_header = dict(header, op="evaluate")
     evaluate_header["round"] = {"server-round": 2, "block": -1, "step-block": 0, "next-block": -1,
                                 "algorithm": "parablock", "run-dir": "unused", "evaluate-version": 1}  # fmt: skip
-    reply, _ = worker.evaluate(evaluate_header, {f"global-step/{n}": t.numpy() for n, t in g1.items()})
+    reply, _ = worker.serve_request(evaluate_header, {f"global-step/{n}": t.numpy() for n, t in g1.items()})
     params = dict(model.named_parameters())
     core.apply_step(params, g1)
     expected, _ = evaluate(model, tokenizer, heldout, cfg, generate=False)

@@ -39,6 +39,21 @@ def parablock_run(tmp_path_factory, tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
+def parablock_bf16_run(tmp_path_factory, tiny_model_dir):
+    """`parablock_run` with `transfer-dtype = "bf16"` (error feedback: each node's residuals)."""
+    return simulate(
+        tmp_path_factory.mktemp("parablock-bf16"),
+        tiny_model_dir,
+        algorithm="parablock",
+        num_server_rounds=ROUNDS,
+        verify_invariant=True,
+        save_final_model=True,
+        transfer_dtype="bf16",
+        **SCHEDULE,
+    )
+
+
+@pytest.fixture(scope="module")
 def fedbcd_run(tmp_path_factory, tiny_model_dir):
     return simulate(
         tmp_path_factory.mktemp("fedbcd"),
@@ -282,21 +297,53 @@ def test_a_server_killed_at_every_stage_of_a_round_resumes_to_the_same_final_mod
         )
 
 
-def test_bf16_transfer_halves_the_bytes_and_keeps_the_invariant_exact(tmp_path, tiny_model_dir, parablock_run):
+def test_with_bf16_transfer_a_killed_server_resumes_to_the_same_final_model(
+    tmp_path, tiny_model_dir, parablock_bf16_run
+):
+    """The server process dies in round 3 of 4; `resume-from` continues from round 2's checkpoint
+    and ends with the uninterrupted bf16 run's model, bit for bit. Each node's error-feedback residuals
+    come back too: as of round 2, from the killed run's `node-state/` (the new Ray actors'
+    `context.state` starts empty), although nodes may have answered round 3 before the kill
+    (fp32 at every stage of a round: the test above)."""
+    uninterrupted_run = parablock_bf16_run
+    same = dict(algorithm="parablock", num_server_rounds=ROUNDS, verify_invariant=True, transfer_dtype="bf16",
+                **SCHEDULE)  # fmt: skip
+    killed = simulate_and_kill_server(tmp_path / "killed", tiny_model_dir, after_round=2, **same)
+    assert killed.run_dir is not None and not (killed.run_dir / "final-model").exists()
+    assert [p.name for p in (killed.run_dir / "checkpoint").glob("round-*")] == ["round-00002"]
+
+    # the residuals of round 2 were written durably, one file per block
+    assert sorted(p.name for p in (killed.run_dir / "node-state" / "partition-0").glob("r00002-*"))
+    with pytest.raises(ValueError, match=r"learning-rate=0.5 differs from the checkpointed run's 0.003"):
+        check_resumable(
+            killed.run_dir, {**json.loads((killed.run_dir / "config.json").read_text()), "learning-rate": 0.5}
+        )
+
+    resumed = _ok(
+        simulate(tmp_path / "resumed", tiny_model_dir, resume_from=str(killed.run_dir), save_final_model=True, **same)
+    )
+    assert "Resumed from" in resumed.stdout and "after round 2 (3 pending client updates" in resumed.stdout
+    records = resumed.records
+    assert [r["round"] for r in records] == list(range(ROUNDS + 1))
+    # Round 3 ran from each client's own x^1 + Δ_i^2 (handed back), no client resynchronised.
+    assert records[3]["num_resynchronised"] == 0 and records[3]["invariant_failed"] == 0
+    assert records[3]["invariant_checked"] == 3
+    uninterrupted = uninterrupted_run.final_model()
+    final = resumed.final_model()
+    assert final.keys() == uninterrupted.keys()
+    assert all(torch.equal(final[n], uninterrupted[n]) for n in final)
+    for version in (3, 4):
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(resumed.step(version)[1].values(), uninterrupted_run.step(version)[1].values())
+        )
+
+
+def test_bf16_transfer_halves_the_bytes_and_keeps_the_invariant_exact(parablock_bf16_run, parablock_run):
     """transfer-dtype=bf16: Δ_i and g travel as bf16 (half the bytes on the wire), each client keeps
     exactly the rounded update it sent, so its local model is still x^{r-1} + Δ_i^r to the bit; the
     server's steps are bf16-representable; the loss still falls."""
-    run = _ok(
-        simulate(
-            tmp_path,
-            tiny_model_dir,
-            algorithm="parablock",
-            num_server_rounds=ROUNDS,
-            verify_invariant=True,
-            transfer_dtype="bf16",
-            **SCHEDULE,
-        )
-    )
+    run = _ok(parablock_bf16_run)
     fp32 = {r["round"]: r for r in _ok(parablock_run).records}
     for rec in run.records[1:]:
         assert rec["num_accepted"] == 3 and rec["invariant_checked"] == 3 and rec["invariant_failed"] == 0, rec

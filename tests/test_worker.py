@@ -49,15 +49,15 @@ def test_a_full_sync_during_a_computation_ahead_leaves_the_invariant_exact(tmp_p
     is x^1 + Δ^2 to the bit, and its copy of the global model is exactly x^1."""
     config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 40, "verify-invariant": True})
     worker = NodeWorker()
-    reply, update1 = worker.train(header(config, 1, block=0, next_block=1), {})
-    assert worker.ahead is not None and worker.ahead[0] == 2 and not worker.ahead[1].done()
+    reply, update1 = worker.serve_request(header(config, 1, block=0, next_block=1), {})
+    assert worker.node.ahead is not None and worker.node.ahead.server_round == 2 and not worker.node.ahead.future.done()
 
     model, partition = load_for_training(RunConfig.from_flower(config))  # x^0, as the server holds it
     x0 = {n: p.detach().clone() for n, p in model.named_parameters() if n in partition.all_names()}
     g1 = {n: torch.from_numpy(a) * 0.5 for n, a in update1.items()}  # any step the server may have taken
     arrays = {f"global-step/{n}": t.numpy() for n, t in g1.items()}
     arrays.update({f"sync-values/{n}": t.numpy() for n, t in x0.items()})
-    reply, update2 = worker.train(header(config, 2, block=1, next_block=-1, **{"sync-version": 0}), arrays)
+    reply, update2 = worker.serve_request(header(config, 2, block=1, next_block=-1, **{"sync-version": 0}), arrays)
 
     assert reply["metrics"]["base-version"] == 1  # resynchronised: trained from x^1, nothing pending
     x1 = {n: t.clone() for n, t in x0.items()}
@@ -67,7 +67,7 @@ def test_a_full_sync_during_a_computation_ahead_leaves_the_invariant_exact(tmp_p
     assert all(torch.equal(replica.params[n].detach(), x1[n]) for n in x1)
     delta2 = {n: torch.from_numpy(np.array(a)) for n, a in update2.items()}
     assert reply["trace"]["local-model-sha256"] == core.digest_after(x1, partition.all_names(), delta2)
-    assert worker.pending.base_version == 1 and worker.ahead is None
+    assert worker.node.state.pending.base_version == 1 and worker.node.ahead is None
 
 
 def test_without_the_correction_a_node_back_from_a_skipped_round_keeps_its_own_model(tmp_path, tiny_model_dir):
@@ -76,7 +76,7 @@ def test_without_the_correction_a_node_back_from_a_skipped_round_keeps_its_own_m
     ahead, trains round 3 from its own model written on x^1, and keeps y = x^0 + Δ^1 + Δ^3."""
     config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 4, "correction": "none"})
     worker = NodeWorker()
-    _, update1 = worker.train(header(config, 1, block=0, next_block=1), {})
+    _, update1 = worker.serve_request(header(config, 1, block=0, next_block=1), {})
     model, partition = load_for_training(RunConfig.from_flower(config))
     x0 = {n: p.detach().clone() for n, p in model.named_parameters() if n in partition.all_names()}
     g1 = {n: torch.from_numpy(np.array(a)) * 0.5 for n, a in update1.items()}
@@ -85,16 +85,16 @@ def test_without_the_correction_a_node_back_from_a_skipped_round_keeps_its_own_m
     arrays.update({f"catch-up/v1/{n}": t.numpy() for n, t in g1.items()})
     message = header(config, 3, block=0, next_block=-1, **{"catch-up-versions": [1], "catch-up-blocks": [0]})
     message["round"]["step-block"] = 1
-    reply, update3 = worker.train(message, arrays)
+    reply, update3 = worker.serve_request(message, arrays)
 
     assert reply["metrics"]["base-version"] == 1  # x^1 + its own offset, one round stale
     replica = node.resources(RunConfig.from_flower(config), 7).replica
-    assert replica.version == 2 and worker.pending.base_version == 2
+    assert replica.version == 2 and worker.node.state.pending.base_version == 2
     own = {n: x0[n] + torch.from_numpy(np.array(update1[n])) for n in x0 if n in update1}
     for n, a in update3.items():
         own[n] = own.get(n, x0[n]) + torch.from_numpy(np.array(a))
     for n, expected in own.items():
-        assert torch.allclose(replica.params[n].detach() + worker.pending.delta[n], expected, atol=1e-6), n
+        assert torch.allclose(replica.params[n].detach() + worker.node.state.pending.delta[n], expected, atol=1e-6), n
     assert not torch.allclose(replica.params[partition.names(1)[0]], x0[partition.names(1)[0]])  # x moved on
 
 
@@ -112,9 +112,9 @@ def test_on_receipt_the_drift_of_the_live_model_is_measured_and_small(tmp_path, 
     finished on is from the exact x^1 + Δ^2: float rounding only."""
     config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 40, "correction": "on-receipt"})
     worker = NodeWorker()
-    _, update1 = worker.train(header(config, 1, block=1, next_block=1), {})
+    _, update1 = worker.serve_request(header(config, 1, block=1, next_block=1), {})
     g1 = {f"global-step/{n}": a * np.float32(0.5) for n, a in update1.items()}
-    reply, _ = worker.train(header(config, 2, block=1, next_block=-1), g1)
+    reply, _ = worker.serve_request(header(config, 2, block=1, next_block=-1), g1)
     metrics = reply["metrics"]
     assert 1 <= metrics["correction-after-step"] < 40  # applied mid-round, at a step boundary
     assert 0.0 <= metrics["correction-drift"] < 1e-5, metrics["correction-drift"]

@@ -23,7 +23,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, 
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
-from ..node_data import NODE_SETTINGS_KEYS, NodeSettings, node_settings_problem
+from ..node_data import NODE_SETTINGS_KEYS, STATE_INTACT, NodeSettings, node_settings_problem
 from ..worker.protocol import ProtocolError, request
 
 
@@ -128,8 +128,9 @@ def relay_to_worker(msg: Message, context: Context, socket_path: str, op: str = 
         return _error(msg, f"node worker at {socket_path} did not answer within round-timeout-s={timeout_s:g}")
     except (ProtocolError, asyncio.IncompleteReadError, ConnectionError) as err:
         return _error(msg, f"node worker at {socket_path} gave no readable reply ({type(err).__name__}: {err})")
-    if "error" in reply:
-        return _error(msg, f"node worker failed: {reply['error']}")
+    if "error" in reply:  # the worker says whether the node's state is intact (node.StateIntact)
+        intact = STATE_INTACT if reply.get("state-intact") else ""
+        return _error(msg, f"{intact}node worker failed: {reply['error']}")
     metrics = dict(
         reply["metrics"],
         **{

@@ -83,6 +83,8 @@ def client_half(algorithm: str, correction: str = "at-end"):
         raise ValueError(f"algorithm={algorithm!r}: expected one of {', '.join(CLIENT_HALVES)}")
     if algorithm == "parablock" and correction == "none":
         return _load("parablock.client:UncorrectedClient")()
+    if algorithm == "parablock":
+        return _load(CLIENT_HALVES[algorithm])(on_receipt=correction == "on-receipt")
     return _load(CLIENT_HALVES[algorithm])()
 
 

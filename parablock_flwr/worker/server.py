@@ -1,41 +1,35 @@
-"""The node worker: a process beside each SuperNode that lives for the whole run.
+"""The node worker: a process beside each SuperNode that lives for the whole run, the deployment's
+adapter of the node runtime (``node.Node``, where what a round does is written).
 
-Flower 1.42 starts a new ClientApp process for every message, so the
-background computation of ParaBlock cannot live in the ClientApp. The worker
-keeps the model resident (GPU if any), the node's local model as
-(global version, pending update), and a background thread that trains the
-next block while the reply travels to the server and the next message comes
-back. The per-message ClientApp only relays arrays over a Unix socket.
-
-Round r (message ``F_r`` carries ``g^{r-1}``, ``b_r`` and ``b_{r+1}``):
-wait for round r's background computation (started at ``F_{r-1}``), apply
-the correction (re-base onto ``x^{r-1}``), start round r+1's computation in
-the background, reply ``Δ_i^r``. With ``on-receipt`` the aggregate is
-applied to the running computation at its next step boundary instead of
-after its last step (less staleness when communication is fast);
-``at-end`` is the deterministic mode.
+Flower 1.42 starts a new ClientApp process for every message, so the background computation of
+ParaBlock cannot live in the ClientApp. The worker keeps the model resident (GPU if any), the
+node's state in memory, and a compute thread that trains the next block while the reply travels
+to the server and the next message comes back. The per-message ClientApp only relays arrays over
+a Unix socket. What this module adds to the runtime: one request at a time, in order, for one
+partition, a repeat answered with the same reply; and where computations run (the compute thread).
+It imports no Flower (``wire.py`` encodes arrays), so no server code reaches this process.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from .. import core, node
 from ..config import RunConfig
 from ..node_data import NodeSettings
-from ..records import decode, encode
-from ..replica import catch_up_steps, resumed_pending
+from ..node_state import NodeState, ResidualStore
 from ..runtime import setup_torch
-from ..strategies import client_half
-from ..strategies.parablock.client import CorrectionSlot
+from ..wire import decode, encode
 from .endpoint import MessageLimit, WorkerSocket
 from .protocol import ProtocolError, recv, send
 
@@ -52,177 +46,119 @@ def split_records(arrays: dict[str, np.ndarray]) -> dict[str, core.Tensors]:
 
 
 class NodeWorker:
-    """One node's persistent state and its background computation."""
+    """The deployment's adapter of the node runtime (``node.Node``): one node, one partition.
 
-    def __init__(self, compute_cpus: set[int] | None = None) -> None:
+    Requests are serialised: one at a time changes the node (``lock``). A repeat of the request
+    in progress or just answered (a ClientApp that gave up waiting, a retried round) waits for it
+    and gets the same reply, never a second computation. The first request pins the worker's
+    partition; a request for another partition, or for a run this worker has left, is refused.
+    Computations run in one compute thread (``compute_cpus``-pinned), where ParaBlock's round r+1
+    starts ahead while round r's reply travels.
+    """
+
+    def __init__(self, compute_cpus: set[int] | None = None, state_dir: Path | None = None) -> None:
         # Every computation runs in this one thread; pinned to ``compute_cpus`` when given, so that
         # receiving, decoding and sending arrays (the request threads) stay off the compute's cores.
         self.compute_thread = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="parablock-compute", initializer=_pin_thread, initargs=(compute_cpus,)
         )
-        self.run_id: int | None = None
         self.device = ""  # --device: the node's device unless its node config names one
-        self.pending: core.PendingUpdate | None = None
-        self.residuals: dict[int, core.Tensors] = {}  # transfer-dtype's error feedback, by block
-        self.ahead: tuple[int, Future, CorrectionSlot] | None = None  # round, its TrainResult, its slot
+        self.state_dir = state_dir  # where the residuals outlive this process (node config's state-dir first)
+        self.lock = threading.Lock()
+        self.node = node.Node(submit=self.compute_thread.submit, runs_ahead=True)
+        self.run_id: int | None = None
+        self.left_runs: set[int] = set()  # runs replaced by a newer one on this worker
+        self.partition_id: int | None = None  # pinned by the first request
+        self.last: tuple[tuple, tuple[dict, dict[str, np.ndarray]]] | None = None  # (request key, its reply)
         self.last_reply_sent = 0.0
         self.last_request = time.time()  # for the optional idle exit
         self.message_limit = MessageLimit()  # the most array bytes a message may declare (serve sets it)
 
-    # ------------------------------------------------------------ rounds
-    def train(self, header: dict, arrays: dict[str, np.ndarray]) -> tuple[dict, dict[str, np.ndarray]]:
+    # ------------------------------------------------------------ requests
+    def serve_request(self, header: dict, arrays: dict[str, np.ndarray]) -> tuple[dict, dict[str, np.ndarray]]:
+        """One ``train`` or ``evaluate`` request, in order; its reply (``{"error": ...}`` on failure)."""
         received = time.time()
-        cfg, resources, round_cfg, records, steps, fetch_step = self._open(header, arrays)
-        server_round, block = int(round_cfg["server-round"]), int(round_cfg["block"])
-        partition_id, num_partitions = int(header["partition-id"]), int(header["num-partitions"])
-        client = client_half(str(round_cfg["algorithm"]), cfg.correction_mode)
+        key = (header.get("op", "train"), header["run-id"], int(header["partition-id"]),
+               int(header["round"]["server-round"]))  # fmt: skip
+        with self.lock:
+            if self.last is not None and self.last[0] == key:
+                log.info("round %d again: the same reply, not a second computation", key[3])
+                return self.last[1]
+            try:
+                reply = self.handle_request(header, arrays, received)
+            except node.StateIntact as err:
+                log.warning("round %d not done, state intact: %s", key[3], err)
+                return {"error": str(err), "state-intact": True}, {}
+            except Exception as err:  # reported to the ClientApp, which replies an error to the server
+                log.exception("round failed")
+                return {"error": f"{type(err).__name__}: {err}"}, {}
+            self.last = (key, reply)
+            return reply
 
-        handed_back = resumed_pending(round_cfg, records)
-        full_sync = "sync-version" in round_cfg
-        ahead, self.ahead = self.ahead, None
-        if ahead is not None and (ahead[0] != server_round or full_sync or handed_back is not None):
-            # Computed ahead from a state the server has just replaced (or for a round this node is
-            # not part of): let it finish before the replica is touched, then drop it.
-            self._finish(ahead)
-            ahead = None
-        if full_sync:  # the server's exact values of x^{r-2}; the node's own state is dropped
-            resources.replica.reset_to(int(round_cfg["sync-version"]), records["sync-values"])
-            self.pending, self.residuals = None, {}
-        if handed_back is not None:  # the server restarted from a checkpoint
-            self.pending = handed_back
-        waited, computed_ahead, correction_step, drift_slot = 0.0, None, cfg.local_steps, None
-        started_from = self.pending  # what round r trained from, on x^{r-2} (the ahead computation's start)
-        if ahead is not None:
-            _, future, slot = ahead
-            if cfg.correction_mode == "on-receipt" and self.pending is not None:
-                slot.post(steps[server_round - 1][1], self.pending.delta)  # applied at the next step boundary
-            wait_start = time.time()
-            result = future.result()  # Δ_i^r, computed from x^{r-2} + Δ_i^{r-1}
-            waited = time.time() - wait_start
-            computed_ahead = (server_round - 2, result)
-            correction_step = slot.applied_after_step or cfg.local_steps
-            drift_slot = slot
-        else:  # nothing ran ahead: compute now, in the compute thread too
-            base_version, started_from = client.start_point(self.pending, server_round, fetch_step)
-            resources.replica.advance_to(base_version, fetch_step)
-            args = (resources, cfg, server_round, block, started_from, base_version, partition_id, num_partitions)
-            computed_ahead = (base_version, self.compute_thread.submit(node.compute_update, *args).result())
-        done = node.train_round(
-            resources,
-            cfg,
-            client,
-            server_round,
-            block,
-            started_from,
-            fetch_step,
-            partition_id,
-            num_partitions,
-            self.residuals,
-            computed_ahead,
-        )
-        self.pending = done.kept
-        drift = {}
-        if drift_slot is not None and drift_slot.live and done.kept is not None:  # on-receipt: measured, bounded
-            drift = {"correction-drift": drift_slot.drift(resources.replica.params, done.kept.delta)}
-        evaluation = {}
-        if (version := node.evaluation_due(round_cfg)) is not None:
-            # x^{r-1}, which the replica holds now; nothing runs on it until round r+1 starts below.
-            generate = bool(round_cfg.get("evaluate-generate", 0))
-            evaluation = self.compute_thread.submit(node.evaluate_replica, resources, cfg, version, generate).result()
-        next_block = int(round_cfg["next-block"])
-        if client.runs_ahead and next_block >= 0:  # round r+1 starts now, while this reply travels
-            base_version, pending = client.start_point(self.pending, server_round + 1, fetch_step)
-            slot = CorrectionSlot()
-            future = self.compute_thread.submit(
-                node.compute_update,
-                resources,
-                cfg,
-                server_round + 1,
-                next_block,
-                pending,
-                base_version,
-                partition_id,
-                num_partitions,
-                slot,
-                slot.capture,
-            )
-            self.ahead = (server_round + 1, future, slot)
-        result = done.result
-        metrics = {
-            **node.update_metrics(result, server_round, block, partition_id, done.base_version),
-            "compute-start": result.started,
-            "compute-end": result.ended,
-            "request-received": received,
-            "waited-s": waited,
-            "prev-reply-sent": self.last_reply_sent,
-            "correction-after-step": correction_step,
-            **drift,
-            **evaluation,
-        }
-        return {"metrics": metrics, "trace": done.trace}, {
-            n: encode(t, cfg.transfer_dtype) for n, t in result.delta.items()
-        }
-
-    def evaluate(self, header: dict, arrays: dict[str, np.ndarray]) -> tuple[dict, dict[str, np.ndarray]]:
-        """``evaluation = "clients"`` after the last round: the held-out loss of ``x^R``.
-
-        Nothing runs ahead after round R (its message carried no next block); any computation
-        still running is waited for before the replica moves to ``x^R``."""
-        cfg, resources, round_cfg, records, _, fetch_step = self._open(header, arrays)
-        ahead, self.ahead = self.ahead, None
-        if ahead is not None:
-            self._finish(ahead)
-        if "sync-version" in round_cfg:
-            resources.replica.reset_to(int(round_cfg["sync-version"]), records["sync-values"])
-            self.pending, self.residuals = None, {}
-        version = int(round_cfg["evaluate-version"])
-        resources.replica.advance_to(version, fetch_step)
-        generate = bool(round_cfg.get("evaluate-generate", 0))
-        metrics = self.compute_thread.submit(node.evaluate_replica, resources, cfg, version, generate).result()
-        return {"metrics": {**metrics, "partition-id": int(header["partition-id"])}}, {}
-
-    def _open(self, header: dict, arrays: dict[str, np.ndarray]):
-        """What every message needs: the run config, this node's resources (a new run starts from a
-        fresh state), the round's config, its arrays, the global steps it carries and a fetcher."""
+    def handle_request(self, header: dict, arrays: dict[str, np.ndarray], received: float):
         cfg = RunConfig.from_flower(header["run-config"])
-        if header["run-id"] != self.run_id:
-            self._new_run(header["run-id"])
+        self.admit(header)
         setup_torch(cfg)
-        resources = node.resources(cfg, header["run-id"], self.node_settings(header))
-        round_cfg = header["round"]
+        settings = self.node_settings(header)
+        res = node.resources(cfg, header["run-id"], settings)
+        op = "evaluate" if header.get("op") == "evaluate" else "train"
         records = split_records(arrays)
-        steps = catch_up_steps(round_cfg, records)
+        req = node.Request.parse(
+            op, header["run-id"], header["round"], records, header["partition-id"], header["num-partitions"]
+        )
 
         def fetch_step(version: int):
-            if version in steps:
-                return steps[version]
+            if version in req.steps:
+                return req.steps[version]
             raise RuntimeError(
-                f"this worker's model is at v{resources.replica.version} and the message lacks "
+                f"this worker's model is at v{res.replica.version} and the message lacks "
                 f"global step v{version} (the server sends missed steps to nodes it knows are behind)"
             )
 
-        return cfg, resources, round_cfg, records, steps, fetch_step
+        if op == "evaluate":
+            return {"metrics": self.node.evaluate(res, cfg, req, fetch_step).metrics}, {}
+        store = self.residual_store(settings, req.partition_id) if cfg.transfer_dtype != "fp32" else None
+        done = self.node.train(res, cfg, req, fetch_step, store, store)
+        metrics = {**done.metrics, "request-received": received, "prev-reply-sent": self.last_reply_sent}
+        return {"metrics": metrics, "trace": done.trace}, {
+            n: encode(t, cfg.transfer_dtype) for n, t in done.update.items()
+        }
+
+    def admit(self, header: dict) -> None:
+        """The partition pin and the run: a request this worker must not act on is refused; a new
+        run starts from a fresh node state."""
+        partition_id, run_id = int(header["partition-id"]), header["run-id"]
+        server_round = int(header["round"]["server-round"])
+        if self.partition_id is None:
+            self.partition_id = partition_id
+        elif partition_id != self.partition_id:
+            raise node.Refused(
+                f"partition-id={partition_id} refused: this worker serves partition-id={self.partition_id} "
+                f"(one worker per node: give each SuperNode its own worker-socket)"
+            )
+        if run_id == self.run_id:
+            return
+        if run_id in self.left_runs:
+            raise node.Refused(
+                f"round {server_round} of run {run_id} refused: this worker left that run for run {self.run_id} "
+                f"(last answered round {self.node.state.last_round})"
+            )
+        if self.run_id is not None:
+            self.left_runs.add(self.run_id)
+        self.node.drop_ahead()
+        self.node.state, self.run_id, self.last, self.last_reply_sent = NodeState(), run_id, None, 0.0
+        log.info("new run %s", run_id)
+
+    def residual_store(self, settings: NodeSettings, partition_id: int) -> ResidualStore | None:
+        folder = Path(settings.state_dir) if settings.state_dir else self.state_dir
+        return ResidualStore(folder / f"partition-{partition_id}") if folder is not None else None
 
     def node_settings(self, header: dict) -> NodeSettings:
         """The node's own data and device (its node config, relayed), the device defaulting to ``--device``."""
         settings = NodeSettings.from_header(header.get("node"))
         if not settings.device and self.device:
-            settings = NodeSettings(settings.dataset, settings.heldout_dataset, self.device)
+            settings = dataclasses.replace(settings, device=self.device)
         return settings
-
-    @staticmethod
-    def _finish(ahead: tuple[int, Future, CorrectionSlot]) -> None:
-        """Wait for a computation running ahead (it holds the replica), whatever its outcome."""
-        with contextlib.suppress(Exception):
-            ahead[1].result()
-
-    def _new_run(self, run_id: int) -> None:
-        """A new run on this node starts from a fresh state."""
-        if self.ahead is not None:
-            self._finish(self.ahead)
-        self.run_id, self.pending, self.ahead, self.last_reply_sent = run_id, None, None, 0.0
-        self.residuals = {}
-        log.info("new run %s", run_id)
 
     # ------------------------------------------------------------ serving
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -240,15 +176,12 @@ class NodeWorker:
             if header.get("op") == "ping":
                 await send(writer, {"ok": True, "pid": os.getpid(), "run-id": self.run_id})
                 return
-            try:
-                handler = self.evaluate if header.get("op") == "evaluate" else self.train
-                reply, reply_arrays = await asyncio.get_running_loop().run_in_executor(None, handler, header, arrays)
-            except Exception as err:  # reported to the ClientApp, which replies an error to the server
-                log.exception("round failed")
-                await send(writer, {"error": f"{type(err).__name__}: {err}"})
-                return
+            reply, reply_arrays = await asyncio.get_running_loop().run_in_executor(
+                None, self.serve_request, header, arrays
+            )
             await send(writer, reply, reply_arrays)
-            self.last_reply_sent = time.time()
+            if "error" not in reply:
+                self.last_reply_sent = time.time()
         finally:
             writer.close()
 
@@ -266,7 +199,7 @@ async def serve(
     device: str = "",
     max_message_bytes: int = 0,
 ) -> None:
-    worker = NodeWorker(compute_cpus)
+    worker = NodeWorker(compute_cpus, endpoint.path.with_name(endpoint.path.name + ".state"))
     worker.device = device
     worker.message_limit = MessageLimit(max_message_bytes)
     server = await asyncio.start_unix_server(endpoint.admitting(worker.handle), sock=endpoint.sock, limit=2**26)

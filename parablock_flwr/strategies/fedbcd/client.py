@@ -12,9 +12,11 @@ from ...replica import FetchStep, ModelReplica
 class BCDClient:
     """Sequential BCD's client half: round r trains ``b_r`` from ``x^{r-1}`` and keeps nothing.
 
-    A client half says which model a round trains from and what the client keeps
-    afterwards; the drivers (the simulation's inline ClientApp and the deployment's
-    node worker) decide only where that state lives and when the computation runs.
+    A client half is an algorithm's whole client-side rule: which model a round trains from
+    (``start_point``), what reaches a computation while it runs (``aggregate_arrived``, ParaBlock's
+    on-receipt correction), and what the client keeps afterwards (``finish_round``, ParaBlock's
+    at-end correction). The node runtime (``node.Node``) calls these hooks, and only these, in
+    both drivers (the simulation's inline ClientApp and the deployment's node worker).
     """
 
     runs_ahead = False  # may the node worker start round r+1 before its message arrives?
@@ -24,6 +26,15 @@ class BCDClient:
     ) -> tuple[int, core.PendingUpdate | None]:
         """``(v, pending)``: round r trains from ``x^v + pending``. BCD: ``x^{r-1}``."""
         return server_round - 1, None
+
+    def new_slot(self):
+        """What a computation that starts now takes from the outside at its step boundaries (a
+        ``parablock.client.CorrectionSlot``), or None. BCD: nothing reaches a running computation."""
+        return None
+
+    def aggregate_arrived(self, slot, step: core.Tensors, started_from: core.PendingUpdate | None) -> None:
+        """Round r's message brought ``g^{r-1}`` while round r's computation runs (or is about to
+        start from ``started_from``). BCD: its computation started from ``x^{r-1}`` already."""
 
     def finish_round(
         self,
@@ -37,3 +48,7 @@ class BCDClient:
         """After ``Δ_i^r`` (trained from ``x^v + started_from``): what the client keeps until the
         next round. BCD: nothing."""
         return None
+
+    def round_metrics(self, slot, replica: ModelReplica, kept: core.PendingUpdate | None, local_steps: int) -> dict:
+        """What the reply reports of the client-side rule. BCD: no correction, after the last step."""
+        return {"correction-after-step": local_steps}

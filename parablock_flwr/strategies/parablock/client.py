@@ -23,12 +23,33 @@ class ParaBlockClient(BCDClient):
 
     runs_ahead = True
 
+    def __init__(self, on_receipt: bool = False) -> None:
+        self.on_receipt = on_receipt  # correction = "on-receipt": correct the running computation
+
     def start_point(
         self, pending: core.PendingUpdate | None, server_round: int, fetch_step: FetchStep
     ) -> tuple[int, core.PendingUpdate | None]:
         """``x^{r-2} + Δ_i^{r-1}``; a client without a one-round-old pending update (round 1,
         it missed round r-1, it was resynchronised) starts from ``x^{r-1}``, as in BCD."""
         return core.parablock_base(pending, server_round)
+
+    def new_slot(self) -> CorrectionSlot | None:
+        return CorrectionSlot() if self.on_receipt else None
+
+    def aggregate_arrived(
+        self, slot: CorrectionSlot | None, step: core.Tensors, started_from: core.PendingUpdate | None
+    ) -> None:
+        """``on-receipt``: a computation from the stale ``x^{r-2} + Δ_i^{r-1}`` gets ``g^{r-1}``."""
+        if slot is not None and started_from is not None:
+            self.correct_on_receipt(slot, step, started_from)
+
+    @staticmethod
+    def correct_on_receipt(slot: CorrectionSlot, step: core.Tensors, started_from: core.PendingUpdate) -> None:
+        """The correction ``y[b_{r-1}] += η_s Δ̄^{r-1} − Δ_i^{r-1}`` handed to the running computation:
+        applied in place (``core.correct_in_place``) at its next step boundary, never inside a step.
+        Inline (simulation) ``g^{r-1}`` came with the message: it is applied after the first step, as
+        a node worker does when the exchange is shorter than one local step."""
+        slot.post(step, started_from.delta)
 
     def finish_round(
         self,
@@ -52,16 +73,29 @@ class ParaBlockClient(BCDClient):
         keeping only ``Δ_i^r``. It equals the additive form in exact arithmetic and, unlike
         it, accumulates no float rounding: the invariant ``y = x^{r-1} + Δ_i^r`` holds to the
         bit, also when ``b_r == b_{r-1}``. The ``on-receipt`` mode applies the additive form
-        to the running computation instead: ``core.correct_in_place``.
+        to the running computation as well (``correct_on_receipt``); its result is re-based the
+        same way here, and how far the live model had drifted is reported (``round_metrics``).
         """
         replica.advance_to(server_round - 1, fetch_step)
         return core.PendingUpdate(block=block, base_version=server_round - 1, delta=delta)
+
+    def round_metrics(
+        self, slot: CorrectionSlot | None, replica: ModelReplica, kept: core.PendingUpdate | None, local_steps: int
+    ) -> dict:
+        """After which step the correction reached the computation (``local-steps``: at the end), and
+        with ``on-receipt`` how far the live model drifted from the exact one (``correction-drift``)."""
+        if slot is None:
+            return {"correction-after-step": local_steps}
+        out = {"correction-after-step": slot.applied_after_step or local_steps}
+        if slot.live and kept is not None:
+            out["correction-drift"] = slot.drift(replica.params, kept.delta)
+        return out
 
 
 class CorrectionSlot:
     """An aggregate handed to the running computation (``on-receipt`` mode).
 
-    The request thread posts ``(g^{r-1}, Δ_i^{r-1})``; the compute thread
+    ``ParaBlockClient.correct_on_receipt`` posts ``(g^{r-1}, Δ_i^{r-1})``; the computation
     applies it at its next step boundary, never inside a step.
     """
 
@@ -70,6 +104,7 @@ class CorrectionSlot:
         self._posted: tuple[core.Tensors, core.Tensors] | None = None
         self.applied_after_step: int | None = None
         self._touched: set[str] = set()
+        self._applied: tuple[core.Tensors, core.Tensors] | None = None
         self.live: core.Tensors = {}  # the corrected blocks as training left them (``capture``)
 
     def post(self, step: core.Tensors, own_update: core.Tensors) -> None:
@@ -81,8 +116,14 @@ class CorrectionSlot:
             posted, self._posted = self._posted, None
         if posted is not None and self.applied_after_step is None:
             core.correct_in_place(params, before, *posted)
-            self.applied_after_step = k
+            self._applied, self.applied_after_step = posted, k
             self._touched = set(posted[0]) | set(before)
+
+    def rearm(self) -> None:
+        """A computation that starts over (out-of-memory retry) takes the correction again."""
+        with self._lock:
+            if self._applied is not None:
+                self._posted, self._applied, self.applied_after_step = self._applied, None, None
 
     def capture(self, params: dict) -> None:
         """After the last step: keep what the correction touched, to measure its drift (``drift``)."""

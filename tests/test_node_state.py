@@ -1,0 +1,38 @@
+"""A node's residual store (node_state.ResidualStore): what a resume reads back, and how much it keeps."""
+
+from __future__ import annotations
+
+import torch
+
+from parablock_flwr.node_state import KEEP_ROUNDS, ResidualStore
+
+
+def residual(value: float) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((3,), value)}
+
+
+def test_the_residuals_as_of_a_round_ignore_later_rounds_and_stop_at_a_full_sync(tmp_path):
+    """A node that answered rounds 1-3 (blocks 0, 1, 0) when the server died after round 2's checkpoint
+    resumes with round 2's residuals: block 0's from round 1, block 1's from round 2, not round 3's."""
+    store = ResidualStore(tmp_path / "partition-0")
+    store.save(1, 0, residual(1.0))
+    store.save(2, 1, residual(2.0))
+    store.save(3, 0, residual(3.0))
+    as_of_2 = store.as_of(2)
+    assert sorted(as_of_2) == [0, 1] and torch.equal(as_of_2[0]["w"], residual(1.0)["w"])
+    assert torch.equal(as_of_2[1]["w"], residual(2.0)["w"]) and torch.equal(store.as_of(3)[0]["w"], residual(3.0)["w"])
+    store.reset(4)  # a full sync in round 4 dropped them: round 4's state has none, round 3's is kept
+    store.save(4, 1, residual(4.0))
+    assert sorted(store.as_of(4)) == [1] and sorted(store.as_of(3)) == [0, 1]
+    store.restart_at(2, as_of_2)  # a resumed run: exactly round 2's residuals, nothing after
+    assert sorted(store.as_of(10)) == [0, 1] and torch.equal(store.as_of(10)[0]["w"], residual(1.0)["w"])
+    assert not list(tmp_path.glob("partition-0/.*.tmp"))  # written by rename: no temporary left behind
+
+
+def test_the_store_keeps_a_bounded_number_of_files(tmp_path):
+    """Over 100 rounds on 3 blocks: each block's newest old file plus the last KEEP_ROUNDS rounds."""
+    store = ResidualStore(tmp_path / "partition-0")
+    for r in range(1, 101):
+        store.save(r, r % 3, residual(float(r)))
+    assert len(list(store.dir.iterdir())) <= 3 + KEEP_ROUNDS
+    assert sorted(store.as_of(100 - KEEP_ROUNDS)) == [0, 1, 2]

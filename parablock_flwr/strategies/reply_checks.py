@@ -19,6 +19,7 @@ import torch
 from flwr.app import ArrayRecord, Message
 
 from .. import core
+from ..node_data import STATE_INTACT  # an error from a node whose model state is intact
 from ..records import WIRE_DTYPES, decode
 
 # Metrics every reply carries (``node.update_metrics``) and their kinds.
@@ -38,6 +39,7 @@ OPTIONAL_NUMBER_METRICS = (
     "clientapp-reply",
     "clientapp-imported-torch",
     "truncated-examples",  # examples of the round's batches cut at max-seq-len
+    "oom-retries",  # 1: the node ran out of device memory and redid the round with half the micro-batch
     "own-data",  # 1: the node trains on its own dataset (its num-examples is bounded by max-num-examples only)
     # evaluation = "clients": the node's held-out evaluation of x^{eval-version} (node.evaluate_replica)
     "eval-version",
@@ -46,11 +48,6 @@ OPTIONAL_NUMBER_METRICS = (
     "task-accuracy",
     "task-examples",
 )
-
-
-# An error reply whose reason starts with this comes from a node whose model state is intact (it
-# ran out of memory, or its data failed): it is rejected and counted, but keeps its sync state.
-STATE_INTACT = "state-intact: "
 
 
 def state_intact(msg: Message) -> bool:

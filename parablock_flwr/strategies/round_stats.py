@@ -95,6 +95,7 @@ def round_record(
         ],
         "correction_drift_max": max((r.metrics.get("correction-drift", 0.0) for r in accepted), default=0.0),
         "truncated_examples": sum(int(r.metrics.get("truncated-examples", 0)) for r in accepted),
+        "oom_retries": sum(int(r.metrics.get("oom-retries", 0)) for r in accepted),
         **timeline_metrics(accepted),
     }
 

@@ -1,22 +1,14 @@
 """The convergence study's arithmetic (benchmarks/convergence.py): curves, spreads over seeds, and
 the claims it writes into docs/benchmarks.md, on records shaped like a run's metrics.jsonl."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "convergence.py"
+from benchmarks import convergence
 
 
 @pytest.fixture(scope="module")
 def study():
-    sys.path.insert(0, str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("convergence", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return convergence
 
 
 def result(seed: int, losses: list[float], mb_per_round: float = 1.0) -> dict:

@@ -6,26 +6,21 @@ prints one table (held-out loss, task accuracy, bytes per round per client,
 modeled and measured time) and writes it into docs/benchmarks.md with the
 command that reproduces it.
 
-    .venv/bin/python benchmarks/compare_algorithms.py              # embedded SmolLM2, 2 clients, 3 rounds
-    .venv/bin/python benchmarks/compare_algorithms.py --tiny --no-write
+    .venv/bin/python -m benchmarks.compare_algorithms              # embedded SmolLM2, 2 clients, 3 rounds
+    .venv/bin/python -m benchmarks.compare_algorithms --tiny --no-write
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from parablock_flwr.metrics import RunRecorder
-from parablock_flwr.tools.app_config import GSM_AS_MEASURED, find_project_dir
-from parablock_flwr.tools.launch import run_simulation
+from benchmarks.common import GSM_AS_MEASURED, command, replace_doc_section, simulate
 from parablock_flwr.tools.tiny_model import build_tiny_model
-
-PROJECT_DIR = find_project_dir(Path(__file__).resolve().parent)  # the repository this script is in
 
 RUNS = [
     ("parablock", "full"),
@@ -61,13 +56,8 @@ def run(algorithm: str, train: str, args, model: str, workdir: Path) -> list[dic
             }
         )
     started = time.perf_counter()
-    proc = run_simulation(
-        workdir / f"flower-{algorithm}-{train}", config, num_supernodes=args.clients, cpus_per_client=2, timeout_s=3600
-    )  # as `parablock-flwr simulate`
-    if proc.returncode != 0:
-        sys.exit(f"{algorithm} ({train}) failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{proc.summary()}")
-    run_dir = proc.run_dir
-    records = RunRecorder(run_dir).read()
+    print(f"{algorithm} ({train}) ...", flush=True)
+    _, records = simulate(workdir / f"flower-{algorithm}-{train}", config, args.clients, cpus_per_client=2)
     records[0]["total_wall_s"] = time.perf_counter() - started
     return records
 
@@ -95,25 +85,19 @@ def table(results: dict[tuple[str, str], list[dict]]) -> str:
     return "\n".join(lines)
 
 
-def write_section(text: str, command: str, args) -> None:
+def write_section(text: str, args) -> None:
     """Replace this script's section of docs/benchmarks.md (other sections stay)."""
-    doc = PROJECT_DIR / "docs" / "benchmarks.md"
-    body = doc.read_text() if doc.exists() else "# Benchmarks\n\nFigures measured by the scripts in `benchmarks/`.\n"
-    start = body.find(SECTION)
-    if start >= 0:
-        end = body.find("\n## ", start + len(SECTION))
-        body = body[:start].rstrip() + "\n" + (body[end:] if end >= 0 else "")
     model = "tiny Llama" if args.tiny else "SmolLM2-135M-Instruct (embedded)"
-    body = body.rstrip() + (
-        f"\n\n{SECTION} ({time.strftime('%Y-%m-%d')})\n\n"
-        f"Command: `{command}`  \nMachine: {os.cpu_count()} CPUs, no GPU. {model}, GSM-style reasoning-gym math, "
+    body = (
+        f"Command: `{command('compare_algorithms')}`  \nMachine: {os.cpu_count()} CPUs, no GPU. {model}, "
+        "GSM-style reasoning-gym math, "
         f"{args.clients} virtual clients, {args.rounds} rounds, the default run config otherwise (3 local steps, "
         f"batch 4, 5 layers per block, LoRA r=8 on q/k/v/o); learning rate {args.learning_rate} for full weights, "
         f"{args.lora_learning_rate} for LoRA adapters. Task accuracy: greedy answers to the first 8 held-out "
         f"prompts, scored by their exact answer. Modeled training time: the time model at 50 Mbit/s, 50 ms "
         f"(docs/algorithm.md); end-to-end wall includes the SuperLink/Ray start and the evaluations.\n\n{text}\n"
     )
-    doc.write_text(body)
+    replace_doc_section(SECTION, body, dated=True)
 
 
 def main() -> None:
@@ -140,7 +124,7 @@ def main() -> None:
     text = table(results)
     print(text)
     if not args.no_write:
-        write_section(text, "python benchmarks/compare_algorithms.py " + shlex.join(sys.argv[1:]), args)
+        write_section(text, args)
 
 
 if __name__ == "__main__":

@@ -18,31 +18,23 @@ It prints the tables, draws held-out loss against rounds and against bytes sent
 docs/convergence.json and the section of docs/benchmarks.md. Each finished run's
 records are kept under ``--workdir``: an interrupted study continues where it stopped.
 
-    .venv/bin/python benchmarks/convergence.py                    # everything (about 100 min here)
-    .venv/bin/python benchmarks/convergence.py --parts tiny       # one part
-    .venv/bin/python benchmarks/convergence.py --quick --no-write # a smoke check
+    .venv/bin/python -m benchmarks.convergence                    # everything (about 100 min here)
+    .venv/bin/python -m benchmarks.convergence --parts tiny       # one part
+    .venv/bin/python -m benchmarks.convergence --quick --no-write # a smoke check
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import statistics
-import sys
 import time
 from pathlib import Path
 
+from benchmarks.common import PROJECT_DIR, command, replace_doc_section, simulate
 from parablock_flwr.config import RunConfig
-from parablock_flwr.metrics import RunRecorder
-from parablock_flwr.tools.app_config import find_project_dir
-from parablock_flwr.tools.launch import run_simulation
 from parablock_flwr.tools.tiny_model import build_tiny_model
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from network import replace_doc_section  # noqa: E402
-
-PROJECT_DIR = find_project_dir(Path(__file__).resolve().parent)
 SECTION = "## Convergence: ParaBlock against sequential BCD, without its correction, and the baselines"
 REFERENCE = "fedbcd"
 
@@ -95,13 +87,7 @@ def run_once(name: str, config: dict, clients: int, workdir: Path) -> dict:
         return result
     out = workdir / "runs" / name
     started = time.perf_counter()
-    proc = run_simulation(
-        workdir / "flower" / name, {**config, "output-dir": str(out)}, num_supernodes=clients, cpus_per_client=1,
-        timeout_s=3600,
-    )  # fmt: skip
-    if proc.returncode != 0:
-        sys.exit(f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{proc.summary()}")
-    records = RunRecorder(proc.run_dir).read()
+    _, records = simulate(workdir / "flower" / name, {**config, "output-dir": str(out)}, clients)
     result = {"name": name, "config": config, "wall_s": time.perf_counter() - started, "records": records}
     done.parent.mkdir(parents=True, exist_ok=True)
     done.write_text(json.dumps(result))
@@ -225,8 +211,9 @@ def gaps_to_reference(summary: dict, label: str, skip: int) -> list[float]:
 
 
 def paired(summary: dict, label: str, reference: str) -> list[float]:
-    """``label``'s final loss relative to ``reference``'s, seed by seed (the same data split and the same
-    sampled clients each round)."""
+    """``label``'s final loss relative to ``reference``'s, seed by seed: the same data split, and the same
+    batches for a client in a round; not the same clients (the server samples positions in its order of
+    Flower's random node ids: docs/benchmarks.md, "The alpha 0.1 gap")."""
     return [a / b - 1 for a, b in zip(summary[label]["final_loss"], summary[reference]["final_loss"])]
 
 
@@ -402,14 +389,14 @@ def main() -> None:
     print("\n\n".join(tables) + "\n\n" + "\n".join(checked))
     if args.no_write:
         return
-    command = ("python benchmarks/convergence.py " + shlex.join(sys.argv[1:])).strip()
+    how = command("convergence")
     figures = []
     for setting, by_label in summary.items():
         path = PROJECT_DIR / "docs" / "img" / f"convergence-{slug(setting)}.png"
         plot(setting, by_label, path)
         figures.append(f"![{setting}](img/{path.name})")
     (PROJECT_DIR / "docs" / "convergence.json").write_text(
-        json.dumps({"command": command, "runs_s": sum(WALL_S.values()), "part_s": part_s, "summary": rounded(summary)})
+        json.dumps({"command": how, "runs_s": sum(WALL_S.values()), "part_s": part_s, "summary": rounded(summary)})
         + "\n"
     )  # fmt: skip
     parts_took = ", ".join(f"{p} {s / 60:.0f} min" for p, s in part_s.items())
@@ -417,7 +404,7 @@ def main() -> None:
         f"Its {len(WALL_S)} runs took {sum(WALL_S.values()) / 60:.0f} min here, one after the other "
         f"({parts_took}; each run's time includes starting Flower and Ray, about 20 s)."
     )
-    body = [f"`{command}`", took, "\n".join(checked), *tables, *figures]
+    body = [f"`{how}`", took, "\n".join(checked), *tables, *figures]
     replace_doc_section(SECTION, "\n\n".join(body) + "\n")
 
 

@@ -2,29 +2,26 @@
 
 Runs each algorithm in turn with the same model, data, seed and rounds through
 `parablock_flwr.tools.launch.run_deployment` (SuperLink, SuperNodes, node workers), then prints the
-per-round measured compute, communication and round time and appends the table
-to docs/benchmarks.md with the command that reproduces it.
+per-round measured compute, communication and round time and writes the table
+into docs/benchmarks.md with the command that reproduces it.
 
-    .venv/bin/python benchmarks/local_deployment.py                 # embedded SmolLM2, 2 nodes, 3 rounds
-    .venv/bin/python benchmarks/local_deployment.py --tiny --rounds 3
+    .venv/bin/python -m benchmarks.local_deployment                 # embedded SmolLM2, 2 nodes, 3 rounds
+    .venv/bin/python -m benchmarks.local_deployment --tiny --rounds 3
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
-import shlex
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from parablock_flwr.metrics import RunRecorder
-from parablock_flwr.tools.app_config import GSM_AS_MEASURED, find_project_dir
+from benchmarks.common import GSM_AS_MEASURED, command, read_records, replace_doc_section
 from parablock_flwr.tools.launch import run_deployment
 from parablock_flwr.tools.tiny_model import build_tiny_model
-
-PROJECT_DIR = find_project_dir(Path(__file__).resolve().parent)  # the repository this script is in
 
 
 def run(algorithm: str, args, model: str, workdir: Path) -> list[dict]:
@@ -53,8 +50,7 @@ def run(algorithm: str, args, model: str, workdir: Path) -> list[dict]:
     wall = time.perf_counter() - started
     if proc.returncode != 0:
         sys.exit(f"{algorithm} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{proc.summary()}")
-    run_dir = proc.run_dir
-    records = RunRecorder(run_dir).read()
+    records = read_records(proc.run_dir)
     records[0]["total_wall_s"] = wall
     return records
 
@@ -110,24 +106,15 @@ def main() -> None:
     ratio = sum(r["round_wall_s"] for r in p[1:]) / max(1e-9, sum(r["round_wall_s"] for r in f[1:]))
     print(f"\nParaBlock / sequential BCD, wall time of rounds 2..R: {ratio:.2f}")
     if not args.no_write:
-        command = "python benchmarks/local_deployment.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-        doc = PROJECT_DIR / "docs" / "benchmarks.md"
-        header = "" if doc.exists() else "# Benchmarks\n\nFigures measured by the scripts in `benchmarks/`.\n"
-        with doc.open("a") as fh:
-            fh.write(
-                f"{header}\n## Local deployment, {'tiny Llama' if args.tiny else 'SmolLM2-135M'}: "
-                f"ParaBlock vs sequential BCD ({time.strftime('%Y-%m-%d')})\n\n"
-                f"Command: `{command.strip()}`  \nMachine: {platform.machine()}, "
-                f"{_cpus()} CPUs, no GPU, loopback (no link shaping); {args.nodes} SuperNodes each with a "
-                f"node worker (1 torch thread), {args.rounds} rounds, {args.local_steps} local steps.\n\n"
-                f"{text}\n\nParaBlock / sequential BCD, wall time of rounds 2..R: **{ratio:.2f}**\n"
-            )
-
-
-def _cpus() -> int:
-    import os
-
-    return os.cpu_count() or 0
+        heading = f"## Local deployment, {'tiny Llama' if args.tiny else 'SmolLM2-135M'}: ParaBlock vs sequential BCD"
+        replace_doc_section(
+            heading,
+            f"Command: `{command('local_deployment')}`  \nMachine: {platform.machine()}, "
+            f"{os.cpu_count() or 0} CPUs, no GPU, loopback (no link shaping); {args.nodes} SuperNodes each with a "
+            f"node worker (1 torch thread), {args.rounds} rounds, {args.local_steps} local steps.\n\n"
+            f"{text}\n\nParaBlock / sequential BCD, wall time of rounds 2..R: **{ratio:.2f}**\n",
+            dated=True,
+        )
 
 
 if __name__ == "__main__":

@@ -19,10 +19,10 @@ stopped by its PID (with its process group), every namespace deleted, also on
 Ctrl-C, SIGTERM or an error. Needs root (`ip netns`). The namespaces, links, shaping,
 proxy and clean-up are benchmarks/netlab.py; this file is the experiment: runs, tables, plots.
 
-    .venv/bin/python benchmarks/network.py                       # SmolLM2, 2 clients, 3 rounds, every algorithm
-    .venv/bin/python benchmarks/network.py --rates 10,25,100     # a sweep of link rates
-    .venv/bin/python benchmarks/network.py --fast                # tiny model, a short smoke run (no docs)
-    .venv/bin/python benchmarks/network.py --probe               # 1 round: the rate at which link time = compute
+    .venv/bin/python -m benchmarks.network                       # SmolLM2, 2 clients, 3 rounds, every algorithm
+    .venv/bin/python -m benchmarks.network --rates 10,25,100     # a sweep of link rates
+    .venv/bin/python -m benchmarks.network --fast                # tiny model, a short smoke run (no docs)
+    .venv/bin/python -m benchmarks.network --probe               # 1 round: the rate at which link time = compute
 
 Writes into --out: results.json, loss-vs-wall.png, round-times.png, the run
 folders and every process's log; without --fast (or with --docs) also a
@@ -54,7 +54,6 @@ import contextlib
 import json
 import logging
 import os
-import platform
 import shlex
 import shutil
 import signal
@@ -64,20 +63,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from parablock_flwr.metrics import RunRecorder
-from parablock_flwr.tools.app_config import GSM_AS_MEASURED, find_project_dir
-from parablock_flwr.tools.launch import (
-    flower_env,
-    flwr_run,
-    node_config,
-    superlink_command,
-    supernode_command,
-    wait_for,
-    worker_command,
-    write_connection,
-)
-
-from netlab import (
+from benchmarks.common import GSM_AS_MEASURED, PROJECT_DIR, machine, read_records, replace_doc_section
+from benchmarks.netlab import (
     Network,
     build_network,
     check_machine,
@@ -93,10 +80,18 @@ from netlab import (
     wait_gone,
     wire_bytes,
 )
+from parablock_flwr.tools.launch import (
+    flower_env,
+    flwr_run,
+    node_config,
+    superlink_command,
+    supernode_command,
+    wait_for,
+    worker_command,
+    write_connection,
+)
 
 log = logging.getLogger(__name__)
-
-PROJECT_DIR = find_project_dir(Path(__file__).resolve().parent)  # the repository this script is in
 
 # Chosen so that link time ~ one round's compute: see the module docstring.
 DEFAULT_RATE_MBPS = 40.0
@@ -237,7 +232,7 @@ def read_run(out: Path) -> dict:
     run_dirs = sorted(out.glob("*")) if out.exists() else []
     if not run_dirs or not (run_dirs[-1] / "metrics.jsonl").exists():
         return {}
-    records = RunRecorder(run_dirs[-1]).read()
+    records = read_records(run_dirs[-1])
     return {
         "run_dir": str(run_dirs[-1]),
         "heldout_loss_initial": records[0].get("heldout_loss"),
@@ -441,42 +436,6 @@ def write_docs(report: str, pngs: list[Path]) -> None:
     replace_doc_section(DOC_HEADING, f"{report}\n\n" + "\n\n".join(links) + "\n")
 
 
-def replace_doc_section(heading: str, body: str) -> None:
-    """Replace (or append) the section under ``heading`` in docs/benchmarks.md; other sections stay."""
-    section = f"{heading}\n\n{body}"
-    doc = PROJECT_DIR / "docs" / "benchmarks.md"
-    text = doc.read_text() if doc.exists() else "# Benchmarks\n\nFigures measured by the scripts in `benchmarks/`.\n"
-    lines = text.splitlines(keepends=True)
-    start = next((i for i, line in enumerate(lines) if line.startswith(heading)), None)
-    if start is None:
-        doc.write_text(text.rstrip("\n") + "\n\n" + section)
-        return
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-    tail = "".join(lines[end:])
-    doc.write_text("".join(lines[:start]) + section + ("\n" + tail if tail else ""))
-
-
-def machine() -> dict:
-    mem_kb = next(
-        int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal")
-    )
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        platform.processor(),
-    )
-    return {
-        "nproc": os.cpu_count(),
-        "memory_gib": round(mem_kb / 2**20, 1),
-        "cpu": cpu,
-        "arch": platform.machine(),
-        "gpu": "none" if not shutil.which("nvidia-smi") else "see nvidia-smi",
-    }
-
-
 def describe(results: dict) -> str:
     """The section's text: what ran, where, with which command, then the tables."""
     s, m = results["settings"], results["machine"]
@@ -632,7 +591,7 @@ def main(argv: list[str] | None = None) -> int:
     stop_on_sigterm()
     args.out.mkdir(parents=True, exist_ok=True)
     prefix = f"pbn-{os.getpid()}"
-    command = "python benchmarks/network.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    command = "python -m benchmarks.network " + shlex.join(sys.argv[1:] if argv is None else argv)
     results = {
         "command": command.strip(),
         "date": time.strftime("%Y-%m-%d"),

@@ -20,9 +20,9 @@ The server evaluates only before training and after the last round (``eval-every
 no generation): its evaluation is off the critical path anyway, but on this machine it would
 share CPU 0 with Flower's processes.
 
-    .venv/bin/python benchmarks/overlap.py                 # SmolLM2: probe, sweep, shared-core run (~25 min)
-    .venv/bin/python benchmarks/overlap.py --rates 40,80   # skip the probe (message-overhead-s from --overhead-s)
-    .venv/bin/python benchmarks/overlap.py --fast          # tiny model, a smoke run (no docs)
+    .venv/bin/python -m benchmarks.overlap                 # SmolLM2: probe, sweep, shared-core run (~25 min)
+    .venv/bin/python -m benchmarks.overlap --rates 40,80   # skip the probe (message-overhead-s from --overhead-s)
+    .venv/bin/python -m benchmarks.overlap --fast          # tiny model, a smoke run (no docs)
 
 Writes into --out: overlap.json and the PNGs; without --fast also docs/overlap.json (the
 summary) and the section of docs/benchmarks.md with the PNGs under docs/img/.
@@ -40,14 +40,10 @@ import sys
 import time
 from pathlib import Path
 
-import network
+from benchmarks import network
+from benchmarks.common import GSM_AS_MEASURED, PROJECT_DIR, machine, read_records, replace_doc_section
+from benchmarks.netlab import build_network, check_machine, shape, stop_on_sigterm
 
-from parablock_flwr.metrics import RunRecorder
-from parablock_flwr.tools.app_config import GSM_AS_MEASURED
-
-from netlab import build_network, check_machine, shape, stop_on_sigterm
-
-PROJECT_DIR = network.PROJECT_DIR
 PROBE_RATE_MBPS = 1000.0
 SWEEP_FACTORS = (0.125, 0.5, 1.0, 2.0, 4.0)
 LEGS = ("aggregate", "dispatch", "delivery", "clientapp_relay", "reply_relay", "reply_to_server", "wait_for_others")
@@ -59,14 +55,9 @@ def run(net, algorithm: str, rate: float, args, model: str, out: Path, compute_c
     args.compute_cpus, args.extra_config = compute_cpus, extra
     print(f"[{time.strftime('%H:%M:%S')}] {algorithm}, {rate:g} Mbit/s, {len(net.nodes)} node(s) ...", flush=True)
     result = network.run_one(net, algorithm, rate, args, model, out)
-    result["records"] = read_records(result)
+    result["records"] = read_records(Path(result["run_dir"])) if "run_dir" in result else []
     print(f"    {'ok' if 'rounds' in result else result['error']}: {result['total_wall_s']:.0f} s", flush=True)
     return result
-
-
-def read_records(result: dict) -> list[dict]:
-    path = Path(result.get("run_dir", "/nonexistent")) / "metrics.jsonl"
-    return RunRecorder(path.parent).read() if path.exists() else []
 
 
 def later(result: dict) -> list[dict]:
@@ -246,7 +237,7 @@ def write_docs(results: dict, pngs: list[Path]) -> None:
     (PROJECT_DIR / "docs" / "overlap.json").write_text(
         json.dumps({k: results[k] for k in ("command", "date", "settings", "probe", "ratios", "summaries")}, indent=1)
     )
-    s, m = results["settings"], network.machine()
+    s, m = results["settings"], machine()
     text = (
         f"Command: `{results['command']}`  \nDate: {results['date']}  \n"
         f"Machine: {m['arch']}, {m['cpu']}, nproc {m['nproc']}, {m['memory_gib']} GiB, GPU: {m['gpu']}  \n"
@@ -261,7 +252,7 @@ def write_docs(results: dict, pngs: list[Path]) -> None:
         + "\n\n".join(f"![{p.stem}](img/{p.name})" for p in pngs)
         + "\n"
     )
-    network.replace_doc_section(DOC_HEADING, text)
+    replace_doc_section(DOC_HEADING, text)
 
 
 def parse_args(argv: list[str] | None):

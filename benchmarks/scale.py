@@ -5,16 +5,15 @@ sampler sums the memory of every process of the run (SuperLink, ServerApp,
 Ray and its actors) every 0.5 s and keeps the peak, both as resident memory
 (RSS, which counts pages shared between processes, such as Ray's object
 store, once per process) and as proportional memory (PSS, which splits them).
-Appends the table to docs/benchmarks.md with the command that reproduces it.
+Writes the table into docs/benchmarks.md with the command that reproduces it.
 
-    .venv/bin/python benchmarks/scale.py --clients 10 50 100
+    .venv/bin/python -m benchmarks.scale --clients 10 50 100
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import sys
 import tempfile
 import threading
@@ -23,12 +22,9 @@ from pathlib import Path
 
 import psutil
 
-from parablock_flwr.metrics import RunRecorder
-from parablock_flwr.tools.app_config import GSM_AS_MEASURED, find_project_dir
+from benchmarks.common import GSM_AS_MEASURED, command, read_records, replace_doc_section
 from parablock_flwr.tools.launch import run_simulation
 from parablock_flwr.tools.tiny_model import build_tiny_model
-
-PROJECT_DIR = find_project_dir(Path(__file__).resolve().parent)  # the repository this script is in
 
 
 def tree_memory(root: psutil.Process) -> tuple[int, int]:
@@ -76,7 +72,7 @@ def measure(clients: int, model: Path, rounds: int, workdir: Path) -> dict:
     if proc.returncode != 0:
         sys.exit(f"{clients} clients failed:\n{proc.stdout[-3000:]}\n{proc.summary()}")
     run_dir = proc.run_dir
-    records = RunRecorder(run_dir).read()
+    records = read_records(run_dir)
     block_bytes = records[-1]["bytes_up_per_client"]
     files = sum(1 for _ in run_dir.rglob("*") if _.is_file())
     return {
@@ -121,16 +117,16 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     if not args.no_write:
-        command = "python benchmarks/scale.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-        with (PROJECT_DIR / "docs" / "benchmarks.md").open("a") as fh:
-            fh.write(
-                f"\n## Many virtual clients in simulation ({time.strftime('%Y-%m-%d')})\n\n"
-                f"Command: `{command.strip()}`  \n"
-                f"Tiny Llama (4 layers, hidden {args.hidden}), one layer per block, "
-                f"{args.rounds} rounds of ParaBlock, 1 CPU per client (2 Ray actors on this 2-core machine). "
-                "Peak RSS and PSS are sums over every process of the run, above the benchmark's own.\n\n"
-                f"{text}\n"
-            )
+        heading = "## Many virtual clients in simulation" + (f", hidden {args.hidden}" if args.hidden != 64 else "")
+        replace_doc_section(
+            heading,
+            f"Command: `{command('scale')}`  \n"
+            f"Tiny Llama (4 layers, hidden {args.hidden}), one layer per block, "
+            f"{args.rounds} rounds of ParaBlock, 1 CPU per client (2 Ray actors on this 2-core machine). "
+            "Peak RSS and PSS are sums over every process of the run, above the benchmark's own.\n\n"
+            f"{text}\n",
+            dated=True,
+        )
 
 
 if __name__ == "__main__":

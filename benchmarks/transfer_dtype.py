@@ -8,8 +8,8 @@ rounding into its next update of that block). Prints and writes to docs/benchmar
 the held-out loss after the last round against fp32's, the bytes that crossed (the
 arrays of every message and reply, as serialised), and the invariant checks.
 
-    .venv/bin/python benchmarks/transfer_dtype.py            # fp32, bf16, fp16 (~15 min here)
-    .venv/bin/python benchmarks/transfer_dtype.py --tiny --no-write
+    .venv/bin/python -m benchmarks.transfer_dtype            # fp32, bf16, fp16 (~15 min here)
+    .venv/bin/python -m benchmarks.transfer_dtype --tiny --no-write
 """
 
 from __future__ import annotations
@@ -21,10 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import network
-
-from parablock_flwr.metrics import RunRecorder
-from parablock_flwr.tools.app_config import GSM_AS_MEASURED
+from benchmarks.common import GSM_AS_MEASURED, read_records, replace_doc_section
 from parablock_flwr.tools.launch import run_simulation
 from parablock_flwr.tools.tiny_model import build_tiny_model
 
@@ -42,7 +39,7 @@ def run(dtype: str, args, model: str, workdir: Path) -> dict:
     result = run_simulation(workdir / f"flower-{dtype}", config, num_supernodes=2, cpus_per_client=1, timeout_s=3600)
     if result.returncode != 0 or result.run_dir is None:
         return {"dtype": dtype, "error": result.reason}
-    records = RunRecorder(result.run_dir).read()
+    records = read_records(result.run_dir)
     trained = records[1:]
     return {
         "dtype": dtype,
@@ -84,14 +81,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="the tiny test model (seconds), not SmolLM2")
     p.add_argument("--no-write", action="store_true", help="leave docs/benchmarks.md alone")
     args = p.parse_args(argv)
-    command = "python benchmarks/transfer_dtype.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    command = "python -m benchmarks.transfer_dtype " + shlex.join(sys.argv[1:] if argv is None else argv)
     with tempfile.TemporaryDirectory(prefix="parablock-transfer-") as tmp:
         model = str(build_tiny_model(Path(tmp) / "tiny")) if args.tiny else "embedded:smollm2-135m-instruct"
         rows = [run(dtype, args, model, Path(tmp)) for dtype in args.dtypes.split(",")]
     text = table(rows)
     print(text)
     if not args.no_write:
-        network.replace_doc_section(
+        replace_doc_section(
             SECTION,
             f"Command: `{command.strip()}`  \nDate: {time.strftime('%Y-%m-%d')}  \n"
             f"ParaBlock, `{'tiny Llama' if args.tiny else model}`, 2 virtual clients, {args.rounds} rounds, "

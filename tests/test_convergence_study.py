@@ -1,22 +1,14 @@
 """The convergence study's arithmetic (benchmarks/convergence.py): curves, spreads over seeds, and
 the claims it writes into docs/benchmarks.md, on records shaped like a run's metrics.jsonl."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "convergence.py"
+from benchmarks import convergence
 
 
 @pytest.fixture(scope="module")
 def study():
-    sys.path.insert(0, str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("convergence", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return convergence
 
 
 def result(seed: int, losses: list[float], mb_per_round: float = 1.0) -> dict:
@@ -50,3 +42,20 @@ def test_the_summary_and_the_claims_follow_the_runs(study):
     assert "+23.8%, -4.5% (not measurably worse: above on 1 of 2 seeds)" in claims[1]
     table = study.table("s", summary, skip=1)
     assert "| parablock | 2.1100 (2.0200–2.2000) | +0.48% / +0.00% | 3.0 |" in table
+
+
+def test_the_section_writer_replaces_its_own_section_in_place(tmp_path):
+    """benchmarks/common.py's one writer: a section (dated or not) is replaced where it stands, the
+    others stay byte for byte, a new one is appended; a heading that merely starts alike is not ours."""
+    from benchmarks.common import replace_doc_section
+
+    doc = tmp_path / "benchmarks.md"
+    before = "# Benchmarks\n\nIntro.\n\n## A (2026-11-29)\n\nold A\n\n## A, hidden 256\n\nother\n\n## B\n\nold B\n"
+    doc.write_text(before)
+    replace_doc_section("## A", "new A\n", dated=True, doc=doc)
+    text = doc.read_text()
+    assert text.startswith("# Benchmarks\n\nIntro.\n\n## A (2") and "\n\nnew A\n\n## A, hidden 256\n\nother\n" in text
+    assert "old A" not in text and text.endswith("## B\n\nold B\n")
+    replace_doc_section("## B", "new B", doc=doc)
+    replace_doc_section("## C", "c", doc=doc)
+    assert doc.read_text().endswith("## B\n\nnew B\n\n## C\n\nc\n")

@@ -18,16 +18,6 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
-# The data and evaluation the benchmarks of 2026-11-29/30 in docs/benchmarks.md were measured on
-# (the run-config defaults then): their scripts pin them, so that their commands still reproduce them.
-GSM_AS_MEASURED = {
-    "dataset": "reasoning-gym:gsm_symbolic",
-    "heldout-examples": 16,
-    "generate-examples": 8,
-    "max-new-tokens": 128,
-}
-
-
 class ProjectNotFound(RuntimeError):
     """No folder from the start upwards holds a Flower app."""
 

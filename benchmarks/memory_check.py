@@ -4,9 +4,9 @@ Runs two rounds of a real node worker in this process (round 1, then round 2 com
 round 1's reply "travels", exactly as in a deployment) on a model, and prints the peak RSS (CPU) or
 ``torch.cuda.max_memory_allocated`` (GPU) beside the formula's terms:
 
-    .venv/bin/python scripts/memory-check.py embedded:smollm2-135m-instruct
-    .venv/bin/python scripts/memory-check.py random-1b --weights bf16     # a random ~1B Llama from a config
-    .venv/bin/python scripts/memory-check.py MODEL --device cuda:0 --weights bf16 --micro-batch-size 1
+    .venv/bin/python -m benchmarks.memory_check embedded:smollm2-135m-instruct
+    .venv/bin/python -m benchmarks.memory_check random-1b --weights bf16     # a random ~1B Llama from a config
+    .venv/bin/python -m benchmarks.memory_check MODEL --device cuda:0 --weights bf16 --micro-batch-size 1
 
 Each measurement runs in a fresh process (peak RSS only grows): one model per call.
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from parablock_flwr.tools.app_config import GSM_AS_MEASURED
+from benchmarks.common import GSM_AS_MEASURED
 
 
 def random_llama(folder: Path, tokenizer_from: str) -> str:

@@ -1,0 +1,87 @@
+"""What the benchmarks share: launching a simulation, reading a run's records, writing a section
+of docs/benchmarks.md, and the settings their tables were measured with."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from parablock_flwr.metrics import RunRecorder
+from parablock_flwr.tools.app_config import find_project_dir
+from parablock_flwr.tools.launch import run_simulation
+
+PROJECT_DIR = find_project_dir(Path(__file__).resolve().parent)
+BENCHMARKS_DOC = PROJECT_DIR / "docs" / "benchmarks.md"
+
+# The data and evaluation the benchmarks of 2026-11-29/30 in docs/benchmarks.md were measured on
+# (the run-config defaults then): their scripts pin them, so that their commands still reproduce them.
+GSM_AS_MEASURED = {
+    "dataset": "reasoning-gym:gsm_symbolic",
+    "heldout-examples": 16,
+    "generate-examples": 8,
+    "max-new-tokens": 128,
+}
+
+
+def read_records(run_dir: Path) -> list[dict]:
+    """A run's records, one merged dict per round (round 0: before training)."""
+    return RunRecorder(run_dir).read()
+
+
+def simulate(
+    flower_dir: Path, config: dict, clients: int, cpus_per_client: int = 1, timeout_s: float = 3600
+) -> tuple[Path, list[dict]]:
+    """One `flwr run` on Flower's simulation engine: its run folder and records; a failed run stops
+    the benchmark with the run's last output."""
+    proc = run_simulation(
+        flower_dir, config, num_supernodes=clients, cpus_per_client=cpus_per_client, timeout_s=timeout_s
+    )
+    if proc.returncode != 0 or proc.run_dir is None:
+        sys.exit(f"the run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{proc.summary()}")
+    return proc.run_dir, read_records(proc.run_dir)
+
+
+def command(module: str) -> str:
+    """How this benchmark was run, as docs/benchmarks.md quotes it."""
+    return f"python -m benchmarks.{module} {shlex.join(sys.argv[1:])}".strip()
+
+
+def replace_doc_section(heading: str, body: str, dated: bool = False, doc: Path = BENCHMARKS_DOC) -> None:
+    """Replace (or append) the section headed ``heading`` (or ``heading (...)``) in docs/benchmarks.md;
+    the other sections stay. ``dated``: the heading ends with today's date, ``## Heading (2026-11-30)``."""
+    title = f"{heading} ({time.strftime('%Y-%m-%d')})" if dated else heading
+    section = f"{title}\n\n{body.rstrip()}\n"
+    text = doc.read_text() if doc.exists() else "# Benchmarks\n\nFigures measured by the scripts in `benchmarks/`.\n"
+    lines = text.splitlines(keepends=True)
+    ours = [i for i, line in enumerate(lines) if line.rstrip("\n") == heading or line.startswith(f"{heading} (")]
+    start = ours[0] if ours else None
+    if start is None:
+        doc.write_text(text.rstrip("\n") + "\n\n" + section)
+        return
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    tail = "".join(lines[end:])
+    doc.write_text("".join(lines[:start]) + section + ("\n" + tail if tail else ""))
+
+
+def machine() -> dict:
+    """This machine, as the benchmarks' sections describe it."""
+    mem_kb = next(
+        int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal")
+    )
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+         if line.startswith("model name")),
+        platform.processor(),
+    )  # fmt: skip
+    return {
+        "nproc": os.cpu_count(),
+        "memory_gib": round(mem_kb / 2**20, 1),
+        "cpu": cpu,
+        "arch": platform.machine(),
+        "gpu": "none" if not shutil.which("nvidia-smi") else "see nvidia-smi",
+    }

@@ -1,0 +1,130 @@
+"""The app held to the reference (tests/reference.py): the same global model after every round.
+
+One simulation per algorithm (ParaBlock ``at-end``, sequential BCD, ParaBlock without the
+correction) with partial participation, non-IID data, a run-wide learning-rate schedule and
+a schedule that repeats blocks, then the reference on the same tiny model, data and seeds.
+
+The app's server samples its clients over Flower's node ids, which the simulation engine draws
+at random: the *positions* it samples each round are seeded, the partitions behind them are
+not. The reference is therefore told which partitions the app trained (its records'
+``client_weights``), and the test checks that the app's choice is the reference's seeded
+draw up to one fixed relabelling of the clients.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from itertools import permutations
+
+import pytest
+import reference
+import torch
+
+from parablock_flwr.config import RunConfig
+
+from helpers import simulate
+
+ROUNDS = 5
+SETTINGS = dict(
+    num_supernodes=4,
+    fraction_train=0.5,
+    num_server_rounds=ROUNDS,
+    dataset="reasoning-gym:instruction-mix",  # six task families: Dirichlet over them is non-IID
+    partitioning="dirichlet",
+    dirichlet_alpha=0.3,
+    num_examples=96,
+    heldout_examples=8,
+    non_layer_params="block",  # 3 blocks: layers 0-1, 2-3, the rest
+    schedule="uniform-random",  # with this seed: b_r == b_{r-1} happens
+    lr_schedule="linear",
+    lr_schedule_scope="run",
+    warmup_steps=2,
+    generate_examples=0,
+    seed=2,  # the seeded draw makes both returning (resynchronised) and stale clients
+)
+ALGORITHMS = {
+    "parablock": dict(algorithm="parablock", correction="at-end"),
+    "fedbcd": dict(algorithm="fedbcd"),
+    "none": dict(algorithm="parablock", correction="none"),
+}
+# correction = "none": the app keeps a client's own model as an offset on a recent global version
+# and rewrites it by subtracting the global steps it skipped (docs/algorithm.md); the reference keeps
+# the model itself. Same math, other float sums: the two differ by rounding (fp32, about 1e-7 of a
+# weight per operation), which training then carries on; 1e-4 is far above that over five rounds and
+# far below what training moves (the test checks both sides).
+UNCORRECTED_ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_model_dir):
+    """The three app runs, side by side (separate Flower homes and ports), then the reference of each
+    on the partitions the app trained: {label: (app run, config, partitions by round, reference rounds,
+    the app's x^1..x^R)}."""
+
+    def one(label):
+        return simulate(tmp_path_factory.mktemp(label), tiny_model_dir, **SETTINGS, **ALGORITHMS[label])
+
+    with ThreadPoolExecutor(len(ALGORITHMS)) as pool:
+        apps = dict(zip(ALGORITHMS, pool.map(one, ALGORITHMS)))
+    out, threads, deterministic = {}, torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    for label, app in apps.items():
+        assert app.returncode == 0, (app.stdout[-2000:], app.stderr[-2000:])
+        cfg = RunConfig.from_flower(json.loads((app.run_dir / "config.json").read_text()))
+        trained = reference.app_participants(app.records)
+        rounds = reference.run(cfg, SETTINGS["num_supernodes"], participants=trained.get)
+        out[label] = (app, cfg, trained, rounds, reference.app_models(app.run_dir, cfg))
+    torch.set_num_threads(threads)  # the reference set the run's torch-threads and deterministic mode
+    torch.use_deterministic_algorithms(deterministic)
+    return out
+
+
+@pytest.mark.parametrize("label", ["parablock", "fedbcd"])
+def test_the_app_equals_the_reference_bit_for_bit(runs, label):
+    app, _, _, rounds, models = runs[label]
+    for r, (theirs, ours) in enumerate(zip(models, rounds), start=1):
+        assert app.records[r]["block"] == ours.block, f"round {r}"
+        different = [n for n in theirs if not torch.equal(theirs[n], ours.x[n])]
+        assert not different, f"{label}, round {r}: x^{r} differs in {different[:3]}"
+
+
+def test_without_the_correction_the_app_equals_the_reference_up_to_rounding(runs):
+    _, _, _, rounds, models = runs["none"]
+    for r, (theirs, ours) in enumerate(zip(models, rounds), start=1):
+        worst = reference.largest_difference(theirs, ours.x)
+        assert worst <= UNCORRECTED_ATOL, f"round {r}: x^{r} differs by {worst:.2e}"
+    assert reference.largest_difference(rounds[-1].x, rounds[0].x) > 100 * UNCORRECTED_ATOL  # training moved x
+
+
+def test_the_runs_cover_stale_and_returning_clients_and_repeated_blocks(runs):
+    """The equality means something: ParaBlock's clients started from their own previous update and
+    from x^{r-1} after sitting a round out; some block was trained two rounds in a row."""
+    rounds = runs["parablock"][3]
+    stale = sum(r.stale_start for r in rounds)
+    returning = sum(len(r.participants) - r.stale_start for r in rounds[1:])
+    assert stale > 0 and returning > 0
+    assert any(a.block == b.block for a, b in zip(rounds, rounds[1:]))
+
+
+def test_the_app_samples_the_reference_s_draw_over_its_node_order(runs):
+    """Each run's clients are the reference's seeded draw (over partition ids) under one fixed
+    relabelling of the clients (the order of Flower's random node ids)."""
+    n = SETTINGS["num_supernodes"]
+    for label, (_, cfg, trained, _, _) in runs.items():
+        drawn = {r: reference.sample(cfg, n, r) for r in trained}
+        assert any(
+            all(sorted(order[p] for p in trained[r]) == drawn[r] for r in trained) for order in permutations(range(n))
+        ), label
+
+
+def test_both_algorithms_train_the_same_steps_and_examples_per_client(runs):
+    """Counted on the reference: every sampled client takes K steps over K x B examples, and its batches
+    are the same for BCD and ParaBlock when both train it in the same round."""
+    for label in ALGORITHMS:
+        cfg, rounds = runs[label][1], runs[label][3]
+        for r in rounds:
+            assert set(r.steps.values()) == {cfg.local_steps}
+            assert set(r.examples.values()) == {cfg.local_steps * cfg.batch_size}
+    bcd, parablock = runs["fedbcd"][3], runs["parablock"][3]
+    shared = [(a.batches[i], b.batches[i]) for a, b in zip(bcd, parablock) for i in set(a.batches) & set(b.batches)]
+    assert shared and all(x == y for x, y in shared)

@@ -73,11 +73,22 @@ class FedBCD(RoundLoop):
         """A seeded sample of ``fraction-train`` of the connected nodes (at least one),
         once at least ``min-available-nodes`` are connected.
 
+        The sample is drawn over the nodes' partition ids, not their node ids: Flower gives nodes
+        new random ids in every run, so only the partitions make a seed pick the same clients in
+        every run (and in a resumed one). A node whose partition is not known yet is asked once.
         A ParaBlock client that sat out round r-1 holds a pending update that is
         already aggregated (or was rejected): on its return it is resynchronised.
         """
         _, available = sample_nodes(grid, self.config.min_available_nodes, sample_size=1)  # waits for enough
-        return seeded_sample(sorted(available), self.config.fraction_train, self.config.seed * 1_000_003 + server_round)
+        if self.config.fraction_train >= 1.0:
+            return sorted(available)
+        partitions = self.sync.partitions
+        unknown = [n for n in available if n not in partitions]
+        if unknown:
+            partitions.update(ask_partitions(grid, unknown, self.round_timeout_s))
+        by_partition = sorted(available, key=lambda n: (partitions.get(n, math.inf), n))  # unanswered: last
+        chosen = seeded_sample(by_partition, self.config.fraction_train, self.config.seed * 1_000_003 + server_round)
+        return sorted(chosen)
 
     def round_config(self, server_round: int, block: int, step_block: int) -> ConfigRecord:
         """What every client is told this round; subclasses may add keys."""

@@ -174,7 +174,7 @@ def evaluate(model_spec: str, config_path: Path | None, samples_path: Path | Non
     from .model import load_saved, load_tokenizer, resolve_model
 
     cfg = RunConfig.from_flower(json.loads(config_path.read_text()) if config_path else {})
-    model, tokenizer = load_saved(resolve_model(model_spec)), load_tokenizer(model_spec)
+    model, tokenizer = load_saved(resolve_model(model_spec)), load_tokenizer(model_spec, cfg.prompt_format)
     _, heldout = tokenized_splits(
         cfg.dataset, cfg.num_examples, cfg.heldout_examples, cfg.seed, tokenizer, cfg.max_seq_len
     )

@@ -74,12 +74,12 @@ def resources(cfg: RunConfig, run_id: int, settings: NodeSettings | None = None)
     key = (run_id, cfg, settings)
     if _RESOURCES is None or _RESOURCES.key != key:
         _RESOURCES = None  # free the previous run's model before loading the next
-        model, partition = load_for_training(cfg)
+        model, partition = load_for_training(cfg, cfg.weights)  # bf16: no fp32 copy of the whole model
         device = node_device(settings.device)
         weights_dtype = WEIGHTS_DTYPES[cfg.weights]
         replica = ModelReplica(model, partition.all_names(), weights_dtype)  # weights cast before the move
         model.to(device)
-        tokenizer = load_tokenizer(cfg.model)
+        tokenizer = load_tokenizer(cfg.model, cfg.prompt_format)
         own_heldout = cfg.heldout_examples if cfg.evaluation == "clients" else 0
         if settings.local:
             train_rows, heldout_rows = node_splits(

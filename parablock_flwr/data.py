@@ -29,6 +29,7 @@ trains on; the rest is split across clients with a flwr-datasets partitioner (``
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from dataclasses import dataclass
@@ -232,11 +233,12 @@ def tokenized_rows_counted(
     spec: str, num_examples: int | None, seed: int, tokenizer, max_len: int
 ) -> tuple[datasets.Dataset, int]:
     """(rows, how many were dropped because ``max-seq-len`` cut them before their answer)."""
-    rows = load_examples(spec, num_examples, seed)
-    # prompt/response/family stay: generation reads prompts, partitioners read family.
-    encoded = rows.map(lambda r: encode_row(tokenizer, r, max_len))
-    # An example cut before its answer would have no label at all.
-    kept = encoded.filter(lambda r: any(t != IGNORE_INDEX for t in r["labels"]))
+    with quiet_progress():
+        rows = load_examples(spec, num_examples, seed)
+        # prompt/response/family stay: generation reads prompts, partitioners read family.
+        encoded = rows.map(lambda r: encode_row(tokenizer, r, max_len))
+        # An example cut before its answer would have no label at all.
+        kept = encoded.filter(lambda r: any(t != IGNORE_INDEX for t in r["labels"]))
     dropped = len(encoded) - len(kept)
     if dropped:
         log.warning(
@@ -244,6 +246,19 @@ def tokenized_rows_counted(
             spec, dropped, len(encoded), max_len,
         )  # fmt: skip
     return kept, dropped
+
+
+@contextlib.contextmanager
+def quiet_progress():
+    """No progress bars from ``datasets`` (a few hundred rows take a second; the bars of every node
+    would fill a run's output), restored afterwards."""
+    enabled = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if enabled:
+            datasets.enable_progress_bars()
 
 
 def local_rows_limit(spec: str, num_examples: int) -> int | None:

@@ -16,6 +16,7 @@ import math
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -142,7 +143,9 @@ def add_lora(model: PreTrainedModel, cfg) -> nn.Module:
         task_type="CAUSAL_LM",
     )
     try:
-        peft_model = get_peft_model(model, lora)
+        with warnings.catch_warnings():  # PEFT reads transformers' deprecated is_gradient_checkpointing
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+            peft_model = get_peft_model(model, lora)
     except ValueError as err:
         raise ValueError(
             f"lora-target-modules={targets!r}: {str(err).splitlines()[0]}; expected module names "

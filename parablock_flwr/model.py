@@ -9,6 +9,7 @@ Face folder under the cache (``$PARABLOCK_CACHE``, default
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import importlib.util
 import logging
@@ -53,7 +54,8 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel
     path = resolve_model(spec)
     log.info("Loading model %s (%s) from %s", spec, str(dtype).removeprefix("torch."), path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        with quiet_progress():
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except OSError as err:
         raise ValueError(
             f"model={spec!r}: cannot load it ({str(err).splitlines()[0]}); "
@@ -62,6 +64,21 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel
     model.requires_grad_(False)
     model.eval()
     return model
+
+
+@contextlib.contextmanager
+def quiet_progress():
+    """No "Loading weights" progress bar from transformers (every process of a run loads the model,
+    and the bars would fill the run's output and the workers' logs), restored afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
 
 
 def load_for_training(cfg, weights: str = "fp32") -> tuple[nn.Module, core.BlockPartition]:

@@ -10,7 +10,7 @@
 #
 # Python: $PYTHON, else .venv/bin/python, else python3. A machine without flwr (a bare GPU image
 # with torch and transformers only) gets the missing packages from the git-ignored folder
-# wheels/ (docs/deployment.md, "A GPU machine without network", says how to fill it): they are
+# wheels/ (docs/deployment.md, "The GPU check", says how to fill it): they are
 # installed, offline, into a virtual environment under /tmp that sees the system's torch.
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -79,8 +79,18 @@ def run_step(name: str, cmd: list[str], out: Path, timeout_s: float, env: dict |
     return ok
 
 
-def memory_step(name: str, model: str, device: str, weights: str, args, out: Path) -> bool:
-    cmd = [sys.executable, "scripts/memory-check.py", model, "--device", device, "--weights", weights]
+def memory_step(name: str, model: str, device: str, weights: str, args, out: Path, data: str) -> bool:
+    cmd = [
+        sys.executable,
+        "scripts/memory-check.py",
+        model,
+        "--device",
+        device,
+        "--weights",
+        weights,
+        "--dataset",
+        data,
+    ]
     cmd += ["--layers-per-block", str(args.layers_per_block), "--max-seq-len", str(args.max_seq_len)]
     ok = run_step(name, cmd, out, args.step_timeout_s)
     if ok:
@@ -187,11 +197,15 @@ def main() -> int:
         return 0
     first = devices[0][0]
     if size["nodes"]:
-        results["worker-bf16"] = "ok" if memory_step("worker-bf16", model, first, "bf16", args, args.out) else "FAIL"
+        results["worker-bf16"] = (
+            "ok" if memory_step("worker-bf16", model, first, "bf16", args, args.out, data) else "FAIL"
+        )
     else:
         skip("worker-bf16", f"one worker needs {gib(size['bf16'].device_total)}, a device has {gib(size['memory'])}")
     if size["fp32_fits"]:
-        results["worker-fp32"] = "ok" if memory_step("worker-fp32", model, first, "fp32", args, args.out) else "FAIL"
+        results["worker-fp32"] = (
+            "ok" if memory_step("worker-fp32", model, first, "fp32", args, args.out, data) else "FAIL"
+        )
     else:
         skip("worker-fp32", f"fp32 weights need {gib(size['fp32'].device_total)}, a device has {gib(size['memory'])}")
     if size["nodes"]:

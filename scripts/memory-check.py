@@ -57,6 +57,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--micro-batch-size", type=int, default=0)
     parser.add_argument("--max-seq-len", type=int, default=192)
+    parser.add_argument("--dataset", default=GSM_AS_MEASURED["dataset"], help="the run config's dataset")
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "parablock-random-1b")
     args = parser.parse_args()
 
@@ -72,13 +73,13 @@ def main() -> None:
     else:
         model = args.model
     config = {
-        "model": model, **GSM_AS_MEASURED,
+        "model": model, **GSM_AS_MEASURED, "dataset": args.dataset,
         "output-dir": tempfile.mkdtemp(), "num-examples": 40, "heldout-examples": 4,
         "layers-per-block": args.layers_per_block, "local-steps": 1, "batch-size": args.batch_size,
         "micro-batch-size": args.micro_batch_size, "max-seq-len": args.max_seq_len, "weights": args.weights,
         "generate-examples": 0, "torch-threads": 2, "schedule": "ascending",
     }  # fmt: skip
-    base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # torch, transformers, datasets imported
+    base_rss = peak_rss()  # torch, transformers, datasets imported
     worker = NodeWorker()
 
     def header(r: int, block: int, next_block: int) -> dict:
@@ -95,7 +96,7 @@ def main() -> None:
     if args.device.startswith("cuda"):
         peak = torch.cuda.max_memory_allocated(torch.device(args.device))
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        peak = peak_rss()
     worker.compute_thread.shutdown()
 
     cfg = worker_cfg(config)
@@ -112,6 +113,18 @@ def main() -> None:
         "plan_host_terms_mib": {k: mib(v) for k, v in planned.host.items()},
         "two_rounds_s": round(seconds, 1),
     }, indent=1))  # fmt: skip
+
+
+def peak_rss() -> int:
+    """This process's peak RSS: ``VmHWM`` (Linux), which starts afresh at exec, unlike ``ru_maxrss``,
+    which keeps the high-water mark of the process that forked this one (a pytest with torch loaded)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def worker_cfg(config: dict):

@@ -33,20 +33,6 @@ def test_plan_prints_its_table_for_a_llama3_8b_config(capsys):
         cli_main(["plan", str(LLAMA_8B), 'weights="fp16"'])
 
 
-@pytest.mark.slow
-def test_plan_is_within_15_percent_of_a_real_workers_peak(tmp_path):
-    """scripts/memory-check.py: two rounds of a real node worker (the tiny Llama, fp32 and bf16 weights)
-    in a fresh process; its peak RSS against the plan's CPU figure."""
-    for weights in ("fp32", "bf16"):
-        proc = subprocess.run(
-            [sys.executable, "scripts/memory-check.py", "tiny", "--layers-per-block", "2", "--weights", weights],
-            cwd=ROOT, capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        figures = json.loads(proc.stdout[proc.stdout.index("{") :])
-        assert 0.85 <= figures["plan_over_peak"] <= 1.15, figures
-
-
 def test_gpu_check_sizes_itself_to_the_gpus_it_finds(monkeypatch, capsys, tmp_path):
     """An 8B model on one 40 GB GPU: no fp32 step, one SuperNode; on two 80 GB GPUs: one per GPU."""
     monkeypatch.setenv("OUT", str(tmp_path / "out"))
@@ -72,7 +58,9 @@ def test_gpu_check_sizes_itself_to_the_gpus_it_finds(monkeypatch, capsys, tmp_pa
 @pytest.mark.e2e
 def test_gpu_check_dry_run_on_the_cpu(tmp_path):
     """GPU_CHECK_DRY_RUN=1: the same steps on the CPU with a tiny Llama and a pretend GPU that holds
-    two workers: both worker measurements, a 2-SuperNode deployment, and one PASS line at the end."""
+    two workers: both worker measurements (scripts/memory-check.py: two rounds of a real node worker
+    in a fresh process, its peak RSS within 15% of the plan's figure), a 2-SuperNode deployment, and
+    one PASS line at the end."""
     env = {**os.environ, "GPU_CHECK_DRY_RUN": "1", "OUT": str(tmp_path / "out"), "GPU_CHECK_WORK": str(tmp_path)}
     env["PYTHON"] = sys.executable
     proc = subprocess.run(
@@ -83,4 +71,5 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
     assert proc.returncode == 0 and lines[-1].startswith("gpu-check: PASS (3 passed"), proc.stdout[-4000:]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["steps"] == {"worker-bf16": "ok", "worker-fp32": "ok", "deployment-2-nodes": "ok"}
-    assert "plan/peak" in proc.stdout
+    ratios = [float(line.split("plan/peak ")[1].split(")")[0]) for line in lines if "plan/peak" in line]
+    assert len(ratios) == 2 and all(0.85 <= r <= 1.15 for r in ratios), ratios

@@ -5,8 +5,9 @@ Steps, each run only where `parablock-flwr plan` says it fits, else skipped with
 1. the plan of the model (bf16 weights) against each GPU's memory;
 2. one node worker, two rounds, bf16 weights on the first GPU: its peak memory against the plan;
 3. the same with fp32 weights (skipped when the plan says they do not fit);
-4. a local deployment (SuperLink, SuperNodes with their workers, `flwr run`), 3 rounds, bf16 weights,
-   client evaluation, the invariant checked: one SuperNode per GPU, or two on one GPU only when two
+4. a local deployment (SuperLink, SuperNodes with their workers, `flwr run`), 3 rounds (2 in the dry
+   run), bf16 weights, client evaluation, every node accepted and the invariant checked in every
+   round: one SuperNode per GPU, or two on one GPU only when two
    workers fit in it.
 
 It ends with one line, ``gpu-check: PASS (...)`` or ``gpu-check: FAIL (...)``, and writes
@@ -62,13 +63,11 @@ def sizing(model: str, overrides: dict, devices: list[tuple[str, int]]) -> dict:
     return {"bf16": bf16, "fp32": fp32, "fp32_fits": fp32.device_total <= memory, "nodes": nodes, "memory": memory}
 
 
-def run_step(name: str, cmd: list[str], out: Path, timeout_s: float, env: dict | None = None) -> bool:
+def run_step(name: str, cmd: list[str], out: Path, timeout_s: float, shown: str = "") -> bool:
     started = time.time()
-    say(f"{name}: {' '.join(cmd)}")
+    say(f"{name}: {shown or ' '.join(cmd)}")
     try:
-        proc = subprocess.run(
-            cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, env={**os.environ, **(env or {})}
-        )
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
         ok, text = proc.returncode == 0, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as err:
         ok, text = False, f"timed out after {timeout_s:.0f} s\n{err.stdout or ''}{err.stderr or ''}"
@@ -106,7 +105,7 @@ def memory_step(name: str, model: str, device: str, weights: str, args, out: Pat
 def deployment_step(model: str, nodes: list[str], args, out: Path, data: str) -> bool:
     """A local deployment: one SuperNode per entry of ``nodes`` (its worker's device)."""
     config = {
-        "model": model, "dataset": data, "num-examples": 48, "heldout-examples": 8, "num-server-rounds": 3,
+        "model": model, "dataset": data, "num-examples": 48, "heldout-examples": 8, "num-server-rounds": args.rounds,
         "layers-per-block": args.layers_per_block, "max-seq-len": args.max_seq_len, "output-dir": str(out / "runs"),
         "weights": "bf16", "evaluation": "clients", "micro-batch-size": 2, "gradient-checkpointing": True,
         "verify-invariant": True, "generate-examples": 0, "local-steps": 2,
@@ -119,16 +118,20 @@ def deployment_step(model: str, nodes: list[str], args, out: Path, data: str) ->
         "r = run_deployment(work, config, num_supernodes=len(nodes), timeout_s=float(sys.argv[4]),\n"
         "                   node_settings=[f'device=\"{d}\"' for d in nodes])\n"
         "print(r.summary()); print('run dir:', r.run_dir)\n"
-        "if r.run_dir:\n"
-        "    for line in (Path(r.run_dir) / 'metrics.jsonl').read_text().splitlines():\n"
-        "        m = json.loads(line)\n"
-        "        print(json.dumps({k: m.get(k) for k in ('round', 'heldout_loss', 'train_loss', 'accepted',\n"
-        "              'invariant_checked', 'invariant_failed', 'round_wall_s')}))\n"
-        "sys.exit(r.returncode)\n"
+        "bad = []\n"
+        "for line in (Path(r.run_dir) / 'metrics.jsonl').read_text().splitlines() if r.run_dir else []:\n"
+        "    m = json.loads(line)\n"
+        "    print(json.dumps({k: m.get(k) for k in ('round', 'heldout_loss', 'train_loss', 'num_accepted',\n"
+        "          'invariant_checked', 'invariant_failed', 'round_wall_s')}))\n"
+        "    if m['round'] and (m.get('invariant_failed') or m.get('num_accepted') != len(nodes)):\n"
+        "        bad.append(m['round'])\n"
+        "print('rounds with a failed invariant or a missing node:', bad)\n"
+        "sys.exit(r.returncode or (1 if bad else 0))\n"
     )
     timeout = args.step_timeout_s
     cmd = [sys.executable, "-c", script, json.dumps(config), json.dumps(nodes), str(out / "flower"), str(timeout)]
-    return run_step(f"deployment-{len(nodes)}-nodes", cmd, out, timeout + 60)
+    shown = f"run_deployment: {len(nodes)} SuperNodes on {', '.join(nodes)}, {args.rounds} rounds, bf16 weights"
+    return run_step(f"deployment-{len(nodes)}-nodes", cmd, out, timeout + 60, shown)
 
 
 def check_data(folder: Path) -> str:
@@ -163,6 +166,7 @@ def main() -> int:
     parser.add_argument("--max-seq-len", type=int, default=128)
     parser.add_argument("--step-timeout-s", type=float, default=240)
     args = parser.parse_args()
+    args.rounds = 2 if args.cpu else 3  # the dry run: as short as shows every step
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(os.environ.get("GPU_CHECK_WORK") or "/tmp/parablock-gpu-check-work")
     data = check_data(work)

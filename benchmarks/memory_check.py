@@ -1,14 +1,18 @@
-"""Peak memory of one node worker against the formula of docs/deployment.md ("Large models").
+"""Peak memory of one node worker against `parablock-flwr plan`'s figure (parablock_flwr/plan.py).
 
-Runs two rounds of a real node worker in this process (round 1, then round 2 computed ahead while
-round 1's reply "travels", exactly as in a deployment) on a model, and prints the peak RSS (CPU) or
-``torch.cuda.max_memory_allocated`` (GPU) beside the formula's terms:
+Runs two rounds of a real node worker in this process (round 1 on block 1, then round 2 on block 0
+computed ahead while round 1's reply "travels", exactly as in a deployment: the pending update and
+the new one both exist, and block 0 is the worst case, backward running through every layer), and
+prints the peak RSS (CPU) or ``torch.cuda.max_memory_allocated`` (GPU) beside the plan's terms:
 
     .venv/bin/python -m benchmarks.memory_check embedded:smollm2-135m-instruct
+    .venv/bin/python -m benchmarks.memory_check tiny                          # the tests' tiny Llama
     .venv/bin/python -m benchmarks.memory_check random-1b --weights bf16     # a random ~1B Llama from a config
     .venv/bin/python -m benchmarks.memory_check MODEL --device cuda:0 --weights bf16 --micro-batch-size 1
 
-Each measurement runs in a fresh process (peak RSS only grows): one model per call.
+Each measurement runs in a fresh process (peak RSS only grows): one model per call. On a CPU the
+plan's figure is ``cpu_total`` (device and host terms in one memory, the runtime included); on a GPU
+it is the device terms without the CUDA context (which max_memory_allocated does not count).
 """
 
 from __future__ import annotations
@@ -46,77 +50,81 @@ def random_llama(folder: Path, tokenizer_from: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model", help="a model spec, or random-1b")
+    parser.add_argument("model", help="a model spec, tiny (the tests' tiny Llama) or random-1b")
     parser.add_argument("--weights", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--layers-per-block", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--micro-batch-size", type=int, default=0)
     parser.add_argument("--max-seq-len", type=int, default=192)
+    parser.add_argument("--dataset", default=GSM_AS_MEASURED["dataset"], help="the run config's dataset")
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "parablock-random-1b")
     args = parser.parse_args()
 
-    from parablock_flwr import node
-    from parablock_flwr.node_data import NodeSettings
+    from parablock_flwr.plan import make_plan, model_config, model_shape
     from parablock_flwr.worker.server import NodeWorker
 
-    model = random_llama(args.cache, "embedded:smollm2-135m-instruct") if args.model == "random-1b" else args.model
+    if args.model == "random-1b":
+        model = random_llama(args.cache, "embedded:smollm2-135m-instruct")
+    elif args.model == "tiny":
+        from parablock_flwr.tools.tiny_model import build_tiny_model
+
+        model = str(build_tiny_model(Path(tempfile.mkdtemp()) / "tiny"))
+    else:
+        model = args.model
     config = {
-        "model": model, **GSM_AS_MEASURED,
+        "model": model, **GSM_AS_MEASURED, "dataset": args.dataset,
         "output-dir": tempfile.mkdtemp(), "num-examples": 40, "heldout-examples": 4,
         "layers-per-block": args.layers_per_block, "local-steps": 1, "batch-size": args.batch_size,
         "micro-batch-size": args.micro_batch_size, "max-seq-len": args.max_seq_len, "weights": args.weights,
         "generate-examples": 0, "torch-threads": 2, "schedule": "ascending",
     }  # fmt: skip
-    base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # torch, transformers, datasets imported
+    base_rss = peak_rss()  # torch, transformers, datasets imported
     worker = NodeWorker()
 
     def header(r: int, block: int, next_block: int) -> dict:
         return {"op": "train", "run-id": 1, "run-config": config, "partition-id": 0, "num-partitions": 1,
                 "node": {"device": args.device},
-                "round": {"server-round": r, "block": block, "step-block": 0 if r > 1 else -1,
+                "round": {"server-round": r, "block": block, "step-block": 1 if r > 1 else -1,
                           "next-block": next_block, "algorithm": "parablock", "run-dir": "unused"}}  # fmt: skip
 
     started = time.time()
-    _, update = worker.train(header(1, 0, 0), {})  # round 2 (the same block) starts ahead
+    _, update = worker.train(header(1, 1, 0), {})  # round 2 (block 0) starts ahead from x^0 + Δ^1
     step = {f"global-step/{n}": a for n, a in update.items()}  # one node: g^1 = Δ^1
     worker.train(header(2, 0, -1), step)
     seconds = time.time() - started
-    resources = node.resources(worker_cfg(config), 1, NodeSettings(device=args.device))
-    params = dict(resources.replica.model.named_parameters())
-    total = sum(p.numel() for p in params.values())
-    trainable = sum(params[n].numel() for n in resources.partition.all_names())
-    block = sum(params[n].numel() for n in resources.partition.names(0))
-    weight_bytes = sum(p.numel() * p.element_size() for p in params.values())
-    model_cfg = resources.replica.model.config
-    vocab, hidden, inner = model_cfg.vocab_size, model_cfg.hidden_size, model_cfg.intermediate_size
-    micro = args.micro_batch_size or args.batch_size
-    first_layer = min(int(n.split(".layers.")[1].split(".")[0]) for n in resources.partition.names(0))
-    layers_in_backward = model_cfg.num_hidden_layers - first_layer  # backward runs from the top down to the block
-    tokens = micro * args.max_seq_len  # an upper bound: batches are padded to their longest row
-    activation_bytes = 2 if args.weights == "bf16" else 4  # bf16 autocast keeps matmul outputs in bf16
-    terms = {
-        "weights": weight_bytes,
-        "master_of_x_in_ram": trainable * 4 if args.weights == "bf16" else 0,
-        # fp32: start snapshot, gradient, two AdamW moments, the replica's saved copy (4 + 4 + 8 + 4 bytes);
-        # bf16 weights: and the block's fp32 master weights on the device (+4)
-        "block_training_state": block * (24 if args.weights == "bf16" else 20),
-        "pending_and_new_update": block * 8,
-        "logits_fp32_x3": tokens * vocab * 4 * 3,  # logits, log-softmax, their gradient
-        # what a Llama layer keeps for backward: about 8 hidden-sized and 4 MLP-sized tensors per token
-        "activations": tokens * layers_in_backward * (8 * hidden + 4 * inner) * activation_bytes,
-    }
     if args.device.startswith("cuda"):
         peak = torch.cuda.max_memory_allocated(torch.device(args.device))
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({
-        "model": args.model, "parameters": total, "block_parameters": block, "weights": args.weights,
-        "device": args.device, "batch": args.batch_size, "micro_batch": micro, "seq": args.max_seq_len,
-        "runtime_rss_before_model": base_rss, "peak": peak, "formula": sum(terms.values()), "terms": terms,
-        "peak_minus_runtime": peak - (0 if args.device.startswith("cuda") else base_rss), "two_rounds_s": seconds,
-    }, indent=1))  # fmt: skip
+        peak = peak_rss()
     worker.compute_thread.shutdown()
+
+    cfg = worker_cfg(config)
+    planned = make_plan(cfg, model_shape(cfg, model_config(model)), num_nodes=1)
+    figure = sum(planned.device.values()) if args.device.startswith("cuda") else planned.cpu_total
+    mib = lambda n: round(n / 2**20)  # noqa: E731
+    print(json.dumps({
+        "model": args.model, "parameters": planned.shape.parameters, "block_parameters": max(planned.shape.blocks),
+        "weights": args.weights, "device": args.device, "batch": args.batch_size,
+        "micro_batch": args.micro_batch_size or args.batch_size, "seq": args.max_seq_len,
+        "runtime_rss_before_model_mib": mib(base_rss), "peak_mib": mib(peak), "plan_mib": mib(figure),
+        "plan_over_peak": round(figure / peak, 3),
+        "plan_device_terms_mib": {k: mib(v) for k, v in planned.device.items()},
+        "plan_host_terms_mib": {k: mib(v) for k, v in planned.host.items()},
+        "two_rounds_s": round(seconds, 1),
+    }, indent=1))  # fmt: skip
+
+
+def peak_rss() -> int:
+    """This process's peak RSS: ``VmHWM`` (Linux), which starts afresh at exec, unlike ``ru_maxrss``,
+    which keeps the high-water mark of the process that forked this one (a pytest with torch loaded)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def worker_cfg(config: dict):

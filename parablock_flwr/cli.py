@@ -5,6 +5,7 @@
     parablock-flwr worker --socket PATH          the node worker to run beside a flower-supernode
     parablock-flwr evaluate MODEL_DIR            held-out loss, perplexity, task accuracy of a saved model
     parablock-flwr report RUN_DIR                the run's status, its table, and PNG plots in RUN_DIR/plots
+    parablock-flwr plan MODEL [KEY=VALUE ...]    device, host and server memory of a run, from the model's config
 
 `simulate` and `deploy` check every override against the app's run-config keys and
 types before anything starts, and exit with the code of the run's status record
@@ -176,6 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rep = sub.add_parser("report", help="print a run's table and write PNG plots")
     rep.add_argument("run_dir", type=Path)
+    pln = sub.add_parser("plan", help="memory per site (device, host) and on the server, from the model's config")
+    pln.add_argument("model", help="a model folder, its config.json, a Hugging Face id or embedded:<name>")
+    pln.add_argument("overrides", nargs="*", help="run-config values, KEY=VALUE in TOML syntax")
+    pln.add_argument("--gpu-memory-gb", type=float, help="also print the settings that fit a GPU of this size")
+    pln.add_argument("--num-nodes", type=int, default=3, help="nodes replying each round (server memory)")
     return parser
 
 
@@ -204,6 +210,15 @@ def main(argv: list[str] | None = None) -> int:
         return _launch(args)
     if args.command == "worker":
         return _worker(args)
+    if args.command == "plan":
+        from .config import ConfigError
+        from .plan import plan_command
+
+        try:
+            print(plan_command(args.model, parse_overrides(args.overrides), args.gpu_memory_gb, args.num_nodes))
+        except (ConfigError, OverrideError, ValueError, OSError) as err:
+            sys.exit(f"plan: {err}")
+        return 0
     if args.command == "evaluate":
         print(json.dumps(evaluate(args.model, args.config, args.samples)))
         return 0
@@ -224,7 +239,7 @@ def evaluate(model_spec: str, config_path: Path | None, samples_path: Path | Non
     from .model import load_saved, load_tokenizer, resolve_model
 
     cfg = RunConfig.from_flower(json.loads(config_path.read_text()) if config_path else {})
-    model, tokenizer = load_saved(resolve_model(model_spec)), load_tokenizer(model_spec)
+    model, tokenizer = load_saved(resolve_model(model_spec)), load_tokenizer(model_spec, cfg.prompt_format)
     _, heldout = tokenized_splits(
         cfg.dataset, cfg.num_examples, cfg.heldout_examples, cfg.seed, tokenizer, cfg.max_seq_len
     )

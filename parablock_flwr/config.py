@@ -28,6 +28,7 @@ TOO_FEW_REPLIES = ("retry", "stop")
 TRANSFER_DTYPES = ("fp32", "bf16", "fp16")  # the keys of core.TRANSFER_DTYPES, the one table of them
 EVALUATIONS = ("server", "clients")
 WEIGHTS = ("fp32", "bf16")
+PROMPT_FORMATS = ("auto", "chat", "plain")  # model.load_tokenizer: the chat template, else PLAIN_TEMPLATE
 
 
 class ConfigError(ValueError):
@@ -47,6 +48,7 @@ class RunConfig:
     lora_dropout: float = 0.05
     lora_target_modules: str = "q_proj,k_proj,v_proj,o_proj"
     dataset: str = "reasoning-gym:syllogism"
+    prompt_format: str = "auto"
     num_examples: int = 240
     heldout_examples: int = 64
     partitioning: str = "iid"
@@ -132,6 +134,7 @@ class RunConfig:
         _one_of("on-too-few-replies", self.on_too_few_replies, TOO_FEW_REPLIES)
         _one_of("evaluation", self.evaluation, EVALUATIONS)
         _one_of("weights", self.weights, WEIGHTS)
+        _one_of("prompt-format", self.prompt_format, PROMPT_FORMATS)
         if self.snapshot_every == 1:
             raise ConfigError(
                 "snapshot-every=1: expected 0 (keep every step) or at least 2 (a resumed run needs a snapshot "

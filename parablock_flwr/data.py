@@ -8,26 +8,41 @@
   several tasks (or ``reasoning-gym:instruction-mix``) the rows are split
   evenly across them and each row's ``family`` is its task.
 - ``alpaca:<hub id | file | folder>``: the Alpaca-GPT4 schema
-  (``instruction``, ``input``, ``output``).
+  (``instruction``, ``output``, and an optional ``input`` appended to the instruction).
 - ``mathinstruct:<hub id | file | folder>``: the MathInstruct schema
   (``source``, ``instruction``, ``output``); ``family`` is ``source``.
+- ``messages:<hub id | file | folder>``: chat rows, each a ``messages`` list of
+  ``{"role": "system" | "user" | "assistant", "content": ...}`` (the shape FlowerTune and
+  TRL's SFT data have); the loss covers every assistant turn.
 
-Every source becomes rows with ``prompt``, ``response`` and ``family``,
-shuffled with ``seed``. The first ``heldout-examples`` rows are the fixed
-held-out split that no client trains on; the rest is split across clients
-with a flwr-datasets partitioner (``partitioning``: IID, Dirichlet over
+Every source becomes rows with ``prompt``, ``response`` and ``family`` (and, for
+``messages:``, the conversation as JSON in ``messages``), shuffled with ``seed``.
+How a row becomes text is ``prompt-format``: the tokenizer's chat template, or the
+plain instruction/response format of ``PLAIN_TEMPLATE`` (``model.load_tokenizer``
+installs it as the tokenizer's template, so everything downstream is the same).
+Rows cut before their answer by ``max-seq-len`` are dropped, counted and logged.
+
+The first ``heldout-examples`` rows are the fixed held-out split that no client
+trains on; the rest is split across clients with a flwr-datasets partitioner (``partitioning``: IID, Dirichlet over
 ``family``, or one family per client).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
 import torch
 from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner, NaturalIdPartitioner
 
+log = logging.getLogger(__name__)
+
 IGNORE_INDEX = -100
+ROLES = ("system", "user", "assistant")
 INSTRUCTION_MIX = (
     "basic_arithmetic",
     "chain_sum",
@@ -36,7 +51,11 @@ INSTRUCTION_MIX = (
     "letter_counting",
     "word_sorting",
 )
-HUB_EXAMPLES = {"alpaca": "vicgalle/alpaca-gpt4", "mathinstruct": "TIGER-Lab/MathInstruct"}
+HUB_EXAMPLES = {
+    "alpaca": "vicgalle/alpaca-gpt4",
+    "mathinstruct": "TIGER-Lab/MathInstruct",
+    "messages": "HuggingFaceH4/no_robots",
+}
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
@@ -55,9 +74,11 @@ def load_examples(spec: str, num_examples: int | None, seed: int) -> datasets.Da
             raise ValueError(f"dataset={spec!r}: reasoning-gym needs a number of rows to make")
         rows = generate_examples(spec, num_examples, seed)
     elif kind == "alpaca" and source:
-        rows = _load_rows(spec, source, ("instruction", "input", "output")).map(
+        rows = _load_rows(spec, source, ("instruction", "output"))
+        has_input = "input" in rows.column_names  # optional: many Alpaca-style files have no input column
+        rows = rows.map(
             lambda r: {
-                "prompt": r["instruction"] + (f"\n\n{r['input']}" if r["input"] else ""),
+                "prompt": r["instruction"] + (f"\n\n{r['input']}" if has_input and r["input"] else ""),
                 "response": r["output"],
                 "family": "alpaca",
             }
@@ -66,12 +87,36 @@ def load_examples(spec: str, num_examples: int | None, seed: int) -> datasets.Da
         rows = _load_rows(spec, source, ("source", "instruction", "output")).map(
             lambda r: {"prompt": r["instruction"], "response": r["output"], "family": r["source"]}
         )
+    elif kind == "messages" and source:
+        rows = _load_rows(spec, source, ("messages",)).map(lambda r: conversation_row(spec, r["messages"]))
     else:
         raise ValueError(
-            f"dataset={spec!r}: expected reasoning-gym:<task>, alpaca:<hub id or path> or mathinstruct:<hub id or path>"
+            f"dataset={spec!r}: expected reasoning-gym:<task>, alpaca:<hub id or path>, "
+            "mathinstruct:<hub id or path> or messages:<hub id or path>"
         )
-    rows = rows.select_columns(["prompt", "response", "family"]).shuffle(seed=seed)
+    columns = ["prompt", "response", "family"] + (["messages"] if kind == "messages" else [])
+    rows = rows.select_columns(columns).shuffle(seed=seed)
     return rows if num_examples is None else rows.select(range(min(num_examples, len(rows))))
+
+
+def conversation_row(spec: str, messages) -> dict[str, str]:
+    """A ``messages:`` row: its conversation (checked) as JSON, its first user turn as ``prompt`` and
+    its last assistant turn as ``response`` (what generation and the samples show)."""
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in messages
+    ):
+        raise ValueError(
+            f"dataset={spec!r}: a row's messages are {str(messages)[:120]!r}; expected a list of "
+            f'{{"role": {" | ".join(ROLES)}, "content": text}}'
+        )
+    turns = [{"role": m["role"], "content": m["content"]} for m in messages]
+    users = [m["content"] for m in turns if m["role"] == "user"]
+    answers = [m["content"] for m in turns if m["role"] == "assistant"]
+    if not users or not answers:
+        raise ValueError(
+            f"dataset={spec!r}: a conversation without a user and an assistant turn ({str(messages)[:120]!r})"
+        )
+    return {"prompt": users[0], "response": answers[-1], "family": "messages", "messages": json.dumps(turns)}
 
 
 def generate_examples(spec: str, num_examples: int, seed: int) -> datasets.Dataset:
@@ -124,26 +169,96 @@ def _load_rows(spec: str, source: str, columns: tuple[str, ...]) -> datasets.Dat
 
 
 def encode(tokenizer, prompt: str, response: str, max_len: int) -> dict[str, list[int]]:
-    """Chat-template the pair; labels cover the assistant's answer only."""
-    user = [{"role": "user", "content": prompt}]
-    prompt_text = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
-    full_text = tokenizer.apply_chat_template(user + [{"role": "assistant", "content": response}], tokenize=False)
-    if not full_text.startswith(prompt_text):
-        raise ValueError("the tokenizer's chat template does not extend the prompt with the answer")
-    prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
-    answer_ids = tokenizer(full_text[len(prompt_text) :], add_special_tokens=False)["input_ids"]
-    input_ids = (prompt_ids + answer_ids)[:max_len]
-    labels = ([IGNORE_INDEX] * len(prompt_ids) + answer_ids)[:max_len]
-    return {"input_ids": input_ids, "labels": labels, "truncated": int(len(prompt_ids) + len(answer_ids) > max_len)}
+    """A (prompt, response) pair through the tokenizer's template; labels cover the answer only."""
+    return encode_conversation(
+        tokenizer, [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}], max_len
+    )
+
+
+def encode_conversation(tokenizer, messages: list[dict[str, str]], max_len: int) -> dict[str, list[int]]:
+    """A conversation through the tokenizer's (chat or plain) template; labels cover the assistant turns.
+
+    Each assistant turn is the text its template adds after the generation prompt of the turns
+    before it, so the template must extend a conversation's text as turns are added (every
+    chat template we know does; the error says when one does not)."""
+    input_ids: list[int] = []
+    labels: list[int] = []
+    done = ""  # the text encoded so far
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt_text = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+        through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        if not (prompt_text.startswith(done) and through.startswith(prompt_text)):
+            raise ValueError("the tokenizer's chat template does not extend the prompt with the answer")
+        prompt_ids = tokenizer(prompt_text[len(done) :], add_special_tokens=False)["input_ids"]
+        answer_ids = tokenizer(through[len(prompt_text) :], add_special_tokens=False)["input_ids"]
+        input_ids += prompt_ids + answer_ids
+        labels += [IGNORE_INDEX] * len(prompt_ids) + answer_ids
+        done = through
+    return {"input_ids": input_ids[:max_len], "labels": labels[:max_len], "truncated": int(len(input_ids) > max_len)}
+
+
+def encode_row(tokenizer, row: dict, max_len: int) -> dict[str, list[int]]:
+    """``encode_conversation`` of a row: its ``messages``, or its (prompt, response) pair."""
+    if row.get("messages"):
+        return encode_conversation(tokenizer, json.loads(row["messages"]), max_len)
+    return encode(tokenizer, row["prompt"], row["response"], max_len)
+
+
+@dataclass
+class Split:
+    """A node's (train, held-out) rows and how many source rows ``max-seq-len`` cut before their answer.
+
+    It unpacks as ``train, heldout = split``. ``dropped_for_length`` counts the rows of the node's
+    training source (for the run's dataset: the whole dataset, held-out part included) that lost every
+    answer token to ``max-seq-len`` and were dropped; ``heldout_dropped_for_length`` those of a
+    separate ``heldout-dataset``."""
+
+    train: datasets.Dataset
+    heldout: datasets.Dataset
+    dropped_for_length: int = 0
+    heldout_dropped_for_length: int = 0
+
+    def __iter__(self):
+        return iter((self.train, self.heldout))
 
 
 def tokenized_rows(spec: str, num_examples: int | None, seed: int, tokenizer, max_len: int) -> datasets.Dataset:
-    """``load_examples``, chat-templated and tokenized; rows cut before their answer are dropped."""
-    rows = load_examples(spec, num_examples, seed)
-    # prompt/response/family stay: generation reads prompts, partitioners read family.
-    encoded = rows.map(lambda r: encode(tokenizer, r["prompt"], r["response"], max_len))
-    # An example cut before its answer would have no label at all.
-    return encoded.filter(lambda r: any(t != IGNORE_INDEX for t in r["labels"]))
+    """``load_examples``, templated and tokenized; rows cut before their answer are dropped (logged)."""
+    return tokenized_rows_counted(spec, num_examples, seed, tokenizer, max_len)[0]
+
+
+def tokenized_rows_counted(
+    spec: str, num_examples: int | None, seed: int, tokenizer, max_len: int
+) -> tuple[datasets.Dataset, int]:
+    """(rows, how many were dropped because ``max-seq-len`` cut them before their answer)."""
+    with quiet_progress():
+        rows = load_examples(spec, num_examples, seed)
+        # prompt/response/family stay: generation reads prompts, partitioners read family.
+        encoded = rows.map(lambda r: encode_row(tokenizer, r, max_len))
+        # An example cut before its answer would have no label at all.
+        kept = encoded.filter(lambda r: any(t != IGNORE_INDEX for t in r["labels"]))
+    dropped = len(encoded) - len(kept)
+    if dropped:
+        log.warning(
+            "%s: %d of %d rows dropped, cut before their answer by max-seq-len=%d (raise it to keep them)",
+            spec, dropped, len(encoded), max_len,
+        )  # fmt: skip
+    return kept, dropped
+
+
+@contextlib.contextmanager
+def quiet_progress():
+    """No progress bars from ``datasets`` (a few hundred rows take a second; the bars of every node
+    would fill a run's output), restored afterwards."""
+    enabled = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if enabled:
+            datasets.enable_progress_bars()
 
 
 def local_rows_limit(spec: str, num_examples: int) -> int | None:
@@ -154,32 +269,30 @@ def local_rows_limit(spec: str, num_examples: int) -> int | None:
 
 def node_splits(
     dataset: str, heldout_dataset: str, heldout: int, num_examples: int, seed: int, tokenizer, max_len: int
-) -> tuple[datasets.Dataset, datasets.Dataset]:
+) -> Split:
     """A node's own (train, held-out) rows. With ``heldout_dataset`` every row of ``dataset`` trains;
     without it (``heldout > 0``) the first ``heldout`` usable rows of ``dataset`` are held out."""
     if heldout_dataset:
-        train, held = (
-            tokenized_rows(spec, local_rows_limit(spec, num_examples), seed, tokenizer, max_len)
+        (train, dropped), (held, held_dropped) = (
+            tokenized_rows_counted(spec, local_rows_limit(spec, num_examples), seed, tokenizer, max_len)
             for spec in (dataset, heldout_dataset)
         )
         if not len(train) or not len(held):
             empty = dataset if not len(train) else heldout_dataset
             raise ValueError(f"node config {empty!r}: no example keeps answer tokens at max-seq-len={max_len}")
-        return train, held
+        return Split(train, held, dropped, held_dropped)
     return tokenized_splits(dataset, local_rows_limit(dataset, num_examples), heldout, seed, tokenizer, max_len)
 
 
-def tokenized_splits(
-    spec: str, num_examples: int | None, heldout: int, seed: int, tokenizer, max_len: int
-) -> tuple[datasets.Dataset, datasets.Dataset]:
+def tokenized_splits(spec: str, num_examples: int | None, heldout: int, seed: int, tokenizer, max_len: int) -> Split:
     """(train, held-out), tokenized. The first ``heldout`` usable rows are held out."""
-    encoded = tokenized_rows(spec, num_examples, seed, tokenizer, max_len)
+    encoded, dropped = tokenized_rows_counted(spec, num_examples, seed, tokenizer, max_len)
     if len(encoded) <= heldout:
         raise ValueError(
-            f"max-seq-len={max_len}: only {len(encoded)} examples keep answer tokens; "
-            f"expected more than heldout-examples={heldout}"
+            f"max-seq-len={max_len}: only {len(encoded)} examples keep answer tokens ({dropped} cut before "
+            f"their answer); expected more than heldout-examples={heldout}"
         )
-    return encoded.select(range(heldout, len(encoded))), encoded.select(range(heldout))
+    return Split(encoded.select(range(heldout, len(encoded))), encoded.select(range(heldout)), dropped)
 
 
 def client_partition(

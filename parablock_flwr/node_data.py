@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-DATASET_KINDS = ("reasoning-gym", "alpaca", "mathinstruct")
+DATASET_KINDS = ("reasoning-gym", "alpaca", "mathinstruct", "messages")
 NODE_SETTINGS_KEYS = ("dataset", "heldout-dataset", "device", "state-dir")
 # An error reply whose reason starts with this says the node's model state is intact (a refused message,
 # out of memory, a data error): the server keeps that node's sync state (``node.StateIntact``).
@@ -58,8 +58,8 @@ def node_settings_problem(node_config: Mapping[str, object]) -> str | None:
         kind, _, source = value.partition(":") if isinstance(value, str) else ("", "", "")
         if kind not in DATASET_KINDS or not source:
             return (
-                f"node config {key}={value!r}: expected reasoning-gym:<task>, alpaca:<path or hub id> "
-                f"or mathinstruct:<path or hub id>"
+                f"node config {key}={value!r}: expected reasoning-gym:<task>, alpaca:<path or hub id>, "
+                f"mathinstruct:<path or hub id> or messages:<path or hub id>"
             )
     if "dataset" in node_config and "partition-id" not in node_config:
         return (

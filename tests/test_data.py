@@ -4,7 +4,17 @@ import json
 
 import pytest
 
-from parablock_flwr.data import client_partition, load_examples
+from parablock_flwr import core
+from parablock_flwr.data import (
+    IGNORE_INDEX,
+    client_partition,
+    encode,
+    load_examples,
+    node_splits,
+    sample_batches,
+    tokenized_rows,
+    tokenized_splits,
+)
 from parablock_flwr.evaluation import answer_correct, final_number
 
 ALPACA = [
@@ -44,7 +54,7 @@ def test_mathinstruct_parquet_folder_has_source_families(tmp_path):
 def test_wrong_schema_and_unreachable_hub_say_what_to_do(tmp_path, monkeypatch):
     path = tmp_path / "bad.json"
     path.write_text(json.dumps([{"question": "q", "answer": "a"}]))
-    with pytest.raises(ValueError, match=r"missing columns \['instruction', 'input', 'output'\]"):
+    with pytest.raises(ValueError, match=r"missing columns \['instruction', 'output'\]"):
         load_examples(f"alpaca:{path}", 10, seed=0)
     import datasets
 
@@ -126,3 +136,112 @@ def test_the_run_summary_puts_the_task_accuracy_beside_a_constant_answer():
         "task_accuracy 0.062 (round 0) -> 0.625 (round 2) (always the most common answer: 0.750)"
     )
     assert round_line(records[0], 2) == "round 0/2 heldout_loss 1.9000 task_accuracy 0.062 (4/64)"
+
+
+# ---------------------------------------------------------------------------------------------
+# Any decoder-only checkpoint, any common data shape; rows dropped for length are counted
+# ---------------------------------------------------------------------------------------------
+CHATS = [
+    {
+        "messages": [
+            {"role": "system", "content": "You answer in one word."},
+            {"role": "user", "content": f"What rhymes with {w}?"},
+            {"role": "assistant", "content": f"{w}s"},
+            {"role": "user", "content": "And another?"},
+            {"role": "assistant", "content": f"big {w}"},
+        ]
+    }
+    for w in ["cat", "dog", "sun", "tree"]
+]
+
+
+def labelled_text(tokenizer, row: dict) -> str:
+    """The text of the tokens that carry a label (contiguous runs joined by |)."""
+    runs, run = [], []
+    for token, label in zip(row["input_ids"], row["labels"]):
+        if label != IGNORE_INDEX:
+            run.append(token)
+        elif run:
+            runs, run = runs + [tokenizer.decode(run)], []
+    return "|".join(runs + ([tokenizer.decode(run)] if run else []))
+
+
+@pytest.fixture(scope="module")
+def base_model_dir(tmp_path_factory):
+    """The tiny Llama with a tokenizer that has no chat template, like most base checkpoints."""
+    from parablock_flwr.tools.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-base"), chat_template=False)
+
+
+def test_a_base_model_without_chat_template_trains_on_the_plain_format(base_model_dir, tmp_path):
+    from parablock_flwr.model import PLAIN_TEMPLATE, load_model, load_tokenizer
+    from parablock_flwr.training import TrainSettings, train_block
+
+    tokenizer = load_tokenizer(str(base_model_dir))  # prompt-format = "auto": plain, as there is no template
+    assert tokenizer.chat_template == PLAIN_TEMPLATE
+    with pytest.raises(ValueError, match=r"prompt-format='chat': the tokenizer of model=.* has no chat template"):
+        load_tokenizer(str(base_model_dir), "chat")
+    row = encode(tokenizer, "What is 2 + 3?", "2 + 3 = 5.", max_len=128)
+    eos = tokenizer.eos_token
+    assert tokenizer.decode(row["input_ids"]) == (
+        f"{tokenizer.bos_token}### Instruction:\nWhat is 2 + 3?\n\n### Response:\n2 + 3 = 5.{eos}"
+    )
+    assert labelled_text(tokenizer, row) == f"2 + 3 = 5.{eos}"  # the loss covers the answer and its end
+    train, _ = tokenized_splits("reasoning-gym:gsm_symbolic", 24, 4, 0, tokenizer, 160)
+    model = load_model(str(base_model_dir))
+    names = core.partition_blocks(model, layers_per_block=2).names(1)
+    batches = sample_batches(train, 3, 4, seed=0, pad_id=tokenizer.pad_token_id)
+    result = train_block(model, names, batches, TrainSettings(3, 1e-3, 0.0, "constant", 0, 1.0, "fp32"))
+    assert all(t.abs().sum() > 0 for t in result.delta.values()) and result.mean_loss == result.mean_loss
+    from parablock_flwr.config import ConfigError, RunConfig
+
+    with pytest.raises(ConfigError, match=r"prompt-format='alpaca': expected one of auto, chat, plain"):
+        RunConfig.from_flower({"prompt-format": "alpaca"})
+
+
+def test_messages_rows_train_on_every_assistant_turn(tmp_path, tiny_model_dir):
+    from parablock_flwr.model import load_tokenizer
+
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in CHATS))
+    rows = load_examples(f"messages:{path}", None, seed=0)
+    assert len(rows) == 4 and set(rows["family"]) == {"messages"}
+    assert {(r["prompt"], r["response"]) for r in rows} >= {("What rhymes with cat?", "big cat")}
+    for prompt_format in ("chat", "plain"):
+        tokenizer = load_tokenizer(str(tiny_model_dir), prompt_format)
+        encoded = tokenized_rows(f"messages:{path}", None, 0, tokenizer, max_len=256)
+        cat = next(r for r in encoded if r["prompt"] == "What rhymes with cat?")
+        end = "<|im_end|>"  # the tiny tokenizer's EOS, which both templates put after an answer
+        labelled = labelled_text(tokenizer, cat).replace("\n", "")
+        assert labelled == f"cats{end}|big cat{end}", (prompt_format, labelled)
+        assert "You answer in one word." in tokenizer.decode(cat["input_ids"])  # the system turn is in the prompt
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": [{"role": "human", "content": "hi"}]}) + "\n")
+    with pytest.raises(ValueError, match=r"expected a list of \{\"role\": system \| user \| assistant"):
+        load_examples(f"messages:{bad}", None, seed=0)
+
+
+def test_alpaca_rows_need_no_input_column(tmp_path):
+    path = tmp_path / "no-input.jsonl"
+    path.write_text("".join(json.dumps({"instruction": f"Say {w}.", "output": w}) + "\n" for w in ("yes", "no")))
+    rows = load_examples(f"alpaca:{path}", None, seed=0)
+    assert sorted(rows["prompt"]) == ["Say no.", "Say yes."]
+
+
+def test_rows_cut_before_their_answer_are_counted_and_logged(tmp_path, tiny_model_dir, caplog):
+    from parablock_flwr.model import load_tokenizer
+
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    long_prompt = "Consider this. " * 60  # far longer than max-seq-len: its answer would be cut entirely
+    rows = [{"instruction": long_prompt if i % 3 == 0 else f"Say {i}.", "output": str(i)} for i in range(12)]
+    path = tmp_path / "site.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with caplog.at_level("WARNING", logger="parablock_flwr.data"):
+        split = node_splits(f"alpaca:{path}", "", 2, 40, 0, tokenizer, 64)
+    train, heldout = split  # it unpacks as (train, held-out)
+    assert split.dropped_for_length == 4 and len(train) + len(heldout) == 8
+    assert f"alpaca:{path}: 4 of 12 rows dropped, cut before their answer by max-seq-len=64" in caplog.text
+    split = node_splits(f"alpaca:{path}", f"alpaca:{path}", 0, 40, 0, tokenizer, 64)
+    assert (split.dropped_for_length, split.heldout_dropped_for_length) == (4, 4)
+    assert tokenized_splits(f"alpaca:{path}", None, 2, 0, tokenizer, 512).dropped_for_length == 0

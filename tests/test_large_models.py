@@ -138,3 +138,21 @@ def test_bf16_weights_keep_every_copy_of_x_bit_identical_and_training_lowers_the
     assert all(p.dtype == torch.bfloat16 for n, p in replica.model.named_parameters() if n in names)
     assert all(t.dtype == torch.float32 for t in replica.params.values())
     assert losses[-1] < losses[0], losses
+
+
+@pytest.mark.parametrize("train", ["full", "lora"])
+def test_bf16_weights_load_without_an_fp32_model_and_keep_x0_exact(tmp_path, tiny_model_dir, train):
+    """``weights = "bf16"``: the frozen weights load in bf16 (no fp32 copy of the whole model), the
+    trainable ones are exact fp32 values: those of the server's fp32 load, to the bit (LoRA's
+    adapters too, although PEFT rounds them through a bf16 base's dtype)."""
+    cfg = RunConfig.from_flower(tiny_config(tiny_model_dir, tmp_path, weights="bf16", train=train))
+    server, partition = load_for_training(cfg)  # fp32, as the server loads it
+    node_model, node_partition = load_for_training(cfg, "bf16")
+    assert node_partition.blocks == partition.blocks
+    trainable = set(partition.all_names())
+    server_params = dict(server.named_parameters())
+    for name, p in node_model.named_parameters():
+        if name in trainable:
+            assert p.dtype == torch.float32 and torch.equal(p, server_params[name]), name
+        else:
+            assert p.dtype == torch.bfloat16, name

@@ -47,8 +47,8 @@ def site_settings(folder, site: int) -> str:
 
 def test_node_settings_are_checked_in_one_line():
     assert unknown_node_config_key({"partition-id": 0, "dataset": "csv:/a.csv"}) == (
-        "node config dataset='csv:/a.csv': expected reasoning-gym:<task>, alpaca:<path or hub id> "
-        "or mathinstruct:<path or hub id>"
+        "node config dataset='csv:/a.csv': expected reasoning-gym:<task>, alpaca:<path or hub id>, "
+        "mathinstruct:<path or hub id> or messages:<path or hub id>"
     )
     assert "also set partition-id=<an integer unique among the nodes>" in unknown_node_config_key(
         {"dataset": "alpaca:/srv/a.jsonl"}

@@ -175,3 +175,17 @@ def test_a_rounds_full_syncs_share_one_copy_of_the_model(setup):
     assert not isinstance(messages, list)  # a generator: RoundLoop.push builds and pushes in batches
     syncs = [m.content["sync-values"] for m in messages]
     assert syncs[0] is syncs[1] is syncs[2] and strategy.stats.full_syncs_sent == 3
+
+
+def test_rows_dropped_for_length_are_counted_once_per_dataset():
+    """Each node with its own data counts its own dropped rows; nodes on partitions of the run's
+    dataset all report that dataset's count, which the round counts once (not once per node)."""
+    from parablock_flwr.strategies.reply_checks import Reply
+    from parablock_flwr.strategies.round_stats import dropped_for_length
+
+    def reply(node: int, own: int, dropped: int) -> Reply:
+        return Reply(node, {"partition-id": node, "own-data": own, "dropped-examples": dropped}, None)
+
+    assert dropped_for_length([reply(0, 1, 4), reply(1, 1, 7)]) == 11
+    assert dropped_for_length([reply(0, 0, 5), reply(1, 0, 5), reply(2, 1, 2)]) == 7
+    assert dropped_for_length([]) == 0

@@ -96,7 +96,7 @@ def run_app(grid: Grid, context: Context, run: dict) -> None:
         run["num_rounds"] = cfg.num_server_rounds
         setup_torch(cfg)
         model, partition = load_for_training(cfg)
-        tokenizer = load_tokenizer(cfg.model)
+        tokenizer = load_tokenizer(cfg.model, cfg.prompt_format)
         strategy_cls = strategy_class(cfg.algorithm, cfg.strategy)
         num_clients = wait_for_nodes(grid)
         check_num_clients(num_clients)

@@ -49,6 +49,14 @@ def array_bytes(content) -> int:
     return sum(len(array.data) for record in content.array_records.values() for array in record.values())
 
 
+def dropped_for_length(accepted: list[Reply]) -> int:
+    """Rows the round's nodes lost to ``max-seq-len`` (cut before their answer): each node with its own
+    data counts its own; nodes on partitions of the run's dataset all report that dataset's, once."""
+    own = sum(int(r.metrics.get("dropped-examples", 0)) for r in accepted if r.metrics.get("own-data") == 1)
+    shared = [int(r.metrics.get("dropped-examples", 0)) for r in accepted if r.metrics.get("own-data") != 1]
+    return own + max(shared, default=0)
+
+
 def round_record(
     stats: RoundStats,
     block_label: str,
@@ -96,6 +104,7 @@ def round_record(
         "correction_drift_max": max((r.metrics.get("correction-drift", 0.0) for r in accepted), default=0.0),
         "truncated_examples": sum(int(r.metrics.get("truncated-examples", 0)) for r in accepted),
         "oom_retries": sum(int(r.metrics.get("oom-retries", 0)) for r in accepted),
+        "dropped_examples": dropped_for_length(accepted),
         **timeline_metrics(accepted),
     }
 

@@ -22,13 +22,25 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_model(folder: Path, *, num_layers: int = 4, hidden: int = 64, vocab: int = 1024, seed: int = 0) -> Path:
-    """Write a tiny Llama + BPE tokenizer (trained on the default data) to ``folder``."""
+def build_tiny_model(
+    folder: Path,
+    *,
+    num_layers: int = 4,
+    hidden: int = 64,
+    vocab: int = 1024,
+    seed: int = 0,
+    chat_template: bool = True,
+    texts: list[str] | None = None,
+) -> Path:
+    """Write a tiny Llama + BPE tokenizer to ``folder``: the tokenizer is trained on ``texts`` (default:
+    the GSM-style data), and has a chat template unless ``chat_template`` is false (a base model)."""
     import torch
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    rows = generate_examples("reasoning-gym:gsm_symbolic", 200, seed=1234)
+    if texts is None:
+        rows = generate_examples("reasoning-gym:gsm_symbolic", 200, seed=1234)
+        texts = list(rows["prompt"]) + list(rows["response"])
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -36,20 +48,22 @@ def build_tiny_model(folder: Path, *, num_layers: int = 4, hidden: int = 64, voc
     trainer = trainers.BpeTrainer(
         vocab_size=vocab, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
-    tok.train_from_iterator(list(rows["prompt"]) + list(rows["response"]), trainer)
+    tok.train_from_iterator(texts, trainer)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token="<|im_start|>"
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
+    if chat_template:
+        tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(folder)
     log.debug("tiny model: %d layers, hidden %d, vocab %d in %s", num_layers, hidden, len(tokenizer), folder)
+    heads = max(4, hidden // 64)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=heads // 2,
         max_position_embeddings=512,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,

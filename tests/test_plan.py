@@ -1,0 +1,75 @@
+"""`parablock-flwr plan`: memory from a model's config alone, checked against a real worker's peak;
+the GPU check's sizing and its CPU dry run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from parablock_flwr.cli import main as cli_main
+
+ROOT = Path(__file__).resolve().parent.parent
+LLAMA_8B = ROOT / "docs" / "model-configs" / "llama-3.1-8b"
+
+
+def test_plan_prints_its_table_for_a_llama3_8b_config(capsys):
+    assert cli_main(["plan", str(LLAMA_8B), 'weights="bf16"', "--gpu-memory-gb", "24"]) == 0
+    out = capsys.readouterr().out
+    assert "P=8.030 B parameters, 32 layers" in out  # Llama-3.1-8B: 8.03 B
+    for row in ("| per-site device (one worker, one GPU) |", "| per-site host (RAM, one worker) |", "| server"):
+        assert row in out
+    device = float(out.split("| per-site device (one worker, one GPU) | ")[1].split(" |")[0])
+    assert 30 < device < 45  # 5-layer blocks at the defaults: more than a 24 GB card holds
+    fits = [line.strip() for line in out.split("fits a 24 GB GPU:")[1].strip().splitlines()]
+    assert fits[0].startswith("train=full weights=bf16") and fits[1].startswith("train=lora")
+    assert all(float(line.split("-> device ")[1].split(" GiB")[0]) <= 24e9 / 2**30 for line in fits)
+    with pytest.raises(SystemExit, match=r"plan: weights='fp16': expected one of fp32, bf16"):
+        cli_main(["plan", str(LLAMA_8B), 'weights="fp16"'])
+
+
+def test_gpu_check_sizes_itself_to_the_gpus_it_finds(monkeypatch, capsys, tmp_path):
+    """An 8B model on one 40 GB GPU: no fp32 step, one SuperNode; on two 80 GB GPUs: one per GPU."""
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    monkeypatch.setenv("GPU_CHECK_WORK", str(tmp_path))
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+
+    def sizing(gpus: int, gb: float) -> str:
+        argv = [str(LLAMA_8B), "--sizing-only", "--gpus", str(gpus), "--gpu-memory-gb", str(gb)]
+        monkeypatch.setattr(sys, "argv", ["gpu_check.py", *argv, "--layers-per-block", "1", "--max-seq-len", "128"])
+        assert gpu_check.main() == 0
+        return capsys.readouterr().out
+
+    small = sizing(1, 40)
+    assert "worker-fp32: skipped: fp32 weights need" in small
+    assert "second-supernode: skipped: two workers need" in small
+    assert "deployment: 1 SuperNode(s) on cpu" in small
+    large = sizing(2, 80)
+    assert "skipped" not in large and "deployment: 2 SuperNode(s) on cpu, cpu" in large
+
+
+@pytest.mark.e2e
+def test_gpu_check_dry_run_on_the_cpu(tmp_path):
+    """GPU_CHECK_DRY_RUN=1: the same steps on the CPU with a tiny Llama and a pretend GPU that holds
+    two workers: both worker measurements (benchmarks/memory_check.py: two rounds of a real node worker
+    in a fresh process, its peak RSS within 15% of the plan's figure), a 2-SuperNode deployment, and
+    one PASS line at the end."""
+    env = {**os.environ, "GPU_CHECK_DRY_RUN": "1", "OUT": str(tmp_path / "out"), "GPU_CHECK_WORK": str(tmp_path)}
+    env["PYTHON"] = sys.executable
+    proc = subprocess.run(
+        ["bash", "scripts/gpu-check.sh", "--gpu-memory-gb", "4"], cwd=ROOT, capture_output=True, text=True,
+        timeout=900, env=env,
+    )  # fmt: skip
+    lines = proc.stdout.strip().splitlines()
+    assert proc.returncode == 0 and lines[-1].startswith("gpu-check: PASS (3 passed"), proc.stdout[-4000:]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["steps"] == {"worker-bf16": "ok", "worker-fp32": "ok", "deployment-2-nodes": "ok"}
+    ratios = [float(line.split("plan/peak ")[1].split(")")[0]) for line in lines if "plan/peak" in line]
+    assert len(ratios) == 2 and all(0.85 <= r <= 1.15 for r in ratios), ratios

@@ -146,6 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="exit after this long without a message (default 0: never, it lives as long as its node)",
     )
     wrk.add_argument(
+        "--state-dir",
+        type=Path,
+        help="where the node's error-feedback residuals outlive the worker (default: SOCKET.state beside the "
+        "socket; put it on a persistent disk, not /run or /tmp; a node config's state-dir wins)",
+    )
+    wrk.add_argument(
         "--compute-cpus",
         type=_cpu_list,
         help="pin the compute thread to these CPUs, e.g. 1 or 2-7 (the I/O threads stay off them)",
@@ -197,7 +203,8 @@ def _worker(args) -> int:
     try:
         from .worker.server import run_worker  # torch and transformers: seconds
 
-        run_worker(endpoint, args.idle_exit_s, args.compute_cpus, args.device or "", args.max_message_bytes or 0)
+        device, limit = args.device or "", args.max_message_bytes or 0
+        run_worker(endpoint, args.idle_exit_s, args.compute_cpus, device, limit, args.state_dir)
     finally:
         endpoint.release()
     return 0

@@ -50,7 +50,7 @@ from .evaluation import evaluate
 from .model import load_for_training, load_tokenizer
 from .node_data import NodeSettings
 from .node_state import NodeState, ResidualStore
-from .replica import FetchStep, ModelReplica, Step, catch_up_steps, resumed_pending
+from .replica import FetchStep, ModelReplica, ReplicaLost, Step, catch_up_steps, resumed_pending
 from .runtime import round_seed
 from .strategies import client_half
 from .training import TrainResult, TrainSettings, train_block
@@ -415,7 +415,7 @@ def computed(future: Future):
     """A computation's result; its failure leaves the replica as it was (``local_model`` restores it)."""
     try:
         return future.result()
-    except StateIntact:
+    except (StateIntact, ReplicaLost):
         raise
     except (ValueError, RuntimeError, OSError) as err:  # a data or memory error inside the computation
         raise StateIntact(f"{type(err).__name__}: {err}") from err

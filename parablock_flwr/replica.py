@@ -108,6 +108,11 @@ class StepLog:
         return block, load_file(str(path))
 
 
+class ReplicaLost(RuntimeError):
+    """The replica is no longer an exact ``x^v`` (its restore after a computation failed): every later
+    use fails until a full sync (``reset_to``), and the node's error is never reported as state-intact."""
+
+
 class ModelReplica:
     """The global model ``x^version``, moved forward only by replaying global steps.
 
@@ -134,6 +139,7 @@ class ModelReplica:
             model.to(self.weights_dtype)
         self.version = 0
         self._before_last_step: Tensors = {}
+        self.lost = ""  # why the replica is not an exact x^version any more ("": it is)
 
     def _to_device(self, names: Iterable[str], fp32: Iterable[str] = ()) -> None:
         """Cast the master's values of ``names`` into the device model (``fp32`` ones as fp32 copies)."""
@@ -147,6 +153,8 @@ class ModelReplica:
 
     def advance_to(self, version: int, fetch_step: FetchStep) -> None:
         """Apply ``g^{v+1}..g^{version}``; asking for an older version is a no-op."""
+        if self.lost:
+            raise ReplicaLost(f"this process's model is not an exact x^v any more ({self.lost}); it needs a full sync")
         while self.version < version:
             _, step = fetch_step(self.version + 1)
             self._before_last_step = {n: self.params[n].detach().clone() for n in step}
@@ -160,7 +168,7 @@ class ModelReplica:
             for n, t in values.items():
                 self.params[n].copy_(t.to(device=self.params[n].device, dtype=self.params[n].dtype))
         self._to_device(values)
-        self.version, self._before_last_step = version, {}
+        self.version, self._before_last_step, self.lost = version, {}, ""
 
     @contextlib.contextmanager
     def local_model(
@@ -191,10 +199,14 @@ class ModelReplica:
             self._to_device(touched, fp32=train_names)  # the trained block as fp32 master weights
             yield self.model
         finally:
-            with torch.no_grad():
-                for n, t in saved.items():
-                    self.params[n].copy_(t)
-            self._to_device(touched)
+            try:
+                with torch.no_grad():
+                    for n, t in saved.items():
+                        self.params[n].copy_(t)
+                self._to_device(touched)
+            except Exception as err:  # e.g. out of device memory half-way: some tensors keep trained values
+                self.lost = f"{type(err).__name__} while restoring it: {err}"
+                raise ReplicaLost(self.lost) from err
 
 
 def catch_up_steps(round_cfg, arrays: dict[str, torch.Tensor]) -> dict[int, Step]:

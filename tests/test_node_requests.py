@@ -268,3 +268,53 @@ def test_the_inline_clientapp_replies_state_intact_errors_itself(tmp_path, tiny_
     assert context.state["node"]["last-round"] == 1 and "pending" in context.state
     again = train_inline(msg, context)
     assert again.has_error() and again.error.reason.startswith("state-intact: round 1 (train) refused")
+
+
+def test_a_repeat_is_answered_from_the_cache_but_a_retry_that_syncs_the_node_is_computed_again(tmp_path):
+    """The worker's cache of its last reply answers a true repeat (the same round, nothing new); a
+    retried round that carries a full sync or a hand-back replaces the node's state, so it must be
+    computed from that state (before: the rejected reply came back from the cache, every retry)."""
+    worker = NodeWorker(state_dir=tmp_path)
+    calls = []
+    worker.handle_request = lambda header, arrays, received: calls.append(header) or ({"metrics": {}}, {})
+    header = {"op": "train", "run-id": 7, "partition-id": 0, "round": {"server-round": 3}}
+    assert worker.serve_request(header, {}) == worker.serve_request(header, {}) and len(calls) == 1
+    synced = {**header, "round": {"server-round": 3, "sync-version": 1}}
+    worker.serve_request(synced, {})
+    worker.serve_request(header, {"resume-pending/w": np.zeros(1, np.float32)})
+    assert len(calls) == 3
+    reply, _ = worker.serve_request({"op": "train", "run-id": 7}, {})  # no partition, no round
+    assert reply["error"].startswith("malformed request header") and reply["state-intact"]
+    worker.compute_thread.shutdown()
+
+
+def test_a_replica_whose_restore_failed_is_lost_until_a_full_sync_and_never_state_intact():
+    """Out of device memory while restoring the replica after a computation (a fault that cannot be made
+    real on a CPU: one narrow patch of the device move) leaves trained values in it: the error must not
+    say the state is intact, and the replica refuses every use until a full sync."""
+    from parablock_flwr.replica import ModelReplica, ReplicaLost
+
+    model = torch.nn.Linear(2, 2)
+    replica = ModelReplica(model, ["weight", "bias"])
+    values = {n: p.detach().clone() for n, p in model.named_parameters()}
+    moves = []
+
+    def fail_on_restore(names, fp32=()):
+        moves.append(fp32)
+        if len(moves) == 2:  # the first move sets the block up, the second restores the replica
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    replica._to_device = fail_on_restore
+    with pytest.raises(ReplicaLost), replica.local_model(0, None, ["weight"]) as trained:
+        with torch.no_grad():
+            trained.weight.add_(1.0)
+    with pytest.raises(ReplicaLost, match="needs a full sync"):
+        replica.advance_to(1, lambda v: (0, {}))
+    pool = ThreadPoolExecutor(1)
+    with pytest.raises(ReplicaLost):  # not turned into StateIntact by the node runtime
+        node.computed(pool.submit(replica.advance_to, 1, lambda v: (0, {})))
+    pool.shutdown()
+    del replica._to_device
+    replica.reset_to(2, values)
+    assert replica.version == 2 and not replica.lost
+    assert all(torch.equal(p, values[n]) for n, p in model.named_parameters())

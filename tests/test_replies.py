@@ -189,3 +189,22 @@ def test_rows_dropped_for_length_are_counted_once_per_dataset():
     assert dropped_for_length([reply(0, 1, 4), reply(1, 1, 7)]) == 11
     assert dropped_for_length([reply(0, 0, 5), reply(1, 0, 5), reply(2, 1, 2)]) == 7
     assert dropped_for_length([]) == 0
+
+
+def test_a_site_with_its_own_data_keeps_the_count_of_its_first_accepted_reply():
+    """Without `max-num-examples`, a reply that says `own-data = 1` is bounded only by its own count:
+    a site's data does not change during a run, so a later reply claiming another count is rejected."""
+    from parablock_flwr.strategies.reply_checks import Reply, check_own_count
+
+    def reply(num_examples: float, own: int = 1) -> Reply:
+        return Reply(4, {"partition-id": 2, "own-data": own, "num-examples": num_examples}, None)
+
+    counts = {}
+    assert check_own_count(reply(48), counts) is None  # the first: nothing to compare with
+    counts[2] = 48.0
+    assert check_own_count(reply(48), counts) is None
+    assert (
+        check_own_count(reply(1e300), counts)
+        == "num-examples=1e+300, expected 48 (this site's count in its first accepted reply)"
+    )
+    assert check_own_count(reply(1e300, own=0), counts) is None  # a partitioned node: the run's bound applies

@@ -197,3 +197,32 @@ def test_a_node_rejected_in_every_round_is_named_as_excluded(tmp_path, tiny_mode
     excluded = strategy.excluded_nodes()
     assert len(excluded) == 1 and "(partition 1): not aggregated in 3 of 3 rounds" in excluded[0], excluded
     assert "num-examples=64, expected a number in (0, 40]" in excluded[0]
+
+
+def test_a_slow_finish_never_loses_replies_and_the_last_round_is_durable_before_its_evaluation(
+    tmp_path, tiny_model_dir
+):
+    """Round 1's record takes longer than ``round-timeout-s`` (a slow disk, a long evaluation): round 2's
+    replies, which came in time, are still pulled and aggregated (before: the deadline had passed before
+    the first pull, and every reply was counted missing). And the nodes' evaluation of x^R comes after
+    round R's checkpoint is durable (before: after it, so a crash there lost the aggregated round R)."""
+    rounds, checkpointed_at_final_evaluation = 2, []
+
+    class SlowRecord(FedBCD):
+        def record_round(self, server_round, record):
+            if server_round == 1:
+                time.sleep(2.0)
+            super().record_round(server_round, record)
+
+    strategy = make_strategy(tmp_path, tiny_model_dir, rounds, round_timeout_s=1.0, evaluation="clients")
+    strategy.__class__ = SlowRecord
+    honest = honest_answer(strategy)
+
+    def answer(index, msg):
+        if msg.metadata.message_type == MessageType.EVALUATE:
+            checkpointed_at_final_evaluation.append((tmp_path / "checkpoint" / f"round-{rounds:05d}").exists())
+        return honest(index, msg)
+
+    records = {r["round"]: r for r in run(strategy, InMemoryFederation(2, answer), rounds)}
+    assert records[2]["num_accepted"] == 2 and records[2].get("replies_missing", 0) == 0, records[2]
+    assert checkpointed_at_final_evaluation == [True, True]

@@ -208,3 +208,13 @@ def check_partition(reply: Reply, seen: set[int], known: dict[int, int]) -> str 
     if known.get(reply.node, reply.partition_id) != reply.partition_id:
         return f"partition-id={reply.partition_id}, expected this node's {known[reply.node]}"
     return None
+
+
+def check_own_count(reply: Reply, counts: dict[int, float]) -> str | None:
+    """A site's own data does not change during a run: its ``num-examples`` stays what its first
+    accepted reply claimed. (Without ``max-num-examples`` this is the only bound on a node with its
+    own data: an operator who does not trust a site's count sets ``max-num-examples``.)"""
+    first = counts.get(reply.partition_id)
+    if reply.metrics.get("own-data") != 1 or first is None or reply.num_examples == first:
+        return None
+    return f"num-examples={reply.num_examples:g}, expected {first:g} (this site's count in its first accepted reply)"

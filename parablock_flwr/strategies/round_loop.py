@@ -192,8 +192,11 @@ class RoundLoop(Strategy):
             arrays, train_metrics = self.aggregate_train(server_round, self.replies_as_they_arrive(grid, sent))
             result.arrays, result.train_metrics_clientapp[server_round] = arrays, train_metrics
             due = server_round
+        if due is not None:
+            self.make_durable(due)  # before the nodes' final evaluation, which may take round-timeout-s
         self.final_evaluation(grid, result.arrays, num_rounds)
-        self.finish_round(due, result, evaluate_fn)
+        if due is not None:
+            self.finish_round(due, result, evaluate_fn)
         return result
 
     # ------------------------------------------------------------ messages
@@ -241,8 +244,11 @@ class RoundLoop(Strategy):
         Messages still unanswered at the deadline are abandoned: they expire on the SuperLink at
         the same time (their TTL), and a reply to one that still arrives later is pulled and
         dropped, counted in the round that pulls it (``late_replies_dropped``)."""
-        waiting = dict(sent)
-        while waiting and time.monotonic() < self._deadline:
+        waiting, first_pull = dict(sent), True
+        # At least one pull: what ran since the push (the previous round's checkpoint and evaluation)
+        # may have outlasted the deadline, and replies that came in time are waiting on the SuperLink.
+        while waiting and (first_pull or time.monotonic() < self._deadline):
+            first_pull = False
             for reply in grid.pull_messages(set(waiting) | set(self._abandoned)):
                 mid = reply.metadata.reply_to_message_id
                 if mid in self._abandoned:
@@ -299,10 +305,7 @@ class RoundLoop(Strategy):
         its checkpoint (a crash from here on loses nothing of round r), its evaluation (which may
         take minutes), then the evaluation's part of the record. A resumed run whose last round
         was not evaluated evaluates it first (``unevaluated_round``)."""
-        if server_round > self.rounds_completed:
-            self.record_round(server_round, {})
-            self.save_checkpoint(server_round)
-            self.rounds_completed = server_round
+        self.make_durable(server_round)
         started = time.time()  # round r+1's messages are out already (``pushed``)
         metrics = evaluate_fn(server_round, result.arrays) if evaluate_fn else None
         crash_point("evaluation", server_round)
@@ -324,6 +327,13 @@ class RoundLoop(Strategy):
         self.recorder.write({"round": server_round, **evaluation}, crash_stage=("record", server_round))
         log.info(round_line({**self._recorded.pop(server_round, {"round": server_round}), **evaluation},
                             self.num_rounds))  # fmt: skip
+
+    def make_durable(self, server_round: int) -> None:
+        """Round r's training record, then its checkpoint, once: from here on a crash loses nothing of it."""
+        if server_round > self.rounds_completed:
+            self.record_round(server_round, {})
+            self.save_checkpoint(server_round)
+            self.rounds_completed = server_round
 
     def record_round(self, server_round: int, record: dict) -> None:
         """Append round r's training record (the aggregation's numbers) to ``metrics.jsonl``.

@@ -79,8 +79,14 @@ class NodeWorker:
     def serve_request(self, header: dict, arrays: dict[str, np.ndarray]) -> tuple[dict, dict[str, np.ndarray]]:
         """One ``train`` or ``evaluate`` request, in order; its reply (``{"error": ...}`` on failure)."""
         received = time.time()
-        key = (header.get("op", "train"), header["run-id"], int(header["partition-id"]),
-               int(header["round"]["server-round"]))  # fmt: skip
+        try:
+            # A repeat is the same round with nothing that replaces the node's state: a retried round that
+            # carries a full sync (or a hand-back) is computed again, from that state.
+            replaces = ("sync-version" in header["round"], any(k.startswith("resume-pending/") for k in arrays))
+            key = (header.get("op", "train"), header["run-id"], int(header["partition-id"]),
+                   int(header["round"]["server-round"]), replaces)  # fmt: skip
+        except (KeyError, TypeError, ValueError) as err:
+            return {"error": f"malformed request header ({type(err).__name__}: {err})", "state-intact": True}, {}
         with self.lock:
             if self.last is not None and self.last[0] == key:
                 log.info("round %d again: the same reply, not a second computation", key[3])
@@ -199,8 +205,9 @@ async def serve(
     compute_cpus: set[int] | None = None,
     device: str = "",
     max_message_bytes: int = 0,
+    state_dir: Path | None = None,
 ) -> None:
-    worker = NodeWorker(compute_cpus, endpoint.path.with_name(endpoint.path.name + ".state"))
+    worker = NodeWorker(compute_cpus, state_dir or endpoint.path.with_name(endpoint.path.name + ".state"))
     worker.device = device
     worker.message_limit = MessageLimit(max_message_bytes)
     server = await asyncio.start_unix_server(endpoint.admitting(worker.handle), sock=endpoint.sock, limit=2**26)
@@ -225,10 +232,11 @@ def run_worker(
     compute_cpus: set[int] | None = None,
     device: str = "",
     max_message_bytes: int = 0,
+    state_dir: Path | None = None,
 ) -> None:
     """Serve one node on a claimed socket (``WorkerSocket.claim``; its claimer releases it) until
     stopped (SIGTERM/SIGINT), or idle for ``idle_exit_s`` if that is > 0.
 
     By default the worker lives as long as its node: a node not sampled for hours, or a
     round longer than an hour, must not lose its model and its pending update."""
-    asyncio.run(serve(endpoint, idle_exit_s, compute_cpus, device, max_message_bytes))
+    asyncio.run(serve(endpoint, idle_exit_s, compute_cpus, device, max_message_bytes, state_dir))

@@ -25,11 +25,12 @@ from ...checkpoint import clear_staged_pending
 from ...config import RunConfig
 from ...records import to_record
 from ..node_sync import NodeSync, ask_partitions, seeded_sample
-from ..reply_checks import Expected, Reply, check_partition, parse_reply, state_intact
+from ..reply_checks import Expected, Reply, check_own_count, check_partition, parse_reply, state_intact
 from ..round_loop import RoundLoop, TooFewReplies
 from ..round_stats import RoundStats, array_bytes, round_record
 
 log = logging.getLogger(__name__)
+PARTITION_QUERY_TIMEOUT_S = 60.0  # asking a node its partition id: a thin message, no training
 
 
 class FedBCD(RoundLoop):
@@ -62,6 +63,8 @@ class FedBCD(RoundLoop):
         self.link = core.LinkModel(cfg.uplink_mbps, cfg.downlink_mbps, cfg.latency_ms, cfg.message_overhead_s)
         self.sync = NodeSync(global_params, partition.num_blocks, self.step_log, self.config.transfer_dtype)
         self.stats = RoundStats(0)
+        self._asked_partition: set[int] = set()  # nodes asked their partition id (select_nodes)
+        self.own_counts: dict[int, float] = {}  # partition -> num-examples of a site with its own data
         self.last_metrics: dict = {}  # the last round's record
 
     def choose_block(self, server_round: int) -> int:
@@ -83,9 +86,10 @@ class FedBCD(RoundLoop):
         if self.config.fraction_train >= 1.0:
             return sorted(available)
         partitions = self.sync.partitions
-        unknown = [n for n in available if n not in partitions]
-        if unknown:
-            partitions.update(ask_partitions(grid, unknown, self.round_timeout_s))
+        unknown = [n for n in available if n not in partitions and n not in self._asked_partition]
+        if unknown:  # once per node, briefly: a node that does not answer is sampled after the others
+            self._asked_partition.update(unknown)
+            partitions.update(ask_partitions(grid, unknown, min(self.round_timeout_s, PARTITION_QUERY_TIMEOUT_S)))
         by_partition = sorted(available, key=lambda n: (partitions.get(n, math.inf), n))  # unanswered: last
         chosen = seeded_sample(by_partition, self.config.fraction_train, self.config.seed * 1_000_003 + server_round)
         return sorted(chosen)
@@ -228,11 +232,14 @@ class FedBCD(RoundLoop):
             if isinstance(reply, Reply):  # well-formed: the round's rules, then the subclass's
                 reply = (
                     check_partition(reply, seen, self.sync.partitions)
+                    or check_own_count(reply, self.own_counts)
                     or self.check_reply(server_round, block, reply)
                     or reply
                 )
             if isinstance(reply, Reply):
                 seen.add(reply.partition_id)
+                if reply.metrics.get("own-data") == 1:
+                    self.own_counts.setdefault(reply.partition_id, reply.num_examples)
                 accepted = accepted + [reply]
                 continue
             log.warning("round %d: rejected the reply of node %d: %s", server_round, node, reply)

@@ -107,6 +107,7 @@ def deployed_long(tmp_path_factory, tiny_model_dir):
         num_server_rounds=LONG_ROUNDS,
         verify_invariant=True,
         schedule="ascending",
+        transfer_dtype="bf16",
     )
 
 
@@ -117,19 +118,27 @@ def test_killed_server_resumes_at_any_round_in_a_restarted_deployment_bit_for_bi
     """The ServerApp is SIGKILLed in round R+1 (R = 1, and R = 6 > 2M+1); a new deployment
     (SuperLink, SuperNodes, workers: every process restarted) resumes from round R's checkpoint.
     The nodes are asked their partition; each worker gets the exact values of x^{R-1} (a full
-    sync) and its own Δ_i^R back, and computes round R+1 from x^{R-1} + Δ_i^R: every later global
-    step equals the uninterrupted deployment's, bit for bit."""
-    same = dict(num_server_rounds=LONG_ROUNDS, verify_invariant=True, schedule="ascending")
+    sync) and its own Δ_i^R back, and computes round R+1 from x^{R-1} + Δ_i^R; with bf16 transfer
+    each worker also reads its error-feedback residuals back from its `state-dir` as of round R
+    (written durably each round; the killed workers may have answered round R+1 already): every
+    later global step equals the uninterrupted deployment's, bit for bit. (fp32 resume at every
+    stage of a round: tests/test_simulation.py.)"""
+    same = dict(num_server_rounds=LONG_ROUNDS, verify_invariant=True, schedule="ascending", transfer_dtype="bf16")
+    states = [f'state-dir="{tmp_path / "state" / f"node-{i}"}"' for i in range(2)]
     killed_out = tmp_path / "killed" / "out"
     killed = deploy(
         tmp_path / "killed",
         tiny_model_dir,
+        node_settings=states,
         **same,
         on_started=lambda dep: kill_server_after_round(dep.workdir / "flwr-home", killed_out, after_round=after_round),
     )
     assert killed.run_dir is not None
     assert not (killed.run_dir / "global-steps" / f"v{after_round + 1:05d}.safetensors").exists()
-    resumed = _ok(deploy(tmp_path / "resumed", tiny_model_dir, resume_from=str(killed.run_dir), **same))
+    assert list((tmp_path / "state" / "node-0" / "partition-0").glob(f"r{after_round:05d}-b*.safetensors"))
+    resumed = _ok(
+        deploy(tmp_path / "resumed", tiny_model_dir, node_settings=states, resume_from=str(killed.run_dir), **same)
+    )
     assert f"after round {after_round} (2 pending client updates" in resumed.stdout
     records = {r["round"]: r for r in resumed.records}
     assert sorted(records) == list(range(LONG_ROUNDS + 1))
@@ -138,34 +147,6 @@ def test_killed_server_resumes_at_any_round_in_a_restarted_deployment_bit_for_bi
         record = records[server_round]
         assert record["num_accepted"] == 2 and record["invariant_checked"] == 2 and record["invariant_failed"] == 0
         (block, step), (expected_block, expected) = resumed.step(server_round), _ok(deployed_long).step(server_round)
-        assert block == expected_block and all(torch.equal(step[n], expected[n]) for n in expected), server_round
-
-
-def test_with_bf16_transfer_a_restarted_deployment_resumes_bit_for_bit(tmp_path, tiny_model_dir):
-    """transfer-dtype = "bf16": every process is killed in round 2 of 3 and restarted (server, SuperNodes,
-    workers). Each worker keeps its error-feedback residuals in its node config's `state-dir`, written
-    durably each round; the restarted worker reads them back as of round 1 (the checkpoint) and rounds
-    2-3 equal an uninterrupted bf16 deployment's, bit for bit."""
-    same = dict(num_server_rounds=ROUNDS, verify_invariant=True, schedule="ascending", transfer_dtype="bf16")
-    states = [f'state-dir="{tmp_path / "state" / f"node-{i}"}"' for i in range(2)]
-    uninterrupted = _ok(deploy(tmp_path / "whole", tiny_model_dir, **same))
-    killed_out = tmp_path / "killed" / "out"
-    killed = deploy(
-        tmp_path / "killed",
-        tiny_model_dir,
-        node_settings=states,
-        on_started=lambda dep: kill_server_after_round(dep.workdir / "flwr-home", killed_out, after_round=1),
-        **same,
-    )
-    assert killed.run_dir is not None and not (killed.run_dir / "global-steps" / "v00002.safetensors").exists()
-    assert list((tmp_path / "state" / "node-0" / "partition-0").glob("r00001-b*.safetensors"))
-    resumed = _ok(
-        deploy(tmp_path / "resumed", tiny_model_dir, node_settings=states, resume_from=str(killed.run_dir), **same)
-    )
-    records = {r["round"]: r for r in resumed.records}
-    assert records[2]["full_syncs_sent"] == 2 and records[2]["invariant_failed"] == 0
-    for server_round in (2, 3):
-        (block, step), (expected_block, expected) = resumed.step(server_round), uninterrupted.step(server_round)
         assert block == expected_block and all(torch.equal(step[n], expected[n]) for n in expected), server_round
 
 

@@ -88,6 +88,7 @@ class RoundLoop(Strategy):
         self._abandoned: dict[str, tuple[int, float]] = {}  # message id -> (node, when it expires)
         self._replied_by: dict[str, int] = {}  # message id -> its node, for the replies of this round
         self._participation: dict[int, dict] = {}  # node -> rounds asked, aggregated, not in a row
+        self._rounds_noted = 0  # rounds whose participation was noted (this server process)
 
     def block_for_round(self, server_round: int) -> int:
         """``b_r``, decided once by the algorithm's ``choose_block`` and remembered (checkpointed).
@@ -352,6 +353,7 @@ class RoundLoop(Strategy):
         """After round r: each node sent the round's message and not aggregated (rejected, an
         error, no reply) counts towards its exclusion (``excluded_nodes``)."""
         reasons = {r["node"]: r["reason"] for r in stats.rejected}
+        self._rounds_noted += 1
         for node in stats.nodes:
             row = self._participation.setdefault(node, {"rounds": 0, "accepted": 0, "streak": 0, "longest": 0})
             row["rounds"] += 1
@@ -373,12 +375,15 @@ class RoundLoop(Strategy):
             self._participation[node]["claimed_partition"] = claimed
 
     def excluded_nodes(self) -> list[str]:
-        """The nodes this run left out, one line each: never aggregated in any round it was asked,
-        or not aggregated in ``max-consecutive-rejections`` consecutive rounds (0: only the former)."""
+        """The nodes this run left out, one line each: asked in every round and never aggregated, or
+        not aggregated in ``max-consecutive-rejections`` consecutive rounds it was asked (0: only the
+        former). A node sampled in a round or two and failing there (a worker restarting) is not left
+        out: it is counted in those rounds' records (``rejected``)."""
         k = self.config.max_consecutive_rejections
         out = []
         for node, row in sorted(self._participation.items()):
-            if row["accepted"] == 0 or (k and row["longest"] >= k):
+            never = row["accepted"] == 0 and row["rounds"] == self._rounds_noted
+            if never or (k and row["longest"] >= k):
                 partition = self.sync.partitions.get(node, row.get("claimed_partition"))
                 name = f"node {node}" + (f" (partition {partition})" if partition is not None else "")
                 out.append(f"{name}: not aggregated in {row['rounds'] - row['accepted']} of {row['rounds']} rounds "

@@ -80,7 +80,7 @@ def main() -> None:
         "generate-examples": 0, "torch-threads": 2, "schedule": "ascending",
     }  # fmt: skip
     base_rss = peak_rss()  # torch, transformers, datasets imported
-    worker = NodeWorker()
+    worker = NodeWorker(state_dir=Path(tempfile.mkdtemp()))
 
     def header(r: int, block: int, next_block: int) -> dict:
         return {"op": "train", "run-id": 1, "run-config": config, "partition-id": 0, "num-partitions": 1,
@@ -88,10 +88,15 @@ def main() -> None:
                 "round": {"server-round": r, "block": block, "step-block": 1 if r > 1 else -1,
                           "next-block": next_block, "algorithm": "parablock", "run-dir": "unused"}}  # fmt: skip
 
+    def round_of(*args, arrays=None) -> dict:
+        reply, update = worker.serve_request(header(*args), arrays or {})
+        if "error" in reply:
+            sys.exit(f"memory-check: the worker failed: {reply['error']}")
+        return update
+
     started = time.time()
-    _, update = worker.train(header(1, 1, 0), {})  # round 2 (block 0) starts ahead from x^0 + Δ^1
-    step = {f"global-step/{n}": a for n, a in update.items()}  # one node: g^1 = Δ^1
-    worker.train(header(2, 0, -1), step)
+    update = round_of(1, 1, 0)  # round 2 (block 0) starts ahead from x^0 + Δ^1
+    round_of(2, 0, -1, arrays={f"global-step/{n}": a for n, a in update.items()})  # one node: g^1 = Δ^1
     seconds = time.time() - started
     if args.device.startswith("cuda"):
         peak = torch.cuda.max_memory_allocated(torch.device(args.device))

@@ -382,12 +382,12 @@ class RoundLoop(Strategy):
         k = self.config.max_consecutive_rejections
         out = []
         for node, row in sorted(self._participation.items()):
-            never = row["accepted"] == 0 and row["rounds"] == self._rounds_noted
+            never = 0 < row["rounds"] == self._rounds_noted and row["accepted"] == 0
             if never or (k and row["longest"] >= k):
                 partition = self.sync.partitions.get(node, row.get("claimed_partition"))
                 name = f"node {node}" + (f" (partition {partition})" if partition is not None else "")
                 out.append(f"{name}: not aggregated in {row['rounds'] - row['accepted']} of {row['rounds']} rounds "
-                           f"({row['longest']} in a row; last: {row['last_reason']})")  # fmt: skip
+                           f"({row['longest']} in a row; last: {row.get('last_reason', 'none')})")  # fmt: skip
         return out
 
     # ------------------------------------------------------------ checkpoint and resume

@@ -26,6 +26,7 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 
 from .core import PendingUpdate, Tensors
+from .durable import fsync_path
 
 KEEP_ROUNDS = 4  # a checkpoint is at most 2 rounds behind what a node answered: room to spare
 _FILE = re.compile(r"r(\d+)-(b(\d+)\.safetensors|reset)$")
@@ -38,14 +39,6 @@ class NodeState:
     pending: PendingUpdate | None = None  # its own update not yet in the global model
     residuals: dict[int, Tensors] = field(default_factory=dict)  # transfer-dtype's error feedback, by block
     last_round: int = 0  # the last round it answered (0: none yet in this run)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class ResidualStore:
@@ -65,7 +58,7 @@ class ResidualStore:
         return sorted(out, key=lambda e: (e[0], -1 if e[1] is None else e[1]))
 
     def _write(self, name: str, tensors: Tensors | None) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # the node's own, as its socket
         final, tmp = self.dir / name, self.dir / f".{name}.tmp"
         if tensors is None:
             tmp.write_bytes(b"")
@@ -74,7 +67,7 @@ class ResidualStore:
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, final)
-        fsync_dir(self.dir)
+        fsync_path(self.dir)
 
     def save(self, server_round: int, block: int, residual: Tensors) -> None:
         """Block ``block``'s residual after round ``server_round``."""

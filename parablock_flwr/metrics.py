@@ -91,6 +91,11 @@ def run_summary(records: list[dict]) -> str:
     constant = next((r["task_accuracy_constant"] for r in records if r.get("task_accuracy_constant") is not None), None)
     if len(parts) == 2 and constant is not None:
         parts[-1] += f" (always the most common answer: {constant:.3f})"
+    # What the run did less than asked, said on its last line (each round's record has the detail).
+    if rejected := sum(r.get("num_rejected", 0) for r in records):
+        parts.append(f"{rejected} replies rejected")
+    if dropped := max((r.get("dropped_examples", 0) for r in records), default=0):
+        parts.append(f"up to {dropped} data rows dropped, cut before their answer by max-seq-len")
     return "; ".join(parts)
 
 

@@ -245,3 +245,13 @@ def test_rows_cut_before_their_answer_are_counted_and_logged(tmp_path, tiny_mode
     split = node_splits(f"alpaca:{path}", f"alpaca:{path}", 0, 40, 0, tokenizer, 64)
     assert (split.dropped_for_length, split.heldout_dropped_for_length) == (4, 4)
     assert tokenized_splits(f"alpaca:{path}", None, 2, 0, tokenizer, 512).dropped_for_length == 0
+
+
+def test_the_run_summary_says_what_the_run_left_out():
+    """Rejected replies and rows dropped for length are on the run's last line, not only in the records."""
+    from parablock_flwr.metrics import run_summary
+
+    records = [{"round": 0}, {"round": 1, "num_rejected": 1, "dropped_examples": 5}, {"round": 2, "num_rejected": 2}]
+    expected = "3 replies rejected; up to 5 data rows dropped, cut before their answer by max-seq-len"
+    assert run_summary(records) == expected
+    assert run_summary([{"round": 0}, {"round": 1, "num_rejected": 0, "dropped_examples": 0}]) == ""

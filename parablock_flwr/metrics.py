@@ -12,6 +12,7 @@ into one dict per round, as a run's record always was.
 from __future__ import annotations
 
 import math
+import threading
 from pathlib import Path
 
 from .durable import append_line, read_jsonl
@@ -27,15 +28,17 @@ class RunRecorder:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.nodes_path = Path(run_dir) / "nodes.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()  # the round loop and the server's evaluator both append
 
     def write(self, record: dict, crash_stage: tuple[str, int] | None = None) -> None:
         """Append one part of a round's record (it must carry ``round``), durably; its per-node
         keys go to ``nodes.jsonl``. ``crash_stage``: the crash tests' point (``durable.crash_point``)."""
         main = {k: v for k, v in record.items() if k not in PER_NODE_KEYS}
         detail = {k: v for k, v in record.items() if k in PER_NODE_KEYS}
-        if detail:
-            append_line(self.nodes_path, {"round": record["round"], **detail})
-        append_line(self.path, main, crash_stage)
+        with self._lock:
+            if detail:
+                append_line(self.nodes_path, {"round": record["round"], **detail})
+            append_line(self.path, main, crash_stage)
 
     def read(self) -> list[dict]:
         """One merged dict per round, in round order (a torn last line is skipped with a warning)."""
@@ -94,6 +97,8 @@ def run_summary(records: list[dict]) -> str:
     # What the run did less than asked, said on its last line (each round's record has the detail).
     if rejected := sum(r.get("num_rejected", 0) for r in records):
         parts.append(f"{rejected} replies rejected")
+    if skipped := sum(r.get("evaluation_skipped", 0) for r in records):
+        parts.append(f"{skipped} scheduled evaluations skipped (the server's evaluator fell behind)")
     if dropped := max((r.get("dropped_examples", 0) for r in records), default=0):
         parts.append(f"up to {dropped} data rows dropped, cut before their answer by max-seq-len")
     return "; ".join(parts)

@@ -4,10 +4,12 @@ import pytest
 import torch
 
 from parablock_flwr import core
+from parablock_flwr.config import RunConfig
 from parablock_flwr.examples.largest_update import LargestUpdateParaBlock
 from parablock_flwr.examples.trimmed_mean import TrimmedMeanParaBlock
 from parablock_flwr.model import load_model
 from parablock_flwr.strategies import FedBCD, ParaBlock, strategy_class
+from parablock_flwr.strategies.run import Run
 
 from helpers import simulate
 
@@ -19,9 +21,9 @@ def make(cls, tmp_path, tiny_model_dir, rounds=6):
     model = load_model(str(tiny_model_dir))
     part = core.partition_blocks(model, layers_per_block=1)  # 4 blocks
     params = dict(model.named_parameters())
-    return cls(
-        global_params={n: params[n] for n in part.all_names()}, partition=part, schedule=[0] * rounds, run_dir=tmp_path
-    )
+    config = RunConfig(num_server_rounds=rounds)
+    return cls(global_params={n: params[n] for n in part.all_names()}, partition=part, schedule=[0] * rounds,
+               config=config)  # fmt: skip
 
 
 def test_trimmed_mean_ignores_an_outlier(tmp_path, tiny_model_dir):
@@ -104,11 +106,10 @@ def test_a_new_algorithm_added_as_the_docs_say_runs(tmp_path, tiny_model_dir, mo
     part = core.partition_blocks(model, layers_per_block=2)
     params = dict(model.named_parameters())
     strategy = strategy_class("damped-bcd", "")(
-        global_params={n: params[n] for n in part.all_names()}, partition=part, schedule=[0, 1],
-        run_dir=tmp_path / "run", config=cfg,
+        global_params={n: params[n] for n in part.all_names()}, partition=part, schedule=[0, 1], config=cfg,
     )  # fmt: skip
     with InMemoryFederation(2, client_app_answer(run_config, 2)) as federation:
-        strategy.start(federation.grid, ArrayRecord(), num_rounds=2, timeout=600)
+        Run(strategy, tmp_path / "run").start(federation.grid, ArrayRecord())
     records = RunRecorder(tmp_path / "run").read()
     assert [r["num_accepted"] for r in records[1:]] == [2, 2], records
     assert DampedClient.rounds_finished == 4

@@ -16,8 +16,8 @@ from parablock_flwr.config import RunConfig
 from parablock_flwr.model import load_model
 from parablock_flwr.records import to_record
 from parablock_flwr.strategies import ParaBlock
-from parablock_flwr.strategies.round_loop import TooFewReplies
 from parablock_flwr.strategies.round_stats import RoundStats
+from parablock_flwr.strategies.run import Run, TooFewReplies
 
 BLOCK = 1
 
@@ -32,9 +32,9 @@ def setup(tmp_path, tiny_model_dir):
         global_params=global_params,
         partition=partition,
         schedule=[BLOCK, 0],
-        run_dir=tmp_path,
-        config=RunConfig(max_update_norm=10.0, min_accepted_replies=0),
+        config=RunConfig(max_update_norm=10.0, min_accepted_replies=0, num_server_rounds=2),
     )
+    Run(strategy, tmp_path)  # attaches itself: the step log, the records, the message counts
     torch.manual_seed(0)
     update = {n: 1e-3 * torch.randn_like(params[n]) for n in partition.names(BLOCK)}
     before = core.snapshot(global_params, global_params)
@@ -113,7 +113,7 @@ def test_all_rejected_leaves_the_model_unchanged(setup):
     assert strategy.last_metrics["num_accepted"] == 0
     for n, t in strategy.global_params.items():
         assert torch.equal(t.detach(), before[n]), n
-    assert all(torch.count_nonzero(t) == 0 for t in strategy.step_log.read(1)[1].values())
+    assert all(torch.count_nonzero(t) == 0 for t in strategy.run.step_log.read(1)[1].values())
 
 
 def test_too_few_valid_replies_stop_the_run_with_one_line(setup):
@@ -134,7 +134,7 @@ def test_a_failed_invariant_check_rejects_the_update_and_resynchronises_the_node
     """With verify-invariant, a client whose local model is not x^{r-1} + its update is rejected
     (counted), x does not move, and its next message is a full sync that drops its own state."""
     strategy, update, before = setup
-    strategy.config = RunConfig(verify_invariant=True, min_accepted_replies=0)
+    strategy.config = RunConfig(verify_invariant=True, min_accepted_replies=0, num_server_rounds=2)
     good, bad = reply(10, update), reply(11, update)
     names = strategy.partition.all_names()
     good.content["trace"] = ConfigRecord({"local-model-sha256": core.digest_after(before, names, update)})
@@ -143,7 +143,7 @@ def test_a_failed_invariant_check_rejects_the_update_and_resynchronises_the_node
     rec = strategy.last_metrics
     assert (rec["num_accepted"], rec["invariant_checked"], rec["invariant_failed"]) == (1, 2, 1)
     assert "invariant broken" in rec["rejected"][0]["reason"]
-    strategy._global_step = to_record(strategy.step_log.read(1)[1])
+    strategy._global_step = to_record(strategy.run.step_log.read(1)[1])
     messages = {m.metadata.dst_node_id: m for m in strategy.train_messages(2, [10, 11])}
     assert "sync-values" not in messages[10].content and "sync-values" in messages[11].content
     assert messages[11].content["round"]["sync-version"] == 0
@@ -153,7 +153,7 @@ def test_a_failed_invariant_check_rejects_the_update_and_resynchronises_the_node
 
 def test_a_reply_whose_on_receipt_correction_drifted_too_far_is_rejected(setup):
     strategy, update, before = setup
-    strategy.config = RunConfig(max_correction_drift=1e-4, min_accepted_replies=0)
+    strategy.config = RunConfig(max_correction_drift=1e-4, min_accepted_replies=0, num_server_rounds=2)
     drifted = reply(11, update)
     drifted.content["metrics"]["correction-drift"] = 0.5
     strategy.aggregate_train(1, [reply(10, update), drifted])
@@ -172,7 +172,7 @@ def test_a_rounds_full_syncs_share_one_copy_of_the_model(setup):
     strategy.sync.needs_full_sync |= {1, 2, 3}
     TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0
     messages = strategy.train_messages(2, [1, 2, 3])
-    assert not isinstance(messages, list)  # a generator: RoundLoop.push builds and pushes in batches
+    assert not isinstance(messages, list)  # a generator: Run.push builds and pushes in batches
     syncs = [m.content["sync-values"] for m in messages]
     assert syncs[0] is syncs[1] is syncs[2] and strategy.stats.full_syncs_sent == 3
 

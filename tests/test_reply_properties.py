@@ -26,6 +26,7 @@ from parablock_flwr import core
 from parablock_flwr.config import RunConfig
 from parablock_flwr.records import decode, encode
 from parablock_flwr.strategies import FedBCD, ParaBlock
+from parablock_flwr.strategies.run import Run
 
 SHAPES = {"layer.0.w": (3, 4), "layer.0.b": (4,), "layer.1.w": (2, 2)}
 PARTITION = core.BlockPartition(blocks=(("layer.0.w", "layer.0.b"), ("layer.1.w",)), labels=("l0", "l1"))
@@ -204,13 +205,13 @@ def test_any_mix_of_replies_moves_the_model_by_the_valid_ones_alone(specs, algor
         max_update_norm=MAX_NORM,
         max_num_examples=MAX_EXAMPLES,
         min_accepted_replies=0,
+        num_server_rounds=2,
         server_lr=server_lr,
         transfer_dtype=transfer_dtype,
     )
     with tempfile.TemporaryDirectory() as run_dir:
-        strategy = algorithm(
-            global_params=params, partition=PARTITION, schedule=[BLOCK, 1], run_dir=run_dir, config=config
-        )
+        strategy = algorithm(global_params=params, partition=PARTITION, schedule=[BLOCK, 1], config=config)
+        Run(strategy, run_dir)
         replies, valid, invalid_nodes, valid_partitions = [], [], set(), []
         for i, (kind, vals, num_examples) in enumerate(specs):
             node = 100 + i

@@ -9,6 +9,7 @@ The nodes here answer with a deterministic update of the block's shape (the prot
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -19,27 +20,33 @@ from flwr.app import ArrayRecord, Error, Message, MessageType, MetricRecord, Rec
 
 from parablock_flwr import core
 from parablock_flwr.config import RunConfig
+from parablock_flwr.data import tokenized_splits
+from parablock_flwr.evaluation import evaluate
 from parablock_flwr.metrics import RunRecorder
-from parablock_flwr.model import load_model
+from parablock_flwr.model import load_model, load_tokenizer
 from parablock_flwr.records import to_record
+from parablock_flwr.server_apps.evaluator import ServerEvaluator
 from parablock_flwr.strategies import FedBCD
+from parablock_flwr.strategies.run import Run
 
 # Flower's SuperLink state and Grid with node threads, some rounds waiting out a timeout: a minute in all.
 pytestmark = pytest.mark.e2e
 
 
 def make_strategy(tmp_path: Path, model_dir: Path, rounds: int, **config) -> FedBCD:
+    """Sequential BCD on the tiny model, its run (``strategy.run``) in ``tmp_path``."""
     model = load_model(str(model_dir))
     partition = core.partition_blocks(model, layers_per_block=2)
     params = dict(model.named_parameters())
     cfg = RunConfig(num_server_rounds=rounds, pull_interval_s=0.01, **config)
-    return FedBCD(
+    strategy = FedBCD(
         global_params={n: params[n] for n in partition.all_names()},
         partition=partition,
         schedule=core.block_schedule("ascending", partition.num_blocks, rounds, 0),
-        run_dir=tmp_path,
         config=cfg,
     )
+    Run(strategy, tmp_path)
+    return strategy
 
 
 def honest_answer(strategy: FedBCD, num_examples: int = 10, own_data: int | None = None):
@@ -67,8 +74,8 @@ def honest_answer(strategy: FedBCD, num_examples: int = 10, own_data: int | None
 
 def run(strategy: FedBCD, federation: InMemoryFederation, rounds: int) -> list[dict]:
     with federation:
-        strategy.start(federation.grid, ArrayRecord(), num_rounds=rounds, timeout=strategy.config.round_timeout_s)
-    return RunRecorder(strategy.run_dir).read()
+        strategy.run.start(federation.grid, ArrayRecord())
+    return RunRecorder(strategy.run.run_dir).read()
 
 
 def written_bytes() -> int:
@@ -194,7 +201,7 @@ def test_a_node_rejected_in_every_round_is_named_as_excluded(tmp_path, tiny_mode
     strategy = make_strategy(tmp_path, tiny_model_dir, 3, num_examples=40)
     honest, big = honest_answer(strategy, num_examples=20), honest_answer(strategy, num_examples=64)
     run(strategy, InMemoryFederation(2, lambda i, m: big(i, m) if i else honest(i, m)), 3)
-    excluded = strategy.excluded_nodes()
+    excluded = strategy.run.excluded_nodes()
     assert len(excluded) == 1 and "(partition 1): not aggregated in 3 of 3 rounds" in excluded[0], excluded
     assert "num-examples=64, expected a number in (0, 40]" in excluded[0]
 
@@ -208,14 +215,14 @@ def test_a_slow_finish_never_loses_replies_and_the_last_round_is_durable_before_
     round R's checkpoint is durable (before: after it, so a crash there lost the aggregated round R)."""
     rounds, checkpointed_at_final_evaluation = 2, []
 
-    class SlowRecord(FedBCD):
-        def record_round(self, server_round, record):
+    class SlowRecord(Run):
+        def record_round(self, server_round):
             if server_round == 1:
                 time.sleep(2.0)
-            super().record_round(server_round, record)
+            super().record_round(server_round)
 
     strategy = make_strategy(tmp_path, tiny_model_dir, rounds, round_timeout_s=1.0, evaluation="clients")
-    strategy.__class__ = SlowRecord
+    strategy.run.__class__ = SlowRecord
     honest = honest_answer(strategy)
 
     def answer(index, msg):
@@ -226,3 +233,67 @@ def test_a_slow_finish_never_loses_replies_and_the_last_round_is_durable_before_
     records = {r["round"]: r for r in run(strategy, InMemoryFederation(2, answer), rounds)}
     assert records[2]["num_accepted"] == 2 and records[2].get("replies_missing", 0) == 0, records[2]
     assert checkpointed_at_final_evaluation == [True, True]
+
+
+def test_the_servers_evaluation_runs_beside_the_loop_and_evaluates_exactly_each_x_r(tmp_path, tiny_model_dir):
+    """An evaluation far slower than a round (each takes 3 s; the in-process nodes answer at once)
+    never holds a round: the rounds go on while it runs, the evaluator evaluates the newest round due
+    and records the older ones as skipped; round 0 and the last round are always evaluated, and the
+    run's end waits for the last. What it evaluates is exactly ``x^r``: the loss equals that of the
+    model rebuilt from the step log. Each round's evaluation part is appended after its training record."""
+    rounds = 6
+    strategy = make_strategy(tmp_path, tiny_model_dir, rounds, evaluation="server", eval_every=1,
+                             num_examples=24, heldout_examples=8, generate_examples=0)  # fmt: skip
+    cfg = strategy.config
+    model = load_model(str(tiny_model_dir))
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    _, heldout = tokenized_splits(
+        cfg.dataset, cfg.num_examples, cfg.heldout_examples, cfg.seed, tokenizer, cfg.max_seq_len
+    )
+    params = dict(model.named_parameters())
+    for name, tensor in strategy.global_params.items():  # the run's x is this model's parameters
+        params[name].data = tensor.data
+
+    class SlowEvaluator(ServerEvaluator):
+        def _evaluate(self, server_round, handed_over):
+            time.sleep(3.0)
+            return super()._evaluate(server_round, handed_over)
+
+    evaluator = SlowEvaluator(model, tokenizer, heldout, cfg, tmp_path)
+    Run(strategy, tmp_path, evaluator)
+    started = time.perf_counter()
+    records = run(strategy, InMemoryFederation(2, honest_answer(strategy)), rounds)
+    took = time.perf_counter() - started
+    evaluated = [r["round"] for r in records if "heldout_loss" in r]
+    skipped = [r["round"] for r in records if r.get("evaluation_skipped")]
+    assert 0 in evaluated and rounds in evaluated and skipped, (evaluated, skipped)
+    assert sorted(evaluated + skipped) == list(range(rounds + 1))
+    assert took < 3.0 * (rounds + 1), "evaluations ran one after another with the rounds: the loop waited"
+    assert max(r["round_wall_s"] for r in records[1:]) < 3.0, [r["round_wall_s"] for r in records[1:]]
+
+    replica = load_model(str(tiny_model_dir))
+    replica_params = dict(replica.named_parameters())
+    for version in range(1, rounds + 1):
+        _, step = strategy.run.step_log.read(version)
+        core.apply_step(replica_params, step)
+        if version in evaluated:
+            expected, _ = evaluate(replica, tokenizer, heldout, cfg, generate=False)
+            assert records[version]["heldout_loss"] == expected["heldout_loss"], version
+    parts = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for version in evaluated[1:]:
+        order = [i for i, p in enumerate(parts) if p["round"] == version]
+        assert "train_loss" in parts[order[0]] and "heldout_loss" in parts[order[-1]], version
+
+
+def test_an_evaluation_that_fails_fails_the_run(tmp_path, tiny_model_dir):
+    """An error in the evaluator's thread is not lost: the loop raises it (the run ends as ``error``)."""
+    strategy = make_strategy(tmp_path, tiny_model_dir, 3, evaluation="server")
+    model, tokenizer = load_model(str(tiny_model_dir)), load_tokenizer(str(tiny_model_dir))
+
+    class Failing(ServerEvaluator):
+        def _evaluate(self, server_round, handed_over):
+            raise OSError(f"disk full while evaluating round {server_round}")
+
+    Run(strategy, tmp_path, Failing(model, tokenizer, [], strategy.config, tmp_path))
+    with pytest.raises(RuntimeError, match="the server's evaluation failed: disk full while evaluating round 0"):
+        run(strategy, InMemoryFederation(2, honest_answer(strategy)), 3)

@@ -1,7 +1,8 @@
 """The ServerApp: validate the config, load the global model, run the chosen strategy.
 
-The server keeps the global model and evaluates it itself (held-out loss
-every ``eval-every`` rounds, the task accuracy of generated answers), or with
+The server keeps the global model and evaluates it itself, beside the round loop on a replica
+of its own (``ServerEvaluator``: held-out loss every ``eval-every`` rounds, the task accuracy of
+generated answers), or with
 ``evaluation = "clients"`` aggregates the nodes' evaluations on their own
 held-out rows and loads no data; messages carry only block-sized arrays. Models are exported in Hugging Face form.
 """
@@ -14,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from flwr.app import ArrayRecord, Context, MetricRecord
+from flwr.app import ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
 from .. import core
@@ -22,14 +23,14 @@ from ..checkpoint import check_resumable
 from ..config import ConfigError, RunConfig, check_num_clients
 from ..data import tokenized_splits
 from ..durable import replace_file
-from ..evaluation import evaluate
 from ..metrics import RunRecorder, run_summary
 from ..model import load_for_training, load_tokenizer, save_model
 from ..node import node_device
 from ..run_status import EXIT_CODES, write_status
 from ..runtime import setup_torch
 from ..strategies import strategy_class
-from ..strategies.round_loop import TooFewReplies
+from ..strategies.run import Run, TooFewReplies
+from .evaluator import ServerEvaluator
 
 log = logging.getLogger(__name__)
 app = ServerApp()
@@ -61,7 +62,7 @@ class RunFailed(Exception):
 def main(grid: Grid, context: Context) -> None:
     """Run the app and leave ``status.json`` in the run folder, whatever happens; exit with its code."""
     _log_to_stdout()
-    run = {"dir": None, "strategy": None, "num_rounds": 0}
+    run = {"dir": None, "run": None, "num_rounds": 0}
     try:
         run_app(grid, context, run)
     except RunFailed as err:
@@ -71,12 +72,12 @@ def main(grid: Grid, context: Context) -> None:
         kind, reason = "error", f"{type(err).__name__}: {err}"
     else:
         kind, reason = "completed", f"{run['num_rounds']} rounds"
-    excluded = run["strategy"].excluded_nodes() if run["strategy"] else []
+    excluded = run["run"].excluded_nodes() if run["run"] else []
     if kind == "completed" and excluded:
         kind, reason = "completed-with-exclusions", f"{reason}; left out: {'; '.join(excluded)}"
     run_dir = run["dir"] or _run_dir_for_failure(context)
     if run_dir is not None:
-        rounds_completed = run["strategy"].rounds_completed if run["strategy"] else 0
+        rounds_completed = run["run"].rounds_completed if run["run"] else 0
         write_status(run_dir, kind, reason, rounds_completed, run["num_rounds"], excluded)
     if kind == "completed-with-exclusions":
         log.error("Run completed with exclusions (exit code %d): %s", EXIT_CODES[kind], reason)
@@ -90,7 +91,7 @@ def main(grid: Grid, context: Context) -> None:
 
 
 def run_app(grid: Grid, context: Context, run: dict) -> None:
-    """Validate, load, train; fills ``run`` (its folder, the strategy) as it goes."""
+    """Validate, load, train; fills ``run`` (its folder, the ``Run``) as it goes."""
     try:
         cfg = RunConfig.from_flower(context.run_config)
         run["num_rounds"] = cfg.num_server_rounds
@@ -129,53 +130,31 @@ def run_app(grid: Grid, context: Context, run: dict) -> None:
     )
     schedule = core.block_schedule(cfg.schedule, partition.num_blocks, cfg.num_server_rounds, cfg.seed)
     params = dict(model.named_parameters())
-    strategy = strategy_cls(
+    algorithm = strategy_cls(
         global_params={n: params[n] for n in partition.all_names()},
         partition=partition,
         schedule=schedule,
-        run_dir=run_dir,
         config=cfg,
     )
-
-    def evaluate_round(server_round: int, _arrays: ArrayRecord) -> MetricRecord | None:
-        """After round r (0: before training): evaluate and checkpoint on their schedules."""
-        last = server_round == cfg.num_server_rounds
-        if cfg.save_every and server_round and (server_round % cfg.save_every == 0 or last):
-            save_model(model, tokenizer, run_dir / "checkpoints" / f"round-{server_round:05d}")
-        if heldout is None or not (server_round % cfg.eval_every == 0 or last):
-            return None  # with evaluation = "clients" the nodes' evaluation completes the record
-        generate = server_round == 0 or last or bool(cfg.generate_every and server_round % cfg.generate_every == 0)
-        metrics, samples = evaluate_on(cfg.eval_device, model, tokenizer, heldout, cfg, generate)
-        if samples:
-            write_samples(run_dir / "samples" / f"round-{server_round:05d}.jsonl", samples)
-        return MetricRecord(metrics)
+    # The server's evaluation and the save-every exports run beside the loop, on a replica of x
+    # (with evaluation = "clients" the nodes' evaluations complete the records instead).
+    evaluator = None
+    if heldout is not None or cfg.save_every:
+        evaluator = ServerEvaluator(model, tokenizer, heldout, cfg, run_dir)
+    this_run = Run(algorithm, run_dir, evaluator)
 
     # Round 1 sends no step; a resumed run sends g^R in round R+1.
     try:
-        first_step = strategy.resume(cfg.resume_path, checkpoint) if checkpoint else ArrayRecord()
+        first_step = this_run.resume(cfg.resume_path, checkpoint) if checkpoint else ArrayRecord()
     except ValueError as err:
         raise RunFailed("invalid-config", f"Cannot resume: {err}") from err
-    run["strategy"] = strategy
+    run["run"] = this_run
     try:
-        strategy.start(
-            grid, first_step, num_rounds=cfg.num_server_rounds, timeout=cfg.round_timeout_s, evaluate_fn=evaluate_round
-        )
+        this_run.start(grid, first_step)
     except TooFewReplies as err:
         raise RunFailed(err.kind, f"Stopping the run: {err}") from err
     if cfg.save_final_model:
         save_model(model, tokenizer, run_dir / "final-model")
-
-
-def evaluate_on(device: str, model, tokenizer, heldout, cfg: RunConfig, generate: bool) -> tuple[dict, list]:
-    """``evaluate`` on ``eval-device``: the model (whose parameters are the global ``x``) is moved there
-    and back to the CPU afterwards; ``Module.to`` keeps the same parameter objects and copies exactly."""
-    if device == "cpu":
-        return evaluate(model, tokenizer, heldout, cfg, generate)
-    model.to(device)
-    try:
-        return evaluate(model, tokenizer, heldout, cfg, generate)
-    finally:
-        model.to("cpu")
 
 
 def check_eval_device(device: str) -> None:
@@ -199,11 +178,6 @@ def _run_dir_for_failure(context: Context) -> Path | None:
         return make_run_dir(Path(output_dir).expanduser().resolve(), safe, context.run_id)
     except OSError:
         return None
-
-
-def write_samples(path: Path, samples: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(s) + "\n" for s in samples))
 
 
 def _log_to_stdout() -> None:

@@ -31,9 +31,6 @@ class RoundStats:
     rejected: list[dict] = field(default_factory=list)  # {node, reason}
     invariant_checked: int = 0
     invariant_failed: int = 0
-    messages_not_pushed: int = 0  # messages the Grid did not take (an empty or None message id)
-    replies_missing: int = 0  # messages unanswered at the round's deadline (they expire with it)
-    late_replies_dropped: int = 0  # replies to an earlier round's abandoned messages, pulled and dropped
     state_intact_errors: int = 0  # error replies from nodes whose model state is intact (no full sync)
 
     def counters(self) -> dict:

@@ -30,6 +30,7 @@ _LEN = struct.Struct(">Q")
 MAX_HEADER_BYTES = 4 * 1024 * 1024
 # What travels: fp32, fp16, bf16 as int16 (records.WIRE_DTYPES), and any other plain number type.
 ARRAY_DTYPES = frozenset(("float32", "float16", "float64", "int8", "int16", "int32", "int64", "uint8", "bool"))
+MAX_ARRAY_ELEMENTS = 2**50
 MAX_ARRAY_DIMS = 32
 
 # The receiver's bound on a frame's array bytes, given its header: (bytes, where the bound comes from).
@@ -114,10 +115,12 @@ def _array_spec(index: int, spec) -> tuple[str, np.dtype, tuple[int, ...]]:
         not isinstance(shape, list)
         or len(shape) > MAX_ARRAY_DIMS
         or not all(type(d) is int and d >= 0 for d in shape)  # bool is not a dimension
+        # huge dimensions beside a 0 declare no bytes, but numpy cannot shape them
+        or math.prod(d for d in shape if d) >= MAX_ARRAY_ELEMENTS
     ):
         raise ProtocolError(
-            f"array {name!r:.80}: shape {shape!r:.80}; "
-            f"expected a list of at most {MAX_ARRAY_DIMS} non-negative integers"
+            f"array {name!r:.80}: shape {shape!r:.80}; expected a list of at most {MAX_ARRAY_DIMS} "
+            f"non-negative integers whose non-zero product is below 2**50"
         )
     return name, np.dtype(dtype), tuple(shape)
 

@@ -5,45 +5,53 @@ Round r: send each client ``g^{r-1} = η_s Δ̄^{r-1}`` and the block ``b_r``; c
 ``x^r[b_r] = x^{r-1}[b_r] + g^r``. ParaBlock differs on the client (``ParaBlockClient``).
 The parts live beside the class, as Flower keeps ``strategy_utils`` beside ``FedAvg``:
 ``reply_checks`` (is a reply valid), ``node_sync`` (what a node needs to hold ``x`` exactly),
-``round_stats`` (the round's numbers), ``round_loop`` (the run: loop, records, checkpoints).
+``round_stats`` (the round's numbers). The run around the rounds (loop, records, checkpoints,
+resume, evaluation) is another object, ``run.Run``, reached as ``self.run``.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result, Strategy
 from flwr.serverapp.strategy.strategy_utils import sample_nodes
 
 from ... import core
-from ...checkpoint import clear_staged_pending
 from ...config import RunConfig
 from ...records import to_record
 from ..node_sync import NodeSync, ask_partitions, seeded_sample
 from ..reply_checks import Expected, Reply, check_own_count, check_partition, parse_reply, state_intact
-from ..round_loop import RoundLoop, TooFewReplies
 from ..round_stats import RoundStats, array_bytes, round_record
+from ..run import TooFewReplies
+
+if TYPE_CHECKING:
+    from ...checkpoint import Checkpoint
+    from ..run import Run
 
 log = logging.getLogger(__name__)
 PARTITION_QUERY_TIMEOUT_S = 60.0  # asking a node its partition id: a thin message, no training
 
 
-class FedBCD(RoundLoop):
+class FedBCD(Strategy):
     """Federated BCD: one block per round, every sampled client, no overlap.
 
     Override points (stable signatures, see docs/extending.md):
     ``choose_block``, ``select_nodes``, ``round_config``, ``check_reply``, ``client_weight``,
-    ``combine``, ``observe_update``, ``server_update``, ``extra_round_metrics``, and in
-    ``RoundLoop``: ``record_round``, ``state_dict``/``load_state_dict``.
+    ``combine``, ``observe_update``, ``server_update``, ``extra_round_metrics``,
+    ``state_dict``/``load_state_dict``. The run it belongs to (``self.run``, a ``run.Run``)
+    attaches itself; ``run.py``'s docstring lists what each gives the other.
     """
 
     algorithm = "fedbcd"
     overlapped = False  # does a round cost max(compute, comm) instead of their sum?
+    run: Run
+    sync: NodeSync
 
     def __init__(
         self,
@@ -51,21 +59,83 @@ class FedBCD(RoundLoop):
         global_params: dict[str, torch.Tensor],
         partition: core.BlockPartition,
         schedule: list[int],
-        run_dir: Path,
         config: RunConfig | None = None,
     ):
         self.config = config or RunConfig()  # the one source of settings and their defaults
-        super().__init__(run_dir, len(schedule), self.config.round_timeout_s, self.config.pull_interval_s)
         self.global_params = global_params
         self.partition = partition
         self.schedule = schedule
         cfg = self.config
         self.link = core.LinkModel(cfg.uplink_mbps, cfg.downlink_mbps, cfg.latency_ms, cfg.message_overhead_s)
-        self.sync = NodeSync(global_params, partition.num_blocks, self.step_log, self.config.transfer_dtype)
         self.stats = RoundStats(0)
+        self._blocks: dict[int, int] = {}  # server round -> block, as decided so far (``block_for_round``)
         self._asked_partition: set[int] = set()  # nodes asked their partition id (select_nodes)
         self.own_counts: dict[int, float] = {}  # partition -> num-examples of a site with its own data
         self.last_metrics: dict = {}  # the last round's record
+
+    # ------------------------------------------------------------ with the run
+    def attach(self, run: Run) -> None:
+        """Called by ``Run``: the run whose messages, step log and records this algorithm uses."""
+        self.run = run
+        self.sync = NodeSync(self.global_params, self.partition.num_blocks, run.step_log, self.config.transfer_dtype)
+
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
+              train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
+              evaluate_fn: Callable | None = None) -> Result:  # fmt: skip
+        """Flower's entry point: the attached run's loop (``Run.start``); the rounds and the timeout
+        come from the run config, the evaluation from the run's evaluator."""
+        return self.run.start(grid, initial_arrays)
+
+    def resumed(self, ckpt: Checkpoint) -> None:
+        """Called by ``Run.resume`` once ``x^R`` is rebuilt: the blocks decided, the clients' pending
+        updates to hand back, the subclass's own state."""
+        self.sync.first_round = ckpt.round + 1
+        self.sync.resume_pending = ckpt.pending
+        self._blocks = dict(ckpt.blocks)
+        self.load_state_dict(ckpt.strategy_state)
+
+    def state_dict(self) -> dict:
+        """Override point: a subclass's own state (JSON-serialisable) for the checkpoint."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Override point: restore what ``state_dict`` returned."""
+
+    def summary(self) -> None:
+        log.info("%s: %d blocks, %d rounds", type(self).__name__, self.partition.num_blocks, self.run.num_rounds)
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """No evaluation messages of Flower's kind: the run evaluates (``ServerEvaluator``, or the nodes'
+        own held-out rows asked in the round's config)."""
+        return []
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        return None
+
+    @property
+    def round_nodes(self) -> list[int]:
+        """The nodes sent this round's message (the last round's, once it is over)."""
+        return self.stats.nodes
+
+    # ------------------------------------------------------------ blocks
+    def block_for_round(self, server_round: int) -> int:
+        """``b_r``, decided once by ``choose_block`` and remembered (checkpointed).
+
+        ParaBlock tells clients ``b_{r+1}`` in round r (so that a node worker can start it early),
+        i.e. before round r is aggregated: the choice must not change afterwards."""
+        if server_round not in self._blocks:
+            block = self.choose_block(server_round)
+            if not 0 <= block < self.partition.num_blocks:
+                raise ValueError(f"choose_block({server_round}) = {block}: expected 0..{self.partition.num_blocks - 1}")
+            self._blocks[server_round] = block
+        return self._blocks[server_round]
+
+    def decided_blocks(self) -> dict[int, int]:
+        """Round -> block, for the rounds decided so far (after a resume: from the last checkpointed
+        round on; the step log names each earlier step's block)."""
+        return dict(self._blocks)
 
     def choose_block(self, server_round: int) -> int:
         """Override point: the block of round r. Called during round r-1 (before
@@ -85,27 +155,28 @@ class FedBCD(RoundLoop):
         _, available = sample_nodes(grid, self.config.min_available_nodes, sample_size=1)  # waits for enough
         if self.config.fraction_train >= 1.0:
             return sorted(available)
-        partitions = self.sync.partitions
+        partitions, timeout = self.sync.partitions, min(self.config.round_timeout_s, PARTITION_QUERY_TIMEOUT_S)
         unknown = [n for n in available if n not in partitions and n not in self._asked_partition]
         if unknown:  # once per node, briefly: a node that does not answer is sampled after the others
             self._asked_partition.update(unknown)
-            partitions.update(ask_partitions(grid, unknown, min(self.round_timeout_s, PARTITION_QUERY_TIMEOUT_S)))
+            partitions.update(ask_partitions(grid, unknown, timeout))
         by_partition = sorted(available, key=lambda n: (partitions.get(n, math.inf), n))  # unanswered: last
         chosen = seeded_sample(by_partition, self.config.fraction_train, self.config.seed * 1_000_003 + server_round)
         return sorted(chosen)
 
     def round_config(self, server_round: int, block: int, step_block: int) -> ConfigRecord:
         """What every client is told this round; subclasses may add keys."""
+        last = server_round == self.config.num_server_rounds
         return ConfigRecord(
             {
-                **self.client_evaluation_keys(server_round - 1),
+                **self.run.client_evaluation_keys(server_round - 1),
                 "server-round": server_round,
                 "block": block,
                 "step-block": step_block,
                 # Lets a node worker start the next round's computation before the next message.
-                "next-block": self.block_for_round(server_round + 1) if server_round < self.num_rounds else -1,
+                "next-block": -1 if last else self.block_for_round(server_round + 1),
                 "algorithm": self.algorithm,
-                "run-dir": str(self.run_dir),
+                "run-dir": str(self.run.run_dir),
             }
         )
 
@@ -148,13 +219,13 @@ class FedBCD(RoundLoop):
         self.stats = RoundStats(server_round)
         self._retry_grid, self._global_step = grid, arrays  # kept for a retry of this round
         nodes = self.select_nodes(server_round, grid)
-        if server_round == self.first_round and self.sync.resume_pending:
-            self.sync.partitions.update(ask_partitions(grid, nodes, self.round_timeout_s))
+        if server_round == self.run.first_round and self.sync.resume_pending:
+            self.sync.partitions.update(ask_partitions(grid, nodes, self.config.round_timeout_s))
         return self.train_messages(server_round, nodes)
 
     def train_messages(self, server_round: int, nodes: list[int]) -> Iterator[Message]:
         """Round r's message to each node: ``g^{r-1}``, the blocks, the node's catch-up; built one
-        at a time as the round loop pushes them (``RoundLoop.push``)."""
+        at a time as the run pushes them (``Run.push``)."""
         block = self.block_for_round(server_round)
         step_block = self.block_for_round(server_round - 1) if server_round > 1 else -1
         self.stats.nodes = sorted(set(self.stats.nodes) | set(nodes))
@@ -166,7 +237,8 @@ class FedBCD(RoundLoop):
             self.stats.catch_up_steps_sent += sent["catch_up_steps_sent"]
             self.stats.full_syncs_sent += sent["full_syncs_sent"]
             self.stats.wire_bytes_down += array_bytes(content)
-            yield Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node, ttl=self.round_timeout_s)
+            yield Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node,
+                          ttl=self.config.round_timeout_s)  # fmt: skip
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -183,7 +255,6 @@ class FedBCD(RoundLoop):
         # Float sums depend on order and replies arrive in any order: sort them by the
         # client's stable partition id (node ids change from run to run).
         accepted.sort(key=lambda r: (r.partition_id, r.node))
-        clear_staged_pending(self.run_dir)
         if accepted:
             updates = self.accepted_updates(server_round, block, accepted)
             mean = self.combine(updates, [self.client_weight(r.metrics) for r in accepted])
@@ -193,20 +264,18 @@ class FedBCD(RoundLoop):
             step = {n: torch.zeros_like(self.global_params[n]) for n in self.partition.names(block)}
         self.sync.applying(step)
         core.apply_step(self.global_params, step)
-        self.step_log.write(server_round, block, step)
-        if self.config.snapshot_every and server_round % self.config.snapshot_every == 0:
-            self.step_log.write_snapshot(server_round, self.global_params)  # bounded disk: StepLog.prune
-            self.step_log.prune()
+        self.run.log_step(server_round, block, step)
         for reply in accepted:
             self.sync.accepted(reply.node, server_round, reply.partition_id)
-        self.note_participation(self.stats, {r.node for r in accepted})
+        reasons = {r["node"]: r["reason"] for r in self.stats.rejected}
+        self.run.note_participation(self.stats.nodes, {r.node for r in accepted}, reasons)
 
-        self.collect_client_evaluation(server_round - 1, accepted)
+        self.run.collect_client_evaluation(server_round - 1, accepted)
         weights = [self.client_weight(r.metrics) for r in accepted]
         record = round_record(
             self.stats, self.partition.labels[block], block, step, accepted, weights, self.link, self.overlapped
         )
-        record.update(self.round_clock({r.node: r.metrics for r in accepted}))
+        record.update(self.run.round_clock({r.node: r.metrics for r in accepted}))
         record.update(self.extra_round_metrics(server_round, accepted))
         self.last_metrics = record
         numbers = {k: v for k, v in record.items() if type(v) in (int, float)}
@@ -217,7 +286,7 @@ class FedBCD(RoundLoop):
     ) -> list[Reply]:
         """``accepted`` plus the valid ones of ``replies``; each rejection is logged and counted,
         and its node gets a full sync next time unless the reply says that its state is intact
-        (``reply_checks.STATE_INTACT``). A reply is the node's its message went to (``sent_to``)."""
+        (``reply_checks.STATE_INTACT``). A reply is the node's its message went to (``Run.sent_to``)."""
         shapes = {n: tuple(self.global_params[n].shape) for n in self.partition.names(block)}
         cfg = self.config
         expected = Expected(server_round, block, shapes, cfg.max_examples_per_client, cfg.max_update_norm,
@@ -225,7 +294,7 @@ class FedBCD(RoundLoop):
                             max_own_examples=cfg.max_num_examples or math.inf)  # fmt: skip
         seen = {r.partition_id for r in accepted}
         for msg in replies:
-            node = self.sent_to(msg)
+            node = self.run.sent_to(msg)
             self.stats.num_replies += 1
             self.stats.wire_bytes_up += 0 if msg.has_error() else array_bytes(msg.content)
             reply = parse_reply(msg, expected, node)
@@ -244,7 +313,7 @@ class FedBCD(RoundLoop):
                 continue
             log.warning("round %d: rejected the reply of node %d: %s", server_round, node, reply)
             self.stats.rejected.append({"node": node, "reason": reply})
-            self.note_partition(node, msg)
+            self.run.note_partition(node, msg)
             if state_intact(msg):
                 self.stats.state_intact_errors += 1  # its model is as it was: no full sync
             else:
@@ -275,5 +344,5 @@ class FedBCD(RoundLoop):
         log.warning("round %d: %d valid replies, fewer than min-accepted-replies=%d: re-sending to %d nodes "
                     "(retry %d of %d)", server_round, len(accepted), self.config.min_accepted_replies, len(nodes),
                     stats.round_retries, self.config.max_round_retries)  # fmt: skip
-        sent = self.push(self._retry_grid, self.train_messages(server_round, nodes))
-        return list(self.replies_as_they_arrive(self._retry_grid, sent))
+        sent = self.run.push(self._retry_grid, self.train_messages(server_round, nodes))
+        return list(self.run.replies_as_they_arrive(self._retry_grid, sent))

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 
 from ... import core
-from ...checkpoint import stage_pending
 from ..fedbcd.server import FedBCD
 from ..reply_checks import Reply
 
@@ -44,7 +43,7 @@ class ParaBlock(FedBCD):
     def observe_update(self, server_round: int, block: int, reply: Reply) -> None:
         """Keep each accepted ``Δ_i^r`` for the checkpoint, by partition id: after round r the
         client's local model is ``x^{r-1} + Δ_i^r``, and a restarted server hands it back."""
-        stage_pending(self.run_dir, reply.partition_id, core.PendingUpdate(block, server_round - 1, reply.update))
+        self.run.stage_pending(reply.partition_id, core.PendingUpdate(block, server_round - 1, reply.update))
 
     def extra_round_metrics(self, server_round: int, accepted: list[Reply]) -> dict:
         """How many clients had to be resynchronised (trained from ``x^{r-1}``, no staleness)."""

@@ -1,32 +1,44 @@
-"""The run around a block strategy's rounds: Flower's round loop, each round's record and
-checkpoint, and resuming from a checkpoint.
+"""The run around an algorithm's rounds: Flower's round loop, each round's record and
+checkpoint, resume, and the server's evaluation beside the loop (``ServerEvaluator``).
 
-``RoundLoop`` is the base of ``FedBCD``: it holds what belongs to the run (the step
-log, ``metrics.jsonl``, the clocks, the checkpoint) so that ``fedbcd/server.py`` holds only
-what belongs to the algorithm's rounds.
+``Run`` and the algorithm (``FedBCD`` and its subclasses) are two objects that talk through a
+small named interface; neither touches the other's private fields:
+
+- the run gives the algorithm (``algorithm.run``): ``push``, ``replies_as_they_arrive``,
+  ``sent_to`` (messages), ``round_clock`` (the round's clocks and message counts),
+  ``note_participation``/``note_partition`` (who was left out), ``client_evaluation_keys``/
+  ``collect_client_evaluation`` (``evaluation = "clients"``), ``log_step`` (``g^r``, once applied),
+  ``stage_pending`` (a client's update for the checkpoint), ``step_log``, ``run_dir``,
+  ``num_rounds``, ``round_timeout_s``, ``first_round``;
+- the algorithm gives the run: Flower's ``configure_train``/``aggregate_train``, ``summary``,
+  ``decided_blocks``, ``state_dict``/``load_state_dict``, ``resumed``, and the public
+  ``config``, ``algorithm``, ``partition``, ``global_params``, ``sync`` (``NodeSync``),
+  ``round_nodes`` (the nodes sent the round's message) and ``last_metrics`` (the last round's record).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Result, Strategy
+from flwr.serverapp.strategy import Result
 
 from .. import core
-from ..checkpoint import Checkpoint, replay_run, save_checkpoint, stage_pending
-from ..durable import crash_point
+from ..checkpoint import Checkpoint, clear_staged_pending, replay_run, save_checkpoint, stage_pending
 from ..metrics import RunRecorder, round_line
 from ..records import to_record
 from ..replica import StepLog
 from . import client_evaluation
-from .node_sync import NodeSync
 from .reply_checks import Reply
 from .round_stats import array_bytes, critical_path_rows
+
+if TYPE_CHECKING:
+    from .fedbcd.server import FedBCD
 
 log = logging.getLogger(__name__)
 
@@ -42,43 +54,33 @@ class TooFewReplies(RuntimeError):
         self.kind = kind
 
 
-class RoundLoop(Strategy):
-    """Run-level state and the loop; the rounds themselves are the subclass's (``FedBCD``).
+class Run:
+    """One run of ``algorithm``: the loop, the records, the clocks, the checkpoint, resume.
 
-    The interface between the two, by name (neither touches the other's private fields):
-
-    - the run gives the algorithm: ``push``, ``replies_as_they_arrive``, ``sent_to`` (messages),
-      ``block_for_round``/``decided_blocks`` (the checkpointed block choices), ``note_participation``,
-      ``round_clock``, ``collect_client_evaluation``/``client_evaluation_keys``, ``record_round``,
-      ``num_rounds``, ``round_timeout_s``, ``step_log``, ``run_dir``, ``first_round``;
-    - the algorithm gives the run: ``configure_train``/``aggregate_train`` (Flower's), ``choose_block``,
-      ``config`` (the ``RunConfig``), ``partition``, ``global_params``, ``sync`` (``NodeSync``),
-      ``stats`` (the round's ``RoundStats``), ``last_metrics`` (the last round's record),
-      ``state_dict``/``load_state_dict``.
+    ``evaluator`` (a ``ServerEvaluator``, or None) evaluates each round's ``x^r`` on a replica of
+    its own, beside the loop: the loop hands it each durable round and never waits for it.
     """
 
-    algorithm = "?"
-    partition: core.BlockPartition
-    global_params: core.Tensors
-    sync: NodeSync
-    last_metrics: dict
-
-    def __init__(self, run_dir: Path, num_rounds: int, round_timeout_s: float, pull_interval_s: float = 0.1):
+    def __init__(self, algorithm: FedBCD, run_dir: Path, evaluator=None):
+        self.algorithm = algorithm
+        self.config = algorithm.config
         self.run_dir = Path(run_dir)
         self.step_log = StepLog(run_dir)  # g^1..g^r: clients catch up from it, resume replays it
         self.recorder = RunRecorder(run_dir)
+        self.evaluator = evaluator
+        self.num_rounds = self.config.num_server_rounds
+        self.round_timeout_s = self.config.round_timeout_s
+        self.first_round = 1  # R+1 when resumed from round R's checkpoint
         self.rounds_completed = 0  # the last round whose checkpoint is on disk
-        self._blocks: dict[int, int] = {}  # server round -> block, as decided so far (``block_for_round``)
-        self.num_rounds = num_rounds
-        self.round_timeout_s = round_timeout_s
-        self.pull_interval_s = pull_interval_s
         self._started = time.perf_counter()
         # Wall-clock times (time.time, comparable with the node workers' on one host) of this round's
         # push, last reply, aggregation; and of the previous round's, with each node's reply arrival.
         self._times: dict[str, float] = {}
         self._previous: dict = {}
         self._arrivals: dict[int, float] = {}
+        self._counts = self._new_counts()  # this round's message counts (``round_clock``)
         self._modeled_wall_s = 0.0
+        self._last_step: tuple[int, int, core.Tensors] | None = None  # (round, block, g^r) until durable
         # evaluation = "clients": version -> the nodes' aggregated held-out evaluation of x^version; it comes
         # with round version+1's replies, after round version's record is written (which it then completes).
         self.client_evaluations: dict[int, dict] = {}
@@ -89,116 +91,56 @@ class RoundLoop(Strategy):
         self._replied_by: dict[str, int] = {}  # message id -> its node, for the replies of this round
         self._participation: dict[int, dict] = {}  # node -> rounds asked, aggregated, not in a row
         self._rounds_noted = 0  # rounds whose participation was noted (this server process)
+        self.pull_interval_s = self.config.pull_interval_s
+        algorithm.attach(self)
 
-    def block_for_round(self, server_round: int) -> int:
-        """``b_r``, decided once by the algorithm's ``choose_block`` and remembered (checkpointed).
-
-        ParaBlock tells clients ``b_{r+1}`` in round r (so that a node worker can start it early),
-        i.e. before round r is aggregated: the choice must not change afterwards."""
-        if server_round not in self._blocks:
-            block = self.choose_block(server_round)
-            if not 0 <= block < self.partition.num_blocks:
-                raise ValueError(f"choose_block({server_round}) = {block}: expected 0..{self.partition.num_blocks - 1}")
-            self._blocks[server_round] = block
-        return self._blocks[server_round]
-
-    def decided_blocks(self) -> dict[int, int]:
-        """Round -> block, for the rounds decided so far (after a resume: from the last checkpointed
-        round on; the step log names each earlier step's block)."""
-        return dict(self._blocks)
-
-    @property
-    def first_round(self) -> int:
-        """1, or R+1 when resumed from round R's checkpoint."""
-        return self.sync.first_round
-
-    def state_dict(self) -> dict:
-        """Override point: a subclass's own state (JSON-serialisable) for the checkpoint."""
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Override point: restore what ``state_dict`` returned."""
-
-    def client_evaluation_keys(self, version: int) -> dict:
-        """``evaluation = "clients"``: what asks the nodes of round ``version + 1`` to evaluate ``x^version``."""
-        return client_evaluation.request_keys(self.config, version, self.num_rounds)
-
-    def collect_client_evaluation(self, version: int, replies: list[Reply]) -> None:
-        """The nodes' evaluations of ``x^version`` that came with round ``version + 1``'s replies."""
-        rows = [r.metrics for r in replies if r.metrics.get("eval-version") == version]
-        if rows:
-            self.client_evaluations[version] = client_evaluation.aggregate(rows)
-
-    def final_evaluation(self, grid: Grid, arrays: ArrayRecord, num_rounds: int) -> None:
-        """``evaluation = "clients"``: the nodes of the last round evaluate ``x^R`` (an EVALUATE message
-        carrying ``g^R`` and any catch-up) after the last round."""
-        if self.config.evaluation != "clients" or not self.stats.nodes:
-            return
-        round_cfg = {"server-round": num_rounds + 1, "block": -1, "step-block": self.block_for_round(num_rounds),
-                     "next-block": -1, "algorithm": self.algorithm, "run-dir": str(self.run_dir),
-                     **self.client_evaluation_keys(num_rounds)}  # fmt: skip
-
-        def messages() -> Iterator[Message]:
-            for node in self.stats.nodes:
-                content = RecordDict({"global-step": arrays, "round": ConfigRecord(dict(round_cfg))})
-                self.sync.add_to_message(content, num_rounds + 1, node)
-                yield Message(content=content, message_type=MessageType.EVALUATE, dst_node_id=node)
-
-        replies = self.replies_as_they_arrive(grid, self.push(grid, messages()))
-        if rows := client_evaluation.valid_rows(replies, num_rounds):
-            self.client_evaluations[num_rounds] = client_evaluation.aggregate(rows)
-
-    def summary(self) -> None:
-        log.info("%s: %d blocks, %d rounds", type(self).__name__, self.partition.num_blocks, self.num_rounds)
-
-    def configure_evaluate(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """No client-side evaluation: the server evaluates held-out loss itself."""
-        return []
-
-    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        return None
-
-    def start(
-        self,
-        grid: Grid,
-        initial_arrays: ArrayRecord,
-        num_rounds: int = 3,
-        timeout: float = 3600,
-        train_config: ConfigRecord | None = None,
-        evaluate_config: ConfigRecord | None = None,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
-    ) -> Result:
+    # ------------------------------------------------------------ the loop
+    def start(self, grid: Grid, first_step: ArrayRecord) -> Result:
         """Flower's round loop, from ``first_round``, with nothing but aggregation between a
         round's last reply and the next round's messages.
 
-        Round r's messages go out as soon as ``g^{r-1}`` exists; round r-1's checkpoint, evaluation
-        and record then run while round r's replies are outstanding, and complete before round r
-        is aggregated (a stopped run loses at most the round in flight). ``initial_arrays`` is
-        the step round ``first_round`` sends.
+        Round r's messages go out as soon as ``g^{r-1}`` exists; round r-1's record and checkpoint
+        are then made durable while round r's replies are outstanding, and handed to the
+        evaluator, which evaluates on its own replica (a stopped run loses at most the round in
+        flight; no reply waits for an evaluation). ``first_step`` is the step round
+        ``first_round`` sends (empty in round 1).
         """
-        self.num_rounds, self.round_timeout_s = num_rounds, timeout
-        self.summary()
-        result, arrays = Result(), initial_arrays
+        self.algorithm.summary()
+        if self.evaluator is not None:
+            self.evaluator.begin(self)
+        result, arrays = Result(), first_step
         due = 0 if self.first_round == 1 else self.unevaluated_round  # a round whose finish is due
         self._times = {"aggregated": time.time()}
-        for server_round in range(self.first_round, num_rounds + 1):
-            self._replied_by.clear()
-            sent = self.push(grid, self.configure_train(server_round, arrays, ConfigRecord(), grid))
-            self._times["pushed"] = time.time()
-            self._times.pop("first_reply_checked", None)
+        try:
+            for server_round in range(self.first_round, self.num_rounds + 1):
+                self._replied_by.clear()
+                self._counts = self._new_counts()
+                sent = self.push(grid, self.algorithm.configure_train(server_round, arrays, ConfigRecord(), grid))
+                self._times["pushed"] = time.time()
+                self._times.pop("first_reply_checked", None)
+                if due is not None:
+                    self.finish_round(due)
+                clear_staged_pending(self.run_dir)  # what an earlier, failed attempt staged
+                replies = self.replies_as_they_arrive(grid, sent)
+                arrays, train_metrics = self.algorithm.aggregate_train(server_round, replies)
+                result.arrays, result.train_metrics_clientapp[server_round] = arrays, train_metrics
+                due = server_round
             if due is not None:
-                self.finish_round(due, result, evaluate_fn)
-            arrays, train_metrics = self.aggregate_train(server_round, self.replies_as_they_arrive(grid, sent))
-            result.arrays, result.train_metrics_clientapp[server_round] = arrays, train_metrics
-            due = server_round
-        if due is not None:
-            self.make_durable(due)  # before the nodes' final evaluation, which may take round-timeout-s
-        self.final_evaluation(grid, result.arrays, num_rounds)
-        if due is not None:
-            self.finish_round(due, result, evaluate_fn)
+                self.make_durable(due)  # before the nodes' final evaluation, which may take round-timeout-s
+            self.final_client_evaluation(grid, result.arrays)
+            if due is not None:
+                self.finish_round(due)
+        except BaseException:
+            if self.evaluator is not None:
+                self.evaluator.close(raise_error=False)  # the run's own error is the one to report
+            raise
+        if self.evaluator is not None:
+            self.evaluator.close()  # the last round's evaluation (and any still running) ends first
         return result
+
+    @staticmethod
+    def _new_counts() -> dict[str, int]:
+        return {"messages_not_pushed": 0, "replies_missing": 0, "late_replies_dropped": 0}
 
     # ------------------------------------------------------------ messages
     def push(self, grid: Grid, messages: Iterable[Message]) -> dict[str, int]:
@@ -211,7 +153,8 @@ class RoundLoop(Strategy):
         (``messages_not_pushed``); its node is then one that did not answer."""
         sent: dict[str, int] = {}
         batch: list[Message] = []
-        batch_bytes, limit = 0, sum(t.numel() * t.element_size() for t in self.global_params.values())
+        params = self.algorithm.global_params
+        batch_bytes, limit = 0, sum(t.numel() * t.element_size() for t in params.values())
         for msg in messages:
             msg.metadata.ttl = self.round_timeout_s
             batch.append(msg)
@@ -233,7 +176,7 @@ class RoundLoop(Strategy):
                 sent[msg.metadata.message_id] = msg.metadata.dst_node_id
             else:
                 log.warning("the Grid did not take the message to node %d", msg.metadata.dst_node_id)
-                self.stats.messages_not_pushed += 1
+                self._counts["messages_not_pushed"] += 1
         return sent
 
     def replies_as_they_arrive(self, grid: Grid, sent: dict[str, int]) -> Iterator[Message]:
@@ -246,7 +189,7 @@ class RoundLoop(Strategy):
         the same time (their TTL), and a reply to one that still arrives later is pulled and
         dropped, counted in the round that pulls it (``late_replies_dropped``)."""
         waiting, first_pull = dict(sent), True
-        # At least one pull: what ran since the push (the previous round's checkpoint and evaluation)
+        # At least one pull: what ran since the push (the previous round's record and checkpoint)
         # may have outlasted the deadline, and replies that came in time are waiting on the SuperLink.
         while waiting and (first_pull or time.monotonic() < self._deadline):
             first_pull = False
@@ -254,7 +197,7 @@ class RoundLoop(Strategy):
                 mid = reply.metadata.reply_to_message_id
                 if mid in self._abandoned:
                     node, _ = self._abandoned.pop(mid)
-                    self.stats.late_replies_dropped += 1
+                    self._counts["late_replies_dropped"] += 1
                     log.warning("dropped a late reply of node %d (its round had ended)", node)
                     continue
                 if mid not in waiting:
@@ -270,7 +213,7 @@ class RoundLoop(Strategy):
         self._abandoned = {m: v for m, v in self._abandoned.items() if v[1] > now}  # expired on the SuperLink
         for mid, node in waiting.items():
             log.warning("node %d did not answer within round-timeout-s=%g", node, self.round_timeout_s)
-            self.stats.replies_missing += 1
+            self._counts["replies_missing"] += 1
             self._abandoned[mid] = (node, now + self.round_timeout_s)
 
     def sent_to(self, reply: Message) -> int:
@@ -279,11 +222,12 @@ class RoundLoop(Strategy):
 
     def round_clock(self, accepted_metrics: dict[int, dict]) -> dict:
         """Called once round r is aggregated (``accepted_metrics``: node -> its reply's metrics):
-        the round's wall time (since round r-1 was aggregated), the time from its last reply to
-        its aggregate (checks ran as replies arrived), and where the time between round r-1's
-        replies and round r's messages reaching the workers went (``critical_path_rows``)."""
+        the round's message counts, its wall time (since round r-1 was aggregated), the time from
+        its last reply to its aggregate (checks ran as replies arrived), and where the time between
+        round r-1's replies and round r's messages reaching the workers went (``critical_path_rows``)."""
         now = time.time()
         clock = {
+            **self._counts,
             "round_wall_s": now - self._times.get("aggregated", now),
             "aggregate_s": now - self._times.get("last_reply", now),
             # Wall-clock stamps of the round on the server: pushed, first reply checked, last reply, aggregated.
@@ -299,49 +243,98 @@ class RoundLoop(Strategy):
         self._times["aggregated"], self._arrivals = now, {}
         return clock
 
-    def finish_round(self, server_round: int, result: Result, evaluate_fn) -> None:
-        """Round r's record and checkpoint, then its evaluation (r = 0: the evaluation before training).
+    # ------------------------------------------------------------ the global model's history
+    def log_step(self, server_round: int, block: int, step: core.Tensors) -> None:
+        """``g^r``, just applied to ``x``: into the step log (clients catch up from it, resume replays
+        it), a snapshot every ``snapshot-every`` rounds, and kept for the evaluator until round r
+        is durable."""
+        self.step_log.write(server_round, block, step)
+        every = self.config.snapshot_every
+        if every and server_round % every == 0:
+            self.step_log.write_snapshot(server_round, self.algorithm.global_params)  # bounded disk
+            self.step_log.prune()
+        self._last_step = (server_round, block, step)
 
-        In this order, each step durable before the next starts: the round's training record,
-        its checkpoint (a crash from here on loses nothing of round r), its evaluation (which may
-        take minutes), then the evaluation's part of the record. A resumed run whose last round
-        was not evaluated evaluates it first (``unevaluated_round``)."""
+    def stage_pending(self, partition_id: int, pending: core.PendingUpdate) -> None:
+        """A client's update of this round, for the round's checkpoint (what a restarted server
+        hands back to the client: ParaBlock's ``Δ_i^r``)."""
+        stage_pending(self.run_dir, partition_id, pending)
+
+    # ------------------------------------------------------------ evaluation
+    def client_evaluation_keys(self, version: int) -> dict:
+        """``evaluation = "clients"``: what asks the nodes of round ``version + 1`` to evaluate ``x^version``."""
+        return client_evaluation.request_keys(self.config, version, self.num_rounds)
+
+    def collect_client_evaluation(self, version: int, replies: list[Reply]) -> None:
+        """The nodes' evaluations of ``x^version`` that came with round ``version + 1``'s replies."""
+        rows = [r.metrics for r in replies if r.metrics.get("eval-version") == version]
+        if rows:
+            self.client_evaluations[version] = client_evaluation.aggregate(rows)
+
+    def final_client_evaluation(self, grid: Grid, arrays: ArrayRecord) -> None:
+        """``evaluation = "clients"``: the nodes of the last round evaluate ``x^R`` (an EVALUATE message
+        carrying ``g^R`` and any catch-up) after the last round."""
+        nodes, num_rounds = self.algorithm.round_nodes, self.num_rounds
+        if self.config.evaluation != "clients" or not nodes:
+            return
+        round_cfg = {"server-round": num_rounds + 1, "block": -1, "step-block": self._last_block(),
+                     "next-block": -1, "algorithm": self.algorithm.algorithm, "run-dir": str(self.run_dir),
+                     **self.client_evaluation_keys(num_rounds)}  # fmt: skip
+
+        def messages() -> Iterator[Message]:
+            for node in nodes:
+                content = RecordDict({"global-step": arrays, "round": ConfigRecord(dict(round_cfg))})
+                self.algorithm.sync.add_to_message(content, num_rounds + 1, node)
+                yield Message(content=content, message_type=MessageType.EVALUATE, dst_node_id=node)
+
+        replies = self.replies_as_they_arrive(grid, self.push(grid, messages()))
+        if rows := client_evaluation.valid_rows(replies, num_rounds):
+            self.client_evaluations[num_rounds] = client_evaluation.aggregate(rows)
+
+    def _last_block(self) -> int:
+        return self.algorithm.decided_blocks().get(self.num_rounds, -1)
+
+    def finish_round(self, server_round: int) -> None:
+        """Round r's record and checkpoint made durable, then its evaluation handed on (r = 0: the
+        evaluation before training): to the evaluator, which completes the record when it is done,
+        and the nodes' evaluations (``evaluation = "clients"``) that came with this round's replies."""
         self.make_durable(server_round)
-        started = time.time()  # round r+1's messages are out already (``pushed``)
-        metrics = evaluate_fn(server_round, result.arrays) if evaluate_fn else None
-        crash_point("evaluation", server_round)
-        evaluation = dict(metrics or {})
-        if metrics is not None:
-            result.evaluate_metrics_serverapp[server_round] = metrics
-        evaluation["evaluate_s"] = time.time() - started
-        evaluation.update(self.client_evaluations.pop(server_round, {}))
+        if self.evaluator is not None:
+            step = self._last_step if self._last_step and self._last_step[0] == server_round else None
+            self.evaluator.submit(server_round, step)
+        else:
+            self.write_evaluation(server_round, self.client_evaluations.pop(server_round, {}))
         for version in sorted(self.client_evaluations):  # earlier rounds' records, completed by appending
             done = self.client_evaluations.pop(version)
             self.recorder.write({"round": version, **done})
             log.info("round %d: heldout_loss %.4f (clients' own held-out rows)", version, done["heldout_loss"])
-        if 0 < server_round < self.num_rounds and "last_reply" in self._times:
-            # From the round's last reply to the next round's messages being out: only aggregation.
-            evaluation["server_critical_path_s"] = self._times["pushed"] - self._times["last_reply"]
-            evaluation["evaluation_started_after_next_push_s"] = started - self._times["pushed"]
-        if server_round == 0:  # a round with no training record: its evaluation part says what ran, when
-            evaluation.update(algorithm=self.algorithm, elapsed_s=time.perf_counter() - self._started)
-        self.recorder.write({"round": server_round, **evaluation}, crash_stage=("record", server_round))
-        log.info(round_line({**self._recorded.pop(server_round, {"round": server_round}), **evaluation},
-                            self.num_rounds))  # fmt: skip
+
+    def write_evaluation(self, server_round: int, evaluation: dict) -> None:
+        """Complete round r's record with its evaluation (appended) and log the round's line.
+        Called by the loop and by the evaluator's thread (``RunRecorder.write`` is one append)."""
+        if server_round == 0 and "algorithm" not in evaluation:  # round 0 has no training record
+            evaluation = {"algorithm": self.algorithm.algorithm, "elapsed_s": time.perf_counter() - self._started,
+                          **evaluation}  # fmt: skip
+        if evaluation:
+            self.recorder.write({"round": server_round, **evaluation}, crash_stage=("record", server_round))
+        training = self._recorded.pop(server_round, {"round": server_round})
+        log.info(round_line({**training, **evaluation}, self.num_rounds))
 
     def make_durable(self, server_round: int) -> None:
         """Round r's training record, then its checkpoint, once: from here on a crash loses nothing of it."""
         if server_round > self.rounds_completed:
-            self.record_round(server_round, {})
+            self.record_round(server_round)
             self.save_checkpoint(server_round)
             self.rounds_completed = server_round
 
-    def record_round(self, server_round: int, record: dict) -> None:
-        """Append round r's training record (the aggregation's numbers) to ``metrics.jsonl``.
-        Override point: a subclass may add keys to ``record`` and call this."""
-        record = {"round": server_round, "algorithm": self.algorithm, **record}
-        self._modeled_wall_s += self.last_metrics.get("modeled_round_s", 0.0)
-        record.update(self.last_metrics, modeled_wall_s=self._modeled_wall_s)
+    def record_round(self, server_round: int) -> None:
+        """Append round r's training record (the algorithm's ``last_metrics``) to ``metrics.jsonl``."""
+        record = {"round": server_round, "algorithm": self.algorithm.algorithm}
+        self._modeled_wall_s += self.algorithm.last_metrics.get("modeled_round_s", 0.0)
+        record.update(self.algorithm.last_metrics, modeled_wall_s=self._modeled_wall_s)
+        if 0 < server_round < self.num_rounds and "last_reply" in self._times:
+            # From the round's last reply to the next round's messages being out: only aggregation.
+            record["server_critical_path_s"] = self._times["pushed"] - self._times["last_reply"]
         record["elapsed_s"] = time.perf_counter() - self._started
         if server_round < self.num_rounds:
             record["eta_s"] = record["elapsed_s"] / server_round * (self.num_rounds - server_round)
@@ -349,15 +342,14 @@ class RoundLoop(Strategy):
         self._recorded[server_round] = record
 
     # ------------------------------------------------------------ no node silently left out
-    def note_participation(self, stats, accepted_nodes: set[int]) -> None:
+    def note_participation(self, asked: list[int], accepted: set[int], reasons: dict[int, str]) -> None:
         """After round r: each node sent the round's message and not aggregated (rejected, an
         error, no reply) counts towards its exclusion (``excluded_nodes``)."""
-        reasons = {r["node"]: r["reason"] for r in stats.rejected}
         self._rounds_noted += 1
-        for node in stats.nodes:
+        for node in asked:
             row = self._participation.setdefault(node, {"rounds": 0, "accepted": 0, "streak": 0, "longest": 0})
             row["rounds"] += 1
-            if node in accepted_nodes:
+            if node in accepted:
                 row["accepted"] += 1
                 row["streak"] = 0
             else:
@@ -384,7 +376,7 @@ class RoundLoop(Strategy):
         for node, row in sorted(self._participation.items()):
             never = 0 < row["rounds"] == self._rounds_noted and row["accepted"] == 0
             if never or (k and row["longest"] >= k):
-                partition = self.sync.partitions.get(node, row.get("claimed_partition"))
+                partition = self.algorithm.sync.partitions.get(node, row.get("claimed_partition"))
                 name = f"node {node}" + (f" (partition {partition})" if partition is not None else "")
                 out.append(f"{name}: not aggregated in {row['rounds'] - row['accepted']} of {row['rounds']} rounds "
                            f"({row['longest']} in a row; last: {row.get('last_reason', 'none')})")  # fmt: skip
@@ -397,11 +389,11 @@ class RoundLoop(Strategy):
             self.run_dir,
             Checkpoint(
                 round=server_round,
-                blocks=dict(self._blocks),
-                global_sha256=core.digest(self.global_params, self.partition.all_names()),
+                blocks=self.algorithm.decided_blocks(),
+                global_sha256=core.digest(self.algorithm.global_params, self.algorithm.partition.all_names()),
                 elapsed_s=time.perf_counter() - self._started,
                 modeled_wall_s=self._modeled_wall_s,
-                strategy_state=self.state_dict(),
+                strategy_state=self.algorithm.state_dict(),
             ),
         )
 
@@ -412,25 +404,24 @@ class RoundLoop(Strategy):
         digest); the steps and the records of rounds 0..R are copied into this run's
         folder. Returns ``g^R``, the step that round R+1's message carries.
         """
+        algorithm = self.algorithm
         step = replay_run(
             from_run_dir,
             ckpt,
-            self.global_params,
-            self.partition.all_names(),
+            algorithm.global_params,
+            algorithm.partition.all_names(),
             self.step_log,
             self.recorder,
-            before_each_step=self.sync.applying,
+            before_each_step=algorithm.sync.applying,
         )  # keeps x^{R-1} for a full sync
-        self.sync.first_round = ckpt.round + 1
+        self.first_round = ckpt.round + 1
         self.rounds_completed = ckpt.round
         last = next((r for r in self.recorder.read() if r["round"] == ckpt.round), {})
-        if "evaluate_s" not in last:  # killed during its evaluation: evaluated first, its line logged then
+        if "evaluate_s" not in last and "heldout_loss" not in last:  # killed before its evaluation was written
             self.unevaluated_round, self._recorded[ckpt.round] = ckpt.round, last
-        self.sync.resume_pending = ckpt.pending
-        self._blocks = dict(ckpt.blocks)
         self._modeled_wall_s = ckpt.modeled_wall_s
         self._started = time.perf_counter() - ckpt.elapsed_s  # elapsed_s goes on where it stopped
-        self.load_state_dict(ckpt.strategy_state)
+        algorithm.resumed(ckpt)
         for partition_id, pending in ckpt.pending.items():  # this folder's own copy of the checkpoint:
             stage_pending(self.run_dir, partition_id, pending)  # resumable from its first moment
         self.save_checkpoint(ckpt.round)
@@ -440,4 +431,4 @@ class RoundLoop(Strategy):
             ckpt.round,
             len(ckpt.pending),
         )
-        return to_record(step, self.sync.transfer_dtype)  # a checkpoint is written after round 1 at the earliest
+        return to_record(step, self.config.transfer_dtype)  # a checkpoint is written after round 1 at the earliest

@@ -180,39 +180,6 @@ def simulate_and_kill_server(tmp_path: Path, model_dir: Path, *, after_round: in
     return run
 
 
-@starts_flower
-def simulate_until_crash(tmp_path: Path, model_dir: Path, crash_at: str, **overrides) -> FinishedRun:
-    """`simulate`, with the server SIGKILLing itself at ``crash_at`` (``stage@round``: the fault
-    injection of ``parablock_flwr.durable.crash_point``); what it leaves behind (its Ray
-    processes, the `flwr run` waiting on it) is then killed too, as if its machine had died."""
-    flwr_home = tmp_path / "flower" / "flwr-home"
-    is_server = lambda argv: argv[1].endswith((b"flwr-simulation", b"flwr-serverapp"))  # noqa: E731
-    done = threading.Event()
-
-    def clean_up_after_the_crash() -> None:
-        left: set[int] = set()
-        while not done.is_set():
-            servers = flower_pids(flwr_home, is_server)
-            left |= {child for pid in servers for child in descendants(pid)}
-            if left and not servers:  # the server is gone: kill what it left and what waits on it
-                time.sleep(1)
-                waiting = flower_pids(flwr_home, lambda a: a[1].endswith(b"/flwr") and a[2:3] == [b"run"])
-                for pid in sorted(left) + waiting:
-                    kill(pid)
-                return
-            time.sleep(0.2)
-
-    watcher = threading.Thread(target=clean_up_after_the_crash, daemon=True)
-    watcher.start()
-    os.environ[CRASH_ENV] = crash_at
-    try:
-        return simulate(tmp_path, model_dir, **overrides)
-    finally:
-        del os.environ[CRASH_ENV]
-        done.set()
-        watcher.join()
-
-
 def flower_pids(flwr_home: Path, match) -> list[int]:
     """Processes started for this FLWR_HOME whose argv matches."""
     marker, found = f"FLWR_HOME={flwr_home}".encode(), []

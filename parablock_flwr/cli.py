@@ -18,6 +18,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -45,9 +46,25 @@ def _run_config(args, app_dir: Path) -> dict:
     return {"output-dir": str(app_dir / "runs"), **parse_overrides(args.overrides)}
 
 
+def _stop_on_sigterm() -> None:
+    """On SIGTERM (`kill`, systemd, a CI runner's cancel) leave through the launcher's ``finally``
+    blocks, as on Ctrl-C: they stop, by PID, the SuperLink, SuperNodes, workers and Ray this command
+    started. Python's default is to die on the spot, and they kept running. A second SIGTERM while
+    they are being stopped is ignored, so the stopping is not cut short."""
+
+    def stop(signum, _frame) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print("parablock-flwr: SIGTERM: stopping the processes this command started", file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def _launch(args) -> int:
     """`simulate` / `deploy`: check the overrides, run, and end with one line saying how the run ended."""
     from .tools.launch import refused, run_deployment, run_simulation
+
+    _stop_on_sigterm()
 
     try:
         app_dir = find_project_dir(args.app_dir)  # None: from the working directory

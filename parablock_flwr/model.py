@@ -15,6 +15,7 @@ import importlib.util
 import logging
 import math
 import os
+import re
 import shutil
 import tempfile
 import warnings
@@ -26,6 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from . import core
 from .config import PROMPT_FORMATS
+from .durable import replace_folder
 
 log = logging.getLogger(__name__)
 
@@ -205,9 +207,13 @@ def load_saved(folder: str) -> nn.Module:
 def save_model(model: nn.Module, tokenizer, folder: Path) -> None:
     """``save_pretrained``: the full model, or (PEFT) the adapter folder; plus the tokenizer.
 
-    Written to a temporary folder and renamed, so a folder that exists is complete.
+    Written to ``.NAME.tmp`` beside it, made durable and renamed (``durable.replace_folder``), so a
+    folder that exists is complete. A save that was killed leaves its ``.NAME.tmp`` behind: those
+    of the same series (``.round-*.tmp`` for ``round-00004``) are removed once this save succeeded,
+    so ``checkpoints/`` does not fill with partial copies of the model.
     """
     folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = folder.with_name(f".{folder.name}.tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -215,7 +221,10 @@ def save_model(model: nn.Module, tokenizer, folder: Path) -> None:
     tokenizer.save_pretrained(tmp)
     if folder.exists():
         shutil.rmtree(folder)
-    tmp.rename(folder)
+    replace_folder(tmp, folder)
+    series = re.sub(r"\d+$", "*", folder.name)
+    for stale in folder.parent.glob(f".{series}.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 # ``prompt-format = "plain"``: a documented instruction/response format for base models (no chat

@@ -6,11 +6,18 @@ simulation engine's workers do (flwr/server/superlink/fleet/vce/vce_api.py): TTL
 unavailable nodes and late replies behave as in Flower. What a node answers is the test's
 ``answer(node_index, message)``: a reply content, an ``Error``, or ``None`` for no reply; or the
 project's real ClientApp, run in this process (``client_app_answer``).
+
+Run as a script (``python tests/federation.py RUN_CONFIG_JSON NUM_NODES``) it is a whole run without
+Ray: the project's ServerApp against nodes that run its real ClientApp (``run_server_app``), in one
+process that a crash test may SIGKILL (``PARABLOCK_CRASH_AT``), server and nodes together, as if
+their machine had died (tests/helpers.py, ``simulate_in_process``).
 """
 
 from __future__ import annotations
 
+import json
 import secrets
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -104,3 +111,19 @@ class InMemoryFederation:
                 reply.metadata.__dict__["_message_id"] = str(uuid4())
                 self.state.store_message_res(reply)
             time.sleep(0.01)
+
+
+def run_server_app(run_config: dict, num_nodes: int) -> None:
+    """The project's ServerApp (``server_apps.app.app``, as Flower calls it) over this federation,
+    each node answering with the project's ClientApp: the simulation's code paths, one process."""
+    from flwr.app import Context
+
+    from parablock_flwr.server_apps.app import app
+
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=dict(run_config))
+    with InMemoryFederation(num_nodes, client_app_answer(run_config, num_nodes)) as federation:
+        app(federation.grid, context)
+
+
+if __name__ == "__main__":
+    run_server_app(json.loads(open(sys.argv[1]).read()), int(sys.argv[2]))

@@ -3,8 +3,11 @@ process helpers that kill a run's server. Fixtures are in conftest.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -16,6 +19,7 @@ from safetensors.torch import load_file
 from parablock_flwr.durable import CRASH_ENV
 from parablock_flwr.metrics import RunRecorder
 from parablock_flwr.replica import StepLog
+from parablock_flwr.run_status import read_status
 from parablock_flwr.tools.launch import run_deployment, run_simulation
 
 # Functions that start Flower processes: a test that calls one (directly, or through a function or
@@ -50,6 +54,31 @@ def tiny_config(model_dir: Path, output_dir: Path, **overrides) -> dict:
     }
     config.update(overrides)
     return config
+
+
+def worker_request(
+    config: dict, run_id: int, server_round: int, block: int, next_block: int, partition_id: int = 0,
+    num_partitions: int = 1, **round_extra,
+) -> dict:  # fmt: skip
+    """The header of a ``train`` request as the ClientApp relays it to a node worker
+    (``NodeWorker.serve_request``): round ``server_round`` of run ``run_id`` trains ``block``, the
+    next one ``next_block`` (-1: none); ``round_extra`` adds message keys (``sync-version``, catch-up...)."""
+    return {
+        "op": "train",
+        "run-id": run_id,
+        "run-config": config,
+        "partition-id": partition_id,
+        "num-partitions": num_partitions,
+        "round": {
+            "server-round": server_round,
+            "block": block,
+            "step-block": 0 if server_round > 1 else -1,
+            "next-block": next_block,
+            "algorithm": "parablock",
+            "run-dir": "unused",
+            **round_extra,
+        },
+    }
 
 
 @dataclass
@@ -94,6 +123,31 @@ def finished(result, out: Path) -> FinishedRun:
     return FinishedRun(result.returncode, result.stdout, result.stderr, run_dir, getattr(result, "status", None))
 
 
+@starts_flower
+def simulate_in_process(
+    tmp_path: Path, model_dir: Path, *, num_supernodes: int = 3, crash_at: str = "", **overrides
+) -> FinishedRun:
+    """The ServerApp and ``num_supernodes`` nodes running the real ClientApp in one subprocess, over
+    Flower's in-memory LinkState and Grid (tests/federation.py): the simulation's code paths without
+    Ray or a SuperLink, seconds of start-up instead of a minute. ``crash_at`` (``stage@round``,
+    ``durable.crash_point``): the process SIGKILLs itself there, server and nodes together, as if
+    their machine had died (returncode -9, no status record)."""
+    out = tmp_path / "out"
+    config = tiny_config(model_dir, out, **{k.replace("_", "-"): v for k, v in overrides.items()})
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "run-config.json").write_text(json.dumps(config))
+    env = {k: v for k, v in os.environ.items() if k != CRASH_ENV} | ({CRASH_ENV: crash_at} if crash_at else {})
+    script = Path(__file__).with_name("federation.py")
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "run-config.json"), str(num_supernodes)],
+        env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    run_dirs = sorted(p for p in out.glob("*") if p.is_dir()) if out.exists() else []
+    run_dir = run_dirs[-1] if run_dirs else None
+    status = read_status(run_dir) if run_dir else None
+    return FinishedRun(proc.returncode, proc.stdout, proc.stderr, run_dir, status)
+
+
 def kill_server_after_round(flwr_home: Path, out: Path, after_round: int) -> threading.Thread:
     """A thread that waits until round ``after_round`` is checkpointed under ``out``, then SIGKILLs
     the server process (`flwr-simulation`, which also drives Ray, or `flwr-serverapp` in a
@@ -124,39 +178,6 @@ def simulate_and_kill_server(tmp_path: Path, model_dir: Path, *, after_round: in
     run = simulate(tmp_path, model_dir, **overrides)
     killer.join()
     return run
-
-
-@starts_flower
-def simulate_until_crash(tmp_path: Path, model_dir: Path, crash_at: str, **overrides) -> FinishedRun:
-    """`simulate`, with the server SIGKILLing itself at ``crash_at`` (``stage@round``: the fault
-    injection of ``parablock_flwr.durable.crash_point``); what it leaves behind (its Ray
-    processes, the `flwr run` waiting on it) is then killed too, as if its machine had died."""
-    flwr_home = tmp_path / "flower" / "flwr-home"
-    is_server = lambda argv: argv[1].endswith((b"flwr-simulation", b"flwr-serverapp"))  # noqa: E731
-    done = threading.Event()
-
-    def clean_up_after_the_crash() -> None:
-        left: set[int] = set()
-        while not done.is_set():
-            servers = flower_pids(flwr_home, is_server)
-            left |= {child for pid in servers for child in descendants(pid)}
-            if left and not servers:  # the server is gone: kill what it left and what waits on it
-                time.sleep(1)
-                waiting = flower_pids(flwr_home, lambda a: a[1].endswith(b"/flwr") and a[2:3] == [b"run"])
-                for pid in sorted(left) + waiting:
-                    kill(pid)
-                return
-            time.sleep(0.2)
-
-    watcher = threading.Thread(target=clean_up_after_the_crash, daemon=True)
-    watcher.start()
-    os.environ[CRASH_ENV] = crash_at
-    try:
-        return simulate(tmp_path, model_dir, **overrides)
-    finally:
-        del os.environ[CRASH_ENV]
-        done.set()
-        watcher.join()
 
 
 def flower_pids(flwr_home: Path, match) -> list[int]:

@@ -56,3 +56,24 @@ def test_records_are_completed_by_appending_and_read_merged(tmp_path, caplog):
         text = report(tmp_path / "a")
     assert "status: unknown" in text and f"{metrics}: line 5 is torn" in caplog.text
     assert len(text.splitlines()) >= 4  # status, header, rounds 0-2 (round 2 without its evaluation)
+
+
+def test_a_checkpoint_save_cut_short_is_cleaned_up_by_the_next_one(tmp_path, tiny_model_dir):
+    """A save killed after the weights were written (the tokenizer's save raises here, as a kill
+    would stop it) leaves ``.round-00002.tmp``; the next successful save removes it (before: it
+    stayed, a partial copy of the model per killed save) and leaves only complete folders."""
+    from parablock_flwr.model import load_model, load_tokenizer, save_model
+
+    model, tokenizer = load_model(str(tiny_model_dir)), load_tokenizer(str(tiny_model_dir))
+
+    class KilledHere:
+        def save_pretrained(self, _folder):
+            raise KeyboardInterrupt("the process dies while saving round 2")
+
+    checkpoints = tmp_path / "checkpoints"
+    with pytest.raises(KeyboardInterrupt):
+        save_model(model, KilledHere(), checkpoints / "round-00002")
+    assert [p.name for p in checkpoints.iterdir()] == [".round-00002.tmp"]
+    save_model(model, tokenizer, checkpoints / "round-00004")
+    assert [p.name for p in checkpoints.iterdir()] == ["round-00004"]
+    assert (checkpoints / "round-00004" / "model.safetensors").exists()

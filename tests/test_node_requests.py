@@ -25,27 +25,9 @@ from parablock_flwr.model import load_for_training
 from parablock_flwr.worker.protocol import request
 from parablock_flwr.worker.server import NodeWorker
 
-from helpers import tiny_config
+from helpers import tiny_config, worker_request
 
 TRIALS = 20  # the old code (6cca626) corrupted the replica in some of these; see test_two_copies...
-
-
-def header(config: dict, run_id: int, server_round: int, block: int, next_block: int, partition_id: int = 0) -> dict:
-    return {
-        "op": "train",
-        "run-id": run_id,
-        "run-config": config,
-        "partition-id": partition_id,
-        "num-partitions": 2,
-        "round": {
-            "server-round": server_round,
-            "block": block,
-            "step-block": 0 if server_round > 1 else -1,
-            "next-block": next_block,
-            "algorithm": "parablock",
-            "run-dir": "unused",
-        },
-    }
 
 
 class Served:
@@ -110,10 +92,10 @@ def test_two_copies_of_a_round_at_once_leave_the_replica_exactly_x1_with_one_com
     corrupted, twice, errors = [], [], []
     for trial in range(TRIALS):
         run_id = 1000 + trial
-        reply, update1 = served.send(header(config, run_id, 1, block=0, next_block=1))
+        reply, update1 = served.send(worker_request(config, run_id, 1, block=0, next_block=1, num_partitions=2))
         assert "error" not in reply, reply
         g1 = {n: np.asarray(a) * np.float32(0.5) for n, a in update1.items()}  # any step the server may take
-        message = header(config, run_id, 2, block=1, next_block=-1)
+        message = worker_request(config, run_id, 2, block=1, next_block=-1, num_partitions=2)
         arrays = {f"global-step/{n}": a for n, a in g1.items()}
         with ThreadPoolExecutor(2) as pool:
             (r1, u1), (r2, u2) = [f.result() for f in [pool.submit(served.send, message, arrays) for _ in range(2)]]
@@ -140,24 +122,30 @@ def test_an_older_round_a_foreign_partition_and_a_left_run_are_refused_and_chang
     config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 2})
     worker = NodeWorker()
     try:
-        reply, update1 = worker.serve_request(header(config, 7, 1, block=0, next_block=-1), {})
+        reply, update1 = worker.serve_request(
+            worker_request(config, 7, 1, block=0, next_block=-1, num_partitions=2), {}
+        )
         assert reply["metrics"]["own-data"] == 0 and reply["metrics"]["oom-retries"] == 0
         g1 = {f"global-step/{n}": a * np.float32(0.5) for n, a in update1.items()}
-        reply, _ = worker.serve_request(header(config, 7, 2, block=1, next_block=-1), g1)
+        reply, _ = worker.serve_request(worker_request(config, 7, 2, block=1, next_block=-1, num_partitions=2), g1)
         assert "error" not in reply
         replica = node.resources(RunConfig.from_flower(config), 7).replica
         before = (replica.version, core.digest(replica.params, replica.params), worker.node.state)
 
-        stale, _ = worker.serve_request(header(config, 7, 1, block=0, next_block=-1), {})
+        stale, _ = worker.serve_request(worker_request(config, 7, 1, block=0, next_block=-1, num_partitions=2), {})
         assert stale["state-intact"] and "round 1 (train) refused" in stale["error"]
         assert "already answered round 2 of run 7" in stale["error"]
-        foreign, _ = worker.serve_request(header(config, 7, 3, block=0, next_block=-1, partition_id=1), g1)
+        foreign, _ = worker.serve_request(
+            worker_request(config, 7, 3, block=0, next_block=-1, partition_id=1, num_partitions=2), g1
+        )
         assert foreign["state-intact"] and "partition-id=1 refused" in foreign["error"]
         assert "serves partition-id=0" in foreign["error"]
         assert (replica.version, core.digest(replica.params, replica.params), worker.node.state) == before
 
-        worker.serve_request(header(config, 8, 1, block=0, next_block=-1), {})  # a new run (a resumed server)
-        left, _ = worker.serve_request(header(config, 7, 3, block=0, next_block=-1), g1)
+        worker.serve_request(
+            worker_request(config, 8, 1, block=0, next_block=-1, num_partitions=2), {}
+        )  # a new run (a resumed server)
+        left, _ = worker.serve_request(worker_request(config, 7, 3, block=0, next_block=-1, num_partitions=2), g1)
         assert left["state-intact"] and "round 3 of run 7 refused: this worker left that run for run 8" in left["error"]
     finally:
         worker.compute_thread.shutdown(wait=True)
@@ -168,10 +156,10 @@ def test_a_refused_message_is_an_error_reply_that_says_the_state_is_intact(tmp_p
     a second partition: two SuperNodes given one worker) becomes a Flower error reply whose reason
     starts with exactly `state-intact: `."""
     config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 2})
-    assert "error" not in served.send(header(config, 9, 1, block=0, next_block=-1))[0]
+    assert "error" not in served.send(worker_request(config, 9, 1, block=0, next_block=-1, num_partitions=2))[0]
     TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 9, 5, 0
-    msg = Message(content=RecordDict({"round": ConfigRecord(header(config, 9, 1, 0, -1)["round"])}), dst_node_id=5,
-                  message_type=MessageType.TRAIN)  # fmt: skip
+    round_config = ConfigRecord(worker_request(config, 9, 1, 0, -1, num_partitions=2)["round"])
+    msg = Message(content=RecordDict({"round": round_config}), dst_node_id=5, message_type=MessageType.TRAIN)
     TaskIdentity.node_id = 5
     context = Context(run_id=9, node_id=5, node_config={"worker-socket": served.path, "partition-id": 1,
                       "num-partitions": 2}, state=RecordDict(), run_config=config)  # fmt: skip
@@ -199,12 +187,12 @@ def test_out_of_memory_retries_once_with_half_the_micro_batch_then_names_the_key
     fail_always = False
     worker = NodeWorker()
     try:
-        reply, _ = worker.serve_request(header(config, 5, 1, block=0, next_block=-1), {})
+        reply, _ = worker.serve_request(worker_request(config, 5, 1, block=0, next_block=-1, num_partitions=2), {})
         assert "error" not in reply and reply["metrics"]["oom-retries"] == 1 and calls == [0, 2]
         replica = node.resources(RunConfig.from_flower(config), 5).replica
         before = core.digest(replica.params, replica.params)
         fail_always = True
-        reply, _ = worker.serve_request(header(config, 5, 2, block=1, next_block=-1), {
+        reply, _ = worker.serve_request(worker_request(config, 5, 2, block=1, next_block=-1, num_partitions=2), {
             f"global-step/{n}": np.zeros(tuple(t.shape), np.float32) for n, t in replica.params.items()
             if n in node.resources(RunConfig.from_flower(config), 5).partition.names(0)
         })  # fmt: skip
@@ -228,7 +216,7 @@ import json, sys
 from parablock_flwr.worker.server import NodeWorker
 from pathlib import Path
 worker = NodeWorker(state_dir=Path({str(tmp_path / "state")!r}))
-reply, _ = worker.serve_request({header(config, 3, 1, block=0, next_block=1)!r}, {{}})
+reply, _ = worker.serve_request({worker_request(config, 3, 1, block=0, next_block=1, num_partitions=2)!r}, {{}})
 assert "error" not in reply, reply
 worker.node.ahead.future.result()
 server_code = ("flwr.serverapp", "flwr.app", "flwr.server", "parablock_flwr.checkpoint")
@@ -245,7 +233,10 @@ def test_the_inline_clientapp_replies_state_intact_errors_itself(tmp_path, tiny_
     """Simulation's adapter: out of memory twice and a repeated round are Flower error replies whose
     reasons start with `state-intact: `; the node's state in `context.state` is left as it was."""
     config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 2})
-    round_cfg = dict(header(config, 4, 1, block=0, next_block=1)["round"], **{"run-dir": str(tmp_path / "run")})
+    round_cfg = dict(
+        worker_request(config, 4, 1, block=0, next_block=1, num_partitions=2)["round"],
+        **{"run-dir": str(tmp_path / "run")},
+    )
     TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 4, 6, 0
     msg = Message(content=RecordDict({"round": ConfigRecord(round_cfg)}), dst_node_id=6,
                   message_type=MessageType.TRAIN)  # fmt: skip

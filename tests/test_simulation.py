@@ -17,7 +17,7 @@ from parablock_flwr.model import load_model
 from parablock_flwr.replica import StepLog
 from parablock_flwr.report import report
 
-from helpers import simulate, simulate_and_kill_server, simulate_until_crash
+from helpers import simulate, simulate_and_kill_server, simulate_in_process
 
 pytestmark = pytest.mark.e2e  # every test here runs `flwr run` (or reads a run's output)
 
@@ -255,13 +255,17 @@ def test_a_server_killed_at_every_stage_of_a_round_resumes_to_the_same_final_mod
     run, each run resumed from the one before: in the middle of round 1's record (a torn last line
     of metrics.jsonl), in round 3's step-log write, in round 3's evaluation (its checkpoint is
     durable already), in round 4's checkpoint (the old one stays). The last run ends with the
-    uninterrupted run's model (`parablock_run`), bit for bit, every round recorded once."""
+    uninterrupted run's model (`parablock_run`, through Ray), bit for bit, every round recorded once.
+
+    The runs go without Ray (``simulate_in_process``: the ServerApp and the real ClientApp of 3
+    nodes in one process over Flower's in-memory LinkState and Grid), which the kill takes down
+    whole, nodes included; a killed Ray simulation and its fresh actors: the bf16 test below."""
     same = dict(algorithm="parablock", num_server_rounds=ROUNDS, verify_invariant=True, **SCHEDULE)
     chain = [("record@1", 1), ("step-log@3", 2), ("evaluation@3", 3), ("checkpoint@4", 3)]
     resume_from, runs = {}, []
     for crash_at, checkpointed in chain:
-        run = simulate_until_crash(tmp_path / crash_at, tiny_model_dir, crash_at, **same, **resume_from)
-        assert run.run_dir is not None and run.status is None, (crash_at, run.stdout[-3000:])
+        run = simulate_in_process(tmp_path / crash_at, tiny_model_dir, crash_at=crash_at, **same, **resume_from)
+        assert run.returncode == -9 and run.run_dir is not None and run.status is None, (crash_at, run.stdout[-3000:])
         checkpoints = sorted(p.name for p in (run.run_dir / "checkpoint").glob("round-*"))
         assert checkpoints[0] == f"round-{checkpointed:05d}", (crash_at, checkpoints)
         runs.append(run)
@@ -275,7 +279,8 @@ def test_a_server_killed_at_every_stage_of_a_round_resumes_to_the_same_final_mod
         check_resumable(runs[-1].run_dir, {**json.loads((runs[-1].run_dir / "config.json").read_text()),
                                            "learning-rate": 0.5})  # fmt: skip
 
-    resumed = _ok(simulate(tmp_path / "resumed", tiny_model_dir, save_final_model=True, **same, **resume_from))
+    resumed = _ok(simulate_in_process(tmp_path / "resumed", tiny_model_dir, save_final_model=True, **same,
+                                      **resume_from))  # fmt: skip
     assert "after round 3 (3 pending client updates" in resumed.stdout
     assert f"{metrics}: line 3 is torn" in runs[1].stdout + runs[1].stderr  # the resume skipped it, said so
     with caplog.at_level(logging.WARNING):
@@ -356,25 +361,21 @@ def test_bf16_transfer_halves_the_bytes_and_keeps_the_invariant_exact(parablock_
 
 
 def test_a_bounded_step_log_resumes_from_its_snapshot_bit_for_bit(tmp_path, tiny_model_dir, parablock_run):
-    """`snapshot-every = 2`: the server is killed in round 4 of 4; the steps the log would drop at its
-    next snapshot (v1, v2: up to the older snapshot) are removed, so the resumed run can only rebuild
-    x^3 from snapshot v2 plus step 3, and its fresh Ray actors start from that snapshot too. It ends
-    with the uninterrupted run's model (`parablock_run`, every step kept), bit for bit."""
-    same = dict(algorithm="parablock", num_server_rounds=ROUNDS, verify_invariant=True, **SCHEDULE)
-    killed = simulate_and_kill_server(tmp_path / "killed", tiny_model_dir, after_round=3, snapshot_every=2, **same)
-    assert killed.run_dir is not None
+    """`snapshot-every = 2`: the server is killed in round 4 of 4 (in its step-log write); the steps
+    the log would drop at its next snapshot (v1, v2: up to the older snapshot) are removed, so the
+    resumed run can only rebuild x^3 from snapshot v2 plus step 3, and its fresh nodes start from that
+    snapshot too. It ends with the uninterrupted run's model (`parablock_run`, every step kept), bit
+    for bit. Without Ray, as the test above."""
+    same = dict(algorithm="parablock", num_server_rounds=ROUNDS, verify_invariant=True, snapshot_every=2, **SCHEDULE)
+    killed = simulate_in_process(tmp_path / "killed", tiny_model_dir, crash_at="step-log@4", **same)
+    assert killed.returncode == -9 and killed.run_dir is not None, killed.stdout[-3000:]
     log = StepLog(killed.run_dir)
     assert 2 in log.snapshots()
     for version in (1, 2):
         (log.dir / f"v{version:05d}.safetensors").unlink(missing_ok=True)
     resumed = _ok(
-        simulate(
-            tmp_path / "resumed",
-            tiny_model_dir,
-            resume_from=str(killed.run_dir),
-            save_final_model=True,
-            snapshot_every=2,
-            **same,
+        simulate_in_process(
+            tmp_path / "resumed", tiny_model_dir, resume_from=str(killed.run_dir), save_final_model=True, **same
         )
     )
     assert "after round 3" in resumed.stdout

@@ -20,26 +20,7 @@ from parablock_flwr.config import RunConfig
 from parablock_flwr.model import load_for_training
 from parablock_flwr.worker.server import NodeWorker, run_worker
 
-from helpers import tiny_config
-
-
-def header(config: dict, server_round: int, block: int, next_block: int, **extra) -> dict:
-    return {
-        "op": "train",
-        "run-id": 7,
-        "run-config": config,
-        "partition-id": 0,
-        "num-partitions": 1,
-        "round": {
-            "server-round": server_round,
-            "block": block,
-            "step-block": 0 if server_round > 1 else -1,
-            "next-block": next_block,
-            "algorithm": "parablock",
-            "run-dir": "unused",
-            **extra,
-        },
-    }
+from helpers import tiny_config, worker_request
 
 
 def test_a_full_sync_during_a_computation_ahead_leaves_the_invariant_exact(tmp_path, tiny_model_dir):
@@ -49,7 +30,7 @@ def test_a_full_sync_during_a_computation_ahead_leaves_the_invariant_exact(tmp_p
     is x^1 + Δ^2 to the bit, and its copy of the global model is exactly x^1."""
     config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 40, "verify-invariant": True})
     worker = NodeWorker()
-    reply, update1 = worker.serve_request(header(config, 1, block=0, next_block=1), {})
+    reply, update1 = worker.serve_request(worker_request(config, 7, 1, block=0, next_block=1), {})
     assert worker.node.ahead is not None and worker.node.ahead.server_round == 2 and not worker.node.ahead.future.done()
 
     model, partition = load_for_training(RunConfig.from_flower(config))  # x^0, as the server holds it
@@ -57,7 +38,9 @@ def test_a_full_sync_during_a_computation_ahead_leaves_the_invariant_exact(tmp_p
     g1 = {n: torch.from_numpy(a) * 0.5 for n, a in update1.items()}  # any step the server may have taken
     arrays = {f"global-step/{n}": t.numpy() for n, t in g1.items()}
     arrays.update({f"sync-values/{n}": t.numpy() for n, t in x0.items()})
-    reply, update2 = worker.serve_request(header(config, 2, block=1, next_block=-1, **{"sync-version": 0}), arrays)
+    reply, update2 = worker.serve_request(
+        worker_request(config, 7, 2, block=1, next_block=-1, **{"sync-version": 0}), arrays
+    )
 
     assert reply["metrics"]["base-version"] == 1  # resynchronised: trained from x^1, nothing pending
     x1 = {n: t.clone() for n, t in x0.items()}
@@ -76,14 +59,14 @@ def test_without_the_correction_a_node_back_from_a_skipped_round_keeps_its_own_m
     ahead, trains round 3 from its own model written on x^1, and keeps y = x^0 + Δ^1 + Δ^3."""
     config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 4, "correction": "none"})
     worker = NodeWorker()
-    _, update1 = worker.serve_request(header(config, 1, block=0, next_block=1), {})
+    _, update1 = worker.serve_request(worker_request(config, 7, 1, block=0, next_block=1), {})
     model, partition = load_for_training(RunConfig.from_flower(config))
     x0 = {n: p.detach().clone() for n, p in model.named_parameters() if n in partition.all_names()}
     g1 = {n: torch.from_numpy(np.array(a)) * 0.5 for n, a in update1.items()}
     g2 = {n: torch.randn_like(x0[n]) * 1e-3 for n in partition.names(1)}
     arrays = {f"global-step/{n}": t.numpy() for n, t in g2.items()}
     arrays.update({f"catch-up/v1/{n}": t.numpy() for n, t in g1.items()})
-    message = header(config, 3, block=0, next_block=-1, **{"catch-up-versions": [1], "catch-up-blocks": [0]})
+    message = worker_request(config, 7, 3, block=0, next_block=-1, **{"catch-up-versions": [1], "catch-up-blocks": [0]})
     message["round"]["step-block"] = 1
     reply, update3 = worker.serve_request(message, arrays)
 
@@ -112,9 +95,9 @@ def test_on_receipt_the_drift_of_the_live_model_is_measured_and_small(tmp_path, 
     finished on is from the exact x^1 + Δ^2: float rounding only."""
     config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 40, "correction": "on-receipt"})
     worker = NodeWorker()
-    _, update1 = worker.serve_request(header(config, 1, block=1, next_block=1), {})
+    _, update1 = worker.serve_request(worker_request(config, 7, 1, block=1, next_block=1), {})
     g1 = {f"global-step/{n}": a * np.float32(0.5) for n, a in update1.items()}
-    reply, _ = worker.serve_request(header(config, 2, block=1, next_block=-1), g1)
+    reply, _ = worker.serve_request(worker_request(config, 7, 2, block=1, next_block=-1), g1)
     metrics = reply["metrics"]
     assert 1 <= metrics["correction-after-step"] < 40  # applied mid-round, at a step boundary
     assert 0.0 <= metrics["correction-drift"] < 1e-5, metrics["correction-drift"]

@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 STARTED_RUN = re.compile(r"Successfully started run (\d+)")  # what `flwr run` prints (flwr/cli/run/run.py)
 
 
+RAY_NOTICE_FILTER = "ignore::FutureWarning:ray._private.worker"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -53,6 +56,10 @@ def flower_env(flwr_home: Path) -> dict[str, str]:
             "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
             "FLWR_DISABLE_UPDATE_CHECK": "1",
             "FLWR_TELEMETRY_ENABLED": "0",
+            # Ray's notice, at every `ray.init`, that a future version will stop hiding GPUs from actors
+            # that asked for none (ray/_private/worker.py, "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"): the
+            # behaviour we keep, so the notice is dropped (only that FutureWarning, only from there).
+            "PYTHONWARNINGS": ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), RAY_NOTICE_FILTER])),
             # The SuperLink and SuperNodes start `flower-superexec` through PATH: find ours without an activated venv.
             "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
         }
@@ -220,22 +227,23 @@ def stop_process_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
 
 
 def stop_process_tree(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """``stop_process_group``, then every process below it that had left its group: Flower starts
-    SuperExec in a session of its own, and below it the run's processes (`flwr-simulation` and Ray,
-    or the ServerApp and ClientApps), which outlive a run stopped early, e.g. at the time limit."""
+    """Every process below ``proc`` first, then ``stop_process_group``: Flower starts SuperExec in a
+    session of its own, and below it the run's processes (`flwr-simulation` and Ray, or the
+    ServerApp and ClientApps), which outlive a run stopped early, e.g. at the time limit. In this
+    order a SuperLink finds its SuperExec gone when it stops; it waits only 1 s for it, and logs a
+    WARNING when that is not enough (flwr/superlink/cli/flower_superlink.py, ``stop``)."""
     below = descendants(proc.pid) if proc.poll() is None else []
-    stop_process_group(proc, grace_s)
-    left = [pid for pid in below if running(pid)]
-    for pid in left:
+    for pid in below:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while any(running(pid) for pid in left) and time.monotonic() < deadline:
+    while any(running(pid) for pid in below) and time.monotonic() < deadline:
         time.sleep(0.1)
-    for pid in left:
+    for pid in below:
         if running(pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+    stop_process_group(proc, grace_s)
 
 
 def descendants(pid: int) -> list[int]:

@@ -18,7 +18,7 @@ from parablock_flwr.metrics import RunRecorder
 from parablock_flwr.tools.credentials import make_node_key
 from parablock_flwr.tools.launch import free_port, run_deployment, stop_process_group, supernode_command
 
-from helpers import FinishedRun, finished, kill_server_after_round, simulate, tiny_config
+from helpers import FinishedRun, finished, kill_server_after_round, simulate, simulate_in_process, tiny_config
 
 pytestmark = pytest.mark.e2e  # every test here starts a SuperLink, SuperNodes and workers
 
@@ -101,10 +101,14 @@ LONG_ROUNDS = 7  # more than 2M+1 rounds for M = 2 blocks (4 layers, 2 per block
 
 
 @pytest.fixture(scope="module")
-def deployed_long(tmp_path_factory, tiny_model_dir):
-    return deploy(
-        tmp_path_factory.mktemp("deploy-long"),
+def uninterrupted_long(tmp_path_factory, tiny_model_dir):
+    """What the resumed deployments must reproduce: the same config, uninterrupted, simulated without
+    Ray (``simulate_in_process``: a deployment's steps equal a simulation's bit for bit, the first
+    test here; this run's equalled those of the uninterrupted deployment it replaced, 7 of 7)."""
+    return simulate_in_process(
+        tmp_path_factory.mktemp("uninterrupted-long"),
         tiny_model_dir,
+        num_supernodes=2,
         num_server_rounds=LONG_ROUNDS,
         verify_invariant=True,
         schedule="ascending",
@@ -112,43 +116,51 @@ def deployed_long(tmp_path_factory, tiny_model_dir):
     )
 
 
-@pytest.mark.parametrize("after_round", [1, 6])
 def test_killed_server_resumes_at_any_round_in_a_restarted_deployment_bit_for_bit(
-    deployed_long, tmp_path, tiny_model_dir, after_round
+    uninterrupted_long, tmp_path, tiny_model_dir
 ):
-    """The ServerApp is SIGKILLed in round R+1 (R = 1, and R = 6 > 2M+1); a new deployment
-    (SuperLink, SuperNodes, workers: every process restarted) resumes from round R's checkpoint.
-    The nodes are asked their partition; each worker gets the exact values of x^{R-1} (a full
-    sync) and its own Δ_i^R back, and computes round R+1 from x^{R-1} + Δ_i^R; with bf16 transfer
-    each worker also reads its error-feedback residuals back from its `state-dir` as of round R
-    (written durably each round; the killed workers may have answered round R+1 already): every
-    later global step equals the uninterrupted deployment's, bit for bit. (fp32 resume at every
-    stage of a round: tests/test_simulation.py.)"""
+    """The ServerApp is SIGKILLed in round R+1, and a new deployment (SuperLink, SuperNodes, workers:
+    every process restarted) resumes from round R's checkpoint; twice in a row: killed in round 2
+    (R = 1), that resumed deployment killed in round 7 (R = 6 > 2M+1), a third one ends the run.
+    At each resume the nodes are asked their partition; each worker gets the exact values of
+    x^{R-1} (a full sync) and its own Δ_i^R back, and computes round R+1 from x^{R-1} + Δ_i^R; with
+    bf16 transfer each worker also reads its error-feedback residuals back from its `state-dir` as
+    of round R (written durably each round; the killed workers may have answered round R+1
+    already): every later global step equals the uninterrupted run's, bit for bit. (fp32
+    resume at every stage of a round: tests/test_simulation.py.)"""
     same = dict(num_server_rounds=LONG_ROUNDS, verify_invariant=True, schedule="ascending", transfer_dtype="bf16")
     states = [f'state-dir="{tmp_path / "state" / f"node-{i}"}"' for i in range(2)]
-    killed_out = tmp_path / "killed" / "out"
-    killed = deploy(
-        tmp_path / "killed",
-        tiny_model_dir,
-        node_settings=states,
-        **same,
-        on_started=lambda dep: kill_server_after_round(dep.workdir / "flwr-home", killed_out, after_round=after_round),
-    )
-    assert killed.run_dir is not None
-    assert not (killed.run_dir / "global-steps" / f"v{after_round + 1:05d}.safetensors").exists()
-    assert list((tmp_path / "state" / "node-0" / "partition-0").glob(f"r{after_round:05d}-b*.safetensors"))
-    resumed = _ok(
-        deploy(tmp_path / "resumed", tiny_model_dir, node_settings=states, resume_from=str(killed.run_dir), **same)
-    )
-    assert f"after round {after_round} (2 pending client updates" in resumed.stdout
-    records = {r["round"]: r for r in resumed.records}
+    resume_from, runs = {}, []
+    for after_round in (1, 6):
+        workdir = tmp_path / f"killed-after-{after_round}"
+
+        def kill(deployment, out=workdir / "out", after_round=after_round):
+            return kill_server_after_round(deployment.workdir / "flwr-home", out, after_round=after_round)
+
+        killed = deploy(workdir, tiny_model_dir, node_settings=states, on_started=kill, **same, **resume_from)
+        assert killed.run_dir is not None, killed.stdout[-4000:]
+        assert (killed.run_dir / "checkpoint" / f"round-{after_round:05d}").exists()
+        assert not (killed.run_dir / "global-steps" / f"v{after_round + 1:05d}.safetensors").exists()
+        assert list((tmp_path / "state" / "node-0" / "partition-0").glob(f"r{after_round:05d}-b*.safetensors"))
+        runs.append(killed)
+        resume_from = {"resume_from": str(killed.run_dir)}
+    runs.append(_ok(deploy(tmp_path / "resumed", tiny_model_dir, node_settings=states, **same, **resume_from)))
+
+    # Each resumed deployment took over after its predecessor's round R, and computed rounds R+1..:
+    # the second one rounds 2-6 (then killed), the last one round 7.
+    uninterrupted = _ok(uninterrupted_long)
+    for run, after_round, last in ((runs[1], 1, 6), (runs[2], 6, LONG_ROUNDS)):
+        assert f"after round {after_round} (2 pending client updates" in run.stdout
+        for server_round in range(after_round + 1, last + 1):
+            (block, step), (expected_block, expected) = run.step(server_round), uninterrupted.step(server_round)
+            assert block == expected_block and all(torch.equal(step[n], expected[n]) for n in expected), server_round
+    records = {r["round"]: r for r in runs[2].records}
     assert sorted(records) == list(range(LONG_ROUNDS + 1))
-    assert records[after_round + 1]["full_syncs_sent"] == 2 and records[after_round + 1]["num_resynchronised"] == 0
-    for server_round in range(after_round + 1, LONG_ROUNDS + 1):
+    for after_round in (1, 6):
+        assert records[after_round + 1]["full_syncs_sent"] == 2 and records[after_round + 1]["num_resynchronised"] == 0
+    for server_round in range(2, LONG_ROUNDS + 1):
         record = records[server_round]
         assert record["num_accepted"] == 2 and record["invariant_checked"] == 2 and record["invariant_failed"] == 0
-        (block, step), (expected_block, expected) = resumed.step(server_round), _ok(deployed_long).step(server_round)
-        assert block == expected_block and all(torch.equal(step[n], expected[n]) for n in expected), server_round
 
 
 def test_crashed_worker_restarts_and_nodes_resynchronise_under_partial_participation(tmp_path, tiny_model_dir):

@@ -1,4 +1,5 @@
-"""Half the bytes, same invariant: the default job with updates and steps sent in fp32, bf16, fp16.
+"""Half or a quarter of the bytes, same invariant: the default job with updates and steps sent in fp32,
+bf16, fp16, int8.
 
 Each run is the README's main job (ParaBlock, the embedded SmolLM2, 2 virtual clients,
 3 rounds on Flower's simulation engine) with only ``transfer-dtype`` changed, and
@@ -6,9 +7,10 @@ Each run is the README's main job (ParaBlock, the embedded SmolLM2, 2 virtual cl
 ``x^{r-1} + Δ_i^r`` (it keeps the rounded update it sent; error feedback carries the
 rounding into its next update of that block). Prints and writes to docs/benchmarks.md:
 the held-out loss after the last round against fp32's, the bytes that crossed (the
-arrays of every message and reply, as serialised), and the invariant checks.
+arrays of every message and reply, as serialised: int8's include its fp32 scales, one per 256
+values, and every record's small layout), and the invariant checks.
 
-    .venv/bin/python -m benchmarks.transfer_dtype            # fp32, bf16, fp16 (~15 min here)
+    .venv/bin/python -m benchmarks.transfer_dtype            # fp32, bf16, fp16, int8 (~20 min here)
     .venv/bin/python -m benchmarks.transfer_dtype --tiny --no-write
 """
 
@@ -25,7 +27,7 @@ from benchmarks.common import GSM_AS_MEASURED, read_records, replace_doc_section
 from parablock_flwr.tools.launch import run_simulation
 from parablock_flwr.tools.tiny_model import build_tiny_model
 
-SECTION = "## Transfer precision: bf16 and fp16 updates against fp32"
+SECTION = "## Transfer precision: bf16, fp16 and int8 updates against fp32"
 
 
 def run(dtype: str, args, model: str, workdir: Path) -> dict:
@@ -76,7 +78,7 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dtypes", default="fp32,bf16,fp16")
+    p.add_argument("--dtypes", default="fp32,bf16,fp16,int8")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tiny", action="store_true", help="the tiny test model (seconds), not SmolLM2")
     p.add_argument("--no-write", action="store_true", help="leave docs/benchmarks.md alone")

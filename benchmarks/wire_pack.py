@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     size = sum(t.numel() for t in block.values())
     rows = []
     for dtype in args.dtypes.split(","):
-        encodings = ("per tensor", "packed") if dtype in ("fp32", "bf16", "fp16") else ("packed",)
+        encodings = ("per tensor", "packed") if dtype != "int8" else ("packed",)
         rows += [measure(block, encoding, dtype, args.repeats) for encoding in encodings]
     text = table(rows)
     print(text)

@@ -288,7 +288,8 @@ def uncorrected_offset(offset: Tensors, own_update: Tensors, steps: Iterable[Ten
 # --------------------------------------------------------------------------
 # Transfer precision: Δ_i and g travel rounded, every copy applies the rounded values
 # --------------------------------------------------------------------------
-TRANSFER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# int8 is symmetric and blockwise: ``quantize_int8`` (one fp32 power-of-two scale per INT8_BLOCK values).
+TRANSFER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}
 INT8_BLOCK = 256  # int8: values per scale, within one tensor (its flattened values; the last block may be short)
 
 

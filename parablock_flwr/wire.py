@@ -160,7 +160,7 @@ def check_scales(scales, count: int) -> torch.Tensor:
     mantissa, _ = np.frexp(scales)
     bad |= (scales != 0) & (mantissa != 0.5)
     if bad.any():
-        value = scales[np.argmax(bad)]
+        value = float(scales[np.argmax(bad)])
         raise WireError(f"int8 scale {value!r}: expected 0 or a power of two in (0, {MAX_INT8_SCALE:.3g}]")
     return torch.from_numpy(scales.copy())
 

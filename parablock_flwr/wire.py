@@ -82,8 +82,7 @@ def unpack(
         raise WireError(f"record arrays {sorted(arrays)[:4]}: expected {VALUES}, {LAYOUT} (and {SCALES} for int8)")
     layout = read_layout(arrays[LAYOUT])
     if expected is not None:
-        check_layout(layout, expected)
-        layout = {name: tuple(expected[name]) for name in expected}
+        check_layout(layout, expected)  # the same names and shapes: the values are cut in the layout's order
     values = arrays[VALUES]
     if not isinstance(values, np.ndarray) or values.dtype not in _TRANSFER_OF or values.ndim != 1:
         found = f"{getattr(values, 'dtype', type(values).__name__)} {getattr(values, 'shape', '')}"
@@ -98,7 +97,8 @@ def unpack(
     if values.size != sum(sizes):
         raise WireError(f"values: {values.size:,} numbers, expected {sum(sizes):,} ({len(sizes)} tensors' shapes)")
     flat = _decode_values(values, dtype, sizes, arrays.get(SCALES))
-    return {name: t.view(shape) for (name, shape), t in zip(layout.items(), torch.split(flat, sizes))}
+    out = {name: t.view(shape) for (name, shape), t in zip(layout.items(), torch.split(flat, sizes))}
+    return out if expected is None else {name: out[name] for name in expected}
 
 
 def read_layout(array: np.ndarray) -> dict[str, tuple[int, ...]]:

@@ -115,6 +115,8 @@ def test_unpack_decodes_by_what_the_payload_carries():
     rounded = core.round_for_transfer(tensors(3), "int8")
     arrays = wire.pack(rounded, "int8")
     assert all(torch.equal(wire.unpack(arrays)[n], rounded[n]) for n in SHAPES)  # no setting needed
+    reordered = wire.unpack(wire.pack(dict(reversed(rounded.items())), "int8"), SHAPES)  # another order
+    assert list(reordered) == list(SHAPES) and all(torch.equal(reordered[n], rounded[n]) for n in SHAPES)
     with pytest.raises(wire.WireError, match=r"wrong dtype for values: int8, expected int16 \(transfer-dtype=bf16\)"):
         wire.unpack(arrays, transfer_dtype="bf16")
     with pytest.raises(wire.WireError, match=r"wrong shape for w: \(7, 300\), expected \(300, 7\)"):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from collections.abc import Mapping
 
 import numpy as np
@@ -48,21 +49,30 @@ class WireError(ValueError):
 
 def pack(tensors: Mapping[str, torch.Tensor], transfer_dtype: str = "fp32") -> dict[str, np.ndarray]:
     """The arrays that carry ``tensors`` (lossless for values already ``core.round_for_transfer``-ed)."""
+    return {name: join(pieces) for name, pieces in pack_pieces(tensors, transfer_dtype).items()}
+
+
+def pack_pieces(tensors: Mapping[str, torch.Tensor], transfer_dtype: str = "fp32") -> dict[str, list[np.ndarray]]:
+    """``pack``'s arrays as the 1-D pieces that, joined, make each: ``values`` and ``scales`` one per tensor
+    (an fp32 tensor's own memory: nothing copied yet). A writer that copies them once into its own buffer
+    (``records.to_record``) never builds the block-sized array in between."""
     flat = [t.detach().reshape(-1).cpu() for t in tensors.values()]
     layout = json.dumps([[name, list(t.shape)] for name, t in tensors.items()]).encode()
-    arrays = {LAYOUT: np.frombuffer(layout, dtype=np.uint8)}
+    pieces = {LAYOUT: [np.frombuffer(layout, dtype=np.uint8)]}
     if transfer_dtype == "int8":
         quantised = [quantize_int8(t) for t in flat]
-        arrays[VALUES] = _cat([q for q, _ in quantised], torch.int8).numpy()
-        arrays[SCALES] = _cat([s for _, s in quantised], torch.float32).numpy()
-        return arrays
-    values = _cat([t.to(TRANSFER_DTYPES[transfer_dtype]) for t in flat], TRANSFER_DTYPES[transfer_dtype])
-    arrays[VALUES] = values.view(torch.int16).numpy() if transfer_dtype == "bf16" else values.numpy()
-    return arrays
+        pieces[VALUES] = [q.numpy() for q, _ in quantised] or [np.zeros(0, np.int8)]
+        pieces[SCALES] = [s.numpy() for _, s in quantised] or [np.zeros(0, np.float32)]
+        return pieces
+    dtype = TRANSFER_DTYPES[transfer_dtype]
+    values = [t.to(dtype) for t in flat]
+    pieces[VALUES] = [v.view(torch.int16).numpy() if dtype == torch.bfloat16 else v.numpy() for v in values]
+    pieces[VALUES] = pieces[VALUES] or [np.zeros(0, WIRE_DTYPES[transfer_dtype])]
+    return pieces
 
 
-def _cat(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
+def join(pieces: list[np.ndarray]) -> np.ndarray:
+    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
 
 def unpack(
@@ -96,8 +106,8 @@ def unpack(
     sizes = [math.prod(shape) for shape in layout.values()]
     if values.size != sum(sizes):
         raise WireError(f"values: {values.size:,} numbers, expected {sum(sizes):,} ({len(sizes)} tensors' shapes)")
-    flat = _decode_values(values, dtype, sizes, arrays.get(SCALES))
-    out = {name: t.view(shape) for (name, shape), t in zip(layout.items(), torch.split(flat, sizes))}
+    parts = _decode_values(values, dtype, sizes, arrays.get(SCALES))
+    out = {name: t.view(shape) for (name, shape), t in zip(layout.items(), parts)}
     return out if expected is None else {name: out[name] for name in expected}
 
 
@@ -132,18 +142,23 @@ def check_layout(layout: Mapping[str, tuple[int, ...]], expected: Mapping[str, t
             raise WireError(f"wrong shape for {name}: {layout[name]}, expected {tuple(shape)}")
 
 
-def _decode_values(values: np.ndarray, dtype: str, sizes: list[int], scales) -> torch.Tensor:
-    """The flat fp32 values (a bf16/fp16/int8 payload converted: new memory; fp32: the payload's own)."""
-    # A payload read from a socket is read-only (torch wants writable memory): fp32 is copied once then.
-    t = torch.from_numpy(values if values.flags.writeable else values.copy())
-    if dtype != "int8":
-        if scales is not None:
-            raise WireError(f"scales with transfer-dtype={dtype}: expected them with int8 only")
-        return t.view(torch.bfloat16).float() if dtype == "bf16" else t.float()
-    scales = check_scales(scales, sum(int8_blocks(n) for n in sizes))
-    parts = torch.split(t, sizes)
-    per_tensor = torch.split(scales, [int8_blocks(n) for n in sizes])
-    return _cat([dequantize_int8(p, s) for p, s in zip(parts, per_tensor)], torch.float32)
+def _decode_values(values: np.ndarray, dtype: str, sizes: list[int], scales) -> list[torch.Tensor]:
+    """Each tensor's flat fp32 values, in new memory of its own (a read-only payload, from a socket or a
+    Flower ``Array``, is read once; a writable fp32 payload is shared). One allocation per tensor, not one
+    block-sized buffer: the allocator reuses tensor-sized memory, a fresh block-sized buffer costs page faults
+    that on a busy machine take longer than the copy itself."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        parts = torch.split(torch.from_numpy(values), sizes)
+    if dtype == "int8":
+        scales = check_scales(scales, sum(int8_blocks(n) for n in sizes))
+        per_tensor = torch.split(scales, [int8_blocks(n) for n in sizes])
+        return [dequantize_int8(p, s) for p, s in zip(parts, per_tensor)]
+    if scales is not None:
+        raise WireError(f"scales with transfer-dtype={dtype}: expected them with int8 only")
+    if dtype == "fp32":
+        return list(parts) if values.flags.writeable else [p.clone() for p in parts]
+    return [p.view(torch.bfloat16).float() if dtype == "bf16" else p.float() for p in parts]
 
 
 def check_scales(scales, count: int) -> torch.Tensor:

@@ -38,6 +38,7 @@ BLOCK, ROUND, MAX_NORM, MAX_EXAMPLES = 0, 1, 50.0, 1000
 
 CORRUPTIONS = (
     "payload-smaller-than-declared",
+    "payload-truncated",
     "payload-float64",
     "payload-float16",
     "payload-int32",
@@ -144,6 +145,9 @@ def corrupt(
     m = dict(metrics)
     if kind == "payload-smaller-than-declared":
         arrays["values"] = declared(values[:1], arrays["values"])
+    elif kind == "payload-truncated":  # its npy header declares more bytes than follow
+        arrays["values"] = Array(dtype=str(values.dtype), shape=values.shape, stype="numpy.ndarray",
+                                 data=npy(values)[:-1])  # fmt: skip
     elif kind.startswith("payload-"):
         dtype = kind.split("-")[1]
         if dtype == str(values.dtype):

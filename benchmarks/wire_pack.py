@@ -35,6 +35,7 @@ from parablock_flwr import core
 from parablock_flwr.records import to_record, to_tensors
 
 SECTION = "## One array per record: encode, serialise, decode a block"
+STAGES = ("encode", "serialise", "deserialise", "decode")
 # SmolLM2-135M's decoder layer (hidden 576, MLP 1536, 9 query and 3 key/value heads of 64).
 SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3)
 
@@ -92,13 +93,22 @@ def exchange(block: core.Tensors, encoding: str, transfer_dtype: str) -> dict:
     return times
 
 
-def measure(block: core.Tensors, encoding: str, transfer_dtype: str, repeats: int) -> dict:
-    exchange(block, encoding, transfer_dtype)  # warm-up
-    runs = [exchange(block, encoding, transfer_dtype) for _ in range(repeats)]
-    row = {k: statistics.median(r[k] for r in runs) for k in ("encode", "serialise", "deserialise", "decode")}
-    row["total"] = statistics.median(sum(r[k] for k in ("encode", "serialise", "deserialise", "decode")) for r in runs)
-    return {"encoding": encoding, "dtype": transfer_dtype, **row, "objects": runs[0]["objects"],
-            "bytes": runs[0]["bytes"]}  # fmt: skip
+def measure(block: core.Tensors, variants: list[tuple[str, str]], repeats: int) -> list[dict]:
+    """Each (encoding, dtype)'s median stage times; the variants take turns in every repeat, so that a
+    change in the machine's load falls on all of them alike."""
+    for encoding, dtype in variants:
+        exchange(block, encoding, dtype)  # warm-up
+    runs = {v: [] for v in variants}
+    for _ in range(repeats):
+        for encoding, dtype in variants:
+            runs[(encoding, dtype)].append(exchange(block, encoding, dtype))
+    rows = []
+    for (encoding, dtype), passes in runs.items():
+        row = {k: statistics.median(r[k] for r in passes) for k in STAGES}
+        row["total"] = statistics.median(sum(r[k] for k in STAGES) for r in passes)
+        rows.append({"encoding": encoding, "dtype": dtype, **row, "objects": passes[0]["objects"],
+                     "bytes": passes[0]["bytes"]})  # fmt: skip
+    return rows
 
 
 def table(rows: list[dict]) -> str:
@@ -115,6 +125,22 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def summary(rows: list[dict]) -> str:
+    """One line per dtype: the objects and the CPU seconds before and after, and int8 against fp32."""
+    by = {(r["dtype"], r["encoding"]): r for r in rows}
+    lines = []
+    for (dtype, encoding), r in by.items():
+        before = by.get((dtype, "per tensor"))
+        if encoding == "packed" and before:
+            lines.append(f"- {dtype}: {before['objects']} → {r['objects']} Flower objects; CPU work "
+                         f"{before['total']:.2f} s → {r['total']:.2f} s.")  # fmt: skip
+    fp32, int8 = by.get(("fp32", "packed")), by.get(("int8", "packed"))
+    if fp32 and int8:
+        lines.append(f"- int8: {int8['bytes'] / fp32['bytes']:.3f}x fp32's serialised bytes (its scales and every "
+                     f"object's header included), CPU work {int8['total']:.2f} s.")  # fmt: skip
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtypes", default=",".join(core.TRANSFER_DTYPES))
@@ -124,18 +150,18 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     block = smollm2_block()
     size = sum(t.numel() for t in block.values())
-    rows = []
-    for dtype in args.dtypes.split(","):
-        encodings = ("per tensor", "packed") if dtype != "int8" else ("packed",)
-        rows += [measure(block, encoding, dtype, args.repeats) for encoding in encodings]
-    text = table(rows)
+    variants = [(encoding, dtype) for dtype in args.dtypes.split(",")
+                for encoding in (("per tensor", "packed") if dtype != "int8" else ("packed",))]  # fmt: skip
+    rows = measure(block, variants, args.repeats)
+    text = table(rows) + "\n\n" + summary(rows)
     print(text)
     if not args.no_write:
         m = machine()
         replace_doc_section(
             SECTION,
             f"Command: `{command('wire_pack')}`  \nDate: {time.strftime('%Y-%m-%d')}, {m['nproc']} cores "
-            f"({m['cpu']}), torch on 1 thread, median of {args.repeats}.\n\n"
+            f"({m['cpu']}), shared with other work, torch on 1 thread, median of {args.repeats} passes (the variants "
+            "take turns in each).\n\n"
             f"A SmolLM2-135M block of 5 decoder layers ({len(block)} tensors, {size / 1e6:.1f} M values, "
             f"{4 * size / 1e6:.1f} MB in fp32) through one exchange's CPU work, without the network: the "
             "sender's `to_record` (encode) and Flower's deflation of every nested object with its SHA-256 object "

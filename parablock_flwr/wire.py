@@ -72,7 +72,8 @@ def pack_pieces(tensors: Mapping[str, torch.Tensor], transfer_dtype: str = "fp32
 
 
 def join(pieces: list[np.ndarray]) -> np.ndarray:
-    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+    """The pieces in one new array (never a tensor's own memory: the array outlives the call)."""
+    return np.concatenate(pieces)
 
 
 def unpack(

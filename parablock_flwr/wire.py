@@ -1,16 +1,33 @@
-"""How a tensor travels as a numpy array (no Flower here: the node worker imports it).
+"""How a set of tensors travels as a few numpy arrays (no Flower here: the node worker imports it).
 
-Tensors travel as fp32, fp16, or bf16; numpy has no bf16, so bf16 travels as its raw
-16-bit patterns in an ``int16`` array (no other tensor travels as int16). Decoding
-reads the payload's own dtype, so a receiver needs no setting to decode.
+A record's tensors travel packed, not one array per tensor: Flower stores, hashes, pushes and pulls
+every ``Array`` as an object of its own, so a block of dozens of tensors (a full model: hundreds)
+cost dozens of round trips. A packed record is
+
+- ``values``: every tensor's values, flattened and concatenated in the layout's order, as one 1-D
+  array of the transfer dtype (``WIRE_DTYPES``: fp32, fp16; bf16, which numpy lacks, as its raw
+  16-bit patterns in ``int16``; int8);
+- ``layout``: the names and shapes, UTF-8 JSON ``[[name, [d0, d1, ...]], ...]`` in a ``uint8`` array;
+- ``scales`` (int8 only): one fp32 scale per ``core.INT8_BLOCK`` values of each tensor.
+
+``unpack`` trusts nothing a record declares: the layout is parsed and bounded, the payload's own
+dtype and size (not its metadata) are checked against the layout (and against the receiver's
+expected names and shapes when it has them), int8 scales are checked before use; a malformed
+record raises ``WireError`` with a one-line reason. The receiver needs no setting to decode:
+the payload's dtype says how.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import warnings
+from collections.abc import Mapping
+
 import numpy as np
 import torch
 
-from .core import TRANSFER_DTYPES
+from .core import INT8_BLOCK, TRANSFER_DTYPES, Tensors, dequantize_int8, int8_blocks, quantize_int8
 
 # The payload dtype each transfer precision uses on the wire, from core.TRANSFER_DTYPES (the one table):
 # the same dtype in numpy, but bf16 (which numpy lacks) as its raw 16-bit patterns.
@@ -18,19 +35,154 @@ WIRE_DTYPES = {
     name: np.dtype(np.int16) if dtype == torch.bfloat16 else np.dtype(str(dtype).removeprefix("torch."))
     for name, dtype in TRANSFER_DTYPES.items()
 }
+_TRANSFER_OF = {dtype: name for name, dtype in WIRE_DTYPES.items()}
+VALUES, LAYOUT, SCALES = "values", "layout", "scales"
+# A layout entry is about 60 bytes: 16 MiB holds some 250,000 tensors, far above any model's.
+MAX_LAYOUT_BYTES = 16 * 1024 * 1024
+# The largest int8 scale whose dequantised values (|q| <= 127) stay finite in fp32.
+MAX_INT8_SCALE = float(np.finfo(np.float32).max) / 127
 
 
-def encode(tensor: torch.Tensor, transfer_dtype: str = "fp32") -> np.ndarray:
-    """One tensor as the numpy array that travels (lossless for values already rounded)."""
-    t = tensor.detach().cpu().to(TRANSFER_DTYPES[transfer_dtype]).contiguous()
-    return t.view(torch.int16).numpy() if transfer_dtype == "bf16" else t.numpy()
+class WireError(ValueError):
+    """A packed record refused; the message is one line naming the bad value and what was expected."""
 
 
-def decode(array: np.ndarray) -> torch.Tensor:
-    """The fp32 (or fp32-valued) tensor an array that travelled stands for."""
-    t = torch.from_numpy(np.ascontiguousarray(array))
-    if array.dtype == np.int16:
-        return t.view(torch.bfloat16).to(torch.float32)
-    if array.dtype == np.float16:
-        return t.to(torch.float32)
-    return t
+def pack(tensors: Mapping[str, torch.Tensor], transfer_dtype: str = "fp32") -> dict[str, np.ndarray]:
+    """The arrays that carry ``tensors`` (lossless for values already ``core.round_for_transfer``-ed)."""
+    return {name: join(pieces) for name, pieces in pack_pieces(tensors, transfer_dtype).items()}
+
+
+def pack_pieces(tensors: Mapping[str, torch.Tensor], transfer_dtype: str = "fp32") -> dict[str, list[np.ndarray]]:
+    """``pack``'s arrays as the 1-D pieces that, joined, make each: ``values`` and ``scales`` one per tensor
+    (an fp32 tensor's own memory: nothing copied yet). A writer that copies them once into its own buffer
+    (``records.to_record``) never builds the block-sized array in between."""
+    flat = [t.detach().reshape(-1).cpu() for t in tensors.values()]
+    layout = json.dumps([[name, list(t.shape)] for name, t in tensors.items()]).encode()
+    pieces = {LAYOUT: [np.frombuffer(layout, dtype=np.uint8)]}
+    if transfer_dtype == "int8":
+        quantised = [quantize_int8(t) for t in flat]
+        pieces[VALUES] = [q.numpy() for q, _ in quantised] or [np.zeros(0, np.int8)]
+        pieces[SCALES] = [s.numpy() for _, s in quantised] or [np.zeros(0, np.float32)]
+        return pieces
+    dtype = TRANSFER_DTYPES[transfer_dtype]
+    values = [t.to(dtype) for t in flat]
+    pieces[VALUES] = [v.view(torch.int16).numpy() if dtype == torch.bfloat16 else v.numpy() for v in values]
+    pieces[VALUES] = pieces[VALUES] or [np.zeros(0, WIRE_DTYPES[transfer_dtype])]
+    return pieces
+
+
+def join(pieces: list[np.ndarray]) -> np.ndarray:
+    """The pieces in one new array (never a tensor's own memory: the array outlives the call)."""
+    return np.concatenate(pieces)
+
+
+def unpack(
+    arrays: Mapping[str, np.ndarray],
+    expected: Mapping[str, tuple[int, ...]] | None = None,
+    transfer_dtype: str | None = None,
+) -> Tensors:
+    """The fp32 tensors a packed record stands for, in ``expected``'s order when given (else the layout's).
+
+    ``expected``: the names and shapes the receiver knows the record must hold; ``transfer_dtype``: the
+    payload dtype it must travel in. Raises ``WireError`` for a record refused. No arrays at all stand for
+    no tensors (the server's first global step is an empty record)."""
+    if not arrays:
+        check_layout({}, expected or {})
+        return {}
+    if not {VALUES, LAYOUT} <= set(arrays) <= {VALUES, LAYOUT, SCALES}:
+        raise WireError(f"record arrays {sorted(arrays)[:4]}: expected {VALUES}, {LAYOUT} (and {SCALES} for int8)")
+    layout = read_layout(arrays[LAYOUT])
+    if expected is not None:
+        check_layout(layout, expected)  # the same names and shapes: the values are cut in the layout's order
+    values = arrays[VALUES]
+    if not isinstance(values, np.ndarray) or values.dtype not in _TRANSFER_OF or values.ndim != 1:
+        found = f"{getattr(values, 'dtype', type(values).__name__)} {getattr(values, 'shape', '')}"
+        raise WireError(f"values: {found}; expected a 1-D array of {', '.join(map(str, _TRANSFER_OF))}")
+    dtype = _TRANSFER_OF[values.dtype]
+    if transfer_dtype is not None and dtype != transfer_dtype:
+        raise WireError(
+            f"wrong dtype for values: {values.dtype}, expected {WIRE_DTYPES[transfer_dtype]} "
+            f"(transfer-dtype={transfer_dtype})"
+        )
+    sizes = [math.prod(shape) for shape in layout.values()]
+    if values.size != sum(sizes):
+        raise WireError(f"values: {values.size:,} numbers, expected {sum(sizes):,} ({len(sizes)} tensors' shapes)")
+    parts = _decode_values(values, dtype, sizes, arrays.get(SCALES))
+    out = {name: t.view(shape) for (name, shape), t in zip(layout.items(), parts)}
+    return out if expected is None else {name: out[name] for name in expected}
+
+
+def read_layout(array: np.ndarray) -> dict[str, tuple[int, ...]]:
+    """The names and shapes a record declares, each checked."""
+    if not isinstance(array, np.ndarray) or array.dtype != np.uint8 or array.ndim != 1:
+        raise WireError(f"layout: {getattr(array, 'dtype', type(array).__name__)}; expected 1-D uint8 (UTF-8 JSON)")
+    if array.size > MAX_LAYOUT_BYTES:
+        raise WireError(f"layout of {array.size:,} bytes; expected at most {MAX_LAYOUT_BYTES:,}")
+    try:
+        entries = json.loads(array.tobytes())
+    except (ValueError, RecursionError) as err:
+        raise WireError(f"layout is not JSON ({type(err).__name__}); expected [[name, shape], ...]") from None
+    layout: dict[str, tuple[int, ...]] = {}
+    for entry in entries if isinstance(entries, list) else [entries]:
+        ok = isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str) and isinstance(entry[1], list)
+        if not ok or not all(type(d) is int and d >= 0 for d in entry[1]) or len(entry[1]) > 32:
+            raise WireError(f"layout entry {entry!r:.80}: expected [name, [non-negative ints]]")
+        if entry[0] in layout:
+            raise WireError(f"layout names {entry[0]!r:.80} twice; expected unique names")
+        layout[entry[0]] = tuple(entry[1])
+    return layout
+
+
+def check_layout(layout: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]]) -> None:
+    """The declared names and shapes are the expected ones (any order)."""
+    if set(layout) != set(expected):
+        missing, extra = sorted(set(expected) - set(layout)), sorted(set(layout) - set(expected))
+        raise WireError(f"wrong parameters: missing {missing[:3]}, unexpected {extra[:3]}")
+    for name, shape in expected.items():
+        if layout[name] != tuple(shape):
+            raise WireError(f"wrong shape for {name}: {layout[name]}, expected {tuple(shape)}")
+
+
+def _decode_values(values: np.ndarray, dtype: str, sizes: list[int], scales) -> list[torch.Tensor]:
+    """Each tensor's flat fp32 values, in new memory of its own (a read-only payload, from a socket or a
+    Flower ``Array``, is read once; a writable fp32 payload is shared). One allocation per tensor, not one
+    block-sized buffer: the allocator reuses tensor-sized memory, a fresh block-sized buffer costs page faults
+    that on a busy machine take longer than the copy itself."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        parts = torch.split(torch.from_numpy(values), sizes)
+    if dtype == "int8":
+        scales = check_scales(scales, sum(int8_blocks(n) for n in sizes))
+        per_tensor = torch.split(scales, [int8_blocks(n) for n in sizes])
+        return [dequantize_int8(p, s) for p, s in zip(parts, per_tensor)]
+    if scales is not None:
+        raise WireError(f"scales with transfer-dtype={dtype}: expected them with int8 only")
+    if dtype == "fp32":
+        return list(parts) if values.flags.writeable else [p.clone() for p in parts]
+    return [p.view(torch.bfloat16).float() if dtype == "bf16" else p.float() for p in parts]
+
+
+def check_scales(scales, count: int) -> torch.Tensor:
+    """int8's scales, checked: fp32, one per ``INT8_BLOCK`` values of each tensor, each 0 or a power of
+    two (the sender's rounding, ``core.quantize_int8``) no larger than ``MAX_INT8_SCALE``."""
+    if scales is None:
+        raise WireError(f"int8 values without {SCALES}: expected one fp32 scale per {INT8_BLOCK} values")
+    if not isinstance(scales, np.ndarray) or scales.dtype != np.float32 or scales.ndim != 1:
+        found = f"{getattr(scales, 'dtype', type(scales).__name__)} {getattr(scales, 'shape', '')}"
+        raise WireError(f"scales: {found}; expected a 1-D float32 array")
+    if scales.size != count:
+        raise WireError(f"scales: {scales.size:,}, expected {count:,} (one per {INT8_BLOCK} values of each tensor)")
+    bad = ~(np.isfinite(scales) & (scales >= 0) & (scales <= MAX_INT8_SCALE))
+    mantissa, _ = np.frexp(scales)
+    bad |= (scales != 0) & (mantissa != 0.5)
+    if bad.any():
+        value = float(scales[np.argmax(bad)])
+        raise WireError(f"int8 scale {value!r}: expected 0 or a power of two in (0, {MAX_INT8_SCALE:.3g}]")
+    return torch.from_numpy(scales.copy())
+
+
+def payload_bytes(tensors: Mapping[str, torch.Tensor], transfer_dtype: str) -> int:
+    """The bytes of ``values`` and ``scales`` that ``pack`` makes (the layout aside)."""
+    sizes = [t.numel() for t in tensors.values()]
+    scales = sum(int8_blocks(n) for n in sizes) * 4 if transfer_dtype == "int8" else 0
+    return sum(sizes) * WIRE_DTYPES[transfer_dtype].itemsize + scales

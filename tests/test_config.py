@@ -78,4 +78,9 @@ def test_one_table_of_transfer_dtypes():
     from parablock_flwr import config, core, records
 
     assert config.TRANSFER_DTYPES == tuple(core.TRANSFER_DTYPES) == tuple(records.WIRE_DTYPES)
-    assert [str(records.WIRE_DTYPES[n]) for n in ("fp32", "bf16", "fp16")] == ["float32", "int16", "float16"]
+    assert [str(records.WIRE_DTYPES[n]) for n in ("fp32", "bf16", "fp16", "int8")] == [
+        "float32",
+        "int16",
+        "float16",
+        "int8",
+    ]

@@ -39,16 +39,17 @@ def parablock_run(tmp_path_factory, tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def parablock_bf16_run(tmp_path_factory, tiny_model_dir):
-    """`parablock_run` with `transfer-dtype = "bf16"` (error feedback: each node's residuals)."""
+def parablock_int8_run(tmp_path_factory, tiny_model_dir):
+    """`parablock_run` with `transfer-dtype = "int8"` (error feedback: each node's residuals). int8 rather than
+    bf16: the same error feedback and residual store, and the one with scales (bf16: tests/test_wire.py)."""
     return simulate(
-        tmp_path_factory.mktemp("parablock-bf16"),
+        tmp_path_factory.mktemp("parablock-int8"),
         tiny_model_dir,
         algorithm="parablock",
         num_server_rounds=ROUNDS,
         verify_invariant=True,
         save_final_model=True,
-        transfer_dtype="bf16",
+        transfer_dtype="int8",
         **SCHEDULE,
     )
 
@@ -302,16 +303,16 @@ def test_a_server_killed_at_every_stage_of_a_round_resumes_to_the_same_final_mod
         )
 
 
-def test_with_bf16_transfer_a_killed_server_resumes_to_the_same_final_model(
-    tmp_path, tiny_model_dir, parablock_bf16_run
+def test_with_int8_transfer_a_killed_server_resumes_to_the_same_final_model(
+    tmp_path, tiny_model_dir, parablock_int8_run
 ):
     """The server process dies in round 3 of 4; `resume-from` continues from round 2's checkpoint
-    and ends with the uninterrupted bf16 run's model, bit for bit. Each node's error-feedback residuals
+    and ends with the uninterrupted int8 run's model, bit for bit. Each node's error-feedback residuals
     come back too: as of round 2, from the killed run's `node-state/` (the new Ray actors'
     `context.state` starts empty), although nodes may have answered round 3 before the kill
     (fp32 at every stage of a round: the test above)."""
-    uninterrupted_run = parablock_bf16_run
-    same = dict(algorithm="parablock", num_server_rounds=ROUNDS, verify_invariant=True, transfer_dtype="bf16",
+    uninterrupted_run = parablock_int8_run
+    same = dict(algorithm="parablock", num_server_rounds=ROUNDS, verify_invariant=True, transfer_dtype="int8",
                 **SCHEDULE)  # fmt: skip
     killed = simulate_and_kill_server(tmp_path / "killed", tiny_model_dir, after_round=2, **same)
     assert killed.run_dir is not None and not (killed.run_dir / "final-model").exists()
@@ -344,19 +345,21 @@ def test_with_bf16_transfer_a_killed_server_resumes_to_the_same_final_model(
         )
 
 
-def test_bf16_transfer_halves_the_bytes_and_keeps_the_invariant_exact(parablock_bf16_run, parablock_run):
-    """transfer-dtype=bf16: Δ_i and g travel as bf16 (half the bytes on the wire), each client keeps
-    exactly the rounded update it sent, so its local model is still x^{r-1} + Δ_i^r to the bit; the
-    server's steps are bf16-representable; the loss still falls."""
-    run = _ok(parablock_bf16_run)
+def test_int8_transfer_quarters_the_bytes_and_keeps_the_invariant_exact(parablock_int8_run, parablock_run):
+    """transfer-dtype=int8: Δ_i and g travel as int8 with one fp32 scale per 256 values (a quarter of the
+    bytes, plus 1/256 for the scales), each client keeps exactly the dequantised update it sent, so its
+    local model is still x^{r-1} + Δ_i^r to the bit; the server's steps are int8-representable (it applies
+    what it sends); the loss still falls."""
+    run = _ok(parablock_int8_run)
     fp32 = {r["round"]: r for r in _ok(parablock_run).records}
     for rec in run.records[1:]:
         assert rec["num_accepted"] == 3 and rec["invariant_checked"] == 3 and rec["invariant_failed"] == 0, rec
-        # The same block's arrays, half the payload bytes (each array's npy header aside).
+        # The same block's values, a quarter of the bytes; the scales add 1/256, each record's layout a little.
         ratio = rec["wire_bytes_up"] / fp32[rec["round"]]["wire_bytes_up"]
-        assert 0.5 <= ratio < 0.52, (rec["round"], ratio)
+        assert 0.25 + 1 / 256 <= ratio < 0.27, (rec["round"], ratio)
         step = run.step(rec["round"])[1]
-        assert all(torch.equal(t, t.to(torch.bfloat16).float()) for t in step.values())
+        rounded = core.round_for_transfer(step, "int8")
+        assert all(torch.equal(t, rounded[n]) for n, t in step.items())
     assert run.records[-1]["heldout_loss"] < run.records[0]["heldout_loss"]
 
 

@@ -102,7 +102,8 @@ def relay_to_worker(msg: Message, context: Context, socket_path: str, op: str = 
         "num-partitions": int(context.node_config.get("num-partitions", 1)),
         "node": NodeSettings.from_node_config(context.node_config).as_header(),  # its own data and device
     }
-    # Every array record travels (g^{r-1}, and any catch-up), named "record/param".
+    # Every array record travels (g^{r-1}, and any catch-up or full sync), each as its few packed arrays
+    # (wire.py: values, layout, int8's scales), named "record/array": the worker unpacks them, not this process.
     arrays = {
         f"{record_name}/{name}": array.numpy()
         for record_name, record in msg.content.array_records.items()
@@ -141,6 +142,7 @@ def relay_to_worker(msg: Message, context: Context, socket_path: str, op: str = 
     )
     if op == "evaluate":
         return Message(content=RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
+    # The worker's update is already packed (wire.pack): its arrays become the record as they are.
     content = RecordDict(
         {"update": ArrayRecord({n: Array(a) for n, a in update.items()}), "metrics": MetricRecord(metrics)}
     )

@@ -1,0 +1,129 @@
+"""How tensors travel (wire.py, core's transfer rounding): packed records, int8 with its scales, error
+feedback. Fast: no Flower process, no model (the malformed replies are tests/test_reply_properties.py's)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ArrayRecord
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from parablock_flwr import core, wire
+from parablock_flwr.node_state import ResidualStore
+from parablock_flwr.records import to_tensors
+
+SHAPES = {"w": (7, 300), "b": (300,), "s": (), "e": (0, 4)}  # a partial int8 block, a scalar, an empty tensor
+
+
+def tensors(seed: int, scale: float = 1e-3) -> core.Tensors:
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(s, generator=g) * scale for n, s in SHAPES.items()}
+
+
+magnitudes = st.sampled_from([0.0, 1e-42, 1e-30, 1e-8, 1e-3, 1.0, 1e6, 1e30])
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**31), magnitude=magnitudes, transfer_dtype=st.sampled_from(list(core.TRANSFER_DTYPES)))
+def test_rounded_values_travel_bit_exact_and_rounding_twice_changes_nothing(seed, magnitude, transfer_dtype):
+    """What makes every copy of x identical: the server applies ``round(g)`` and sends it, the client keeps
+    ``round(Δ + e)`` and sends it; both arrive to the bit (``unpack(pack(round(t))) == round(t)``), and
+    rounding a rounded value again (the server encodes the step it already rounded) is the identity. For
+    int8 that holds because its scales are powers of two (a float scale would move by an ulp)."""
+    values = tensors(seed, magnitude)
+    if transfer_dtype == "fp16" and magnitude > 6e4:
+        values = {n: t.clamp(-6e4, 6e4) for n, t in values.items()}  # beyond fp16's range: inf, refused
+    rounded = core.round_for_transfer(values, transfer_dtype)
+    again = core.round_for_transfer(rounded, transfer_dtype)
+    arrived = wire.unpack(wire.pack(rounded, transfer_dtype), dict(SHAPES), transfer_dtype)
+    for name in SHAPES:
+        assert rounded[name].shape == SHAPES[name] and arrived[name].dtype == torch.float32
+        assert torch.equal(again[name], rounded[name]), name
+        assert torch.equal(arrived[name], rounded[name]), name
+
+
+@settings(max_examples=100, deadline=None)
+@given(seed=st.integers(0, 2**31), magnitude=magnitudes.filter(lambda m: m >= 1e-30))  # normal floats: exact q * s
+def test_int8_rounds_each_block_to_nearest_within_half_its_scale(seed, magnitude):
+    """Symmetric, round to nearest: each value moves by at most half its block's scale, and the scale is
+    the smallest power of two that keeps the block's largest value within 127 steps (within a factor 2
+    of max/127, the price of exact scales)."""
+    t = torch.randn(5 * core.INT8_BLOCK + 3, generator=torch.Generator().manual_seed(seed)) * magnitude
+    q, scale = core.quantize_int8(t)
+    assert q.dtype == torch.int8 and q.abs().max() <= 127 and len(scale) == core.int8_blocks(t.numel()) == 6
+    per_value = scale.repeat_interleave(core.INT8_BLOCK)[: t.numel()]
+    assert torch.all((core.dequantize_int8(q, scale) - t).abs() <= per_value / 2)
+    block_max = torch.nn.functional.pad(t.abs(), (0, 6 * core.INT8_BLOCK - t.numel())).view(6, -1).amax(1)
+    assert torch.all((scale >= block_max / 127) & (scale < 2 * block_max / 127))
+
+
+def test_int8_payload_is_a_quarter_of_fp32_plus_its_scales():
+    block = {"w": torch.randn(576, 1536), "n": torch.randn(576)}
+    fp32, int8 = wire.pack(block, "fp32"), wire.pack(block, "int8")
+    assert int8["values"].nbytes * 4 == fp32["values"].nbytes
+    assert int8["scales"].nbytes == 4 * (576 * 1536 // core.INT8_BLOCK + math.ceil(576 / core.INT8_BLOCK))
+    assert wire.payload_bytes(block, "int8") == int8["values"].nbytes + int8["scales"].nbytes
+    assert (int8["values"].nbytes + int8["scales"].nbytes) / fp32["values"].nbytes < 0.25 + 4 / core.INT8_BLOCK
+
+
+@pytest.mark.parametrize("transfer_dtype", ["bf16", "fp16", "int8"])
+def test_error_feedback_sends_in_total_what_was_computed(transfer_dtype):
+    """Ten updates of one block, each sent as ``round(Δ + e)``: the client keeps exactly what it sent, and
+    what rounding dropped is carried, so the sum of what was sent plus the last residual is the sum of the
+    true updates up to fp32 rounding of the sums (the residual never grows: at most one rounding step)."""
+    updates = [tensors(seed) for seed in range(10)]
+    residual, sent_total = None, {n: torch.zeros(s) for n, s in SHAPES.items()}
+    for update in updates:
+        sent, residual = core.round_with_feedback(update, residual, transfer_dtype)
+        again = core.round_for_transfer(sent, transfer_dtype)
+        assert all(torch.equal(sent[n], again[n]) for n in SHAPES)  # what it keeps is what arrives
+        for n in SHAPES:
+            sent_total[n] += sent[n]
+    true_total = {n: sum(u[n] for u in updates) for n in SHAPES}
+    for n in SHAPES:
+        assert torch.allclose(sent_total[n] + residual[n], true_total[n], rtol=0, atol=1e-8), n
+    largest = max(float(t.abs().max()) for t in updates[0].values() if t.numel())
+    assert max(float(r.abs().max()) for r in residual.values() if r.numel()) < largest / 50
+    if transfer_dtype == "int8":
+        without = core.round_for_transfer(updates[0], "int8")  # rounding alone loses something
+        assert not all(torch.equal(without[n], updates[0][n]) for n in SHAPES if updates[0][n].numel())
+
+
+def test_the_int8_residual_store_gives_back_the_residual_a_resume_continues_with(tmp_path):
+    """int8's residuals go to the node's durable store as fp32; a resumed node that reads them back sends
+    exactly the update the uninterrupted one sends (same residual, same rounding)."""
+    store = ResidualStore(tmp_path / "partition-0")
+    sent1, residual = core.round_with_feedback(tensors(1), None, "int8")
+    store.save(1, 0, residual)
+    uninterrupted, _ = core.round_with_feedback(tensors(2), residual, "int8")
+    resumed, _ = core.round_with_feedback(tensors(2), store.as_of(1)[0], "int8")
+    assert all(torch.equal(uninterrupted[n], resumed[n]) for n in SHAPES)
+    assert any(bool(r.abs().max() > 0) for r in store.as_of(1)[0].values() if r.numel())
+
+
+def test_unpack_decodes_by_what_the_payload_carries():
+    """The receiver needs no setting: the payload's dtype says how to decode; a receiver that expects a
+    dtype or shapes refuses what differs, with one line. A record without arrays (the server's first
+    global step, ``ArrayRecord()``) holds no tensors, and is refused where tensors are expected."""
+    assert to_tensors(ArrayRecord()) == {}
+    with pytest.raises(wire.WireError, match=r"wrong parameters: missing \['b', 'e', 's'\]"):
+        to_tensors(ArrayRecord(), SHAPES)
+    rounded = core.round_for_transfer(tensors(3), "int8")
+    arrays = wire.pack(rounded, "int8")
+    assert all(torch.equal(wire.unpack(arrays)[n], rounded[n]) for n in SHAPES)  # no setting needed
+    reordered = wire.unpack(wire.pack(dict(reversed(rounded.items())), "int8"), SHAPES)  # another order
+    assert list(reordered) == list(SHAPES) and all(torch.equal(reordered[n], rounded[n]) for n in SHAPES)
+    with pytest.raises(wire.WireError, match=r"wrong dtype for values: int8, expected int16 \(transfer-dtype=bf16\)"):
+        wire.unpack(arrays, transfer_dtype="bf16")
+    with pytest.raises(wire.WireError, match=r"wrong shape for w: \(7, 300\), expected \(300, 7\)"):
+        wire.unpack(arrays, {**SHAPES, "w": (300, 7)})
+    with pytest.raises(wire.WireError, match=r"scales: 11, expected 12 \(one per 256 values of each tensor\)"):
+        wire.unpack({**arrays, "scales": arrays["scales"][:-1]})
+    bad = arrays["scales"].copy()
+    bad[2] = np.float32(3.0)
+    with pytest.raises(wire.WireError, match=r"int8 scale 3.0: expected 0 or a power of two"):
+        wire.unpack({**arrays, "scales": bad})

@@ -289,6 +289,39 @@ def uncorrected_offset(offset: Tensors, own_update: Tensors, steps: Iterable[Ten
 # Transfer precision: Δ_i and g travel rounded, every copy applies the rounded values
 # --------------------------------------------------------------------------
 TRANSFER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+INT8_BLOCK = 256  # int8: values per scale, within one tensor (its flattened values; the last block may be short)
+
+
+def int8_blocks(numel: int) -> int:
+    """How many scales a tensor of ``numel`` values travels with in int8."""
+    return -(-numel // INT8_BLOCK)
+
+
+def quantize_int8(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8, round to nearest: the flattened values in blocks of ``INT8_BLOCK``, each with
+    the smallest power-of-two fp32 scale ``s >= max|v| / 127`` (0 for an all-zero block).
+
+    Power-of-two scales make ``q * s`` exact and the rounding idempotent: quantising dequantised values
+    gives back the same ``q`` and ``s`` (``max|q|`` is then in [64, 127], which picks the same ``s``), so
+    the server can round ``g``, apply it, and encode it again for the wire without changing a bit.
+    """
+    flat = tensor.detach().reshape(-1).float()
+    n = flat.numel()
+    blocks = torch.nn.functional.pad(flat, (0, int8_blocks(n) * INT8_BLOCK - n)).view(-1, INT8_BLOCK)
+    bound = blocks.abs().amax(dim=1) / 127
+    mantissa, exponent = torch.frexp(bound)
+    exponent = exponent - (mantissa == 0.5).to(exponent.dtype)  # an exact power of two is its own scale
+    scale = torch.pow(2.0, exponent.double()).float()  # exact in float64, then exactly representable
+    scale = torch.where(bound > 0, scale, 0.0)
+    scale = torch.where(bound.isfinite(), scale, bound)  # a non-finite block keeps its scale: it is refused
+    divisor = torch.where(scale > 0, scale, 1.0)[:, None]
+    q = (blocks / divisor).round().clamp(-127, 127).nan_to_num(0.0).to(torch.int8)
+    return q.view(-1)[:n], scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The flat fp32 values ``q * s`` (each exact: ``s`` is a power of two)."""
+    return q.float() * scale.repeat_interleave(INT8_BLOCK)[: q.numel()]
 
 
 def round_for_transfer(tensors: Tensors, transfer_dtype: str) -> Tensors:
@@ -298,6 +331,8 @@ def round_for_transfer(tensors: Tensors, transfer_dtype: str) -> Tensors:
     """
     if transfer_dtype == "fp32":
         return tensors
+    if transfer_dtype == "int8":
+        return {n: dequantize_int8(*quantize_int8(t)).view(t.shape) for n, t in tensors.items()}
     dtype = TRANSFER_DTYPES[transfer_dtype]
     return {n: t.to(dtype).to(torch.float32) for n, t in tensors.items()}
 

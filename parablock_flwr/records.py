@@ -1,8 +1,8 @@
 """Conversions between Flower's ArrayRecord and the core's name->tensor dicts.
 
-The arrays themselves are encoded as ``wire.py`` says (fp32, fp16, or bf16 as int16
-patterns); this module only adds Flower's records around them, so that the node worker,
-which never imports Flower, shares the encoding.
+A record's tensors travel packed as ``wire.py`` says (one ``values`` array of the transfer dtype, its
+``layout``, and int8's ``scales``); this module only adds Flower's records around those arrays, so
+that the node worker, which never imports Flower, shares the encoding.
 """
 
 from __future__ import annotations
@@ -10,17 +10,29 @@ from __future__ import annotations
 from flwr.app import Array, ArrayRecord
 
 from .core import Tensors
-from .wire import WIRE_DTYPES, decode, encode
+from .wire import WIRE_DTYPES, WireError, pack, unpack
 
-__all__ = ["WIRE_DTYPES", "decode", "encode", "to_record", "to_tensors"]
+__all__ = ["WIRE_DTYPES", "WireError", "record_arrays", "to_record", "to_tensors"]
 
 
-def to_tensors(record: ArrayRecord) -> Tensors:
-    """The record's arrays as tensors (``Array.numpy()`` deserialises into new memory: no copy needed)."""
-    return {name: decode(array.numpy()) for name, array in record.items()}
+def record_arrays(record: ArrayRecord) -> dict:
+    """The record's arrays, each deserialised once (``Array.numpy()``: new memory, the payload's own
+    dtype and shape, whatever its metadata declares). Raises ``WireError`` for one that is unreadable."""
+    arrays = {}
+    for name, array in record.items():
+        try:
+            arrays[name] = array.numpy()
+        except Exception as err:  # a payload that is not a valid array: say so, never raise anything else
+            raise WireError(f"unreadable array {name}: {type(err).__name__}") from None
+    return arrays
+
+
+def to_tensors(record: ArrayRecord, expected=None, transfer_dtype: str | None = None) -> Tensors:
+    """The fp32 tensors a packed record stands for (``wire.unpack``: ``expected`` names and shapes and the
+    ``transfer_dtype`` are checked when given)."""
+    return unpack(record_arrays(record), expected, transfer_dtype)
 
 
 def to_record(tensors: Tensors, transfer_dtype: str = "fp32") -> ArrayRecord:
-    if transfer_dtype == "fp32":
-        return ArrayRecord({name: t.detach().cpu().contiguous() for name, t in tensors.items()})
-    return ArrayRecord({name: Array(encode(t, transfer_dtype)) for name, t in tensors.items()})
+    """``tensors`` packed into one record of a few arrays (lossless for values already rounded)."""
+    return ArrayRecord({name: Array(array) for name, array in pack(tensors, transfer_dtype).items()})

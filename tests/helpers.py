@@ -17,10 +17,18 @@ from parablock_flwr.durable import CRASH_ENV
 from parablock_flwr.metrics import RunRecorder
 from parablock_flwr.replica import StepLog
 from parablock_flwr.tools.launch import run_deployment, run_simulation
+from parablock_flwr.wire import pack
 
 # Functions that start Flower processes: a test that calls one (directly, or through a function or
 # fixture of its own module) is marked `e2e` by conftest.py even without a marker of its own.
 STARTS_FLOWER: set = {run_simulation, run_deployment}
+
+
+def relayed(records: dict[str, dict[str, torch.Tensor]], transfer_dtype: str = "fp32") -> dict:
+    """The arrays a ClientApp relays to its node worker for these records: ``{"record/array": array}``,
+    each record packed as it travels (``wire.pack``)."""
+    packed = {record: pack(tensors, transfer_dtype) for record, tensors in records.items()}
+    return {f"{record}/{name}": a for record, arrays in packed.items() for name, a in arrays.items()}
 
 
 def starts_flower(func):

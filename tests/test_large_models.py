@@ -12,9 +12,10 @@ from parablock_flwr.config import ConfigError, RunConfig
 from parablock_flwr.data import collate, tokenized_splits, truncated_in_batches
 from parablock_flwr.model import load_for_training, load_model, load_tokenizer
 from parablock_flwr.training import TrainSettings, accumulated_loss, run_schedule, train_block
+from parablock_flwr.wire import unpack
 from parablock_flwr.worker.server import NodeWorker
 
-from helpers import tiny_config
+from helpers import relayed, tiny_config
 
 
 def one_step_update(model_dir, batch, **settings) -> core.Tensors:
@@ -123,7 +124,7 @@ def test_bf16_weights_keep_every_copy_of_x_bit_identical_and_training_lowers_the
                       "run-dir": "unused"},
         }  # fmt: skip
         reply, update = worker.serve_request(header, arrays)
-        delta = {n: torch.from_numpy(a.copy()) for n, a in update.items()}
+        delta = unpack(update)
         if worker.node.ahead is not None:  # round r+1 runs ahead on the replica: let it finish before reading it
             worker.node.ahead.future.result()
         replica = node.resources(cfg, 21).replica
@@ -132,7 +133,7 @@ def test_bf16_weights_keep_every_copy_of_x_bit_identical_and_training_lowers_the
         losses.append(reply["metrics"]["train-loss"])
         step = core.global_step(core.aggregate([delta], [1.0]), cfg.server_lr)  # one client: g^r = Δ^r
         core.apply_step(x, step)
-        arrays = {f"global-step/{n}": t.numpy() for n, t in step.items()}
+        arrays = relayed({"global-step": step})
     frozen = [p for n, p in replica.model.named_parameters() if n not in names]
     assert frozen and all(p.dtype == torch.bfloat16 for p in frozen)
     assert all(p.dtype == torch.bfloat16 for n, p in replica.model.named_parameters() if n in names)

@@ -22,10 +22,11 @@ from parablock_flwr.client_apps.app import relay_to_worker
 from parablock_flwr.client_apps.inline import train_inline
 from parablock_flwr.config import RunConfig
 from parablock_flwr.model import load_for_training
+from parablock_flwr.wire import unpack
 from parablock_flwr.worker.protocol import request
 from parablock_flwr.worker.server import NodeWorker
 
-from helpers import tiny_config
+from helpers import relayed, tiny_config
 
 TRIALS = 20  # the old code (6cca626) corrupted the replica in some of these; see test_two_copies...
 
@@ -112,9 +113,9 @@ def test_two_copies_of_a_round_at_once_leave_the_replica_exactly_x1_with_one_com
         run_id = 1000 + trial
         reply, update1 = served.send(header(config, run_id, 1, block=0, next_block=1))
         assert "error" not in reply, reply
-        g1 = {n: np.asarray(a) * np.float32(0.5) for n, a in update1.items()}  # any step the server may take
+        g1 = {n: t * 0.5 for n, t in unpack(update1).items()}  # any step the server may take
         message = header(config, run_id, 2, block=1, next_block=-1)
-        arrays = {f"global-step/{n}": a for n, a in g1.items()}
+        arrays = relayed({"global-step": g1})
         with ThreadPoolExecutor(2) as pool:
             (r1, u1), (r2, u2) = [f.result() for f in [pool.submit(served.send, message, arrays) for _ in range(2)]]
         if "error" in r1 or "error" in r2:
@@ -126,7 +127,7 @@ def test_two_copies_of_a_round_at_once_leave_the_replica_exactly_x1_with_one_com
             twice.append(trial)
         replica = node.resources(RunConfig.from_flower(config), run_id).replica
         x1 = {n: t.clone() for n, t in x0.items()}
-        core.apply_step(x1, {n: torch.from_numpy(a) for n, a in g1.items()})
+        core.apply_step(x1, g1)
         if replica.version != 1 or any(not torch.equal(replica.params[n].detach(), x1[n]) for n in x1):
             corrupted.append(trial)
     assert not errors and not corrupted and not twice, (
@@ -142,7 +143,7 @@ def test_an_older_round_a_foreign_partition_and_a_left_run_are_refused_and_chang
     try:
         reply, update1 = worker.serve_request(header(config, 7, 1, block=0, next_block=-1), {})
         assert reply["metrics"]["own-data"] == 0 and reply["metrics"]["oom-retries"] == 0
-        g1 = {f"global-step/{n}": a * np.float32(0.5) for n, a in update1.items()}
+        g1 = relayed({"global-step": {n: t * 0.5 for n, t in unpack(update1).items()}})
         reply, _ = worker.serve_request(header(config, 7, 2, block=1, next_block=-1), g1)
         assert "error" not in reply
         replica = node.resources(RunConfig.from_flower(config), 7).replica
@@ -204,10 +205,10 @@ def test_out_of_memory_retries_once_with_half_the_micro_batch_then_names_the_key
         replica = node.resources(RunConfig.from_flower(config), 5).replica
         before = core.digest(replica.params, replica.params)
         fail_always = True
-        reply, _ = worker.serve_request(header(config, 5, 2, block=1, next_block=-1), {
-            f"global-step/{n}": np.zeros(tuple(t.shape), np.float32) for n, t in replica.params.items()
+        reply, _ = worker.serve_request(header(config, 5, 2, block=1, next_block=-1), relayed({"global-step": {
+            n: torch.zeros_like(t) for n, t in replica.params.items()
             if n in node.resources(RunConfig.from_flower(config), 5).partition.names(0)
-        })  # fmt: skip
+        }}))  # fmt: skip
     finally:
         worker.compute_thread.shutdown(wait=True)
     assert reply["state-intact"] and "out of memory on cpu (micro-batch 2" in reply["error"]

@@ -5,7 +5,6 @@ Real Flower Messages, real strategy, real tiny Llama and a real local update.
 
 import math
 
-import numpy as np
 import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
@@ -14,7 +13,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from parablock_flwr import core
 from parablock_flwr.config import RunConfig
 from parablock_flwr.model import load_model
-from parablock_flwr.records import to_record
+from parablock_flwr.records import to_record, to_tensors
 from parablock_flwr.strategies import ParaBlock
 from parablock_flwr.strategies.round_loop import TooFewReplies
 from parablock_flwr.strategies.round_stats import RoundStats
@@ -73,7 +72,7 @@ def malformed(update):
     nan = dict(update, **{name: torch.full_like(update[name], math.nan)})
     inf = dict(update, **{name: torch.full_like(update[name], math.inf)})
     missing = {n: t for n, t in list(update.items())[1:]}
-    fp16 = dict(update, **{name: update[name].half()})
+    fp16 = to_record(update, "fp16")  # the server expects fp32
     huge = dict(update, **{name: update[name] + 100.0})
     return [
         (reply(11, wrong_shape), "wrong shape"),
@@ -104,7 +103,7 @@ def test_each_malformed_kind_is_rejected_and_counted(setup):
     for n, t in strategy.global_params.items():
         expected = before[n] + update[n] if n in update else before[n]
         assert torch.equal(t.detach(), expected), n
-    assert set(step_record) == set(update)
+    assert set(to_tensors(step_record)) == set(update)
 
 
 def test_all_rejected_leaves_the_model_unchanged(setup):
@@ -147,8 +146,8 @@ def test_a_failed_invariant_check_rejects_the_update_and_resynchronises_the_node
     messages = {m.metadata.dst_node_id: m for m in strategy.train_messages(2, [10, 11])}
     assert "sync-values" not in messages[10].content and "sync-values" in messages[11].content
     assert messages[11].content["round"]["sync-version"] == 0
-    sent = messages[11].content["sync-values"]
-    assert all(np.array_equal(sent[n].numpy(), before[n].numpy()) for n in names)  # x^0, exactly
+    sent = to_tensors(messages[11].content["sync-values"])
+    assert all(torch.equal(sent[n], before[n]) for n in names)  # x^0, exactly
 
 
 def test_a_reply_whose_on_receipt_correction_drifted_too_far_is_rejected(setup):

@@ -1,8 +1,8 @@
 """Checking one client reply before anything on the server changes: pure functions.
 
-A reply is judged on what it carries, not on what it declares: each array's
-payload is deserialised once, and its real dtype, shape, finiteness and norm are
-checked on the very tensor that the aggregation will then use. Every metric the
+A reply is judged on what it carries, not on what it declares: its packed update
+(``wire.py``) is deserialised once, and its real dtype, size, layout, finiteness and
+norm are checked on the very tensors that the aggregation will then use. Every metric the
 server reads is type-checked (a finite number where a number is expected), so a
 malformed reply is rejected with a reason instead of crashing the round.
 ``parse_reply`` returns a ``Reply`` or the reason (a string); the strategy adds
@@ -14,13 +14,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 from flwr.app import ArrayRecord, Message
 
 from .. import core
 from ..node_data import STATE_INTACT  # an error from a node whose model state is intact
-from ..records import WIRE_DTYPES, decode
+from ..records import WireError, to_tensors
 
 # Metrics every reply carries (``node.update_metrics``) and their kinds.
 INT_METRICS = ("server-round", "block", "partition-id", "base-version")
@@ -161,27 +160,15 @@ def read_metrics(metrics: dict) -> dict[str, float | int] | str:
 def read_update(
     arrays: ArrayRecord, shapes: dict[str, tuple[int, ...]], transfer_dtype: str = "fp32"
 ) -> core.Tensors | str:
-    """Deserialise each array once and check the payload itself: names, dtype, shape, finiteness.
-    The update comes back in fp32 (decoded from ``transfer-dtype``)."""
-    wire_dtype = WIRE_DTYPES[transfer_dtype]
-    if set(arrays) != set(shapes):
-        missing, extra = sorted(set(shapes) - set(arrays)), sorted(set(arrays) - set(shapes))
-        return f"wrong parameters: missing {missing[:3]}, unexpected {extra[:3]}"
-    update: core.Tensors = {}
-    for name in shapes:  # the partition's order, whatever order the reply used
-        try:
-            payload = arrays[name].numpy()
-        except Exception as err:  # a payload that is not a valid array: say so, never raise
-            return f"unreadable array {name}: {type(err).__name__}"
-        if not isinstance(payload, np.ndarray) or payload.dtype != wire_dtype:
-            found = getattr(payload, "dtype", type(payload).__name__)
-            return f"wrong dtype for {name}: {found}, expected {wire_dtype} (transfer-dtype={transfer_dtype})"
-        if payload.shape != shapes[name]:
-            return f"wrong shape for {name}: {payload.shape}, expected {shapes[name]}"
-        tensor = decode(payload)
+    """Deserialise the packed record once and check the payload itself (``wire.unpack``: names, shapes,
+    dtype, size, int8's scales), then finiteness. The update comes back in fp32, in ``shapes``' order."""
+    try:
+        update = to_tensors(arrays, shapes, transfer_dtype)
+    except WireError as err:
+        return str(err)
+    for name, tensor in update.items():
         if not torch.isfinite(tensor).all():
             return f"non-finite values in {name}"
-        update[name] = tensor
     return update
 
 

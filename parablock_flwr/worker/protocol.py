@@ -28,7 +28,8 @@ _LEN = struct.Struct(">Q")
 # A header holds the run config and one entry per array (name, dtype, shape: about 150 bytes), so
 # 4 MiB holds some 25,000 arrays: far above a full sync of any model this project trains.
 MAX_HEADER_BYTES = 4 * 1024 * 1024
-# What travels: fp32, fp16, bf16 as int16 (records.WIRE_DTYPES), and any other plain number type.
+# What travels: each record packed (wire.py) as its values (fp32, fp16, bf16 as int16, int8: wire.WIRE_DTYPES),
+# its layout (uint8 JSON) and int8's fp32 scales, relayed as "record/values" etc.; and any other plain number type.
 ARRAY_DTYPES = frozenset(("float32", "float16", "float64", "int8", "int16", "int32", "int64", "uint8", "bool"))
 MAX_ARRAY_DIMS = 32
 

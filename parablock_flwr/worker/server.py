@@ -30,7 +30,7 @@ from ..config import RunConfig
 from ..node_data import NodeSettings
 from ..node_state import NodeState, ResidualStore
 from ..runtime import setup_torch
-from ..wire import decode, encode
+from ..wire import WireError, pack, unpack
 from .endpoint import MessageLimit, WorkerSocket
 from .protocol import ProtocolError, recv, send
 
@@ -38,11 +38,18 @@ log = logging.getLogger(__name__)
 
 
 def split_records(arrays: dict[str, np.ndarray]) -> dict[str, core.Tensors]:
-    """``{"record/name": array}`` from the relay back into ``{record: {name: tensor}}``."""
-    records: dict[str, core.Tensors] = {"global-step": {}}
+    """``{"record/array": array}`` from the relay back into ``{record: {name: tensor}}``: each record's
+    packed arrays (``wire.py``) unpacked. A malformed record raises ``wire.WireError`` (nothing changed)."""
+    packed: dict[str, dict[str, np.ndarray]] = {}
     for key, array in arrays.items():
         record, _, name = key.partition("/")
-        records.setdefault(record, {})[name] = decode(array.copy())  # frombuffer arrays are read-only
+        packed.setdefault(record, {})[name] = array
+    records: dict[str, core.Tensors] = {"global-step": {}}
+    for record, parts in packed.items():
+        try:
+            records[record] = unpack(parts)
+        except WireError as err:
+            raise node.StateIntact(f"record {record!r:.40}: {err}") from None
     return records
 
 
@@ -127,9 +134,7 @@ class NodeWorker:
         store = self.residual_store(settings, req.partition_id) if cfg.transfer_dtype != "fp32" else None
         done = self.node.train(res, cfg, req, fetch_step, store, store)
         metrics = {**done.metrics, "request-received": received, "prev-reply-sent": self.last_reply_sent}
-        return {"metrics": metrics, "trace": done.trace}, {
-            n: encode(t, cfg.transfer_dtype) for n, t in done.update.items()
-        }
+        return {"metrics": metrics, "trace": done.trace}, pack(done.update, cfg.transfer_dtype)
 
     def admit(self, header: dict) -> None:
         """The partition pin and the run: a request this worker must not act on is refused; a new

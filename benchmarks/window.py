@@ -9,8 +9,10 @@ full-model message (538 MB each way). Beside each, the same payload through a Fl
 (benchmarks/flower_floor.py: no model, a ServerApp pushing an ArrayRecord, a ClientApp returning
 one): what Flower's own processes cost.
 
-Every point runs twice side by side: with Flower 1.42's transfer settings (5 MiB objects, 2 threads)
-and with this project's (``launch.FLOWER_TRANSFER_SETTINGS``). Rounds 2..R each give one window
+Every size runs side by side before and after issue 23's cuts (``VARIANTS``): the code of 7bf63b1
+(one Flower Array per tensor) with Flower 1.42's transfer settings (5 MiB objects, 2 threads), and
+this checkout (one packed array per record) with ``launch.FLOWER_TRANSFER_SETTINGS``; the Flower-only
+app also with packed arrays and Flower's settings, which separates the two. Rounds 2..R each give one window
 (the repeats; their spread is shown). For each leg of the critical path (records'
 ``critical_path_*_s``) the benchmark fits ``fixed + bytes / throughput`` (bytes: the reply up plus
 the message down), and checks the time model (``core.LinkModel``): calibrated on two sizes, it
@@ -31,6 +33,7 @@ import contextlib
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -52,7 +55,16 @@ SIZES = {
     "212": ({"layers-per-block": 15}, 4 * 15 * LAYER_PARAMS, 135),
     "full": ({"algorithm": "fedavg-full"}, 4 * MODEL_PARAMS, 272),
 }
-SETTINGS = {"flower-defaults": FLOWER_DEFAULT_TRANSFER_SETTINGS, "tuned": FLOWER_TRANSFER_SETTINGS}
+# name -> (Flower's transfer settings, the code: a commit or None for this checkout, the Flower-only
+# app's arrays: one per tensor or one packed). "before": the code before issue 23 (one Flower Array
+# per tensor) with Flower's defaults; "after": this checkout (one packed array per record) with
+# launch.FLOWER_TRANSFER_SETTINGS; "packed": this checkout with Flower's defaults (what the settings add).
+BEFORE_COMMIT = "7bf63b1"
+VARIANTS = {
+    "before": (FLOWER_DEFAULT_TRANSFER_SETTINGS, BEFORE_COMMIT, "tensors"),
+    "after": (FLOWER_TRANSFER_SETTINGS, None, "packed"),
+    "packed": (FLOWER_DEFAULT_TRANSFER_SETTINGS, None, "packed"),
+}
 APP_LEGS = ("dispatch", "delivery", "clientapp_relay", "reply_relay", "reply_to_server")
 FLOOR_LEGS = ("dispatch", "delivery", "clientapp_relay", "reply_to_server")
 CALIBRATE, PREDICT = ("14", "212"), "70"
@@ -60,6 +72,29 @@ DOC_HEADING = "## The communication window against block size"
 
 
 # ------------------------------------------------------------------ running
+def code_of(variant: str, args) -> Path:
+    """The app folder of ``variant``: this checkout, or an export of its commit (made once)."""
+    commit = VARIANTS[variant][1]
+    if commit is None:
+        return PROJECT_DIR
+    folder = args.out / f"code-{commit}"
+    if not folder.exists():
+        folder.mkdir(parents=True)
+        archive = subprocess.run(["git", "-C", str(PROJECT_DIR), "archive", commit], capture_output=True, check=True)
+        subprocess.run(["tar", "-x", "-C", str(folder)], input=archive.stdout, check=True)
+    return folder
+
+
+@contextlib.contextmanager
+def variant_environment(variant: str, args):
+    """Flower's transfer settings of ``variant``, and its code first on every process's import path
+    (also the working directory: ``python -m`` puts it first)."""
+    settings, commit, _ = VARIANTS[variant]
+    code = {} if commit is None else {"PYTHONPATH": str(code_of(variant, args))}
+    with environment({**settings, **code}), contextlib.chdir(code_of(variant, args)):
+        yield
+
+
 @contextlib.contextmanager
 def environment(settings: dict[str, str]):
     """``settings`` in this process's environment (Flower's processes inherit it), then as before."""
@@ -109,9 +144,9 @@ def run_app(size: str, setting: str, args) -> dict:
     """One deployment of the app: its records' windows and legs, rounds 2..R."""
     workdir = args.out / f"app-{size}-{setting}"
     load = os.getloadavg()[0]
-    with environment(SETTINGS[setting]):
+    with variant_environment(setting, args):
         result = run_deployment(workdir, app_config(size, args, workdir / "out"), 1, args.timeout_s,
-                                on_started=pin_workers)  # fmt: skip
+                                app_dir=code_of(setting, args), on_started=pin_workers)  # fmt: skip
     if result.run_dir is None or result.kind not in ("completed", "completed-with-exclusions"):
         return {"kind": "app", "size": size, "setting": setting, "error": result.summary("window.py")}
     records = [r for r in read_records(result.run_dir) if r["round"] >= 1]
@@ -164,9 +199,10 @@ def run_floor(size: str, setting: str, args) -> dict:
     """The same payload through the Flower-only app: each round's legs, rounds 2..R."""
     workdir = args.out / f"floor-{size}-{setting}"
     _, nbytes, tensors = SIZES[size]
-    config = {"rounds": args.rounds, "payload-bytes": nbytes, "arrays": tensors, "output-dir": str(workdir / "out")}
+    arrays = tensors if VARIANTS[setting][2] == "tensors" else 1
+    config = {"rounds": args.rounds, "payload-bytes": nbytes, "arrays": arrays, "output-dir": str(workdir / "out")}
     load = os.getloadavg()[0]
-    with environment(SETTINGS[setting]):
+    with environment(VARIANTS[setting][0]):
         run_deployment(workdir, config, 1, args.timeout_s, app_dir=floor_app(args.out / "floor-app"),
                        on_started=pin_workers)  # fmt: skip
     found = sorted((workdir / "out").glob("floor-*/floor.json"))
@@ -201,7 +237,7 @@ def fits(runs: list[dict], kind: str, setting: str, legs: tuple[str, ...]) -> di
     return out
 
 
-def prediction(runs: list[dict], setting: str = "tuned") -> dict | None:
+def prediction(runs: list[dict], setting: str = "after") -> dict | None:
     """The time model calibrated on two sizes' windows, asked for a third size's rounds (sequential
     BCD: compute + window), against the rounds measured."""
     app = {r["size"]: r for r in runs if r["kind"] == "app" and r["setting"] == setting and r.get("points")}
@@ -271,8 +307,8 @@ def plot(results: dict, path: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    styles = {("app", "flower-defaults"): ("C0", "o"), ("app", "tuned"): ("C1", "o"),
-              ("floor", "flower-defaults"): ("C0", "^"), ("floor", "tuned"): ("C1", "^")}  # fmt: skip
+    styles = {(kind, v): (f"C{i}", "o" if kind == "app" else "^") for i, v in enumerate(VARIANTS)
+              for kind in ("app", "floor")}  # fmt: skip
     grid = np.geomspace(0.5e6, 1.2e9, 100)
     for (kind, setting), (color, marker) in styles.items():
         points = [p for r in results["runs"] if r["kind"] == kind and r["setting"] == setting
@@ -307,11 +343,14 @@ def write_docs(results: dict, png: Path | None) -> None:
         f"Machine: {m['arch']}, {m['cpu']}, nproc {m['nproc']}, {m['memory_gib']} GiB, GPU: {m['gpu']}; shared with "
         "other jobs (the load average beside each run). One node on loopback; the node worker on CPU 1, every "
         "other process on CPU 0. SmolLM2-135M, sequential BCD (fedbcd; fedavg-full for the full model), 1 local "
-        f"step of batch 1 x 64 tokens, {results['rounds']} rounds: rounds 2..R give the repeats. Window = from the "
+        f"step of batch 1, {results['rounds']} rounds: rounds 2..R give the repeats. Window = from the "
         "worker's reply leaving it to the next message reaching it (`measured_comm_s`); legs: the records' "
         "`critical_path_*_s`. Flower only: benchmarks/flower_floor.py, the same payload as the same number of "
-        "arrays, its window the sum of its legs. `flower-defaults`: 5 MiB objects, 2 threads each way; `tuned`: "
-        f"{', '.join(f'{k}={v}' for k, v in FLOWER_TRANSFER_SETTINGS.items())} (`launch.FLOWER_TRANSFER_SETTINGS`). "
+        "arrays, its window the sum of its legs. `before`: the code of 7bf63b1 (one Flower Array per tensor), "
+        "Flower's transfer settings (5 MiB objects, 2 threads each way); `after`: this code (one packed array per "
+        f"record), {', '.join(f'{k}={v}' for k, v in FLOWER_TRANSFER_SETTINGS.items())} "
+        "(`launch.FLOWER_TRANSFER_SETTINGS`; the threads are capped at the CPU count, 2 here); `packed`: one packed "
+        "array, Flower's settings. "
         "Summary: docs/window.json.\n\n" + results["tables"] + ("\n\n![window](img/window.png)\n" if png else "\n")
     )
     replace_doc_section(DOC_HEADING, text)
@@ -321,16 +360,21 @@ def write_docs(results: dict, png: Path | None) -> None:
 def parse_args(argv: list[str] | None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated, of {', '.join(SIZES)}")
-    p.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {', '.join(SETTINGS)}")
+    p.add_argument("--variants", default="before,after,packed", help=f"comma-separated, of {', '.join(VARIANTS)}")
+    p.add_argument("--app-variants", default="before,after", help="the variants the app runs (the Flower-only "
+                   "app runs every one of --variants)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=3, help="rounds per run (2..R are the repeats; default 3)")
     p.add_argument("--no-floor", action="store_true", help="skip the Flower-only app")
     p.add_argument("--no-app", action="store_true", help="skip the ParaBlock app")
     p.add_argument("--fast", action="store_true", help="tiny model, 0.6 and 14 MB floor: a smoke run (no docs)")
+    p.add_argument("--report", type=Path, help="run nothing: the tables, figure and docs from this window.json")
     p.add_argument("--out", type=Path)
     p.add_argument("--timeout-s", type=float, default=1800.0)
     args = p.parse_args(argv)
-    args.sizes, args.settings = args.sizes.split(","), args.settings.split(",")
-    for name, chosen, known in (("--sizes", args.sizes, SIZES), ("--settings", args.settings, SETTINGS)):
+    args.sizes, args.settings = args.sizes.split(","), args.variants.split(",")
+    args.app_variants = args.app_variants.split(",")
+    for name, chosen, known in (("--sizes", args.sizes, SIZES), ("--variants", args.settings, VARIANTS),
+                                ("--app-variants", args.app_variants, VARIANTS)):  # fmt: skip
         if bad := [c for c in chosen if c not in known]:
             p.error(f"{name} {bad[0]!r}: expected one of {', '.join(known)}")
     if args.rounds < 3:
@@ -344,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     if (os.cpu_count() or 1) < 2:
         sys.exit("window.py: expected at least 2 CPUs (one for the worker, one for everything else)")
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.report:
+        return report(json.loads(args.report.read_text()), args)
     args.model = "embedded:smollm2-135m-instruct"
     if args.fast:
         from parablock_flwr.tools.tiny_model import build_tiny_model
@@ -354,15 +400,23 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {"command": command("window"), "date": time.strftime("%Y-%m-%d"), "rounds": args.rounds,
                      "machine": machine(), "runs": []}  # fmt: skip
     for size in args.sizes:
-        for setting in args.settings:  # side by side: each size under both settings before the next size
+        for setting in args.settings:  # side by side: each size in every variant before the next size
             for kind, run in (("floor", run_floor), ("app", run_app)):
-                if (kind == "floor" and args.no_floor) or (kind == "app" and args.no_app):
+                if (kind == "floor" and args.no_floor) or (
+                    kind == "app" and (args.no_app or setting not in args.app_variants)
+                ):
                     continue
                 print(f"[{time.strftime('%H:%M:%S')}] {kind} {size} MB, {setting} ...", flush=True)
                 results["runs"].append(run(size, setting, args))
                 last = results["runs"][-1]
                 print(f"    {last.get('error') or [round(p['window_s'] or 0, 2) for p in last['points']]}", flush=True)
                 (args.out / "window.json").write_text(json.dumps(results, indent=1))
+    return report(results, args)
+
+
+def report(results: dict, args) -> int:
+    """Fits, the time model's check, tables, figure; the docs unless ``--fast``."""
+    args.settings = list(dict.fromkeys(r["setting"] for r in results["runs"]))
     results["fits"] = {}
     for kind, legs in (("app", APP_LEGS), ("floor", FLOOR_LEGS)):
         for setting in args.settings:

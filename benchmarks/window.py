@@ -5,9 +5,9 @@ worker (every thread of it) on CPU 1, every other process (SuperLink, SuperNode,
 ServerApp) on CPU 0. Sequential BCD (``fedbcd``) on SmolLM2-135M with tiny compute (1 local step,
 batch 1), so the window is what the rounds show; block sizes from ``layers-per-block``
 (one layer = 14.2 MB fp32), LoRA adapters of 5 layers for 0.6 MB, and ``fedavg-full`` for a
-full-model message (538 MB each way). Beside each, the same payload through a Flower-only app
-(benchmarks/flower_floor.py: no model, a ServerApp pushing an ArrayRecord, a ClientApp returning
-one): what Flower's own processes cost.
+full-model message (424.8 MB each way: what it trains; the tied embedding stays frozen). Beside
+each, the same payload through a Flower-only app (benchmarks/flower_floor.py: no model, a ServerApp
+pushing an ArrayRecord, a ClientApp returning one): what Flower's own processes cost.
 
 Every size runs side by side before and after issue 23's cuts (``VARIANTS``): the code of 7bf63b1
 (one Flower Array per tensor) with Flower 1.42's transfer settings (5 MiB objects, 2 threads), and
@@ -53,6 +53,7 @@ SIZES = {
     "14": ({"layers-per-block": 1}, 4 * LAYER_PARAMS, 9),
     "70": ({"layers-per-block": 5}, 4 * 5 * LAYER_PARAMS, 45),
     "212": ({"layers-per-block": 15}, 4 * 15 * LAYER_PARAMS, 135),
+    # fedavg-full sends what it trains, 424.8 MB (the tied embedding stays frozen); the Flower-only app all 538 MB.
     "full": ({"algorithm": "fedavg-full"}, 4 * MODEL_PARAMS, 272),
 }
 # name -> (Flower's transfer settings, the code: a commit or None for this checkout, the Flower-only
@@ -67,6 +68,10 @@ VARIANTS = {
 }
 APP_LEGS = ("dispatch", "delivery", "clientapp_relay", "reply_relay", "reply_to_server")
 FLOOR_LEGS = ("dispatch", "delivery", "clientapp_relay", "reply_to_server")
+# The two directions: down = the message from the server's aggregate to the worker holding it, up = the
+# reply from the worker to the server. (For a large message ``delivery`` is negative: the SuperNode
+# pulls it and starts the ClientApp while the server is still pushing its objects; the sum holds.)
+DIRECTIONS = {"down": ("dispatch", "delivery", "clientapp_relay"), "up": ("reply_relay", "reply_to_server")}
 CALIBRATE, PREDICT = ("14", "212"), "70"
 DOC_HEADING = "## The communication window against block size"
 
@@ -227,10 +232,17 @@ def fit(xs: list[float], ys: list[float]) -> dict:
     return {"fixed_s": float(fixed), "throughput_mbs": float(1e-6 / slope) if slope > 0 else None}
 
 
+def add_directions(point: dict) -> None:
+    """``down`` and ``up`` (``DIRECTIONS``) from a point's legs, where it has them."""
+    for direction, legs in DIRECTIONS.items():
+        values = [point[leg] for leg in legs if point.get(leg) is not None]
+        point[direction] = sum(values) if values else None
+
+
 def fits(runs: list[dict], kind: str, setting: str, legs: tuple[str, ...]) -> dict:
     points = [p for r in runs if r["kind"] == kind and r["setting"] == setting for p in r.get("points", [])]
     out = {}
-    for leg in ("window_s", *legs):
+    for leg in ("window_s", *DIRECTIONS, *legs):
         pairs = [(p["bytes"], p[leg]) for p in points if p.get(leg) is not None]
         with contextlib.suppress(ValueError):
             out[leg] = fit([x for x, _ in pairs], [y for _, y in pairs])
@@ -268,20 +280,30 @@ def spread(values: list[float]) -> str:
 
 
 def tables(results: dict) -> str:
-    runs = results["runs"]
-    lines = ["| payload MB each way | app | settings | load (1 min) | window s, mean (min-max) | "
-             + " | ".join(APP_LEGS) + " |", "|---|---|---|---|---|" + "---|" * len(APP_LEGS)]  # fmt: skip
+    columns = (*DIRECTIONS, *APP_LEGS)
+    runs = sorted(results["runs"], key=lambda r: (SIZES[r["size"]][1], r["kind"], list(VARIANTS).index(r["setting"])))
+    lines = ["| payload MB each way | app | variant | load (1 min) | window s, mean (min-max) | "
+             + " | ".join(columns) + " |", "|---|---|---|---|---|" + "---|" * len(columns)]  # fmt: skip
     for r in runs:
         mb = np.mean([p["bytes"] for p in r["points"]]) / 2e6 if r.get("points") else SIZES[r["size"]][1] / 1e6
         if "error" in r:
             lines.append(f"| {mb:.1f} | {r['kind']} | {r['setting']} | | failed: {r['error'][:80]} |" + " |" * 5)
             continue
-        legs = " | ".join(spread([p.get(leg) for p in r["points"]]) if any(leg in p for p in r["points"]) else "-"
-                          for leg in APP_LEGS)  # fmt: skip
+        legs = " | ".join(spread([p.get(leg) for p in r["points"]]) for leg in columns)
         window = spread([p["window_s"] for p in r["points"]])
         lines.append(f"| {mb:.1f} | {r['kind']} | {r['setting']} | {r['load_1min']:.1f} | {window} | {legs} |")
+    lines += ["", "After / before, mean window of the same size and app, measured side by side:", "",
+              "| payload MB each way | app | before s | after s | after / before |",
+              "|---|---|---|---|---|"]  # fmt: skip
+    for size in SIZES:
+        for kind in ("app", "floor"):
+            pair = {r["setting"]: r for r in runs if r["size"] == size and r["kind"] == kind and r.get("points")}
+            if "before" in pair and "after" in pair:
+                b, a = (np.mean([p["window_s"] for p in pair[v]["points"]]) for v in ("before", "after"))
+                mb = np.mean([p["bytes"] for p in pair["after"]["points"]]) / 2e6
+                lines.append(f"| {mb:.1f} | {kind} | {b:.1f} | {a:.1f} | {a / b:.2f} |")
     lines += ["", "Fit `fixed + bytes / throughput` (bytes: the reply up plus the message down):", "",
-              "| app | settings | leg | fixed s | throughput MB/s |", "|---|---|---|---|---|"]  # fmt: skip
+              "| app | variant | leg | fixed s | throughput MB/s |", "|---|---|---|---|---|"]  # fmt: skip
     for key, legs in results["fits"].items():
         kind, setting = key.split("/")
         for leg, f in legs.items():
@@ -417,6 +439,9 @@ def main(argv: list[str] | None = None) -> int:
 def report(results: dict, args) -> int:
     """Fits, the time model's check, tables, figure; the docs unless ``--fast``."""
     args.settings = list(dict.fromkeys(r["setting"] for r in results["runs"]))
+    for run in results["runs"]:
+        for point in run.get("points", []):
+            add_directions(point)
     results["fits"] = {}
     for kind, legs in (("app", APP_LEGS), ("floor", FLOOR_LEGS)):
         for setting in args.settings:

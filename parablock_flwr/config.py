@@ -90,6 +90,7 @@ class RunConfig:
     downlink_mbps: float = 50.0
     latency_ms: float = 50.0
     message_overhead_s: float = 0.0
+    message_throughput_mbs: float = 0.0
     round_timeout_s: float = 3600.0
     pull_interval_s: float = 0.1
     max_update_norm: float = 0.0
@@ -201,7 +202,14 @@ class RunConfig:
             raise ConfigError("lora-target-modules='': expected comma-separated module names, e.g. q_proj,v_proj")
         if not 0.0 < self.fraction_train <= 1.0:
             raise ConfigError(f"fraction-train={self.fraction_train}: expected a number in (0, 1]")
-        for key in ("weight-decay", "latency-ms", "max-update-norm", "message-overhead-s", "max-correction-drift"):
+        for key in (
+            "weight-decay",
+            "latency-ms",
+            "max-update-norm",
+            "message-overhead-s",
+            "message-throughput-mbs",
+            "max-correction-drift",
+        ):
             value = getattr(self, key.replace("-", "_"))
             if not value >= 0:
                 raise ConfigError(f"{key}={value}: expected a number >= 0")

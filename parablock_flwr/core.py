@@ -355,19 +355,32 @@ def round_with_feedback(update: Tensors, residual: Tensors | None, transfer_dtyp
 # --------------------------------------------------------------------------
 @dataclass(frozen=True)
 class LinkModel:
-    """A client's link: rates in Mbit/s, one-way latency in ms, and the fixed cost of one
-    exchange (``message_overhead_s``: the framework's delivery, process start and polls,
-    and the server's aggregation; measured by ``benchmarks/overlap.py``'s probe)."""
+    """A client's link and the framework's cost of one exchange: rates in Mbit/s, one-way latency in
+    ms, the fixed cost of one exchange (``message_overhead_s``: delivery, process start, polls, the
+    server's aggregation) and the rate at which the framework's processes move a message's bytes
+    besides the link (``message_throughput_mbs``, MB/s; 0: not modeled). ``benchmarks/window.py``
+    fits both on loopback: an exchange costs ``overhead + bytes / throughput`` there."""
 
     uplink_mbps: float
     downlink_mbps: float
     latency_ms: float
     message_overhead_s: float = 0.0
+    message_throughput_mbs: float = 0.0
+
+    @classmethod
+    def from_config(cls, cfg) -> LinkModel:
+        """The time model of a ``config.RunConfig``."""
+        return cls(cfg.uplink_mbps, cfg.downlink_mbps, cfg.latency_ms, cfg.message_overhead_s,
+                   cfg.message_throughput_mbs)  # fmt: skip
 
     def comm_seconds(self, bytes_up: int, bytes_down: int) -> float:
-        """Time from a reply leaving the client to the next message reaching it."""
+        """Time from a reply leaving the client to the next message reaching it: the fixed cost, the
+        framework's per-byte cost and the link's, added (on one host they share the same CPUs)."""
+        throughput = self.message_throughput_mbs * 1e6
+        framework = (bytes_up + bytes_down) / throughput if throughput else 0.0
         return (
             self.message_overhead_s
+            + framework
             + 2 * self.latency_ms / 1e3
             + 8 * bytes_up / (self.uplink_mbps * 1e6)
             + 8 * bytes_down / (self.downlink_mbps * 1e6)

@@ -1,0 +1,462 @@
+"""A block's communication window against its size, leg by leg, and Flower's own floor (issue 23).
+
+One node on loopback, the separated-core set-up of docs/benchmarks.md's overlap section: the node
+worker (every thread of it) on CPU 1, every other process (SuperLink, SuperNode, ClientApps, the
+ServerApp) on CPU 0. Sequential BCD (``fedbcd``) on SmolLM2-135M with tiny compute (1 local step,
+batch 1), so the window is what the rounds show; block sizes from ``layers-per-block``
+(one layer = 14.2 MB fp32), LoRA adapters of 5 layers for 0.6 MB, and ``fedavg-full`` for a
+full-model message (424.8 MB each way: what it trains; the tied embedding stays frozen). Beside
+each, the same payload through a Flower-only app (benchmarks/flower_floor.py: no model, a ServerApp
+pushing an ArrayRecord, a ClientApp returning one): what Flower's own processes cost.
+
+Every size runs side by side before and after issue 23's cuts (``VARIANTS``): the code of 7bf63b1
+(one Flower Array per tensor) with Flower 1.42's transfer settings (5 MiB objects, 2 threads), and
+this checkout (one packed array per record) with ``launch.FLOWER_TRANSFER_SETTINGS``; the Flower-only
+app also with packed arrays and Flower's settings, which separates the two. Rounds 2..R each give one window
+(the repeats; their spread is shown). For each leg of the critical path (records'
+``critical_path_*_s``) the benchmark fits ``fixed + bytes / throughput`` (bytes: the reply up plus
+the message down), and checks the time model (``core.LinkModel``): calibrated on two sizes, it
+predicts the round time of a third.
+
+    .venv/bin/python -m benchmarks.window                      # all sizes, both settings (~40 min)
+    .venv/bin/python -m benchmarks.window --sizes 14,70 --no-floor
+    .venv/bin/python -m benchmarks.window --fast               # tiny model, a smoke run (no docs)
+
+Writes into --out: window.json and window.png; without --fast also docs/window.json, the PNG under
+docs/img/ and the section of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import PROJECT_DIR, command, machine, read_records, replace_doc_section
+from parablock_flwr import core
+from parablock_flwr.tools.launch import FLOWER_DEFAULT_TRANSFER_SETTINGS, FLOWER_TRANSFER_SETTINGS, run_deployment
+
+LAYER_PARAMS = 3_540_096  # one SmolLM2-135M decoder layer (9 tensors)
+LORA_LAYER_PARAMS = 30_720  # its rank-8 adapters on q, k, v, o (8 tensors)
+MODEL_PARAMS = 134_515_008  # the whole model, tied embedding once (272 tensors)
+# name -> (run config, payload bytes each way, tensors): the sizes of the issue.
+SIZES = {
+    "0.6": ({"train": "lora", "layers-per-block": 5}, 4 * 5 * LORA_LAYER_PARAMS, 40),
+    "14": ({"layers-per-block": 1}, 4 * LAYER_PARAMS, 9),
+    "70": ({"layers-per-block": 5}, 4 * 5 * LAYER_PARAMS, 45),
+    "212": ({"layers-per-block": 15}, 4 * 15 * LAYER_PARAMS, 135),
+    # fedavg-full sends what it trains, 424.8 MB (the tied embedding stays frozen); the Flower-only app all 538 MB.
+    "full": ({"algorithm": "fedavg-full"}, 4 * MODEL_PARAMS, 272),
+}
+# name -> (Flower's transfer settings, the code: a commit or None for this checkout, the Flower-only
+# app's arrays: one per tensor or one packed). "before": the code before issue 23 (one Flower Array
+# per tensor) with Flower's defaults; "after": this checkout (one packed array per record) with
+# launch.FLOWER_TRANSFER_SETTINGS; "packed": this checkout with Flower's defaults (what the settings add).
+BEFORE_COMMIT = "7bf63b1"
+VARIANTS = {
+    "before": (FLOWER_DEFAULT_TRANSFER_SETTINGS, BEFORE_COMMIT, "tensors"),
+    "after": (FLOWER_TRANSFER_SETTINGS, None, "packed"),
+    "packed": (FLOWER_DEFAULT_TRANSFER_SETTINGS, None, "packed"),
+}
+APP_LEGS = ("dispatch", "delivery", "clientapp_relay", "reply_relay", "reply_to_server")
+FLOOR_LEGS = ("dispatch", "delivery", "clientapp_relay", "reply_to_server")
+# The two directions: down = the message from the server's aggregate to the worker holding it, up = the
+# reply from the worker to the server. (For a large message ``delivery`` is negative: the SuperNode
+# pulls it and starts the ClientApp while the server is still pushing its objects; the sum holds.)
+DIRECTIONS = {"down": ("dispatch", "delivery", "clientapp_relay"), "up": ("reply_relay", "reply_to_server")}
+CALIBRATE, PREDICT = ("14", "212"), "70"
+DOC_HEADING = "## The communication window against block size"
+
+
+# ------------------------------------------------------------------ running
+def code_of(variant: str, args) -> Path:
+    """The app folder of ``variant``: this checkout, or an export of its commit (made once)."""
+    commit = VARIANTS[variant][1]
+    if commit is None:
+        return PROJECT_DIR
+    folder = args.out / f"code-{commit}"
+    if not folder.exists():
+        folder.mkdir(parents=True)
+        archive = subprocess.run(["git", "-C", str(PROJECT_DIR), "archive", commit], capture_output=True, check=True)
+        subprocess.run(["tar", "-x", "-C", str(folder)], input=archive.stdout, check=True)
+    return folder
+
+
+@contextlib.contextmanager
+def variant_environment(variant: str, args):
+    """Flower's transfer settings of ``variant``, and its code first on every process's import path
+    (also the working directory: ``python -m`` puts it first)."""
+    settings, commit, _ = VARIANTS[variant]
+    code = {} if commit is None else {"PYTHONPATH": str(code_of(variant, args))}
+    with environment({**settings, **code}), contextlib.chdir(code_of(variant, args)):
+        yield
+
+
+@contextlib.contextmanager
+def environment(settings: dict[str, str]):
+    """``settings`` in this process's environment (Flower's processes inherit it), then as before."""
+    before = {k: os.environ.get(k) for k in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def pin_workers(deployment) -> None:
+    """Every thread of every node worker on CPU 1 (threads started later inherit it)."""
+    for worker in deployment.workers:
+        for task in Path(f"/proc/{worker.pid}/task").iterdir():
+            os.sched_setaffinity(int(task.name), {1})
+
+
+def app_config(size: str, args, out: Path) -> dict:
+    config = {
+        "algorithm": "fedbcd",
+        "model": args.model,
+        "output-dir": str(out),
+        "num-server-rounds": args.rounds,
+        "local-steps": 1,
+        "batch-size": 1,
+        "num-examples": 32,
+        "heldout-examples": 8,
+        "eval-every": args.rounds,  # the server evaluates at rounds 0 and R only: CPU 0 stays Flower's
+        "generate-examples": 0,
+        "torch-threads": 1,
+        "uplink-mbps": 1e6,  # loopback: the link's own time is not modeled here
+        "downlink-mbps": 1e6,
+        "latency-ms": 0.0,
+    }
+    config.update(SIZES[size][0])
+    if args.fast:
+        config.update({"layers-per-block": 1, "train": "full"})
+    return config
+
+
+def run_app(size: str, setting: str, args) -> dict:
+    """One deployment of the app: its records' windows and legs, rounds 2..R."""
+    workdir = args.out / f"app-{size}-{setting}"
+    load = os.getloadavg()[0]
+    with variant_environment(setting, args):
+        result = run_deployment(workdir, app_config(size, args, workdir / "out"), 1, args.timeout_s,
+                                app_dir=code_of(setting, args), on_started=pin_workers)  # fmt: skip
+    if result.run_dir is None or result.kind not in ("completed", "completed-with-exclusions"):
+        return {"kind": "app", "size": size, "setting": setting, "error": result.summary("window.py")}
+    records = [r for r in read_records(result.run_dir) if r["round"] >= 1]
+    points = []
+    for prev, rec in zip(records, records[1:]):  # round r's window: r-1's reply up, r's message down
+        point = {"round": rec["round"], "bytes": prev["wire_bytes_up"] + rec["wire_bytes_down"],
+                 "window_s": rec.get("measured_comm_s"), "round_wall_s": rec["round_wall_s"],
+                 "compute_s": rec["compute_s_mean"], "bytes_up": prev["wire_bytes_up"],
+                 "bytes_down": rec["wire_bytes_down"]}  # fmt: skip
+        point.update({leg: rec.get(f"critical_path_{leg}_s") for leg in APP_LEGS})
+        points.append(point)
+    return {"kind": "app", "size": size, "setting": setting, "load_1min": load, "points": points,
+            "run_dir": str(result.run_dir)}  # fmt: skip
+
+
+FLOOR_PYPROJECT = """[build-system]
+requires = ["hatchling"]
+build-backend = "hatchling.build"
+
+[project]
+name = "flower-floor"
+version = "1.0.0"
+
+[tool.flwr.app]
+publisher = "parablock"
+
+[tool.flwr.app.components]
+serverapp = "flower_floor:server"
+clientapp = "flower_floor:client"
+
+[tool.flwr.app.config]
+rounds = 3
+payload-bytes = 1000
+arrays = 1
+pull-interval-s = 0.1
+min-available-nodes = 1
+output-dir = "floor-out"
+"""
+
+
+def floor_app(folder: Path) -> Path:
+    """The Flower-only app as a folder `flwr run` can bundle."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "pyproject.toml").write_text(FLOOR_PYPROJECT)
+    shutil.copy(Path(__file__).with_name("flower_floor.py"), folder / "flower_floor.py")
+    return folder
+
+
+def run_floor(size: str, setting: str, args) -> dict:
+    """The same payload through the Flower-only app: each round's legs, rounds 2..R."""
+    workdir = args.out / f"floor-{size}-{setting}"
+    _, nbytes, tensors = SIZES[size]
+    arrays = tensors if VARIANTS[setting][2] == "tensors" else 1
+    config = {"rounds": args.rounds, "payload-bytes": nbytes, "arrays": arrays, "output-dir": str(workdir / "out")}
+    load = os.getloadavg()[0]
+    with environment(VARIANTS[setting][0]):
+        run_deployment(workdir, config, 1, args.timeout_s, app_dir=floor_app(args.out / "floor-app"),
+                       on_started=pin_workers)  # fmt: skip
+    found = sorted((workdir / "out").glob("floor-*/floor.json"))
+    if not found:
+        return {"kind": "floor", "size": size, "setting": setting, "error": f"no floor.json; see {workdir}"}
+    points = []
+    for r in json.loads(found[-1].read_text())["rounds"][1:]:
+        legs = {"dispatch": r["pushed"] - r["push_start"], "delivery": r["clientapp_start"] - r["pushed"],
+                "clientapp_relay": r["handler_start"] - r["clientapp_start"],
+                "reply_to_server": r["pulled"] - r["handler_end"]}  # fmt: skip
+        points.append({"round": r["round"], "bytes": 2 * nbytes, "window_s": sum(legs.values()), **legs})
+    return {"kind": "floor", "size": size, "setting": setting, "load_1min": load, "points": points}
+
+
+# ------------------------------------------------------------------ analysis
+def fit(xs: list[float], ys: list[float]) -> dict:
+    """``y = fixed + x / throughput`` by least squares (x in bytes, y in s); throughput in MB/s
+    (None where the per-byte cost is not positive)."""
+    if len(set(xs)) < 2:
+        raise ValueError(f"fit: {len(set(xs))} distinct sizes; expected at least 2")
+    slope, fixed = np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1)
+    return {"fixed_s": float(fixed), "throughput_mbs": float(1e-6 / slope) if slope > 0 else None}
+
+
+def add_directions(point: dict) -> None:
+    """``down`` and ``up`` (``DIRECTIONS``) from a point's legs, where it has them."""
+    for direction, legs in DIRECTIONS.items():
+        values = [point[leg] for leg in legs if point.get(leg) is not None]
+        point[direction] = sum(values) if values else None
+
+
+def fits(runs: list[dict], kind: str, setting: str, legs: tuple[str, ...]) -> dict:
+    points = [p for r in runs if r["kind"] == kind and r["setting"] == setting for p in r.get("points", [])]
+    out = {}
+    for leg in ("window_s", *DIRECTIONS, *legs):
+        pairs = [(p["bytes"], p[leg]) for p in points if p.get(leg) is not None]
+        with contextlib.suppress(ValueError):
+            out[leg] = fit([x for x, _ in pairs], [y for _, y in pairs])
+    return out
+
+
+def prediction(runs: list[dict], setting: str = "after") -> dict | None:
+    """The time model calibrated on two sizes' windows, asked for a third size's rounds (sequential
+    BCD: compute + window), against the rounds measured."""
+    app = {r["size"]: r for r in runs if r["kind"] == "app" and r["setting"] == setting and r.get("points")}
+    if not all(s in app for s in (*CALIBRATE, PREDICT)):
+        return None
+    calib = [p for s in CALIBRATE for p in app[s]["points"] if p["window_s"] is not None]
+    model = fit([p["bytes"] for p in calib], [p["window_s"] for p in calib])
+    link = core.LinkModel(1e6, 1e6, 0.0, model["fixed_s"], model["throughput_mbs"] or 0.0)
+    rows = []
+    for p in app[PREDICT]["points"]:
+        predicted = core.modeled_round_seconds([p["compute_s"]], [link.comm_seconds(p["bytes_up"], p["bytes_down"])],
+                                               overlapped=False)  # fmt: skip
+        rows.append({"round": p["round"], "predicted_s": predicted, "measured_s": p["round_wall_s"],
+                     "error": predicted / p["round_wall_s"] - 1})  # fmt: skip
+    return {"calibrated_on": list(CALIBRATE), "predicted": PREDICT, "setting": setting, **model, "rounds": rows}
+
+
+def _f(x, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def spread(values: list[float]) -> str:
+    """Mean, and min-max across the repeats."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    return f"{np.mean(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+def tables(results: dict) -> str:
+    columns = (*DIRECTIONS, *APP_LEGS)
+    runs = sorted(results["runs"], key=lambda r: (SIZES[r["size"]][1], r["kind"], list(VARIANTS).index(r["setting"])))
+    lines = ["| payload MB each way | app | variant | load (1 min) | window s, mean (min-max) | "
+             + " | ".join(columns) + " |", "|---|---|---|---|---|" + "---|" * len(columns)]  # fmt: skip
+    for r in runs:
+        mb = np.mean([p["bytes"] for p in r["points"]]) / 2e6 if r.get("points") else SIZES[r["size"]][1] / 1e6
+        if "error" in r:
+            lines.append(f"| {mb:.1f} | {r['kind']} | {r['setting']} | | failed: {r['error'][:80]} |" + " |" * 5)
+            continue
+        legs = " | ".join(spread([p.get(leg) for p in r["points"]]) for leg in columns)
+        window = spread([p["window_s"] for p in r["points"]])
+        lines.append(f"| {mb:.1f} | {r['kind']} | {r['setting']} | {r['load_1min']:.1f} | {window} | {legs} |")
+    lines += ["", "After / before, mean window of the same size and app, measured side by side:", "",
+              "| payload MB each way | app | before s | after s | after / before |",
+              "|---|---|---|---|---|"]  # fmt: skip
+    for size in SIZES:
+        for kind in ("app", "floor"):
+            pair = {r["setting"]: r for r in runs if r["size"] == size and r["kind"] == kind and r.get("points")}
+            if "before" in pair and "after" in pair:
+                b, a = (np.mean([p["window_s"] for p in pair[v]["points"]]) for v in ("before", "after"))
+                mb = np.mean([p["bytes"] for p in pair["after"]["points"]]) / 2e6
+                lines.append(f"| {mb:.1f} | {kind} | {b:.1f} | {a:.1f} | {a / b:.2f} |")
+    lines += ["", "Fit `fixed + bytes / throughput` (bytes: the reply up plus the message down):", "",
+              "| app | variant | leg | fixed s | throughput MB/s |", "|---|---|---|---|---|"]  # fmt: skip
+    for key, legs in results["fits"].items():
+        kind, setting = key.split("/")
+        for leg, f in legs.items():
+            lines.append(f"| {kind} | {setting} | {leg} | {f['fixed_s']:.2f} | {_f(f['throughput_mbs'], 0)} |")
+    if p := results.get("prediction"):
+        lines += ["", f"Time model calibrated on {' and '.join(p['calibrated_on'])} MB ({p['setting']}): "
+                  f"fixed {p['fixed_s']:.2f} s, {_f(p['throughput_mbs'], 0)} MB/s; predicted the {p['predicted']} MB "
+                  "run's rounds (compute + window, sequential BCD):", "",
+                  "| round | predicted s | measured s | error |", "|---|---|---|---|"]  # fmt: skip
+        for row in p["rounds"]:
+            lines.append(f"| {row['round']} | {row['predicted_s']:.2f} | {row['measured_s']:.2f} | "
+                         f"{100 * row['error']:+.0f}% |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> Path | None:
+    """The window against the payload, every repeat a point, each fit a line."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    styles = {(kind, v): (f"C{i}", "o" if kind == "app" else "^") for i, v in enumerate(VARIANTS)
+              for kind in ("app", "floor")}  # fmt: skip
+    grid = np.geomspace(0.5e6, 1.2e9, 100)
+    for (kind, setting), (color, marker) in styles.items():
+        points = [p for r in results["runs"] if r["kind"] == kind and r["setting"] == setting
+                  for p in r.get("points", []) if p["window_s"] is not None]  # fmt: skip
+        if not points:
+            continue
+        label = f"{'ParaBlock app' if kind == 'app' else 'Flower only'}, {setting}"
+        ax.scatter([p["bytes"] / 2e6 for p in points], [p["window_s"] for p in points], color=color, marker=marker,
+                   label=label, alpha=0.8)  # fmt: skip
+        f = results["fits"].get(f"{kind}/{setting}", {}).get("window_s")
+        if f and f["throughput_mbs"]:
+            ax.plot(grid / 2e6, f["fixed_s"] + grid / (f["throughput_mbs"] * 1e6), color=color,
+                    ls="-" if kind == "app" else "--", lw=0.8)  # fmt: skip
+    ax.set(xscale="log", xlabel="payload each way, MB (fp32)", ylabel="communication window, s",
+           title="One exchange on loopback, worker on its own core")  # fmt: skip
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_docs(results: dict, png: Path | None) -> None:
+    (PROJECT_DIR / "docs" / "window.json").write_text(json.dumps({k: v for k, v in results.items() if k != "tables"},
+                                                                 indent=1))  # fmt: skip
+    if png:
+        (PROJECT_DIR / "docs" / "img").mkdir(parents=True, exist_ok=True)
+        shutil.copy(png, PROJECT_DIR / "docs" / "img" / "window.png")
+    m = machine()
+    text = (
+        f"Command: `{results['command']}`  \nDate: {results['date']}  \n"
+        f"Machine: {m['arch']}, {m['cpu']}, nproc {m['nproc']}, {m['memory_gib']} GiB, GPU: {m['gpu']}; shared with "
+        "other jobs (the load average beside each run). One node on loopback; the node worker on CPU 1, every "
+        "other process on CPU 0. SmolLM2-135M, sequential BCD (fedbcd; fedavg-full for the full model), 1 local "
+        f"step of batch 1, {results['rounds']} rounds: rounds 2..R give the repeats. Window = from the "
+        "worker's reply leaving it to the next message reaching it (`measured_comm_s`); legs: the records' "
+        "`critical_path_*_s`. Flower only: benchmarks/flower_floor.py, the same payload as the same number of "
+        "arrays, its window the sum of its legs. `before`: the code of 7bf63b1 (one Flower Array per tensor), "
+        "Flower's transfer settings (5 MiB objects, 2 threads each way); `after`: this code (one packed array per "
+        f"record), {', '.join(f'{k}={v}' for k, v in FLOWER_TRANSFER_SETTINGS.items())} "
+        "(`launch.FLOWER_TRANSFER_SETTINGS`; the threads are capped at the CPU count, 2 here); `packed`: one packed "
+        "array, Flower's settings. "
+        "Summary: docs/window.json.\n\n" + results["tables"] + ("\n\n![window](img/window.png)\n" if png else "\n")
+    )
+    replace_doc_section(DOC_HEADING, text)
+
+
+# ------------------------------------------------------------------ main
+def parse_args(argv: list[str] | None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated, of {', '.join(SIZES)}")
+    p.add_argument("--variants", default="before,after,packed", help=f"comma-separated, of {', '.join(VARIANTS)}")
+    p.add_argument("--app-variants", default="before,after", help="the variants the app runs (the Flower-only "
+                   "app runs every one of --variants)")  # fmt: skip
+    p.add_argument("--rounds", type=int, default=3, help="rounds per run (2..R are the repeats; default 3)")
+    p.add_argument("--no-floor", action="store_true", help="skip the Flower-only app")
+    p.add_argument("--no-app", action="store_true", help="skip the ParaBlock app")
+    p.add_argument("--fast", action="store_true", help="tiny model, 0.6 and 14 MB floor: a smoke run (no docs)")
+    p.add_argument("--report", type=Path, help="run nothing: the tables, figure and docs from this window.json")
+    p.add_argument("--out", type=Path)
+    p.add_argument("--timeout-s", type=float, default=1800.0)
+    args = p.parse_args(argv)
+    args.sizes, args.settings = args.sizes.split(","), args.variants.split(",")
+    args.app_variants = args.app_variants.split(",")
+    for name, chosen, known in (("--sizes", args.sizes, SIZES), ("--variants", args.settings, VARIANTS),
+                                ("--app-variants", args.app_variants, VARIANTS)):  # fmt: skip
+        if bad := [c for c in chosen if c not in known]:
+            p.error(f"{name} {bad[0]!r}: expected one of {', '.join(known)}")
+    if args.rounds < 3:
+        p.error(f"--rounds {args.rounds}: expected at least 3 (rounds 2..R are the repeats)")
+    args.out = (args.out or PROJECT_DIR / "runs" / f"window-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if (os.cpu_count() or 1) < 2:
+        sys.exit("window.py: expected at least 2 CPUs (one for the worker, one for everything else)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.report:
+        return report(json.loads(args.report.read_text()), args)
+    args.model = "embedded:smollm2-135m-instruct"
+    if args.fast:
+        from parablock_flwr.tools.tiny_model import build_tiny_model
+
+        args.model = str(build_tiny_model(args.out / "tiny-model"))
+        args.sizes = ["0.6", "14"]
+    os.sched_setaffinity(0, {0})  # every process started from here on: CPU 0 (the workers move to CPU 1)
+    results: dict = {"command": command("window"), "date": time.strftime("%Y-%m-%d"), "rounds": args.rounds,
+                     "machine": machine(), "runs": []}  # fmt: skip
+    for size in args.sizes:
+        for setting in args.settings:  # side by side: each size in every variant before the next size
+            for kind, run in (("floor", run_floor), ("app", run_app)):
+                if (kind == "floor" and args.no_floor) or (
+                    kind == "app" and (args.no_app or setting not in args.app_variants)
+                ):
+                    continue
+                print(f"[{time.strftime('%H:%M:%S')}] {kind} {size} MB, {setting} ...", flush=True)
+                results["runs"].append(run(size, setting, args))
+                last = results["runs"][-1]
+                print(f"    {last.get('error') or [round(p['window_s'] or 0, 2) for p in last['points']]}", flush=True)
+                (args.out / "window.json").write_text(json.dumps(results, indent=1))
+    return report(results, args)
+
+
+def report(results: dict, args) -> int:
+    """Fits, the time model's check, tables, figure; the docs unless ``--fast``."""
+    args.settings = list(dict.fromkeys(r["setting"] for r in results["runs"]))
+    for run in results["runs"]:
+        for point in run.get("points", []):
+            add_directions(point)
+    results["fits"] = {}
+    for kind, legs in (("app", APP_LEGS), ("floor", FLOOR_LEGS)):
+        for setting in args.settings:
+            if found := fits(results["runs"], kind, setting, legs):
+                results["fits"][f"{kind}/{setting}"] = found
+    results["prediction"] = prediction(results["runs"])
+    results["tables"] = tables(results)
+    png = plot(results, args.out / "window.png")
+    (args.out / "window.json").write_text(json.dumps(results, indent=1))
+    print(results["tables"])
+    if not args.fast:
+        write_docs(results, png)
+        print("wrote docs/window.json, docs/img/window.png and the section of docs/benchmarks.md")
+    return 0 if not any("error" in r for r in results["runs"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

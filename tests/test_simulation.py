@@ -357,6 +357,9 @@ def test_int8_transfer_quarters_the_bytes_and_keeps_the_invariant_exact(parabloc
         # The same block's values, a quarter of the bytes; the scales add 1/256, each record's layout a little.
         ratio = rec["wire_bytes_up"] / fp32[rec["round"]]["wire_bytes_up"]
         assert 0.25 + 1 / 256 <= ratio < 0.27, (rec["round"], ratio)
+        # The record's bytes and the time model count what int8 sends, not the decoded fp32 values.
+        modeled = rec["bytes_up_per_client"] / fp32[rec["round"]]["bytes_up_per_client"]
+        assert 0.25 <= modeled <= 0.25 + 1 / 256 + 1e-9, (rec["round"], modeled)
         step = run.step(rec["round"])[1]
         rounded = core.round_for_transfer(step, "int8")
         assert all(torch.equal(t, rounded[n]) for n, t in step.items())

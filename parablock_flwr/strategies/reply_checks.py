@@ -20,6 +20,7 @@ from flwr.app import ArrayRecord, Message
 from .. import core
 from ..node_data import STATE_INTACT  # an error from a node whose model state is intact
 from ..records import WireError, to_tensors
+from ..wire import payload_bytes
 
 # Metrics every reply carries (``node.update_metrics``) and their kinds.
 INT_METRICS = ("server-round", "block", "partition-id", "base-version")
@@ -134,7 +135,7 @@ def parse_reply(msg: Message, expected: Expected, node: int | None = None) -> Re
         metrics=metrics,
         update=update,
         trace=trace,
-        payload_bytes=sum(t.numel() * t.element_size() for t in update.values()),
+        payload_bytes=payload_bytes(update, expected.transfer_dtype),  # what the transfer dtype sends
     )
 
 

@@ -12,6 +12,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from .. import core
+from ..wire import payload_bytes
 from .reply_checks import Reply
 
 
@@ -63,9 +64,11 @@ def round_record(
     weights: list[float],
     link: core.LinkModel,
     overlapped: bool,
+    transfer_dtype: str = "fp32",
 ) -> dict:
-    """The round's numbers: replies, loss, bytes, measured compute, the modeled round time."""
-    bytes_down = sum(t.numel() * t.element_size() for t in step.values())  # g^r goes down next round
+    """The round's numbers: replies, loss, bytes (as ``transfer_dtype`` sends them), measured compute,
+    the modeled round time."""
+    bytes_down = payload_bytes(step, transfer_dtype)  # g^r goes down next round
     ups = [r.payload_bytes for r in accepted]
     compute = [float(r.metrics["compute-s"]) for r in accepted]
     comm = [link.comm_seconds(u, bytes_down) for u in ups]

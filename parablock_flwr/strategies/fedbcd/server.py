@@ -66,7 +66,7 @@ class FedBCD(Strategy):
         self.partition = partition
         self.schedule = schedule
         cfg = self.config
-        self.link = core.LinkModel(cfg.uplink_mbps, cfg.downlink_mbps, cfg.latency_ms, cfg.message_overhead_s)
+        self.link = core.LinkModel.from_config(cfg)
         self.stats = RoundStats(0)
         self._blocks: dict[int, int] = {}  # server round -> block, as decided so far (``block_for_round``)
         self._asked_partition: set[int] = set()  # nodes asked their partition id (select_nodes)
@@ -273,8 +273,9 @@ class FedBCD(Strategy):
         self.run.collect_client_evaluation(server_round - 1, accepted)
         weights = [self.client_weight(r.metrics) for r in accepted]
         record = round_record(
-            self.stats, self.partition.labels[block], block, step, accepted, weights, self.link, self.overlapped
-        )
+            self.stats, self.partition.labels[block], block, step, accepted, weights, self.link, self.overlapped,
+            self.config.transfer_dtype,
+        )  # fmt: skip
         record.update(self.run.round_clock({r.node: r.metrics for r in accepted}))
         record.update(self.extra_round_metrics(server_round, accepted))
         self.last_metrics = record

@@ -12,7 +12,8 @@ and the run config:
 - in host memory: the fp32 master of ``x`` (``weights = "bf16"``: every trainable tensor), the
   replica's saved copies and the last step's overwritten values (bf16 weights), the pending update,
   the update being built and the update being sent (B x 4 bytes each), and the Python runtime;
-- on the server: the model in fp32, every reply of a round and the step, the evaluation's logits.
+- on the server: the model in fp32, every reply of a round and the step, the evaluation's logits and
+  the evaluator's own replica of the model (on ``eval-device``).
 
 On a CPU node the device is the host: its peak RSS is the sum of both columns (``cpu_total``),
 which `benchmarks/memory_check.py` measures against. The figures are upper bounds of the steady state
@@ -148,6 +149,8 @@ def server_terms(cfg: RunConfig, shape: ModelShape, num_nodes: int) -> dict[str,
     if cfg.evaluation == "server":
         tokens = cfg.eval_batch_size * cfg.max_seq_len
         terms["evaluation"] = tokens * shape.vocab * 4 * 2 + tokens * shape.hidden * 4 * 4
+    if cfg.evaluation == "server" or cfg.save_every:  # the evaluator's replica of x (on eval-device)
+        terms["evaluator_replica"] = shape.parameters * 4
     return terms
 
 

@@ -33,7 +33,7 @@ from . import core
 from .config import RunConfig
 
 GIB = 2**30
-RUNTIME_BYTES = 600 * 2**20  # Python with torch, transformers and datasets imported (measured: 490-600 MiB)
+RUNTIME_BYTES = 560 * 2**20  # Python with torch, transformers and datasets imported (measured: 490-600 MiB)
 CUDA_CONTEXT_BYTES = 600 * 2**20  # the CUDA context and allocator slack, outside max_memory_allocated
 SERVER_RUNTIME_BYTES = 900 * 2**20  # the ServerApp process and the SuperLink beside it
 

@@ -359,7 +359,7 @@ def test_int8_transfer_quarters_the_bytes_and_keeps_the_invariant_exact(parabloc
         assert 0.25 + 1 / 256 <= ratio < 0.27, (rec["round"], ratio)
         # The record's bytes and the time model count what int8 sends, not the decoded fp32 values.
         modeled = rec["bytes_up_per_client"] / fp32[rec["round"]]["bytes_up_per_client"]
-        assert 0.25 <= modeled <= 0.25 + 1 / 256 + 1e-9, (rec["round"], modeled)
+        assert 0.25 + 1 / 256 <= modeled < 0.26, (rec["round"], modeled)  # short last blocks add scales
         step = run.step(rec["round"])[1]
         rounded = core.round_for_transfer(step, "int8")
         assert all(torch.equal(t, rounded[n]) for n, t in step.items())

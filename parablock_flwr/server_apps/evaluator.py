@@ -44,7 +44,6 @@ class ServerEvaluator:
     def __init__(self, model, tokenizer, heldout, cfg: RunConfig, run_dir: Path):
         self.model, self.tokenizer, self.heldout, self.cfg = model, tokenizer, heldout, cfg
         self.run_dir = Path(run_dir)
-        self.skipped = 0
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -113,7 +112,6 @@ class ServerEvaluator:
             if not self._due(server_round):
                 self.run.write_evaluation(server_round, {})
             elif server_round != due[-1] and server_round not in (0, self.cfg.num_server_rounds):
-                self.skipped += 1
                 log.info("round %d: evaluation skipped (the evaluator was %d rounds behind)",
                          server_round, due[-1] - server_round)  # fmt: skip
                 self.run.write_evaluation(server_round, {"evaluation_skipped": 1})

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 from parablock_flwr.metrics import RunRecorder
 from parablock_flwr.tools.app_config import find_project_dir
 from parablock_flwr.tools.launch import run_simulation
@@ -85,3 +87,12 @@ def machine() -> dict:
         "arch": platform.machine(),
         "gpu": "none" if not shutil.which("nvidia-smi") else "see nvidia-smi",
     }
+
+
+def fit(xs: list[float], ys: list[float]) -> dict:
+    """``y = fixed + x / throughput`` by least squares (x in bytes, y in s); throughput in MB/s
+    (None where the per-byte cost is not positive)."""
+    if len(set(xs)) < 2:
+        raise ValueError(f"fit: {len(set(xs))} distinct sizes; expected at least 2")
+    slope, fixed = np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1)
+    return {"fixed_s": float(fixed), "throughput_mbs": float(1e-6 / slope) if slope > 0 else None}

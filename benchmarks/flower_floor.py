@@ -9,7 +9,8 @@ negated arrays, the same size back.
 
 The times written (wall clock, comparable on one host), per round: ``push_start`` / ``pushed`` (the
 server's ``Grid.push_messages``), ``clientapp_start`` (the ClientApp process), ``handler_start`` (the
-message in the handler's hands), ``handler_end`` (the reply built), ``pulled`` (the server holding it).
+message in the handler's hands), ``handler_end`` (the reply built), ``pulled`` (the server holding it); and
+CPU seconds: the ClientApp process's at its handler's start and end, the ServerApp's in the round.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def main(grid: Grid, context: Context) -> None:
     rows = []
     for r in range(1, rounds + 1):
         data = payload(nbytes, arrays, seed=r)  # made before the clock starts: the app has its update ready too
-        push_start = time.time()
+        push_start, cpu_at_push = time.time(), time.process_time()
         record = ArrayRecord({f"a{i}": Array(a) for i, a in enumerate(data)})
         msg = Message(RecordDict({"payload": record}), dst_node_id=nodes[0], message_type="train", ttl=3600.0)
         ids = [mid for mid in grid.push_messages([msg]) if mid]
@@ -66,7 +67,8 @@ def main(grid: Grid, context: Context) -> None:
                 time.sleep(pull_interval_s)
         pulled = time.time()
         times = dict(replies[0].content["times"])
-        rows.append({"round": r, "push_start": push_start, "pushed": pushed, "pulled": pulled, **times})
+        rows.append({"round": r, "push_start": push_start, "pushed": pushed, "pulled": pulled, **times,
+                     "server_cpu_s": time.process_time() - cpu_at_push})  # push to pull  # fmt: skip
         del data, record, msg, replies
     out = Path(str(cfg["output-dir"])).expanduser() / f"floor-{context.run_id}"
     out.mkdir(parents=True, exist_ok=True)
@@ -75,10 +77,11 @@ def main(grid: Grid, context: Context) -> None:
 
 @client.train()
 def train(msg: Message, context: Context) -> Message:
-    handler_start = time.time()
+    handler_start, pull_cpu = time.time(), time.process_time()
     arrays = {name: array.numpy() for name, array in msg.content["payload"].items()}
     reply = ArrayRecord({name: Array(-a) for name, a in arrays.items()})
-    times = {"clientapp_start": _PROCESS_STARTED, "handler_start": handler_start, "handler_end": time.time()}
+    times = {"clientapp_start": _PROCESS_STARTED, "handler_start": handler_start, "handler_end": time.time(),
+             "clientapp_pull_cpu_s": pull_cpu, "clientapp_cpu_s": time.process_time()}  # fmt: skip
     return Message(
         RecordDict({"payload": reply, "times": MetricRecord(times), "ok": ConfigRecord({"n": len(arrays)})}),
         reply_to=msg,

@@ -2,13 +2,16 @@
 
 Runs two rounds of a real node worker in this process (round 1 on block 1, then round 2 on block 0
 computed ahead while round 1's reply "travels", exactly as in a deployment: the pending update and
-the new one both exist, and block 0 is the worst case, backward running through every layer), and
+the new one both exist, and block 0 is the worst case, backward running through every layer; two
+local steps each, so that a backward runs with the AdamW moments allocated), and
 prints the peak RSS (CPU) or ``torch.cuda.max_memory_allocated`` (GPU) beside the plan's terms:
 
     .venv/bin/python -m benchmarks.memory_check embedded:smollm2-135m-instruct
     .venv/bin/python -m benchmarks.memory_check tiny                          # the tests' tiny Llama
     .venv/bin/python -m benchmarks.memory_check random-1b --weights bf16     # a random ~1B Llama from a config
     .venv/bin/python -m benchmarks.memory_check MODEL --device cuda:0 --weights bf16 --micro-batch-size 1
+    .venv/bin/python -c "from benchmarks.memory_check import random_model; random_model(...)"  # a config's shape
+
 
 Each measurement runs in a fresh process (peak RSS only grows): one model per call. On a CPU the
 plan's figure is ``cpu_total`` (device and host terms in one memory, the runtime included); on a GPU
@@ -32,18 +35,33 @@ from benchmarks.common import GSM_AS_MEASURED
 
 def random_llama(folder: Path, tokenizer_from: str) -> str:
     """A randomly initialised Llama of about 1.1B parameters (TinyLlama's shape), saved once."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+        num_key_value_heads=4, max_position_embeddings=2048, tie_word_embeddings=False, vocab_size=1,
+    )  # fmt: skip
+    return random_model(config, folder, tokenizer_from, dtype=torch.float32)
+
+
+def random_model(config, folder: Path, tokenizer_from: str, device: str = "cpu", dtype=torch.bfloat16) -> str:
+    """Random weights in the shape of ``config`` (a ``PretrainedConfig``, or a folder with a model's
+    ``config.json``: docs/model-configs), saved to ``folder`` once with ``tokenizer_from``'s tokenizer:
+    a model of the size users have, on a machine without the hub. Built on ``device`` (an 8B model
+    takes seconds on a GPU, minutes on a CPU)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from parablock_flwr.model import load_tokenizer
 
     if not (folder / "config.json").exists():
+        config = config if not isinstance(config, str | Path) else AutoConfig.from_pretrained(config)
         tokenizer = load_tokenizer(tokenizer_from)
-        config = LlamaConfig(
-            vocab_size=len(tokenizer), hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
-            num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048, tie_word_embeddings=False,
-        )  # fmt: skip
+        config.vocab_size = max(config.vocab_size, len(tokenizer))  # the model's rows, whatever the tokenizer uses
+        config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
         torch.manual_seed(0)
-        LlamaForCausalLM(config).save_pretrained(folder)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
     return str(folder)
 
@@ -57,6 +75,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--micro-batch-size", type=int, default=0)
     parser.add_argument("--max-seq-len", type=int, default=192)
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--dataset", default=GSM_AS_MEASURED["dataset"], help="the run config's dataset")
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "parablock-random-1b")
     args = parser.parse_args()
@@ -75,9 +95,10 @@ def main() -> None:
     config = {
         "model": model, **GSM_AS_MEASURED, "dataset": args.dataset,
         "output-dir": tempfile.mkdtemp(), "num-examples": 40, "heldout-examples": 4,
-        "layers-per-block": args.layers_per_block, "local-steps": 1, "batch-size": args.batch_size,
+        "layers-per-block": args.layers_per_block, "local-steps": 2, "batch-size": args.batch_size,
         "micro-batch-size": args.micro_batch_size, "max-seq-len": args.max_seq_len, "weights": args.weights,
         "generate-examples": 0, "torch-threads": 2, "schedule": "ascending",
+        "precision": args.precision, "gradient-checkpointing": args.gradient_checkpointing,
     }  # fmt: skip
     base_rss = peak_rss()  # torch, transformers, datasets imported
     worker = NodeWorker(state_dir=Path(tempfile.mkdtemp()))
@@ -106,7 +127,8 @@ def main() -> None:
 
     cfg = worker_cfg(config)
     planned = make_plan(cfg, model_shape(cfg, model_config(model)), num_nodes=1)
-    figure = sum(planned.device.values()) if args.device.startswith("cuda") else planned.cpu_total
+    on_gpu = args.device.startswith("cuda")
+    figure = sum(planned.device.values()) if on_gpu else planned.cpu_total
     mib = lambda n: round(n / 2**20)  # noqa: E731
     print(json.dumps({
         "model": args.model, "parameters": planned.shape.parameters, "block_parameters": max(planned.shape.blocks),
@@ -114,6 +136,7 @@ def main() -> None:
         "micro_batch": args.micro_batch_size or args.batch_size, "seq": args.max_seq_len,
         "runtime_rss_before_model_mib": mib(base_rss), "peak_mib": mib(peak), "plan_mib": mib(figure),
         "plan_over_peak": round(figure / peak, 3),
+        "host_peak_mib": mib(peak_rss()), "plan_host_mib": mib(planned.host_total if on_gpu else planned.cpu_total),
         "plan_device_terms_mib": {k: mib(v) for k, v in planned.device.items()},
         "plan_host_terms_mib": {k: mib(v) for k, v in planned.host.items()},
         "two_rounds_s": round(seconds, 1),

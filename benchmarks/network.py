@@ -144,13 +144,8 @@ def run_one(net: Network, algorithm: str, rate: float, args: argparse.Namespace,
             result["worker_peak_rss_mb"] = [peak_rss_mb(w.pid) for w in workers]  # before they are stopped
         finally:
             stopping = time.perf_counter()
-            result["pids"] += descendants(result["pids"])  # e.g. the SuperLink's detached flower-superexec
-            terminate_all(result["pids"])
-            wait_gone(result["pids"], timeout_s=10)
-    result["killed_pids"] = wait_gone(result["pids"], timeout_s=2)  # should be none: kill them by PID
-    for pid in result["killed_pids"]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+            terminate(result["pids"])
+    result["killed_pids"] = kill_survivors(result["pids"])  # should be none
     result["stop_s"] = time.perf_counter() - stopping
     wire_after = [wire_bytes(node) for node in net.nodes]
     result["wire_bytes_up_per_client"] = _mean([a[0] - b[0] for a, b in zip(wire_after, wire_before)])
@@ -163,6 +158,73 @@ def run_one(net: Network, algorithm: str, rate: float, args: argparse.Namespace,
             f"the run stopped after {len(result['rounds'])} of {args.rounds} rounds; see {workdir}/superlink.log"
         )
         result["partial_rounds"] = result.pop("rounds")
+    return result
+
+
+def run_dtype_sweep(net: Network, args: argparse.Namespace, model: str, out: Path) -> list[dict]:
+    """Every rate x transfer dtype x algorithm over ONE set of processes (SuperLink, workers, proxies,
+    SuperNodes started once; the links re-shaped between rates; one `flwr run` per combination):
+    the window against the link rate for each dtype, without a start-up per point."""
+    workdir = out / "runs" / "dtype-sweep"
+    flwr_home = workdir / "flwr-home"
+    flwr_home.mkdir(parents=True, exist_ok=True)
+    # The server evaluates at rounds 0 and R only: its evaluation would share the CPUs with the windows measured.
+    args.extra_config = {**getattr(args, "extra_config", {}), "eval-every": args.rounds, "generate-examples": 0}
+    runs: list[dict] = []
+    pids: list[int] = []
+    with contextlib.ExitStack() as procs:
+        try:
+            start_processes(procs, net, args.latency_ms, workdir, flower_env_for(flwr_home), pids,
+                            getattr(args, "compute_cpus", ""))  # fmt: skip
+            for rate in args.rates:
+                shape(net, rate, args.latency_ms)
+                for dtype in args.transfer_dtypes:
+                    for algorithm in args.algorithms:
+                        print(f"[{time.strftime('%H:%M:%S')}] {algorithm}, {dtype}, {rate:g} Mbit/s ...", flush=True)
+                        runs.append(_sweep_point(net, algorithm, rate, dtype, args, model, workdir))
+                        print(f"    {runs[-1].get('error', 'ok')}: {runs[-1]['total_wall_s']:.0f} s", flush=True)
+                        _save({"runs": runs}, out)
+        finally:
+            terminate(pids)
+    kill_survivors(pids)
+    return runs
+
+
+def terminate(pids: list[int]) -> None:
+    """SIGTERM to every process started (``pids`` grows by their descendants: e.g. the SuperLink's
+    detached flower-superexec), and up to 10 s for them to go."""
+    pids += descendants(pids)
+    terminate_all(pids)
+    wait_gone(pids, timeout_s=10)
+
+
+def kill_survivors(pids: list[int]) -> list[int]:
+    """SIGKILL, by PID, whatever of ``pids`` is still there 2 s later (after the ExitStack's own stops);
+    returns those PIDs."""
+    survivors = wait_gone(pids, timeout_s=2)
+    for pid in survivors:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return survivors
+
+
+def _sweep_point(net: Network, algorithm: str, rate: float, dtype: str, args, model: str, workdir: Path) -> dict:
+    """One `flwr run` of the sweep against the running processes."""
+    point = workdir / f"{rate:g}mbps-{dtype}-{algorithm}"
+    (point / "flwr-home").mkdir(parents=True, exist_ok=True)
+    write_connection(point / "flwr-home", f"127.0.0.1:{SUPERLINK_PORT}")
+    run_config = {**make_run_config(algorithm, rate, args, model, point / "out"), "transfer-dtype": dtype}
+    result: dict = {"algorithm": algorithm, "rate_mbps": rate, "latency_ms": args.latency_ms,
+                    "transfer_dtype": dtype, "workdir": str(point), "load_1min": os.getloadavg()[0]}  # fmt: skip
+    began = time.perf_counter()
+    proc = flwr_run(point, run_config, PROJECT_DIR, args.timeout_s, prefix=in_netns(net.link_ns))
+    (point / "flwr-run.log").write_text(proc.stdout + proc.stderr + proc.summary("network.py") + "\n")
+    result["total_wall_s"] = time.perf_counter() - began
+    result.update(read_run(point / "out") if proc.returncode == 0 else {})
+    if len(result.get("rounds", [])) < args.rounds:
+        result["error"] = (
+            f"the run ended with {proc.returncode} after {len(result.get('rounds', []))} rounds; see {point}"
+        )
     return result
 
 
@@ -501,6 +563,16 @@ def _algorithms(text: str) -> list[str]:
     return names
 
 
+def _transfer_dtypes(text: str) -> list[str]:
+    from parablock_flwr.config import TRANSFER_DTYPES
+
+    names = list(dict.fromkeys(d.strip() for d in text.split(",") if d.strip()))
+    for name in names or [text]:
+        if name not in TRANSFER_DTYPES:
+            raise argparse.ArgumentTypeError(f"{name!r}: expected a comma list of {', '.join(TRANSFER_DTYPES)}")
+    return names
+
+
 def _non_negative(text: str) -> float:
     try:
         value = float(text)
@@ -543,6 +615,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--probe",
         action="store_true",
         help="run 1 round of the first algorithm and print the rate at which link time = compute",
+    )
+    p.add_argument(
+        "--transfer-dtypes",
+        type=_transfer_dtypes,
+        help="a sweep of every rate x these dtypes (e.g. fp32,bf16,int8) over one set of processes: the window "
+        "against the rate for each dtype, and the time model calibrated on two points, checked on the rest",
     )
     p.add_argument("--timeout-s", type=_positive(float), default=7200.0, help="limit for each `flwr run`")
     args = p.parse_args(argv)
@@ -619,6 +697,8 @@ def main(argv: list[str] | None = None) -> int:
             "torch_threads": 1,
         }
         net = build_network(stack, prefix, args.clients)
+        if args.transfer_dtypes:
+            return dtype_sweep_main(net, args, model, results)
         for rate in args.rates:
             shape(net, rate, args.latency_ms)
             for algorithm in args.algorithms:
@@ -645,6 +725,15 @@ def main(argv: list[str] | None = None) -> int:
         print("wrote the section of docs/benchmarks.md and docs/img/network-*.png")
     print(f"results: {args.out / 'results.json'}")
     return 0 if all("rounds" in r for r in results["runs"]) else 1
+
+
+def dtype_sweep_main(net: Network, args: argparse.Namespace, model: str, results: dict) -> int:
+    """``--transfer-dtypes``: the sweep, then its tables, figure and docs section (benchmarks/dtype_sweep.py)."""
+    from benchmarks import dtype_sweep
+
+    results["runs"] = run_dtype_sweep(net, args, model, args.out)
+    _save(results, args.out)
+    return dtype_sweep.report(results, args.out, args.write_docs)
 
 
 def _save(results: dict, out: Path) -> None:

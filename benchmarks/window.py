@@ -40,8 +40,9 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import PROJECT_DIR, command, machine, read_records, replace_doc_section
+from benchmarks.common import PROJECT_DIR, command, fit, machine, read_records, replace_doc_section
 from parablock_flwr import core
+from parablock_flwr.strategies.round_stats import CLIENTAPP_RELAY_PARTS
 from parablock_flwr.tools.launch import FLOWER_DEFAULT_TRANSFER_SETTINGS, FLOWER_TRANSFER_SETTINGS, run_deployment
 
 LAYER_PARAMS = 3_540_096  # one SmolLM2-135M decoder layer (9 tensors)
@@ -65,9 +66,17 @@ VARIANTS = {
     "before": (FLOWER_DEFAULT_TRANSFER_SETTINGS, BEFORE_COMMIT, "tensors"),
     "after": (FLOWER_TRANSFER_SETTINGS, None, "packed"),
     "packed": (FLOWER_DEFAULT_TRANSFER_SETTINGS, None, "packed"),
+    # the ClientApp's relay before its copies were cut (Array.numpy() and Array(ndarray) per array)
+    "copying-relay": (FLOWER_TRANSFER_SETTINGS, "083d97a", "packed"),
+    # the code before what this app adds per byte was taken apart and cut (docs/benchmarks.md, "What the app adds
+    # per byte to Flower's exchange"), with the same settings as "after"
+    "main-1de19a4": (FLOWER_TRANSFER_SETTINGS, "1de19a4", "packed"),
 }
-APP_LEGS = ("dispatch", "delivery", "clientapp_relay", "reply_relay", "reply_to_server")
-FLOOR_LEGS = ("dispatch", "delivery", "clientapp_relay", "reply_to_server")
+APP_LEGS = ("aggregate", "dispatch", "delivery", "clientapp_relay", *CLIENTAPP_RELAY_PARTS, "reply_relay",
+            "reply_to_server")  # fmt: skip
+FLOOR_LEGS = ("dispatch", "delivery", "clientapp_relay", "clientapp_pull", "reply_to_server")
+# CPU seconds of a round, per process: the server's (every thread), the ClientApp's up to its handler and in all.
+CPU_KEYS = ("server_cpu_s", "clientapp_pull_cpu_s", "clientapp_cpu_s")
 # The two directions: down = the message from the server's aggregate to the worker holding it, up = the
 # reply from the worker to the server. (For a large message ``delivery`` is negative: the SuperNode
 # pulls it and starts the ClientApp while the server is still pushing its objects; the sum holds.)
@@ -162,6 +171,9 @@ def run_app(size: str, setting: str, args) -> dict:
                  "compute_s": rec["compute_s_mean"], "bytes_up": prev["wire_bytes_up"],
                  "bytes_down": rec["wire_bytes_down"]}  # fmt: skip
         point.update({leg: rec.get(f"critical_path_{leg}_s") for leg in APP_LEGS})
+        node = (rec.get("timeline") or [{}])[0]  # one node
+        point.update({"server_cpu_s": rec.get("server_cpu_s"), "clientapp_pull_cpu_s": node.get("clientapp_pull_cpu_s"),
+                      "clientapp_cpu_s": node.get("clientapp_cpu_s")})  # fmt: skip
         points.append(point)
     return {"kind": "app", "size": size, "setting": setting, "load_1min": load, "points": points,
             "run_dir": str(result.run_dir)}  # fmt: skip
@@ -218,20 +230,13 @@ def run_floor(size: str, setting: str, args) -> dict:
         legs = {"dispatch": r["pushed"] - r["push_start"], "delivery": r["clientapp_start"] - r["pushed"],
                 "clientapp_relay": r["handler_start"] - r["clientapp_start"],
                 "reply_to_server": r["pulled"] - r["handler_end"]}  # fmt: skip
-        points.append({"round": r["round"], "bytes": 2 * nbytes, "window_s": sum(legs.values()), **legs})
+        cpu = {key: r.get(key) for key in CPU_KEYS}
+        points.append({"round": r["round"], "bytes": 2 * nbytes, "window_s": sum(legs.values()), **legs, **cpu,
+                       "clientapp_pull": legs["clientapp_relay"]})  # its relay leg is all Flower's pull  # fmt: skip
     return {"kind": "floor", "size": size, "setting": setting, "load_1min": load, "points": points}
 
 
 # ------------------------------------------------------------------ analysis
-def fit(xs: list[float], ys: list[float]) -> dict:
-    """``y = fixed + x / throughput`` by least squares (x in bytes, y in s); throughput in MB/s
-    (None where the per-byte cost is not positive)."""
-    if len(set(xs)) < 2:
-        raise ValueError(f"fit: {len(set(xs))} distinct sizes; expected at least 2")
-    slope, fixed = np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1)
-    return {"fixed_s": float(fixed), "throughput_mbs": float(1e-6 / slope) if slope > 0 else None}
-
-
 def add_directions(point: dict) -> None:
     """``down`` and ``up`` (``DIRECTIONS``) from a point's legs, where it has them."""
     for direction, legs in DIRECTIONS.items():
@@ -280,7 +285,7 @@ def spread(values: list[float]) -> str:
 
 
 def tables(results: dict) -> str:
-    columns = (*DIRECTIONS, *APP_LEGS)
+    columns = (*DIRECTIONS, *APP_LEGS, *CPU_KEYS)
     runs = sorted(results["runs"], key=lambda r: (SIZES[r["size"]][1], r["kind"], list(VARIANTS).index(r["setting"])))
     lines = ["| payload MB each way | app | variant | load (1 min) | window s, mean (min-max) | "
              + " | ".join(columns) + " |", "|---|---|---|---|---|" + "---|" * len(columns)]  # fmt: skip
@@ -293,15 +298,15 @@ def tables(results: dict) -> str:
         window = spread([p["window_s"] for p in r["points"]])
         lines.append(f"| {mb:.1f} | {r['kind']} | {r['setting']} | {r['load_1min']:.1f} | {window} | {legs} |")
     lines += ["", "After / before, mean window of the same size and app, measured side by side:", "",
-              "| payload MB each way | app | before s | after s | after / before |",
-              "|---|---|---|---|---|"]  # fmt: skip
+              "| payload MB each way | app | before | before s | after s | after / before |",
+              "|---|---|---|---|---|---|"]  # fmt: skip
     for size in SIZES:
         for kind in ("app", "floor"):
             pair = {r["setting"]: r for r in runs if r["size"] == size and r["kind"] == kind and r.get("points")}
-            if "before" in pair and "after" in pair:
-                b, a = (np.mean([p["window_s"] for p in pair[v]["points"]]) for v in ("before", "after"))
+            for before in (v for v in pair if v != "after" and "after" in pair):
+                b, a = (np.mean([p["window_s"] for p in pair[v]["points"]]) for v in (before, "after"))
                 mb = np.mean([p["bytes"] for p in pair["after"]["points"]]) / 2e6
-                lines.append(f"| {mb:.1f} | {kind} | {b:.1f} | {a:.1f} | {a / b:.2f} |")
+                lines.append(f"| {mb:.1f} | {kind} | {before} | {b:.1f} | {a:.1f} | {a / b:.2f} |")
     lines += ["", "Fit `fixed + bytes / throughput` (bytes: the reply up plus the message down):", "",
               "| app | variant | leg | fixed s | throughput MB/s |", "|---|---|---|---|---|"]  # fmt: skip
     for key, legs in results["fits"].items():
@@ -390,6 +395,7 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--no-app", action="store_true", help="skip the ParaBlock app")
     p.add_argument("--fast", action="store_true", help="tiny model, 0.6 and 14 MB floor: a smoke run (no docs)")
     p.add_argument("--report", type=Path, help="run nothing: the tables, figure and docs from this window.json")
+    p.add_argument("--no-docs", action="store_true", help="leave docs/ alone (a partial run: its tables only)")
     p.add_argument("--out", type=Path)
     p.add_argument("--timeout-s", type=float, default=1800.0)
     args = p.parse_args(argv)
@@ -443,7 +449,7 @@ def report(results: dict, args) -> int:
         for point in run.get("points", []):
             add_directions(point)
     results["fits"] = {}
-    for kind, legs in (("app", APP_LEGS), ("floor", FLOOR_LEGS)):
+    for kind, legs in (("app", (*APP_LEGS, *CPU_KEYS)), ("floor", (*FLOOR_LEGS, *CPU_KEYS))):
         for setting in args.settings:
             if found := fits(results["runs"], kind, setting, legs):
                 results["fits"][f"{kind}/{setting}"] = found
@@ -452,7 +458,7 @@ def report(results: dict, args) -> int:
     png = plot(results, args.out / "window.png")
     (args.out / "window.json").write_text(json.dumps(results, indent=1))
     print(results["tables"])
-    if not args.fast:
+    if not args.fast and not args.no_docs:
         write_docs(results, png)
         print("wrote docs/window.json, docs/img/window.png and the section of docs/benchmarks.md")
     return 0 if not any("error" in r for r in results["runs"]) else 1

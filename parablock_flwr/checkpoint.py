@@ -35,6 +35,7 @@ from .core import PendingUpdate
 from .durable import crash_point, fsync_path, replace_folder
 
 STAGED = "pending.staged"
+DIGEST_FORMAT = "per-tensor"
 
 
 # Run-config keys that may change on resume: they do not change what is trained.
@@ -55,6 +56,7 @@ MAY_CHANGE_ON_RESUME = frozenset(
         "verify-invariant",
         "evaluation",
         "eval-device",
+        "eval-cpus",
         "snapshot-every",
         "max-consecutive-rejections",
     }
@@ -67,11 +69,14 @@ class Checkpoint:
 
     round: int
     blocks: dict[int, int]  # server round -> block, as decided so far
-    global_sha256: str  # digest of x^round over every trainable tensor
+    global_sha256: str  # digest of x^round over every trainable tensor (core.ModelDigest)
     elapsed_s: float
     modeled_wall_s: float
     strategy_state: dict = field(default_factory=dict)
     pending: dict[int, PendingUpdate] = field(default_factory=dict)  # partition id -> Δ_i^round (on load)
+    participation: dict = field(default_factory=dict)  # who was left out so far (Run.participation_state)
+    # "per-tensor": core.ModelDigest; "whole": core.digest (checkpoints written before 2026-12-01)
+    digest_format: str = DIGEST_FORMAT
 
 
 def clear_staged_pending(run_dir: Path) -> None:
@@ -109,9 +114,11 @@ def save_checkpoint(run_dir: Path, ckpt: Checkpoint) -> Path:
         "round": ckpt.round,
         "blocks": {str(r): b for r, b in ckpt.blocks.items() if r >= ckpt.round},
         "global_sha256": ckpt.global_sha256,
+        "digest_format": ckpt.digest_format,
         "elapsed_s": ckpt.elapsed_s,
         "modeled_wall_s": ckpt.modeled_wall_s,
         "strategy_state": ckpt.strategy_state,
+        "participation": ckpt.participation,
     }
     if (root / STAGED).exists():
         os.replace(root / STAGED, tmp / "pending")
@@ -157,6 +164,8 @@ def load_checkpoint(run_dir: Path) -> Checkpoint:
         modeled_wall_s=state["modeled_wall_s"],
         strategy_state=state["strategy_state"],
         pending=pending,
+        participation=state.get("participation", {}),  # absent from checkpoints written before 2026-12-01
+        digest_format=state.get("digest_format", "whole"),  # likewise
     )
 
 
@@ -199,7 +208,7 @@ def replay_run(
     """Rebuild ``x^R`` in place as ``x^0`` plus the logged steps of ``from_run_dir`` (checked against
     the checkpoint's digest), copying the steps and the records of rounds 0..R into this run's
     ``step_log`` and ``recorder``. Returns ``g^R``, the step round R+1's message carries."""
-    from .core import apply_step, digest
+    from .core import ModelDigest, apply_step, digest
     from .replica import StepLog
 
     old_log = StepLog(from_run_dir)
@@ -218,7 +227,8 @@ def replay_run(
             before_each_step(step)
         apply_step(global_params, step)
         step_log.write(version, block, step)
-    if digest(global_params, names) != ckpt.global_sha256:
+    rebuilt = ModelDigest(names)(global_params) if ckpt.digest_format == DIGEST_FORMAT else digest(global_params, names)
+    if rebuilt != ckpt.global_sha256:
         raise ValueError(
             f"resume-from={str(from_run_dir)!r}: x^0 plus the logged steps does not give the "
             f"checkpointed x^{ckpt.round}; expected the same model files as the first run"

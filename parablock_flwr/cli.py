@@ -22,6 +22,7 @@ import signal
 import sys
 from pathlib import Path
 
+from .config import parse_cpu_list
 from .tools.app_config import OverrideError, ProjectNotFound, find_project_dir, parse_overrides
 
 log = logging.getLogger(__name__)
@@ -92,16 +93,10 @@ def _launch(args) -> int:
 
 def _cpu_list(text: str) -> set[int]:
     """``1``, ``0,2`` or ``2-7``: a set of CPU ids this machine has."""
-    cpus: set[int] = set()
     try:
-        for part in text.split(","):
-            first, _, last = part.partition("-")
-            cpus.update(range(int(first), int(last or first) + 1))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected CPU ids like 1, 0,2 or 2-7") from None
-    if not cpus or not cpus <= set(range(os.cpu_count() or 1)):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected CPUs among 0..{(os.cpu_count() or 1) - 1}")
-    return cpus
+        return parse_cpu_list(text, os.cpu_count() or 1)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _uid_list(text: str) -> list[int]:

@@ -35,6 +35,21 @@ class ConfigError(ValueError):
     """A run-config value is invalid; the message is one line for the user."""
 
 
+def parse_cpu_list(text: str, num_cpus: int | None = None) -> set[int]:
+    """``1``, ``0,2`` or ``2-7`` as a set of CPU ids (among ``0..num_cpus-1`` when given): the
+    worker's ``--compute-cpus`` and the run's ``eval-cpus``. A ValueError names what was expected."""
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            first, _, last = part.partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+    except ValueError:
+        raise ValueError(f"{text!r}: expected CPU ids like 1, 0,2 or 2-7") from None
+    if not cpus or (num_cpus is not None and not cpus <= set(range(num_cpus))):
+        raise ValueError(f"{text!r}: expected CPUs among 0..{(num_cpus or 1) - 1}")
+    return cpus
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """Typed view of the run config; field ``foo_bar`` is key ``foo-bar``."""
@@ -81,6 +96,7 @@ class RunConfig:
     torch_threads: int = 0
     evaluation: str = "server"
     eval_device: str = "cpu"
+    eval_cpus: str = ""
     eval_batch_size: int = 8
     eval_every: int = 1
     generate_examples: int = 64
@@ -150,6 +166,11 @@ class RunConfig:
             )
         if not device_valid(self.eval_device):
             raise ConfigError(f"eval-device={self.eval_device!r}: expected cpu, cuda or cuda:<index>")
+        if self.eval_cpus:
+            try:
+                parse_cpu_list(self.eval_cpus)
+            except ValueError as err:
+                raise ConfigError(f"eval-cpus={err}") from None
         for key in (
             "num-server-rounds",
             "layers-per-block",

@@ -177,6 +177,7 @@ class Request:
     handed_back: core.PendingUpdate | None = None  # a resumed server's Δ_i^R
     evaluate_version: int | None = None  # evaluation = "clients": evaluate x^v in this round
     evaluate_generate: bool = False
+    resumed_after: int | None = None  # a resumed run: the round R its server's checkpoint holds
 
     @classmethod
     def parse(
@@ -200,6 +201,7 @@ class Request:
             handed_back=resumed_pending(round_cfg, arrays),
             evaluate_version=version if version >= 0 else None,
             evaluate_generate=bool(round_cfg.get("evaluate-generate", 0)),
+            resumed_after=int(round_cfg["resumed-after"]) if "resumed-after" in round_cfg else None,
         )
 
     @property
@@ -231,6 +233,14 @@ class Ahead:
     started_from: core.PendingUpdate | None
     future: Future
     slot: object  # the client half's correction slot (None: nothing reaches it while it runs)
+
+
+def check_blocks(req: Request, num_blocks: int) -> None:
+    """A round's block (and the next one, -1: none) among this model's, refused in one line before any
+    work: only a server of another model or partition, or a forged message, names another."""
+    for key, block, none in (("block", req.block, None), ("next-block", req.next_block, -1)):
+        if not (0 <= block < num_blocks or block == none):
+            raise Refused(f"{key}={block} refused: this node's model has blocks 0..{num_blocks - 1}")
 
 
 def run_here(fn: Callable, *args):
@@ -272,6 +282,7 @@ class Node:
     ) -> Reply:
         """Round ``req.server_round``; ``resumed_store`` is where a resumed run's residuals come from."""
         self.check_order(req)
+        check_blocks(req, res.partition.num_blocks)
         client = client_half(req.algorithm, cfg.correction_mode)
         ahead = self.take_ahead(req)
         self.apply_sync(res, req, store)
@@ -382,12 +393,13 @@ class Node:
     def begin_run(
         self, cfg: RunConfig, req: Request, store: ResidualStore, resumed_store: ResidualStore | None
     ) -> None:
-        """A resumed run: the residuals as of the checkpoint's round R (the hand-back names it; a node
-        without one is taken to resume at the round before its first message); a new run: none."""
+        """A resumed run: the residuals as of the checkpoint's round R, which every message of a resumed
+        run names (``resumed-after``), also to a node first sampled rounds later that answered rounds
+        after R before the server stopped; a new run: none."""
         if not cfg.resume_from or resumed_store is None:
             store.clear()
             return
-        resumed_after = req.handed_back.base_version + 1 if req.handed_back else req.server_round - 1
+        resumed_after = req.resumed_after if req.resumed_after is not None else req.server_round - 1
         self.state.residuals = resumed_store.as_of(resumed_after)
         store.restart_at(resumed_after, self.state.residuals)
         log.info("resumed after round %d with residuals of blocks %s", resumed_after, sorted(self.state.residuals))

@@ -12,8 +12,10 @@ and the run config:
 - in host memory: the fp32 master of ``x`` (``weights = "bf16"``: every trainable tensor), the
   replica's saved copies and the last step's overwritten values (bf16 weights), the pending update,
   the update being built and the update being sent (B x 4 bytes each), and the Python runtime;
-- on the server: the model in fp32, every reply of a round and the step, the evaluation's logits and
-  the evaluator's own replica of the model (on ``eval-device``).
+- on the server: the model in fp32, every reply of a round and the step, the evaluation's logits, and
+  the evaluator process (a second Python with torch) with its own replica of the model (on ``eval-device``);
+- on the server's disk (the run folder): the step log, one fp32 step per round unless
+  ``snapshot-every`` bounds it, and ParaBlock's pending updates for a resume.
 
 On a CPU node the device is the host: its peak RSS is the sum of both columns (``cpu_total``),
 which `benchmarks/memory_check.py` measures against. The figures are upper bounds of the steady state
@@ -35,7 +37,11 @@ from .config import RunConfig
 GIB = 2**30
 RUNTIME_BYTES = 560 * 2**20  # Python with torch, transformers and datasets imported (measured: 490-600 MiB)
 CUDA_CONTEXT_BYTES = 600 * 2**20  # the CUDA context and allocator slack, outside max_memory_allocated
+# What the CUDA libraries add to a GPU worker's RSS: the tests' tiny model peaked at 1,550 MiB on an
+# H200 against the 560 MiB of RUNTIME_BYTES on a CPU (scripts/gpu-check.sh, 2026-12-01).
+CUDA_HOST_BYTES = 1024 * 2**20
 SERVER_RUNTIME_BYTES = 900 * 2**20  # the ServerApp process and the SuperLink beside it
+EVALUATOR_RUNTIME_BYTES = 600 * 2**20  # the evaluator process, its model aside (measured: 596 MiB RSS, tiny model)
 
 
 @dataclass(frozen=True)
@@ -122,12 +128,21 @@ def worker_terms(cfg: RunConfig, shape: ModelShape, block: int) -> dict[str, dic
         activations = tokens * layers_up * per_layer * act_bytes
     # The blocks a round touches: the trained one, the pending update's and the last step's (ParaBlock).
     touched = min(b + 2 * largest, shape.trainable)
+    logits = tokens * shape.vocab * 4 * 3  # logits, log-softmax, their gradient
+    # Under bf16 autocast (bf16 weights imply it), torch caches a bf16 copy of each fp32 weight that
+    # needs a gradient (the block's) for the forward pass.
+    autocast_copy = b * 2 if (bf16 or cfg.precision == "bf16") else 0
     device = {
         "weights": (shape.parameters - b) * (2 if bf16 else 4) + b * 4,
         "block_training_state": b * 16,  # start snapshot, gradient, two AdamW moments (fp32)
         "saved_copies": 0 if bf16 else touched * 4 + largest * 4,  # the replica's, and the last step's
         "activations": activations,
-        "logits_fp32_x3": tokens * shape.vocab * 4 * 3,  # logits, log-softmax, their gradient
+        "logits_fp32_x3": logits,
+        "autocast_block_copy": autocast_copy,
+        # AdamW's multi-tensor step (CUDA's default) makes one fp32 temporary the size of the block
+        # (the square roots of the second moments), after the backward's transients are freed: only
+        # what it needs beyond them (measured on an H200: docs/deploy-8b.md, "Measured on a GPU").
+        "adamw_step_beyond_backward": max(0, b * 4 - (activations + logits + autocast_copy)),
     }
     host = {
         "runtime": RUNTIME_BYTES,
@@ -138,6 +153,12 @@ def worker_terms(cfg: RunConfig, shape: ModelShape, block: int) -> dict[str, dic
     return {"device": device, "host": host}
 
 
+def transfer_bytes_per_value(transfer_dtype: str) -> float:
+    """What ``transfer-dtype`` sends per value: its width, and int8's fp32 scale per block of values."""
+    width = core.TRANSFER_DTYPES[transfer_dtype].itemsize
+    return width + (4 / core.INT8_BLOCK if transfer_dtype == "int8" else 0)
+
+
 def server_terms(cfg: RunConfig, shape: ModelShape, num_nodes: int) -> dict[str, int]:
     """Bytes the ServerApp holds: the model in fp32, a round's replies and step, evaluation."""
     largest = max(shape.blocks)
@@ -145,12 +166,35 @@ def server_terms(cfg: RunConfig, shape: ModelShape, num_nodes: int) -> dict[str,
         "runtime": SERVER_RUNTIME_BYTES,
         "model_fp32": shape.parameters * 4,
         "replies_and_step": largest * 4 * (num_nodes + 2),  # every reply, their mean, the step
+        # A round with a full sync (a resumed run's first round, a node back after missing more steps
+        # than there are blocks): one copy of every trainable tensor, shared by its messages, until
+        # the round's step.
+        "full_sync": shape.trainable * 4,
+        # The SuperLink (on this machine) holds each message until its node confirms it, each reply until
+        # the ServerApp does: the round's step (one copy for every node), a full sync, N replies.
+        "superlink_messages": round((num_nodes + 1) * largest * transfer_bytes_per_value(cfg.transfer_dtype))
+        + shape.trainable * 4,
     }
     if cfg.evaluation == "server":
         tokens = cfg.eval_batch_size * cfg.max_seq_len
         terms["evaluation"] = tokens * shape.vocab * 4 * 2 + tokens * shape.hidden * 4 * 4
-    if cfg.evaluation == "server" or cfg.save_every:  # the evaluator's replica of x (on eval-device)
+    if cfg.evaluation == "server" or cfg.save_every:  # the evaluator process and its replica of x (on eval-device)
+        terms["evaluator_runtime"] = EVALUATOR_RUNTIME_BYTES
         terms["evaluator_replica"] = shape.parameters * 4
+    return terms
+
+
+def disk_terms(cfg: RunConfig, shape: ModelShape, num_nodes: int) -> dict[str, int]:
+    """Bytes the run folder grows to by the last round: the step log (``replica.StepLog``: each round's
+    step in fp32; with ``snapshot-every = N`` at most 2 snapshots of every trainable tensor and 2N
+    steps), and ParaBlock's pending updates (each sampled node's last update, staged as replies come
+    and in the checkpoint: two copies while the newer replaces the older)."""
+    step = max(shape.blocks) * 4
+    terms = {"step_log": cfg.num_server_rounds * step}
+    if cfg.snapshot_every:
+        terms["step_log"] = min(terms["step_log"], 2 * shape.trainable * 4 + 2 * cfg.snapshot_every * step)
+    if cfg.algorithm == "parablock":  # its server half stages them (Run.stage_pending)
+        terms["pending_updates"] = 2 * num_nodes * step
     return terms
 
 
@@ -161,6 +205,7 @@ class Plan:
     device: dict[str, int]  # the worst block's terms (the largest sum)
     host: dict[str, int]
     server: dict[str, int]
+    disk: dict[str, int]
 
     @property
     def device_total(self) -> int:
@@ -169,22 +214,28 @@ class Plan:
 
     @property
     def host_total(self) -> int:
-        return sum(self.host.values())
+        """A GPU worker's RAM: the terms plus the CUDA libraries."""
+        return sum(self.host.values()) + CUDA_HOST_BYTES
 
     @property
     def cpu_total(self) -> int:
-        """A CPU node's peak RSS: device and host terms in one memory."""
-        return sum(self.device.values()) + self.host_total
+        """A CPU node's peak RSS: device and host terms in one memory (no CUDA)."""
+        return sum(self.device.values()) + sum(self.host.values())
 
     @property
     def server_total(self) -> int:
         return sum(self.server.values())
 
+    @property
+    def disk_total(self) -> int:
+        return sum(self.disk.values())
+
 
 def make_plan(cfg: RunConfig, shape: ModelShape, num_nodes: int = 3) -> Plan:
     per_block = [worker_terms(cfg, shape, b) for b in range(len(shape.blocks))]
     worst = max(per_block, key=lambda t: sum(t["device"].values()))
-    return Plan(cfg, shape, worst["device"], worst["host"], server_terms(cfg, shape, num_nodes))
+    return Plan(cfg, shape, worst["device"], worst["host"], server_terms(cfg, shape, num_nodes),
+                disk_terms(cfg, shape, num_nodes))  # fmt: skip
 
 
 def fitting_settings(cfg: RunConfig, shape_of, gpu_bytes: int, num_nodes: int = 3) -> list[Plan]:
@@ -239,12 +290,21 @@ def render(plan: Plan, fits: list[Plan] | None, gpu_gb: float | None) -> str:
         + f", cuda_context {gib(CUDA_CONTEXT_BYTES)} |",
         f"| per-site host (RAM, one worker) | {gib(plan.host_total)} | "
         + ", ".join(f"{k} {gib(v)}" for k, v in plan.host.items())
-        + " |",
+        + f", cuda_libraries {gib(CUDA_HOST_BYTES)} |",
         f"| a CPU-only node (device and host in RAM) | {gib(plan.cpu_total)} | |",
         f"| server (ServerApp) | {gib(plan.server_total)} | "
         + ", ".join(f"{k} {gib(v)}" for k, v in plan.server.items())
         + " |",
+        f"| server disk (the run folder, {cfg.num_server_rounds} rounds) | {gib(plan.disk_total)} | "
+        + ", ".join(f"{k} {gib(v)}" for k, v in plan.disk.items())
+        + " |",
     ]
+    if not cfg.snapshot_every and cfg.num_server_rounds > 2 * len(shape.blocks):
+        every = len(shape.blocks)
+        bounded = disk_terms(replace(cfg, snapshot_every=every), shape, 0)["step_log"]
+        if bounded < plan.disk["step_log"]:
+            lines.append(f"the step log grows by {gib(max(shape.blocks) * 4)} GiB a round: snapshot-every={every} "
+                         f"bounds it at {gib(bounded)} GiB, whatever the number of rounds")  # fmt: skip
     if gpu_gb is not None:
         lines += ["", f"fits a {gpu_gb:g} GB GPU:"]
         if not fits:

@@ -129,7 +129,11 @@ def train_block(
     device = next(model.parameters()).device
     if settings.gradient_checkpointing and not getattr(model, "is_activation_checkpointing", False):
         # Non-reentrant: gradients reach the block even though the embeddings below it are frozen.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # (newer transformers renamed gradient_checkpointing_enable, which warns at every call.)
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     losses = []
     try:

@@ -11,7 +11,7 @@
 # Python: $PYTHON, else .venv/bin/python, else python3. A machine without flwr (a bare GPU image
 # with torch and transformers only) gets the missing packages from the git-ignored folder
 # wheels/ (docs/deployment.md, "The GPU check", says how to fill it): they are
-# installed, offline, into a virtual environment under /tmp that sees the system's torch.
+# installed, offline, into a virtual environment under /tmp that also sees $PYTHON's torch.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-}
@@ -24,8 +24,16 @@ if ! "$PY" -c "import flwr, datasets, flwr_datasets" 2>/dev/null; then
         exit 1
     fi
     VENV=${GPU_CHECK_VENV:-/tmp/parablock-gpu-check-venv}
-    [ -x "$VENV/bin/python" ] || "$PY" -m venv --system-site-packages "$VENV"
-    "$VENV/bin/python" -m pip install --quiet --no-index --find-links wheels --no-deps wheels/*.whl \
+    if [ ! -x "$VENV/bin/python" ]; then
+        "$PY" -m venv --without-pip "$VENV" || { echo "gpu-check: FAIL (making a venv at $VENV with $PY)"; exit 1; }
+        # $PY may itself be a venv's (a GPU image's /opt/torch/.venv): a new venv's --system-site-packages
+        # would show the base interpreter's packages, not that venv's torch. This .pth adds $PY's
+        # site-packages (their own .pth files included) after the venv's, so the wheels below come first.
+        SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+        "$PY" -c 'import sys; [print(f"import site; site.addsitedir({p!r})") for p in sys.path if p.endswith(("site-packages", "dist-packages"))]' \
+            >"$SITE/_gpu_check_base_python.pth"
+    fi
+    "$VENV/bin/python" -m pip install --quiet --no-index --no-deps --ignore-installed wheels/*.whl \
         || { echo "gpu-check: FAIL (installing wheels/ into $VENV)"; exit 1; }
     PY=$VENV/bin/python
 fi

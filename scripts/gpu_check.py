@@ -8,7 +8,11 @@ Steps, each run only where `parablock-flwr plan` says it fits, else skipped with
 4. a local deployment (SuperLink, SuperNodes with their workers, `flwr run`), 3 rounds (2 in the dry
    run), bf16 weights, client evaluation, every node accepted and the invariant checked in every
    round: one SuperNode per GPU, or two on one GPU only when two
-   workers fit in it.
+   workers fit in it;
+5. at the sizes this project is for (on a GPU only, not in the dry run): one node worker of a 1B and
+   of an 8B Llama (random bf16 weights built on the GPU from docs/model-configs: a GPU machine has
+   no hub), two rounds with docs/deploy-8b.md's settings (``AT_SIZE_CASES``) on rows that fill
+   ``max-seq-len``, its peak device memory and host RSS against the plan.
 
 It ends with one line, ``gpu-check: PASS (...)`` or ``gpu-check: FAIL (...)``, and writes
 ``summary.json`` and each step's output under OUT. ``--cpu`` runs the same steps on the CPU with
@@ -32,6 +36,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def say(line: str) -> None:
     print(f"gpu-check: {line}", flush=True)
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def skip(results: dict, step: str, why: str) -> None:
+    """A step that does not fit: recorded and said."""
+    results[step] = f"skipped: {why}"
+    say(f"{step}: skipped: {why}")
 
 
 def gpus_found() -> list[tuple[str, int]]:
@@ -78,7 +92,17 @@ def run_step(name: str, cmd: list[str], out: Path, timeout_s: float, shown: str 
     return ok
 
 
-def memory_step(name: str, model: str, device: str, weights: str, args, out: Path, data: str) -> bool:
+# Step 5: models of the sizes users have with docs/deploy-8b.md's settings, on rows that fill max-seq-len:
+# its per-site row (4-layer blocks, micro-batch 1, gradient checkpointing) and its 80 GB card's line.
+DEPLOY_8B_SETTINGS = {"weights": "bf16", "precision": "bf16", "max-seq-len": 1024, "batch-size": 8}
+PER_SITE = {**DEPLOY_8B_SETTINGS, "layers-per-block": 4, "micro-batch-size": 1, "gradient-checkpointing": True}
+CARD_80GB = {**DEPLOY_8B_SETTINGS, "layers-per-block": 8, "micro-batch-size": 4}
+AT_SIZE_CASES = (("llama-3.2-1b", PER_SITE), ("llama-3.1-8b", PER_SITE), ("llama-3.1-8b", CARD_80GB))
+
+
+def memory_step(
+    name: str, model: str, device: str, weights: str, args, out: Path, data: str, settings: dict | None = None
+) -> bool:
     cmd = [
         sys.executable,
         "-m",
@@ -91,16 +115,79 @@ def memory_step(name: str, model: str, device: str, weights: str, args, out: Pat
         "--dataset",
         data,
     ]
-    cmd += ["--layers-per-block", str(args.layers_per_block), "--max-seq-len", str(args.max_seq_len)]
+    settings = settings or {"layers-per-block": args.layers_per_block, "max-seq-len": args.max_seq_len}
+    for key, value in settings.items():
+        if key == "gradient-checkpointing":
+            cmd += ["--gradient-checkpointing"] if value else []
+        elif key != "weights":
+            cmd += [f"--{key}", str(value)]
     ok = run_step(name, cmd, out, args.step_timeout_s)
     if ok:
         text = (out / f"{name}.log").read_text()
         figures = json.loads(text[text.index("{") : text.rindex("}") + 1])
         say(
             f"{name}: peak {figures['peak_mib']} MiB, plan {figures['plan_mib']} MiB "
-            f"(plan/peak {figures['plan_over_peak']}), two rounds {figures['two_rounds_s']} s"
+            f"(plan/peak {figures['plan_over_peak']}), host peak {figures['host_peak_mib']} MiB, "
+            f"plan {figures['plan_host_mib']} MiB, two rounds {figures['two_rounds_s']} s"
         )
     return ok
+
+
+def tiny_steps(args, size: dict, devices: list[tuple[str, int]], model: str, data: str, results: dict) -> None:
+    """Steps 2-4: the worker with bf16 and fp32 weights, then the deployment, each where it fits."""
+    first = devices[0][0]
+    if size["nodes"]:
+        ok = memory_step("worker-bf16", model, first, "bf16", args, args.out, data)
+        results["worker-bf16"] = "ok" if ok else "FAIL"
+    else:
+        need, has = gib(size["bf16"].device_total), gib(size["memory"])
+        skip(results, "worker-bf16", f"one worker needs {need}, a device has {has}")
+    if size["fp32_fits"]:
+        ok = memory_step("worker-fp32", model, first, "fp32", args, args.out, data)
+        results["worker-fp32"] = "ok" if ok else "FAIL"
+    else:
+        need, has = gib(size["fp32"].device_total), gib(size["memory"])
+        skip(results, "worker-fp32", f"fp32 weights need {need}, a device has {has}")
+    if size["nodes"]:
+        if len(size["nodes"]) == 1:
+            say(f"deployment: one SuperNode only (two workers need {gib(2 * size['bf16'].device_total)} on {first})")
+        ok = deployment_step(model, size["nodes"], args, args.out, data)
+        results[f"deployment-{len(size['nodes'])}-nodes"] = "ok" if ok else "FAIL"
+    else:
+        skip(results, "deployment", "no device holds one worker")
+
+
+def at_size_steps(args, devices: list[tuple[str, int]], tokenizer_from: str, results: dict, work: Path) -> None:
+    """Step 5: each case of AT_SIZE_CASES that the plan fits in the first GPU, random weights."""
+    device, memory = devices[0]
+    data = long_rows_data(work)
+    for name, settings in AT_SIZE_CASES:
+        config_dir = ROOT / "docs" / "model-configs" / name
+        step = f"worker-{name}-lpb{settings['layers-per-block']}-mb{settings['micro-batch-size']}"
+        need = plan_of(str(config_dir), settings).device_total
+        if need > memory:
+            skip(results, step, f"needs {gib(need)}, {device} has {gib(memory)}")
+            continue
+        folder = work / f"random-{name}"  # not under OUT: 16 GB for the 8B model
+        build = (
+            "import sys; from pathlib import Path; from benchmarks.memory_check import random_model; "
+            "random_model(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4])"
+        )
+        built = (folder / "config.json").exists() or run_step(
+            f"build-{name}", [sys.executable, "-c", build, str(config_dir), str(folder), tokenizer_from, device],
+            args.out, args.step_timeout_s, f"random bf16 weights of {name} on {device} -> {folder}",
+        )  # fmt: skip
+        ok = built and memory_step(step, str(folder), device, "bf16", args, args.out, data, settings)
+        results[step] = "ok" if ok else "FAIL"
+
+
+def long_rows_data(folder: Path) -> str:
+    """Rows whose answers run past 1024 tokens: every batch padded to ``max-seq-len``, as the plan assumes."""
+    path = folder / "long.jsonl"
+    answer = " ".join(f"{a} + {b} = {a + b}." for a in range(20) for b in range(20))
+    rows = [{"instruction": f"Add the pairs from {k}.", "output": answer} for k in range(48)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return f"alpaca:{path}"
 
 
 def deployment_step(model: str, nodes: list[str], args, out: Path, data: str) -> bool:
@@ -166,6 +253,7 @@ def main() -> int:
     parser.add_argument("--layers-per-block", type=int, default=2)
     parser.add_argument("--max-seq-len", type=int, default=128)
     parser.add_argument("--step-timeout-s", type=float, default=240)
+    parser.add_argument("--at-size-only", action="store_true", help="step 5 alone (the 1B and 8B workers)")
     args = parser.parse_args()
     args.rounds = 2 if args.cpu else 3  # the dry run: as short as shows every step
     args.out.mkdir(parents=True, exist_ok=True)
@@ -184,42 +272,28 @@ def main() -> int:
         for device, memory in devices:
             say(f"{device}: {memory / 2**30:.0f} GiB")
     size = sizing(model, {"layers-per-block": args.layers_per_block, "max-seq-len": args.max_seq_len}, devices)
-    gib = lambda n: f"{n / 2**30:.1f} GiB"  # noqa: E731
     say(
         f"plan for {model}: one worker needs {gib(size['bf16'].device_total)} of device memory with bf16 "
         f"weights, {gib(size['fp32'].device_total)} with fp32; a device has {gib(size['memory'])}"
     )
     results: dict[str, str] = {}
-    skip = lambda step, why: (results.__setitem__(step, f"skipped: {why}"), say(f"{step}: skipped: {why}"))  # noqa: E731
     if args.sizing_only:
         if not size["nodes"]:
-            skip("worker-bf16", f"needs {gib(size['bf16'].device_total)}")
+            skip(results, "worker-bf16", f"needs {gib(size['bf16'].device_total)}")
         if not size["fp32_fits"]:
-            skip("worker-fp32", f"fp32 weights need {gib(size['fp32'].device_total)}")
+            skip(results, "worker-fp32", f"fp32 weights need {gib(size['fp32'].device_total)}")
         if len(size["nodes"]) < 2 and size["nodes"]:
-            skip("second-supernode", f"two workers need {gib(2 * size['bf16'].device_total)} on one GPU")
+            skip(results, "second-supernode", f"two workers need {gib(2 * size['bf16'].device_total)} on one GPU")
         say(f"deployment: {len(size['nodes'])} SuperNode(s) on {', '.join(size['nodes']) or 'nothing'}")
         return 0
-    first = devices[0][0]
-    if size["nodes"]:
-        results["worker-bf16"] = (
-            "ok" if memory_step("worker-bf16", model, first, "bf16", args, args.out, data) else "FAIL"
-        )
+    if args.at_size_only:
+        say("steps 2-4 (the tiny worker and the deployment): not run (--at-size-only)")
     else:
-        skip("worker-bf16", f"one worker needs {gib(size['bf16'].device_total)}, a device has {gib(size['memory'])}")
-    if size["fp32_fits"]:
-        results["worker-fp32"] = (
-            "ok" if memory_step("worker-fp32", model, first, "fp32", args, args.out, data) else "FAIL"
-        )
+        tiny_steps(args, size, devices, model, data, results)
+    if args.cpu:
+        say("step 5 (1B and 8B workers): not in the dry run")
     else:
-        skip("worker-fp32", f"fp32 weights need {gib(size['fp32'].device_total)}, a device has {gib(size['memory'])}")
-    if size["nodes"]:
-        if len(size["nodes"]) == 1:
-            say(f"deployment: one SuperNode only (two workers need {gib(2 * size['bf16'].device_total)} on {first})")
-        ok = deployment_step(model, size["nodes"], args, args.out, data)
-        results[f"deployment-{len(size['nodes'])}-nodes"] = "ok" if ok else "FAIL"
-    else:
-        skip("deployment", "no device holds one worker")
+        at_size_steps(args, devices, model, results, work)
     failed = [k for k, v in results.items() if v == "FAIL"]
     ran = [k for k, v in results.items() if v == "ok"]
     skipped = [k for k, v in results.items() if v.startswith("skipped")]

@@ -3,9 +3,13 @@ rounds, and what reads the log (resume, catch-up, Ray actors) still finds what i
 
 from __future__ import annotations
 
+import json
+
 import torch
 
+from parablock_flwr.config import RunConfig
 from parablock_flwr.core import apply_step
+from parablock_flwr.plan import make_plan, model_config, model_shape
 from parablock_flwr.replica import ModelReplica, StepLog
 
 from helpers import simulate
@@ -68,3 +72,9 @@ def test_a_bounded_log_catches_up_nodes_that_missed_rounds_and_stops_growing(tmp
     log = StepLog(run.run_dir)
     assert log.snapshots() == [4, 6] and log.steps() == [5, 6]
     assert len(list(log.dir.iterdir())) == 4
+    # `parablock-flwr plan`'s server disk: what the log holds at the end is its bound (2 snapshots of
+    # the 2 blocks and 2 steps = 6 steps' bytes), up to the files' safetensors headers.
+    cfg = RunConfig.from_flower(json.loads((run.run_dir / "config.json").read_text()))
+    planned = make_plan(cfg, model_shape(cfg, model_config(str(tiny_model_dir))), num_nodes=3).disk["step_log"]
+    on_disk = sum(f.stat().st_size for f in log.dir.iterdir())
+    assert planned <= on_disk <= planned * 1.02, (planned, on_disk)

@@ -21,6 +21,7 @@ from parablock_flwr.config import ConfigError, RunConfig, check_num_clients
             "verify-invariant=True: expected False with correction='none'",
         ),
         ({"correction": "none", "snapshot-every": 4}, "snapshot-every=4: expected 0 with correction='none'"),
+        ({"eval-cpus": "2-x"}, "eval-cpus='2-x': expected CPU ids like 1, 0,2 or 2-7"),
     ],
 )
 def test_invalid_values_name_key_value_and_expectation(overrides, message):
@@ -34,6 +35,15 @@ def test_defaults_are_valid_and_ints_become_floats():
     cfg = RunConfig.from_flower({"server-lr": 1, "unrelated-key": "x"})
     assert cfg.server_lr == 1.0 and isinstance(cfg.server_lr, float)
     assert cfg.algorithm == "parablock"
+
+
+def test_eval_cpus_the_server_lacks_stop_the_run_before_any_work():
+    """The syntax is the config's; which CPUs exist only the server knows (its ServerApp checks)."""
+    from parablock_flwr.server_apps.app import check_eval_cpus
+
+    check_eval_cpus("0")
+    with pytest.raises(ConfigError, match=r"^eval-cpus='0,4096': expected CPUs among 0\.\.\d+$"):
+        check_eval_cpus("0,4096")
 
 
 def test_zero_clients_is_an_error():

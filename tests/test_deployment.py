@@ -92,6 +92,19 @@ def test_round_r_is_evaluated_after_round_r_plus_1_is_sent(deployed):
         assert all(rec[f"critical_path_{leg}_s"] >= -0.05 for leg in ("aggregate", "dispatch", "delivery")), rec
 
 
+def test_the_relay_leg_splits_into_flowers_pull_the_send_and_the_workers_read(deployed):
+    """The ClientApp's stamps reach the record: its relay leg is the sum of its three parts, each one
+    measured, and the CPU seconds of the ClientApp and the server are there for every round."""
+    for rec in _ok(deployed).records[2:]:
+        parts = [rec[f"critical_path_{part}_s"] for part in ("clientapp_pull", "relay_send", "worker_read")]
+        # The worker may stamp the last byte read before the ClientApp's sendall returns to stamp it sent:
+        # two processes' clocks on one host, so worker_read can be a hair below zero (CI saw it), never more.
+        assert parts[0] > 0 and parts[1] >= 0 and parts[2] >= -0.05, f"{parts} in round {rec['round']}"
+        assert sum(parts) == pytest.approx(rec["critical_path_clientapp_relay_s"], abs=1e-6)
+        assert rec["server_cpu_s"] > 0 and rec["server_times"]["previous_finished"] >= rec["server_times"]["pushed"]
+        assert all(0 < row["clientapp_pull_cpu_s"] <= row["clientapp_cpu_s"] for row in rec["timeline"])
+
+
 def test_clientapp_process_does_not_import_torch(deployed):
     rows = [row for rec in _ok(deployed).records[1:] for row in rec["timeline"]]
     assert rows and all(row["clientapp_imported_torch"] == 0 for row in rows)

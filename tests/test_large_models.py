@@ -36,7 +36,7 @@ def block_gradient(model_dir, batch, **settings) -> core.Tensors:
         params[n].requires_grad_(True)
     base = TrainSettings(1, 1e-3, 0.0, "constant", 0, 1e9, "fp32")
     if settings.get("gradient_checkpointing"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     accumulated_loss(model, batch, TrainSettings(**{**base.__dict__, **settings}), torch.device("cpu"))
     return {n: params[n].grad.clone() for n in names}

@@ -118,7 +118,8 @@ def test_two_copies_of_a_round_at_once_leave_the_replica_exactly_x1_with_one_com
 
 
 def test_an_older_round_a_foreign_partition_and_a_left_run_are_refused_and_change_nothing(tmp_path, tiny_model_dir):
-    """Each refusal names what it was and what the node is at, starts the reason with `state-intact: `
+    """An older round, another partition, a block the model does not have, a run the worker left: each
+    refusal names what it was and what the node is at, starts the reason with `state-intact: `
     (relayed by the real ClientApp over the real socket), and leaves the node's state as it was."""
     config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 2})
     worker = NodeWorker()
@@ -141,6 +142,11 @@ def test_an_older_round_a_foreign_partition_and_a_left_run_are_refused_and_chang
         )
         assert foreign["state-intact"] and "partition-id=1 refused" in foreign["error"]
         assert "serves partition-id=0" in foreign["error"]
+        for block, next_block, named in ((9, -1, "block=9"), (0, -2, "next-block=-2")):
+            outside, _ = worker.serve_request(
+                worker_request(config, 7, 3, block=block, next_block=next_block, num_partitions=2), g1
+            )
+            assert outside["state-intact"] and f"{named} refused: this node's model has blocks 0..1" in outside["error"]
         assert (replica.version, core.digest(replica.params, replica.params), worker.node.state) == before
 
         worker.serve_request(

@@ -36,3 +36,22 @@ def test_the_store_keeps_a_bounded_number_of_files(tmp_path):
         store.save(r, r % 3, residual(float(r)))
     assert len(list(store.dir.iterdir())) <= 3 + KEEP_ROUNDS
     assert sorted(store.as_of(100 - KEEP_ROUNDS)) == [0, 1, 2]
+
+
+def test_a_node_first_sampled_rounds_after_a_resume_goes_on_from_the_checkpoints_residuals(tmp_path):
+    """The server stopped with its checkpoint at round 2 while this node had answered round 3 too. In
+    the resumed run (fraction-train < 1) the node is first sampled in round 5, without a hand-back:
+    it must go on from round 2's residuals, which the message names (``resumed-after``), not from those
+    of the round before its message (round 4's, i.e. the killed run's round 3)."""
+    from parablock_flwr.config import RunConfig
+    from parablock_flwr.node import Node, Request
+
+    before = ResidualStore(tmp_path / "killed-run")
+    before.save(1, 0, residual(1.0))
+    before.save(3, 0, residual(3.0))
+    cfg = RunConfig(transfer_dtype="bf16", resume_from="killed-run")
+    round_cfg = {"server-round": 5, "block": 0, "step-block": 1, "resumed-after": 2}
+    req = Request.parse("train", 1, round_cfg, {"global-step": {}}, 0, 2)
+    node = Node()
+    node.begin_run(cfg, req, ResidualStore(tmp_path / "resumed-run"), before)
+    assert torch.equal(node.state.residuals[0]["w"], residual(1.0)["w"])

@@ -33,6 +33,41 @@ def test_plan_prints_its_table_for_a_llama3_8b_config(capsys):
         cli_main(["plan", str(LLAMA_8B), 'weights="fp16"'])
 
 
+def test_the_plan_says_what_the_step_log_costs_on_the_servers_disk_and_how_to_bound_it(capsys):
+    """500 rounds of Llama-3.1-8B in 7 blocks (5 layers each, the last 2): one fp32 step of the largest
+    block a round, 4.1 GiB, about 2 TiB in all; `snapshot-every` bounds it at 2 snapshots of every
+    trainable weight and 2N steps."""
+    assert cli_main(["plan", str(LLAMA_8B), "num-server-rounds=500"]) == 0
+    out = capsys.readouterr().out
+    disk = out.split("| server disk (the run folder, 500 rounds) | ")[1].split("\n")[0]
+    assert disk.startswith("2,055.7 | step_log 2,031.3, pending_updates 24.4 |"), disk
+    assert "the step log grows by 4.1 GiB a round: snapshot-every=7 bounds it at 108.9 GiB" in out
+    assert cli_main(["plan", str(LLAMA_8B), "num-server-rounds=500", "snapshot-every=7"]) == 0
+    out = capsys.readouterr().out
+    assert "| step_log 108.9, pending_updates 24.4 |" in out and "the step log grows" not in out
+
+
+# Peak device memory (torch.cuda.max_memory_allocated, MiB) of one worker on an H200, 2026-12-01:
+# `scripts/gpu-check.sh --at-size-only` (docs/deploy-8b.md, "Measured on a GPU").
+MEASURED_ON_H200 = {("llama-3.2-1b", 4, 1): 8401, ("llama-3.1-8b", 4, 1): 33685, ("llama-3.1-8b", 8, 4): 74787}
+
+
+@pytest.mark.parametrize(("model", "layers", "micro"), list(MEASURED_ON_H200))
+def test_the_plan_covers_what_a_gpu_measured_within_5_percent(model, layers, micro):
+    """The plan's device terms (without the CUDA context, which max_memory_allocated leaves out) are
+    at least the measured peak, and at most 5% above it: the figures gpu-check measured."""
+    from parablock_flwr.config import RunConfig
+    from parablock_flwr.plan import make_plan, model_config, model_shape
+
+    folder = ROOT / "docs" / "model-configs" / model
+    settings = {"model": str(folder), "weights": "bf16", "precision": "bf16", "max-seq-len": 1024,
+                "batch-size": 8, "layers-per-block": layers, "micro-batch-size": micro,
+                "gradient-checkpointing": micro == 1}  # fmt: skip
+    cfg = RunConfig.from_flower(settings)
+    planned = sum(make_plan(cfg, model_shape(cfg, model_config(str(folder))), num_nodes=1).device.values())
+    assert 1.0 <= planned / 2**20 / MEASURED_ON_H200[model, layers, micro] <= 1.05
+
+
 def test_gpu_check_sizes_itself_to_the_gpus_it_finds(monkeypatch, capsys, tmp_path):
     """An 8B model on one 40 GB GPU: no fp32 step, one SuperNode; on two 80 GB GPUs: one per GPU."""
     monkeypatch.setenv("OUT", str(tmp_path / "out"))

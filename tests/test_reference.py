@@ -1,8 +1,10 @@
 """The app held to the reference (tests/reference.py): the same global model after every round.
 
-One simulation per algorithm (ParaBlock ``at-end``, sequential BCD, ParaBlock without the
-correction) with partial participation, non-IID data, a run-wide learning-rate schedule and
-a schedule that repeats blocks, then the reference on the same tiny model, data and seeds.
+One run per algorithm (ParaBlock ``at-end``, sequential BCD, ParaBlock without the correction;
+without Ray, ``simulate_in_process``: the app's ServerApp and ClientApp over Flower's in-memory
+federation, the code the simulation runs) with partial participation, non-IID data, a run-wide
+learning-rate schedule and a schedule that repeats blocks, then the reference on the same tiny
+model, data and seeds.
 
 The app's server samples its clients over their partition ids (Flower's node ids are random in
 every run), so a seed picks the same clients in the app and in the reference: the test checks
@@ -21,7 +23,7 @@ import torch
 
 from parablock_flwr.config import RunConfig
 
-from helpers import simulate
+from helpers import simulate_in_process
 
 ROUNDS = 5
 SETTINGS = dict(
@@ -61,7 +63,7 @@ def runs(tmp_path_factory, tiny_model_dir):
     the app's x^1..x^R)}."""
 
     def one(label):
-        return simulate(tmp_path_factory.mktemp(label), tiny_model_dir, **SETTINGS, **ALGORITHMS[label])
+        return simulate_in_process(tmp_path_factory.mktemp(label), tiny_model_dir, **SETTINGS, **ALGORITHMS[label])
 
     with ThreadPoolExecutor(len(ALGORITHMS)) as pool:
         apps = dict(zip(ALGORITHMS, pool.map(one, ALGORITHMS)))

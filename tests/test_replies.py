@@ -207,3 +207,30 @@ def test_a_site_with_its_own_data_keeps_the_count_of_its_first_accepted_reply():
         == "num-examples=1e+300, expected 48 (this site's count in its first accepted reply)"
     )
     assert check_own_count(reply(1e300, own=0), counts) is None  # a partitioned node: the run's bound applies
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("where", [0, 4_999, 9_999])
+def test_one_non_finite_value_anywhere_is_found(bad, where):
+    """The reply check's finiteness test (minimum and maximum, no mask) finds one NaN or infinity
+    wherever it sits, beside finite values as large as float32 holds, as torch.isfinite would."""
+    from parablock_flwr.strategies.reply_checks import all_finite
+
+    values = torch.randn(10_000)
+    values[1], values[2] = torch.finfo(torch.float32).max, torch.finfo(torch.float32).min
+    assert all_finite(values) and all_finite(torch.zeros(0)) and all_finite(torch.tensor(3.0))
+    values[where] = bad
+    assert not all_finite(values) and not all_finite(values.view(100, 100).t())
+
+
+def test_the_model_digest_is_sha256_of_the_tensors_bytes_in_order():
+    """``core.digest`` reads each tensor in place; its value must stay what checkpoints already hold:
+    SHA-256 over each name and the tensor's C-order bytes (0-d, empty and non-contiguous tensors too)."""
+    import hashlib
+
+    params = {"w": torch.randn(3, 4).t(), "s": torch.tensor(2.5), "e": torch.zeros(0, 2), "b": torch.arange(5.0)}
+    expected = hashlib.sha256()
+    for name in ("b", "w", "s", "e"):
+        expected.update(name.encode())
+        expected.update(params[name].contiguous().numpy().tobytes())
+    assert core.digest(params, ["b", "w", "s", "e"]) == expected.hexdigest()

@@ -10,6 +10,9 @@ The nodes here answer with a deterministic update of the block's shape (the prot
 from __future__ import annotations
 
 import json
+import os
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -19,6 +22,7 @@ from federation import InMemoryFederation
 from flwr.app import ArrayRecord, Error, Message, MessageType, MetricRecord, RecordDict
 
 from parablock_flwr import core
+from parablock_flwr.checkpoint import load_checkpoint
 from parablock_flwr.config import RunConfig
 from parablock_flwr.data import tokenized_splits
 from parablock_flwr.evaluation import evaluate
@@ -206,6 +210,58 @@ def test_a_node_rejected_in_every_round_is_named_as_excluded(tmp_path, tiny_mode
     assert "num-examples=64, expected a number in (0, 40]" in excluded[0]
 
 
+def test_a_resumed_run_goes_on_counting_who_it_left_out(tmp_path, tiny_model_dir):
+    """Rejected in rounds 1-3, the run stopped and resumed for rounds 4-5: the node is named as not
+    aggregated in 5 of 5 rounds (before: the count started again, 2 of 2), by its partition, since
+    node ids change across a restart."""
+    first = make_strategy(tmp_path / "first", tiny_model_dir, 3, num_examples=40)
+    honest, big = honest_answer(first, num_examples=20), honest_answer(first, num_examples=64)
+    run(first, InMemoryFederation(2, lambda i, m: big(i, m) if i else honest(i, m)), 3)
+    resumed = make_strategy(tmp_path / "resumed", tiny_model_dir, 5, num_examples=40)
+    checkpoint = load_checkpoint(first.run.run_dir)  # (check_resumable also reads the config.json the ServerApp writes)
+    first_step = resumed.run.resume(first.run.run_dir, checkpoint)
+    honest, big = honest_answer(resumed, num_examples=20), honest_answer(resumed, num_examples=64)
+    with InMemoryFederation(2, lambda i, m: big(i, m) if i else honest(i, m)) as federation:
+        resumed.run.start(federation.grid, first_step)
+    excluded = resumed.run.excluded_nodes()
+    assert len(excluded) == 1 and "(partition 1): not aggregated in 5 of 5 rounds (5 in a row" in excluded[0], excluded
+
+
+def test_each_checkpoint_hashes_only_what_its_round_changed_and_a_resume_checks_it(
+    tmp_path, tiny_model_dir, monkeypatch
+):
+    """A round's checkpoint hashes the tensors its step changed, not the model (for an 8B model the
+    whole model was 26 GiB of SHA-256 every round); its digest is that of the model hashed afresh, and
+    a resume checks it. A checkpoint written before (``digest_format`` absent: the whole model's bytes
+    in one SHA-256) still resumes, and a wrong digest is still refused."""
+    hashed = []
+    hash_tensor = core.tensor_sha256
+    monkeypatch.setattr(core, "tensor_sha256", lambda t: hashed.append(t.numel()) or hash_tensor(t))
+    first = make_strategy(tmp_path / "first", tiny_model_dir, 4, schedule="ascending")
+    run(first, InMemoryFederation(2, honest_answer(first)), 4)
+    names = first.partition.all_names()
+    block = sum(first.global_params[n].numel() for n in first.partition.names(0))
+    assert sum(hashed) == sum(first.global_params[n].numel() for n in names) + 3 * block  # x^1 whole, then a block
+    run_dir = first.run.run_dir
+    checkpoint = load_checkpoint(run_dir)
+    assert checkpoint.digest_format == "per-tensor"
+    assert checkpoint.global_sha256 == core.ModelDigest(names)(first.global_params)
+    make_strategy(tmp_path / "resumed", tiny_model_dir, 6, schedule="ascending").run.resume(run_dir, checkpoint)
+
+    state_file = next((run_dir / "checkpoint").glob("round-*")) / "state.json"
+    state = json.loads(state_file.read_text())
+    del state["digest_format"]
+    state["global_sha256"] = core.digest(first.global_params, names)  # as written before
+    state_file.write_text(json.dumps(state))
+    make_strategy(tmp_path / "old", tiny_model_dir, 6, schedule="ascending").run.resume(
+        run_dir, load_checkpoint(run_dir)
+    )
+    state["global_sha256"] = "0" * 64
+    state_file.write_text(json.dumps(state))
+    with pytest.raises(ValueError, match="does not give the checkpointed x\\^4"):
+        make_strategy(tmp_path / "bad", tiny_model_dir, 6).run.resume(run_dir, load_checkpoint(run_dir))
+
+
 def test_a_slow_finish_never_loses_replies_and_the_last_round_is_durable_before_its_evaluation(
     tmp_path, tiny_model_dir
 ):
@@ -235,40 +291,53 @@ def test_a_slow_finish_never_loses_replies_and_the_last_round_is_durable_before_
     assert checkpointed_at_final_evaluation == [True, True]
 
 
+def evaluator_for(strategy: FedBCD, model_dir: Path, run_dir: Path) -> tuple[ServerEvaluator, object, object]:
+    """The ServerApp's evaluator for ``strategy``'s run (its config names the tiny model: the evaluator
+    process builds x^0 from it), with the tokenizer and held-out rows it evaluates on."""
+    cfg = strategy.config
+    tokenizer = load_tokenizer(str(model_dir))
+    _, heldout = tokenized_splits(
+        cfg.dataset, cfg.num_examples, cfg.heldout_examples, cfg.seed, tokenizer, cfg.max_seq_len
+    )
+    return ServerEvaluator(tokenizer, heldout, cfg, run_dir), tokenizer, heldout
+
+
+def stalling(evaluator: ServerEvaluator, answer, seconds: float):
+    """``answer``, which first stops the evaluator process (SIGSTOP) for ``seconds``: an evaluator far
+    slower than the rounds, as a loaded server's is."""
+    stalled = []
+
+    def stall_then_answer(index, msg):
+        if not stalled:
+            stalled.append(threading.Timer(seconds, os.kill, (evaluator.pid, signal.SIGCONT)))
+            os.kill(evaluator.pid, signal.SIGSTOP)
+            stalled[0].start()
+        return answer(index, msg)
+
+    return stall_then_answer
+
+
 def test_the_servers_evaluation_runs_beside_the_loop_and_evaluates_exactly_each_x_r(tmp_path, tiny_model_dir):
-    """An evaluation far slower than a round (each takes 3 s; the in-process nodes answer at once)
-    never holds a round: the rounds go on while it runs, the evaluator evaluates the newest round due
-    and records the older ones as skipped; round 0 and the last round are always evaluated, and the
+    """An evaluator stalled for 3 s from round 1 (its process stopped; the in-process nodes answer at once) never
+    holds a round: the rounds go on while it is stopped, it then evaluates the newest round due and
+    records the older ones as skipped; round 0 and the last round are always evaluated, and the
     run's end waits for the last. What it evaluates is exactly ``x^r``: the loss equals that of the
     model rebuilt from the step log. Each round's evaluation part is appended after its training record."""
     rounds = 6
     strategy = make_strategy(tmp_path, tiny_model_dir, rounds, evaluation="server", eval_every=1,
-                             num_examples=24, heldout_examples=8, generate_examples=0)  # fmt: skip
+                             num_examples=24, heldout_examples=8, generate_examples=0,
+                             model=str(tiny_model_dir), layers_per_block=2)  # fmt: skip
     cfg = strategy.config
-    model = load_model(str(tiny_model_dir))
-    tokenizer = load_tokenizer(str(tiny_model_dir))
-    _, heldout = tokenized_splits(
-        cfg.dataset, cfg.num_examples, cfg.heldout_examples, cfg.seed, tokenizer, cfg.max_seq_len
-    )
-    params = dict(model.named_parameters())
-    for name, tensor in strategy.global_params.items():  # the run's x is this model's parameters
-        params[name].data = tensor.data
-
-    class SlowEvaluator(ServerEvaluator):
-        def _evaluate(self, server_round, handed_over):
-            time.sleep(3.0)
-            return super()._evaluate(server_round, handed_over)
-
-    evaluator = SlowEvaluator(model, tokenizer, heldout, cfg, tmp_path)
+    evaluator, tokenizer, heldout = evaluator_for(strategy, tiny_model_dir, tmp_path)
     Run(strategy, tmp_path, evaluator)
     started = time.perf_counter()
-    records = run(strategy, InMemoryFederation(2, honest_answer(strategy)), rounds)
+    records = run(strategy, InMemoryFederation(2, stalling(evaluator, honest_answer(strategy), 3.0)), rounds)
     took = time.perf_counter() - started
     evaluated = [r["round"] for r in records if "heldout_loss" in r]
     skipped = [r["round"] for r in records if r.get("evaluation_skipped")]
     assert 0 in evaluated and rounds in evaluated and skipped, (evaluated, skipped)
     assert sorted(evaluated + skipped) == list(range(rounds + 1))
-    assert took < 3.0 * (rounds + 1), "evaluations ran one after another with the rounds: the loop waited"
+    assert took > 3.0, "the run ended before its last evaluation"
     assert max(r["round_wall_s"] for r in records[1:]) < 3.0, [r["round_wall_s"] for r in records[1:]]
 
     replica = load_model(str(tiny_model_dir))
@@ -286,14 +355,43 @@ def test_the_servers_evaluation_runs_beside_the_loop_and_evaluates_exactly_each_
 
 
 def test_an_evaluation_that_fails_fails_the_run(tmp_path, tiny_model_dir):
-    """An error in the evaluator's thread is not lost: the loop raises it (the run ends as ``error``)."""
-    strategy = make_strategy(tmp_path, tiny_model_dir, 3, evaluation="server")
-    model, tokenizer = load_model(str(tiny_model_dir)), load_tokenizer(str(tiny_model_dir))
-
-    class Failing(ServerEvaluator):
-        def _evaluate(self, server_round, handed_over):
-            raise OSError(f"disk full while evaluating round {server_round}")
-
-    Run(strategy, tmp_path, Failing(model, tokenizer, [], strategy.config, tmp_path))
-    with pytest.raises(RuntimeError, match="the server's evaluation failed: disk full while evaluating round 0"):
+    """An error in the evaluator process is not lost: the loop raises it in one line (the run ends as
+    ``error``), and the process is gone. The fault is real: round 0's generated answers cannot be
+    written (a file stands where the samples folder goes)."""
+    strategy = make_strategy(tmp_path, tiny_model_dir, 3, evaluation="server", num_examples=12, heldout_examples=4,
+                             generate_examples=1, max_new_tokens=2, model=str(tiny_model_dir),
+                             layers_per_block=2)  # fmt: skip
+    (tmp_path / "samples").write_text("not a folder")
+    evaluator, _, _ = evaluator_for(strategy, tiny_model_dir, tmp_path)
+    Run(strategy, tmp_path, evaluator)
+    with pytest.raises(RuntimeError, match=r"^the server's evaluation failed: FileExistsError: .*samples'$"):
         run(strategy, InMemoryFederation(2, honest_answer(strategy)), 3)
+    assert evaluator.pid is None  # closed: stopped and reaped
+
+
+def test_an_evaluator_process_that_dies_fails_the_run_and_leaves_no_process(tmp_path, tiny_model_dir):
+    """The evaluator process killed (SIGKILL, by its pid) in the middle of the run: the run fails with
+    one line naming the process and how it ended, and no process is left behind. Until then every
+    thread of it ran at ``SCHED_IDLE`` on ``eval-cpus`` (threads started later inherit both)."""
+    eval_cpu = max(os.sched_getaffinity(0))
+    strategy = make_strategy(tmp_path, tiny_model_dir, 4, evaluation="server", num_examples=12, heldout_examples=4,
+                             generate_examples=0, model=str(tiny_model_dir), layers_per_block=2,
+                             eval_cpus=str(eval_cpu))  # fmt: skip
+    evaluator, _, _ = evaluator_for(strategy, tiny_model_dir, tmp_path)
+    Run(strategy, tmp_path, evaluator)
+    honest, killed, placement = honest_answer(strategy), [], set()
+
+    def answer(index, msg):
+        if int(msg.content.config_records["round"]["server-round"]) == 2 and not killed:
+            killed.append(evaluator.pid)
+            for task in Path(f"/proc/{evaluator.pid}/task").iterdir():
+                placement.add((frozenset(os.sched_getaffinity(int(task.name))), os.sched_getscheduler(int(task.name))))
+            os.kill(evaluator.pid, signal.SIGKILL)
+        return honest(index, msg)
+
+    with pytest.raises(RuntimeError) as failed:
+        run(strategy, InMemoryFederation(2, answer), 4)
+    assert placement == {(frozenset({eval_cpu}), os.SCHED_IDLE)}
+    pid = killed[0]
+    assert str(failed.value) == f"the server's evaluation failed: its process (pid {pid}) ended (killed by SIGKILL)"
+    assert not Path(f"/proc/{pid}").exists(), "the evaluator process was not reaped"

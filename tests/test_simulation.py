@@ -126,19 +126,22 @@ def test_parablock_and_fedbcd_differ_from_round_2(parablock_run, fedbcd_run):
     assert any(not torch.equal(step_p2[n], step_f2[n]) for n in step_p2)
 
 
-def test_the_correction_modes_change_the_run_only_where_the_correction_acts(tmp_path, tiny_model_dir, parablock_run):
+def test_the_correction_modes_change_the_run_only_where_the_correction_acts(tmp_path, tiny_model_dir):
     """Against ParaBlock at-end: ``on-receipt`` (in simulation, after the first local step) first differs in
     round 2, whose computation it corrects; the ablation ``none`` trains round 2 from the same
-    x^0 + Δ_i^1 and first differs in round 3, the first computation that at-end's correction reaches."""
-    _ok(parablock_run)
+    x^0 + Δ_i^1 and first differs in round 3, the first computation that at-end's correction reaches.
+    The three runs without Ray (``simulate_in_process``: the same ClientApp and node code, seconds to start)."""
     runs = {
-        mode: _ok(simulate(tmp_path / mode, tiny_model_dir, num_server_rounds=ROUNDS, correction=mode, **SCHEDULE))
-        for mode in ("on-receipt", "none")
+        mode: _ok(
+            simulate_in_process(tmp_path / mode, tiny_model_dir, num_server_rounds=ROUNDS, correction=mode, **SCHEDULE)
+        )
+        for mode in ("at-end", "on-receipt", "none")
     }
+    at_end = runs.pop("at-end")
     first_difference = {}
     for mode, run in runs.items():
         for version in range(1, ROUNDS + 1):
-            (block, step), (block_at_end, step_at_end) = run.step(version), parablock_run.step(version)
+            (block, step), (block_at_end, step_at_end) = run.step(version), at_end.step(version)
             assert block == block_at_end
             if any(not torch.equal(step[n], step_at_end[n]) for n in step):
                 first_difference[mode] = version
@@ -163,14 +166,14 @@ def test_frozen_parameters_are_untouched_and_only_scheduled_blocks_move(parabloc
 
 
 def test_single_client_parablock_equals_fedbcd_bit_for_bit(tmp_path, tiny_model_dir):
-    """With one client Δ̄ = Δ, so the correction is zero and there is no staleness."""
+    """With one client Δ̄ = Δ, so the correction is zero and there is no staleness. (Without Ray:
+    ``simulate_in_process``, the same ClientApp and node code.)"""
     runs = [
-        simulate(
+        simulate_in_process(
             tmp_path / algo,
             tiny_model_dir,
             algorithm=algo,
             num_supernodes=1,
-            cpus_per_client=2,
             num_server_rounds=3,
             deterministic=True,
             server_lr=1.0,

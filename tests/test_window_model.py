@@ -2,7 +2,7 @@
 
 import pytest
 
-from benchmarks.window import fit
+from benchmarks.common import fit
 from parablock_flwr import core
 from parablock_flwr.config import ConfigError, RunConfig
 
@@ -21,3 +21,28 @@ def test_fitted_fixed_and_per_byte_cost_drive_the_time_model():
     assert core.LinkModel(50.0, 50.0, 0.0, 2.0).comm_seconds(70e6, 70e6) == pytest.approx(2.0 + 2 * 8 * 70e6 / 50e6)
     with pytest.raises(ConfigError, match=r"message-throughput-mbs=-1.0: expected a number >= 0"):
         RunConfig.from_flower({"message-throughput-mbs": -1.0})
+
+
+def test_the_dtype_sweep_calibrates_on_two_dtypes_and_predicts_the_other_rates():
+    """benchmarks/dtype_sweep.py on the records of an exchange costing exactly 3 s + bytes at 40 MB/s
+    + the link: calibrated on the fastest rate's largest and smallest messages, it recovers both terms,
+    and predicts every other run's rounds (compute + window) with no error."""
+    from benchmarks import dtype_sweep
+
+    def run(dtype: str, rate: float, nbytes: float) -> dict:
+        window = 3.0 + 2 * nbytes / 40e6 + 2 * 8 * nbytes / (rate * 1e6) + 2 * 0.005
+        rounds = [{"round": r, "comm_s": None if r == 1 else window, "compute_s": 4.0,
+                   "round_wall_s": 4.0 + (0 if r == 1 else window), "bytes_up_per_client": nbytes,
+                   "bytes_down_per_client": nbytes} for r in (1, 2, 3)]  # fmt: skip
+        return {"transfer_dtype": dtype, "rate_mbps": rate, "latency_ms": 5.0, "load_1min": 1.0, "rounds": rounds}
+
+    sizes = {"fp32": 70.8e6, "bf16": 35.4e6, "int8": 18.0e6}
+    runs = [run(dtype, rate, n) for rate in (100.0, 1000.0) for dtype, n in sizes.items()]
+    analysis = dtype_sweep.analyse(runs)
+    assert analysis["model"]["fixed_s"] == pytest.approx(3.0)
+    assert analysis["model"]["throughput_mbs"] == pytest.approx(40.0)
+    assert analysis["model"]["calibrated_on"] == ["int8 at 1000 Mbit/s", "fp32 at 1000 Mbit/s"]
+    predicted = {(r["transfer_dtype"], r["rate_mbps"]) for r in analysis["predictions"]}
+    assert predicted == {("fp32", 100.0), ("bf16", 100.0), ("int8", 100.0), ("bf16", 1000.0)}
+    assert max(abs(r["error"]) for r in analysis["predictions"]) < 1e-9
+    assert "largest error 0%" in dtype_sweep.tables(runs, analysis)

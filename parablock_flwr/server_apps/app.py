@@ -1,8 +1,8 @@
 """The ServerApp: validate the config, load the global model, run the chosen strategy.
 
 The server keeps the global model and evaluates it itself, beside the round loop on a replica
-of its own (``ServerEvaluator``: held-out loss every ``eval-every`` rounds, the task accuracy of
-generated answers), or with
+of its own in a process of its own (``ServerEvaluator``: held-out loss every ``eval-every`` rounds,
+the task accuracy of generated answers), or with
 ``evaluation = "clients"`` aggregates the nodes' evaluations on their own
 held-out rows and loads no data; messages carry only block-sized arrays. Models are exported in Hugging Face form.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -20,7 +21,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from .. import core
 from ..checkpoint import check_resumable
-from ..config import ConfigError, RunConfig, check_num_clients
+from ..config import ConfigError, RunConfig, check_num_clients, parse_cpu_list
 from ..data import tokenized_splits
 from ..durable import replace_file
 from ..metrics import RunRecorder, run_summary
@@ -104,6 +105,7 @@ def run_app(grid: Grid, context: Context, run: dict) -> None:
         heldout = None  # evaluation = "clients": the server reads no data and runs no forward pass
         if cfg.evaluation == "server":
             check_eval_device(cfg.eval_device)
+            check_eval_cpus(cfg.eval_cpus)
             _, heldout = tokenized_splits(
                 cfg.dataset, cfg.num_examples, cfg.heldout_examples, cfg.seed, tokenizer, cfg.max_seq_len
             )
@@ -136,11 +138,11 @@ def run_app(grid: Grid, context: Context, run: dict) -> None:
         schedule=schedule,
         config=cfg,
     )
-    # The server's evaluation and the save-every exports run beside the loop, on a replica of x
-    # (with evaluation = "clients" the nodes' evaluations complete the records instead).
+    # The server's evaluation and the save-every exports run beside the loop, on a replica of x in a
+    # process of its own (with evaluation = "clients" the nodes' evaluations complete the records instead).
     evaluator = None
     if heldout is not None or cfg.save_every:
-        evaluator = ServerEvaluator(model, tokenizer, heldout, cfg, run_dir)
+        evaluator = ServerEvaluator(tokenizer, heldout, cfg, run_dir)
     this_run = Run(algorithm, run_dir, evaluator)
 
     # Round 1 sends no step; a resumed run sends g^R in round R+1.
@@ -163,6 +165,16 @@ def check_eval_device(device: str) -> None:
         node_device(device)
     except ValueError as err:
         raise ConfigError(f"eval-{err}") from err
+
+
+def check_eval_cpus(cpus: str) -> None:
+    """``eval-cpus`` that this machine has (the config checked their syntax; the server's CPUs are
+    known only here)."""
+    if cpus:
+        try:
+            parse_cpu_list(cpus, os.cpu_count() or 1)
+        except ValueError as err:
+            raise ConfigError(f"eval-cpus={err}") from None
 
 
 def _run_dir_for_failure(context: Context) -> Path | None:

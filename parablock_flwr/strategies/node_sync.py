@@ -54,7 +54,9 @@ class NodeSync:
         self.needs_full_sync.add(node)
 
     def applying(self, step: core.Tensors) -> None:
-        """Called just before ``g^r`` is applied to ``x``: keep what it overwrites."""
+        """Called just before ``g^r`` is applied to ``x``: keep what it overwrites. Round r's messages
+        are all out by then: its full-sync record (a copy of every trainable tensor) is freed."""
+        self._full_sync = (0, None)
         self.before_last_step = {n: self.global_params[n].detach().clone() for n in step}
 
     # ------------------------------------------------------------ what a message carries

@@ -36,7 +36,11 @@ OPTIONAL_NUMBER_METRICS = (
     "correction-after-step",
     "correction-drift",
     "clientapp-start",
+    "clientapp-handler-start",  # Flower has pulled and deserialised the message
+    "clientapp-sent",  # the message's last byte written to the worker's socket
     "clientapp-reply",
+    "clientapp-pull-cpu-s",  # the ClientApp process's CPU seconds at its handler's start, and at its reply
+    "clientapp-cpu-s",
     "clientapp-imported-torch",
     "truncated-examples",  # examples of the round's batches cut at max-seq-len
     "dropped-examples",  # rows of the node's data max-seq-len cut before their answer (own-data: its own)
@@ -168,9 +172,20 @@ def read_update(
     except WireError as err:
         return str(err)
     for name, tensor in update.items():
-        if not torch.isfinite(tensor).all():
+        if not all_finite(tensor):
             return f"non-finite values in {name}"
     return update
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every value is finite, from the tensor's minimum and maximum: one pass that allocates
+    nothing (a NaN anywhere makes both NaN, an infinity is the minimum or the maximum), where
+    ``torch.isfinite(t).all()`` writes a mask as large as the tensor (30x slower on a 212 MB block,
+    on the server's critical path)."""
+    if tensor.numel() == 0:
+        return True
+    low, high = torch.aminmax(tensor)
+    return bool(torch.isfinite(low) and torch.isfinite(high))
 
 
 def read_trace(content) -> dict[str, str] | str:

@@ -135,6 +135,9 @@ def timeline_metrics(accepted: list[Reply]) -> dict:
         if all(k in m for k in ("clientapp-imported-torch", "clientapp-start", "clientapp-reply")):
             row["clientapp_imported_torch"] = int(m["clientapp-imported-torch"])
             row["clientapp_start_to_reply_s"] = float(m["clientapp-reply"]) - float(m["clientapp-start"])
+        for key in ("clientapp-pull-cpu-s", "clientapp-cpu-s"):  # which process burns the bytes
+            if key in m:
+                row[key.replace("-", "_")] = float(m[key])
         rows.append(row)
     if not rows:
         return {}
@@ -159,6 +162,10 @@ CRITICAL_PATH_LEGS = (
     "reply_to_server",
     "wait_for_others",
 )
+# ``clientapp_relay`` in three (where the ClientApp reports them): ``clientapp_pull`` (process start to its
+# handler: Flower's start-up, pull and deserialisation of the message), ``relay_send`` (handler to the
+# message's last byte in the worker's socket), ``worker_read`` (to the worker holding every array).
+CLIENTAPP_RELAY_PARTS = ("clientapp_pull", "relay_send", "worker_read")
 
 
 def critical_path_rows(accepted_metrics: dict[int, dict], previous: dict, pushed: float | None) -> dict:
@@ -170,7 +177,9 @@ def critical_path_rows(accepted_metrics: dict[int, dict], previous: dict, pushed
     SuperNode, process start), ``clientapp_relay`` (ClientApp start to the worker holding F_r);
     up: ``reply_relay`` (worker reply of r-1 to its ClientApp returning it), ``reply_to_server``
     (ClientApp to the server pulling it: SuperNode, SuperLink, the pull interval),
-    ``wait_for_others`` (its arrival to the round's last reply).
+    ``wait_for_others`` (its arrival to the round's last reply). Where the ClientApp reports its
+    handler's start and its last byte sent, ``clientapp_relay`` is also given in its parts
+    (``CLIENTAPP_RELAY_PARTS``).
     """
     if pushed is None or previous.get("last_reply") is None:
         return {}
@@ -188,8 +197,12 @@ def critical_path_rows(accepted_metrics: dict[int, dict], previous: dict, pushed
             "reply_to_server": arrived - returned,
             "wait_for_others": previous["last_reply"] - arrived,
         }
+        if "clientapp-handler-start" in m and "clientapp-sent" in m:
+            values["clientapp_pull"] = m["clientapp-handler-start"] - m["clientapp-start"]
+            values["relay_send"] = m["clientapp-sent"] - m["clientapp-handler-start"]
+            values["worker_read"] = m["request-received"] - m["clientapp-sent"]
         for leg, value in values.items():
-            legs[leg].append(value)
+            legs.setdefault(leg, []).append(value)
     if not legs["aggregate"]:
         return {}
     return {f"critical_path_{leg}_s": sum(v) / len(v) for leg, v in legs.items()}

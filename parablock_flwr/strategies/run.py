@@ -66,6 +66,7 @@ class Run:
         self.config = algorithm.config
         self.run_dir = Path(run_dir)
         self.step_log = StepLog(run_dir)  # g^1..g^r: clients catch up from it, resume replays it
+        self._model_digest = core.ModelDigest(algorithm.partition.all_names())  # rehashes what steps change
         self.recorder = RunRecorder(run_dir)
         self.evaluator = evaluator
         self.num_rounds = self.config.num_server_rounds
@@ -76,11 +77,11 @@ class Run:
         # Wall-clock times (time.time, comparable with the node workers' on one host) of this round's
         # push, last reply, aggregation; and of the previous round's, with each node's reply arrival.
         self._times: dict[str, float] = {}
+        self._cpu_at_aggregate = time.process_time()  # the server's CPU seconds when the last round was aggregated
         self._previous: dict = {}
         self._arrivals: dict[int, float] = {}
         self._counts = self._new_counts()  # this round's message counts (``round_clock``)
         self._modeled_wall_s = 0.0
-        self._last_step: tuple[int, int, core.Tensors] | None = None  # (round, block, g^r) until durable
         # evaluation = "clients": version -> the nodes' aggregated held-out evaluation of x^version; it comes
         # with round version+1's replies, after round version's record is written (which it then completes).
         self.client_evaluations: dict[int, dict] = {}
@@ -90,7 +91,10 @@ class Run:
         self._abandoned: dict[str, tuple[int, float]] = {}  # message id -> (node, when it expires)
         self._replied_by: dict[str, int] = {}  # message id -> its node, for the replies of this round
         self._participation: dict[int, dict] = {}  # node -> rounds asked, aggregated, not in a row
-        self._rounds_noted = 0  # rounds whose participation was noted (this server process)
+        self._rounds_noted = 0  # rounds whose participation was noted, since round 1 (a resume goes on counting)
+        # A resumed run's rows from before the restart, by partition ("partition 3") where it was known,
+        # else by node id ("node 7"): node ids change across a restart, partitions do not.
+        self._carried_participation: dict[str, dict] = {}
         self.pull_interval_s = self.config.pull_interval_s
         algorithm.attach(self)
 
@@ -120,6 +124,7 @@ class Run:
                 self._times.pop("first_reply_checked", None)
                 if due is not None:
                     self.finish_round(due)
+                    self._times["previous_finished"] = time.time()  # beside the message's way to the nodes
                 clear_staged_pending(self.run_dir)  # what an earlier, failed attempt staged
                 replies = self.replies_as_they_arrive(grid, sent)
                 arrays, train_metrics = self.algorithm.aggregate_train(server_round, replies)
@@ -229,6 +234,7 @@ class Run:
         clock = {
             **self._counts,
             "round_wall_s": now - self._times.get("aggregated", now),
+            "server_cpu_s": time.process_time() - self._cpu_at_aggregate,  # this process's, every thread
             "aggregate_s": now - self._times.get("last_reply", now),
             # Wall-clock stamps of the round on the server: pushed, first reply checked, last reply, aggregated.
             "server_times": {**self._times, "aggregated": now},
@@ -240,20 +246,19 @@ class Run:
             "arrivals": dict(self._arrivals),
             "clientapp_reply": {n: m["clientapp-reply"] for n, m in accepted_metrics.items() if "clientapp-reply" in m},
         }
-        self._times["aggregated"], self._arrivals = now, {}
+        self._times["aggregated"], self._arrivals, self._cpu_at_aggregate = now, {}, time.process_time()
         return clock
 
     # ------------------------------------------------------------ the global model's history
     def log_step(self, server_round: int, block: int, step: core.Tensors) -> None:
         """``g^r``, just applied to ``x``: into the step log (clients catch up from it, resume replays
-        it), a snapshot every ``snapshot-every`` rounds, and kept for the evaluator until round r
-        is durable."""
+        it, the evaluator follows it), a snapshot every ``snapshot-every`` rounds."""
         self.step_log.write(server_round, block, step)
+        self._model_digest.changed(step)
         every = self.config.snapshot_every
         if every and server_round % every == 0:
             self.step_log.write_snapshot(server_round, self.algorithm.global_params)  # bounded disk
             self.step_log.prune()
-        self._last_step = (server_round, block, step)
 
     def stage_pending(self, partition_id: int, pending: core.PendingUpdate) -> None:
         """A client's update of this round, for the round's checkpoint (what a restarted server
@@ -300,8 +305,7 @@ class Run:
         and the nodes' evaluations (``evaluation = "clients"``) that came with this round's replies."""
         self.make_durable(server_round)
         if self.evaluator is not None:
-            step = self._last_step if self._last_step and self._last_step[0] == server_round else None
-            self.evaluator.submit(server_round, step)
+            self.evaluator.submit(server_round)
         else:
             self.write_evaluation(server_round, self.client_evaluations.pop(server_round, {}))
         for version in sorted(self.client_evaluations):  # earlier rounds' records, completed by appending
@@ -311,7 +315,7 @@ class Run:
 
     def write_evaluation(self, server_round: int, evaluation: dict) -> None:
         """Complete round r's record with its evaluation (appended) and log the round's line.
-        Called by the loop and by the evaluator's thread (``RunRecorder.write`` is one append)."""
+        Called by the loop and by the evaluator's receiving thread (``RunRecorder.write`` is one append)."""
         if server_round == 0 and "algorithm" not in evaluation:  # round 0 has no training record
             evaluation = {"algorithm": self.algorithm.algorithm, "elapsed_s": time.perf_counter() - self._started,
                           **evaluation}  # fmt: skip
@@ -347,7 +351,7 @@ class Run:
         error, no reply) counts towards its exclusion (``excluded_nodes``)."""
         self._rounds_noted += 1
         for node in asked:
-            row = self._participation.setdefault(node, {"rounds": 0, "accepted": 0, "streak": 0, "longest": 0})
+            row = self._participation_row(node, self.algorithm.sync.partitions.get(node))
             row["rounds"] += 1
             if node in accepted:
                 row["accepted"] += 1
@@ -363,8 +367,24 @@ class Run:
         record = None if msg.has_error() else msg.content.metric_records.get("metrics")
         claimed = record.get("partition-id") if record is not None else None
         if type(claimed) is int:
-            self._participation.setdefault(node, {"rounds": 0, "accepted": 0, "streak": 0, "longest": 0})
-            self._participation[node]["claimed_partition"] = claimed
+            self._participation_row(node, claimed)["claimed_partition"] = claimed
+
+    def _participation_row(self, node: int, partition: int | None) -> dict:
+        """``node``'s row; a new one goes on from the row its partition (or node id) had before a resume."""
+        if node not in self._participation:
+            carried = self._carried_participation
+            row = carried.pop(f"partition {partition}", None) if partition is not None else None
+            row = row or carried.pop(f"node {node}", None) or {"rounds": 0, "accepted": 0, "streak": 0, "longest": 0}
+            self._participation[node] = row
+        return self._participation[node]
+
+    def participation_state(self) -> dict:
+        """What the checkpoint keeps of who was left out, so that a resumed run goes on counting."""
+        rows = dict(self._carried_participation)
+        for node, row in self._participation.items():
+            partition = self.algorithm.sync.partitions.get(node, row.get("claimed_partition"))
+            rows[f"partition {partition}" if partition is not None else f"node {node}"] = row
+        return {"rounds_noted": self._rounds_noted, "rows": rows}
 
     def excluded_nodes(self) -> list[str]:
         """The nodes this run left out, one line each: asked in every round and never aggregated, or
@@ -373,11 +393,14 @@ class Run:
         out: it is counted in those rounds' records (``rejected``)."""
         k = self.config.max_consecutive_rejections
         out = []
-        for node, row in sorted(self._participation.items()):
+        rows = [(f"node {node}", node, row) for node, row in sorted(self._participation.items())]
+        rows += [(key, None, row) for key, row in sorted(self._carried_participation.items())]  # not back since
+        for name, node, row in rows:
             never = 0 < row["rounds"] == self._rounds_noted and row["accepted"] == 0
             if never or (k and row["longest"] >= k):
                 partition = self.algorithm.sync.partitions.get(node, row.get("claimed_partition"))
-                name = f"node {node}" + (f" (partition {partition})" if partition is not None else "")
+                if node is not None and partition is not None:
+                    name += f" (partition {partition})"
                 out.append(f"{name}: not aggregated in {row['rounds'] - row['accepted']} of {row['rounds']} rounds "
                            f"({row['longest']} in a row; last: {row.get('last_reason', 'none')})")  # fmt: skip
         return out
@@ -390,10 +413,11 @@ class Run:
             Checkpoint(
                 round=server_round,
                 blocks=self.algorithm.decided_blocks(),
-                global_sha256=core.digest(self.algorithm.global_params, self.algorithm.partition.all_names()),
+                global_sha256=self._model_digest(self.algorithm.global_params),
                 elapsed_s=time.perf_counter() - self._started,
                 modeled_wall_s=self._modeled_wall_s,
                 strategy_state=self.algorithm.state_dict(),
+                participation=self.participation_state(),
             ),
         )
 
@@ -414,6 +438,7 @@ class Run:
             self.recorder,
             before_each_step=algorithm.sync.applying,
         )  # keeps x^{R-1} for a full sync
+        self._model_digest = core.ModelDigest(algorithm.partition.all_names())  # x is x^R now: hash it anew
         self.first_round = ckpt.round + 1
         self.rounds_completed = ckpt.round
         last = next((r for r in self.recorder.read() if r["round"] == ckpt.round), {})
@@ -421,6 +446,8 @@ class Run:
             self.unevaluated_round, self._recorded[ckpt.round] = ckpt.round, last
         self._modeled_wall_s = ckpt.modeled_wall_s
         self._started = time.perf_counter() - ckpt.elapsed_s  # elapsed_s goes on where it stopped
+        self._rounds_noted = ckpt.participation.get("rounds_noted", 0)
+        self._carried_participation = {key: dict(row) for key, row in ckpt.participation.get("rows", {}).items()}
         algorithm.resumed(ckpt)
         for partition_id, pending in ckpt.pending.items():  # this folder's own copy of the checkpoint:
             stage_pending(self.run_dir, partition_id, pending)  # resumable from its first moment

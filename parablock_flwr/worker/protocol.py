@@ -15,9 +15,9 @@ the bound. Every refusal is a ``ProtocolError`` with a one-line reason.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import math
+import mmap
 import socket
 import struct
 from collections.abc import Callable
@@ -36,6 +36,8 @@ MAX_ARRAY_DIMS = 32
 
 # The receiver's bound on a frame's array bytes, given its header: (bytes, where the bound comes from).
 ArrayLimit = Callable[[dict], tuple[int, str]]
+# What a receiver wants in front of each array's bytes, given its dtype and shape (npy.npy_header).
+Prefix = Callable[[np.dtype, tuple[int, ...]], bytes]
 
 
 class ProtocolError(ValueError):
@@ -58,10 +60,17 @@ async def send(writer: asyncio.StreamWriter, header: dict, arrays: dict[str, np.
     await writer.drain()
 
 
-async def recv(reader: asyncio.StreamReader, limit: ArrayLimit | None = None) -> tuple[dict, dict[str, np.ndarray]]:
+async def recv(
+    reader: asyncio.StreamReader | SocketReader, limit: ArrayLimit | None = None, prefix: Prefix | None = None
+) -> tuple[dict, dict[str, np.ndarray | bytes]]:
     """One frame. ``limit`` bounds the sum of its arrays' bytes (the worker's side; ``None``: the reply
     a ClientApp reads from its own node's worker). Raises ``ProtocolError`` for a frame refused, and
-    ``asyncio.IncompleteReadError`` when the peer sent nothing at all (it connected and left)."""
+    ``asyncio.IncompleteReadError`` when the peer sent nothing at all (it connected and left).
+
+    Each array is a read-only numpy view of the memory its bytes were read into (``_read_array``); with
+    ``prefix`` (a ``SocketReader`` only), it is instead ``bytes``: ``prefix(dtype, shape)`` followed by the
+    array's bytes, which the socket writes straight behind the prefix (the ClientApp's reply: an npy payload
+    for Flower's ``Array``)."""
     (size,) = _LEN.unpack(await reader.readexactly(_LEN.size))
     if size > MAX_HEADER_BYTES:
         raise ProtocolError(f"header of {size:,} bytes; expected at most {MAX_HEADER_BYTES:,}")
@@ -79,11 +88,71 @@ async def recv(reader: asyncio.StreamReader, limit: ArrayLimit | None = None) ->
     arrays = {}
     for name, dtype, shape in specs:
         nbytes = math.prod(shape) * dtype.itemsize
-        arrays[name] = np.frombuffer(await _read(reader, nbytes, f"array {name!r}"), dtype=dtype).reshape(shape)
+        if prefix is None:
+            arrays[name] = await _read_array(reader, dtype, shape, nbytes, f"array {name!r}")
+        else:
+            arrays[name] = await _read_behind(reader, prefix(dtype, shape), nbytes, f"array {name!r}")
     return header, arrays
 
 
-async def _read(reader: asyncio.StreamReader, nbytes: int, what: str) -> bytes:
+async def _read_array(
+    reader: asyncio.StreamReader | SocketReader, dtype: np.dtype, shape: tuple[int, ...], nbytes: int, what: str
+) -> np.ndarray:
+    """Exactly ``nbytes`` read into an anonymous mapping, as a read-only array of ``dtype`` and ``shape``.
+    The bytes are copied into place as they arrive, a socket buffer at a time (while they are in the
+    CPU's cache): ``StreamReader.readexactly`` would first gather the whole array in a buffer of its own,
+    then copy it out, two more passes over memory. The mapping's pages exist once written, so memory grows
+    only with what the peer sends."""
+    if nbytes == 0:
+        array = np.empty(shape, dtype)
+    else:
+        buffer = _mapping(nbytes, nbytes, what)
+        with memoryview(buffer) as view:
+            await _fill(reader, view, what)
+        array = np.frombuffer(buffer, dtype=dtype).reshape(shape)
+    array.flags.writeable = False
+    return array
+
+
+def _mapping(size: int, nbytes: int, what: str) -> mmap.mmap:
+    """An anonymous mapping of ``size`` bytes, for ``what`` (``nbytes`` of it declared by the peer)."""
+    try:
+        return mmap.mmap(-1, size)
+    except (OSError, OverflowError, ValueError):
+        raise ProtocolError(f"{what} declares {nbytes:,} bytes; more than this machine can map") from None
+
+
+async def _fill(reader: asyncio.StreamReader | SocketReader, view: memoryview, what: str) -> None:
+    """``view`` filled from the frame; ``ProtocolError`` if the frame ends first."""
+    got = 0
+    try:
+        if isinstance(reader, SocketReader):
+            await reader.readinto(view)
+            return
+        while got < len(view):  # what the StreamReader holds, a socket read at a time
+            chunk = await reader.read(len(view) - got)
+            if not chunk:
+                raise asyncio.IncompleteReadError(b"", len(view))
+            view[got : got + len(chunk)] = chunk
+            got += len(chunk)
+    except asyncio.IncompleteReadError as err:
+        got = got or len(err.partial)
+        raise ProtocolError(f"the frame ended after {got:,} of the {len(view):,} bytes of {what}") from None
+
+
+async def _read_behind(reader: SocketReader, prefix: bytes, nbytes: int, what: str) -> bytes:
+    """``prefix`` then exactly ``nbytes`` read into the buffer behind it, as ``bytes``: one copy, because
+    Flower's ``Array`` takes ``bytes`` and no Python code fills a ``bytes`` in place. The buffer is an
+    anonymous mapping, whose pages exist once written: memory grows only with what the peer sends,
+    whatever its header declares."""
+    buffer = _mapping(len(prefix) + nbytes, nbytes, what)
+    buffer[: len(prefix)] = prefix
+    with memoryview(buffer) as view:
+        await _fill(reader, view[len(prefix) :], what)
+        return bytes(view)
+
+
+async def _read(reader: asyncio.StreamReader | SocketReader, nbytes: int, what: str) -> bytes:
     """Exactly ``nbytes`` (bytes accumulate as they arrive: nothing is allocated up front)."""
     try:
         return await reader.readexactly(nbytes)
@@ -127,9 +196,18 @@ def _array_spec(index: int, spec) -> tuple[str, np.dtype, tuple[int, ...]]:
 
 
 async def request(
-    socket_path: str, header: dict, arrays: dict[str, np.ndarray] | None = None, timeout_s: float | None = None
-) -> tuple[dict, dict[str, np.ndarray]]:
-    """One request/response over a fresh connection to the worker.
+    socket_path: str,
+    header: dict,
+    arrays: dict[str, np.ndarray] | None = None,
+    timeout_s: float | None = None,
+    prefix: Prefix | None = None,
+    on_sent: Callable[[], None] | None = None,
+) -> tuple[dict, dict[str, np.ndarray | bytes]]:
+    """One request/response over a fresh connection to the worker (``prefix``: as ``recv`` says;
+    ``on_sent``: called once the request's last byte is written, for the relay's timeline).
+
+    The arrays go to the socket as they are (a memoryview of each, never joined: an array that is a
+    view of a Flower payload is not copied), and the reply is read straight from the socket.
 
     A worker that refuses a request (its peer check, or a frame over its bound) answers one error
     frame and closes without reading the rest, so sending fails; its answer is still read and
@@ -143,13 +221,37 @@ async def request(
                 await loop.sock_sendall(sock, buffer)
         except (BrokenPipeError, ConnectionResetError):
             return await asyncio.wait_for(_answer_before_close(loop, sock), timeout_s)
-        reader, writer = await asyncio.open_unix_connection(sock=sock.dup(), limit=2**26)
-        try:
-            return await asyncio.wait_for(recv(reader), timeout_s)
-        finally:
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
+        if on_sent is not None:
+            on_sent()
+        return await asyncio.wait_for(recv(SocketReader(loop, sock), prefix=prefix), timeout_s)
+
+
+class SocketReader:
+    """A frame's bytes straight from a non-blocking socket: ``readinto`` lets the kernel write an array's
+    bytes where they will stay (a StreamReader gathers them in a buffer of its own and copies them out)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket):
+        self.loop, self.sock = loop, sock
+
+    async def readinto(self, view: memoryview) -> None:
+        """Fill ``view``; ``asyncio.IncompleteReadError`` if the peer closes first."""
+        got = 0
+        while got < len(view):
+            n = await self.loop.sock_recv_into(self.sock, view[got:])
+            if n == 0:
+                raise asyncio.IncompleteReadError(bytes(view[:got]), len(view))  # copied only when it fails
+            got += n
+
+    async def readexactly(self, nbytes: int) -> bytes:
+        """Exactly ``nbytes``, gathered as they arrive (as ``StreamReader.readexactly``: nothing is
+        allocated for what a header only declares)."""
+        buffer = bytearray()
+        while len(buffer) < nbytes:
+            chunk = await self.loop.sock_recv(self.sock, min(nbytes - len(buffer), 2**20))
+            if not chunk:
+                raise asyncio.IncompleteReadError(bytes(buffer), nbytes)
+            buffer += chunk
+        return bytes(buffer)
 
 
 async def _answer_before_close(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> tuple[dict, dict]:

@@ -177,6 +177,9 @@ class FedBCD(Strategy):
                 "next-block": -1 if last else self.block_for_round(server_round + 1),
                 "algorithm": self.algorithm,
                 "run-dir": str(self.run.run_dir),
+                # A resumed run: the round its checkpoint holds, whose residuals a node goes on from
+                # (it may have answered later rounds before the server stopped).
+                **({"resumed-after": self.run.first_round - 1} if self.run.first_round > 1 else {}),
             }
         )
 

@@ -1,0 +1,243 @@
+"""The analysis of ``python -m benchmarks.network --transfer-dtypes ...``: the communication window against
+the link rate for each transfer dtype, and the time model (``core.LinkModel``) calibrated on two points of
+the sweep and checked on every other one (issue 23).
+
+The sweep itself (every rate x dtype over one set of processes) is ``network.run_dtype_sweep``. Here:
+each run's window (rounds 2..R: the previous reply up plus this round's message down, ``comm_s``), a fit
+of the framework's cost ``fixed + bytes / throughput`` on the calibration runs after taking the link's
+own time away (``8 x bytes / rate`` and twice the latency), and the predicted round (sequential BCD:
+compute + window) of every run against the measured one. Writes results.json's ``dtype_sweep``, a
+figure (window-vs-rate.png, with matplotlib) and a section of docs/benchmarks.md.
+
+The same fit is the probe for your own deployment: run a few rounds of sequential BCD (``fedbcd``)
+twice, with two message sizes (``transfer-dtype`` fp32 and int8, or two ``layers-per-block``), and give
+their run folders with the link the runs had:
+
+    .venv/bin/python -m benchmarks.dtype_sweep --probe RUN_DIR RUN_DIR --rate 1000 --latency-ms 5
+    .venv/bin/python -m benchmarks.dtype_sweep --report runs/dtype-sweep/results.json   # tables, figure, docs again
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import PROJECT_DIR, fit, read_records, replace_doc_section
+from parablock_flwr import core
+
+DOC_HEADING = "## The window against link rate for each transfer dtype"
+TARGET_ERROR = 0.15  # issue 23: the time model predicts an uncalibrated block size and rate within 15%
+
+
+def windows(run: dict) -> list[dict]:
+    """Rounds 2..R of one run: the window, its bytes (reply up of r-1, message down of r), compute, wall."""
+    rounds = run.get("rounds", [])
+    return [
+        {"round": r["round"], "window_s": r["comm_s"], "bytes_up": prev["bytes_up_per_client"],
+         "bytes_down": r["bytes_down_per_client"], "compute_s": r["compute_s"], "round_wall_s": r["round_wall_s"]}
+        for prev, r in zip(rounds, rounds[1:]) if r.get("comm_s") is not None
+    ]  # fmt: skip
+
+
+def link_seconds(point: dict, rate: float, latency_ms: float) -> float:
+    """The link's own share of a window: both directions' bytes at ``rate``, and the latency each way."""
+    return core.LinkModel(rate, rate, latency_ms).comm_seconds(point["bytes_up"], point["bytes_down"])
+
+
+def calibrate(runs: list[dict], calibration: list[dict]) -> dict:
+    """``fixed + bytes / throughput`` fitted to the calibration runs' windows less their link time."""
+    xs, ys = [], []
+    for run in calibration:
+        for p in windows(run):
+            xs.append(p["bytes_up"] + p["bytes_down"])
+            ys.append(p["window_s"] - link_seconds(p, run["rate_mbps"], run["latency_ms"]))
+    model = fit(xs, ys)  # needs two message sizes: two transfer dtypes (or two block sizes)
+    return {"fixed_s": model["fixed_s"], "throughput_mbs": model["throughput_mbs"] or 0.0,  # 0: not modeled
+            "calibrated_on": [f"{r['transfer_dtype']} at {r['rate_mbps']:g} Mbit/s" for r in calibration]}  # fmt: skip
+
+
+def predictions(runs: list[dict], model: dict) -> list[dict]:
+    """Every run's rounds 2..R predicted (compute + the window the model gives) against the measured."""
+    rows = []
+    for run in runs:
+        link = core.LinkModel(run["rate_mbps"], run["rate_mbps"], run["latency_ms"], model["fixed_s"],
+                              model["throughput_mbs"])  # fmt: skip
+        for p in windows(run):
+            window = link.comm_seconds(p["bytes_up"], p["bytes_down"])
+            predicted = core.modeled_round_seconds([p["compute_s"]], [window], overlapped=False)
+            rows.append({"transfer_dtype": run["transfer_dtype"], "rate_mbps": run["rate_mbps"], "round": p["round"],
+                         "predicted_window_s": window, "measured_window_s": p["window_s"],
+                         "predicted_round_s": predicted, "measured_round_s": p["round_wall_s"],
+                         "error": predicted / p["round_wall_s"] - 1})  # fmt: skip
+    return rows
+
+
+def analyse(runs: list[dict]) -> dict:
+    """Calibrate on the fastest rate's largest and smallest messages; predict the rest."""
+    done = [r for r in runs if windows(r)]
+    fastest = max((r["rate_mbps"] for r in done), default=None)
+    at_fastest = sorted((r for r in done if r["rate_mbps"] == fastest),
+                        key=lambda r: np.mean([p["bytes_up"] + p["bytes_down"] for p in windows(r)]))  # fmt: skip
+    out: dict = {}
+    if len(at_fastest) >= 2:
+        calibration = [at_fastest[0], at_fastest[-1]]
+        out["model"] = calibrate(done, calibration)
+        others = [r for r in done if not any(r is c for c in calibration)]
+        out["predictions"] = predictions(others, out["model"])
+    return out
+
+
+def _mean_range(values: list[float]) -> str:
+    return f"{np.mean(values):.1f} ({min(values):.1f}-{max(values):.1f})" if values else "-"
+
+
+def tables(runs: list[dict], analysis: dict) -> str:
+    lines = ["| rate Mbit/s | transfer dtype | MB per exchange (up + down) | window s, mean (min-max) | "
+             "link's own s | load (1 min) |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for run in sorted(runs, key=lambda r: (r["rate_mbps"], r["transfer_dtype"])):
+        points = windows(run)
+        if not points:
+            lines.append(f"| {run['rate_mbps']:g} | {run['transfer_dtype']} | failed: {run.get('error', '?')} | | | |")
+            continue
+        mb = np.mean([p["bytes_up"] + p["bytes_down"] for p in points]) / 1e6
+        link = np.mean([link_seconds(p, run["rate_mbps"], run["latency_ms"]) for p in points])
+        window = _mean_range([p["window_s"] for p in points])
+        lines.append(
+            f"| {run['rate_mbps']:g} | {run['transfer_dtype']} | {mb:.1f} | {window} | {link:.1f} | "
+            f"{run['load_1min']:.1f} |"
+        )
+    if model := analysis.get("model"):
+        rows = analysis["predictions"]
+        worst = max((abs(r["error"]) for r in rows), default=0.0)
+        lines += ["", f"Time model calibrated on {' and '.join(model['calibrated_on'])}: fixed "
+                  f"{model['fixed_s']:.2f} s, {model['throughput_mbs']:.0f} MB/s besides the link "
+                  f"(`message-overhead-s`, `message-throughput-mbs`); every other run's rounds predicted "
+                  f"(compute + window, sequential BCD): largest error {100 * worst:.0f}% "
+                  f"(target {100 * TARGET_ERROR:.0f}%).", "",
+                  "| rate Mbit/s | transfer dtype | round | window predicted / measured s | round predicted / "
+                  "measured s | error |", "|---|---|---|---|---|---|"]  # fmt: skip
+        for r in rows:
+            lines.append(
+                f"| {r['rate_mbps']:g} | {r['transfer_dtype']} | {r['round']} | "
+                f"{r['predicted_window_s']:.1f} / {r['measured_window_s']:.1f} | "
+                f"{r['predicted_round_s']:.1f} / {r['measured_round_s']:.1f} | {100 * r['error']:+.0f}% |"
+            )
+    return "\n".join(lines)
+
+
+def plot(runs: list[dict], analysis: dict, path: Path) -> Path | None:
+    """The window against the rate, one colour per dtype: every round a dot, the mean a line, the
+    calibrated model dashed."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    dtypes = list(dict.fromkeys(r["transfer_dtype"] for r in runs))
+    model = analysis.get("model")
+    for i, dtype in enumerate(dtypes):
+        ours = sorted((r for r in runs if r["transfer_dtype"] == dtype and windows(r)), key=lambda r: r["rate_mbps"])
+        if not ours:
+            continue
+        rates = [r["rate_mbps"] for r in ours]
+        for r in ours:
+            ax.scatter([r["rate_mbps"]] * len(windows(r)), [p["window_s"] for p in windows(r)], color=f"C{i}", s=12)
+        mb = np.mean([p["bytes_up"] + p["bytes_down"] for p in windows(ours[0])]) / 1e6
+        ax.plot(rates, [np.mean([p["window_s"] for p in windows(r)]) for r in ours], color=f"C{i}", marker="o",
+                label=f"{dtype} ({mb:.3g} MB per exchange)")  # fmt: skip
+        if model:
+            grid = np.geomspace(min(rates) * 0.8, max(rates) * 1.25, 50)
+            p = {"bytes_up": mb * 1e6 / 2, "bytes_down": mb * 1e6 / 2}
+            model_s = [core.LinkModel(g, g, ours[0]["latency_ms"], model["fixed_s"], model["throughput_mbs"])
+                       .comm_seconds(p["bytes_up"], p["bytes_down"]) for g in grid]  # fmt: skip
+            ax.plot(grid, model_s, color=f"C{i}", ls="--", lw=0.8)
+    ax.set(xscale="log", xlabel="link rate each way, Mbit/s", ylabel="communication window, s",
+           title="One block each way over a shaped link (dashed: the calibrated time model)")  # fmt: skip
+    ax.title.set_fontsize(9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def describe(results: dict) -> str:
+    s, m = results["settings"], results["machine"]
+    return (
+        f"Command: `{results['command']}`  \nDate: {results['date']}  \n"
+        f"Machine: {m['arch']}, {m['cpu']}, nproc {m['nproc']}, {m['memory_gib']} GiB, GPU: {m['gpu']}; shared "
+        "(the load average beside each run).  \n"
+        f"Model `{s['model_label']}`, {s['clients']} client(s), {', '.join(s['algorithms'])}, {s['rounds']} rounds "
+        f"(rounds 2..R: one window each), {s['layers_per_block']} layers per block, {s['local_steps']} local "
+        f"step(s); links of {', '.join(f'{r:g}' for r in s['rates_mbps'])} Mbit/s each way with "
+        f"{s['latency_ms']:g} ms one way. One set of processes for the whole sweep (one `flwr run` per rate "
+        "and dtype). Window = from the worker's reply leaving it to the next message reaching it "
+        "(`measured_comm_s`); link's own = both directions' bytes at the rate plus the latency each way.\n\n"
+        + results["tables"]
+    )
+
+
+def report(results: dict, out: Path, docs: bool) -> int:
+    """Analysis, tables, figure and results.json in ``out``; the docs section when ``docs``."""
+    results["dtype_sweep"] = analyse(results["runs"])
+    results["tables"] = tables(results["runs"], results["dtype_sweep"])
+    png = plot(results["runs"], results["dtype_sweep"], out / "window-vs-rate.png")
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    print(results["tables"])
+    if docs:
+        text = describe(results)
+        if png:
+            (PROJECT_DIR / "docs" / "img").mkdir(parents=True, exist_ok=True)
+            shutil.copy(png, PROJECT_DIR / "docs" / "img" / "window-vs-rate.png")
+            text += "\n\n![window against rate](img/window-vs-rate.png)\n"
+        replace_doc_section(DOC_HEADING, text)
+        print("wrote the section of docs/benchmarks.md and docs/img/window-vs-rate.png")
+    return 0 if all("error" not in r for r in results["runs"]) else 1
+
+
+def probe(run_dirs: list[Path], rate: float, latency_ms: float) -> dict:
+    """``message-overhead-s`` and ``message-throughput-mbs`` fitted to two (or more) runs of your own."""
+    from benchmarks.network import round_row
+
+    runs = []
+    for run_dir in run_dirs:
+        rounds = [round_row(rec) for rec in read_records(run_dir)[1:]]
+        runs.append({"transfer_dtype": str(run_dir), "rate_mbps": rate, "latency_ms": latency_ms, "rounds": rounds})
+    if bad := [str(d) for d, r in zip(run_dirs, runs) if not windows(r)]:
+        raise ValueError(
+            f"{bad[0]}: no round 2 or later with a measured window (measured_comm_s); expected >= 3 rounds"
+        )
+    return calibrate(runs, runs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--report", type=Path, help="a sweep's results.json: its tables, figure and docs again")
+    what.add_argument("--probe", type=Path, nargs="+", metavar="RUN_DIR", help="run folders of your own (>= 2 sizes)")
+    p.add_argument("--rate", type=float, help="--probe: the link rate the runs had, Mbit/s each way")
+    p.add_argument("--latency-ms", type=float, default=0.0, help="--probe: their one-way latency")
+    p.add_argument("--no-docs", action="store_true", help="--report: leave docs/ alone")
+    args = p.parse_args(argv)
+    if args.report:
+        return report(json.loads(args.report.read_text()), args.report.parent, not args.no_docs)
+    if args.rate is None or args.rate <= 0:
+        p.error(f"--rate {args.rate}: expected the runs' link rate in Mbit/s, > 0")
+    try:
+        model = probe(args.probe, args.rate, args.latency_ms)
+    except ValueError as err:
+        sys.exit(f"dtype_sweep.py: {err}")
+    print(f"message-overhead-s = {model['fixed_s']:.2f}\nmessage-throughput-mbs = {model['throughput_mbs']:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

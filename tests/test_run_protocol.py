@@ -272,10 +272,10 @@ def test_a_slow_finish_never_loses_replies_and_the_last_round_is_durable_before_
     rounds, checkpointed_at_final_evaluation = 2, []
 
     class SlowRecord(Run):
-        def record_round(self, server_round):
+        def record_round(self, server_round, extra):
             if server_round == 1:
                 time.sleep(2.0)
-            super().record_round(server_round)
+            super().record_round(server_round, extra)
 
     strategy = make_strategy(tmp_path, tiny_model_dir, rounds, round_timeout_s=1.0, evaluation="clients")
     strategy.run.__class__ = SlowRecord

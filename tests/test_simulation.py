@@ -405,5 +405,7 @@ def test_only_aggregation_lies_between_a_rounds_last_reply_and_the_next_messages
         assert rec["heldout_loss"] is not None and rec["evaluate_s"] > 0
         times = rec["server_times"]
         assert times["pushed"] <= times["first_reply_checked"] <= times["last_reply"] <= times["aggregated"]
-    # Between the last reply and the next messages: aggregation, the step log, the next messages.
+    # Between the last reply and the next messages: aggregation and the next messages. The step log is
+    # written after them (what round r's checkpoint counts on), each round's write recorded.
     assert max(rec["server_critical_path_s"] for rec in records[1:-1]) < 5.0
+    assert all(rec["step_log_write_s"] > 0 for rec in records[1:])

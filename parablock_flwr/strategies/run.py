@@ -66,6 +66,7 @@ class Run:
         self.config = algorithm.config
         self.run_dir = Path(run_dir)
         self.step_log = StepLog(run_dir)  # g^1..g^r: clients catch up from it, resume replays it
+        self._unlogged: list[tuple[int, int, core.Tensors]] = []  # (round, block, g^r) applied, not yet on disk
         self._model_digest = core.ModelDigest(algorithm.partition.all_names())  # rehashes what steps change
         self.recorder = RunRecorder(run_dir)
         self.evaluator = evaluator
@@ -251,14 +252,27 @@ class Run:
 
     # ------------------------------------------------------------ the global model's history
     def log_step(self, server_round: int, block: int, step: core.Tensors) -> None:
-        """``g^r``, just applied to ``x``: into the step log (clients catch up from it, resume replays
-        it, the evaluator follows it), a snapshot every ``snapshot-every`` rounds."""
-        self.step_log.write(server_round, block, step)
+        """``g^r``, just applied to ``x``: for the step log, written once round r+1's messages are out
+        (``write_step_log``). Its readers need it no sooner: round r+1's message carries ``g^r`` itself,
+        catch-ups and lagging Ray actors read only older steps, and round r's checkpoint and evaluation
+        come after the write. Off the critical path: an 8B model's block is 2 GB in fp32, fsynced,
+        and a snapshot all 30 GB of it."""
+        self._unlogged.append((server_round, block, step))
         self._model_digest.changed(step)
+
+    def write_step_log(self, server_round: int) -> float:
+        """The steps applied up to round r, into the step log (durably), and a snapshot of ``x^r`` if
+        round r is one (``snapshot-every``: bounded disk). Called while ``x`` is ``x^r``: after round
+        r+1's messages are out, before its replies change ``x``. Returns the seconds it took."""
+        started = time.perf_counter()
+        while self._unlogged and self._unlogged[0][0] <= server_round:
+            version, block, step = self._unlogged.pop(0)
+            self.step_log.write(version, block, step)
         every = self.config.snapshot_every
         if every and server_round % every == 0:
-            self.step_log.write_snapshot(server_round, self.algorithm.global_params)  # bounded disk
+            self.step_log.write_snapshot(server_round, self.algorithm.global_params)
             self.step_log.prune()
+        return time.perf_counter() - started
 
     def stage_pending(self, partition_id: int, pending: core.PendingUpdate) -> None:
         """A client's update of this round, for the round's checkpoint (what a restarted server
@@ -327,15 +341,17 @@ class Run:
     def make_durable(self, server_round: int) -> None:
         """Round r's training record, then its checkpoint, once: from here on a crash loses nothing of it."""
         if server_round > self.rounds_completed:
-            self.record_round(server_round)
+            step_log_s = self.write_step_log(server_round)  # what the checkpoint counts on, first
+            self.record_round(server_round, {"step_log_write_s": step_log_s})
             self.save_checkpoint(server_round)
             self.rounds_completed = server_round
 
-    def record_round(self, server_round: int) -> None:
-        """Append round r's training record (the algorithm's ``last_metrics``) to ``metrics.jsonl``."""
+    def record_round(self, server_round: int, extra: dict) -> None:
+        """Append round r's training record (the algorithm's ``last_metrics`` and ``extra``, the run's
+        own figures) to ``metrics.jsonl``."""
         record = {"round": server_round, "algorithm": self.algorithm.algorithm}
         self._modeled_wall_s += self.algorithm.last_metrics.get("modeled_round_s", 0.0)
-        record.update(self.algorithm.last_metrics, modeled_wall_s=self._modeled_wall_s)
+        record.update(self.algorithm.last_metrics, **extra, modeled_wall_s=self._modeled_wall_s)
         if 0 < server_round < self.num_rounds and "last_reply" in self._times:
             # From the round's last reply to the next round's messages being out: only aggregation.
             record["server_critical_path_s"] = self._times["pushed"] - self._times["last_reply"]

@@ -37,13 +37,13 @@ from parablock_flwr.strategies.run import Run
 pytestmark = pytest.mark.e2e
 
 
-def make_strategy(tmp_path: Path, model_dir: Path, rounds: int, **config) -> FedBCD:
-    """Sequential BCD on the tiny model, its run (``strategy.run``) in ``tmp_path``."""
+def make_strategy(tmp_path: Path, model_dir: Path, rounds: int, algorithm=FedBCD, **config) -> FedBCD:
+    """Sequential BCD (or ``algorithm``) on the tiny model, its run (``strategy.run``) in ``tmp_path``."""
     model = load_model(str(model_dir))
     partition = core.partition_blocks(model, layers_per_block=2)
     params = dict(model.named_parameters())
     cfg = RunConfig(num_server_rounds=rounds, pull_interval_s=0.01, **config)
-    strategy = FedBCD(
+    strategy = algorithm(
         global_params={n: params[n] for n in partition.all_names()},
         partition=partition,
         schedule=core.block_schedule("ascending", partition.num_blocks, rounds, 0),
@@ -260,6 +260,42 @@ def test_each_checkpoint_hashes_only_what_its_round_changed_and_a_resume_checks_
     state_file.write_text(json.dumps(state))
     with pytest.raises(ValueError, match="does not give the checkpointed x\\^4"):
         make_strategy(tmp_path / "bad", tiny_model_dir, 6).run.resume(run_dir, load_checkpoint(run_dir))
+
+
+def test_pending_updates_are_written_beside_the_loop_and_a_failed_write_stops_the_run_before_its_checkpoint(
+    tmp_path, tiny_model_dir, monkeypatch
+):
+    """ParaBlock's pending updates (what a resumed server hands back) are written on a thread of their
+    own, not between the round's last reply and the next messages; each round's checkpoint holds every
+    accepted client's. A write that fails (a full disk) stops the run with the disk's error before
+    that round's checkpoint: no checkpoint without its clients' updates."""
+    from parablock_flwr import checkpoint
+    from parablock_flwr.strategies import ParaBlock
+    from parablock_flwr.strategies import run as run_module
+
+    strategy = make_strategy(tmp_path / "ok", tiny_model_dir, 3, algorithm=ParaBlock)
+    writers = []
+
+    def stage(*args):  # the real write, noting the thread it runs on
+        writers.append(threading.current_thread().name)
+        checkpoint.stage_pending(*args)
+
+    monkeypatch.setattr(run_module, "stage_pending", stage)
+    run(strategy, InMemoryFederation(2, honest_answer(strategy)), 3)
+    assert len(writers) == 6 and all(name.startswith("stage-pending") for name in writers), writers
+    assert sorted(load_checkpoint(tmp_path / "ok").pending) == [0, 1]
+
+    def full_disk(run_dir, partition_id, pending):
+        if pending.base_version == 1:  # round 2's updates
+            raise OSError(28, "No space left on device")
+        checkpoint.stage_pending(run_dir, partition_id, pending)
+
+    monkeypatch.setattr(run_module, "stage_pending", full_disk)
+    strategy = make_strategy(tmp_path / "full", tiny_model_dir, 3, algorithm=ParaBlock)
+    with pytest.raises(OSError, match="No space left on device"):
+        run(strategy, InMemoryFederation(2, honest_answer(strategy)), 3)
+    assert sorted(p.name for p in (tmp_path / "full" / "checkpoint").glob("round-*")) == ["round-00001"]
+    assert [r["round"] for r in RunRecorder(tmp_path / "full").read() if "num_accepted" in r] == [1]
 
 
 def test_a_slow_finish_never_loses_replies_and_the_last_round_is_durable_before_its_evaluation(

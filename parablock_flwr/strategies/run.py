@@ -261,7 +261,7 @@ class Run:
         """``g^r``, just applied to ``x``: for the step log, written once round r+1's messages are out
         (``write_step_log``). Its readers need it no sooner: round r+1's message carries ``g^r`` itself,
         catch-ups and lagging Ray actors read only older steps, and round r's checkpoint and evaluation
-        come after the write. Off the critical path: an 8B model's block is 2 GB in fp32, fsynced,
+        come after the write. Off the critical path: an 8B model's largest block is 4 GiB in fp32, fsynced,
         and a snapshot all 30 GB of it."""
         self._unlogged.append((server_round, block, step))
         self._model_digest.changed(step)

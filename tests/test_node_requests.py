@@ -316,3 +316,39 @@ def test_a_replica_whose_restore_failed_is_lost_until_a_full_sync_and_never_stat
     replica.reset_to(2, values)
     assert replica.version == 2 and not replica.lost
     assert all(torch.equal(p, values[n]) for n, p in model.named_parameters())
+
+
+def test_the_residual_is_written_beside_the_next_blocks_start_and_is_on_disk_before_the_reply(
+    tmp_path, tiny_model_dir, monkeypatch
+):
+    """transfer-dtype bf16: the node's error-feedback residual (fp32, written durably) is written on a
+    thread of its own while round r+1 starts ahead, not before it (an 8B block's fsync no longer holds
+    the next block's compute), and it is on disk when the reply leaves. Ordered by events, not timing:
+    the write waits until round r+1 has started, which the old order (write, then start) never saw."""
+    from parablock_flwr.node_state import ResidualStore
+
+    config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 1, "transfer-dtype": "bf16"})
+    worker = NodeWorker(state_dir=tmp_path / "state")
+    ahead_started, seen = threading.Event(), {}
+    real_save, real_start_ahead = ResidualStore.save, node.Node.start_ahead
+
+    def save(store, server_round, block, residual):
+        seen["thread"] = threading.current_thread().name
+        seen["ahead_first"] = ahead_started.wait(60)
+        real_save(store, server_round, block, residual)
+
+    def start_ahead(self, *args):
+        real_start_ahead(self, *args)
+        ahead_started.set()
+
+    monkeypatch.setattr(ResidualStore, "save", save)
+    monkeypatch.setattr(node.Node, "start_ahead", start_ahead)
+    try:
+        reply, _ = worker.serve_request(worker_request(config, 3, 1, block=0, next_block=1, num_partitions=2), {})
+        on_disk = sorted(p.name for p in (tmp_path / "state").rglob("r*.safetensors"))
+        assert "error" not in reply, reply
+        worker.node.ahead.future.result()
+    finally:
+        worker.compute_thread.shutdown(wait=True)
+    assert seen == {"thread": "residual-write", "ahead_first": True}
+    assert on_disk == ["r00001-b0.safetensors"]

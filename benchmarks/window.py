@@ -68,9 +68,8 @@ VARIANTS = {
     "packed": (FLOWER_DEFAULT_TRANSFER_SETTINGS, None, "packed"),
     # the ClientApp's relay before its copies were cut (Array.numpy() and Array(ndarray) per array)
     "copying-relay": (FLOWER_TRANSFER_SETTINGS, "083d97a", "packed"),
-    # the code before what this app adds per byte was taken apart and cut (docs/benchmarks.md, "What the app adds
-    # per byte to Flower's exchange"), with the same settings as "after"
-    "main-1de19a4": (FLOWER_TRANSFER_SETTINGS, "1de19a4", "packed"),
+    # the server's step log still written between a round's last reply and the next messages
+    "step-log-inline": (FLOWER_TRANSFER_SETTINGS, "255453c", "packed"),
 }
 APP_LEGS = ("aggregate", "dispatch", "delivery", "clientapp_relay", *CLIENTAPP_RELAY_PARTS, "reply_relay",
             "reply_to_server")  # fmt: skip
@@ -245,7 +244,10 @@ def add_directions(point: dict) -> None:
 
 
 def fits(runs: list[dict], kind: str, setting: str, legs: tuple[str, ...]) -> dict:
-    points = [p for r in runs if r["kind"] == kind and r["setting"] == setting for p in r.get("points", [])]
+    ours = [r for r in runs if r["kind"] == kind and r["setting"] == setting and r.get("points")]
+    if len({r["size"] for r in ours}) < 2:  # one size's rounds differ in bytes by headers only: no fit
+        return {}
+    points = [p for r in ours for p in r["points"]]
     out = {}
     for leg in ("window_s", *DIRECTIONS, *legs):
         pairs = [(p["bytes"], p[leg]) for p in points if p.get(leg) is not None]

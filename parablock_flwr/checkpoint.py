@@ -203,17 +203,17 @@ def replay_run(
     names: tuple[str, ...],
     step_log,
     recorder,
-    before_each_step=None,
+    after_each_step=None,
 ) -> dict[str, torch.Tensor]:
     """Rebuild ``x^R`` in place as ``x^0`` plus the logged steps of ``from_run_dir`` (checked against
     the checkpoint's digest), copying the steps and the records of rounds 0..R into this run's
     ``step_log`` and ``recorder``. Returns ``g^R``, the step round R+1's message carries."""
-    from .core import ModelDigest, apply_step, digest
+    from .core import ModelDigest, apply_step_keeping, digest
     from .replica import StepLog
 
     old_log = StepLog(from_run_dir)
     # A bounded log (snapshot-every) starts at a snapshot: the newest before R (g^R is replayed, so
-    # before_each_step sees the values x^{R-1} had, which a full sync sends).
+    # after_each_step sees the values x^{R-1} had, which a full sync sends).
     start = old_log.latest_snapshot(ckpt.round - 1) or 0
     if start:
         values = old_log.read_snapshot(start)
@@ -223,9 +223,9 @@ def replay_run(
         step_log.write_snapshot(start, values)
     for version in range(start + 1, ckpt.round + 1):
         block, step = old_log.read(version)
-        if before_each_step is not None:
-            before_each_step(step)
-        apply_step(global_params, step)
+        before = apply_step_keeping(global_params, step)
+        if after_each_step is not None:
+            after_each_step(before)
         step_log.write(version, block, step)
     rebuilt = ModelDigest(names)(global_params) if ckpt.digest_format == DIGEST_FORMAT else digest(global_params, names)
     if rebuilt != ckpt.global_sha256:

@@ -189,9 +189,9 @@ def aggregate(updates: Iterable[Tensors], weights: list[float]) -> Tensors:
 
 
 def global_step(mean_update: Tensors, server_lr: float) -> Tensors:
-    """``g = η_s Δ̄`` (exact when η_s = 1)."""
+    """``g = η_s Δ̄`` (exact when η_s = 1: ``Δ̄``'s own tensors, not a copy of the block)."""
     if server_lr == 1.0:
-        return {n: t.clone() for n, t in mean_update.items()}
+        return dict(mean_update)
     return {n: server_lr * t for n, t in mean_update.items()}
 
 
@@ -200,6 +200,19 @@ def apply_step(params: Mapping[str, torch.Tensor], step: Mapping[str, torch.Tens
     """In place: ``x[b] += g`` (or ``y[b] += Δ``), the one float op every copy uses."""
     for n, t in step.items():
         params[n].add_(t.to(device=params[n].device, dtype=params[n].dtype))
+
+
+@torch.no_grad()
+def apply_step_keeping(params: Mapping[str, torch.Tensor], step: Mapping[str, torch.Tensor]) -> Tensors:
+    """``apply_step``'s float op into new storage, which each tensor then takes (``.data``: the same
+    tensor and parameter objects, so a model holding them sees the new values); returns the replaced
+    tensors, ``x^{r-1}[b]``, uncopied. The server keeps them for a full sync; cloning them first was
+    one more pass over the block between the last reply and the next message."""
+    before: Tensors = {}
+    for n, t in step.items():
+        before[n] = params[n].detach()
+        params[n].data = before[n] + t.to(device=before[n].device, dtype=before[n].dtype)
+    return before
 
 
 def digest(params: Mapping[str, torch.Tensor], names: Iterable[str]) -> str:

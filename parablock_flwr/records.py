@@ -21,7 +21,7 @@ from .core import Tensors
 from .npy import NpyError, npy_header, npy_view
 from .wire import WIRE_DTYPES, WireError, pack_pieces, unpack
 
-__all__ = ["WIRE_DTYPES", "WireError", "record_arrays", "to_record", "to_tensors"]
+__all__ = ["WIRE_DTYPES", "WireError", "pieces_record", "record_arrays", "to_record", "to_tensors"]
 
 
 def to_array(pieces: list[np.ndarray]) -> Array:
@@ -54,4 +54,9 @@ def to_tensors(record: ArrayRecord, expected=None, transfer_dtype: str | None = 
 
 def to_record(tensors: Tensors, transfer_dtype: str = "fp32") -> ArrayRecord:
     """``tensors`` packed into one record of a few arrays (lossless for values already rounded)."""
-    return ArrayRecord({name: to_array(pieces) for name, pieces in pack_pieces(tensors, transfer_dtype).items()})
+    return pieces_record(pack_pieces(tensors, transfer_dtype))
+
+
+def pieces_record(pieces: dict[str, list[np.ndarray]]) -> ArrayRecord:
+    """The record of ``wire.pack_pieces``'s (or ``wire.round_and_pack``'s) pieces, each array joined once."""
+    return ArrayRecord({name: to_array(array_pieces) for name, array_pieces in pieces.items()})

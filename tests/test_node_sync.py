@@ -8,6 +8,7 @@ import weakref
 import torch
 from flwr.app import ConfigRecord, RecordDict
 
+from parablock_flwr import core
 from parablock_flwr.replica import StepLog
 from parablock_flwr.strategies.node_sync import NodeSync
 
@@ -23,6 +24,6 @@ def test_a_rounds_full_sync_copy_of_the_model_is_freed_once_the_round_ends(tmp_p
     assert sync.add_to_message(content, 3, node=7)["full_syncs_sent"] == 1
     record = weakref.ref(content["sync-values"])
     del content  # the message has been pushed
-    sync.applying({"a": torch.ones(4)})  # round 3's step: its messages are all out
+    sync.applied(core.apply_step_keeping(x, {"a": torch.ones(4)}))  # round 3's step: its messages are all out
     gc.collect()
     assert record() is None

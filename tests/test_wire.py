@@ -46,6 +46,24 @@ def test_rounded_values_travel_bit_exact_and_rounding_twice_changes_nothing(seed
         assert torch.equal(arrived[name], rounded[name]), name
 
 
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**31), magnitude=magnitudes, transfer_dtype=st.sampled_from(list(core.TRANSFER_DTYPES)))
+def test_the_servers_step_rounded_and_packed_in_one_conversion_is_round_then_pack(seed, magnitude, transfer_dtype):
+    """``round_and_pack`` (the server's step: one conversion) gives ``round_for_transfer``'s values to the
+    bit and the very arrays ``pack`` writes for them, which decode to those values."""
+    values = tensors(seed, magnitude)
+    if transfer_dtype == "fp16" and magnitude > 6e4:
+        values = {n: t.clamp(-6e4, 6e4) for n, t in values.items()}
+    rounded, pieces = wire.round_and_pack(values, transfer_dtype)
+    expected = core.round_for_transfer(values, transfer_dtype)
+    assert list(rounded) == list(values)
+    assert all(rounded[n].dtype == torch.float32 and torch.equal(rounded[n], expected[n]) for n in values)
+    packed = wire.pack(expected, transfer_dtype)
+    assert {k: wire.join(v).tobytes() for k, v in pieces.items()} == {k: v.tobytes() for k, v in packed.items()}
+    decoded = wire.unpack({k: wire.join(v) for k, v in pieces.items()})
+    assert all(torch.equal(decoded[n], expected[n]) for n in values)
+
+
 @settings(max_examples=100, deadline=None)
 @given(seed=st.integers(0, 2**31), magnitude=magnitudes.filter(lambda m: m >= 1e-30))  # normal floats: exact q * s
 def test_int8_rounds_each_block_to_nearest_within_half_its_scale(seed, magnitude):

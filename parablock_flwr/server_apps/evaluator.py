@@ -5,9 +5,9 @@ are durable (``Run.finish_round``): one small message down a pipe, and the loop 
 back to pulling replies. The evaluator process (spawned, not forked, from the ServerApp) holds its
 own copy of the model on ``eval-device``: it builds ``x^0`` as every process of the run does
 (``load_for_training``) and moves it from ``x^{r-1}`` to ``x^r`` by reading ``g^r`` from the run's
-step log (``global-steps/``, written before round r+1's messages go out) and applying the same
-``x[b] += g`` every copy applies, so it evaluates exactly the model the loop held, with the same
-torch thread count (the results are bit-identical to an evaluation in the loop).
+step log (``global-steps/``, written once round r+1's messages are out, before round r is handed
+on) and applying the same ``x[b] += g`` every copy applies, so it evaluates exactly the model the
+loop held, with the same torch thread count (the results are bit-identical to an evaluation in the loop).
 
 Why a process and not a thread: a thread's priority covers that thread only, while torch's
 intra-op pool is process-wide, and the thread shares the GIL with the loop that pulls and checks

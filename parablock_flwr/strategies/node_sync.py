@@ -53,11 +53,12 @@ class NodeSync:
         self.versions.pop(node, None)
         self.needs_full_sync.add(node)
 
-    def applying(self, step: core.Tensors) -> None:
-        """Called just before ``g^r`` is applied to ``x``: keep what it overwrites. Round r's messages
-        are all out by then: its full-sync record (a copy of every trainable tensor) is freed."""
+    def applied(self, before: core.Tensors) -> None:
+        """``g^r`` was just applied to ``x`` (``core.apply_step_keeping``); ``before`` holds the values it
+        replaced, which a full sync of round r+1 sends. Round r's messages are all out by then: its
+        full-sync record (a copy of every trainable tensor) is freed."""
         self._full_sync = (0, None)
-        self.before_last_step = {n: self.global_params[n].detach().clone() for n in step}
+        self.before_last_step = before
 
     # ------------------------------------------------------------ what a message carries
     def add_to_message(self, content: RecordDict, server_round: int, node: int) -> dict[str, int]:

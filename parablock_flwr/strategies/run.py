@@ -471,7 +471,7 @@ class Run:
             algorithm.partition.all_names(),
             self.step_log,
             self.recorder,
-            before_each_step=algorithm.sync.applying,
+            after_each_step=algorithm.sync.applied,
         )  # keeps x^{R-1} for a full sync
         self._model_digest = core.ModelDigest(algorithm.partition.all_names())  # x is x^R now: hash it anew
         self.first_round = ckpt.round + 1

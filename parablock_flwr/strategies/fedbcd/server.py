@@ -24,7 +24,8 @@ from flwr.serverapp.strategy.strategy_utils import sample_nodes
 
 from ... import core
 from ...config import RunConfig
-from ...records import to_record
+from ...records import pieces_record
+from ...wire import round_and_pack
 from ..node_sync import NodeSync, ask_partitions, seeded_sample
 from ..reply_checks import Expected, Reply, check_own_count, check_partition, parse_reply, state_intact
 from ..round_stats import RoundStats, array_bytes, round_record
@@ -261,12 +262,12 @@ class FedBCD(Strategy):
         if accepted:
             updates = self.accepted_updates(server_round, block, accepted)
             mean = self.combine(updates, [self.client_weight(r.metrics) for r in accepted])
-            # Every copy applies the step as it travels: rounded to transfer-dtype.
-            step = core.round_for_transfer(self.server_update(server_round, block, mean), self.config.transfer_dtype)
+            step = self.server_update(server_round, block, mean)
         else:  # nothing valid: x does not move, but clients still need a (zero) step to re-base on
             step = {n: torch.zeros_like(self.global_params[n]) for n in self.partition.names(block)}
-        self.sync.applying(step)
-        core.apply_step(self.global_params, step)
+        # Every copy applies the step as it travels: rounded to transfer-dtype, from the very pieces sent.
+        step, wire_pieces = round_and_pack(step, self.config.transfer_dtype)
+        self.sync.applied(core.apply_step_keeping(self.global_params, step))
         self.run.log_step(server_round, block, step)
         for reply in accepted:
             self.sync.accepted(reply.node, server_round, reply.partition_id)
@@ -283,7 +284,7 @@ class FedBCD(Strategy):
         record.update(self.extra_round_metrics(server_round, accepted))
         self.last_metrics = record
         numbers = {k: v for k, v in record.items() if type(v) in (int, float)}
-        return to_record(step, self.config.transfer_dtype), MetricRecord(numbers)
+        return pieces_record(wire_pieces), MetricRecord(numbers)
 
     def check_replies(
         self, server_round: int, block: int, replies: Iterable[Message], accepted: list[Reply]

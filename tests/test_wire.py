@@ -46,6 +46,42 @@ def test_rounded_values_travel_bit_exact_and_rounding_twice_changes_nothing(seed
         assert torch.equal(arrived[name], rounded[name]), name
 
 
+def reference_int8(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int8 as its definition reads (one pass per step, a padded copy, |v| copied): q, s, and q * s."""
+    flat = tensor.reshape(-1).float()
+    n = flat.numel()
+    blocks = torch.nn.functional.pad(flat, (0, core.int8_blocks(n) * core.INT8_BLOCK - n)).view(-1, core.INT8_BLOCK)
+    bound = blocks.abs().amax(dim=1) / 127
+    mantissa, exponent = torch.frexp(bound)
+    scale = torch.pow(2.0, (exponent - (mantissa == 0.5).to(exponent.dtype)).double()).float()
+    scale = torch.where(bound.isfinite(), torch.where(bound > 0, scale, 0.0), bound)
+    q = (blocks / torch.where(scale > 0, scale, 1.0)[:, None]).round().clamp(-127, 127).nan_to_num(0.0)
+    q = q.to(torch.int8).view(-1)[:n]
+    return q, scale, q.float() * scale.repeat_interleave(core.INT8_BLOCK)[:n]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    seed=st.integers(0, 2**31),
+    size=st.integers(0, 3 * core.INT8_BLOCK + 1),
+    magnitude=magnitudes,
+    special=st.sampled_from([None, "nan", "inf", "-inf", "half-zero"]),
+)
+def test_int8_with_fewer_passes_gives_its_definition_to_the_bit(seed, size, magnitude, special):
+    """``quantize_int8`` and ``dequantize_int8`` skip copies (no padding for whole blocks, max|v| as
+    max(max, -min), in-place rounding, scales broadcast, not repeated): the same q, s and values, bit
+    for bit, as the definition computed step by step, partial blocks, zeros and non-finite values included."""
+    t = torch.randn(size, generator=torch.Generator().manual_seed(seed)) * magnitude
+    if size and special == "half-zero":
+        t[: size // 2] = 0.0
+    elif size and special is not None:
+        t[seed % size] = float(special)
+    q, scale = core.quantize_int8(t)
+    ref_q, ref_scale, ref_values = reference_int8(t)
+    assert torch.equal(q, ref_q) and torch.equal(scale.view(torch.int32), ref_scale.view(torch.int32))
+    assert torch.equal(core.dequantize_int8(q, scale).view(torch.int32), ref_values.view(torch.int32))
+
+
 @settings(max_examples=200, deadline=None)
 @given(seed=st.integers(0, 2**31), magnitude=magnitudes, transfer_dtype=st.sampled_from(list(core.TRANSFER_DTYPES)))
 def test_the_servers_step_rounded_and_packed_in_one_conversion_is_round_then_pack(seed, magnitude, transfer_dtype):

@@ -49,7 +49,12 @@ class WireError(ValueError):
 
 def pack(tensors: Mapping[str, torch.Tensor], transfer_dtype: str = "fp32") -> dict[str, np.ndarray]:
     """The arrays that carry ``tensors`` (lossless for values already ``core.round_for_transfer``-ed)."""
-    return {name: join(pieces) for name, pieces in pack_pieces(tensors, transfer_dtype).items()}
+    return join_pieces(pack_pieces(tensors, transfer_dtype))
+
+
+def join_pieces(pieces: Mapping[str, list[np.ndarray]]) -> dict[str, np.ndarray]:
+    """``pack_pieces``'s pieces as the arrays they stand for (``pack``'s)."""
+    return {name: join(array_pieces) for name, array_pieces in pieces.items()}
 
 
 def pack_pieces(tensors: Mapping[str, torch.Tensor], transfer_dtype: str = "fp32") -> dict[str, list[np.ndarray]]:

@@ -12,7 +12,7 @@ from parablock_flwr.config import ConfigError, RunConfig
 from parablock_flwr.data import collate, tokenized_splits, truncated_in_batches
 from parablock_flwr.model import load_for_training, load_model, load_tokenizer
 from parablock_flwr.training import TrainSettings, accumulated_loss, run_schedule, train_block
-from parablock_flwr.wire import unpack
+from parablock_flwr.wire import join_pieces, unpack
 from parablock_flwr.worker.server import NodeWorker
 
 from helpers import relayed, tiny_config
@@ -124,7 +124,7 @@ def test_bf16_weights_keep_every_copy_of_x_bit_identical_and_training_lowers_the
                       "run-dir": "unused"},
         }  # fmt: skip
         reply, update = worker.serve_request(header, arrays)
-        delta = unpack(update)
+        delta = unpack(join_pieces(update))
         if worker.node.ahead is not None:  # round r+1 runs ahead on the replica: let it finish before reading it
             worker.node.ahead.future.result()
         replica = node.resources(cfg, 21).replica

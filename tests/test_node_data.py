@@ -20,7 +20,7 @@ from parablock_flwr.model import load_for_training, load_tokenizer
 from parablock_flwr.node_data import NodeSettings
 from parablock_flwr.strategies.client_evaluation import aggregate as aggregate_client_evaluation
 from parablock_flwr.tools.launch import run_deployment
-from parablock_flwr.wire import unpack
+from parablock_flwr.wire import join_pieces, unpack
 from parablock_flwr.worker.server import NodeWorker
 
 from helpers import finished, relayed, tiny_config
@@ -110,7 +110,7 @@ def test_a_worker_with_node_local_data_reads_only_its_own_files_and_evaluates_wh
     expected, _ = evaluate(model, tokenizer, heldout, cfg, generate=False)
     assert metrics["heldout-loss"] == pytest.approx(expected["heldout_loss"], rel=1e-5)
 
-    g1 = unpack(update)  # the server's step: its only client's update
+    g1 = unpack(join_pieces(update))  # the server's step: its only client's update
     evaluate_header = dict(header, op="evaluate")
     evaluate_header["round"] = {"server-round": 2, "block": -1, "step-block": 0, "next-block": -1,
                                 "algorithm": "parablock", "run-dir": "unused", "evaluate-version": 1}  # fmt: skip

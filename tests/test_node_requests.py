@@ -22,7 +22,7 @@ from parablock_flwr.client_apps.app import relay_to_worker
 from parablock_flwr.client_apps.inline import train_inline
 from parablock_flwr.config import RunConfig
 from parablock_flwr.model import load_for_training
-from parablock_flwr.wire import unpack
+from parablock_flwr.wire import join_pieces, unpack
 from parablock_flwr.worker.protocol import request
 from parablock_flwr.worker.server import NodeWorker
 
@@ -128,7 +128,7 @@ def test_an_older_round_a_foreign_partition_and_a_left_run_are_refused_and_chang
             worker_request(config, 7, 1, block=0, next_block=-1, num_partitions=2), {}
         )
         assert reply["metrics"]["own-data"] == 0 and reply["metrics"]["oom-retries"] == 0
-        g1 = relayed({"global-step": {n: t * 0.5 for n, t in unpack(update1).items()}})
+        g1 = relayed({"global-step": {n: t * 0.5 for n, t in unpack(join_pieces(update1)).items()}})
         reply, _ = worker.serve_request(worker_request(config, 7, 2, block=1, next_block=-1, num_partitions=2), g1)
         assert "error" not in reply
         replica = node.resources(RunConfig.from_flower(config), 7).replica

@@ -17,7 +17,7 @@ from parablock_flwr.cli import build_parser
 from parablock_flwr.client_apps.app import relay_to_worker, unknown_node_config_key
 from parablock_flwr.config import RunConfig
 from parablock_flwr.model import load_for_training
-from parablock_flwr.wire import unpack
+from parablock_flwr.wire import join_pieces, unpack
 from parablock_flwr.worker.server import NodeWorker, run_worker
 
 from helpers import relayed, tiny_config, worker_request
@@ -35,7 +35,7 @@ def test_a_full_sync_during_a_computation_ahead_leaves_the_invariant_exact(tmp_p
 
     model, partition = load_for_training(RunConfig.from_flower(config))  # x^0, as the server holds it
     x0 = {n: p.detach().clone() for n, p in model.named_parameters() if n in partition.all_names()}
-    g1 = {n: t * 0.5 for n, t in unpack(update1).items()}  # any step the server may have taken
+    g1 = {n: t * 0.5 for n, t in unpack(join_pieces(update1)).items()}  # any step the server may have taken
     arrays = relayed({"global-step": g1, "sync-values": x0})
     reply, update2 = worker.serve_request(
         worker_request(config, 7, 2, block=1, next_block=-1, **{"sync-version": 0}), arrays
@@ -47,7 +47,7 @@ def test_a_full_sync_during_a_computation_ahead_leaves_the_invariant_exact(tmp_p
     replica = node.resources(RunConfig.from_flower(config), 7).replica
     assert replica.version == 1
     assert all(torch.equal(replica.params[n].detach(), x1[n]) for n in x1)
-    delta2 = unpack(update2)
+    delta2 = unpack(join_pieces(update2))
     assert reply["trace"]["local-model-sha256"] == core.digest_after(x1, partition.all_names(), delta2)
     assert worker.node.state.pending.base_version == 1 and worker.node.ahead is None
 
@@ -61,7 +61,7 @@ def test_without_the_correction_a_node_back_from_a_skipped_round_keeps_its_own_m
     _, update1 = worker.serve_request(worker_request(config, 7, 1, block=0, next_block=1), {})
     model, partition = load_for_training(RunConfig.from_flower(config))
     x0 = {n: p.detach().clone() for n, p in model.named_parameters() if n in partition.all_names()}
-    delta1 = unpack(update1)
+    delta1 = unpack(join_pieces(update1))
     g1 = {n: t * 0.5 for n, t in delta1.items()}
     g2 = {n: torch.randn_like(x0[n]) * 1e-3 for n in partition.names(1)}
     arrays = relayed({"global-step": g2, "catch-up": {f"v1/{n}": t for n, t in g1.items()}})
@@ -73,7 +73,7 @@ def test_without_the_correction_a_node_back_from_a_skipped_round_keeps_its_own_m
     replica = node.resources(RunConfig.from_flower(config), 7).replica
     assert replica.version == 2 and worker.node.state.pending.base_version == 2
     own = {n: x0[n] + t for n, t in delta1.items()}
-    for n, t in unpack(update3).items():
+    for n, t in unpack(join_pieces(update3)).items():
         own[n] = own.get(n, x0[n]) + t
     for n, expected in own.items():
         assert torch.allclose(replica.params[n].detach() + worker.node.state.pending.delta[n], expected, atol=1e-6), n
@@ -95,7 +95,7 @@ def test_on_receipt_the_drift_of_the_live_model_is_measured_and_small(tmp_path, 
     config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 40, "correction": "on-receipt"})
     worker = NodeWorker()
     _, update1 = worker.serve_request(worker_request(config, 7, 1, block=1, next_block=1), {})
-    g1 = relayed({"global-step": {n: t * 0.5 for n, t in unpack(update1).items()}})
+    g1 = relayed({"global-step": {n: t * 0.5 for n, t in unpack(join_pieces(update1)).items()}})
     reply, _ = worker.serve_request(worker_request(config, 7, 2, block=1, next_block=-1), g1)
     metrics = reply["metrics"]
     assert 1 <= metrics["correction-after-step"] < 40  # applied mid-round, at a step boundary

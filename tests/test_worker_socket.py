@@ -22,6 +22,7 @@ import time
 import tracemalloc
 from pathlib import Path
 
+import numpy as np
 import pytest
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
@@ -33,7 +34,7 @@ from parablock_flwr.cli import build_parser
 from parablock_flwr.client_apps.app import relay_to_worker
 from parablock_flwr.config import RunConfig
 from parablock_flwr.worker.endpoint import MESSAGE_MARGIN_BYTES, MessageLimit, SocketRefused, WorkerSocket
-from parablock_flwr.worker.protocol import MAX_HEADER_BYTES, ProtocolError, recv, request
+from parablock_flwr.worker.protocol import MAX_HEADER_BYTES, ProtocolError, _frame, recv, request
 
 from helpers import tiny_config
 
@@ -103,6 +104,21 @@ def test_arbitrary_frames_never_crash_the_parser_nor_allocate_beyond_the_bound(r
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
     assert peak < 4 * len(raw) + 256 * 1024, peak
+
+
+def test_an_array_sent_as_its_pieces_arrives_as_the_one_array_they_make():
+    """The worker writes its reply's values as one piece per tensor (no joined copy of the block): the
+    receiver reads one array, equal to the pieces joined; pieces that cannot make one 1-D array are
+    refused by the sender, in one line."""
+    pieces = [np.arange(5, dtype=np.int16), np.zeros(0, np.int16), np.arange(3, dtype=np.int16) * -7]
+    single = np.arange(6, dtype=np.float32).reshape(2, 3)
+    raw = b"".join(bytes(b) for b in _frame({"op": "train"}, {"values": pieces, "layout": [single]}))
+    header, arrays = receive(raw, BOUND)
+    assert header == {"op": "train"} and list(arrays) == ["values", "layout"]
+    assert arrays["values"].dtype == np.int16 and arrays["values"].tolist() == np.concatenate(pieces).tolist()
+    assert arrays["layout"].shape == (2, 3) and arrays["layout"].tolist() == single.tolist()
+    with pytest.raises(ValueError, match=r"array 'v': pieces of \['float32', 'int16'\]; expected 1-D pieces"):
+        _frame({}, {"v": [np.zeros(2, np.int16), np.zeros(2, np.float32)]})
 
 
 def test_a_header_declaring_too_much_is_refused_before_any_array_byte_is_read():

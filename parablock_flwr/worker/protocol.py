@@ -2,7 +2,10 @@
 
 One frame = 8-byte big-endian header length, a JSON header, then the raw
 bytes of each array in header order. Arrays are numpy buffers, sent without
-pickle: a 15 MB block crosses a Unix socket in tens of milliseconds.
+pickle: a 15 MB block crosses a Unix socket in tens of milliseconds. A sender
+may give a 1-D array as its pieces (``wire.pack_pieces``: one per tensor), which
+go to the socket one after another: the receiver reads one array, and the
+sender never joins a block-sized copy of them.
 
 The receiver trusts nothing a frame declares: the header's length is bounded,
 every array's dtype, shape and name are checked, and the sum of the declared
@@ -44,17 +47,26 @@ class ProtocolError(ValueError):
     """A frame refused before (or instead of) allocating what it declares; the message is one line."""
 
 
-def _frame(header: dict, arrays: dict[str, np.ndarray] | None) -> list[bytes | memoryview]:
+# An array to send: one numpy array, or the 1-D pieces (one dtype) of one, sent in order without joining them.
+Sendable = np.ndarray | list[np.ndarray]
+
+
+def _frame(header: dict, arrays: dict[str, Sendable] | None) -> list[bytes | memoryview]:
     """The buffers of one frame: length, JSON header (with each array's name, dtype, shape), arrays."""
-    arrays = arrays or {}
-    header = dict(
-        header, arrays=[{"name": n, "dtype": str(a.dtype), "shape": list(a.shape)} for n, a in arrays.items()]
-    )
-    raw = json.dumps(header).encode()
-    return [_LEN.pack(len(raw)) + raw, *(memoryview(np.ascontiguousarray(a)).cast("B") for a in arrays.values())]
+    pieces = {name: a if isinstance(a, list) else [a] for name, a in (arrays or {}).items()}
+    specs = []
+    for name, parts in pieces.items():
+        dtypes = {p.dtype for p in parts}
+        if len(parts) > 1 and (len(dtypes) != 1 or any(p.ndim != 1 for p in parts)):
+            raise ValueError(f"array {name!r}: pieces of {sorted(map(str, dtypes))}; expected 1-D pieces of one dtype")
+        shape = list(parts[0].shape) if len(parts) == 1 else [sum(p.size for p in parts)]
+        specs.append({"name": name, "dtype": str(parts[0].dtype), "shape": shape})
+    raw = json.dumps(dict(header, arrays=specs)).encode()
+    buffers = (memoryview(np.ascontiguousarray(p)).cast("B") for parts in pieces.values() for p in parts)
+    return [_LEN.pack(len(raw)) + raw, *(b for b in buffers if b.nbytes)]
 
 
-async def send(writer: asyncio.StreamWriter, header: dict, arrays: dict[str, np.ndarray] | None = None) -> None:
+async def send(writer: asyncio.StreamWriter, header: dict, arrays: dict[str, Sendable] | None = None) -> None:
     for buffer in _frame(header, arrays):
         writer.write(buffer)
     await writer.drain()
@@ -198,7 +210,7 @@ def _array_spec(index: int, spec) -> tuple[str, np.dtype, tuple[int, ...]]:
 async def request(
     socket_path: str,
     header: dict,
-    arrays: dict[str, np.ndarray] | None = None,
+    arrays: dict[str, Sendable] | None = None,
     timeout_s: float | None = None,
     prefix: Prefix | None = None,
     on_sent: Callable[[], None] | None = None,

@@ -30,7 +30,7 @@ from ..config import RunConfig
 from ..node_data import NodeSettings
 from ..node_state import NodeState, ResidualStore
 from ..runtime import setup_torch
-from ..wire import WireError, pack, unpack
+from ..wire import WireError, pack_pieces, unpack
 from .endpoint import MessageLimit, WorkerSocket
 from .protocol import ProtocolError, recv, send
 
@@ -83,8 +83,9 @@ class NodeWorker:
         self.message_limit = MessageLimit()  # the most array bytes a message may declare (serve sets it)
 
     # ------------------------------------------------------------ requests
-    def serve_request(self, header: dict, arrays: dict[str, np.ndarray]) -> tuple[dict, dict[str, np.ndarray]]:
-        """One ``train`` or ``evaluate`` request, in order; its reply (``{"error": ...}`` on failure)."""
+    def serve_request(self, header: dict, arrays: dict[str, np.ndarray]) -> tuple[dict, dict[str, list[np.ndarray]]]:
+        """One ``train`` or ``evaluate`` request, in order; its reply (``{"error": ...}`` on failure) and the
+        update's arrays as their pieces (``wire.pack_pieces``; ``wire.join_pieces`` joins them)."""
         received = time.time()
         try:
             # A repeat is the same round with nothing that replaces the node's state: a retried round that
@@ -134,7 +135,8 @@ class NodeWorker:
         store = self.residual_store(settings, req.partition_id) if cfg.transfer_dtype != "fp32" else None
         done = self.node.train(res, cfg, req, fetch_step, store, store)
         metrics = {**done.metrics, "request-received": received, "prev-reply-sent": self.last_reply_sent}
-        return {"metrics": metrics, "trace": done.trace}, pack(done.update, cfg.transfer_dtype)
+        # Each array as its pieces (one per tensor), written to the socket in turn: no joined copy of the block.
+        return {"metrics": metrics, "trace": done.trace}, pack_pieces(done.update, cfg.transfer_dtype)
 
     def admit(self, header: dict) -> None:
         """The partition pin and the run: a request this worker must not act on is refused; a new

@@ -82,6 +82,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from parablock_flwr.plan import make_plan, model_config, model_shape
+    from parablock_flwr.wire import join_pieces
     from parablock_flwr.worker.server import NodeWorker
 
     if args.model == "random-1b":
@@ -113,7 +114,7 @@ def main() -> None:
         reply, update = worker.serve_request(header(*args), arrays or {})
         if "error" in reply:
             sys.exit(f"memory-check: the worker failed: {reply['error']}")
-        return update
+        return join_pieces(update)  # what the socket would carry
 
     started = time.time()
     update = round_of(1, 1, 0)  # round 2 (block 0) starts ahead from x^0 + Δ^1

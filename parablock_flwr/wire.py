@@ -61,16 +61,19 @@ def pack_pieces(tensors: Mapping[str, torch.Tensor], transfer_dtype: str = "fp32
     """``pack``'s arrays as the 1-D pieces that, joined, make each: ``values`` and ``scales`` one per tensor
     (an fp32 tensor's own memory: nothing copied yet). A writer that copies them once into its own buffer
     (``records.to_record``) never builds the block-sized array in between."""
-    flat = [t.detach().reshape(-1).cpu() for t in tensors.values()]
+    # Converted where the tensor is, then moved: a GPU node quantises or casts its update on the device
+    # and copies a quarter (int8) or half (bf16) of the fp32 bytes to the host, not all of them to convert
+    # there. Lossless on any device for values already rounded (what the node keeps is what arrives).
+    flat = [t.detach().reshape(-1) for t in tensors.values()]
     layout = json.dumps([[name, list(t.shape)] for name, t in tensors.items()]).encode()
     pieces = {LAYOUT: [np.frombuffer(layout, dtype=np.uint8)]}
     if transfer_dtype == "int8":
         quantised = [quantize_int8(t) for t in flat]
-        pieces[VALUES] = [q.numpy() for q, _ in quantised] or [np.zeros(0, np.int8)]
-        pieces[SCALES] = [s.numpy() for _, s in quantised] or [np.zeros(0, np.float32)]
+        pieces[VALUES] = [q.cpu().numpy() for q, _ in quantised] or [np.zeros(0, np.int8)]
+        pieces[SCALES] = [s.cpu().numpy() for _, s in quantised] or [np.zeros(0, np.float32)]
         return pieces
     dtype = TRANSFER_DTYPES[transfer_dtype]
-    values = [t.to(dtype) for t in flat]
+    values = [t.to(dtype).cpu() for t in flat]
     pieces[VALUES] = [v.view(torch.int16).numpy() if dtype == torch.bfloat16 else v.numpy() for v in values]
     pieces[VALUES] = pieces[VALUES] or [np.zeros(0, WIRE_DTYPES[transfer_dtype])]
     return pieces

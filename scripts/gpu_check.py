@@ -6,8 +6,8 @@ Steps, each run only where `parablock-flwr plan` says it fits, else skipped with
 2. one node worker, two rounds, bf16 weights on the first GPU: its peak memory against the plan;
 3. the same with fp32 weights (skipped when the plan says they do not fit);
 4. a local deployment (SuperLink, SuperNodes with their workers, `flwr run`), 3 rounds (2 in the dry
-   run), bf16 weights, client evaluation, every node accepted and the invariant checked in every
-   round: one SuperNode per GPU, or two on one GPU only when two
+   run), bf16 weights, int8 transfer (quantised on the GPU), client evaluation, every node accepted
+   and the invariant checked in every round: one SuperNode per GPU, or two on one GPU only when two
    workers fit in it;
 5. at the sizes this project is for (on a GPU only, not in the dry run): one node worker of a 1B and
    of an 8B Llama (random bf16 weights built on the GPU from docs/model-configs: a GPU machine has
@@ -196,7 +196,7 @@ def deployment_step(model: str, nodes: list[str], args, out: Path, data: str) ->
         "model": model, "dataset": data, "num-examples": 48, "heldout-examples": 8, "num-server-rounds": args.rounds,
         "layers-per-block": args.layers_per_block, "max-seq-len": args.max_seq_len, "output-dir": str(out / "runs"),
         "weights": "bf16", "evaluation": "clients", "micro-batch-size": 2, "gradient-checkpointing": True,
-        "verify-invariant": True, "generate-examples": 0, "local-steps": 2,
+        "verify-invariant": True, "generate-examples": 0, "local-steps": 2, "transfer-dtype": "int8",
     }  # fmt: skip
     script = (
         "import json, sys\n"
@@ -218,7 +218,7 @@ def deployment_step(model: str, nodes: list[str], args, out: Path, data: str) ->
     )
     timeout = args.step_timeout_s
     cmd = [sys.executable, "-c", script, json.dumps(config), json.dumps(nodes), str(out / "flower"), str(timeout)]
-    shown = f"run_deployment: {len(nodes)} SuperNodes on {', '.join(nodes)}, {args.rounds} rounds, bf16 weights"
+    shown = f"run_deployment: {len(nodes)} SuperNodes on {', '.join(nodes)}, {args.rounds} rounds, bf16 weights, int8"
     return run_step(f"deployment-{len(nodes)}-nodes", cmd, out, timeout + 60, shown)
 
 

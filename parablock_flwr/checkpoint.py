@@ -95,7 +95,7 @@ def stage_pending(run_dir: Path, partition_id: int, pending: PendingUpdate) -> N
         for name, tensor in pending.delta.items():
             array = tensor.detach().cpu().to(torch.float32).contiguous().numpy()
             entry["tensors"].append([name, f.tell(), list(array.shape)])
-            f.write(array.tobytes())
+            f.write(memoryview(array))  # no copy (tobytes() would copy the block holding the GIL)
     with open(folder / "index.jsonl", "a") as f:
         f.write(json.dumps(entry) + "\n")
 

@@ -7,7 +7,8 @@ round-r message, plus the steps a node missed (``catch-up``), or the current
 values of every block when it missed more steps than there are blocks. In
 simulation one Ray actor serves many virtual nodes, so an actor's copy can
 be behind the node it serves: it replays the rest from the server's step
-log in the run folder (written before round k+1 is sent).
+log in the run folder (``g^k`` written while round k+1's replies are outstanding,
+before round k+2 is sent: a round-r actor reads steps up to r-2 from it).
 """
 
 from __future__ import annotations
@@ -34,10 +35,12 @@ class StepLog:
     With ``snapshot-every = W`` the log is bounded: every W rounds the server also writes
     ``snapshot-v{S}.safetensors`` (the exact values of every trainable tensor of ``x^S``), and once
     two snapshots exist it keeps only the two latest and the steps after the older of them
-    (``prune``): at most 2 snapshots and 2W steps, whatever the number of rounds. What reads the
-    log still finds what it needs: a resumed server rebuilds ``x^R`` from the latest snapshot
-    before R plus the steps after it; a Ray actor too far behind starts again from a snapshot; a
-    node that missed steps no longer in the log gets a full sync (``NodeSync``).
+    (``prune``, which the server runs between rounds, before the next round's messages): at most
+    2 snapshots and 2W steps, whatever the number of rounds (3 snapshots from one's write to the
+    next messages). What reads the log still finds what it needs: a resumed server rebuilds ``x^R``
+    from the latest snapshot before R plus the steps after it; a Ray actor too far behind starts
+    again from a snapshot; a node that missed steps no longer in the log gets a full sync
+    (``NodeSync``).
     """
 
     def __init__(self, run_dir: Path | str):

@@ -298,6 +298,33 @@ def test_pending_updates_are_written_beside_the_loop_and_a_failed_write_stops_th
     assert [r["round"] for r in RunRecorder(tmp_path / "full").read() if "num_accepted" in r] == [1]
 
 
+def test_a_bounded_step_log_is_pruned_only_between_rounds_never_while_a_rounds_nodes_may_read_it(
+    tmp_path, tiny_model_dir, monkeypatch
+):
+    """``snapshot-every = 2``: the step log is written while the next round's replies are outstanding,
+    but what a snapshot lets it drop is dropped only after a round's aggregation and before the next
+    messages (a lagging Ray actor of the round in flight may be reading those steps). The run ends
+    with 2 snapshots and the steps after the older one."""
+    from parablock_flwr.replica import StepLog
+
+    events = []
+    real_prune, real_push = StepLog.prune, Run.push
+    monkeypatch.setattr(StepLog, "prune", lambda log: (events.append("prune"), real_prune(log))[1])
+    monkeypatch.setattr(
+        Run, "push", lambda run, grid, messages: (events.append("push"), real_push(run, grid, messages))[1]
+    )
+    strategy = make_strategy(tmp_path, tiny_model_dir, 5, snapshot_every=2)
+    real_aggregate = strategy.aggregate_train
+    strategy.aggregate_train = lambda r, replies: (events.append("aggregated"), real_aggregate(r, replies))[1]
+    run(strategy, InMemoryFederation(2, honest_answer(strategy)), 5)
+    assert events.count("prune") == 2, events  # snapshot 2: before round 4's messages; snapshot 4: at the end
+    for i, event in enumerate(events):
+        if event == "prune":
+            assert events[i - 1] == "aggregated" and events[i + 1 : i + 2] in (["push"], []), events
+    log = StepLog(tmp_path)
+    assert log.snapshots() == [2, 4] and log.steps() == [3, 4, 5]
+
+
 def test_a_slow_finish_never_loses_replies_and_the_last_round_is_durable_before_its_evaluation(
     tmp_path, tiny_model_dir
 ):

@@ -68,6 +68,7 @@ class Run:
         self.run_dir = Path(run_dir)
         self.step_log = StepLog(run_dir)  # g^1..g^r: clients catch up from it, resume replays it
         self._unlogged: list[tuple[int, int, core.Tensors]] = []  # (round, block, g^r) applied, not yet on disk
+        self._prune_due = False  # a snapshot was written: the older steps go before the next messages
         # ParaBlock's pending updates go to disk on a thread of their own, in the order staged: the
         # round's aggregation and next messages do not wait for N clients' blocks to be written.
         self._stager: ThreadPoolExecutor | None = None  # one writer thread while writes are outstanding
@@ -109,11 +110,12 @@ class Run:
         """Flower's round loop, from ``first_round``, with nothing but aggregation between a
         round's last reply and the next round's messages.
 
-        Round r's messages go out as soon as ``g^{r-1}`` exists; round r-1's record and checkpoint
-        are then made durable while round r's replies are outstanding, and handed to the
-        evaluator, which evaluates on its own replica (a stopped run loses at most the round in
-        flight; no reply waits for an evaluation). ``first_step`` is the step round
-        ``first_round`` sends (empty in round 1).
+        Round r's messages go out as soon as ``g^{r-1}`` exists; round r-1's step (and any
+        snapshot), its clients' pending updates, its record and checkpoint are then made durable
+        while round r's replies are outstanding, and handed to the evaluator, which evaluates on
+        its own replica (a stopped run loses at most the round in flight; no reply waits for an
+        evaluation or a disk). ``first_step`` is the step round ``first_round`` sends (empty in
+        round 1).
         """
         self.algorithm.summary()
         if self.evaluator is not None:
@@ -125,6 +127,7 @@ class Run:
             for server_round in range(self.first_round, self.num_rounds + 1):
                 self._replied_by.clear()
                 self._counts = self._new_counts()
+                self.prune_step_log()  # before the messages: no node of this round reads what it drops
                 sent = self.push(grid, self.algorithm.configure_train(server_round, arrays, ConfigRecord(), grid))
                 self._times["pushed"] = time.time()
                 self._times.pop("first_reply_checked", None)
@@ -142,7 +145,10 @@ class Run:
             self.final_client_evaluation(grid, result.arrays)
             if due is not None:
                 self.finish_round(due)
+            self.prune_step_log()
         except BaseException:
+            if self._stager is not None:  # the writes still queued are of a round that will not be checkpointed
+                self._stager.shutdown(wait=False, cancel_futures=True)
             if self.evaluator is not None:
                 self.evaluator.close(raise_error=False)  # the run's own error is the one to report
             raise
@@ -262,23 +268,33 @@ class Run:
         (``write_step_log``). Its readers need it no sooner: round r+1's message carries ``g^r`` itself,
         catch-ups and lagging Ray actors read only older steps, and round r's checkpoint and evaluation
         come after the write. Off the critical path: an 8B model's largest block is 4 GiB in fp32, fsynced,
-        and a snapshot all 30 GB of it."""
+        and a snapshot all 26 GiB of it."""
         self._unlogged.append((server_round, block, step))
         self._model_digest.changed(step)
 
     def write_step_log(self, server_round: int) -> float:
         """The steps applied up to round r, into the step log (durably), and a snapshot of ``x^r`` if
         round r is one (``snapshot-every``: bounded disk). Called while ``x`` is ``x^r``: after round
-        r+1's messages are out, before its replies change ``x``. Returns the seconds it took."""
+        r+1's messages are out, before its replies change ``x``. Returns the seconds it took.
+
+        What a snapshot lets the log drop is dropped before the next round's messages go out
+        (``prune_step_log``), not now: round r+1's nodes (a lagging Ray actor) may be reading it."""
         started = time.perf_counter()
         while self._unlogged and self._unlogged[0][0] <= server_round:
-            version, block, step = self._unlogged.pop(0)
+            version, block, step = self._unlogged[0]
             self.step_log.write(version, block, step)
+            self._unlogged.pop(0)  # only once written: a failed write leaves it, and the run stops
         every = self.config.snapshot_every
         if every and server_round % every == 0:
             self.step_log.write_snapshot(server_round, self.algorithm.global_params)
-            self.step_log.prune()
+            self._prune_due = True
         return time.perf_counter() - started
+
+    def prune_step_log(self) -> None:
+        """Drop what the newest snapshot made redundant (``StepLog.prune``), between rounds."""
+        if self._prune_due:
+            self.step_log.prune()
+            self._prune_due = False
 
     def stage_pending(self, partition_id: int, pending: core.PendingUpdate) -> None:
         """A client's update of this round, for the round's checkpoint (what a restarted server

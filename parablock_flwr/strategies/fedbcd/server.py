@@ -327,7 +327,8 @@ class FedBCD(Strategy):
 
     def accepted_updates(self, server_round: int, block: int, accepted: list[Reply]) -> Iterator[core.Tensors]:
         """Each accepted ``Δ_i^r`` in turn, dropped once combined: the default weighted mean
-        holds the running sum and one update, not one per client."""
+        holds the running sum and one update, not one per client (ParaBlock's are held until
+        written for the checkpoint, on the run's writer thread)."""
         for reply in accepted:
             self.observe_update(server_round, block, reply)
             update, reply.update = reply.update, None

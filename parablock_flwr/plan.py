@@ -186,13 +186,14 @@ def server_terms(cfg: RunConfig, shape: ModelShape, num_nodes: int) -> dict[str,
 
 def disk_terms(cfg: RunConfig, shape: ModelShape, num_nodes: int) -> dict[str, int]:
     """Bytes the run folder grows to by the last round: the step log (``replica.StepLog``: each round's
-    step in fp32; with ``snapshot-every = N`` at most 2 snapshots of every trainable tensor and 2N
-    steps), and ParaBlock's pending updates (each sampled node's last update, staged as replies come
+    step in fp32; with ``snapshot-every = N`` at most 3 snapshots of every trainable tensor and 2N
+    steps, from a snapshot's write to the prune before the next round's messages; 2 snapshots
+    between), and ParaBlock's pending updates (each sampled node's last update, staged as replies come
     and in the checkpoint: two copies while the newer replaces the older)."""
     step = max(shape.blocks) * 4
     terms = {"step_log": cfg.num_server_rounds * step}
     if cfg.snapshot_every:
-        terms["step_log"] = min(terms["step_log"], 2 * shape.trainable * 4 + 2 * cfg.snapshot_every * step)
+        terms["step_log"] = min(terms["step_log"], 3 * shape.trainable * 4 + 2 * cfg.snapshot_every * step)
     if cfg.algorithm == "parablock":  # its server half stages them (Run.stage_pending)
         terms["pending_updates"] = 2 * num_nodes * step
     return terms

@@ -72,8 +72,9 @@ def test_a_bounded_log_catches_up_nodes_that_missed_rounds_and_stops_growing(tmp
     log = StepLog(run.run_dir)
     assert log.snapshots() == [4, 6] and log.steps() == [5, 6]
     assert len(list(log.dir.iterdir())) == 4
-    # `parablock-flwr plan`'s server disk: what the log holds at the end is its bound (2 snapshots of
-    # the 2 blocks and 2 steps = 6 steps' bytes), up to the files' safetensors headers.
+    # `parablock-flwr plan`'s server disk: the smaller of the unbounded log (6 steps) and the bounded log's
+    # peak (3 snapshots of the 2 blocks, the oldest not yet pruned, and 2N steps: 10 steps' bytes); 6
+    # steps' bytes is what the log holds at the end (2 snapshots and 2 steps), up to the files' headers.
     cfg = RunConfig.from_flower(json.loads((run.run_dir / "config.json").read_text()))
     planned = make_plan(cfg, model_shape(cfg, model_config(str(tiny_model_dir))), num_nodes=3).disk["step_log"]
     on_disk = sum(f.stat().st_size for f in log.dir.iterdir())

@@ -35,16 +35,16 @@ def test_plan_prints_its_table_for_a_llama3_8b_config(capsys):
 
 def test_the_plan_says_what_the_step_log_costs_on_the_servers_disk_and_how_to_bound_it(capsys):
     """500 rounds of Llama-3.1-8B in 7 blocks (5 layers each, the last 2): one fp32 step of the largest
-    block a round, 4.1 GiB, about 2 TiB in all; `snapshot-every` bounds it at 2 snapshots of every
+    block a round, 4.1 GiB, about 2 TiB in all; `snapshot-every` bounds it at 3 snapshots of every
     trainable weight and 2N steps."""
     assert cli_main(["plan", str(LLAMA_8B), "num-server-rounds=500"]) == 0
     out = capsys.readouterr().out
     disk = out.split("| server disk (the run folder, 500 rounds) | ")[1].split("\n")[0]
     assert disk.startswith("2,055.7 | step_log 2,031.3, pending_updates 24.4 |"), disk
-    assert "the step log grows by 4.1 GiB a round: snapshot-every=7 bounds it at 108.9 GiB" in out
+    assert "the step log grows by 4.1 GiB a round: snapshot-every=7 bounds it at 134.9 GiB" in out
     assert cli_main(["plan", str(LLAMA_8B), "num-server-rounds=500", "snapshot-every=7"]) == 0
     out = capsys.readouterr().out
-    assert "| step_log 108.9, pending_updates 24.4 |" in out and "the step log grows" not in out
+    assert "| step_log 134.9, pending_updates 24.4 |" in out and "the step log grows" not in out
 
 
 # Peak device memory (torch.cuda.max_memory_allocated, MiB) of one worker on an H200, 2026-12-01:

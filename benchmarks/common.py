@@ -70,6 +70,13 @@ def replace_doc_section(heading: str, body: str, dated: bool = False, doc: Path 
     doc.write_text("".join(lines[:start]) + section + ("\n" + tail if tail else ""))
 
 
+def write_report(module: str, heading: str, doc: str, report: str) -> None:
+    """A benchmark's section of docs/benchmarks.md: its command, date and machine, the first paragraph
+    of its docstring (``doc``), then its ``report``."""
+    body = f"Command: `{command(module)}`  \nDate: {time.strftime('%Y-%m-%d')}  \n{machine()}\n\n"
+    replace_doc_section(heading, body + doc.split("\n\n")[0] + "\n\n" + report + "\n")
+
+
 def machine() -> dict:
     """This machine, as the benchmarks' sections describe it."""
     mem_kb = next(

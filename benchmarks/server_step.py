@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from benchmarks.common import PROJECT_DIR, command, machine, replace_doc_section
+from benchmarks.common import PROJECT_DIR, write_report
 from parablock_flwr import core
 from parablock_flwr.config import RunConfig
 from parablock_flwr.plan import model_config, model_shape
@@ -113,9 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     report = "\n".join(lines)
     print(report)
     if not args.no_write:
-        body = f"Command: `{command('server_step')}`  \nDate: {time.strftime('%Y-%m-%d')}  \n{machine()}\n\n"
-        body += __doc__.split("\n\n")[0] + "\n\n" + report + "\n"
-        replace_doc_section(SECTION, body)
+        write_report("server_step", SECTION, __doc__, report)
     return 0
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import PROJECT_DIR, command, machine, replace_doc_section
+from benchmarks.common import PROJECT_DIR, write_report
 from parablock_flwr import core
 from parablock_flwr.checkpoint import clear_staged_pending, stage_pending
 from parablock_flwr.config import RunConfig
@@ -91,9 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     report = "\n".join(lines)
     print(report)
     if not args.no_write:
-        body = f"Command: `{command('step_log')}`  \nDate: {time.strftime('%Y-%m-%d')}  \n{machine()}\n\n"
-        body += __doc__.split("\n\n")[0] + "\n\n" + report + "\n"
-        replace_doc_section(SECTION, body)
+        write_report("step_log", SECTION, __doc__, report)
     return 0
 
 

@@ -90,12 +90,9 @@ def round_and_pack(
     if transfer_dtype == "fp32":
         return dict(tensors), pieces
     rounded: Tensors = {}
-    for i, (name, tensor) in enumerate(tensors.items()):
-        values = torch.from_numpy(pieces[VALUES][i])
-        if transfer_dtype == "int8":
-            flat = dequantize_int8(values, torch.from_numpy(pieces[SCALES][i]))
-        else:
-            flat = (values.view(torch.bfloat16) if values.dtype == torch.int16 else values).float()
+    for i, (name, tensor) in enumerate(tensors.items()):  # decoded as a receiver decodes each tensor
+        scales = pieces[SCALES][i] if transfer_dtype == "int8" else None
+        (flat,) = _decode_values(pieces[VALUES][i], transfer_dtype, [tensor.numel()], scales)
         rounded[name] = flat.view(tensor.shape)
     return rounded, pieces
 

@@ -2,7 +2,7 @@
 
 The convergence study's tiny setting (benchmarks/convergence.py's ``TINY``: a tiny Llama,
 8 clients, Dirichlet over the instruction-mix families, half the clients each round, 40
-rounds) run by tests/reference.py, the spec's rounds as a plain loop, which
+rounds) run by parablock_flwr/reference.py, the spec's rounds as a plain loop, which
 tests/test_reference.py holds bit for bit to the app. No Flower: a run takes about a
 minute instead of five. Parts (each run's result is kept under ``--workdir``):
 
@@ -37,9 +37,9 @@ import datasets
 
 from benchmarks.common import PROJECT_DIR, command, replace_doc_section, simulate
 from benchmarks.convergence import TINY
+from parablock_flwr import reference
 from parablock_flwr.config import RunConfig
 from parablock_flwr.tools.tiny_model import build_tiny_model
-from tests import reference
 
 SECTION = "## The alpha 0.1 gap, taken apart on the reference"
 ALPHA = 0.1

@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--workdir", type=Path, default=Path("~/parablock-runs/convergence-study").expanduser())
     args = p.parse_args(argv)
-    how = command("transfer_dtype") if argv is None else f"python -m benchmarks.transfer_dtype {' '.join(argv)}"
+    how = command("transfer_dtype") if argv is None else f"python -m benchmarks.transfer_dtype {' '.join(argv)}".strip()
     if args.study:
         args.rounds = 40 if args.rounds == 3 else args.rounds  # the study's rounds unless told otherwise
         text = study(args, args.dtypes.split(","))

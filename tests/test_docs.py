@@ -1,11 +1,15 @@
 """Documentation whose code runs: every ```python block in README.md and docs/*.md either is an
 excerpt of a tested source file, marked on the line just before it with ``<!-- from: PATH -->``
 (each non-blank line of the block is a line of that file, in order, whitespace inside a line aside;
-the file is a module the tests import), or runs as it is (exec in a fresh namespace). Shell blocks are not checked."""
+the file is a module the tests import), or runs as it is (exec in a fresh namespace). Shell blocks are not
+checked. The results page's commands name benchmarks whose ``--help`` runs, and its links, and those of
+the files under docs/results/, resolve."""
 
 from __future__ import annotations
 
+import importlib
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -72,3 +76,36 @@ def test_readme_lists_every_exit_code():
     readme = (PROJECT_DIR / "README.md").read_text()
     for kind, code in EXIT_CODES.items():
         assert f"| {code} | `{kind}` |" in readme, f"README.md's exit-code table lacks {code} ({kind})"
+
+
+RESULTS = PROJECT_DIR / "docs" / "results.md"
+BENCHMARK = re.compile(r"python -m (benchmarks(?:\.\w+)+)")
+
+
+def results_commands() -> list[str]:
+    """Every benchmark module a command on docs/results.md runs."""
+    return sorted(set(BENCHMARK.findall(RESULTS.read_text())))
+
+
+def test_the_results_page_has_commands_to_check():
+    assert len(results_commands()) >= 8  # the parser found the page's commands
+
+
+@pytest.mark.parametrize("module", results_commands())
+def test_every_results_command_names_a_benchmark_whose_help_runs(module, monkeypatch, capsys):
+    """The module exists, and ``--help`` prints its docstring's first line (what it measures) and
+    exits 0: an import and argparse, nothing measured."""
+    found = importlib.import_module(module)
+    monkeypatch.setattr(sys, "argv", [module, "--help"])
+    with pytest.raises(SystemExit) as stopped:
+        found.main()
+    assert stopped.value.code == 0, f"docs/results.md: python -m {module} --help exited {stopped.value.code}"
+    first_line = found.__doc__.strip().splitlines()[0]
+    assert first_line in capsys.readouterr().out, f"python -m {module} --help does not say what it measures"
+
+
+def test_the_results_pages_links_resolve():
+    for doc in [RESULTS, *sorted((PROJECT_DIR / "docs" / "results").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)#\s]+)", doc.read_text()):
+            if "://" not in target:
+                assert (doc.parent / target).exists(), f"{doc.relative_to(PROJECT_DIR)}: {target} does not exist"

@@ -12,6 +12,7 @@ import resource
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 import tracemalloc
 from pathlib import Path
@@ -22,10 +23,37 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, Message
 from flwr.common.constant import SType
 from flwr.supercore.task_identity import TaskIdentity
 
-from benchmarks.relay import ECHO_WORKER
 from parablock_flwr.client_apps.app import relay_to_worker
 from parablock_flwr.npy import npy_header
 from parablock_flwr.worker.protocol import ProtocolError, SocketReader, recv, request
+
+# A worker that echoes each array it receives as the update's array of the same name, unless the
+# request's round says "truncate": then it declares 16 bytes, sends 12 and closes.
+ECHO_WORKER = textwrap.dedent(
+    """
+    import asyncio, sys
+    from parablock_flwr.worker.protocol import recv, send
+
+    async def serve(reader, writer):
+        header, arrays = await recv(reader, lambda header: (1 << 40, "the echo worker"))
+        if header["round"].get("mode") == "truncate":
+            raw = b'{"metrics": {}, "arrays": [{"name": "w", "dtype": "float32", "shape": [4]}]}'
+            writer.write(len(raw).to_bytes(8, "big") + raw + bytes(12))
+        else:
+            echoed = {name.split("/", 1)[1]: a for name, a in arrays.items()}
+            await send(writer, {"metrics": {"received-bytes": sum(a.nbytes for a in arrays.values())}}, echoed)
+        await writer.drain()
+        writer.close()
+
+    async def main():
+        server = await asyncio.start_unix_server(serve, sys.argv[1], limit=2**26)
+        print("ready", flush=True)
+        async with server:
+            await server.serve_forever()
+
+    asyncio.run(main())
+    """
+)
 
 PAYLOAD_VALUES = 4 * 1024 * 1024  # 16 MiB of fp32: large beside everything else the relay allocates
 

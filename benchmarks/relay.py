@@ -29,12 +29,14 @@ from benchmarks.common import PROJECT_DIR, command
 ECHO_WORKER = textwrap.dedent(
     """
     import asyncio, sys
+    from parablock_flwr.versions import PROTOCOL_VERSION
     from parablock_flwr.worker.protocol import recv, send
 
     async def serve(reader, writer):
         header, arrays = await recv(reader, lambda header: (1 << 40, "the echo worker"))
         if header["round"].get("mode") == "truncate":
-            raw = b'{"metrics": {}, "arrays": [{"name": "w", "dtype": "float32", "shape": [4]}]}'
+            raw = b'{"metrics": {}, "protocol-version": %d, ' % PROTOCOL_VERSION
+            raw += b'"arrays": [{"name": "w", "dtype": "float32", "shape": [4]}]}'
             writer.write(len(raw).to_bytes(8, "big") + raw + bytes(12))
         else:
             echoed = {name.split("/", 1)[1]: a for name, a in arrays.items()}

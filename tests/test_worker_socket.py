@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import os
+import pwd
 import shutil
 import signal
 import socket
@@ -162,8 +163,11 @@ def test_the_worker_options_take_uid_lists_and_a_byte_count(capsys):
     )
     assert (args.allow_uid, args.max_message_bytes) == ([[1001, 1002], [7]], 99)
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["worker", "--socket", "w.sock", "--allow-uid", "flwr"])
-    assert "argument --allow-uid: 'flwr': expected user ids like 1001 or 1001,1002" in capsys.readouterr().err
+        build_parser().parse_args(["worker", "--socket", "w.sock", "--allow-uid", "no-such-user-here"])
+    err = capsys.readouterr().err
+    assert "argument --allow-uid: 'no-such-user-here': expected user ids or names like 1001,1002" in err
+    args = build_parser().parse_args(["worker", "--socket", "w.sock", "--allow-uid", "nobody,0"])  # a unit names users
+    assert args.allow_uid == [[pwd.getpwnam("nobody").pw_uid, 0]]
 
 
 # ---------------------------------------------------------------- the socket file, in process

@@ -68,8 +68,7 @@ def test_a_run_config_pointing_the_worker_elsewhere_is_refused_before_loading(tm
     other_data = dict(config, dataset="reasoning-gym:syllogism")
     reply, _ = worker.serve_request(dict(header, **{"run-config": other_data}), {})
     assert (
-        reply["error"]
-        == f"dataset='reasoning-gym:syllogism' refused: this node's allow-data is {config['dataset']!r}"
+        reply["error"] == f"dataset='reasoning-gym:syllogism' refused: this node's allow-data is {config['dataset']!r}"
     )
     reply, _ = worker.serve_request(dict(header, **{"run-config": config}), {})
     assert "error" not in reply, reply

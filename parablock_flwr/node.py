@@ -106,6 +106,8 @@ def resources(cfg: RunConfig, run_id: int, settings: NodeSettings | None = None)
     without one) the first ``heldout-examples`` rows of its own data."""
     global _RESOURCES
     settings = settings or NodeSettings()
+    if (refused := settings.refusal(cfg.model, cfg.dataset)) is not None:
+        raise Refused(refused)  # the node config's allow-lists: nothing loaded, nothing changed
     key = (run_id, cfg, settings)
     if _RESOURCES is None or _RESOURCES.key != key:
         _RESOURCES = None  # free the previous run's model before loading the next

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import os
+import pwd
 import shutil
 import signal
 import socket
@@ -33,6 +34,7 @@ from parablock_flwr import node
 from parablock_flwr.cli import build_parser
 from parablock_flwr.client_apps.app import relay_to_worker
 from parablock_flwr.config import RunConfig
+from parablock_flwr.versions import FRAME_KEY, PROTOCOL_VERSION
 from parablock_flwr.worker.endpoint import MESSAGE_MARGIN_BYTES, MessageLimit, SocketRefused, WorkerSocket
 from parablock_flwr.worker.protocol import MAX_HEADER_BYTES, ProtocolError, _frame, recv, request
 
@@ -46,7 +48,7 @@ def mode(path: Path) -> int:
 
 
 def frame(header: dict, payload: bytes = b"") -> bytes:
-    raw = json.dumps(header).encode()
+    raw = json.dumps({FRAME_KEY: PROTOCOL_VERSION, **header}).encode()
     return struct.pack(">Q", len(raw)) + raw + payload
 
 
@@ -161,8 +163,11 @@ def test_the_worker_options_take_uid_lists_and_a_byte_count(capsys):
     )
     assert (args.allow_uid, args.max_message_bytes) == ([[1001, 1002], [7]], 99)
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["worker", "--socket", "w.sock", "--allow-uid", "flwr"])
-    assert "argument --allow-uid: 'flwr': expected user ids like 1001 or 1001,1002" in capsys.readouterr().err
+        build_parser().parse_args(["worker", "--socket", "w.sock", "--allow-uid", "no-such-user-here"])
+    err = capsys.readouterr().err
+    assert "argument --allow-uid: 'no-such-user-here': expected user ids or names like 1001,1002" in err
+    args = build_parser().parse_args(["worker", "--socket", "w.sock", "--allow-uid", "nobody,0"])  # a unit names users
+    assert args.allow_uid == [[pwd.getpwnam("nobody").pw_uid, 0]]
 
 
 # ---------------------------------------------------------------- the socket file, in process

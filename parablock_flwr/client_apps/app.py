@@ -25,6 +25,7 @@ from flwr.common.constant import ErrorCode, SType
 
 from ..node_data import NODE_SETTINGS_KEYS, STATE_INTACT, NodeSettings, node_settings_problem
 from ..npy import NpyError, npy_header, npy_view
+from ..versions import ROUND_KEY, mismatch
 from ..worker.protocol import ProtocolError, request
 
 
@@ -57,9 +58,18 @@ def unknown_node_config_key(node_config) -> str | None:
     return node_settings_problem(node_config)
 
 
+def message_problem(msg: Message, context: Context) -> str | None:
+    """Why this node must not act on ``msg``: its node config, or a round config of another protocol version."""
+    if (problem := unknown_node_config_key(context.node_config)) is not None:
+        return problem
+    if "round" not in msg.content.config_records:
+        return "message from the server has no round config; expected a ParaBlock server's message"
+    return mismatch(msg.content["round"], ROUND_KEY, "the server", "this node")
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    if (problem := unknown_node_config_key(context.node_config)) is not None:
+    if (problem := message_problem(msg, context)) is not None:
         return _error(msg, problem)
     socket_path = context.node_config.get("worker-socket")
     if not socket_path:
@@ -73,7 +83,7 @@ def train(msg: Message, context: Context) -> Message:
 def evaluate(msg: Message, context: Context) -> Message:
     """``evaluation = "clients"``, after the last round: the held-out loss of ``x^R`` on this node's own
     held-out split (every earlier ``x^{r-1}`` is evaluated inside round r, see docs/architecture.md)."""
-    if (problem := unknown_node_config_key(context.node_config)) is not None:
+    if (problem := message_problem(msg, context)) is not None:
         return _error(msg, problem)
     socket_path = context.node_config.get("worker-socket")
     if not socket_path:

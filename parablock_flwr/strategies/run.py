@@ -34,6 +34,7 @@ from ..checkpoint import Checkpoint, clear_staged_pending, replay_run, save_chec
 from ..metrics import RunRecorder, round_line
 from ..records import to_record
 from ..replica import StepLog
+from ..versions import PROTOCOL_VERSION, ROUND_KEY
 from . import client_evaluation
 from .reply_checks import Reply
 from .round_stats import array_bytes, critical_path_rows
@@ -329,8 +330,9 @@ class Run:
         nodes, num_rounds = self.algorithm.round_nodes, self.num_rounds
         if self.config.evaluation != "clients" or not nodes:
             return
-        round_cfg = {"server-round": num_rounds + 1, "block": -1, "step-block": self._last_block(),
-                     "next-block": -1, "algorithm": self.algorithm.algorithm, "run-dir": str(self.run_dir),
+        round_cfg = {ROUND_KEY: PROTOCOL_VERSION, "server-round": num_rounds + 1, "block": -1,
+                     "step-block": self._last_block(), "next-block": -1, "algorithm": self.algorithm.algorithm,
+                     "run-dir": str(self.run_dir),
                      **self.client_evaluation_keys(num_rounds)}  # fmt: skip
 
         def messages() -> Iterator[Message]:

@@ -25,6 +25,7 @@ from flwr.serverapp.strategy.strategy_utils import sample_nodes
 from ... import core
 from ...config import RunConfig
 from ...records import pieces_record
+from ...versions import PROTOCOL_VERSION, ROUND_KEY
 from ...wire import round_and_pack
 from ..node_sync import NodeSync, ask_partitions, seeded_sample
 from ..reply_checks import Expected, Reply, check_own_count, check_partition, parse_reply, state_intact
@@ -171,6 +172,7 @@ class FedBCD(Strategy):
         return ConfigRecord(
             {
                 **self.run.client_evaluation_keys(server_round - 1),
+                ROUND_KEY: PROTOCOL_VERSION,  # a node of another release refuses the round
                 "server-round": server_round,
                 "block": block,
                 "step-block": step_block,

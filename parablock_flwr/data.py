@@ -151,6 +151,8 @@ SCHEMA_TEXT = {
 
 def schema_row(kind: str, record) -> dict[str, str] | str:
     """A source row in the common form, or the name of the field that makes it malformed."""
+    if record is None:
+        return "not JSON"
     if not isinstance(record, dict):
         return "not an object"
     if kind == "messages":

@@ -461,3 +461,20 @@ def test_a_partial_timeline_is_read_without_its_missing_stamps():
     assert critical_path_rows({1: partial}, previous, pushed=11.5) == {}
     rows = critical_path_rows({1: partial, 2: whole}, previous, pushed=11.5)
     assert rows["critical_path_reply_relay_s"] == 8.5 - 7.5
+
+
+@pytest.mark.parametrize("transfer_dtype", ["fp32", "fp16"])
+def test_a_finite_step_that_would_take_x_past_the_float_range_is_rejected(tmp_path, transfer_dtype):
+    """fp32, server-lr = 1: the step is finite but ``x + g`` is not (a weight near fp32's largest value).
+    fp16, server-lr = 2: each reply is finite in fp16, the step (twice 60000) rounds to infinity in
+    fp16. Either way the aggregate is rejected and ``x`` stays as it was."""
+    fp32 = transfer_dtype == "fp32"
+    strategy, x0 = strategy_with(FedBCD, str(tmp_path), transfer_dtype=transfer_dtype, min_accepted_replies=0,
+                                 server_lr=1.0 if fp32 else 2.0)  # fmt: skip
+    if fp32:
+        strategy.global_params["layer.0.w"][0, 0] = x0["layer.0.w"][0, 0] = 3e38
+    strategy.aggregate_train(ROUND, [valid_reply(strategy, 100, 0, [3e38 if fp32 else 6e4], transfer_dtype)])
+    (rejected,) = strategy.last_metrics["rejected"]
+    assert rejected["reason"].startswith(f"the round's step is not finite in layer.0.w as {transfer_dtype}")
+    for name in SHAPES:
+        assert torch.equal(strategy.global_params[name], x0[name]), name

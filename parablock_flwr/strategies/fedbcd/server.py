@@ -314,7 +314,7 @@ class FedBCD(Strategy):
         for name, delta in step.items():
             current = self.global_params[name].detach()
             new[name] = current + delta.to(device=current.device, dtype=current.dtype)  # apply_step's float op
-            if not (all_finite(delta) and all_finite(new[name])):
+            if not all_finite(new[name]):  # x is finite: a non-finite step makes the sum non-finite too
                 return (f"the round's step is not finite in {name} as {self.config.transfer_dtype} "
                         f"(server-lr={self.config.server_lr:g}): x is left as it was")  # fmt: skip
         before = {}

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import io
 import json
 import logging
 from collections.abc import Iterator
@@ -231,23 +230,30 @@ def _file_records(spec: str, path: Path) -> Iterator[tuple[int, object]]:
         yield from enumerate(_load_dataset(spec, str(path), path), start=1)
         return
     try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except OSError as err:
+        with open(path, encoding="utf-8", errors="replace", newline="" if path.suffix == ".csv" else None) as f:
+            if path.suffix == ".csv":
+                yield from enumerate(csv.DictReader(f), start=1)
+                return
+            if path.suffix == ".json" and f.read(4096).lstrip().startswith("["):  # one JSON array
+                f.seek(0)
+                with contextlib.suppress(ValueError):
+                    records = json.load(f)
+                    yield from enumerate(records if isinstance(records, list) else [records], start=1)
+                    return
+            f.seek(0)
+            for number, line in enumerate(f, start=1):  # JSON lines: one record per line, read as they come
+                if line.strip():
+                    yield number, _json_or_none(line)
+    except (OSError, csv.Error) as err:
         raise DataError(f"dataset={spec!r}: cannot read {str(path)!r} ({type(err).__name__})") from None
-    if path.suffix == ".csv":
-        yield from enumerate(csv.DictReader(io.StringIO(text, newline="")), start=1)
-        return
-    if path.suffix == ".json" and text.lstrip().startswith("["):
-        with contextlib.suppress(ValueError):
-            records = json.loads(text)
-            yield from enumerate(records if isinstance(records, list) else [records], start=1)
-            return
-    for number, line in enumerate(text.splitlines(), start=1):  # JSON lines: one record per line
-        if line.strip():
-            try:
-                yield number, json.loads(line)
-            except ValueError:
-                yield number, None
+
+
+def _json_or_none(line: str) -> object:
+    """A JSON line's value, or None when it is not JSON (a malformed row; its text is not kept)."""
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None
 
 
 def _load_dataset(spec: str, source: str, path: Path) -> datasets.Dataset:

@@ -257,7 +257,9 @@ class FedBCD(Strategy):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Check each reply, aggregate the valid ones, apply ``g^r`` to ``x``, log ``g^r``.
 
-        Nothing on the server changes before every reply of the round is checked.
+        Nothing on the server changes before every reply of the round is checked, and then only if
+        ``g^r`` keeps ``x`` finite: else the aggregate is rejected and the round retried or stopped as
+        for too few valid replies (``apply_if_finite``, ``reject_aggregate``).
         """
         block = self.block_for_round(server_round)
         own_counts = dict(self.own_counts)  # as before the round: a rejected aggregate accepted nothing

@@ -277,8 +277,9 @@ class RunConfig:
 
     @property
     def max_examples_per_client(self) -> int:
-        """The largest ``num-examples`` a reply may claim (its aggregation weight): ``max-num-examples``,
-        or by default the whole dataset's size, which no client's share can exceed."""
+        """The largest ``num-examples`` a reply may claim (its aggregation weight), whatever the node says of
+        its data: ``max-num-examples``, or by default the whole dataset's size, which no client's share can
+        exceed (a site with its own data counts it itself: the server cannot check it)."""
         return self.max_num_examples or self.num_examples
 
     @property

@@ -101,6 +101,8 @@ def run_summary(records: list[dict]) -> str:
         parts.append(f"{skipped} scheduled evaluations skipped (the server's evaluator fell behind)")
     if dropped := max((r.get("dropped_examples", 0) for r in records), default=0):
         parts.append(f"up to {dropped} data rows dropped, cut before their answer by max-seq-len")
+    if malformed := max((r.get("malformed_examples", 0) for r in records), default=0):
+        parts.append(f"up to {malformed} malformed data rows skipped (each site's log names the first one's row)")
     return "; ".join(parts)
 
 

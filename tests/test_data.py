@@ -218,7 +218,8 @@ def test_messages_rows_train_on_every_assistant_turn(tmp_path, tiny_model_dir):
         assert "You answer in one word." in tokenizer.decode(cat["input_ids"])  # the system turn is in the prompt
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"messages": [{"role": "human", "content": "hi"}]}) + "\n")
-    with pytest.raises(ValueError, match=r"expected a list of \{\"role\": system \| user \| assistant"):
+    with pytest.raises(ValueError, match=r"no usable row \(1 malformed; the first is row 1 \(messages\): expected "
+                       r"messages: a list of \{\"role\": system \| user \| assistant"):  # fmt: skip
         load_examples(f"messages:{bad}", None, seed=0)
 
 

@@ -188,17 +188,20 @@ def test_an_error_from_a_node_whose_state_is_intact_costs_no_full_sync(tmp_path,
     assert records[3]["num_accepted"] == 2
 
 
-def test_a_node_with_its_own_data_is_bounded_by_max_num_examples_only(tmp_path, tiny_model_dir):
-    """num-examples = 40 bounds a partitioned node's count; a node with its own 64 rows (own-data = 1)
-    is not rejected for it, and is by ``max-num-examples`` when that is set lower."""
-    for max_num_examples, accepted in ((0, 2), (50, 1)):
+def test_a_node_with_its_own_data_is_bounded_like_any_other(tmp_path, tiny_model_dir):
+    """A node with its own 64 rows (own-data = 1) is bounded like a partitioned one: by ``num-examples`` = 40
+    when ``max-num-examples`` is 0 (rejected, naming both keys), by ``max-num-examples`` when it is set."""
+    for max_num_examples, accepted, bound in ((0, 1, 40), (80, 2, 80), (50, 1, 50)):
         strategy = make_strategy(tmp_path / str(max_num_examples), tiny_model_dir, 2, num_examples=40,
                                  max_num_examples=max_num_examples)  # fmt: skip
         answers = [honest_answer(strategy, num_examples=20), honest_answer(strategy, num_examples=64, own_data=1)]
         records = run(strategy, InMemoryFederation(2, lambda i, m, answers=answers: answers[i](i, m)), 2)
         assert all(r["num_accepted"] == accepted for r in records[1:]), (max_num_examples, records[1:])
         if accepted == 1:
-            assert "num-examples=64, expected a number in (0, 50]" in records[1]["rejected"][0]["reason"]
+            assert (
+                f"num-examples=64, expected a number in (0, {bound}] (max-num-examples, else num-examples)"
+                in (records[1]["rejected"][0]["reason"])
+            )
 
 
 def test_a_node_rejected_in_every_round_is_named_as_excluded(tmp_path, tiny_model_dir):

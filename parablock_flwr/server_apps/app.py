@@ -81,7 +81,9 @@ def main(grid: Grid, context: Context) -> None:
         rounds_completed = run["run"].rounds_completed if run["run"] else 0
         write_status(run_dir, kind, reason, rounds_completed, run["num_rounds"], excluded)
     if kind == "completed-with-exclusions":
-        log.error("Run completed with exclusions (exit code %d): %s", EXIT_CODES[kind], reason)
+        summary = run_summary(RunRecorder(run_dir).read()) if run_dir is not None else ""
+        log.error("Run completed with exclusions (exit code %d): %s%s", EXIT_CODES[kind], reason,
+                  f"; run: {summary}" if summary else "")  # fmt: skip
         sys.exit(EXIT_CODES[kind])
     if kind != "completed":
         log.error("Run failed (%s): %s", kind, reason)

@@ -305,6 +305,11 @@ class Run:
             self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-pending")
         self._staging.append(self._stager.submit(stage_pending, self.run_dir, partition_id, pending))
 
+    def discard_staged(self) -> None:
+        """The round's aggregate was rejected: what it staged for the checkpoint is dropped."""
+        self.staged()
+        clear_staged_pending(self.run_dir)
+
     def staged(self) -> None:
         """Every pending update staged so far is on disk (a failed write raises here)."""
         if self._stager is not None:

@@ -15,7 +15,7 @@ import math
 import threading
 from pathlib import Path
 
-from .durable import append_line, read_jsonl
+from .durable import append_line, make_dirs, read_jsonl
 
 # The run's last line lists every evaluated round's held-out loss, up to this many (then first, last and a count).
 SUMMARY_ROUNDS = 12
@@ -30,7 +30,7 @@ class RunRecorder:
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.nodes_path = Path(run_dir) / "nodes.jsonl"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.path.parent)
         self._lock = threading.Lock()  # the round loop and the server's evaluator both append
 
     def write(self, record: dict, crash_stage: tuple[str, int] | None = None) -> None:
@@ -107,7 +107,7 @@ def run_summary(records: list[dict]) -> str:
     if rejected := sum(r.get("num_rejected", 0) for r in records):
         parts.append(f"{rejected} replies rejected")
     if skipped := sum(r.get("evaluation_skipped", 0) for r in records):
-        parts.append(f"{skipped} scheduled evaluations skipped (the server's evaluator fell behind by more than eval-max-lag)")
+        parts.append(f"{skipped} scheduled evaluations skipped (the evaluator was more than eval-max-lag behind)")
     if dropped := max((r.get("dropped_examples", 0) for r in records), default=0):
         parts.append(f"up to {dropped} data rows dropped, cut before their answer by max-seq-len")
     return "; ".join(parts)

@@ -26,7 +26,7 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 
 from .core import PendingUpdate, Tensors
-from .durable import fsync_path
+from .durable import fsync_path, make_dirs
 
 KEEP_ROUNDS = 4  # a checkpoint is at most 2 rounds behind what a node answered: room to spare
 _FILE = re.compile(r"r(\d+)-(b(\d+)\.safetensors|reset)$")
@@ -58,7 +58,7 @@ class ResidualStore:
         return sorted(out, key=lambda e: (e[0], -1 if e[1] is None else e[1]))
 
     def _write(self, name: str, tensors: Tensors | None) -> None:
-        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # the node's own, as its socket
+        make_dirs(self.dir, 0o700)  # the node's own, as its socket; each new folder's parent fsynced
         final, tmp = self.dir / name, self.dir / f".{name}.tmp"
         if tensors is None:
             tmp.write_bytes(b"")

@@ -381,11 +381,12 @@ def stalling(evaluator: ServerEvaluator, answer, seconds: float):
 
 
 def test_the_servers_evaluation_runs_beside_the_loop_and_evaluates_exactly_each_x_r(tmp_path, tiny_model_dir):
-    """An evaluator stalled for 3 s from round 1 (its process stopped; the in-process nodes answer at once) never
-    holds a round: the rounds go on while it is stopped; with ``eval-max-lag = 1`` it then skips the
-    rounds more than one round behind the newest handed over, recorded as skipped; round 0 and the last round are always evaluated, and the
-    run's end waits for the last. What it evaluates is exactly ``x^r``: the loss equals that of the
-    model rebuilt from the step log. Each round's evaluation part is appended after its training record."""
+    """An evaluator stalled for 3 s from round 1 (its process stopped; the in-process nodes answer at
+    once) never holds a round: the rounds go on while it is stopped; with ``eval-max-lag = 1`` it then
+    skips the rounds more than one round behind the newest handed over, recorded as skipped; round 0
+    and the last round are always evaluated, and the run's end waits for the last. What it evaluates
+    is exactly ``x^r``: the loss equals that of the model rebuilt from the step log. Each round's
+    evaluation part is appended after its training record."""
     rounds = 6
     strategy = make_strategy(tmp_path, tiny_model_dir, rounds, evaluation="server", eval_every=1,
                              num_examples=24, heldout_examples=8, generate_examples=0, eval_max_lag=1,

@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 from ..config import RunConfig, parse_cpu_list
-from ..durable import crash_requested
+from ..durable import crash_requested, replace_file
 from ..evaluation import evaluate
 from ..model import load_for_training, save_model
 from ..replica import ModelReplica, StepLog
@@ -315,5 +315,5 @@ class Follower:
 
 
 def write_samples(path: Path, samples: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(s) + "\n" for s in samples))
+    """A round's generated answers, durably (``report`` reads them)."""
+    replace_file(path, "".join(json.dumps(s) + "\n" for s in samples))

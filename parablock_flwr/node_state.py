@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -99,8 +98,15 @@ class ResidualStore:
             self.save(server_round, block, residual)
 
     def clear(self) -> None:
-        if self.dir.is_dir():
-            shutil.rmtree(self.dir)
+        """Remove this store's own files (and a write's leftover temporary), never the folder nor anything
+        else in it: whatever a path names, the node removes nothing it did not write."""
+        if not self.dir.is_dir():
+            return
+        for path in self.dir.iterdir():
+            name = path.name.removeprefix(".").removesuffix(".tmp")
+            if _FILE.match(name) and path.is_file() and not path.is_symlink():
+                path.unlink()
+        fsync_path(self.dir)
 
     def _prune(self, newest_round: int) -> None:
         """Drop what no ``as_of(R)`` for ``R >= newest_round - KEEP_ROUNDS`` reads."""

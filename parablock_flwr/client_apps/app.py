@@ -25,7 +25,7 @@ from flwr.common.constant import ErrorCode, SType
 
 from ..node_data import NODE_SETTINGS_KEYS, STATE_INTACT, NodeSettings, node_settings_problem
 from ..npy import NpyError, npy_header, npy_view
-from ..worker.protocol import ProtocolError, request
+from ..worker.protocol import ProtocolError, UntrustedWorker, request
 
 
 def _process_start_time() -> float:
@@ -44,7 +44,7 @@ _PROCESS_STARTED = _process_start_time()
 app = ClientApp()
 
 # The node-config keys this app reads; any other key is refused rather than silently ignored.
-NODE_CONFIG_KEYS = ("partition-id", "num-partitions", "worker-socket", *NODE_SETTINGS_KEYS)
+NODE_CONFIG_KEYS = ("partition-id", "num-partitions", "worker-socket", "worker-uid", *NODE_SETTINGS_KEYS)
 
 
 def unknown_node_config_key(node_config) -> str | None:
@@ -54,7 +54,16 @@ def unknown_node_config_key(node_config) -> str | None:
             close = difflib.get_close_matches(key, NODE_CONFIG_KEYS, n=1)
             hint = f"did you mean {close[0]}?" if close else f"expected one of {', '.join(NODE_CONFIG_KEYS)}"
             return f"node config {key}: unknown key; {hint}"
+    uid = node_config.get("worker-uid", 0)
+    if type(uid) is not int or uid < 0:
+        return f"node config worker-uid={uid!r}: expected the node worker's user id, an integer >= 0"
     return node_settings_problem(node_config)
+
+
+def trusted_worker_uids(node_config) -> frozenset[int]:
+    """Whom the relay sends a round to: a worker of this process's own user or root, or of the node
+    config's ``worker-uid`` (a worker run as another user, with ``--allow-uid`` for this one)."""
+    return frozenset((os.geteuid(), 0, *(() if "worker-uid" not in node_config else (node_config["worker-uid"],))))
 
 
 @app.train()
@@ -123,8 +132,16 @@ def relay_to_worker(msg: Message, context: Context, socket_path: str, op: str = 
         def sent() -> None:  # the request's last byte is in the worker's socket
             stamps["clientapp-sent"] = time.time()
 
-        exchange = request(socket_path, header, arrays, timeout_s=timeout_s, prefix=npy_header, on_sent=sent)
+        trusted = trusted_worker_uids(context.node_config)
+        exchange = request(socket_path, header, arrays, timeout_s, npy_header, sent, worker_uids=trusted)
         reply, update = run_to_end(exchange)
+    except UntrustedWorker as err:
+        return _error(
+            msg,
+            f"node worker socket {socket_path}: the process listening there (pid {err.pid}) runs as uid {err.uid}; "
+            f"expected uid {os.geteuid()} (this ClientApp's) or root, or the node config's worker-uid; nothing was "
+            f"sent",
+        )
     except (FileNotFoundError, ConnectionRefusedError) as err:
         return _error(
             msg,

@@ -7,7 +7,7 @@ its checkpoint. The residuals do: the server never sees them, yet round R+1 send
 ``round(Δ + e)``, so a resume that starts them empty diverges from the uninterrupted run.
 
 ``ResidualStore`` is a folder per node (simulation: ``RUN_DIR/node-state/partition-P``; deployment: the
-node config's ``state-dir``, else ``SOCKET.state``, then ``partition-P``). Each round that rounds an
+worker's ``--state-dir``, else ``SOCKET.state``, then ``partition-P``). Each round that rounds an
 update writes the new residual of its block as ``r{round}-b{block}.safetensors`` (fsync of the file,
 rename, fsync of the folder); a full sync writes ``r{round}-reset``. The residuals *as of* round R are,
 per block, the newest file at or before R and after the newest reset at or before R: a node that already

@@ -55,8 +55,10 @@ def make_dirs(path: Path, mode: int = 0o777) -> Path:
     for folder in reversed(missing):
         try:
             os.mkdir(folder, mode)
-        except FileExistsError:  # another thread made it: it fsyncs the parent
-            continue
+        except FileExistsError:
+            if folder.is_dir():  # another thread made it: it fsyncs the parent
+                continue
+            raise  # a file stands where the folder goes
         fsync_path(folder.parent)
     return path
 

@@ -47,6 +47,7 @@ MAY_CHANGE_ON_RESUME = frozenset(
         "num-server-rounds",
         "min-available-nodes",
         "eval-every",
+        "eval-max-lag",
         "eval-batch-size",
         "generate-examples",
         "generate-every",

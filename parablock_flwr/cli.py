@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--state-dir",
         type=Path,
         help="where the node's error-feedback residuals outlive the worker (default: SOCKET.state beside the "
-        "socket; put it on a persistent disk, not /run or /tmp; a node config's state-dir wins)",
+        "socket; put it on a persistent disk, not /run or /tmp); a node config's state-dir must name the same",
     )
     wrk.add_argument(
         "--compute-cpus",

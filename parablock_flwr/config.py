@@ -99,6 +99,7 @@ class RunConfig:
     eval_cpus: str = ""
     eval_batch_size: int = 8
     eval_every: int = 1
+    eval_max_lag: int = 0
     generate_examples: int = 64
     generate_every: int = 0
     max_new_tokens: int = 8
@@ -194,6 +195,7 @@ class RunConfig:
             "max-consecutive-rejections",
             "max-num-examples",
             "snapshot-every",
+            "eval-max-lag",
         ):
             _at_least(key, getattr(self, key.replace("-", "_")), 0)
         _at_least("min-available-nodes", self.min_available_nodes, 1)

@@ -5,8 +5,9 @@ such a node trains on its own rows only and never reads the run config's ``datas
 aggregation weight is its own example count. A node without ``dataset`` trains on its
 ``partition-id`` share of the run config's dataset, as in simulation. Both kinds may serve one run.
 ``device="cuda:1"`` puts the node's model on that device (default: the worker's ``--device``,
-else ``cuda`` when there is one, else ``cpu``). ``state-dir="/var/lib/parablock/site-a"`` is where the
-node worker keeps its error-feedback residuals durably (default: ``SOCKET.state`` beside its socket).
+else ``cuda`` when there is one, else ``cpu``). ``state-dir="/var/lib/parablock/site-a"`` confirms where the
+node worker keeps its error-feedback residuals (the worker's own ``--state-dir``, else ``SOCKET.state``):
+the worker refuses a message naming another, since no peer chooses where it writes.
 
 ``allow-models`` and ``allow-data`` (each a list separated by spaces) bound what a run config may make
 the node load: its ``model`` and, for a node without its own ``dataset``, its ``dataset``. An entry is

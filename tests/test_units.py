@@ -331,7 +331,7 @@ def test_superlink_and_supernode_units_start_with_tls_node_keys_and_the_worker(s
     node_env = {
         f"{etc}/supernode-0.env": f"SUPERLINK=127.0.0.1:{port}\nCLIENTAPP_PORT={app_port}\n"
         f"HEALTH_ADDRESS=127.0.0.1:{node_health}\n"
-        f"NODE_CONFIG='partition-id=0 worker-socket=\"{socket_path}\"'\n"
+        f'NODE_CONFIG=\'partition-id=0 worker-socket="{socket_path}" worker-uid="{USERS["parablock"][0]}"\'\n'
     }
     link = Unit.read(UNITS / "parablock-superlink.service", root=site_root)
     worker = Unit.read(UNITS / "parablock-worker@.service", "0", site_root)

@@ -23,7 +23,7 @@ from .. import core
 from ..checkpoint import check_resumable
 from ..config import ConfigError, RunConfig, check_num_clients, parse_cpu_list
 from ..data import tokenized_splits
-from ..durable import replace_file
+from ..durable import fsync_path, make_dirs, replace_file
 from ..metrics import RunRecorder, run_summary
 from ..model import load_for_training, load_tokenizer, save_model
 from ..node import node_device
@@ -40,7 +40,9 @@ app = ServerApp()
 def make_run_dir(output_path: Path, algorithm: str, run_id: int) -> Path:
     """``OUTPUT_DIR/<time>-<algorithm>-<run_id>``: the launchers find a run's folder by its id."""
     run_dir = output_path / f"{time.strftime('%Y%m%d-%H%M%S')}-{algorithm}-{run_id}"
-    run_dir.mkdir(parents=True, exist_ok=False)
+    make_dirs(output_path)
+    run_dir.mkdir()  # a folder of that name already: FileExistsError, as a second run of one id must
+    fsync_path(output_path)
     return run_dir
 
 

@@ -154,7 +154,8 @@ class Run:
                 self.evaluator.close(raise_error=False)  # the run's own error is the one to report
             raise
         if self.evaluator is not None:
-            self.evaluator.close()  # the last round's evaluation (and any still running) ends first
+            self.evaluator.close()  # the queue drains: every round handed over is evaluated first
+            self.prune_step_log()  # what the evaluator held back
         return result
 
     @staticmethod
@@ -292,10 +293,12 @@ class Run:
         return time.perf_counter() - started
 
     def prune_step_log(self) -> None:
-        """Drop what the newest snapshot made redundant (``StepLog.prune``), between rounds."""
+        """Drop what the newest snapshot made redundant (``StepLog.prune``), between rounds, but never a
+        step the server's evaluator has still to read (after the round it last reported): until it has
+        read them, the next prune tries again."""
         if self._prune_due:
-            self.step_log.prune()
-            self._prune_due = False
+            keep_after = self.evaluator.version if self.evaluator is not None else None
+            self._prune_due = not self.step_log.prune(keep_after)
 
     def stage_pending(self, partition_id: int, pending: core.PendingUpdate) -> None:
         """A client's update of this round, for the round's checkpoint (what a restarted server

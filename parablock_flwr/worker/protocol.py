@@ -24,7 +24,7 @@ import math
 import mmap
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import numpy as np
 
@@ -44,6 +44,14 @@ MAX_ARRAY_DIMS = 32
 ArrayLimit = Callable[[dict], tuple[int, str]]
 # What a receiver wants in front of each array's bytes, given its dtype and shape (npy.npy_header).
 Prefix = Callable[[np.dtype, tuple[int, ...]], bytes]
+
+
+class UntrustedWorker(Exception):
+    """The process listening on the worker's socket runs as a uid the relay does not trust: nothing was sent."""
+
+    def __init__(self, pid: int, uid: int):
+        super().__init__(f"pid {pid}, uid {uid}")
+        self.pid, self.uid = pid, uid
 
 
 class ProtocolError(ValueError):
@@ -221,9 +229,12 @@ async def request(
     timeout_s: float | None = None,
     prefix: Prefix | None = None,
     on_sent: Callable[[], None] | None = None,
+    worker_uids: Collection[int] | None = None,
 ) -> tuple[dict, dict[str, np.ndarray | bytes]]:
     """One request/response over a fresh connection to the worker (``prefix``: as ``recv`` says;
-    ``on_sent``: called once the request's last byte is written, for the relay's timeline).
+    ``on_sent``: called once the request's last byte is written, for the relay's timeline;
+    ``worker_uids``: the uids the listening process may run as, checked (``SO_PEERCRED``) before a
+    byte is sent, ``UntrustedWorker`` otherwise).
 
     The arrays go to the socket as they are (a memoryview of each, never joined: an array that is a
     view of a Flower payload is not copied), and the reply is read straight from the socket.
@@ -235,6 +246,10 @@ async def request(
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.setblocking(False)
         await loop.sock_connect(sock, socket_path)
+        if worker_uids is not None:
+            pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            if uid not in worker_uids:
+                raise UntrustedWorker(pid, uid)
         try:
             for buffer in _frame(header, arrays):
                 await loop.sock_sendall(sock, buffer)

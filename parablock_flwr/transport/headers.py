@@ -62,7 +62,7 @@ def parse_header(data: bytes, direction: Direction) -> Header:
     if set(fields) != expected:
         raise _bad(f"fields {sorted(map(str, fields))[:10]}; expected {sorted(expected)}")
     if fields["direction"] != str(direction):
-        raise _bad(f"direction {str(fields['direction'])[:20]!r} on the {direction} method")
+        raise _bad(f"direction={_short(fields['direction'])} on the {direction} method")
     token = _text(fields, "token", re.compile(f"[0-9a-f]{{{2 * TOKEN_BYTES}}}"), "64 lowercase hex digits")
     claim = Ticket(
         token=bytes.fromhex(token),
@@ -80,16 +80,22 @@ def parse_header(data: bytes, direction: Direction) -> Header:
 def _int(fields: dict, name: str, high: int) -> int:
     value = fields[name]
     if type(value) is not int or not 0 <= value <= high:
-        raise _bad(f"{name}={str(value)[:30]!r}; expected an integer in [0, {high}]")
+        raise _bad(f"{name}={_short(value)}; expected an integer in [0, {high}]")
     return value
 
 
 def _text(fields: dict, name: str, pattern: re.Pattern, what: str) -> str:
     value = fields[name]
     if not isinstance(value, str) or not pattern.fullmatch(value):
-        shown = "(hidden)" if name == "token" else repr(str(value)[:40])
+        shown = "(hidden)" if name == "token" else _short(value)
         raise _bad(f"{name}={shown}; expected {what}")
     return value
+
+
+def _short(value) -> str:
+    """A value as a refusal names it: its repr (one line), cut to 40 characters."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _bad(text: str) -> Refused:

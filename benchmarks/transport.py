@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import socket
 import ssl
 import tempfile
@@ -35,7 +36,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--sizes-mb", type=float, nargs="+", default=[14, 70.8, 212, 1000], help="record sizes in MB (1e6 B)"
     )
     p.add_argument("--repeats", type=int, default=2, help="runs per size and path; the best is reported")
-    p.add_argument("--under-load", default="", help="a note on the machine's load, quoted in the report")
     args = p.parse_args(argv)
     if args.repeats < 1 or any(s <= 0 for s in args.sizes_mb):
         p.error(f"--repeats {args.repeats}, --sizes-mb {args.sizes_mb}; expected positive numbers")
@@ -111,7 +111,7 @@ def socket_time(tls, data: bytes, repeats: int) -> float:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    rows, rng = [], np.random.default_rng(0)
+    rows, rng, load_before = [], np.random.default_rng(0), load_average()
     with tempfile.TemporaryDirectory() as folder:
         tls = make_tls(Path(folder))
         server = TransportServer(address="127.0.0.1:0", cert_file=tls.server_cert, key_file=tls.server_key)
@@ -132,15 +132,22 @@ def main(argv=None) -> None:
             stop_and_count = server.refusals.counts()
             server.stop()
     assert not stop_and_count, f"refusals during the benchmark: {stop_and_count}"
-    report = table(rows, args)
+    report = table(rows, args, load_before, load_average())
     print(report)
     print(f"written to {write_report('transport', 'The direct transport on loopback with TLS', report, __doc__)}")
 
 
-def table(rows, args) -> str:
+def load_average() -> float:
+    """The machine's 1-minute load average (the machine is shared: the figures say how busy it was)."""
+    return float(Path("/proc/loadavg").read_text().split()[0])
+
+
+def table(rows, args, load_before: float, load_after: float) -> str:
     mbs = lambda size_mb, s: f"{size_mb / s:.0f}"  # noqa: E731
     lines = [
-        f"Best of {args.repeats} per size and path, in one run. {args.under_load}".strip(),
+        f"Best of {args.repeats} per size and path, all in one run, so the ratios compare paths under the same "
+        f"load: 1-minute load average {load_before:.1f} at the start and {load_after:.1f} at the end "
+        f"on {os.cpu_count()} CPUs shared with other work.",
         "",
         "| size (MB) | SHA-256 once (s) | upload (s) | upload MB/s | download (s) | download MB/s "
         "| TLS socket (s) | socket MB/s | upload / socket | download / socket |",

@@ -35,25 +35,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--sizes-mb", type=float, nargs="+", default=[14, 70.8, 212, 1000], help="record sizes in MB (1e6 B)"
     )
-    p.add_argument("--repeats", type=int, default=2, help="runs per size and path; the best is reported")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="runs per size and path, the paths taking turns; the best is reported"
+    )
     args = p.parse_args(argv)
     if args.repeats < 1 or any(s <= 0 for s in args.sizes_mb):
         p.error(f"--repeats {args.repeats}, --sizes-mb {args.sizes_mb}; expected positive numbers")
     return args
 
 
-def best(fn, repeats: int) -> float:
-    """The fastest of ``repeats`` timed calls, in seconds."""
-    times = []
+def best_interleaved(fns, repeats: int) -> list[float]:
+    """The fastest of ``repeats`` timed calls of each of ``fns``, in seconds, the paths taking turns
+    so that a change in the machine's load falls on all of them alike."""
+    times = [[] for _ in fns]
     for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return min(times)
+        for fn, spent in zip(fns, times, strict=True):
+            started = time.perf_counter()
+            fn()
+            spent.append(time.perf_counter() - started)
+    return [min(spent) for spent in times]
 
 
-def grpc_times(server: TransportServer, client: TransportClient, data: bytes, digest: str, repeats: int, tag: str):
-    """(upload s, download s) of ``data`` through the service, each a fresh capability per run."""
+def grpc_paths(server: TransportServer, client: TransportClient, data: bytes, digest: str, tag: str):
+    """(upload, download, retire): one transfer of ``data`` through the service each, a fresh
+    capability per call."""
     counter = iter(range(10**6))
 
     def upload():
@@ -67,13 +72,11 @@ def grpc_times(server: TransportServer, client: TransportClient, data: bytes, di
         t = server.registry.issue(1, 1, 1, Direction.DOWNLOAD, record.name, ttl_s=600)
         client.download(t, record.size, record.sha256)
 
-    up, down = best(upload, repeats), best(download, repeats)
-    server.outbox.retire(record.name)
-    return up, down
+    return upload, download, lambda: server.outbox.retire(record.name)
 
 
-def socket_time(tls, data: bytes, repeats: int) -> float:
-    """Seconds to move ``data`` one way over a stdlib TLS socket, the receiver hashing it."""
+def socket_path(tls, data: bytes):
+    """(send, close): one move of ``data`` over a stdlib TLS socket, the receiver hashing it."""
     server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     server_ctx.load_cert_chain(tls.server_cert, tls.server_key)
     client_ctx = ssl.create_default_context(cafile=str(tls.ca_cert))
@@ -103,10 +106,7 @@ def socket_time(tls, data: bytes, repeats: int) -> float:
             assert s.recv(32) == hashlib.sha256(data).digest()
         receiver.join()
 
-    try:
-        return best(once, repeats)
-    finally:
-        listener.close()
+    return once, listener.close
 
 
 def main(argv=None) -> None:
@@ -123,8 +123,13 @@ def main(argv=None) -> None:
                     started = time.perf_counter()
                     digest = hashlib.sha256(data).hexdigest()
                     hash_s = time.perf_counter() - started
-                    up, down = grpc_times(server, client, data, digest, args.repeats, f"{size_mb:g}")
-                    sock = socket_time(tls, data, args.repeats)
+                    upload, download, retire = grpc_paths(server, client, data, digest, f"{size_mb:g}")
+                    send, close = socket_path(tls, data)
+                    try:
+                        up, down, sock = best_interleaved([upload, download, send], args.repeats)
+                    finally:
+                        retire()
+                        close()
                     rows.append((size_mb, hash_s, up, down, sock))
                     print(f"{size_mb:g} MB: upload {up:.2f} s, download {down:.2f} s, socket {sock:.2f} s", flush=True)
                     del data
@@ -145,7 +150,8 @@ def load_average() -> float:
 def table(rows, args, load_before: float, load_after: float) -> str:
     mbs = lambda size_mb, s: f"{size_mb / s:.0f}"  # noqa: E731
     lines = [
-        f"Best of {args.repeats} per size and path, all in one run, so the ratios compare paths under the same "
+        f"Best of {args.repeats} per size and path, the paths taking turns in one run, so the ratios compare "
+        f"paths under the same "
         f"load: 1-minute load average {load_before:.1f} at the start and {load_after:.1f} at the end "
         f"on {os.cpu_count()} CPUs shared with other work.",
         "",

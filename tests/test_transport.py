@@ -323,6 +323,20 @@ def test_tls_is_required_unless_insecure_is_explicit(tls):
         TransportServer(cert_file=tls.server_cert, key_file=tls.server_key, insecure=True)
 
 
+def test_plaintext_works_only_when_both_sides_say_insecure(tls):
+    srv = TransportServer(address="127.0.0.1:0", insecure=True)
+    srv.start()
+    try:
+        t = srv.registry.issue(1, 2, 7, UP, "update/2", ttl_s=30, max_size=3)
+        with TransportClient(f"localhost:{srv.port}", ca_file=tls.ca_cert, timeout_s=5) as tls_client:
+            with pytest.raises(TransportError, match="UNAVAILABLE"):  # a TLS client does not drop to plaintext
+                tls_client.upload(t, b"abc")
+        with TransportClient(f"localhost:{srv.port}", insecure=True, timeout_s=5) as plain:
+            assert plain.upload(t, b"abc") == sha(b"abc")
+    finally:
+        srv.stop()
+
+
 def test_a_client_refuses_a_server_its_ca_did_not_sign(server, tmp_path):
     other = make_tls(tmp_path)
     with TransportClient(f"localhost:{server.port}", ca_file=other.ca_cert, timeout_s=5) as stranger:

@@ -272,7 +272,7 @@ class TransportServer:
         context.abort(STATUS[refused.kind], refused.line())
 
     def _upload(self, requests, context: grpc.ServicerContext) -> bytes:
-        feed, ticket = _Feed(requests), None
+        feed, ticket, done = _Feed(requests), None, False
         try:
             first = self._next(feed, time.monotonic(), 0)
             if first is None:
@@ -282,13 +282,15 @@ class TransportServer:
             data = self._receive(feed, header)
             self.inbox.put(ticket, header.sha256, data)
             self.registry.finish(ticket)
+            done = True
             return b"accepted"
         except Refused as refused:
-            if ticket is not None:
-                self.registry.release(ticket)
             self._refuse(refused, context)
         finally:
             feed.stop()
+            # Anything but acceptance (a refusal, a broken stream, an error) leaves the capability as it was.
+            if ticket is not None and not done:
+                self.registry.release(ticket)
 
     def _receive(self, feed: _Feed, header: Header) -> bytearray:
         """The declared bytes, hashed as they arrive; any difference from the declaration is refused."""

@@ -157,15 +157,27 @@ def schema_row(kind: str, record) -> dict[str, str] | str:
     if kind == "messages":
         return conversation_row(record.get("messages"))
     for key in SCHEMAS[kind]:
-        if not isinstance(record.get(key), str):
+        if not is_text(record.get(key)):
             return key
     if kind == "mathinstruct":
         return {"prompt": record["instruction"], "response": record["output"], "family": record["source"]}
     extra = record.get("input")
-    if extra is not None and not isinstance(extra, str):
+    if extra is not None and not is_text(extra):
         return "input"
     return {"prompt": record["instruction"] + (f"\n\n{extra}" if extra else ""), "response": record["output"],
             "family": "alpaca"}  # fmt: skip
+
+
+def is_text(value) -> bool:
+    """A string that is text: JSON's ``\\ud800`` escapes make a lone surrogate, which no UTF-8 reader
+    (Arrow, a tokenizer) accepts; such a row is malformed rather than the failure of its whole source."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def conversation_row(messages) -> dict[str, str] | str:
@@ -173,7 +185,7 @@ def conversation_row(messages) -> dict[str, str] | str:
     its last assistant turn as ``response`` (what generation and the samples show); or ``"messages"``,
     the field at fault."""
     if not isinstance(messages, list) or not all(
-        isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in messages
+        isinstance(m, dict) and m.get("role") in ROLES and is_text(m.get("content")) for m in messages
     ):
         return "messages"
     turns = [{"role": m["role"], "content": m["content"]} for m in messages]
@@ -236,7 +248,7 @@ def _file_records(spec: str, path: Path) -> Iterator[tuple[int, object]]:
                 return
             if path.suffix == ".json" and f.read(4096).lstrip().startswith("["):  # one JSON array
                 f.seek(0)
-                with contextlib.suppress(ValueError):
+                with contextlib.suppress(ValueError, RecursionError):  # then read as JSON lines, below
                     records = json.load(f)
                     yield from enumerate(records if isinstance(records, list) else [records], start=1)
                     return
@@ -252,7 +264,7 @@ def _json_or_none(line: str) -> object:
     """A JSON line's value, or None when it is not JSON (a malformed row; its text is not kept)."""
     try:
         return json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
         return None
 
 

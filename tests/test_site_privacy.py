@@ -77,6 +77,30 @@ def test_csv_and_json_rows_are_numbered_in_the_files_order(tmp_path):
     assert len(rows) == 1 and malformed.first() == "row 2 (not an object)"
 
 
+def test_rows_json_parses_but_no_model_can_read_are_skipped_not_fatal(tmp_path):
+    """A line nested past Python's recursion limit (``json`` raises RecursionError, not ValueError) and
+    text with a lone surrogate escape (``\\ud800``: valid JSON, but no UTF-8 string, which Arrow refuses
+    when the rows become a dataset) are malformed rows like any other: skipped and counted, the good rows
+    kept (before: either one failed the whole site's load with an uncaught error)."""
+    deep = "[" * 100_000
+    surrogate = '{"instruction": "' + MARKER + ' \\ud800", "output": "x"}'
+    chat = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "\ud800"}]})
+    path = write(tmp_path / "site.jsonl", good_rows(0, 2) + [deep, surrogate] + good_rows(0, 1))
+    rows, malformed = load_examples_counted(f"alpaca:{path}", None, seed=0)
+    assert len(rows) == 3 and malformed.count == 2 and malformed.first() == "row 3 (not JSON)"
+    chats = write(
+        tmp_path / "chat.jsonl",
+        [chat, json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})],
+    )
+    rows, malformed = load_examples_counted(f"messages:{chats}", None, seed=0)
+    assert len(rows) == 1 and malformed.first() == "row 1 (messages)"
+    array = tmp_path / "site.json"
+    array.write_text("[" + json.dumps({"instruction": "a", "output": "b"}) + ", " + deep + "]")
+    with pytest.raises(DataError) as err:  # read as JSON lines once the array fails: one line, not JSON
+        load_examples_counted(f"alpaca:{array}", None, seed=0)
+    assert str(array) in str(err.value)
+
+
 def test_a_sites_split_counts_its_malformed_rows(tmp_path, tiny_model_dir):
     """What the node reports (``malformed-examples``): its split's count, beside the rows it keeps."""
     tokenizer = load_tokenizer(str(tiny_model_dir), "plain")

@@ -170,6 +170,20 @@ def test_the_worker_options_take_uid_lists_and_a_byte_count(capsys):
     assert args.allow_uid == [[pwd.getpwnam("nobody").pw_uid, 0]]
 
 
+def test_the_node_configs_worker_uid_takes_a_uid_as_a_number_a_quoted_number_or_a_user_name():
+    """``worker-uid=1001``, ``worker-uid="1001"`` (a node config quotes what a unit file writes) and
+    ``worker-uid="nobody"`` name a user, as ``--allow-uid`` does (before: a quoted number was refused as
+    no user's name); what is neither is refused in one line."""
+    from parablock_flwr.client_apps.app import trusted_worker_uids, unknown_node_config_key
+
+    nobody = pwd.getpwnam("nobody").pw_uid
+    for value, uid in ((1001, 1001), ("1001", 1001), ("nobody", nobody)):
+        assert unknown_node_config_key({"worker-uid": value}) is None, value
+        assert uid in trusted_worker_uids({"worker-uid": value}), value
+    for value in (-1, "-1", "no-such-user-here", ""):
+        assert "node config worker-uid=" in unknown_node_config_key({"worker-uid": value}), value
+
+
 # ---------------------------------------------------------------- the socket file, in process
 def test_socket_and_the_directories_it_creates_are_private_under_umask_002(tmp_path):
     """Under umask 002 (today: directory 0775, socket 0775): 0700 and 0600; with --allow-uid 0710 and 0660."""

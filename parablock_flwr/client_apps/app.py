@@ -63,10 +63,12 @@ def unknown_node_config_key(node_config) -> str | None:
 
 
 def worker_uid(value) -> int | None:
-    """The node config's ``worker-uid`` as a uid: an integer, or a user name (a unit file cannot compute a
-    uid); None when it is neither."""
+    """The node config's ``worker-uid`` as a uid: an integer (quoted or not), or a user name (a unit file
+    cannot compute a uid); None when it is neither."""
     if type(value) is int:
         return value if value >= 0 else None
+    if isinstance(value, str) and value.isdigit():
+        return int(value)
     try:
         return pwd.getpwnam(str(value)).pw_uid
     except KeyError:

@@ -231,7 +231,7 @@ def _read_records(spec: str, source: str, columns: tuple[str, ...]) -> Iterator[
     records = list(records)
     seen = set().union(*(r for _, r in records if isinstance(r, dict)))
     missing = [c for c in columns if c not in seen]
-    if records and missing:
+    if seen and missing:  # no object at all: each row is malformed, said as such below
         raise DataError(f"dataset={spec!r}: missing columns {missing}; expected {', '.join(columns)}")
     return iter(records)
 

@@ -81,3 +81,21 @@ def test_the_simulation_path_refuses_the_same(tmp_path, tiny_model_dir):
     cfg = RunConfig.from_flower(tiny_config(tiny_model_dir, tmp_path))
     with pytest.raises(node.Refused, match=r"^model=.* refused: this node's allow-models is '/nowhere/'$"):
         node.resources(cfg, 32, NodeSettings(allow_models="/nowhere/"))
+
+
+def test_a_refused_run_does_not_take_the_worker_from_the_run_it_serves(tmp_path, tiny_model_dir):
+    """A new run whose model the allow-list refuses is answered with the refusal and changes nothing:
+    the worker goes on serving its current run (before: it had already switched to the refused run, so
+    the current run's next round was refused as a run this worker had left)."""
+    config = tiny_config(tiny_model_dir, tmp_path)
+    allowed = {"allow-models": f"{tiny_model_dir}/", "allow-data": config["dataset"]}
+    worker = NodeWorker()
+    node_header = {**NodeSettings().as_header(), **allowed}
+    reply, _ = worker.serve_request(dict(worker_request(config, 41, 1, 0, 1), node=node_header), {})
+    assert "error" not in reply, reply
+    elsewhere = dict(config, model=str(tmp_path / "not-a-model"))
+    reply, _ = worker.serve_request(dict(worker_request(elsewhere, 42, 1, 0, 1), node=node_header), {})
+    assert reply["error"].startswith("model=") and reply["state-intact"], reply
+    assert worker.run_id == 41
+    reply, _ = worker.serve_request(dict(worker_request(config, 41, 2, 1, -1), node=node_header), {})
+    assert "error" not in reply, reply

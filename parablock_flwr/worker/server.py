@@ -115,6 +115,8 @@ class NodeWorker:
     def handle_request(self, header: dict, arrays: dict[str, np.ndarray], received: float):
         cfg = RunConfig.from_flower(header["run-config"])
         settings = self.node_settings(header)  # a refused one changes nothing
+        if (refused := settings.refusal(cfg.model, cfg.dataset)) is not None:
+            raise node.Refused(refused)  # before admit: a run this node refuses does not take it from its run
         self.admit(header)
         setup_torch(cfg)
         res = node.resources(cfg, header["run-id"], settings)

@@ -250,6 +250,36 @@ def test_every_folder_above_the_socket_is_checked_not_only_its_own(tmp_path):
         WorkerSocket.claim(tmp_path / "link" / "parablock" / "w.sock")
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes a link of another user: needs root")
+def test_a_link_on_the_socket_path_that_another_user_owns_is_refused(tmp_path):
+    """A symbolic link on the socket's path belongs to whoever made it, whatever it points at: in a
+    sticky folder like /tmp another user may plant ``/tmp/pb -> a folder of the worker's`` and later point
+    it at a folder of their own. Such a link (not root's nor the worker's) is refused in one line naming
+    it (before: every check followed it to the worker's own folder and passed); the worker's own link
+    and root's are fine."""
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    os.chmod(sticky, 0o1777)
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    for name, owner, refused in (("theirs", 65534, True), ("mine", os.geteuid(), False), ("roots", 0, False)):
+        link = sticky / name
+        link.symlink_to(private)
+        os.lchown(link, owner, -1)
+        for socket_path in (link / "w.sock", link / "deeper" / "w.sock"):  # the socket's folder, or one above it
+            if refused:
+                with pytest.raises(SocketRefused) as err:
+                    WorkerSocket.claim(socket_path)
+                assert str(err.value) == (
+                    f"--socket {socket_path}: {link} on its path is a symbolic link of uid 65534; expected links "
+                    f"on the socket's path to be root's or uid {os.geteuid()}'s (another user may re-point theirs)"
+                ), socket_path
+            else:
+                WorkerSocket.claim(socket_path).release()
+        link.unlink()
+        shutil.rmtree(private / "deeper", ignore_errors=True)
+
+
 def impostor(path: Path, uid: int):
     """A process of ``uid`` listening at ``path`` (its folder made that user's) that counts the bytes a
     client sends it; returns (its pid, a function that waits for the count)."""

@@ -11,7 +11,8 @@ set the paths the node reads, or ask it to hold arrays in memory. So:
 - **Path.** Every folder above the socket's must be writable only by root or the worker's user
   (a root-owned folder with the sticky bit, such as ``/tmp``, is fine: others may not rename what is
   not theirs in it), as ``ssh`` checks the path to its keys; otherwise someone else could move the
-  socket's folder aside and put their own in its place. Checked before anything is created.
+  socket's folder aside and put their own in its place. For the same reason no symbolic link on the
+  path, the socket's folder included, may be another user's. Checked before anything is created.
 - **Socket.** Bound under a umask that leaves it 0600 (0660 with ``--allow-uid``), then set to
   exactly that mode before ``listen()``: a connection before ``listen()`` is refused, so nobody
   can connect while the mode is anything else.
@@ -150,7 +151,16 @@ def _prepare_directory(path: Path, shared: bool) -> None:
 def _check_ancestors(path: Path, directory: Path) -> None:
     """``SocketRefused`` if a folder above the socket's (as written, and as its links resolve) may be
     changed by a user other than root and the worker's: owned by another user, or writable by group
-    or others without being root's with the sticky bit."""
+    or others without being root's with the sticky bit; or if a link on the path, the socket's folder
+    included, is another user's (its owner may point it elsewhere later)."""
+    for entry in (directory, *directory.parents):  # a link is its maker's, whatever it points at
+        with contextlib.suppress(FileNotFoundError):
+            st = os.lstat(entry)
+            if stat.S_ISLNK(st.st_mode) and st.st_uid not in (0, os.geteuid()):
+                raise SocketRefused(
+                    f"--socket {path}: {entry} on its path is a symbolic link of uid {st.st_uid}; expected links on "
+                    f"the socket's path to be root's or uid {os.geteuid()}'s (another user may re-point theirs)"
+                )
     above = [*directory.parents, *Path(os.path.realpath(directory)).parents]
     for folder in dict.fromkeys(above):
         try:

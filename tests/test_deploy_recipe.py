@@ -82,6 +82,7 @@ def test_the_recipe_runs_on_loopback_with_the_shipped_units(site_root):  # noqa:
         ("SERVER_DNS", "localhost"),
         ("SERVER_IP", "127.0.0.1"),
         ("-o parablock -g parablock", f"-o {user} -g {group}"),
+        ("-o parablock-superlink -g parablock-superlink", "-o {} -g {}".format(*USERS["parablock-superlink"])),
         ('worker-uid="parablock"', f'worker-uid="{user}"'),
         ("/etc/parablock", f"{root}/etc/parablock"),
         ("/srv/", f"{root}/srv/"),

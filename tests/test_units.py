@@ -3,8 +3,9 @@ unit's ``ExecStart`` (parsed from the unit file, its specifiers and ``${VAR}``s 
 runs as the unit's user with what systemd would create for it: the ``RuntimeDirectory`` and
 ``StateDirectory`` owned by that user with the unit's modes, ``LoadCredential`` copies readable by it
 alone, ``SupplementaryGroups``. No systemd runs here (a container): the test stands in for it, with
-the machine's ``nobody`` and ``daemon`` users in place of ``parablock`` and ``parablock-node`` and a
-folder in place of ``/``. Flower's processes and the worker are real; everything is stopped by PID."""
+the machine's ``nobody``, ``daemon`` and ``www-data`` users in place of ``parablock``, ``parablock-node``
+and ``parablock-superlink``, and a folder in place of ``/``. Flower's processes and the worker are real;
+everything is stopped by PID."""
 
 from __future__ import annotations
 
@@ -36,7 +37,11 @@ from parablock_flwr.worker.protocol import request
 PROJECT_DIR = find_project_dir(Path(__file__).resolve().parent)
 UNITS = PROJECT_DIR / "deploy"
 # The unit's users, and who stands in for them here.
-USERS = {"parablock": ("nobody", "nogroup"), "parablock-node": ("daemon", "daemon")}
+USERS = {
+    "parablock": ("nobody", "nogroup"),
+    "parablock-node": ("daemon", "daemon"),
+    "parablock-superlink": ("www-data", "www-data"),
+}
 SYSTEMD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # what systemd gives a service
 
 

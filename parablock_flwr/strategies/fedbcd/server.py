@@ -24,12 +24,13 @@ from flwr.serverapp.strategy.strategy_utils import sample_nodes
 
 from ... import core
 from ...config import RunConfig
-from ...records import pieces_record
+from ...records import pieces_record, record_arrays
 from ...wire import round_and_pack
 from ..node_sync import NodeSync, ask_partitions, seeded_sample
 from ..reply_checks import Expected, Reply, check_own_count, check_partition, parse_reply, state_intact
 from ..round_stats import RoundStats, array_bytes, round_record
 from ..run import TooFewReplies
+from ..update_spill import UpdateSpill
 
 if TYPE_CHECKING:
     from ...checkpoint import Checkpoint
@@ -78,6 +79,7 @@ class FedBCD(Strategy):
     def attach(self, run: Run) -> None:
         """Called by ``Run``: the run whose messages, step log and records this algorithm uses."""
         self.run = run
+        self.spill = UpdateSpill(run.run_dir)
         self.sync = NodeSync(self.global_params, self.partition.num_blocks, run.step_log, self.config.transfer_dtype)
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
@@ -222,6 +224,7 @@ class FedBCD(Strategy):
         """Send ``g^{r-1}`` (in ``arrays``, empty in round 1), ``b_r`` and any catch-up to each node."""
         self.stats = RoundStats(server_round)
         self._retry_grid, self._global_step = grid, arrays  # kept for a retry of this round
+        self.spill.start()
         nodes = self.select_nodes(server_round, grid)
         if server_round == self.run.first_round and self.sync.resume_pending:
             self.sync.partitions.update(ask_partitions(grid, nodes, self.config.round_timeout_s))
@@ -263,6 +266,7 @@ class FedBCD(Strategy):
             updates = self.accepted_updates(server_round, block, accepted)
             mean = self.combine(updates, [self.client_weight(r.metrics) for r in accepted])
             step = self.server_update(server_round, block, mean)
+            self.spill.start()  # every update is combined: the file is emptied
         else:  # nothing valid: x does not move, but clients still need a (zero) step to re-base on
             step = {n: torch.zeros_like(self.global_params[n]) for n in self.partition.names(block)}
         # Every copy applies the step as it travels: rounded to transfer-dtype, from the very pieces sent.
@@ -297,7 +301,7 @@ class FedBCD(Strategy):
         expected = Expected(server_round, block, shapes, cfg.max_examples_per_client, cfg.max_update_norm,
                             cfg.transfer_dtype, cfg.max_correction_drift,
                             max_own_examples=cfg.max_num_examples or math.inf)  # fmt: skip
-        seen = {r.partition_id for r in accepted}
+        seen, accepted = {r.partition_id for r in accepted}, list(accepted)
         for msg in replies:
             node = self.run.sent_to(msg)
             self.stats.num_replies += 1
@@ -314,7 +318,9 @@ class FedBCD(Strategy):
                 seen.add(reply.partition_id)
                 if reply.metrics.get("own-data") == 1:
                     self.own_counts.setdefault(reply.partition_id, reply.num_examples)
-                accepted = accepted + [reply]
+                self.spill.put(reply.node, record_arrays(msg.content["update"]))  # as it came, until combined
+                reply.update = None
+                accepted.append(reply)
                 continue
             log.warning("round %d: rejected the reply of node %d: %s", server_round, node, reply)
             self.stats.rejected.append({"node": node, "reason": reply})
@@ -326,10 +332,13 @@ class FedBCD(Strategy):
         return accepted
 
     def accepted_updates(self, server_round: int, block: int, accepted: list[Reply]) -> Iterator[core.Tensors]:
-        """Each accepted ``Δ_i^r`` in turn, dropped once combined: the default weighted mean
-        holds the running sum and one update, not one per client (ParaBlock's are held until
-        written for the checkpoint, on the run's writer thread)."""
+        """Each accepted ``Δ_i^r`` in turn, read back from the round's spill (``update_spill``) and
+        dropped once combined: the default weighted mean holds the running sum and one update, not one
+        per client (ParaBlock's are held until written for the checkpoint, on the run's writer thread)."""
+        shapes = {n: tuple(self.global_params[n].shape) for n in self.partition.names(block)}
         for reply in accepted:
+            if reply.update is None:
+                reply.update = self.spill.take(reply.node, shapes)
             self.observe_update(server_round, block, reply)
             update, reply.update = reply.update, None
             yield update

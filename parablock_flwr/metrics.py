@@ -18,7 +18,7 @@ from pathlib import Path
 from .durable import append_line, read_jsonl
 
 # Keys whose value has one entry per node: kept out of the main record (``nodes.jsonl``).
-PER_NODE_KEYS = ("client_weights", "timeline", "rejected", "heldout_nodes")
+PER_NODE_KEYS = ("client_weights", "timeline", "rejected", "heldout_nodes", "served_by")
 
 
 class RunRecorder:

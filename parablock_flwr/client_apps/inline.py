@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from pathlib import Path
 
 from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
@@ -118,7 +119,7 @@ def _run(msg: Message, context: Context, op: str) -> RecordDict:
     content = RecordDict(
         {
             "update": to_record(done.update, cfg.transfer_dtype),
-            "metrics": MetricRecord({**done.metrics, "steps-from-log": len(from_log)}),
+            "metrics": MetricRecord({**done.metrics, "steps-from-log": len(from_log), "process-id": os.getpid()}),
         }
     )
     if done.trace:

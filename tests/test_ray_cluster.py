@@ -12,11 +12,11 @@ import pytest
 
 from parablock_flwr.tools.launch import run_simulation
 
-from helpers import finished, tiny_config
+from helpers import finished, simulate_in_process, tiny_config
 
 pytestmark = pytest.mark.e2e
 
-SETTINGS = {"num-server-rounds": 2, "local-steps": 2, "generate-examples": 0, "transfer-dtype": "int8"}
+SETTINGS = {"num_server_rounds": 2, "local_steps": 2, "generate_examples": 0, "transfer_dtype": "int8"}
 CLIENTS = 4
 
 
@@ -57,10 +57,9 @@ def test_a_simulation_across_two_ray_nodes_equals_the_single_machine_run(tmp_pat
     from ray import ray_constants
     from ray.cluster_utils import Cluster
 
-    alone = run_simulation(
-        tmp_path / "alone-flower", tiny_config(tiny_model_dir, tmp_path / "alone", **SETTINGS), CLIENTS, 1, 600
-    )
-    assert alone.returncode == 0, alone.stdout[-3000:]
+    # The single-machine run: the same ServerApp and ClientApp in one process, without Ray (seconds to start).
+    alone = simulate_in_process(tmp_path / "alone", tiny_model_dir, num_supernodes=CLIENTS, **SETTINGS)
+    assert alone.returncode == 0, alone.stderr[-3000:]
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     try:
@@ -70,7 +69,9 @@ def test_a_simulation_across_two_ray_nodes_equals_the_single_machine_run(tmp_pat
             for i, node in enumerate(cluster.list_all_nodes())
         }
         assert len(set(raylets.values())) == 2
-        config = tiny_config(tiny_model_dir, tmp_path / "cluster", **SETTINGS)
+        config = tiny_config(
+            tiny_model_dir, tmp_path / "cluster", **{k.replace("_", "-"): v for k, v in SETTINGS.items()}
+        )
         with ActorWatch(raylets) as watch:
             result = run_simulation(tmp_path / "cluster-flower", config, CLIENTS, 1, 600, ray_address=cluster.address)
         run = finished(result, tmp_path / "cluster")
@@ -79,7 +80,7 @@ def test_a_simulation_across_two_ray_nodes_equals_the_single_machine_run(tmp_pat
         cluster.shutdown()  # its own raylets and GCS, by the processes it started
 
     served = [row for record in run.records for row in record.get("served_by", [])]
-    assert len(served) == CLIENTS * SETTINGS["num-server-rounds"]
+    assert len(served) == CLIENTS * SETTINGS["num_server_rounds"]
     nodes = {watch.node_of.get(row["process_id"]) for row in served}
     assert nodes == {"node-0", "node-1"}, (served, watch.node_of)
     assert final_digest(run.run_dir) == final_digest(alone.run_dir)

@@ -211,7 +211,9 @@ class Run:
         # may have outlasted the deadline, and replies that came in time are waiting on the SuperLink.
         while waiting and (first_pull or time.monotonic() < self._deadline):
             first_pull = False
-            for reply in grid.pull_messages(set(waiting) | set(self._abandoned)):
+            pulled = list(grid.pull_messages(set(waiting) | set(self._abandoned)))[::-1]
+            while pulled:  # each reply leaves the list as it is checked: the pull holds none of them after
+                reply = pulled.pop()
                 mid = reply.metadata.reply_to_message_id
                 if mid in self._abandoned:
                     node, _ = self._abandoned.pop(mid)

@@ -1,9 +1,9 @@
 """Many virtual clients on Flower's simulation engine: where each byte per client goes, disk and time.
 
 For each client count, one ParaBlock simulation run; a sampler sums the memory of every process of the
-run every 0.5 s, by kind of process (the SuperLink; the simulation process, which holds the ServerApp,
-Flower's contexts of every virtual node and Ray's driver; the server's evaluator; the Ray actors that
-run the clients; Ray's own daemons), and keeps each kind's peak and the peak of the sum, both as
+run every 0.5 s, by kind of process (the SuperLink and its SuperExec; the simulation process, which holds
+the ServerApp, Flower's contexts of every virtual node and Ray's driver; the server's evaluator; the Ray
+actors that run the clients; Ray's own daemons; `flwr run`), and keeps each kind's peak and the peak of the sum, both as
 resident memory (RSS, which counts pages shared between processes, such as Ray's object store, once per
 process) and as proportional memory (PSS, which splits them). A line fitted to the peaks over the client
 counts gives the memory per extra virtual client, in MB and in block updates (one client's update in the
@@ -45,17 +45,17 @@ def kind_of(proc: psutil.Process) -> str:
         line = " ".join(proc.cmdline())
     except psutil.Error:
         return "other"
-    if "ClientAppActor" in line or "default_worker.py" in line or line.startswith("ray::"):
+    if "ClientAppActor" in line or "ray::IDLE" in line:
         return "ray actors"
-    if any(name in line for name in ("raylet", "gcs_server", "ray/_private", "ray/dashboard", "ray/autoscaler")):
+    if line.startswith("ray::") or "/ray/" in line:  # raylet, GCS, dashboard and its agents, monitors
         return "ray daemons"
-    if "flower-superlink" in line:
-        return "superlink"
-    if "evaluator" in line:
+    if "multiprocessing.spawn" in line:  # the server's evaluator (server_apps/evaluator.py)
         return "evaluator"
-    if "flwr-simulation" in line or "flower-simulation" in line:
+    if "flower-superlink" in line or "flower-superexec" in line:
+        return "superlink"
+    if "flwr-simulation" in line:
         return "simulation"
-    return "other"
+    return "other"  # `flwr run`, multiprocessing's resource tracker
 
 
 def tree_memory(root: psutil.Process) -> dict[str, list[int]]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -42,6 +42,9 @@ if TYPE_CHECKING:
     from .fedbcd.server import FedBCD
 
 log = logging.getLogger(__name__)
+# Clients' updates staged for the checkpoint that may wait for the writer thread in memory: a round of a
+# thousand clients would otherwise hold a thousand blocks when the disk is slower than the aggregation.
+MAX_STAGING = 2
 
 
 class TooFewReplies(RuntimeError):
@@ -304,6 +307,8 @@ class Run:
         block is 4.2 GiB in fp32, per client); ``staged`` waits for it before the checkpoint."""
         if self._stager is None:
             self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-pending")
+        if len(self._staging) >= MAX_STAGING:  # written in order: then at most MAX_STAGING wait in memory
+            wait([self._staging[-MAX_STAGING]])
         self._staging.append(self._stager.submit(stage_pending, self.run_dir, partition_id, pending))
 
     def staged(self) -> None:

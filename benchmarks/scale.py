@@ -102,7 +102,7 @@ def measure(clients: int, model: str, args: argparse.Namespace, workdir: Path) -
         "model": model,
         **GSM_AS_MEASURED,
         "output-dir": str(out),
-        "num-examples": max(64, 2 * clients + 8) if not args.sampled else 64,
+        "num-examples": max(64, 2 * clients + 8),  # two rows per client at least
         "heldout-examples": 8,
         "generate-examples": 0,
         "layers-per-block": args.layers_per_block,

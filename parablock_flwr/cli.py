@@ -101,14 +101,23 @@ def _cpu_list(text: str) -> set[int]:
 
 
 def _uid_list(text: str) -> list[int]:
-    """``1001`` or ``1001,1002``: user ids (``id -u NAME`` prints one)."""
-    try:
-        uids = [int(part) for part in text.split(",")]
-    except ValueError:
-        uids = [-1]
+    """``1001``, ``1001,1002`` or user names (``parablock-node``: a systemd unit cannot compute a uid)."""
+    uids = [_uid(part) for part in text.split(",")]
     if any(uid < 0 for uid in uids):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected user ids like 1001 or 1001,1002")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected user ids or names like 1001,1002 or parablock-node")
     return uids
+
+
+def _uid(part: str) -> int:
+    """A user id, or the id of the user of that name; -1 for neither."""
+    import pwd
+
+    if part.isdigit():
+        return int(part)
+    try:
+        return pwd.getpwnam(part).pw_uid
+    except KeyError:
+        return -1
 
 
 def _byte_count(text: str) -> int:
@@ -168,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--state-dir",
         type=Path,
         help="where the node's error-feedback residuals outlive the worker (default: SOCKET.state beside the "
-        "socket; put it on a persistent disk, not /run or /tmp; a node config's state-dir wins)",
+        "socket; put it on a persistent disk, not /run or /tmp); a node config's state-dir must name the same",
     )
     wrk.add_argument(
         "--compute-cpus",
@@ -185,8 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_uid_list,
         action="append",
         default=[],
-        help="also admit peers with this uid (repeatable, or a comma list): a SuperNode run as another user, "
-        "who must share the worker's group (the socket is then 0660, its directory 0710); default: own uid only",
+        help="also admit peers with this uid or user name (repeatable, or a comma list): a SuperNode run as another "
+        "user, who must share the worker's group (the socket is then 0660, its directory 0710); default: own uid only",
     )
     wrk.add_argument(
         "--max-message-bytes",

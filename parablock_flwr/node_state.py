@@ -7,7 +7,7 @@ its checkpoint. The residuals do: the server never sees them, yet round R+1 send
 ``round(Δ + e)``, so a resume that starts them empty diverges from the uninterrupted run.
 
 ``ResidualStore`` is a folder per node (simulation: ``RUN_DIR/node-state/partition-P``; deployment: the
-node config's ``state-dir``, else ``SOCKET.state``, then ``partition-P``). Each round that rounds an
+worker's ``--state-dir``, else ``SOCKET.state``, then ``partition-P``). Each round that rounds an
 update writes the new residual of its block as ``r{round}-b{block}.safetensors`` (fsync of the file,
 rename, fsync of the folder); a full sync writes ``r{round}-reset``. The residuals *as of* round R are,
 per block, the newest file at or before R and after the newest reset at or before R: a node that already
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,7 +36,7 @@ from safetensors.numpy import save_file as save_arrays
 from safetensors.torch import load_file, save_file
 
 from .core import PendingUpdate, Tensors
-from .durable import fsync_path, replace_file
+from .durable import fsync_path, make_dirs, replace_file
 from .wire import pack_pieces, round_and_pack, unpack
 
 KEEP_ROUNDS = 4  # a checkpoint is at most 2 rounds behind what a node answered: room to spare
@@ -70,7 +69,7 @@ class ResidualStore:
         return sorted(out, key=lambda e: (e[0], -1 if e[1] is None else e[1]))
 
     def _write(self, name: str, tensors: Tensors | None) -> None:
-        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # the node's own, as its socket
+        make_dirs(self.dir, 0o700)  # the node's own, as its socket; each new folder's parent fsynced
         final, tmp = self.dir / name, self.dir / f".{name}.tmp"
         if tensors is None:
             tmp.write_bytes(b"")
@@ -112,8 +111,15 @@ class ResidualStore:
             self.save(server_round, block, residual)
 
     def clear(self) -> None:
-        if self.dir.is_dir():
-            shutil.rmtree(self.dir)
+        """Remove this store's own files (and a write's leftover temporary), never the folder nor anything
+        else in it: whatever a path names, the node removes nothing it did not write."""
+        if not self.dir.is_dir():
+            return
+        for path in self.dir.iterdir():
+            name = path.name.removeprefix(".").removesuffix(".tmp")
+            if _FILE.match(name) and path.is_file() and not path.is_symlink():
+                path.unlink()
+        fsync_path(self.dir)
 
     def _prune(self, newest_round: int) -> None:
         """Drop what no ``as_of(R)`` for ``R >= newest_round - KEEP_ROUNDS`` reads."""
@@ -152,7 +158,7 @@ class PendingStore:
             pieces = pack_pieces(pending.delta, "fp32")
         arrays = {name: np.concatenate(parts) for name, parts in pieces.items()}
         meta = {"block": str(pending.block), "base-version": str(pending.base_version)}
-        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        make_dirs(self.path.parent, 0o700)  # the node's own; each new folder's parent fsynced
         replace_file(self.path, lambda tmp: save_arrays(arrays, str(tmp), metadata=meta))
 
     def load(self) -> PendingUpdate | None:

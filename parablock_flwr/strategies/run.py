@@ -34,6 +34,7 @@ from ..checkpoint import Checkpoint, clear_staged_pending, replay_run, save_chec
 from ..metrics import RunRecorder, round_line
 from ..records import to_record
 from ..replica import StepLog
+from ..versions import PROTOCOL_VERSION, ROUND_KEY
 from . import client_evaluation
 from .reply_checks import Reply
 from .round_stats import array_bytes, critical_path_rows
@@ -156,7 +157,8 @@ class Run:
                 self.evaluator.close(raise_error=False)  # the run's own error is the one to report
             raise
         if self.evaluator is not None:
-            self.evaluator.close()  # the last round's evaluation (and any still running) ends first
+            self.evaluator.close()  # the queue drains: every round handed over is evaluated first
+            self.prune_step_log()  # what the evaluator held back
         return result
 
     @staticmethod
@@ -296,10 +298,12 @@ class Run:
         return time.perf_counter() - started
 
     def prune_step_log(self) -> None:
-        """Drop what the newest snapshot made redundant (``StepLog.prune``), between rounds."""
+        """Drop what the newest snapshot made redundant (``StepLog.prune``), between rounds, but never a
+        step the server's evaluator has still to read (after the round it last reported): until it has
+        read them, the next prune tries again."""
         if self._prune_due:
-            self.step_log.prune()
-            self._prune_due = False
+            keep_after = self.evaluator.version if self.evaluator is not None else None
+            self._prune_due = not self.step_log.prune(keep_after)
 
     def stage_pending(self, partition_id: int, pending: core.PendingUpdate) -> None:
         """A client's update of this round, for the round's checkpoint (what a restarted server
@@ -310,6 +314,11 @@ class Run:
         if len(self._staging) >= MAX_STAGING:  # written in order: then at most MAX_STAGING wait in memory
             wait([self._staging[-MAX_STAGING]])
         self._staging.append(self._stager.submit(stage_pending, self.run_dir, partition_id, pending))
+
+    def discard_staged(self) -> None:
+        """The round's aggregate was rejected: what it staged for the checkpoint is dropped."""
+        self.staged()
+        clear_staged_pending(self.run_dir)
 
     def staged(self) -> None:
         """Every pending update staged so far is on disk (a failed write raises here)."""
@@ -336,8 +345,9 @@ class Run:
         nodes, num_rounds = self.algorithm.round_nodes, self.num_rounds
         if self.config.evaluation != "clients" or not nodes:
             return
-        round_cfg = {"server-round": num_rounds + 1, "block": -1, "step-block": self._last_block(),
-                     "next-block": -1, "algorithm": self.algorithm.algorithm, "run-dir": str(self.run_dir),
+        round_cfg = {ROUND_KEY: PROTOCOL_VERSION, "server-round": num_rounds + 1, "block": -1,
+                     "step-block": self._last_block(), "next-block": -1, "algorithm": self.algorithm.algorithm,
+                     "run-dir": str(self.run_dir),
                      **self.client_evaluation_keys(num_rounds)}  # fmt: skip
 
         def messages() -> Iterator[Message]:

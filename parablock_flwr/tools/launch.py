@@ -210,12 +210,20 @@ def register_supernode(public_key: Path, env: dict[str, str]) -> None:
         raise RuntimeError(f"flwr supernode register {public_key} failed: {proc.stdout[-500:]}{proc.stderr[-500:]}")
 
 
-def worker_command(socket_path: Path, idle_exit_s: int = 0, compute_cpus: str = "") -> list[str]:
+def worker_command(socket_path: Path, idle_exit_s: int = 0, compute_cpus: str = "", state_dir: str = "") -> list[str]:
     """The node worker listening on the Unix socket ``socket_path`` (its compute thread pinned to
-    ``compute_cpus``, e.g. "1", when given)."""
+    ``compute_cpus``, e.g. "1", when given; its state in ``state_dir``, when given)."""
     pin = ["--compute-cpus", compute_cpus] if compute_cpus else []
+    state = ["--state-dir", state_dir] if state_dir else []
     return [sys.executable, "-m", "parablock_flwr.worker", "--socket", str(socket_path),
-            "--idle-exit-s", str(idle_exit_s), *pin]  # fmt: skip
+            "--idle-exit-s", str(idle_exit_s), *pin, *state]  # fmt: skip
+
+
+def node_state_dir(settings: str) -> str:
+    """The ``state-dir="..."`` of a SuperNode's extra node-config text, given to its worker too: the worker
+    takes its state dir from its own command line only, and the node config's must name the same."""
+    found = re.search(r'state-dir="([^"]*)"', settings)
+    return found[1] if found else ""
 
 
 def node_config(partition_id: int, num_partitions: int, worker_socket: Path) -> str:
@@ -611,7 +619,9 @@ def run_deployment(
         workers = []
         for i in range(num_supernodes):
             sock = sockets / f"worker-{i}.sock"
-            proc = stack.enter_context(started(worker_command(sock), workdir / f"worker-{i}.log", env))
+            state_dir = node_state_dir(node_settings[i]) if i < len(node_settings) else ""
+            command = worker_command(sock, state_dir=state_dir)
+            proc = stack.enter_context(started(command, workdir / f"worker-{i}.log", env))
             workers.append(proc)
         for i, proc in enumerate(workers):
             wait_for((sockets / f"worker-{i}.sock").exists, proc, workdir / f"worker-{i}.log")

@@ -78,8 +78,9 @@ def _launch(args) -> int:
         workdir = args.workdir or app_dir / "runs" / ".flower"
         if args.command == "simulate":
             result = run_simulation(
-                workdir, config, args.num_supernodes, args.cpus_per_client, app_dir=app_dir, capture=False
-            )
+                workdir, config, args.num_supernodes, args.cpus_per_client, app_dir=app_dir, capture=False,
+                ray_address=args.ray_address, gpus_per_client=args.gpus_per_client,
+            )  # fmt: skip
         else:
             result = run_deployment(
                 workdir, config, args.num_supernodes, app_dir=app_dir, capture=False, secure=args.secure
@@ -145,7 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     sim = sub.add_parser("simulate", help="run the app on Flower's simulation engine")
     _run_args(sim)
-    sim.add_argument("--cpus-per-client", type=int, default=2)
+    sim.add_argument("--cpus-per-client", type=int, default=2, help="CPUs each virtual client's Ray actor reserves")
+    sim.add_argument("--gpus-per-client", type=float, default=0.0, help="GPUs (or a share of one) per actor")
+    sim.add_argument(
+        "--ray-address",
+        default="",
+        help="an existing Ray cluster (HEAD_IP:6379, or auto) to run the clients on; default: a Ray of the run's own",
+    )
     dep = sub.add_parser("deploy", help="run a real local deployment with node workers")
     _run_args(dep)
     dep.add_argument(

@@ -21,7 +21,7 @@ from .durable import append_line, make_dirs, read_jsonl
 SUMMARY_ROUNDS = 12
 
 # Keys whose value has one entry per node: kept out of the main record (``nodes.jsonl``).
-PER_NODE_KEYS = ("client_weights", "timeline", "rejected", "heldout_nodes")
+PER_NODE_KEYS = ("client_weights", "timeline", "rejected", "heldout_nodes", "served_by")
 
 
 class RunRecorder:

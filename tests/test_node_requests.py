@@ -263,7 +263,8 @@ def test_the_inline_clientapp_replies_state_intact_errors_itself(tmp_path, tiny_
     monkeypatch.setattr(node, "train_block", real)
     reply = train_inline(msg, context)
     assert not reply.has_error() and reply.content["metrics"]["own-data"] == 0
-    assert context.state["node"]["last-round"] == 1 and "pending" in context.state
+    assert context.state["node"]["last-round"] == 1 and list(context.state) == ["node"]  # the update is on disk
+    assert (tmp_path / "run" / "node-state" / "partition-0" / "pending.safetensors").is_file()
     again = train_inline(msg, context)
     assert again.has_error() and again.error.reason.startswith("state-intact: round 1 (train) refused")
 

@@ -47,6 +47,7 @@ OPTIONAL_NUMBER_METRICS = (
     "malformed-examples",  # rows of the node's data skipped as malformed (unreadable, a field missing or not text)
     "oom-retries",  # 1: the node ran out of device memory and redid the round with half the micro-batch
     "own-data",  # 1: the node trains on its own dataset (its num-examples is bounded by max-num-examples only)
+    "process-id",  # simulation: the Ray actor's process that computed the update (records' served_by)
     # evaluation = "clients": the node's held-out evaluation of x^{eval-version} (node.evaluate_replica)
     "eval-version",
     "heldout-loss",

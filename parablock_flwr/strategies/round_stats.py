@@ -102,6 +102,8 @@ def round_record(
             {"partition_id": r.partition_id, "num_examples": r.num_examples, "weight": w}
             for r, w in zip(accepted, weights)
         ],
+        # Simulation: the process (a Ray actor, on any machine of the cluster) that computed each update.
+        **served_by(accepted),
         "correction_drift_max": max((r.metrics.get("correction-drift", 0.0) for r in accepted), default=0.0),
         "truncated_examples": sum(int(r.metrics.get("truncated-examples", 0)) for r in accepted),
         "oom_retries": sum(int(r.metrics.get("oom-retries", 0)) for r in accepted),
@@ -109,6 +111,14 @@ def round_record(
         "malformed_examples": dropped_for_length(accepted, "malformed-examples"),
         **timeline_metrics(accepted),
     }
+
+
+def served_by(accepted: list[Reply]) -> dict:
+    """``served_by``: each accepted update's partition and the process id of the Ray actor that computed
+    it (simulation replies carry ``process-id``): which actors, on which machines, did the work."""
+    rows = [{"partition_id": r.partition_id, "process_id": int(r.metrics["process-id"])}
+            for r in accepted if "process-id" in r.metrics]  # fmt: skip
+    return {"served_by": rows} if rows else {}
 
 
 def timeline_metrics(accepted: list[Reply]) -> dict:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -43,6 +43,9 @@ if TYPE_CHECKING:
     from .fedbcd.server import FedBCD
 
 log = logging.getLogger(__name__)
+# Clients' updates staged for the checkpoint that may wait for the writer thread in memory: a round of a
+# thousand clients would otherwise hold a thousand blocks when the disk is slower than the aggregation.
+MAX_STAGING = 2
 
 
 class TooFewReplies(RuntimeError):
@@ -213,7 +216,9 @@ class Run:
         # may have outlasted the deadline, and replies that came in time are waiting on the SuperLink.
         while waiting and (first_pull or time.monotonic() < self._deadline):
             first_pull = False
-            for reply in grid.pull_messages(set(waiting) | set(self._abandoned)):
+            pulled = list(grid.pull_messages(set(waiting) | set(self._abandoned)))[::-1]
+            while pulled:  # each reply leaves the list as it is checked: the pull holds none of them after
+                reply = pulled.pop()
                 mid = reply.metadata.reply_to_message_id
                 if mid in self._abandoned:
                     node, _ = self._abandoned.pop(mid)
@@ -306,6 +311,8 @@ class Run:
         block is 4.2 GiB in fp32, per client); ``staged`` waits for it before the checkpoint."""
         if self._stager is None:
             self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-pending")
+        if len(self._staging) >= MAX_STAGING:  # written in order: then at most MAX_STAGING wait in memory
+            wait([self._staging[-MAX_STAGING]])
         self._staging.append(self._stager.submit(stage_pending, self.run_dir, partition_id, pending))
 
     def discard_staged(self) -> None:

@@ -24,7 +24,7 @@ from flwr.serverapp.strategy.strategy_utils import sample_nodes
 
 from ... import core
 from ...config import RunConfig
-from ...records import pieces_record
+from ...records import pieces_record, record_arrays
 from ...versions import PROTOCOL_VERSION, ROUND_KEY
 from ...wire import WireError, round_and_pack
 from ..node_sync import NodeSync, ask_partitions, seeded_sample
@@ -39,6 +39,7 @@ from ..reply_checks import (
 )
 from ..round_stats import RoundStats, array_bytes, round_record
 from ..run import TooFewReplies
+from ..update_spill import UpdateSpill
 
 if TYPE_CHECKING:
     from ...checkpoint import Checkpoint
@@ -87,6 +88,7 @@ class FedBCD(Strategy):
     def attach(self, run: Run) -> None:
         """Called by ``Run``: the run whose messages, step log and records this algorithm uses."""
         self.run = run
+        self.spill = UpdateSpill(run.run_dir)
         self.sync = NodeSync(self.global_params, self.partition.num_blocks, run.step_log, self.config.transfer_dtype)
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
@@ -232,6 +234,7 @@ class FedBCD(Strategy):
         """Send ``g^{r-1}`` (in ``arrays``, empty in round 1), ``b_r`` and any catch-up to each node."""
         self.stats = RoundStats(server_round)
         self._retry_grid, self._global_step = grid, arrays  # kept for a retry of this round
+        self.spill.start()
         nodes = self.select_nodes(server_round, grid)
         if server_round == self.run.first_round and self.sync.resume_pending:
             self.sync.partitions.update(ask_partitions(grid, nodes, self.config.round_timeout_s))
@@ -303,6 +306,7 @@ class FedBCD(Strategy):
             return {n: torch.zeros_like(self.global_params[n]) for n in self.partition.names(block)}
         updates = self.accepted_updates(server_round, block, accepted)
         mean = self.combine(updates, [self.client_weight(r.metrics) for r in accepted])
+        self.spill.start()  # every update is combined: the file is emptied
         return self.server_update(server_round, block, mean)
 
     def apply_if_finite(self, step: core.Tensors) -> tuple[core.Tensors, dict] | str:
@@ -348,7 +352,7 @@ class FedBCD(Strategy):
         cfg = self.config
         expected = Expected(server_round, block, shapes, cfg.max_examples_per_client, cfg.max_update_norm,
                             cfg.transfer_dtype, cfg.max_correction_drift)  # fmt: skip
-        seen = {r.partition_id for r in accepted}
+        seen, accepted = {r.partition_id for r in accepted}, list(accepted)
         for msg in replies:
             node = self.run.sent_to(msg)
             self.stats.num_replies += 1
@@ -365,7 +369,9 @@ class FedBCD(Strategy):
                 seen.add(reply.partition_id)
                 if reply.metrics.get("own-data") == 1:
                     self.own_counts.setdefault(reply.partition_id, reply.num_examples)
-                accepted = accepted + [reply]
+                self.spill.put(reply.node, record_arrays(msg.content["update"]))  # as it came, until combined
+                reply.update = None
+                accepted.append(reply)
                 continue
             log.warning("round %d: rejected the reply of node %d: %s", server_round, node, reply)
             self.stats.rejected.append({"node": node, "reason": reply})
@@ -377,10 +383,13 @@ class FedBCD(Strategy):
         return accepted
 
     def accepted_updates(self, server_round: int, block: int, accepted: list[Reply]) -> Iterator[core.Tensors]:
-        """Each accepted ``Δ_i^r`` in turn, dropped once combined: the default weighted mean
-        holds the running sum and one update, not one per client (ParaBlock's are held until
-        written for the checkpoint, on the run's writer thread)."""
+        """Each accepted ``Δ_i^r`` in turn, read back from the round's spill (``update_spill``) and
+        dropped once combined: the default weighted mean holds the running sum and one update, not one
+        per client (ParaBlock's are held until written for the checkpoint, on the run's writer thread)."""
+        shapes = {n: tuple(self.global_params[n].shape) for n in self.partition.names(block)}
         for reply in accepted:
+            if reply.update is None:
+                reply.update = self.spill.take(reply.node, shapes)
             self.observe_update(server_round, block, reply)
             update, reply.update = reply.update, None
             yield update

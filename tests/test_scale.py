@@ -49,7 +49,7 @@ def test_a_pending_update_the_transfer_dtype_cannot_hold_is_kept_in_fp32(tmp_pat
 
 
 def test_the_spill_gives_back_each_update_as_it_was_checked(tmp_path):
-    spill = UpdateSpill(tmp_path)
+    spill = UpdateSpill(tmp_path, in_memory=0)
     spill.start()
     shapes = {n: tuple(t.shape) for n, t in block().items()}
     sent = {node: core.round_for_transfer(block(node), "int8") for node in range(5)}
@@ -95,8 +95,23 @@ def test_wire_arrays_of_a_spill_are_numpy(tmp_path):
     """The spill writes what ``wire.pack`` gives: numpy arrays, any dtype it uses."""
     arrays = pack(core.round_for_transfer(block(), "bf16"), "bf16")
     assert all(isinstance(a, np.ndarray) for a in arrays.values())
-    spill = UpdateSpill(tmp_path)
+    spill = UpdateSpill(tmp_path, in_memory=0)
     spill.start()
     spill.put(1, arrays)
     back = spill.take(1, {n: tuple(t.shape) for n, t in block().items()})
     assert all(torch.equal(back[n], t) for n, t in core.round_for_transfer(block(), "bf16").items())
+
+
+def test_a_round_of_a_few_sites_holds_its_updates_in_memory_and_spills_only_beyond(tmp_path):
+    """A deployment's few sites never write and read their blocks back between the round's last reply
+    and its step; a round of more clients than ``in_memory`` spills the rest, and each comes back exact."""
+    spill = UpdateSpill(tmp_path, in_memory=2)
+    spill.start()
+    shapes = {"w": (3, 4)}
+    updates = {node: torch.randn(3, 4) for node in range(5)}
+    packed = {node: pack({"w": update}, "fp32") for node, update in updates.items()}
+    for node, arrays in packed.items():
+        spill.put(node, arrays)
+    assert spill.path.stat().st_size == sum(a.nbytes for node in (2, 3, 4) for a in packed[node].values())
+    for node, update in updates.items():
+        assert torch.equal(spill.take(node, shapes)["w"], update)

@@ -120,6 +120,16 @@ def _byte_count(text: str) -> int:
     return count
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected seconds > 0, like 2.5")
+    return seconds
+
+
 def _device(text: str) -> str:
     from .node_data import device_valid
 
@@ -200,6 +210,11 @@ def build_parser() -> argparse.ArgumentParser:
     pln.add_argument("overrides", nargs="*", help="run-config values, KEY=VALUE in TOML syntax")
     pln.add_argument("--gpu-memory-gb", type=float, help="also print the settings that fit a GPU of this size")
     pln.add_argument("--num-nodes", type=int, default=3, help="nodes replying each round (server memory)")
+    step = pln.add_mutually_exclusive_group()
+    step.add_argument("--step-time-s", type=_positive_seconds, help="one local step, measured: models compute")
+    step.add_argument(
+        "--probe", action="store_true", help="measure one local step here (loads the model; cuda if present)"
+    )
     return parser
 
 
@@ -222,6 +237,23 @@ def _worker(args) -> int:
     return 0
 
 
+def _plan(args) -> int:
+    """`plan`: a bad key or value is one line and exit code 2, as `simulate` refuses it."""
+    from .config import ConfigError
+    from .plan import plan_command
+
+    try:
+        overrides = parse_overrides(args.overrides)
+        text = plan_command(args.model, overrides, args.gpu_memory_gb, args.num_nodes, args.step_time_s, args.probe)
+    except (ConfigError, OverrideError) as err:
+        print(f"parablock-flwr plan: {err}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as err:
+        sys.exit(f"parablock-flwr plan: {err}")
+    print(text)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
@@ -230,14 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "worker":
         return _worker(args)
     if args.command == "plan":
-        from .config import ConfigError
-        from .plan import plan_command
-
-        try:
-            print(plan_command(args.model, parse_overrides(args.overrides), args.gpu_memory_gb, args.num_nodes))
-        except (ConfigError, OverrideError, ValueError, OSError) as err:
-            sys.exit(f"plan: {err}")
-        return 0
+        return _plan(args)
     if args.command == "evaluate":
         print(json.dumps(evaluate(args.model, args.config, args.samples)))
         return 0

@@ -31,6 +31,7 @@ from .paths import EMBEDDED, cache_dir
 
 log = logging.getLogger(__name__)
 
+
 def resolve_model(spec: str) -> str:
     """Turn the run config's ``model`` into something ``from_pretrained`` loads."""
     if spec.startswith("embedded:"):

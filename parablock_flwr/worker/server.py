@@ -27,7 +27,7 @@ import numpy as np
 
 from .. import core, node
 from ..config import RunConfig
-from ..node_data import NodeSettings
+from ..node_data import NodeSettings, error_line
 from ..node_state import NodeState, ResidualStore
 from ..runtime import setup_torch
 from ..wire import WireError, pack_pieces, unpack
@@ -108,7 +108,7 @@ class NodeWorker:
                 return {"error": str(err), "state-intact": True}, {}
             except Exception as err:  # reported to the ClientApp, which replies an error to the server
                 log.exception("round failed")
-                return {"error": f"{type(err).__name__}: {err}"}, {}
+                return {"error": error_line(err)}, {}
             self.last = (key, reply)
             return reply
 

@@ -539,3 +539,22 @@ def test_handing_rounds_to_a_stopped_evaluator_never_blocks_the_loop(tmp_path, t
         evaluator.close(raise_error=False)
         handed.join(30.0)
     assert evaluator.pid is None
+
+
+def test_rounds_a_stopped_run_had_not_evaluated_are_counted_as_skipped_when_it_resumes(tmp_path, tiny_model_dir):
+    """The evaluator lags the loop; a server stopped then leaves rounds with no evaluation before its
+    checkpoint. The resumed run records them as skipped (their ``x^r`` may be pruned), so the last line
+    counts them, instead of losing them without a word. Here the first run had no evaluator at all."""
+    settings = dict(evaluation="server", eval_every=1, num_examples=24, heldout_examples=8, generate_examples=0,
+                    model=str(tiny_model_dir), layers_per_block=2)  # fmt: skip
+    first = make_strategy(tmp_path / "first", tiny_model_dir, 3, **settings)
+    run(first, InMemoryFederation(2, honest_answer(first)), 3)
+    resumed = make_strategy(tmp_path / "resumed", tiny_model_dir, 4, **settings)
+    evaluator, _, _ = evaluator_for(resumed, tiny_model_dir, tmp_path / "resumed")
+    Run(resumed, tmp_path / "resumed", evaluator)
+    first_step = resumed.run.resume(first.run.run_dir, load_checkpoint(first.run.run_dir))
+    with InMemoryFederation(2, honest_answer(resumed)) as federation:
+        resumed.run.start(federation.grid, first_step)
+    records = RunRecorder(tmp_path / "resumed").read()
+    assert [r["round"] for r in records if r.get("evaluation_skipped")] == [0, 1, 2]
+    assert [r["round"] for r in records if "heldout_loss" in r] == [3, 4]  # the checkpoint's round, then on

@@ -489,6 +489,21 @@ class Run:
             ),
         )
 
+    def _count_lost_evaluations(self, records: dict[int, dict], resumed_after: int) -> None:
+        """Rounds before ``resumed_after`` that the server's evaluator had still to evaluate when the run
+        stopped (it lags the loop): their ``x^r`` may be pruned from the step log, so they are recorded
+        as skipped, and counted on the last line, rather than lost without a word."""
+        if self.evaluator is None or self.config.evaluation != "server":
+            return
+        done = {"heldout_loss", "evaluate_s", "evaluation_skipped"}
+        lost = [
+            r for r in range(resumed_after) if r % self.config.eval_every == 0 and not done & records.get(r, {}).keys()
+        ]
+        for server_round in lost:
+            self.recorder.write({"round": server_round, "evaluation_skipped": 1})
+        if lost:
+            log.warning("rounds %s were not evaluated before the run stopped: recorded as skipped", lost)
+
     def resume(self, from_run_dir: Path, ckpt: Checkpoint) -> ArrayRecord:
         """Continue the run in ``from_run_dir`` after its last complete round R (``ckpt``).
 
@@ -509,9 +524,11 @@ class Run:
         self._model_digest = core.ModelDigest(algorithm.partition.all_names())  # x is x^R now: hash it anew
         self.first_round = ckpt.round + 1
         self.rounds_completed = ckpt.round
-        last = next((r for r in self.recorder.read() if r["round"] == ckpt.round), {})
+        records = {r["round"]: r for r in self.recorder.read()}
+        last = records.get(ckpt.round, {})
         if "evaluate_s" not in last and "heldout_loss" not in last:  # killed before its evaluation was written
             self.unevaluated_round, self._recorded[ckpt.round] = ckpt.round, last
+        self._count_lost_evaluations(records, ckpt.round)
         self._modeled_wall_s = ckpt.modeled_wall_s
         self._started = time.perf_counter() - ckpt.elapsed_s  # elapsed_s goes on where it stopped
         self._rounds_noted = ckpt.participation.get("rounds_noted", 0)

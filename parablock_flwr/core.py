@@ -238,9 +238,7 @@ def _c_order_buffer(tensor: torch.Tensor):
 class ModelDigest:
     """The digest of ``x`` each checkpoint stores: SHA-256 over every named tensor's name and its own
     SHA-256, in order. Each tensor is hashed again only after a step changed it (``changed``), so a
-    round's checkpoint hashes the round's block, not the model: an 8B model's trainable weights are
-    26 GiB in fp32, 17.9 s of one server core a round against 2.8 s for its largest block, at SHA-256's
-    1.45 GiB/s here (``python -m benchmarks.checkpoint_digest``), beside Flower's work."""
+    round's checkpoint hashes the round's block, not the model, whose bytes are many times a block's."""
 
     def __init__(self, names: Iterable[str]):
         self.names = tuple(names)
@@ -356,8 +354,8 @@ def quantize_int8(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     gives back the same ``q`` and ``s`` (``max|q|`` is then in [64, 127], which picks the same ``s``), so
     the server can round ``g``, apply it, and encode it again for the wire without changing a bit.
     """
-    # Few passes and fresh buffers over the block: an 8B block is a billion values, quantised on the
-    # server's critical path (benchmarks/server_step.py). max|v| is max(max, -min), without |v|'s copy.
+    # Few passes and fresh buffers over the block: the server quantises it on its critical path.
+    # max|v| is max(max, -min), without |v|'s copy.
     flat = tensor.detach().reshape(-1).float()
     n = flat.numel()
     padded = int8_blocks(n) * INT8_BLOCK
@@ -419,9 +417,9 @@ class LinkModel:
     """A client's link and the framework's cost of one exchange: rates in Mbit/s, one-way latency in
     ms, the fixed cost of one exchange (``message_overhead_s``: delivery, process start, polls, the
     server's aggregation) and the rate at which the framework's processes move a message's bytes
-    besides the link (``message_throughput_mbs``, MB/s; 0: not modeled). ``benchmarks/window.py``
-    fits both on loopback: an exchange costs ``overhead + bytes / throughput`` there; on a deployment,
-    ``python -m benchmarks.dtype_sweep --probe`` fits them to two runs of two message sizes."""
+    besides the link (``message_throughput_mbs``, MB/s; 0: not modeled): an exchange costs
+    ``overhead + bytes / throughput`` besides the link. ``python -m benchmarks.time_model`` fits both
+    to two runs of two message sizes."""
 
     uplink_mbps: float
     downlink_mbps: float

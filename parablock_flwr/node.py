@@ -261,7 +261,7 @@ def run_here(fn: Callable, *args):
 def in_background(fn: Callable, *args) -> Callable[[], None]:
     """Start ``fn(*args)`` on a thread of its own; the function returned waits for it and raises its error.
 
-    The residual's durable write (an 8B model's block: 4 GiB in fp32, seconds of fsync) runs beside
+    The residual's durable write (a block in fp32, fsynced: seconds at 8B sizes) runs beside
     the correction and the next block's start instead of before them. Its tensors are copied to the
     host first, in the caller's thread: a device copy from another thread would queue behind the
     next block's kernels."""

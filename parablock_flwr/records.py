@@ -6,8 +6,8 @@ that the node worker, which never imports Flower, shares the encoding.
 
 Each ``Array`` holds standard ``.npy`` bytes (what ``Array(ndarray)`` and ``Array.numpy()`` write and
 read), built and read here with one copy: ``np.save`` into a ``BytesIO`` and ``np.load`` from one copy a
-block-sized array three and two times, and on a machine short of memory bandwidth a 70 MB block's copies
-cost more than Flower's own work on it (benchmarks/wire_pack.py). The npy reading and writing is
+block-sized array three and two times, which on a machine short of memory bandwidth cost more than
+Flower's own work on a block. The npy reading and writing is
 ``npy.py``'s, which the torch-free ClientApp relay shares.
 """
 

@@ -274,8 +274,8 @@ class Run:
         """``g^r``, just applied to ``x``: for the step log, written once round r+1's messages are out
         (``write_step_log``). Its readers need it no sooner: round r+1's message carries ``g^r`` itself,
         catch-ups and lagging Ray actors read only older steps, and round r's checkpoint and evaluation
-        come after the write. Off the critical path: an 8B model's largest block is 4 GiB in fp32, fsynced,
-        and a snapshot all 26 GiB of it."""
+        come after the write. Off the critical path: a block in fp32, fsynced, and a snapshot the whole
+        trainable model."""
         self._unlogged.append((server_round, block, step))
         self._model_digest.changed(step)
 
@@ -307,8 +307,8 @@ class Run:
 
     def stage_pending(self, partition_id: int, pending: core.PendingUpdate) -> None:
         """A client's update of this round, for the round's checkpoint (what a restarted server
-        hands back to the client: ParaBlock's ``Δ_i^r``). Written beside the loop (an 8B model's
-        block is 4.2 GiB in fp32, per client); ``staged`` waits for it before the checkpoint."""
+        hands back to the client: ParaBlock's ``Δ_i^r``). Written beside the loop (a block in fp32 per
+        client); ``staged`` waits for it before the checkpoint."""
         if self._stager is None:
             self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-pending")
         if len(self._staging) >= MAX_STAGING:  # written in order: then at most MAX_STAGING wait in memory

@@ -51,20 +51,13 @@ def free_port() -> int:
 # and ClientApp processes inherit them): an Array travels as objects of at most this many bytes, each
 # hashed, stored and fetched by one HTTP request, pushed and pulled by min(N, CPU count) threads.
 # Flower's defaults are 5 MiB and 2 threads. Fewer, larger objects save requests, but each process
-# copies every object a few times: at 32 MiB and more (glibc serves such blocks by fresh mmap, page
-# faults each time) hashing and serialising a 70.8 MB message took 2-3x longer than at 2-8 MiB, so
-# 8 MiB; more threads help only where there are more cores. benchmarks/window.py measures these
-# against Flower's (docs/benchmarks.md, "The communication window against block size"). A value
-# already set in the environment wins (docs/deployment.md, "Flower's transfer settings").
+# copies every object a few times, and objects of 32 MiB and more are served by fresh mmaps, page
+# faults each time: 8 MiB. A value already set in the environment wins (docs/deployment.md,
+# "Flower's transfer settings", which says what was measured).
 FLOWER_TRANSFER_SETTINGS = {
     "FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE": str(8 * 2**20),
     "FLWR_PRIVATE_MAX_CONCURRENT_OBJ_PUSHES": "4",
     "FLWR_PRIVATE_MAX_CONCURRENT_OBJ_PULLS": "4",
-}
-FLOWER_DEFAULT_TRANSFER_SETTINGS = {  # Flower 1.42's own, for measuring against
-    "FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE": str(5 * 2**20),
-    "FLWR_PRIVATE_MAX_CONCURRENT_OBJ_PUSHES": "2",
-    "FLWR_PRIVATE_MAX_CONCURRENT_OBJ_PULLS": "2",
 }
 
 

@@ -179,6 +179,7 @@ class Request:
     evaluate_version: int | None = None  # evaluation = "clients": evaluate x^v in this round
     evaluate_generate: bool = False
     resumed_after: int | None = None  # a resumed run: the round R its server's checkpoint holds
+    resume_dir: str = ""  # ... and that run's folder, resolved by the server (simulation: its node-state/)
 
     @classmethod
     def parse(
@@ -203,6 +204,7 @@ class Request:
             evaluate_version=version if version >= 0 else None,
             evaluate_generate=bool(round_cfg.get("evaluate-generate", 0)),
             resumed_after=int(round_cfg["resumed-after"]) if "resumed-after" in round_cfg else None,
+            resume_dir=str(round_cfg.get("resume-dir", "")),
         )
 
     @property
@@ -426,14 +428,24 @@ class Node:
     ) -> None:
         """A resumed run: the residuals as of the checkpoint's round R, which every message of a resumed
         run names (``resumed-after``), also to a node first sampled rounds later that answered rounds
-        after R before the server stopped; a new run: none."""
-        if not cfg.resume_from or resumed_store is None:
+        after R before the server stopped; a new run: none.
+
+        A hand-back (``resume-pending``) says this node's round-R reply was aggregated, so the store
+        must hold that round's residual of its block: without it the node would go on from zero and the
+        run would silently stop being exact, so it fails instead, naming where it looked."""
+        if req.resumed_after is None or resumed_store is None:
             store.clear()
             return
-        resumed_after = req.resumed_after if req.resumed_after is not None else req.server_round - 1
-        self.state.residuals = resumed_store.as_of(resumed_after)
-        store.restart_at(resumed_after, self.state.residuals)
-        log.info("resumed after round %d with residuals of blocks %s", resumed_after, sorted(self.state.residuals))
+        self.state.residuals = resumed_store.as_of(req.resumed_after)
+        back = req.handed_back
+        if back is not None and back.block not in self.state.residuals:
+            raise FileNotFoundError(
+                f"resumed after round {req.resumed_after}: no residual of block {back.block} in "
+                f"{resumed_store.dir} (expected this node's round-{req.resumed_after} residuals of "
+                f"transfer-dtype={cfg.transfer_dtype} there); not starting its error feedback from zero"
+            )
+        store.restart_at(req.resumed_after, self.state.residuals)
+        log.info("resumed after round %d with residuals of blocks %s", req.resumed_after, sorted(self.state.residuals))
 
     def start_ahead(self, res: NodeResources, cfg: RunConfig, req: Request, client, fetch_step: FetchStep) -> None:
         """Round r+1 starts now, from the client half's start point, while round r's reply travels."""

@@ -10,6 +10,7 @@ import logging
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from parablock_flwr import core
 from parablock_flwr.checkpoint import check_resumable
@@ -409,3 +410,29 @@ def test_only_aggregation_lies_between_a_rounds_last_reply_and_the_next_messages
     # written after them (what round r's checkpoint counts on), each round's write recorded.
     assert max(rec["server_critical_path_s"] for rec in records[1:-1]) < 5.0
     assert all(rec["step_log_write_s"] > 0 for rec in records[1:])
+
+
+@pytest.mark.parametrize("transfer_dtype", ["fp32", "bf16", "fp16", "int8"])
+def test_a_resume_from_a_run_folders_name_goes_on_with_each_nodes_residuals_in_every_transfer_dtype(
+    tmp_path, tiny_model_dir, transfer_dtype
+):
+    """`resume-from` as the README shows it, the run folder's name inside `output-dir`: the server
+    resolves it once and tells the nodes where their residuals are, so a node whose working
+    directory is elsewhere (a Ray actor's; here the test's) does not start its error feedback from
+    zero. The server dies in round 4's checkpoint, after g^4 and the nodes' residuals of round 4 are
+    on disk; the resumed run computes round 4 again from round 3's checkpoint, and its g^4 and each
+    node's round-4 residuals equal the killed run's bit for bit. Without Ray (``simulate_in_process``)."""
+    same = dict(algorithm="parablock", num_server_rounds=ROUNDS, transfer_dtype=transfer_dtype, **SCHEDULE)
+    killed = simulate_in_process(tmp_path, tiny_model_dir, crash_at="checkpoint@4", **same)
+    assert killed.returncode == -9 and killed.run_dir is not None, killed.stdout[-3000:] + killed.stderr[-3000:]
+    resumed = _ok(simulate_in_process(tmp_path, tiny_model_dir, resume_from=killed.run_dir.name, **same))
+    assert resumed.run_dir != killed.run_dir and "after round 3" in resumed.stdout
+    assert all(torch.equal(a, b) for a, b in zip(resumed.step(4)[1].values(), killed.step(4)[1].values()))
+    if transfer_dtype != "fp32":
+        for partition in range(3):
+            old, new = (run.run_dir / "node-state" / f"partition-{partition}" for run in (killed, resumed))
+            files = sorted(p.name for p in old.glob("r00004-*"))
+            assert files and files == sorted(p.name for p in new.glob("r00004-*")), (partition, files)
+            for name in files:
+                a, b = load_file(str(old / name)), load_file(str(new / name))
+                assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a), (partition, name)

@@ -110,8 +110,8 @@ def _run(msg: Message, context: Context, op: str) -> RecordDict:
     store = resumed = None
     if cfg.transfer_dtype != "fp32":
         store = ResidualStore(Path(req.run_dir) / "node-state" / f"partition-{partition_id}")
-        if cfg.resume_from:
-            resumed = ResidualStore(Path(cfg.resume_from) / "node-state" / f"partition-{partition_id}")
+        if req.resumed_after is not None:
+            resumed = ResidualStore(resumed_node_state(req) / f"partition-{partition_id}")
     done = runtime.train(res, cfg, req, fetch_step, store, resumed)
     store_state(context.state, runtime.state, replaced)
     content = RecordDict(
@@ -123,6 +123,19 @@ def _run(msg: Message, context: Context, op: str) -> RecordDict:
     if done.trace:
         content["trace"] = ConfigRecord(done.trace)
     return content
+
+
+def resumed_node_state(req: node.Request) -> Path:
+    """The resumed run's ``node-state/`` where the server says it is (a relative ``resume-from`` is the
+    server's to resolve: this actor's working directory is another). Not there: the node fails, naming it,
+    rather than start its residuals from zero."""
+    folder = Path(req.resume_dir) / "node-state"
+    if not req.resume_dir or not folder.is_dir():
+        raise FileNotFoundError(
+            f"resume-dir={req.resume_dir!r}: this node cannot see the resumed run's node-state/ folder "
+            f"(expected the residuals of the run resumed after round {req.resumed_after} there)"
+        )
+    return folder
 
 
 def _error(msg: Message, reason: str) -> Message:

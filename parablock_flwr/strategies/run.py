@@ -79,6 +79,7 @@ class Run:
         self.num_rounds = self.config.num_server_rounds
         self.round_timeout_s = self.config.round_timeout_s
         self.first_round = 1  # R+1 when resumed from round R's checkpoint
+        self.resumed_from: Path | None = None  # the resumed run's folder, resolved here once for every node
         self.rounds_completed = 0  # the last round whose checkpoint is on disk
         self._started = time.perf_counter()
         # Wall-clock times (time.time, comparable with the node workers' on one host) of this round's
@@ -491,6 +492,7 @@ class Run:
         )  # keeps x^{R-1} for a full sync
         self._model_digest = core.ModelDigest(algorithm.partition.all_names())  # x is x^R now: hash it anew
         self.first_round = ckpt.round + 1
+        self.resumed_from = Path(from_run_dir).expanduser().resolve()
         self.rounds_completed = ckpt.round
         last = next((r for r in self.recorder.read() if r["round"] == ckpt.round), {})
         if "evaluate_s" not in last and "heldout_loss" not in last:  # killed before its evaluation was written

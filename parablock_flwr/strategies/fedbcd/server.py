@@ -179,8 +179,13 @@ class FedBCD(Strategy):
                 "algorithm": self.algorithm,
                 "run-dir": str(self.run.run_dir),
                 # A resumed run: the round its checkpoint holds, whose residuals a node goes on from
-                # (it may have answered later rounds before the server stopped).
-                **({"resumed-after": self.run.first_round - 1} if self.run.first_round > 1 else {}),
+                # (it may have answered later rounds before the server stopped), and its folder as the
+                # server resolved it (a relative resume-from means nothing in a Ray actor's directory).
+                **(
+                    {"resumed-after": self.run.first_round - 1, "resume-dir": str(self.run.resumed_from)}
+                    if self.run.first_round > 1
+                    else {}
+                ),
             }
         )
 

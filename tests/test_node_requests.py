@@ -352,3 +352,70 @@ def test_the_residual_is_written_beside_the_next_blocks_start_and_is_on_disk_bef
         worker.compute_thread.shutdown(wait=True)
     assert seen == {"thread": "residual-write", "ahead_first": True}
     assert on_disk == ["r00001-b0.safetensors"]
+
+
+def test_in_simulation_a_full_sync_repairs_a_lost_replica(tmp_path, tiny_model_dir, x0_of):
+    """One Ray actor serves several nodes with one replica. Out of device memory while restoring it after
+    a computation (the one narrow patch of the device move, as above: a fault a CPU cannot make real)
+    loses it; the server answers that node's error with a full sync, and the next node this actor serves
+    with one must leave with the replica repaired, exactly x^1 (before: the sync's values were not
+    decoded, and the actor failed every node it served for the rest of the run)."""
+    from flwr.app import Context
+
+    from parablock_flwr.records import to_record
+
+    config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 1})
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 5, 6, 0
+
+    def message(server_round: int, block: int, next_block: int, partition: int, **records):
+        round_cfg = dict(worker_request(config, 5, server_round, block, next_block, partition, 2)["round"],
+                         **{"run-dir": str(tmp_path / "run")})  # fmt: skip
+        if "sync-values" in records:
+            round_cfg["sync-version"] = server_round - 2
+        content = RecordDict({"round": ConfigRecord(round_cfg), **records})
+        return Message(content=content, dst_node_id=6, message_type=MessageType.TRAIN)
+
+    contexts = [Context(run_id=5, node_id=6 + i, node_config={"partition-id": i, "num-partitions": 2},
+                        state=RecordDict(), run_config=config) for i in range(2)]  # fmt: skip
+    TaskIdentity.node_id = 6
+    replica = node.resources(RunConfig.from_flower(config), 5).replica
+    moves, real_move = [], replica._to_device
+
+    def fail_on_restore(names, fp32=()):
+        moves.append(fp32)
+        if len(moves) == 2:  # the first move sets the block up, the second restores the replica
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        real_move(names, fp32)
+
+    replica._to_device = fail_on_restore
+    lost = train_inline(message(1, 0, 1, partition=0), contexts[0])
+    del replica._to_device
+    assert lost.has_error() and "ReplicaLost" in lost.error.reason and not lost.error.reason.startswith("state-")
+    assert replica.lost
+
+    x0 = x0_of(config)
+    g1 = {n: torch.full_like(x0[n], 1e-3) for n in node.resources(RunConfig.from_flower(config), 5).partition.names(0)}
+    synced = message(2, 1, -1, partition=1, **{"sync-values": to_record(x0), "global-step": to_record(g1)})
+    reply = train_inline(synced, contexts[1])
+    assert not reply.has_error(), reply.error
+    x1 = {n: t.clone() for n, t in x0.items()}
+    core.apply_step(x1, g1)
+    assert not replica.lost and replica.version == 1
+    assert all(torch.equal(replica.params[n].detach(), x1[n]) for n in x1)
+
+
+def test_a_retry_carrying_a_full_sync_is_always_computed_never_answered_from_the_cache(tmp_path):
+    """The same round carrying a full sync (or a hand-back) twice: the server has dropped what it knew of
+    the node both times, so each is computed from the state it gives, never answered with the reply
+    the node computed before (before: the second came back from the cache, keyed like the first)."""
+    worker = NodeWorker(state_dir=tmp_path)
+    calls = []
+    worker.handle_request = lambda header, arrays, received: calls.append(header) or ({"metrics": {}}, {})
+    synced = {"op": "train", "run-id": 7, "partition-id": 0, "round": {"server-round": 3, "sync-version": 1}}
+    worker.serve_request(synced, {})
+    worker.serve_request(synced, {})
+    handed_back = {"op": "train", "run-id": 7, "partition-id": 0, "round": {"server-round": 3}}
+    worker.serve_request(handed_back, {"resume-pending/w": np.zeros(1, np.float32)})
+    worker.serve_request(handed_back, {"resume-pending/w": np.zeros(1, np.float32)})
+    assert len(calls) == 4
+    worker.compute_thread.shutdown()

@@ -85,9 +85,10 @@ def _run(msg: Message, context: Context, op: str) -> RecordDict:
     setup_torch(cfg)
     res = node.resources(cfg, context.run_id, NodeSettings.from_node_config(context.node_config))
     partition_id = int(context.node_config.get("partition-id", 0))
-    # The values of a full sync are not decoded here: the server's step log covers every version.
-    arrays = {name: to_tensors(msg.content[name]) for name in ("global-step", "catch-up", "resume-pending")
-              if name in msg.content.array_records}  # fmt: skip
+    # A full sync's values are decoded too: the step log covers every version, but only they repair this
+    # actor's replica once it is lost (ReplicaLost), for every node it serves.
+    arrays = {name: to_tensors(msg.content[name]) for name in ("global-step", "catch-up", "resume-pending",
+              "sync-values") if name in msg.content.array_records}  # fmt: skip
     num_partitions = int(context.node_config.get("num-partitions", 1))
     req = node.Request.parse(op, context.run_id, msg.content["round"], arrays, partition_id, num_partitions)
     step_log, from_log = StepLog(req.run_dir), []

@@ -206,7 +206,8 @@ class Run:
 
         Messages still unanswered at the deadline are abandoned: they expire on the SuperLink at
         the same time (their TTL), and a reply to one that still arrives later is pulled and
-        dropped, counted in the round that pulls it (``late_replies_dropped``)."""
+        dropped, counted in the round that pulls it (``late_replies_dropped``). Its node gets a full sync
+        next, as after a rejected reply."""
         waiting, first_pull = dict(sent), True
         # At least one pull: what ran since the push (the previous round's record and checkpoint)
         # may have outlasted the deadline, and replies that came in time are waiting on the SuperLink.
@@ -233,6 +234,9 @@ class Run:
         for mid, node in waiting.items():
             log.warning("node %d did not answer within round-timeout-s=%g", node, self.round_timeout_s)
             self._counts["replies_missing"] += 1
+            # It may still answer, having taken in an update the server now drops (ParaBlock's pending, a
+            # computation started from it): its state is unknown, as after a rejected reply.
+            self.algorithm.sync.failed(node)
             self._abandoned[mid] = (node, now + self.round_timeout_s)
 
     def sent_to(self, reply: Message) -> int:

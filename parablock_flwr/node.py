@@ -282,6 +282,27 @@ def in_background(fn: Callable, *args) -> Callable[[], None]:
     return wait
 
 
+class ResidualWriteFailed(RuntimeError):
+    """The round's residual was not written durably while something else in the round failed too: the
+    reply names both (never a ``StateIntact``: the node has taken the round in)."""
+
+
+def wait_for_write(wait: Callable[[], None] | None, failed: BaseException | None = None) -> None:
+    """Wait for the residual's write (``in_background``) on every way out of a round, so that it never
+    runs beside the next request and its error always fails the reply, also when ``failed`` (another
+    error of the round) fails it first."""
+    if wait is None:
+        return
+    try:
+        wait()
+    except BaseException as write_err:
+        if failed is None:
+            raise
+        raise ResidualWriteFailed(
+            f"{type(write_err).__name__} writing the residual: {write_err} (and {type(failed).__name__}: {failed})"
+        ) from failed
+
+
 # ------------------------------------------------------------------ the runtime
 class Node:
     """One node's state and the only code that changes it (see the module's docstring).
@@ -343,31 +364,35 @@ class Node:
             if store is not None:  # durable before the reply leaves; written while the next block starts
                 residual = {n: t.detach().cpu() for n, t in self.state.residuals[req.block].items()}
                 residual_written = in_background(store.save, req.server_round, req.block, residual)
-        kept = client.finish_round(res.replica, started_from, result.delta, req.block, req.server_round, fetch_step)
-        res.replica.advance_to(req.server_round - 1, fetch_step)
-        self.state.pending, self.state.last_round = kept, req.server_round
+        try:
+            kept = client.finish_round(res.replica, started_from, result.delta, req.block, req.server_round, fetch_step)
+            res.replica.advance_to(req.server_round - 1, fetch_step)
+            self.state.pending, self.state.last_round = kept, req.server_round
 
-        trace = {}
-        if cfg.verify_invariant and kept is not None:  # y after the correction is x^{r-1} + Δ_i^r
-            trace["local-model-sha256"] = core.digest_after(res.replica.params, res.partition.all_names(), kept.delta)
-        metrics = {
-            **update_metrics(result, req.server_round, req.block, req.partition_id, base_version),
-            "own-data": int(res.settings.local),
-            "dropped-examples": res.dropped_for_length,  # its data's rows max-seq-len cut before their answer
-            "oom-retries": result.oom_retries,
-            "compute-start": result.started,
-            "compute-end": result.ended,
-            "waited-s": waited,
-            **client.round_metrics(slot, res.replica, kept, cfg.local_steps),
-        }
-        if req.evaluate_version is not None:  # x^{r-1}: the replica holds it, nothing runs on it
-            # Not StateIntact if it fails: the node has taken round r in already, the server has not.
-            job = (res, cfg, req.evaluate_version, req.evaluate_generate)
-            metrics.update(self.submit(evaluate_replica, *job).result())
-        if self.runs_ahead and client.runs_ahead and req.next_block >= 0:
-            self.start_ahead(res, cfg, req, client, fetch_step)
-        if residual_written is not None:
-            residual_written()
+            trace = {}
+            if cfg.verify_invariant and kept is not None:  # y after the correction is x^{r-1} + Δ_i^r
+                names = res.partition.all_names()
+                trace["local-model-sha256"] = core.digest_after(res.replica.params, names, kept.delta)
+            metrics = {
+                **update_metrics(result, req.server_round, req.block, req.partition_id, base_version),
+                "own-data": int(res.settings.local),
+                "dropped-examples": res.dropped_for_length,  # its data's rows max-seq-len cut before their answer
+                "oom-retries": result.oom_retries,
+                "compute-start": result.started,
+                "compute-end": result.ended,
+                "waited-s": waited,
+                **client.round_metrics(slot, res.replica, kept, cfg.local_steps),
+            }
+            if req.evaluate_version is not None:  # x^{r-1}: the replica holds it, nothing runs on it
+                # Not StateIntact if it fails: the node has taken round r in already, the server has not.
+                job = (res, cfg, req.evaluate_version, req.evaluate_generate)
+                metrics.update(self.submit(evaluate_replica, *job).result())
+            if self.runs_ahead and client.runs_ahead and req.next_block >= 0:
+                self.start_ahead(res, cfg, req, client, fetch_step)
+        except BaseException as err:
+            wait_for_write(residual_written, err)
+            raise
+        wait_for_write(residual_written)
         return Reply(metrics, result.delta, trace)
 
     def evaluate(self, res: NodeResources, cfg: RunConfig, req: Request, fetch_step: FetchStep) -> Reply:

@@ -419,3 +419,26 @@ def test_a_retry_carrying_a_full_sync_is_always_computed_never_answered_from_the
     worker.serve_request(handed_back, {"resume-pending/w": np.zeros(1, np.float32)})
     assert len(calls) == 4
     worker.compute_thread.shutdown()
+
+
+def test_a_residual_write_error_fails_the_reply_whatever_else_fails_in_the_round(tmp_path, tiny_model_dir):
+    """transfer-dtype bf16, the node's residual folder unwritable (a file where the folder goes: a real
+    error): the reply fails and names the write, also when something later in the round fails too (an
+    evaluation of a version the node does not hold), and the write has ended before the reply leaves
+    (before: that path replied the evaluation's error alone, the write's error lost, its thread left
+    running beside the next request)."""
+    config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 1, "transfer-dtype": "bf16"})
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "partition-0").write_text("not a folder")
+    worker = NodeWorker(state_dir=tmp_path / "state")
+    try:
+        header = worker_request(config, 8, 1, block=0, next_block=1, num_partitions=2)
+        reply, _ = worker.serve_request(header, {})
+        assert reply["error"].startswith("FileExistsError") and "state-intact" not in reply, reply
+        header = worker_request(config, 9, 1, block=0, next_block=1, num_partitions=2, **{"evaluate-version": 5})
+        reply, _ = worker.serve_request(header, {})
+        assert "FileExistsError" in reply["error"] and "x^5" in reply["error"], reply
+        assert "state-intact" not in reply
+        assert not [t for t in threading.enumerate() if t.name == "residual-write"]
+    finally:
+        worker.compute_thread.shutdown(wait=True)

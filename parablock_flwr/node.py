@@ -453,13 +453,19 @@ class Node:
     ) -> None:
         """A resumed run: the residuals as of the checkpoint's round R, which every message of a resumed
         run names (``resumed-after``), also to a node first sampled rounds later that answered rounds
-        after R before the server stopped; a new run: none.
+        after R before the server stopped; a new run: none. A process restarted later in the run (the
+        store says the run has begun on it) goes on from its newest residuals, not from round R's.
 
         A hand-back (``resume-pending``) says this node's round-R reply was aggregated, so the store
         must hold that round's residual of its block: without it the node would go on from zero and the
         run would silently stop being exact, so it fails instead, naming where it looked."""
+        if store.begun(req.run_id):  # a restarted process, later in this run: its newest residuals
+            if req.sync_version is None:  # (a full sync has just dropped them)
+                self.state.residuals = store.as_of(req.server_round - 1)
+            return
         if req.resumed_after is None or resumed_store is None:
             store.clear()
+            store.begin(req.run_id)
             return
         self.state.residuals = resumed_store.as_of(req.resumed_after)
         back = req.handed_back
@@ -470,6 +476,7 @@ class Node:
                 f"transfer-dtype={cfg.transfer_dtype} there); not starting its error feedback from zero"
             )
         store.restart_at(req.resumed_after, self.state.residuals)
+        store.begin(req.run_id)
         log.info("resumed after round %d with residuals of blocks %s", req.resumed_after, sorted(self.state.residuals))
 
     def start_ahead(self, res: NodeResources, cfg: RunConfig, req: Request, client, fetch_step: FetchStep) -> None:

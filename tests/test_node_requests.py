@@ -422,23 +422,69 @@ def test_a_retry_carrying_a_full_sync_is_always_computed_never_answered_from_the
 
 
 def test_a_residual_write_error_fails_the_reply_whatever_else_fails_in_the_round(tmp_path, tiny_model_dir):
-    """transfer-dtype bf16, the node's residual folder unwritable (a file where the folder goes: a real
-    error): the reply fails and names the write, also when something later in the round fails too (an
-    evaluation of a version the node does not hold), and the write has ended before the reply leaves
-    (before: that path replied the evaluation's error alone, the write's error lost, its thread left
-    running beside the next request)."""
+    """transfer-dtype bf16, the round's residual file cannot be written (a folder in its place, in a
+    store its run has begun on: a real error): the reply fails and names the write, also when something
+    later in the round fails too (an evaluation of a version the node does not hold), and the write has
+    ended before the reply leaves (before: that path replied the evaluation's error alone, the write's
+    error lost, its thread left running beside the next request)."""
     config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 1, "transfer-dtype": "bf16"})
-    (tmp_path / "state").mkdir()
-    (tmp_path / "state" / "partition-0").write_text("not a folder")
+    store = tmp_path / "state" / "partition-0"
+    (store / "r00001-b0.safetensors" / "in-the-way").mkdir(parents=True)
+    for run_id in (8, 9):
+        (store / f"run-{run_id}").write_bytes(b"")
     worker = NodeWorker(state_dir=tmp_path / "state")
     try:
         header = worker_request(config, 8, 1, block=0, next_block=1, num_partitions=2)
         reply, _ = worker.serve_request(header, {})
-        assert reply["error"].startswith("FileExistsError") and "state-intact" not in reply, reply
+        assert reply["error"].startswith(("IsADirectoryError", "OSError")) and "state-intact" not in reply, reply
         header = worker_request(config, 9, 1, block=0, next_block=1, num_partitions=2, **{"evaluate-version": 5})
         reply, _ = worker.serve_request(header, {})
-        assert "FileExistsError" in reply["error"] and "x^5" in reply["error"], reply
+        assert "writing the residual" in reply["error"] and "x^5" in reply["error"], reply
         assert "state-intact" not in reply
         assert not [t for t in threading.enumerate() if t.name == "residual-write"]
     finally:
         worker.compute_thread.shutdown(wait=True)
+
+
+def test_a_worker_restarted_in_a_resumed_run_goes_on_with_its_newest_residuals(tmp_path, tiny_model_dir):
+    """bf16, sequential BCD (a round starts from x^{r-1}, so a restarted worker computes exactly what it
+    would have): run 20 answers round 1 and stops; run 21 resumes after round 1 and the worker answers
+    rounds 2-4; it is then restarted (a new worker on a copy of its state folder, as after a crash) and
+    answers round 5, catching up from x^0. Its reply equals, bit for bit, that of the worker that kept
+    running: it restored its residuals as of round 4, not of round 1, which the resume names (before: it
+    went back to round 1's and deleted the newer ones)."""
+    import shutil
+
+    config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 1, "transfer-dtype": "bf16"})
+    blocks = {1: 0, 2: 1, 3: 0, 4: 1, 5: 0}
+    steps: dict[int, dict] = {}
+    first = NodeWorker(state_dir=tmp_path / "state")
+
+    def train(worker, run_id, server_round, catch_up=(), **extra):
+        arrays = {"global-step": steps[server_round - 1]} if server_round > 1 else {}
+        if catch_up:
+            arrays["catch-up"] = {f"v{v}/{n}": t for v in catch_up for n, t in steps[v].items()}
+            extra.update({"catch-up-versions": list(catch_up), "catch-up-blocks": [blocks[v] for v in catch_up]})
+        extra.update({"algorithm": "fedbcd", "step-block": blocks.get(server_round - 1, -1)})
+        header = worker_request(config, run_id, server_round, blocks[server_round], blocks.get(server_round + 1, -1),
+                                num_partitions=2, **extra)  # fmt: skip
+        reply, pieces = worker.serve_request(header, relayed(arrays, "bf16") if arrays else {})
+        assert "error" not in reply, reply
+        update = unpack(join_pieces(pieces))
+        steps.setdefault(server_round, {n: t * 0.5 for n, t in update.items()})  # g^r, as a server might take it
+        return update
+
+    try:
+        train(first, 20, 1)
+        for server_round in (2, 3, 4):
+            train(first, 21, server_round, **{"resumed-after": 1})
+        shutil.copytree(tmp_path / "state", tmp_path / "restarted")
+        restarted = NodeWorker(state_dir=tmp_path / "restarted")
+        try:
+            after_restart = train(restarted, 21, 5, catch_up=(1, 2, 3), **{"resumed-after": 1})
+        finally:
+            restarted.compute_thread.shutdown(wait=True)
+        kept_running = train(first, 21, 5, **{"resumed-after": 1})
+    finally:
+        first.compute_thread.shutdown(wait=True)
+    assert all(torch.equal(after_restart[n], kept_running[n]) for n in kept_running)

@@ -458,7 +458,9 @@ class Node:
 
         A hand-back (``resume-pending``) says this node's round-R reply was aggregated, so the store
         must hold that round's residual of its block: without it the node would go on from zero and the
-        run would silently stop being exact, so it fails instead, naming where it looked."""
+        run would silently stop being exact, so it fails instead, naming where it looked. A full sync
+        without a hand-back drops them, as the stopped server's would have (its reply of round R was
+        rejected, or it missed too much): the resumed server syncs each node as the stopped one would."""
         if store.begun(req.run_id):  # a restarted process, later in this run: its newest residuals
             if req.sync_version is None:  # (a full sync has just dropped them)
                 self.state.residuals = store.as_of(req.server_round - 1)
@@ -475,6 +477,8 @@ class Node:
                 f"{resumed_store.dir} (expected this node's round-{req.resumed_after} residuals of "
                 f"transfer-dtype={cfg.transfer_dtype} there); not starting its error feedback from zero"
             )
+        if req.sync_version is not None and back is None:  # the stopped server had dropped this node's state
+            self.state.residuals = {}
         store.restart_at(req.resumed_after, self.state.residuals)
         store.begin(req.run_id)
         log.info("resumed after round %d with residuals of blocks %s", req.resumed_after, sorted(self.state.residuals))

@@ -419,14 +419,20 @@ def test_a_resume_from_a_run_folders_name_goes_on_with_each_nodes_residuals_in_e
     """`resume-from` as the README shows it, the run folder's name inside `output-dir`: the server
     resolves it once and tells the nodes where their residuals are, so a node whose working
     directory is elsewhere (a Ray actor's; here the test's) does not start its error feedback from
-    zero. The server dies in round 4's checkpoint, after g^4 and the nodes' residuals of round 4 are
-    on disk; the resumed run computes round 4 again from round 3's checkpoint, and its g^4 and each
+    zero. Node 1's reply of round 3 is rejected, the last round before the stop. The server dies in
+    round 4's checkpoint, after g^4, round 4's record and the nodes' round-4 residuals are on disk; the
+    resumed run computes round 4 again from round 3's checkpoint, syncing each node as the killed run
+    did (node 1 resynchronised, dropping its own state and residuals as it did), and its g^4 and each
     node's round-4 residuals equal the killed run's bit for bit. Without Ray (``simulate_in_process``)."""
-    same = dict(algorithm="parablock", num_server_rounds=ROUNDS, transfer_dtype=transfer_dtype, **SCHEDULE)
+    same = dict(algorithm="parablock", num_server_rounds=ROUNDS, transfer_dtype=transfer_dtype, reject="1@3",
+                **SCHEDULE)  # fmt: skip
     killed = simulate_in_process(tmp_path, tiny_model_dir, crash_at="checkpoint@4", **same)
     assert killed.returncode == -9 and killed.run_dir is not None, killed.stdout[-3000:] + killed.stderr[-3000:]
+    assert killed.records[3]["num_accepted"] == 2 and killed.records[4]["full_syncs_sent"] == 1
     resumed = _ok(simulate_in_process(tmp_path, tiny_model_dir, resume_from=killed.run_dir.name, **same))
     assert resumed.run_dir != killed.run_dir and "after round 3" in resumed.stdout
+    assert resumed.records[4]["full_syncs_sent"] == 3  # each hand-back comes with x^2, and node 1's sync
+    assert resumed.records[4]["num_accepted"] == 3 and resumed.records[4]["num_resynchronised"] == 1
     assert all(torch.equal(a, b) for a, b in zip(resumed.step(4)[1].values(), killed.step(4)[1].values()))
     if transfer_dtype != "fp32":
         for partition in range(3):

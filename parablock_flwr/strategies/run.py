@@ -474,6 +474,7 @@ class Run:
                 modeled_wall_s=self._modeled_wall_s,
                 strategy_state=self.algorithm.state_dict(),
                 participation=self.participation_state(),
+                node_sync=self.algorithm.sync.by_partition(),
             ),
         )
 

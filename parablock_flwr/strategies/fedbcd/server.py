@@ -92,6 +92,7 @@ class FedBCD(Strategy):
         updates to hand back, the subclass's own state."""
         self.sync.first_round = ckpt.round + 1
         self.sync.resume_pending = ckpt.pending
+        self.sync.carry(ckpt.node_sync)
         self._blocks = dict(ckpt.blocks)
         self.load_state_dict(ckpt.strategy_state)
 
@@ -228,7 +229,7 @@ class FedBCD(Strategy):
         self.stats = RoundStats(server_round)
         self._retry_grid, self._global_step = grid, arrays  # kept for a retry of this round
         nodes = self.select_nodes(server_round, grid)
-        if server_round == self.run.first_round and self.sync.resume_pending:
+        if server_round == self.run.first_round and (self.sync.resume_pending or self.sync.carried):
             self.sync.partitions.update(ask_partitions(grid, nodes, self.config.round_timeout_s))
         return self.train_messages(server_round, nodes)
 

@@ -58,6 +58,8 @@ def honest_answer(strategy: FedBCD, num_examples: int = 10, own_data: int | None
     carries, and the held-out evaluation the message asks for (``evaluation = "clients"``)."""
 
     def answer(index: int, msg: Message) -> RecordDict:
+        if msg.metadata.message_type == MessageType.QUERY:  # a resumed server asks each node's partition
+            return RecordDict({"node": MetricRecord({"partition-id": index})})
         cfg = msg.content.config_records["round"]
         metrics = {"server-round": int(cfg["server-round"]), "block": int(cfg["block"]), "partition-id": index,
                    "num-examples": num_examples, "train-loss": 1.0, "compute-s": 0.01,

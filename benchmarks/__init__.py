@@ -1,2 +1,2 @@
-"""The benchmarks: each a module run from the project folder as ``python -m benchmarks.<name>``;
-what they share (launching runs, reading records, writing docs/benchmarks.md) is ``common``."""
+"""The benchmarks a user runs, each ``python -m benchmarks.<name> --help`` to say what it measures; what
+they share (launching runs, reading records, writing a file under docs/results/) is ``common``."""

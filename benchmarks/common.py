@@ -1,5 +1,5 @@
-"""What the benchmarks share: launching a simulation, reading a run's records, writing a section
-of docs/benchmarks.md, and the settings their tables were measured with."""
+"""What the benchmarks share: launching a simulation, reading a run's records, writing a results
+file under docs/results/, and the settings their tables were measured with."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 import platform
 import shlex
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,10 +19,10 @@ from parablock_flwr.tools.app_config import find_project_dir
 from parablock_flwr.tools.launch import run_simulation
 
 PROJECT_DIR = find_project_dir(Path(__file__).resolve().parent)
-BENCHMARKS_DOC = PROJECT_DIR / "docs" / "benchmarks.md"
+RESULTS_DIR = PROJECT_DIR / "docs" / "results"
 
-# The data and evaluation the benchmarks of 2026-11-29/30 in docs/benchmarks.md were measured on
-# (the run-config defaults then): their scripts pin them, so that their commands still reproduce them.
+# The data and evaluation the SmolLM2 tables in docs/results/ were measured on (the run-config defaults
+# of 2026-11-29/30): their scripts pin them, so that their commands still reproduce them.
 GSM_AS_MEASURED = {
     "dataset": "reasoning-gym:gsm_symbolic",
     "heldout-examples": 16,
@@ -49,32 +50,50 @@ def simulate(
 
 
 def command(module: str) -> str:
-    """How this benchmark was run, as docs/benchmarks.md quotes it."""
+    """How this benchmark was run, as its results file quotes it."""
     return f"python -m benchmarks.{module} {shlex.join(sys.argv[1:])}".strip()
 
 
-def replace_doc_section(heading: str, body: str, dated: bool = False, doc: Path = BENCHMARKS_DOC) -> None:
-    """Replace (or append) the section headed ``heading`` (or ``heading (...)``) in docs/benchmarks.md;
+def write_report(name: str, title: str, report: str, doc: str = "", how: str | None = None) -> Path:
+    """The whole of docs/results/<name>.md: ``title``, the command that writes it (``how``; default:
+    this process's ``python -m benchmarks.<name> ...``), the date and this machine, the first
+    paragraph of ``doc`` (a benchmark's docstring: what it measures), then ``report``. Written by
+    the benchmark alone, so rerunning it replaces the file and nothing else."""
+    how = how or command(name)
+    head = f"# {title}\n\nWritten by `{how}` (rerun it to replace this file).  \n"
+    head += f"Date: {time.strftime('%Y-%m-%d')}  \nCommit: {commit()}  \nMachine: {machine_line()}\n\n"
+    lead = doc.strip().split("\n\n")[0] + "\n\n" if doc.strip() else ""
+    path = RESULTS_DIR / f"{name}.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(head + lead + report.rstrip() + "\n")
+    return path
+
+
+def replace_doc_section(heading: str, body: str, dated: bool = False, doc: Path | None = None) -> Path:
+    """Replace (or append) the section headed ``heading`` (or ``heading (...)``) in ``doc``, a results
+    file holding several sections (default: docs/results/<the heading's first clause, as a slug>.md);
     the other sections stay. ``dated``: the heading ends with today's date, ``## Heading (2026-11-30)``."""
+    doc = doc or RESULTS_DIR / f"{slug(heading)}.md"
     title = f"{heading} ({time.strftime('%Y-%m-%d')})" if dated else heading
     section = f"{title}\n\n{body.rstrip()}\n"
-    text = doc.read_text() if doc.exists() else "# Benchmarks\n\nFigures measured by the scripts in `benchmarks/`.\n"
+    text = doc.read_text() if doc.exists() else f"# {heading.lstrip('#').strip()}\n"
     lines = text.splitlines(keepends=True)
     ours = [i for i, line in enumerate(lines) if line.rstrip("\n") == heading or line.startswith(f"{heading} (")]
     start = ours[0] if ours else None
+    doc.parent.mkdir(parents=True, exist_ok=True)
     if start is None:
         doc.write_text(text.rstrip("\n") + "\n\n" + section)
-        return
+        return doc
     end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
     tail = "".join(lines[end:])
     doc.write_text("".join(lines[:start]) + section + ("\n" + tail if tail else ""))
+    return doc
 
 
-def write_report(module: str, heading: str, doc: str, report: str) -> None:
-    """A benchmark's section of docs/benchmarks.md: its command, date and machine, the first paragraph
-    of its docstring (``doc``), then its ``report``."""
-    body = f"Command: `{command(module)}`  \nDate: {time.strftime('%Y-%m-%d')}  \n{machine()}\n\n"
-    replace_doc_section(heading, body + doc.split("\n\n")[0] + "\n\n" + report + "\n")
+def slug(heading: str) -> str:
+    """``## Many virtual clients in simulation, hidden 256`` -> ``many-virtual-clients-in-simulation``."""
+    words = heading.lstrip("#").split(",")[0].lower()
+    return "-".join("".join(c if c.isalnum() else " " for c in words).split())
 
 
 def machine() -> dict:
@@ -94,6 +113,22 @@ def machine() -> dict:
         "arch": platform.machine(),
         "gpu": "none" if not shutil.which("nvidia-smi") else "see nvidia-smi",
     }
+
+
+def commit() -> str:
+    """The checkout's commit, short, ``-dirty`` when it has changes (what a results file was measured at)."""
+    git = ["git", "-C", str(PROJECT_DIR)]
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    if head.returncode != 0:
+        return "unknown (not a git checkout)"
+    dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def machine_line() -> str:
+    """This machine in one line, as the results files give it."""
+    m = machine()
+    return f"{m['arch']}, {m['cpu']}, {m['nproc']} CPUs, {m['memory_gib']} GiB, GPU: {m['gpu']}"
 
 
 def fit(xs: list[float], ys: list[float]) -> dict:

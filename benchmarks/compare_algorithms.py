@@ -1,10 +1,10 @@
-"""Every algorithm side by side in one simulation campaign: quality, communication, time.
+"""Measures every algorithm side by side in simulation: held-out loss, task accuracy, bytes and time.
 
 Runs each (algorithm, train) pair in turn through `flwr run` on Flower's
 simulation engine with the same model, data, seed, clients and rounds, then
 prints one table (held-out loss, task accuracy, bytes per round per client,
-modeled and measured time) and writes it into docs/benchmarks.md with the
-command that reproduces it.
+modeled and measured time) and writes it to docs/results/compare_algorithms.md
+with the command that reproduces it.
 
     .venv/bin/python -m benchmarks.compare_algorithms              # embedded SmolLM2, 2 clients, 3 rounds
     .venv/bin/python -m benchmarks.compare_algorithms --tiny --no-write
@@ -13,13 +13,12 @@ command that reproduces it.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import GSM_AS_MEASURED, command, replace_doc_section, simulate
+from benchmarks.common import GSM_AS_MEASURED, simulate, write_report
 from parablock_flwr.tools.tiny_model import build_tiny_model
 
 RUNS = [
@@ -30,7 +29,7 @@ RUNS = [
     ("fedavg-lora", "lora"),
     ("fedavg-full", "full"),
 ]
-SECTION = "## Every algorithm side by side in simulation"
+TITLE = "Every algorithm side by side in simulation"
 
 
 def run(algorithm: str, train: str, args, model: str, workdir: Path) -> list[dict]:
@@ -86,29 +85,32 @@ def table(results: dict[tuple[str, str], list[dict]]) -> str:
 
 
 def write_section(text: str, args) -> None:
-    """Replace this script's section of docs/benchmarks.md (other sections stay)."""
+    """docs/results/compare_algorithms.md, whole."""
     model = "tiny Llama" if args.tiny else "SmolLM2-135M-Instruct (embedded)"
     body = (
-        f"Command: `{command('compare_algorithms')}`  \nMachine: {os.cpu_count()} CPUs, no GPU. {model}, "
-        "GSM-style reasoning-gym math, "
+        f"{model}, GSM-style reasoning-gym math, "
         f"{args.clients} virtual clients, {args.rounds} rounds, the default run config otherwise (3 local steps, "
         f"batch 4, 5 layers per block, LoRA r=8 on q/k/v/o); learning rate {args.learning_rate} for full weights, "
         f"{args.lora_learning_rate} for LoRA adapters. Task accuracy: greedy answers to the first 8 held-out "
         f"prompts, scored by their exact answer. Modeled training time: the time model at 50 Mbit/s, 50 ms "
         f"(docs/algorithm.md); end-to-end wall includes the SuperLink/Ray start and the evaluations.\n\n{text}\n"
     )
-    replace_doc_section(SECTION, body, dated=True)
+    write_report("compare_algorithms", TITLE, body)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.compare_algorithms",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--tiny", action="store_true", help="a tiny Llama instead of SmolLM2 (smoke test)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--clients", type=int, default=2)
     parser.add_argument("--learning-rate", type=float, default=1e-4)
     parser.add_argument("--lora-learning-rate", type=float, default=5e-4)
     parser.add_argument("--only", help="comma-separated algorithm:train pairs, e.g. parablock:full,fedavg-lora:lora")
-    parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave docs/results/ alone")
     args = parser.parse_args()
     runs = [tuple(p.split(":")) for p in args.only.split(",")] if args.only else RUNS
     for pair in runs:

@@ -1,4 +1,4 @@
-"""Does ParaBlock converge like sequential BCD, and is the correction what makes it so?
+"""Measures whether ParaBlock converges like sequential BCD, and whether the correction is what makes it so.
 
 Every run is a real `flwr run` on Flower's simulation engine. Three parts:
 
@@ -15,7 +15,7 @@ Every run is a real `flwr run` on Flower's simulation engine. Three parts:
 
 It prints the tables, draws held-out loss against rounds and against bytes sent
 (mean and range over seeds) into docs/img/, writes the summary to
-docs/convergence.json and the section of docs/benchmarks.md. Each finished run's
+docs/results/convergence.json and docs/results/convergence.md. Each finished run's
 records are kept under ``--workdir``: an interrupted study continues where it stopped.
 
     .venv/bin/python -m benchmarks.convergence                    # everything (about 100 min here)
@@ -31,11 +31,11 @@ import statistics
 import time
 from pathlib import Path
 
-from benchmarks.common import PROJECT_DIR, command, replace_doc_section, simulate
+from benchmarks.common import PROJECT_DIR, RESULTS_DIR, command, simulate, write_report
 from parablock_flwr.config import RunConfig
 from parablock_flwr.tools.tiny_model import build_tiny_model
 
-SECTION = "## Convergence: ParaBlock against sequential BCD, without its correction, and the baselines"
+TITLE = "Convergence: ParaBlock against sequential BCD, without its correction, and the baselines"
 REFERENCE = "fedbcd"
 
 ALGORITHMS = {  # label -> run config; the LoRA learning rate is set per part
@@ -154,7 +154,7 @@ def schedules_part(args, model: Path, workdir: Path) -> dict:
 SMOLLM2_GSM = {  # GSM-style math: worked answers, a loss that keeps falling; held-out and generation as before
     "dataset": "reasoning-gym:gsm_symbolic",
     "heldout-examples": 16,
-    "generate-examples": 0,  # SmolLM2-135M answers none of them, before or after (docs/benchmarks.md)
+    "generate-examples": 0,  # SmolLM2-135M answers none of them, before or after (docs/results/compare_algorithms.md)
 }
 
 
@@ -211,9 +211,8 @@ def gaps_to_reference(summary: dict, label: str, skip: int) -> list[float]:
 
 
 def paired(summary: dict, label: str, reference: str) -> list[float]:
-    """``label``'s final loss relative to ``reference``'s, seed by seed: the same data split, and the same
-    batches for a client in a round; not the same clients (the server samples positions in its order of
-    Flower's random node ids: docs/benchmarks.md, "The alpha 0.1 gap")."""
+    """``label``'s final loss relative to ``reference``'s, seed by seed: a seed fixes the data split, the
+    clients sampled each round (drawn over their partition ids) and each client's batches in a round."""
     return [a / b - 1 for a, b in zip(summary[label]["final_loss"], summary[reference]["final_loss"])]
 
 
@@ -347,7 +346,11 @@ def slug(setting: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.convergence",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument(
         "--parts",
         default="tiny,schedules,smollm2,smollm2-gsm",
@@ -394,8 +397,9 @@ def main() -> None:
     for setting, by_label in summary.items():
         path = PROJECT_DIR / "docs" / "img" / f"convergence-{slug(setting)}.png"
         plot(setting, by_label, path)
-        figures.append(f"![{setting}](img/{path.name})")
-    (PROJECT_DIR / "docs" / "convergence.json").write_text(
+        figures.append(f"![{setting}](../img/{path.name})")
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    (RESULTS_DIR / "convergence.json").write_text(
         json.dumps({"command": how, "runs_s": sum(WALL_S.values()), "part_s": part_s, "summary": rounded(summary)})
         + "\n"
     )  # fmt: skip
@@ -404,8 +408,8 @@ def main() -> None:
         f"Its {len(WALL_S)} runs took {sum(WALL_S.values()) / 60:.0f} min here, one after the other "
         f"({parts_took}; each run's time includes starting Flower and Ray, about 20 s)."
     )
-    body = [f"`{how}`", took, "\n".join(checked), *tables, *figures]
-    replace_doc_section(SECTION, "\n\n".join(body) + "\n")
+    body = [took, "\n".join(checked), *tables, *figures]
+    write_report("convergence", TITLE, "\n\n".join(body) + "\n", how=how)
 
 
 if __name__ == "__main__":

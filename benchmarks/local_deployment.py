@@ -1,9 +1,9 @@
-"""ParaBlock vs sequential BCD in a real local deployment (loopback), side by side.
+"""Measures ParaBlock against sequential BCD in a real local deployment (loopback): compute, window, round time.
 
 Runs each algorithm in turn with the same model, data, seed and rounds through
 `parablock_flwr.tools.launch.run_deployment` (SuperLink, SuperNodes, node workers), then prints the
 per-round measured compute, communication and round time and writes the table
-into docs/benchmarks.md with the command that reproduces it.
+to docs/results/local_deployment.md with the command that reproduces it.
 
     .venv/bin/python -m benchmarks.local_deployment                 # embedded SmolLM2, 2 nodes, 3 rounds
     .venv/bin/python -m benchmarks.local_deployment --tiny --rounds 3
@@ -12,14 +12,12 @@ into docs/benchmarks.md with the command that reproduces it.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import GSM_AS_MEASURED, command, read_records, replace_doc_section
+from benchmarks.common import GSM_AS_MEASURED, read_records, write_report
 from parablock_flwr.tools.launch import run_deployment
 from parablock_flwr.tools.tiny_model import build_tiny_model
 
@@ -94,7 +92,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--local-steps", type=int, default=3)
-    parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave docs/results/ alone")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="parablock-bench-") as tmp:
         workdir = Path(tmp)
@@ -106,14 +104,13 @@ def main() -> None:
     ratio = sum(r["round_wall_s"] for r in p[1:]) / max(1e-9, sum(r["round_wall_s"] for r in f[1:]))
     print(f"\nParaBlock / sequential BCD, wall time of rounds 2..R: {ratio:.2f}")
     if not args.no_write:
-        heading = f"## Local deployment, {'tiny Llama' if args.tiny else 'SmolLM2-135M'}: ParaBlock vs sequential BCD"
-        replace_doc_section(
-            heading,
-            f"Command: `{command('local_deployment')}`  \nMachine: {platform.machine()}, "
-            f"{os.cpu_count() or 0} CPUs, no GPU, loopback (no link shaping); {args.nodes} SuperNodes each with a "
-            f"node worker (1 torch thread), {args.rounds} rounds, {args.local_steps} local steps.\n\n"
+        title = f"Local deployment, {'tiny Llama' if args.tiny else 'SmolLM2-135M'}: ParaBlock vs sequential BCD"
+        write_report(
+            "local_deployment",
+            title,
+            f"Loopback (no link shaping); {args.nodes} SuperNodes each with a node worker (1 torch thread), "
+            f"{args.rounds} rounds, {args.local_steps} local steps.\n\n"
             f"{text}\n\nParaBlock / sequential BCD, wall time of rounds 2..R: **{ratio:.2f}**\n",
-            dated=True,
         )
 
 

@@ -1,10 +1,11 @@
-"""ParaBlock's saving where it comes from: compute on a core of its own, communication on the other.
+"""Measures ParaBlock's round time against sequential BCD's with compute on a core of its own, over a
+shaped link: the ratio, overlap efficiency, the time model's error and each round's critical path.
 
 On a 2-core machine two CPU-bound jobs cannot overlap, so this benchmark gives each its
 own core, as a node with an accelerator has: the node worker's compute thread is pinned
 to CPU 1 (``--compute-cpus``), and every other process (SuperLink, SuperNode, ClientApps,
 the ServerApp, the latency proxy, the worker's I/O threads) stays on CPU 0. One node, over
-a shaped link (benchmarks/netlab.py: network namespaces, veth, ``tc tbf``, a user-space
+a shaped link (benchmarks/network/netlab.py: network namespaces, veth, ``tc tbf``, a user-space
 latency proxy).
 
 1. Probe: sequential BCD over a fast link (1000 Mbit/s) measures a round's compute C
@@ -24,8 +25,8 @@ share CPU 0 with Flower's processes.
     .venv/bin/python -m benchmarks.overlap --rates 40,80   # skip the probe (message-overhead-s from --overhead-s)
     .venv/bin/python -m benchmarks.overlap --fast          # tiny model, a smoke run (no docs)
 
-Writes into --out: overlap.json and the PNGs; without --fast also docs/overlap.json (the
-summary) and the section of docs/benchmarks.md with the PNGs under docs/img/.
+Writes into --out: overlap.json and the PNGs; without --fast also docs/results/overlap.json (the
+summary) and docs/results/overlap.md with the PNGs under docs/img/.
 """
 
 from __future__ import annotations
@@ -34,27 +35,27 @@ import argparse
 import contextlib
 import json
 import os
-import shlex
 import shutil
 import sys
 import time
 from pathlib import Path
 
-from benchmarks import network
-from benchmarks.common import GSM_AS_MEASURED, PROJECT_DIR, machine, read_records, replace_doc_section
-from benchmarks.netlab import build_network, check_machine, shape, stop_on_sigterm
+from benchmarks.common import GSM_AS_MEASURED, PROJECT_DIR, RESULTS_DIR, command, read_records, write_report
+from benchmarks.network import run_one
+from benchmarks.network.cli import rates as rate_list
+from benchmarks.network.netlab import build_network, check_machine, shape, stop_on_sigterm
 
 PROBE_RATE_MBPS = 1000.0
 SWEEP_FACTORS = (0.125, 0.5, 1.0, 2.0, 4.0)
 LEGS = ("aggregate", "dispatch", "delivery", "clientapp_relay", "reply_relay", "reply_to_server", "wait_for_others")
-DOC_HEADING = "## Overlap on separated cores: where ParaBlock's saving comes from"
+TITLE = "Overlap on separated cores: where ParaBlock's saving comes from"
 
 
 def run(net, algorithm: str, rate: float, args, model: str, out: Path, compute_cpus: str, extra: dict) -> dict:
-    """One run of network.py's harness, with this benchmark's pinning and run config."""
+    """One run of benchmarks.network's harness, with this benchmark's pinning and run config."""
     args.compute_cpus, args.extra_config = compute_cpus, extra
     print(f"[{time.strftime('%H:%M:%S')}] {algorithm}, {rate:g} Mbit/s, {len(net.nodes)} node(s) ...", flush=True)
-    result = network.run_one(net, algorithm, rate, args, model, out)
+    result = run_one(net, algorithm, rate, args, model, out)
     result["records"] = read_records(Path(result["run_dir"])) if "run_dir" in result else []
     print(f"    {'ok' if 'rounds' in result else result['error']}: {result['total_wall_s']:.0f} s", flush=True)
     return result
@@ -230,34 +231,37 @@ def plots(results: dict, folder: Path) -> list[Path]:
 
 
 def write_docs(results: dict, pngs: list[Path]) -> None:
+    """docs/results/overlap.json (the summary), the PNGs under docs/img/ and docs/results/overlap.md."""
     img = PROJECT_DIR / "docs" / "img"
     img.mkdir(parents=True, exist_ok=True)
     for png in pngs:
         shutil.copy(png, img / png.name)
-    (PROJECT_DIR / "docs" / "overlap.json").write_text(
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    (RESULTS_DIR / "overlap.json").write_text(
         json.dumps({k: results[k] for k in ("command", "date", "settings", "probe", "ratios", "summaries")}, indent=1)
     )
-    s, m = results["settings"], machine()
+    s = results["settings"]
     text = (
-        f"Command: `{results['command']}`  \nDate: {results['date']}  \n"
-        f"Machine: {m['arch']}, {m['cpu']}, nproc {m['nproc']}, {m['memory_gib']} GiB, GPU: {m['gpu']}  \n"
         f"Model `{s['model']}`, {s['rounds']} rounds, {s['layers_per_block']} layers per block, {s['local_steps']} "
         f"local steps, 1 torch thread, latency {s['latency_ms']:g} ms one way; evaluation only at rounds 0 and R. "
         "Pinned runs: the worker's compute thread on CPU 1, every other process on CPU 0. Round wall = the "
         "server's time between aggregating round r-1 and round r. Window = from the worker's reply leaving it "
         "to the next message reaching it. Overlap efficiency = round wall / max(compute, window). Modeled = the "
-        "server's time model (`modeled_round_s`: measured compute, the link, F). Summary: docs/overlap.json.\n\n"
+        "server's time model (`modeled_round_s`: measured compute, the link, F). "
+        "Summary: docs/results/overlap.json.\n\n"
         + results["tables"]
         + "\n\n"
-        + "\n\n".join(f"![{p.stem}](img/{p.name})" for p in pngs)
+        + "\n\n".join(f"![{p.stem}](../img/{p.name})" for p in pngs)
         + "\n"
     )
-    replace_doc_section(DOC_HEADING, text)
+    write_report("overlap", TITLE, text, how=results["command"])
 
 
 def parse_args(argv: list[str] | None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rates", type=network._rates, help="skip the probe: these rates, Mbit/s")
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.overlap", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--rates", type=rate_list, help="skip the probe: these rates, Mbit/s")
     p.add_argument("--overhead-s", type=float, default=0.0, help="with --rates: message-overhead-s for the model")
     p.add_argument("--latency-ms", type=float, default=20.0, help="one-way latency (default 20)")
     p.add_argument("--rounds", type=int, default=3)
@@ -282,8 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     stop_on_sigterm()
     args.out.mkdir(parents=True, exist_ok=True)
     all_cpus = os.sched_getaffinity(0)
-    command = "python benchmarks/overlap.py " + shlex.join(sys.argv[1:] if argv is None else argv)
-    results: dict = {"command": command.strip(), "date": time.strftime("%Y-%m-%d"), "summaries": [], "runs": []}
+    how = command("overlap") if argv is None else f"python -m benchmarks.overlap {' '.join(argv)}".strip()
+    results: dict = {"command": how, "date": time.strftime("%Y-%m-%d"), "summaries": [], "runs": []}
     model = "embedded:smollm2-135m-instruct"
     if args.tiny:
         from parablock_flwr.tools.tiny_model import build_tiny_model
@@ -335,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     print(results["tables"])
     if not args.fast:
         write_docs(results, pngs)
-        print("wrote docs/overlap.json, docs/img/overlap-*.png and the section of docs/benchmarks.md")
+        print("wrote docs/results/overlap.json, docs/img/overlap-*.png and docs/results/overlap.md")
     return 0 if all(s["ok"] for s in results["summaries"]) else 1
 
 

@@ -1,11 +1,12 @@
-"""Half or a quarter of the bytes, same invariant: the default job with updates and steps sent in fp32,
-bf16, fp16, int8.
+"""Measures the default job with updates and steps sent in fp32, bf16, fp16 and int8: held-out loss,
+bytes and the invariant checks (half or a quarter of the bytes, same invariant).
 
 Each run is the README's main job (ParaBlock, the embedded SmolLM2, 2 virtual clients,
 3 rounds on Flower's simulation engine) with only ``transfer-dtype`` changed, and
 ``verify-invariant`` on: every client's local model must still be exactly
 ``x^{r-1} + Δ_i^r`` (it keeps the rounded update it sent; error feedback carries the
-rounding into its next update of that block). Prints and writes to docs/benchmarks.md:
+rounding into its next update of that block). Prints and writes to docs/results/transfer_dtype.md
+(``--study``: docs/results/transfer_dtype-study.md):
 the held-out loss after the last round against fp32's, the bytes that crossed (the
 arrays of every message and reply, as serialised: int8's include its fp32 scales, one per 256
 values, and every record's small layout), and the invariant checks.
@@ -19,18 +20,17 @@ values, and every record's small layout), and the invariant checks.
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import GSM_AS_MEASURED, read_records, replace_doc_section
+from benchmarks.common import GSM_AS_MEASURED, command, read_records, write_report
 from parablock_flwr.tools.launch import run_simulation
 from parablock_flwr.tools.tiny_model import build_tiny_model
 
-SECTION = "## Transfer precision: bf16, fp16 and int8 updates against fp32"
-STUDY_SECTION = "## Transfer precision on the tiny convergence study"
+TITLE = "Transfer precision: bf16, fp16 and int8 updates against fp32"
+STUDY_TITLE = "Transfer precision on the tiny convergence study"
 
 
 def run(dtype: str, args, model: str, workdir: Path) -> dict:
@@ -113,32 +113,37 @@ def study(args, dtypes: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.transfer_dtype",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--dtypes", default="fp32,bf16,fp16,int8")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tiny", action="store_true", help="the tiny test model (seconds), not SmolLM2")
-    p.add_argument("--no-write", action="store_true", help="leave docs/benchmarks.md alone")
+    p.add_argument("--no-write", action="store_true", help="leave docs/results/ alone")
     p.add_argument("--study", action="store_true", help="the tiny convergence study's setting instead")
     p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 2])
     p.add_argument("--alpha", type=float, default=0.1)
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--workdir", type=Path, default=Path("~/parablock-runs/convergence-study").expanduser())
     args = p.parse_args(argv)
-    command = "python -m benchmarks.transfer_dtype " + shlex.join(sys.argv[1:] if argv is None else argv)
+    how = command("transfer_dtype") if argv is None else f"python -m benchmarks.transfer_dtype {' '.join(argv)}".strip()
     if args.study:
         args.rounds = 40 if args.rounds == 3 else args.rounds  # the study's rounds unless told otherwise
         text = study(args, args.dtypes.split(","))
         print(text)
         if not args.no_write:
-            replace_doc_section(
-                STUDY_SECTION,
-                f"Command: `{command.strip()}`  \nDate: {time.strftime('%Y-%m-%d')}  \n"
+            write_report(
+                "transfer_dtype-study",
+                STUDY_TITLE,
                 f"ParaBlock (`at-end`) on the tiny convergence study's setting (benchmarks/convergence.py: a tiny "
                 f"Llama from scratch, Dirichlet alpha {args.alpha:g} over instruction-mix's task families, "
                 f"{args.clients} virtual clients, half sampled each round, {args.rounds} rounds), one run per "
                 "transfer dtype and seed; the same seeds give the same data, partitions, clients and batches.\n\n"
                 + text
                 + "\n",
+                how=how,
             )
         return 0
     with tempfile.TemporaryDirectory(prefix="parablock-transfer-") as tmp:
@@ -147,12 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     text = table(rows)
     print(text)
     if not args.no_write:
-        replace_doc_section(
-            SECTION,
-            f"Command: `{command.strip()}`  \nDate: {time.strftime('%Y-%m-%d')}  \n"
+        write_report(
+            "transfer_dtype",
+            TITLE,
             f"ParaBlock, `{'tiny Llama' if args.tiny else model}`, 2 virtual clients, {args.rounds} rounds, "
             "verify-invariant on; bytes = the serialised arrays of every message and reply (`wire_bytes_*` in "
             "metrics.jsonl).\n\n" + text + "\n",
+            how=how,
         )
     return 0 if all("error" not in r for r in rows) else 1
 

@@ -1,29 +1,25 @@
-"""A block's communication window against its size, leg by leg, and Flower's own floor (issue 23).
+"""Measures a block's communication window against its size, leg by leg, beside Flower's own floor.
 
-One node on loopback, the separated-core set-up of docs/benchmarks.md's overlap section: the node
+One node on loopback, with the separated-core set-up of benchmarks.overlap: the node
 worker (every thread of it) on CPU 1, every other process (SuperLink, SuperNode, ClientApps, the
 ServerApp) on CPU 0. Sequential BCD (``fedbcd``) on SmolLM2-135M with tiny compute (1 local step,
 batch 1), so the window is what the rounds show; block sizes from ``layers-per-block``
 (one layer = 14.2 MB fp32), LoRA adapters of 5 layers for 0.6 MB, and ``fedavg-full`` for a
 full-model message (424.8 MB each way: what it trains; the tied embedding stays frozen). Beside
 each, the same payload through a Flower-only app (benchmarks/flower_floor.py: no model, a ServerApp
-pushing an ArrayRecord, a ClientApp returning one): what Flower's own processes cost.
-
-Every size runs side by side before and after issue 23's cuts (``VARIANTS``): the code of 7bf63b1
-(one Flower Array per tensor) with Flower 1.42's transfer settings (5 MiB objects, 2 threads), and
-this checkout (one packed array per record) with ``launch.FLOWER_TRANSFER_SETTINGS``; the Flower-only
-app also with packed arrays and Flower's settings, which separates the two. Rounds 2..R each give one window
-(the repeats; their spread is shown). For each leg of the critical path (records'
+pushing an ArrayRecord, a ClientApp returning one): what Flower's own processes cost. Both run
+with ``launch.FLOWER_TRANSFER_SETTINGS`` and one packed array per record, side by side for each size.
+Rounds 2..R each give one window (the repeats; their spread is shown). For each leg of the critical path (records'
 ``critical_path_*_s``) the benchmark fits ``fixed + bytes / throughput`` (bytes: the reply up plus
 the message down), and checks the time model (``core.LinkModel``): calibrated on two sizes, it
 predicts the round time of a third.
 
-    .venv/bin/python -m benchmarks.window                      # all sizes, both settings (~40 min)
+    .venv/bin/python -m benchmarks.window                      # all sizes, the app and Flower only (~25 min)
     .venv/bin/python -m benchmarks.window --sizes 14,70 --no-floor
     .venv/bin/python -m benchmarks.window --fast               # tiny model, a smoke run (no docs)
 
-Writes into --out: window.json and window.png; without --fast also docs/window.json, the PNG under
-docs/img/ and the section of docs/benchmarks.md.
+Writes into --out: window.json and window.png; without --fast also docs/results/window.json, the PNG
+under docs/img/ and docs/results/window.md.
 """
 
 from __future__ import annotations
@@ -33,17 +29,16 @@ import contextlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import PROJECT_DIR, command, fit, machine, read_records, replace_doc_section
+from benchmarks.common import PROJECT_DIR, RESULTS_DIR, command, fit, machine, read_records, write_report
 from parablock_flwr import core
 from parablock_flwr.strategies.round_stats import CLIENTAPP_RELAY_PARTS
-from parablock_flwr.tools.launch import FLOWER_DEFAULT_TRANSFER_SETTINGS, FLOWER_TRANSFER_SETTINGS, run_deployment
+from parablock_flwr.tools.launch import FLOWER_TRANSFER_SETTINGS, run_deployment
 
 LAYER_PARAMS = 3_540_096  # one SmolLM2-135M decoder layer (9 tensors)
 LORA_LAYER_PARAMS = 30_720  # its rank-8 adapters on q, k, v, o (8 tensors)
@@ -57,20 +52,6 @@ SIZES = {
     # fedavg-full sends what it trains, 424.8 MB (the tied embedding stays frozen); the Flower-only app all 538 MB.
     "full": ({"algorithm": "fedavg-full"}, 4 * MODEL_PARAMS, 272),
 }
-# name -> (Flower's transfer settings, the code: a commit or None for this checkout, the Flower-only
-# app's arrays: one per tensor or one packed). "before": the code before issue 23 (one Flower Array
-# per tensor) with Flower's defaults; "after": this checkout (one packed array per record) with
-# launch.FLOWER_TRANSFER_SETTINGS; "packed": this checkout with Flower's defaults (what the settings add).
-BEFORE_COMMIT = "7bf63b1"
-VARIANTS = {
-    "before": (FLOWER_DEFAULT_TRANSFER_SETTINGS, BEFORE_COMMIT, "tensors"),
-    "after": (FLOWER_TRANSFER_SETTINGS, None, "packed"),
-    "packed": (FLOWER_DEFAULT_TRANSFER_SETTINGS, None, "packed"),
-    # the ClientApp's relay before its copies were cut (Array.numpy() and Array(ndarray) per array)
-    "copying-relay": (FLOWER_TRANSFER_SETTINGS, "083d97a", "packed"),
-    # the server's step log still written between a round's last reply and the next messages
-    "step-log-inline": (FLOWER_TRANSFER_SETTINGS, "255453c", "packed"),
-}
 APP_LEGS = ("aggregate", "dispatch", "delivery", "clientapp_relay", *CLIENTAPP_RELAY_PARTS, "reply_relay",
             "reply_to_server")  # fmt: skip
 FLOOR_LEGS = ("dispatch", "delivery", "clientapp_relay", "clientapp_pull", "reply_to_server")
@@ -81,33 +62,10 @@ CPU_KEYS = ("server_cpu_s", "clientapp_pull_cpu_s", "clientapp_cpu_s")
 # pulls it and starts the ClientApp while the server is still pushing its objects; the sum holds.)
 DIRECTIONS = {"down": ("dispatch", "delivery", "clientapp_relay"), "up": ("reply_relay", "reply_to_server")}
 CALIBRATE, PREDICT = ("14", "212"), "70"
-DOC_HEADING = "## The communication window against block size"
+KINDS = ("app", "floor")
 
 
 # ------------------------------------------------------------------ running
-def code_of(variant: str, args) -> Path:
-    """The app folder of ``variant``: this checkout, or an export of its commit (made once)."""
-    commit = VARIANTS[variant][1]
-    if commit is None:
-        return PROJECT_DIR
-    folder = args.out / f"code-{commit}"
-    if not folder.exists():
-        folder.mkdir(parents=True)
-        archive = subprocess.run(["git", "-C", str(PROJECT_DIR), "archive", commit], capture_output=True, check=True)
-        subprocess.run(["tar", "-x", "-C", str(folder)], input=archive.stdout, check=True)
-    return folder
-
-
-@contextlib.contextmanager
-def variant_environment(variant: str, args):
-    """Flower's transfer settings of ``variant``, and its code first on every process's import path
-    (also the working directory: ``python -m`` puts it first)."""
-    settings, commit, _ = VARIANTS[variant]
-    code = {} if commit is None else {"PYTHONPATH": str(code_of(variant, args))}
-    with environment({**settings, **code}), contextlib.chdir(code_of(variant, args)):
-        yield
-
-
 @contextlib.contextmanager
 def environment(settings: dict[str, str]):
     """``settings`` in this process's environment (Flower's processes inherit it), then as before."""
@@ -153,15 +111,15 @@ def app_config(size: str, args, out: Path) -> dict:
     return config
 
 
-def run_app(size: str, setting: str, args) -> dict:
+def run_app(size: str, args) -> dict:
     """One deployment of the app: its records' windows and legs, rounds 2..R."""
-    workdir = args.out / f"app-{size}-{setting}"
+    workdir = args.out / f"app-{size}"
     load = os.getloadavg()[0]
-    with variant_environment(setting, args):
+    with environment(FLOWER_TRANSFER_SETTINGS):
         result = run_deployment(workdir, app_config(size, args, workdir / "out"), 1, args.timeout_s,
-                                app_dir=code_of(setting, args), on_started=pin_workers)  # fmt: skip
+                                app_dir=PROJECT_DIR, on_started=pin_workers)  # fmt: skip
     if result.run_dir is None or result.kind not in ("completed", "completed-with-exclusions"):
-        return {"kind": "app", "size": size, "setting": setting, "error": result.summary("window.py")}
+        return {"kind": "app", "size": size, "error": result.summary("window.py")}
     records = [r for r in read_records(result.run_dir) if r["round"] >= 1]
     points = []
     for prev, rec in zip(records, records[1:]):  # round r's window: r-1's reply up, r's message down
@@ -174,8 +132,7 @@ def run_app(size: str, setting: str, args) -> dict:
         point.update({"server_cpu_s": rec.get("server_cpu_s"), "clientapp_pull_cpu_s": node.get("clientapp_pull_cpu_s"),
                       "clientapp_cpu_s": node.get("clientapp_cpu_s")})  # fmt: skip
         points.append(point)
-    return {"kind": "app", "size": size, "setting": setting, "load_1min": load, "points": points,
-            "run_dir": str(result.run_dir)}  # fmt: skip
+    return {"kind": "app", "size": size, "load_1min": load, "points": points, "run_dir": str(result.run_dir)}
 
 
 FLOOR_PYPROJECT = """[build-system]
@@ -211,19 +168,18 @@ def floor_app(folder: Path) -> Path:
     return folder
 
 
-def run_floor(size: str, setting: str, args) -> dict:
-    """The same payload through the Flower-only app: each round's legs, rounds 2..R."""
-    workdir = args.out / f"floor-{size}-{setting}"
-    _, nbytes, tensors = SIZES[size]
-    arrays = tensors if VARIANTS[setting][2] == "tensors" else 1
-    config = {"rounds": args.rounds, "payload-bytes": nbytes, "arrays": arrays, "output-dir": str(workdir / "out")}
+def run_floor(size: str, args) -> dict:
+    """The same payload through the Flower-only app, as one packed array: each round's legs, rounds 2..R."""
+    workdir = args.out / f"floor-{size}"
+    nbytes = SIZES[size][1]
+    config = {"rounds": args.rounds, "payload-bytes": nbytes, "arrays": 1, "output-dir": str(workdir / "out")}
     load = os.getloadavg()[0]
-    with environment(VARIANTS[setting][0]):
+    with environment(FLOWER_TRANSFER_SETTINGS):
         run_deployment(workdir, config, 1, args.timeout_s, app_dir=floor_app(args.out / "floor-app"),
                        on_started=pin_workers)  # fmt: skip
     found = sorted((workdir / "out").glob("floor-*/floor.json"))
     if not found:
-        return {"kind": "floor", "size": size, "setting": setting, "error": f"no floor.json; see {workdir}"}
+        return {"kind": "floor", "size": size, "error": f"no floor.json; see {workdir}"}
     points = []
     for r in json.loads(found[-1].read_text())["rounds"][1:]:
         legs = {"dispatch": r["pushed"] - r["push_start"], "delivery": r["clientapp_start"] - r["pushed"],
@@ -232,7 +188,7 @@ def run_floor(size: str, setting: str, args) -> dict:
         cpu = {key: r.get(key) for key in CPU_KEYS}
         points.append({"round": r["round"], "bytes": 2 * nbytes, "window_s": sum(legs.values()), **legs, **cpu,
                        "clientapp_pull": legs["clientapp_relay"]})  # its relay leg is all Flower's pull  # fmt: skip
-    return {"kind": "floor", "size": size, "setting": setting, "load_1min": load, "points": points}
+    return {"kind": "floor", "size": size, "load_1min": load, "points": points}
 
 
 # ------------------------------------------------------------------ analysis
@@ -243,8 +199,9 @@ def add_directions(point: dict) -> None:
         point[direction] = sum(values) if values else None
 
 
-def fits(runs: list[dict], kind: str, setting: str, legs: tuple[str, ...]) -> dict:
-    ours = [r for r in runs if r["kind"] == kind and r["setting"] == setting and r.get("points")]
+def fits(runs: list[dict], kind: str, legs: tuple[str, ...]) -> dict:
+    """``fixed + bytes / throughput`` of the window, each direction and each leg, over ``kind``'s sizes."""
+    ours = [r for r in runs if r["kind"] == kind and r.get("points")]
     if len({r["size"] for r in ours}) < 2:  # one size's rounds differ in bytes by headers only: no fit
         return {}
     points = [p for r in ours for p in r["points"]]
@@ -256,10 +213,10 @@ def fits(runs: list[dict], kind: str, setting: str, legs: tuple[str, ...]) -> di
     return out
 
 
-def prediction(runs: list[dict], setting: str = "after") -> dict | None:
+def prediction(runs: list[dict]) -> dict | None:
     """The time model calibrated on two sizes' windows, asked for a third size's rounds (sequential
     BCD: compute + window), against the rounds measured."""
-    app = {r["size"]: r for r in runs if r["kind"] == "app" and r["setting"] == setting and r.get("points")}
+    app = {r["size"]: r for r in runs if r["kind"] == "app" and r.get("points")}
     if not all(s in app for s in (*CALIBRATE, PREDICT)):
         return None
     calib = [p for s in CALIBRATE for p in app[s]["points"] if p["window_s"] is not None]
@@ -271,7 +228,7 @@ def prediction(runs: list[dict], setting: str = "after") -> dict | None:
                                                overlapped=False)  # fmt: skip
         rows.append({"round": p["round"], "predicted_s": predicted, "measured_s": p["round_wall_s"],
                      "error": predicted / p["round_wall_s"] - 1})  # fmt: skip
-    return {"calibrated_on": list(CALIBRATE), "predicted": PREDICT, "setting": setting, **model, "rounds": rows}
+    return {"calibrated_on": list(CALIBRATE), "predicted": PREDICT, **model, "rounds": rows}
 
 
 def _f(x, digits: int = 1) -> str:
@@ -287,36 +244,34 @@ def spread(values: list[float]) -> str:
 
 
 def tables(results: dict) -> str:
+    """Each run's window and legs, the app against Flower alone per size, the fits and the model's check."""
     columns = (*DIRECTIONS, *APP_LEGS, *CPU_KEYS)
-    runs = sorted(results["runs"], key=lambda r: (SIZES[r["size"]][1], r["kind"], list(VARIANTS).index(r["setting"])))
-    lines = ["| payload MB each way | app | variant | load (1 min) | window s, mean (min-max) | "
-             + " | ".join(columns) + " |", "|---|---|---|---|---|" + "---|" * len(columns)]  # fmt: skip
+    runs = sorted(results["runs"], key=lambda r: (SIZES[r["size"]][1], KINDS.index(r["kind"])))
+    lines = ["| payload MB each way | app | load (1 min) | window s, mean (min-max) | "
+             + " | ".join(columns) + " |", "|---|---|---|---|" + "---|" * len(columns)]  # fmt: skip
     for r in runs:
         mb = np.mean([p["bytes"] for p in r["points"]]) / 2e6 if r.get("points") else SIZES[r["size"]][1] / 1e6
         if "error" in r:
-            lines.append(f"| {mb:.1f} | {r['kind']} | {r['setting']} | | failed: {r['error'][:80]} |" + " |" * 5)
+            lines.append(f"| {mb:.1f} | {r['kind']} | | failed: {r['error'][:80]} |" + " |" * len(columns))
             continue
         legs = " | ".join(spread([p.get(leg) for p in r["points"]]) for leg in columns)
         window = spread([p["window_s"] for p in r["points"]])
-        lines.append(f"| {mb:.1f} | {r['kind']} | {r['setting']} | {r['load_1min']:.1f} | {window} | {legs} |")
-    lines += ["", "After / before, mean window of the same size and app, measured side by side:", "",
-              "| payload MB each way | app | before | before s | after s | after / before |",
-              "|---|---|---|---|---|---|"]  # fmt: skip
+        lines.append(f"| {mb:.1f} | {r['kind']} | {r['load_1min']:.1f} | {window} | {legs} |")
+    lines += ["", "The app against Flower alone, mean window of the same payload:", "",
+              "| payload MB each way | app s | Flower only s | app / Flower only |", "|---|---|---|---|"]  # fmt: skip
     for size in SIZES:
-        for kind in ("app", "floor"):
-            pair = {r["setting"]: r for r in runs if r["size"] == size and r["kind"] == kind and r.get("points")}
-            for before in (v for v in pair if v != "after" and "after" in pair):
-                b, a = (np.mean([p["window_s"] for p in pair[v]["points"]]) for v in (before, "after"))
-                mb = np.mean([p["bytes"] for p in pair["after"]["points"]]) / 2e6
-                lines.append(f"| {mb:.1f} | {kind} | {before} | {b:.1f} | {a:.1f} | {a / b:.2f} |")
+        pair = {r["kind"]: r for r in runs if r["size"] == size and r.get("points")}
+        if set(pair) == set(KINDS):
+            app, floor = (np.mean([p["window_s"] for p in pair[k]["points"]]) for k in KINDS)
+            mb = np.mean([p["bytes"] for p in pair["app"]["points"]]) / 2e6
+            lines.append(f"| {mb:.1f} | {app:.1f} | {floor:.1f} | {app / floor:.2f} |")
     lines += ["", "Fit `fixed + bytes / throughput` (bytes: the reply up plus the message down):", "",
-              "| app | variant | leg | fixed s | throughput MB/s |", "|---|---|---|---|---|"]  # fmt: skip
-    for key, legs in results["fits"].items():
-        kind, setting = key.split("/")
+              "| app | leg | fixed s | throughput MB/s |", "|---|---|---|---|"]  # fmt: skip
+    for kind, legs in results["fits"].items():
         for leg, f in legs.items():
-            lines.append(f"| {kind} | {setting} | {leg} | {f['fixed_s']:.2f} | {_f(f['throughput_mbs'], 0)} |")
+            lines.append(f"| {kind} | {leg} | {f['fixed_s']:.2f} | {_f(f['throughput_mbs'], 0)} |")
     if p := results.get("prediction"):
-        lines += ["", f"Time model calibrated on {' and '.join(p['calibrated_on'])} MB ({p['setting']}): "
+        lines += ["", f"Time model calibrated on {' and '.join(p['calibrated_on'])} MB: "
                   f"fixed {p['fixed_s']:.2f} s, {_f(p['throughput_mbs'], 0)} MB/s; predicted the {p['predicted']} MB "
                   "run's rounds (compute + window, sequential BCD):", "",
                   "| round | predicted s | measured s | error |", "|---|---|---|---|"]  # fmt: skip
@@ -336,18 +291,17 @@ def plot(results: dict, path: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    styles = {(kind, v): (f"C{i}", "o" if kind == "app" else "^") for i, v in enumerate(VARIANTS)
-              for kind in ("app", "floor")}  # fmt: skip
     grid = np.geomspace(0.5e6, 1.2e9, 100)
-    for (kind, setting), (color, marker) in styles.items():
-        points = [p for r in results["runs"] if r["kind"] == kind and r["setting"] == setting
+    for color, kind in enumerate(KINDS):
+        color, marker = f"C{color}", "o" if kind == "app" else "^"
+        points = [p for r in results["runs"] if r["kind"] == kind
                   for p in r.get("points", []) if p["window_s"] is not None]  # fmt: skip
         if not points:
             continue
-        label = f"{'ParaBlock app' if kind == 'app' else 'Flower only'}, {setting}"
+        label = "ParaBlock app" if kind == "app" else "Flower only"
         ax.scatter([p["bytes"] / 2e6 for p in points], [p["window_s"] for p in points], color=color, marker=marker,
                    label=label, alpha=0.8)  # fmt: skip
-        f = results["fits"].get(f"{kind}/{setting}", {}).get("window_s")
+        f = results["fits"].get(kind, {}).get("window_s")
         if f and f["throughput_mbs"]:
             ax.plot(grid / 2e6, f["fixed_s"] + grid / (f["throughput_mbs"] * 1e6), color=color,
                     ls="-" if kind == "app" else "--", lw=0.8)  # fmt: skip
@@ -361,37 +315,32 @@ def plot(results: dict, path: Path) -> Path | None:
 
 
 def write_docs(results: dict, png: Path | None) -> None:
-    (PROJECT_DIR / "docs" / "window.json").write_text(json.dumps({k: v for k, v in results.items() if k != "tables"},
-                                                                 indent=1))  # fmt: skip
+    """docs/results/window.json (the summary), docs/img/window.png and docs/results/window.md."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    (RESULTS_DIR / "window.json").write_text(json.dumps({k: v for k, v in results.items() if k != "tables"},
+                                                        indent=1))  # fmt: skip
     if png:
         (PROJECT_DIR / "docs" / "img").mkdir(parents=True, exist_ok=True)
         shutil.copy(png, PROJECT_DIR / "docs" / "img" / "window.png")
-    m = machine()
     text = (
-        f"Command: `{results['command']}`  \nDate: {results['date']}  \n"
-        f"Machine: {m['arch']}, {m['cpu']}, nproc {m['nproc']}, {m['memory_gib']} GiB, GPU: {m['gpu']}; shared with "
-        "other jobs (the load average beside each run). One node on loopback; the node worker on CPU 1, every "
-        "other process on CPU 0. SmolLM2-135M, sequential BCD (fedbcd; fedavg-full for the full model), 1 local "
+        "One node on loopback; the node worker on CPU 1, every other process on CPU 0 (the load average "
+        "beside each run). SmolLM2-135M, sequential BCD (fedbcd; fedavg-full for the full model), 1 local "
         f"step of batch 1, {results['rounds']} rounds: rounds 2..R give the repeats. Window = from the "
         "worker's reply leaving it to the next message reaching it (`measured_comm_s`); legs: the records' "
-        "`critical_path_*_s`. Flower only: benchmarks/flower_floor.py, the same payload as the same number of "
-        "arrays, its window the sum of its legs. `before`: the code of 7bf63b1 (one Flower Array per tensor), "
-        "Flower's transfer settings (5 MiB objects, 2 threads each way); `after`: this code (one packed array per "
-        f"record), {', '.join(f'{k}={v}' for k, v in FLOWER_TRANSFER_SETTINGS.items())} "
-        "(`launch.FLOWER_TRANSFER_SETTINGS`; the threads are capped at the CPU count, 2 here); `packed`: one packed "
-        "array, Flower's settings. "
-        "Summary: docs/window.json.\n\n" + results["tables"] + ("\n\n![window](img/window.png)\n" if png else "\n")
+        "`critical_path_*_s`. Flower only: benchmarks/flower_floor.py, the same payload as one packed array, "
+        "its window the sum of its legs. Both with one packed array per record and "
+        f"{', '.join(f'{k}={v}' for k, v in FLOWER_TRANSFER_SETTINGS.items())} "
+        "(`launch.FLOWER_TRANSFER_SETTINGS`). Summary: docs/results/window.json.\n\n"
+        + results["tables"]
+        + ("\n\n![window](../img/window.png)\n" if png else "\n")
     )
-    replace_doc_section(DOC_HEADING, text)
+    write_report("window", "The communication window against block size", text, how=results["command"])
 
 
 # ------------------------------------------------------------------ main
 def parse_args(argv: list[str] | None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated, of {', '.join(SIZES)}")
-    p.add_argument("--variants", default="before,after,packed", help=f"comma-separated, of {', '.join(VARIANTS)}")
-    p.add_argument("--app-variants", default="before,after", help="the variants the app runs (the Flower-only "
-                   "app runs every one of --variants)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=3, help="rounds per run (2..R are the repeats; default 3)")
     p.add_argument("--no-floor", action="store_true", help="skip the Flower-only app")
     p.add_argument("--no-app", action="store_true", help="skip the ParaBlock app")
@@ -401,12 +350,9 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--out", type=Path)
     p.add_argument("--timeout-s", type=float, default=1800.0)
     args = p.parse_args(argv)
-    args.sizes, args.settings = args.sizes.split(","), args.variants.split(",")
-    args.app_variants = args.app_variants.split(",")
-    for name, chosen, known in (("--sizes", args.sizes, SIZES), ("--variants", args.settings, VARIANTS),
-                                ("--app-variants", args.app_variants, VARIANTS)):  # fmt: skip
-        if bad := [c for c in chosen if c not in known]:
-            p.error(f"{name} {bad[0]!r}: expected one of {', '.join(known)}")
+    args.sizes = args.sizes.split(",")
+    if bad := [c for c in args.sizes if c not in SIZES]:
+        p.error(f"--sizes {bad[0]!r}: expected one of {', '.join(SIZES)}")
     if args.rounds < 3:
         p.error(f"--rounds {args.rounds}: expected at least 3 (rounds 2..R are the repeats)")
     args.out = (args.out or PROJECT_DIR / "runs" / f"window-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
@@ -429,32 +375,27 @@ def main(argv: list[str] | None = None) -> int:
     os.sched_setaffinity(0, {0})  # every process started from here on: CPU 0 (the workers move to CPU 1)
     results: dict = {"command": command("window"), "date": time.strftime("%Y-%m-%d"), "rounds": args.rounds,
                      "machine": machine(), "runs": []}  # fmt: skip
-    for size in args.sizes:
-        for setting in args.settings:  # side by side: each size in every variant before the next size
-            for kind, run in (("floor", run_floor), ("app", run_app)):
-                if (kind == "floor" and args.no_floor) or (
-                    kind == "app" and (args.no_app or setting not in args.app_variants)
-                ):
-                    continue
-                print(f"[{time.strftime('%H:%M:%S')}] {kind} {size} MB, {setting} ...", flush=True)
-                results["runs"].append(run(size, setting, args))
-                last = results["runs"][-1]
-                print(f"    {last.get('error') or [round(p['window_s'] or 0, 2) for p in last['points']]}", flush=True)
-                (args.out / "window.json").write_text(json.dumps(results, indent=1))
+    for size in args.sizes:  # side by side: each size through both apps before the next size
+        for kind, run in (("floor", run_floor), ("app", run_app)):
+            if (kind == "floor" and args.no_floor) or (kind == "app" and args.no_app):
+                continue
+            print(f"[{time.strftime('%H:%M:%S')}] {kind} {size} MB ...", flush=True)
+            results["runs"].append(run(size, args))
+            last = results["runs"][-1]
+            print(f"    {last.get('error') or [round(p['window_s'] or 0, 2) for p in last['points']]}", flush=True)
+            (args.out / "window.json").write_text(json.dumps(results, indent=1))
     return report(results, args)
 
 
 def report(results: dict, args) -> int:
     """Fits, the time model's check, tables, figure; the docs unless ``--fast``."""
-    args.settings = list(dict.fromkeys(r["setting"] for r in results["runs"]))
     for run in results["runs"]:
         for point in run.get("points", []):
             add_directions(point)
     results["fits"] = {}
     for kind, legs in (("app", (*APP_LEGS, *CPU_KEYS)), ("floor", (*FLOOR_LEGS, *CPU_KEYS))):
-        for setting in args.settings:
-            if found := fits(results["runs"], kind, setting, legs):
-                results["fits"][f"{kind}/{setting}"] = found
+        if found := fits(results["runs"], kind, legs):
+            results["fits"][kind] = found
     results["prediction"] = prediction(results["runs"])
     results["tables"] = tables(results)
     png = plot(results, args.out / "window.png")
@@ -462,7 +403,7 @@ def report(results: dict, args) -> int:
     print(results["tables"])
     if not args.fast and not args.no_docs:
         write_docs(results, png)
-        print("wrote docs/window.json, docs/img/window.png and the section of docs/benchmarks.md")
+        print("wrote docs/results/window.json, docs/img/window.png and docs/results/window.md")
     return 0 if not any("error" in r for r in results["runs"]) else 1
 
 

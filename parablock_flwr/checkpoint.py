@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from .core import PendingUpdate
-from .durable import crash_point, fsync_path, replace_folder
+from .durable import crash_point, fsync_path, make_dirs, replace_folder
 
 STAGED = "pending.staged"
 DIGEST_FORMAT = "per-tensor"
@@ -47,6 +47,7 @@ MAY_CHANGE_ON_RESUME = frozenset(
         "num-server-rounds",
         "min-available-nodes",
         "eval-every",
+        "eval-max-lag",
         "eval-batch-size",
         "generate-examples",
         "generate-every",
@@ -89,8 +90,8 @@ def stage_pending(run_dir: Path, partition_id: int, pending: PendingUpdate) -> N
     """Append one client's pending update as soon as it is aggregated (the reply can then be
     freed): raw fp32 bytes to ``updates.bin``, their place to ``index.jsonl``. Two files
     whatever the number of clients; the round's checkpoint takes them once it is complete."""
-    folder = Path(run_dir) / "checkpoint" / STAGED
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = make_dirs(Path(run_dir) / "checkpoint") / STAGED
+    folder.mkdir(exist_ok=True)  # renamed into the checkpoint's folder, which is made durable whole
     entry = {"partition": partition_id, "block": pending.block, "base_version": pending.base_version, "tensors": []}
     with open(folder / "updates.bin", "ab") as f:
         for name, tensor in pending.delta.items():
@@ -110,7 +111,8 @@ def save_checkpoint(run_dir: Path, ckpt: Checkpoint) -> Path:
     final = root / f"round-{ckpt.round:05d}"
     tmp = root / f"round-{ckpt.round:05d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    make_dirs(root)
+    tmp.mkdir()
     state = {
         "round": ckpt.round,
         "blocks": {str(r): b for r, b in ckpt.blocks.items() if r >= ckpt.round},

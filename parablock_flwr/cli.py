@@ -78,8 +78,9 @@ def _launch(args) -> int:
         workdir = args.workdir or app_dir / "runs" / ".flower"
         if args.command == "simulate":
             result = run_simulation(
-                workdir, config, args.num_supernodes, args.cpus_per_client, app_dir=app_dir, capture=False
-            )
+                workdir, config, args.num_supernodes, args.cpus_per_client, app_dir=app_dir, capture=False,
+                ray_address=args.ray_address, gpus_per_client=args.gpus_per_client,
+            )  # fmt: skip
         else:
             result = run_deployment(
                 workdir, config, args.num_supernodes, app_dir=app_dir, capture=False, secure=args.secure
@@ -100,14 +101,23 @@ def _cpu_list(text: str) -> set[int]:
 
 
 def _uid_list(text: str) -> list[int]:
-    """``1001`` or ``1001,1002``: user ids (``id -u NAME`` prints one)."""
-    try:
-        uids = [int(part) for part in text.split(",")]
-    except ValueError:
-        uids = [-1]
+    """``1001``, ``1001,1002`` or user names (``parablock-node``: a systemd unit cannot compute a uid)."""
+    uids = [_uid(part) for part in text.split(",")]
     if any(uid < 0 for uid in uids):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected user ids like 1001 or 1001,1002")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected user ids or names like 1001,1002 or parablock-node")
     return uids
+
+
+def _uid(part: str) -> int:
+    """A user id, or the id of the user of that name; -1 for neither."""
+    import pwd
+
+    if part.isdigit():
+        return int(part)
+    try:
+        return pwd.getpwnam(part).pw_uid
+    except KeyError:
+        return -1
 
 
 def _byte_count(text: str) -> int:
@@ -136,7 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     sim = sub.add_parser("simulate", help="run the app on Flower's simulation engine")
     _run_args(sim)
-    sim.add_argument("--cpus-per-client", type=int, default=2)
+    sim.add_argument("--cpus-per-client", type=int, default=2, help="CPUs each virtual client's Ray actor reserves")
+    sim.add_argument("--gpus-per-client", type=float, default=0.0, help="GPUs (or a share of one) per actor")
+    sim.add_argument(
+        "--ray-address",
+        default="",
+        help="an existing Ray cluster (HEAD_IP:6379, or auto) to run the clients on; default: a Ray of the run's own",
+    )
     dep = sub.add_parser("deploy", help="run a real local deployment with node workers")
     _run_args(dep)
     dep.add_argument(
@@ -161,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--state-dir",
         type=Path,
         help="where the node's error-feedback residuals outlive the worker (default: SOCKET.state beside the "
-        "socket; put it on a persistent disk, not /run or /tmp; a node config's state-dir wins)",
+        "socket; put it on a persistent disk, not /run or /tmp); a node config's state-dir must name the same",
     )
     wrk.add_argument(
         "--compute-cpus",
@@ -178,8 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_uid_list,
         action="append",
         default=[],
-        help="also admit peers with this uid (repeatable, or a comma list): a SuperNode run as another user, "
-        "who must share the worker's group (the socket is then 0660, its directory 0710); default: own uid only",
+        help="also admit peers with this uid or user name (repeatable, or a comma list): a SuperNode run as another "
+        "user, who must share the worker's group (the socket is then 0660, its directory 0710); default: own uid only",
     )
     wrk.add_argument(
         "--max-message-bytes",

@@ -99,6 +99,7 @@ class RunConfig:
     eval_cpus: str = ""
     eval_batch_size: int = 8
     eval_every: int = 1
+    eval_max_lag: int = 0
     generate_examples: int = 64
     generate_every: int = 0
     max_new_tokens: int = 8
@@ -194,6 +195,7 @@ class RunConfig:
             "max-consecutive-rejections",
             "max-num-examples",
             "snapshot-every",
+            "eval-max-lag",
         ):
             _at_least(key, getattr(self, key.replace("-", "_")), 0)
         _at_least("min-available-nodes", self.min_available_nodes, 1)
@@ -277,8 +279,9 @@ class RunConfig:
 
     @property
     def max_examples_per_client(self) -> int:
-        """The largest ``num-examples`` a reply may claim (its aggregation weight): ``max-num-examples``,
-        or by default the whole dataset's size, which no client's share can exceed."""
+        """The largest ``num-examples`` a reply may claim (its aggregation weight), whatever the node says of
+        its data: ``max-num-examples``, or by default the whole dataset's size, which no client's share can
+        exceed (a site with its own data counts it itself: the server cannot check it)."""
         return self.max_num_examples or self.num_examples
 
     @property

@@ -20,7 +20,11 @@ Every source becomes rows with ``prompt``, ``response`` and ``family`` (and, for
 How a row becomes text is ``prompt-format``: the tokenizer's chat template, or the
 plain instruction/response format of ``PLAIN_TEMPLATE`` (``model.load_tokenizer``
 installs it as the tokenizer's template, so everything downstream is the same).
-Rows cut before their answer by ``max-seq-len`` are dropped, counted and logged.
+Rows cut before their answer by ``max-seq-len`` are dropped, counted and logged. A row that cannot be
+read (a line that is not JSON, a required field missing or not text, a conversation of unknown roles,
+one the tokenizer's template refuses) is skipped and counted the same way (``Malformed``); a source
+without one usable row is a ``DataError``. A site's rows never leave it: every message and log line
+here names the source, a row number and a field, never what a row holds.
 
 The first ``heldout-examples`` rows are the fixed held-out split that no client
 trains on; the rest is split across clients with a flwr-datasets partitioner (``partitioning``: IID, Dirichlet over
@@ -30,8 +34,10 @@ trains on; the rest is split across clients with a flwr-datasets partitioner (``
 from __future__ import annotations
 
 import contextlib
+import csv
 import json
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,30 +71,62 @@ def has_exact_answers(spec: str) -> bool:
     return spec.startswith(("reasoning-gym:", "mathinstruct:"))
 
 
+class DataError(ValueError):
+    """A site's data cannot be used. The message names the source, a row number and a field, never a
+    row's content: a node relays its errors to the server, which logs and records them."""
+
+
+@dataclass
+class Malformed:
+    """Rows of a source that could not be read or lack a required field: skipped, counted, and the first
+    one named by its row number (1-based, in the source's order: a ``.jsonl`` file's line, a ``.json``
+    array's element, a ``.csv`` file's record after the header, a parquet file's or dataset's row) and
+    the field at fault, never by its content."""
+
+    count: int = 0
+    first_row: int = 0
+    first_field: str = ""
+
+    def note(self, row: int, field: str) -> None:
+        if not self.count:
+            self.first_row, self.first_field = row, field
+        self.count += 1
+
+    def first(self) -> str:
+        return f"row {self.first_row} ({self.first_field})"
+
+
 def load_examples(spec: str, num_examples: int | None, seed: int) -> datasets.Dataset:
     """Rows with ``prompt``, ``response`` and ``family``, shuffled with ``seed``, at most ``num_examples``
-    (None: every row of a file, folder or hub dataset; reasoning-gym needs a number)."""
+    (None: every row of a file, folder or hub dataset; reasoning-gym needs a number). Malformed rows
+    are skipped (``load_examples_counted`` counts them)."""
+    return load_examples_counted(spec, num_examples, seed)[0]
+
+
+def load_examples_counted(spec: str, num_examples: int | None, seed: int) -> tuple[datasets.Dataset, Malformed]:
+    """``load_examples`` and the rows it skipped as malformed. No usable row at all: a ``DataError``
+    naming the source and the first bad row."""
     kind, _, source = spec.partition(":")
+    malformed = Malformed()
     if kind == "reasoning-gym" and source:
         if num_examples is None:
             raise ValueError(f"dataset={spec!r}: reasoning-gym needs a number of rows to make")
         rows = generate_examples(spec, num_examples, seed)
-    elif kind == "alpaca" and source:
-        rows = _load_rows(spec, source, ("instruction", "output"))
-        has_input = "input" in rows.column_names  # optional: many Alpaca-style files have no input column
-        rows = rows.map(
-            lambda r: {
-                "prompt": r["instruction"] + (f"\n\n{r['input']}" if has_input and r["input"] else ""),
-                "response": r["output"],
-                "family": "alpaca",
-            }
-        )
-    elif kind == "mathinstruct" and source:
-        rows = _load_rows(spec, source, ("source", "instruction", "output")).map(
-            lambda r: {"prompt": r["instruction"], "response": r["output"], "family": r["source"]}
-        )
-    elif kind == "messages" and source:
-        rows = _load_rows(spec, source, ("messages",)).map(lambda r: conversation_row(spec, r["messages"]))
+    elif kind in SCHEMAS and source:
+        kept = []
+        for row, record in _read_records(spec, source, SCHEMAS[kind]):
+            fields = schema_row(kind, record)
+            if isinstance(fields, str):
+                malformed.note(row, fields)
+            else:
+                kept.append(fields)
+        if malformed.count:
+            log.warning("%s: %d of %d rows malformed, skipped; the first is %s", spec, malformed.count,
+                        malformed.count + len(kept), malformed.first())  # fmt: skip
+        if not kept:
+            raise DataError(f"dataset={spec!r}: no usable row ({malformed.count} malformed; the first is "
+                            f"{malformed.first()}: expected {SCHEMA_TEXT[kind]})")  # fmt: skip
+        rows = datasets.Dataset.from_list(kept)
     else:
         raise ValueError(
             f"dataset={spec!r}: expected reasoning-gym:<task>, alpaca:<hub id or path>, "
@@ -96,26 +134,65 @@ def load_examples(spec: str, num_examples: int | None, seed: int) -> datasets.Da
         )
     columns = ["prompt", "response", "family"] + (["messages"] if kind == "messages" else [])
     rows = rows.select_columns(columns).shuffle(seed=seed)
-    return rows if num_examples is None else rows.select(range(min(num_examples, len(rows))))
+    return (rows if num_examples is None else rows.select(range(min(num_examples, len(rows))))), malformed
 
 
-def conversation_row(spec: str, messages) -> dict[str, str]:
+# Each schema's required columns, and what a usable row holds (said when no row is usable).
+SCHEMAS = {"alpaca": ("instruction", "output"), "mathinstruct": ("source", "instruction", "output"),
+           "messages": ("messages",)}  # fmt: skip
+SCHEMA_TEXT = {
+    "alpaca": "instruction and output as text, input as text or absent",
+    "mathinstruct": "source, instruction and output as text",
+    "messages": 'messages: a list of {"role": system | user | assistant, "content": text} with a user and an '
+    "assistant turn",
+}
+
+
+def schema_row(kind: str, record) -> dict[str, str] | str:
+    """A source row in the common form, or the name of the field that makes it malformed."""
+    if record is None:
+        return "not JSON"
+    if not isinstance(record, dict):
+        return "not an object"
+    if kind == "messages":
+        return conversation_row(record.get("messages"))
+    for key in SCHEMAS[kind]:
+        if not is_text(record.get(key)):
+            return key
+    if kind == "mathinstruct":
+        return {"prompt": record["instruction"], "response": record["output"], "family": record["source"]}
+    extra = record.get("input")
+    if extra is not None and not is_text(extra):
+        return "input"
+    return {"prompt": record["instruction"] + (f"\n\n{extra}" if extra else ""), "response": record["output"],
+            "family": "alpaca"}  # fmt: skip
+
+
+def is_text(value) -> bool:
+    """A string that is text: JSON's ``\\ud800`` escapes make a lone surrogate, which no UTF-8 reader
+    (Arrow, a tokenizer) accepts; such a row is malformed rather than the failure of its whole source."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def conversation_row(messages) -> dict[str, str] | str:
     """A ``messages:`` row: its conversation (checked) as JSON, its first user turn as ``prompt`` and
-    its last assistant turn as ``response`` (what generation and the samples show)."""
+    its last assistant turn as ``response`` (what generation and the samples show); or ``"messages"``,
+    the field at fault."""
     if not isinstance(messages, list) or not all(
-        isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in messages
+        isinstance(m, dict) and m.get("role") in ROLES and is_text(m.get("content")) for m in messages
     ):
-        raise ValueError(
-            f"dataset={spec!r}: a row's messages are {str(messages)[:120]!r}; expected a list of "
-            f'{{"role": {" | ".join(ROLES)}, "content": text}}'
-        )
+        return "messages"
     turns = [{"role": m["role"], "content": m["content"]} for m in messages]
     users = [m["content"] for m in turns if m["role"] == "user"]
     answers = [m["content"] for m in turns if m["role"] == "assistant"]
     if not users or not answers:
-        raise ValueError(
-            f"dataset={spec!r}: a conversation without a user and an assistant turn ({str(messages)[:120]!r})"
-        )
+        return "messages"
     return {"prompt": users[0], "response": answers[-1], "family": "messages", "messages": json.dumps(turns)}
 
 
@@ -140,32 +217,77 @@ def generate_examples(spec: str, num_examples: int, seed: int) -> datasets.Datas
     return datasets.Dataset.from_dict({"prompt": prompts, "response": responses, "family": families})
 
 
-def _load_rows(spec: str, source: str, columns: tuple[str, ...]) -> datasets.Dataset:
-    """``datasets.load_dataset`` on a local file, a local folder, or a hub id; check the schema."""
+def _read_records(spec: str, source: str, columns: tuple[str, ...]) -> Iterator[tuple[int, object]]:
+    """(row number, record) of a local file (read here, row by row: a row that does not parse is a
+    malformed record, ``None``, not a failed file), a local folder or a hub id (``datasets``). Errors
+    name the source, never what it holds: a reader's own message may quote a row."""
     path = Path(source).expanduser()
+    if path.is_file():
+        if path.suffix not in FILE_BUILDERS:
+            raise DataError(f"dataset={spec!r}: expected a {', '.join(FILE_BUILDERS)} file")
+        records = _file_records(spec, path)
+    else:
+        records = enumerate(_load_dataset(spec, source, path), start=1)
+    records = list(records)
+    seen = set().union(*(r for _, r in records if isinstance(r, dict)))
+    missing = [c for c in columns if c not in seen]
+    if seen and missing:  # no object at all: each row is malformed, said as such below
+        raise DataError(f"dataset={spec!r}: missing columns {missing}; expected {', '.join(columns)}")
+    return iter(records)
+
+
+def _file_records(spec: str, path: Path) -> Iterator[tuple[int, object]]:
+    """A local file's records by row number; ``None`` for a row that does not parse."""
+    if path.suffix == ".parquet":
+        yield from enumerate(_load_dataset(spec, str(path), path), start=1)
+        return
+    try:
+        with open(path, encoding="utf-8", errors="replace", newline="" if path.suffix == ".csv" else None) as f:
+            if path.suffix == ".csv":
+                yield from enumerate(csv.DictReader(f), start=1)
+                return
+            if path.suffix == ".json" and f.read(4096).lstrip().startswith("["):  # one JSON array
+                f.seek(0)
+                with contextlib.suppress(ValueError, RecursionError):  # then read as JSON lines, below
+                    records = json.load(f)
+                    yield from enumerate(records if isinstance(records, list) else [records], start=1)
+                    return
+            f.seek(0)
+            for number, line in enumerate(f, start=1):  # JSON lines: one record per line, read as they come
+                if line.strip():
+                    yield number, _json_or_none(line)
+    except (OSError, csv.Error) as err:
+        raise DataError(f"dataset={spec!r}: cannot read {str(path)!r} ({type(err).__name__})") from None
+
+
+def _json_or_none(line: str) -> object:
+    """A JSON line's value, or None when it is not JSON (a malformed row; its text is not kept)."""
+    try:
+        return json.loads(line)
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
+        return None
+
+
+def _load_dataset(spec: str, source: str, path: Path) -> datasets.Dataset:
+    """``datasets.load_dataset`` on a parquet file, a local folder or a hub id."""
     try:
         if path.is_file():
-            if path.suffix not in FILE_BUILDERS:
-                raise ValueError(f"dataset={spec!r}: expected a {', '.join(FILE_BUILDERS)} file")
-            rows = datasets.load_dataset(FILE_BUILDERS[path.suffix], data_files=str(path), split="train")
-        elif path.is_dir():
-            rows = datasets.load_dataset(str(path), split="train")
-        else:
-            rows = datasets.load_dataset(source, split="train")
-    except (ConnectionError, OSError, datasets.exceptions.DatasetNotFoundError) as err:
+            return datasets.load_dataset("parquet", data_files=str(path), split="train")
+        if path.is_dir():
+            return datasets.load_dataset(str(path), split="train")
+        return datasets.load_dataset(source, split="train")
+    except (ConnectionError, OSError, datasets.exceptions.DatasetNotFoundError) as err:  # no row read yet
         kind = spec.partition(":")[0]
-        raise ValueError(
+        raise DataError(
             f"dataset={spec!r}: cannot load {source!r} ({str(err).splitlines()[0]}); without hub access, "
             f"download {HUB_EXAMPLES[kind]} elsewhere and point at the local copy, "
             f'e.g. dataset="{kind}:/data/{kind}.jsonl" (a .json/.jsonl/.csv/.parquet file or a folder)'
-        ) from err
-    missing = [c for c in columns if c not in rows.column_names]
-    if missing:
-        raise ValueError(
-            f"dataset={spec!r}: missing columns {missing}; expected {', '.join(columns)}, "
-            f"found {', '.join(rows.column_names)}"
-        )
-    return rows
+        ) from None
+    except Exception as err:  # noqa: BLE001 - its message may quote a row: the type alone leaves the site
+        raise DataError(
+            f"dataset={spec!r}: cannot load {source!r} ({type(err).__name__}); a .jsonl file is read row by "
+            "row, its malformed rows skipped"
+        ) from None
 
 
 def encode(tokenizer, prompt: str, response: str, max_len: int) -> dict[str, list[int]]:
@@ -208,17 +330,19 @@ def encode_row(tokenizer, row: dict, max_len: int) -> dict[str, list[int]]:
 
 @dataclass
 class Split:
-    """A node's (train, held-out) rows and how many source rows ``max-seq-len`` cut before their answer.
+    """A node's (train, held-out) rows and how many source rows were left out.
 
     It unpacks as ``train, heldout = split``. ``dropped_for_length`` counts the rows of the node's
     training source (for the run's dataset: the whole dataset, held-out part included) that lost every
     answer token to ``max-seq-len`` and were dropped; ``heldout_dropped_for_length`` those of a
-    separate ``heldout-dataset``."""
+    separate ``heldout-dataset``. ``malformed`` counts the rows of both sources skipped because they
+    could not be read or formatted (``Malformed``)."""
 
     train: datasets.Dataset
     heldout: datasets.Dataset
     dropped_for_length: int = 0
     heldout_dropped_for_length: int = 0
+    malformed: int = 0
 
     def __iter__(self):
         return iter((self.train, self.heldout))
@@ -231,21 +355,38 @@ def tokenized_rows(spec: str, num_examples: int | None, seed: int, tokenizer, ma
 
 def tokenized_rows_counted(
     spec: str, num_examples: int | None, seed: int, tokenizer, max_len: int
-) -> tuple[datasets.Dataset, int]:
-    """(rows, how many were dropped because ``max-seq-len`` cut them before their answer)."""
+) -> tuple[datasets.Dataset, int, int]:
+    """(rows, how many were dropped because ``max-seq-len`` cut them before their answer, how many were
+    skipped as malformed: unreadable, or refused by the tokenizer's template)."""
     with quiet_progress():
-        rows = load_examples(spec, num_examples, seed)
+        rows, malformed = load_examples_counted(spec, num_examples, seed)
         # prompt/response/family stay: generation reads prompts, partitioners read family.
-        encoded = rows.map(lambda r: encode_row(tokenizer, r, max_len))
+        encoded = rows.map(lambda r: encode_or_mark(tokenizer, r, max_len))
+        unformatted = sum(encoded["unformatted"])
         # An example cut before its answer would have no label at all.
-        kept = encoded.filter(lambda r: any(t != IGNORE_INDEX for t in r["labels"]))
-    dropped = len(encoded) - len(kept)
+        kept = encoded.filter(lambda r: not r["unformatted"] and any(t != IGNORE_INDEX for t in r["labels"]))
+    kept = kept.remove_columns("unformatted")
+    if unformatted:
+        log.warning("%s: %d of %d rows skipped: the tokenizer's template refused them", spec, unformatted, len(rows))
+        if unformatted == len(rows):
+            raise DataError(f"dataset={spec!r}: no usable row (the tokenizer's template refused all {len(rows)})")
+    dropped = len(encoded) - unformatted - len(kept)
     if dropped:
         log.warning(
             "%s: %d of %d rows dropped, cut before their answer by max-seq-len=%d (raise it to keep them)",
             spec, dropped, len(encoded), max_len,
         )  # fmt: skip
-    return kept, dropped
+    return kept, dropped, malformed.count + unformatted
+
+
+def encode_or_mark(tokenizer, row: dict, max_len: int) -> dict:
+    """``encode_row``, or an empty row marked ``unformatted`` when the template refuses it (a chat
+    template raises on turns it does not accept): skipped and counted, its error not kept (its message
+    may quote the row)."""
+    try:
+        return {**encode_row(tokenizer, row, max_len), "unformatted": 0}
+    except Exception:  # noqa: BLE001 - any template error: the row is skipped, the others go on
+        return {"input_ids": [], "labels": [], "truncated": 0, "unformatted": 1}
 
 
 @contextlib.contextmanager
@@ -273,26 +414,27 @@ def node_splits(
     """A node's own (train, held-out) rows. With ``heldout_dataset`` every row of ``dataset`` trains;
     without it (``heldout > 0``) the first ``heldout`` usable rows of ``dataset`` are held out."""
     if heldout_dataset:
-        (train, dropped), (held, held_dropped) = (
+        (train, dropped, bad), (held, held_dropped, held_bad) = (
             tokenized_rows_counted(spec, local_rows_limit(spec, num_examples), seed, tokenizer, max_len)
             for spec in (dataset, heldout_dataset)
         )
         if not len(train) or not len(held):
             empty = dataset if not len(train) else heldout_dataset
             raise ValueError(f"node config {empty!r}: no example keeps answer tokens at max-seq-len={max_len}")
-        return Split(train, held, dropped, held_dropped)
+        return Split(train, held, dropped, held_dropped, bad + held_bad)
     return tokenized_splits(dataset, local_rows_limit(dataset, num_examples), heldout, seed, tokenizer, max_len)
 
 
 def tokenized_splits(spec: str, num_examples: int | None, heldout: int, seed: int, tokenizer, max_len: int) -> Split:
     """(train, held-out), tokenized. The first ``heldout`` usable rows are held out."""
-    encoded, dropped = tokenized_rows_counted(spec, num_examples, seed, tokenizer, max_len)
+    encoded, dropped, malformed = tokenized_rows_counted(spec, num_examples, seed, tokenizer, max_len)
     if len(encoded) <= heldout:
         raise ValueError(
             f"max-seq-len={max_len}: only {len(encoded)} examples keep answer tokens ({dropped} cut before "
-            f"their answer); expected more than heldout-examples={heldout}"
+            f"their answer, {malformed} malformed); expected more than heldout-examples={heldout}"
         )
-    return Split(encoded.select(range(heldout, len(encoded))), encoded.select(range(heldout)), dropped)
+    train, held = encoded.select(range(heldout, len(encoded))), encoded.select(range(heldout))
+    return Split(train, held, dropped, malformed=malformed)
 
 
 def client_partition(

@@ -9,6 +9,11 @@ Every such file is written by one of three functions here, and by nothing else:
   fsynced, renamed, the parent fsynced.
 - ``append_line``: one JSON line appended and fsynced. A crash can leave a torn last line;
   ``read_jsonl`` skips such a line with a warning naming the file and line, and loses nothing else.
+- ``make_dirs``: the folders these go in, each new one's parent fsynced once it is created.
+
+A new entry (a file, a folder, a renamed one) is on disk only once its parent folder is fsynced:
+fsyncing the entry itself is not enough. So every entry these functions create has its parent
+fsynced before anything is written durably below it, from the run folder down.
 
 ``crash_point`` is the fault injection the crash tests use: with ``PARABLOCK_CRASH_AT=<stage>@<round>``
 in its environment the server SIGKILLs itself there (stages: ``step-log``, ``checkpoint``,
@@ -38,11 +43,31 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def make_dirs(path: Path, mode: int = 0o777) -> Path:
+    """``mkdir -p`` that makes each folder it creates durable: created top-down, each one's parent
+    fsynced right after (``mode``, less the umask, for each)."""
+    path = Path(path)
+    missing = []
+    for folder in (path, *path.parents):
+        if folder.is_dir():
+            break
+        missing.append(folder)
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder, mode)
+        except FileExistsError:
+            if folder.is_dir():  # another thread made it: it fsyncs the parent
+                continue
+            raise  # a file stands where the folder goes
+        fsync_path(folder.parent)
+    return path
+
+
 def replace_file(path: Path, write: Callable[[Path], None] | bytes | str) -> Path:
     """Write ``path`` atomically and durably: ``write(tmp)`` (or the bytes/text given) fills a
     temporary file beside it, which is fsynced, renamed over ``path``, and the folder fsynced."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(path.parent)
     tmp = path.with_name(path.name + ".tmp")
     if isinstance(write, (bytes, str)):
         data = write.encode() if isinstance(write, str) else write
@@ -73,7 +98,10 @@ def append_line(path: Path, record: dict, crash_stage: tuple[str, int] | None = 
     """Append one JSON line and fsync it. ``crash_stage``: the crash test's point in the middle of
     this write (half the line reaches the disk, then the process dies: a torn last line)."""
     line = (json.dumps(record, sort_keys=True) + "\n").encode()
+    new = not os.path.exists(path)
     with open(path, "ab") as f:
+        if new:  # the file's entry first: an fsynced line in a file the folder does not list is lost
+            fsync_path(Path(path).parent)
         if crash_stage is not None and crash_requested(*crash_stage):
             f.write(line[: len(line) // 2])
             f.flush()

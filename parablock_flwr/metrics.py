@@ -15,10 +15,13 @@ import math
 import threading
 from pathlib import Path
 
-from .durable import append_line, read_jsonl
+from .durable import append_line, make_dirs, read_jsonl
+
+# The run's last line lists every evaluated round's held-out loss, up to this many (then first, last and a count).
+SUMMARY_ROUNDS = 12
 
 # Keys whose value has one entry per node: kept out of the main record (``nodes.jsonl``).
-PER_NODE_KEYS = ("client_weights", "timeline", "rejected", "heldout_nodes")
+PER_NODE_KEYS = ("client_weights", "timeline", "rejected", "heldout_nodes", "served_by")
 
 
 class RunRecorder:
@@ -27,7 +30,7 @@ class RunRecorder:
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.nodes_path = Path(run_dir) / "nodes.jsonl"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.path.parent)
         self._lock = threading.Lock()  # the round loop and the server's evaluator both append
 
     def write(self, record: dict, crash_stage: tuple[str, int] | None = None) -> None:
@@ -67,13 +70,13 @@ def _mb(n: float) -> str:
 
 def round_line(rec: dict, num_rounds: int) -> str:
     """The one human line per round."""
-    accuracy = _accuracy(rec)
+    held_out = _heldout(rec) + _accuracy(rec)
     if rec["round"] == 0:
-        return f"round 0/{num_rounds} heldout_loss {_fmt(rec.get('heldout_loss'))}{accuracy}"
+        return f"round 0/{num_rounds}{held_out}"
     eta = rec.get("eta_s")
     return (
         f"round {rec['round']}/{num_rounds} block {rec['block']} ({rec['block_label']}) "
-        f"train_loss {_fmt(rec['train_loss'])} heldout_loss {_fmt(rec.get('heldout_loss'))}{accuracy} "
+        f"train_loss {_fmt(rec['train_loss'])}{held_out} "
         f"up {_mb(rec['bytes_up_per_client'])} down {_mb(rec['bytes_down_per_client'])} per client "
         f"compute {rec['compute_s_max']:.1f}s modeled_round {rec['modeled_round_s']:.1f}s "
         f"(sequential {rec['modeled_round_s_sequential']:.1f}s, overlapped {rec['modeled_round_s_overlapped']:.1f}s) "
@@ -87,7 +90,13 @@ def run_summary(records: list[dict]) -> str:
     parts = []
     for key, fmt in (("heldout_loss", "{:.4f}"), ("task_accuracy", "{:.3f}")):
         measured = [r for r in records if r.get(key) is not None]
-        if len(measured) >= 2:
+        if key == "heldout_loss" and len(measured) >= 2:  # every evaluated round's, the middle elided past a few
+            shown = [f"{fmt.format(r[key])} (round {r['round']})" for r in measured]
+            if len(shown) > SUMMARY_ROUNDS:
+                elided = f"... {len(shown) - SUMMARY_ROUNDS + 1} more rounds in metrics.jsonl ..."
+                shown = [*shown[: SUMMARY_ROUNDS // 2], elided, *shown[-(SUMMARY_ROUNDS // 2 - 1) :]]
+            parts.append(f"{key} {' -> '.join(shown)}")
+        elif len(measured) >= 2:
             first, last = measured[0], measured[-1]
             before, after = fmt.format(first[key]), fmt.format(last[key])
             parts.append(f"{key} {before} (round {first['round']}) -> {after} (round {last['round']})")
@@ -98,10 +107,21 @@ def run_summary(records: list[dict]) -> str:
     if rejected := sum(r.get("num_rejected", 0) for r in records):
         parts.append(f"{rejected} replies rejected")
     if skipped := sum(r.get("evaluation_skipped", 0) for r in records):
-        parts.append(f"{skipped} scheduled evaluations skipped (the server's evaluator fell behind)")
+        parts.append(f"{skipped} scheduled evaluations skipped (the evaluator was more than eval-max-lag behind)")
     if dropped := max((r.get("dropped_examples", 0) for r in records), default=0):
         parts.append(f"up to {dropped} data rows dropped, cut before their answer by max-seq-len")
+    if malformed := max((r.get("malformed_examples", 0) for r in records), default=0):
+        parts.append(f"up to {malformed} malformed data rows skipped (each site's log names the first one's row)")
     return "; ".join(parts)
+
+
+def _heldout(rec: dict) -> str:
+    """`` heldout_loss 0.1942`` where the round was evaluated, `` heldout_loss skipped`` where its due
+    evaluation was skipped (``eval-max-lag``), else nothing: a round's line never says ``nan`` for a
+    loss nobody measured."""
+    if rec.get("heldout_loss") is not None:
+        return f" heldout_loss {_fmt(rec['heldout_loss'])}"
+    return " heldout_loss skipped" if rec.get("evaluation_skipped") else ""
 
 
 def _accuracy(rec: dict) -> str:

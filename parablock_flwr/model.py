@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from . import core
 from .config import PROMPT_FORMATS
-from .durable import replace_folder
+from .durable import make_dirs, replace_folder
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ def save_model(model: nn.Module, tokenizer, folder: Path) -> None:
     so ``checkpoints/`` does not fill with partial copies of the model.
     """
     folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(folder.parent)
     tmp = folder.with_name(f".{folder.name}.tmp")
     if tmp.exists():
         shutil.rmtree(tmp)

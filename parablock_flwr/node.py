@@ -84,6 +84,7 @@ class NodeResources:
     # Source rows ``max-seq-len`` cut before their answer, dropped (data.Split): the node's own data's,
     # or (a partition of the run's dataset) the whole dataset's, the same on every such node.
     dropped_for_length: int = 0
+    malformed_rows: int = 0  # its data's rows skipped as malformed (data.Malformed), counted like the above
 
     def rows(self, cfg: RunConfig, partition_id: int, num_partitions: int) -> datasets.Dataset:
         """The rows this node trains on: its own data, or its partition of the run's dataset."""
@@ -106,6 +107,8 @@ def resources(cfg: RunConfig, run_id: int, settings: NodeSettings | None = None)
     without one) the first ``heldout-examples`` rows of its own data."""
     global _RESOURCES
     settings = settings or NodeSettings()
+    if (refused := settings.refusal(cfg.model, cfg.dataset)) is not None:
+        raise Refused(refused)  # the node config's allow-lists: nothing loaded, nothing changed
     key = (run_id, cfg, settings)
     if _RESOURCES is None or _RESOURCES.key != key:
         _RESOURCES = None  # free the previous run's model before loading the next
@@ -139,6 +142,7 @@ def resources(cfg: RunConfig, run_id: int, settings: NodeSettings | None = None)
             tokenizer,
             settings,
             split.dropped_for_length,
+            split.malformed,
         )
     return _RESOURCES
 
@@ -377,6 +381,7 @@ class Node:
                 **update_metrics(result, req.server_round, req.block, req.partition_id, base_version),
                 "own-data": int(res.settings.local),
                 "dropped-examples": res.dropped_for_length,  # its data's rows max-seq-len cut before their answer
+                "malformed-examples": res.malformed_rows,  # rows skipped as malformed (counted, never quoted)
                 "oom-retries": result.oom_retries,
                 "compute-start": result.started,
                 "compute-end": result.ended,

@@ -5,17 +5,27 @@ such a node trains on its own rows only and never reads the run config's ``datas
 aggregation weight is its own example count. A node without ``dataset`` trains on its
 ``partition-id`` share of the run config's dataset, as in simulation. Both kinds may serve one run.
 ``device="cuda:1"`` puts the node's model on that device (default: the worker's ``--device``,
-else ``cuda`` when there is one, else ``cpu``). ``state-dir="/var/lib/parablock/site-a"`` is where the
-node worker keeps its error-feedback residuals durably (default: ``SOCKET.state`` beside its socket).
+else ``cuda`` when there is one, else ``cpu``). ``state-dir="/var/lib/parablock/site-a"`` confirms where the
+node worker keeps its error-feedback residuals (the worker's own ``--state-dir``, else ``SOCKET.state``):
+the worker refuses a message naming another, since no peer chooses where it writes.
+
+``allow-models`` and ``allow-data`` (each a list separated by spaces) bound what a run config may make
+the node load: its ``model`` and, for a node without its own ``dataset``, its ``dataset``. An entry is
+a value as the run config writes it (``/models/llama-8b``, ``meta-llama/Llama-3.1-8B-Instruct``,
+``alpaca:/srv/site0/train.jsonl``, ``reasoning-gym:syllogism``), or a folder ending in ``/``
+(``/models/``, ``alpaca:/srv/site0/``) that allows every path under it once symlinks and ``..`` are
+resolved. When set, any other value is refused in one line naming it and the list, before anything
+is loaded. The node's own data (``dataset``, ``heldout-dataset``) must be in ``allow-data`` too.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 DATASET_KINDS = ("reasoning-gym", "alpaca", "mathinstruct", "messages")
-NODE_SETTINGS_KEYS = ("dataset", "heldout-dataset", "device", "state-dir")
+NODE_SETTINGS_KEYS = ("dataset", "heldout-dataset", "device", "state-dir", "allow-models", "allow-data")
 # An error reply whose reason starts with this says the node's model state is intact (a refused message,
 # out of memory, a data error): the server keeps that node's sync state (``node.StateIntact``).
 STATE_INTACT = "state-intact: "
@@ -29,6 +39,8 @@ class NodeSettings:
     heldout_dataset: str = ""  # its own held-out split for ``evaluation = "clients"``
     device: str = ""  # cpu, cuda, cuda:N
     state_dir: str = ""  # where the node worker keeps what must outlive it (default: beside its socket)
+    allow_models: str = ""  # the models a run config may name here (space-separated; empty: any)
+    allow_data: str = ""  # the datasets this node may load (space-separated; empty: any)
 
     @property
     def local(self) -> bool:
@@ -45,6 +57,40 @@ class NodeSettings:
 
     def as_header(self) -> dict[str, str]:
         return {key: getattr(self, key.replace("-", "_")) for key in NODE_SETTINGS_KEYS}
+
+    def refusal(self, model: str, dataset: str) -> str | None:
+        """Why this node must not load the run config's ``model`` and ``dataset`` (None: allowed). The
+        node's own data replaces the run's ``dataset``; its own held-out file is checked as well."""
+        data = [self.dataset] if self.local else [dataset]
+        data += [self.heldout_dataset] if self.heldout_dataset else []
+        checks = [("allow-models", self.allow_models, "model", model)]
+        checks += [("allow-data", self.allow_data, "dataset", value) for value in data]
+        for key, allow_list, what, value in checks:
+            entries = allow_list.split()
+            if entries and not any(allows(entry, value) for entry in entries):
+                return f"{what}={value!r} refused: this node's {key} is {' '.join(entries)!r}"
+        return None
+
+
+def allows(entry: str, value: str) -> bool:
+    """``value`` is ``entry``, or the folder ``entry`` (ending in ``/``) or a path under it (a dataset's kind, if
+    the entry names one, must match), compared once symlinks and ``..`` are resolved."""
+    if value == entry:
+        return True
+    if not entry.endswith("/"):
+        return False
+    kind, folder = _kind_and_path(entry)
+    value_kind, path = _kind_and_path(value)
+    if kind and kind != value_kind or not path.startswith("/"):
+        return False
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
+
+
+def _kind_and_path(value: str) -> tuple[str, str]:
+    """``("alpaca", "/srv/a.jsonl")`` for ``alpaca:/srv/a.jsonl``; ``("", value)`` for a bare path or id."""
+    kind, colon, rest = value.partition(":")
+    return (kind, rest) if colon and kind in DATASET_KINDS else ("", value)
 
 
 def node_settings_problem(node_config: Mapping[str, object]) -> str | None:

@@ -7,26 +7,37 @@ its checkpoint. The residuals do: the server never sees them, yet round R+1 send
 ``round(Δ + e)``, so a resume that starts them empty diverges from the uninterrupted run.
 
 ``ResidualStore`` is a folder per node (simulation: ``RUN_DIR/node-state/partition-P``; deployment: the
-node config's ``state-dir``, else ``SOCKET.state``, then ``partition-P``). Each round that rounds an
+worker's ``--state-dir``, else ``SOCKET.state``, then ``partition-P``). Each round that rounds an
 update writes the new residual of its block as ``r{round}-b{block}.safetensors`` (fsync of the file,
 rename, fsync of the folder); a full sync writes ``r{round}-reset``. The residuals *as of* round R are,
 per block, the newest file at or before R and after the newest reset at or before R: a node that already
 answered R+1 (or R+2) when the server died still resumes from R's. A few rounds back are kept, plus
 each block's newest older file: the folder holds at most ``blocks + KEEP_ROUNDS`` files.
+
+``PendingStore`` keeps a virtual node's pending update in the same folder between its rounds, in the
+simulation only: one Ray actor serves many virtual nodes, and an update held in memory for each of them
+(``context.state``, which Flower keeps in its own process for every node) makes the run's memory grow
+with the number of clients. On disk it is one file per node, ``pending.safetensors``, in the dtype it
+travelled in (int8 and its scales: a quarter of fp32), read back bit for bit by whichever actor serves
+the node next.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.numpy import save_file as save_arrays
 from safetensors.torch import load_file, save_file
 
 from .core import PendingUpdate, Tensors
-from .durable import fsync_path
+from .durable import fsync_path, make_dirs, replace_file
+from .wire import pack_pieces, round_and_pack, unpack
 
 KEEP_ROUNDS = 4  # a checkpoint is at most 2 rounds behind what a node answered: room to spare
 _FILE = re.compile(r"r(\d+)-(b(\d+)\.safetensors|reset)$")
@@ -58,7 +69,7 @@ class ResidualStore:
         return sorted(out, key=lambda e: (e[0], -1 if e[1] is None else e[1]))
 
     def _write(self, name: str, tensors: Tensors | None) -> None:
-        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # the node's own, as its socket
+        make_dirs(self.dir, 0o700)  # the node's own, as its socket; each new folder's parent fsynced
         final, tmp = self.dir / name, self.dir / f".{name}.tmp"
         if tensors is None:
             tmp.write_bytes(b"")
@@ -79,8 +90,9 @@ class ResidualStore:
         self._write(f"r{server_round:05d}-reset", None)
         self._prune(server_round)
 
-    def as_of(self, server_round: int) -> dict[int, Tensors]:
-        """Each block's residual as it was after round ``server_round``."""
+    def as_of(self, server_round: int, only: int | None = None) -> dict[int, Tensors]:
+        """Each block's residual as it was after round ``server_round`` (``only``: that block's alone,
+        the others not read)."""
         newest: dict[int, Path] = {}
         for rnd, block, path in self._entries():
             if rnd > server_round:
@@ -89,7 +101,7 @@ class ResidualStore:
                 newest.clear()
             else:
                 newest[block] = path
-        return {block: load_file(str(path)) for block, path in newest.items()}
+        return {block: load_file(str(path)) for block, path in newest.items() if only in (None, block)}
 
     def restart_at(self, server_round: int, residuals: dict[int, Tensors]) -> None:
         """This store now holds exactly ``residuals`` as of round ``server_round`` (a resumed run's start)."""
@@ -99,13 +111,23 @@ class ResidualStore:
             self.save(server_round, block, residual)
 
     def clear(self) -> None:
-        if self.dir.is_dir():
-            shutil.rmtree(self.dir)
+        """Remove this store's own files (and a write's leftover temporary), never the folder nor anything
+        else in it: whatever a path names, the node removes nothing it did not write."""
+        if not self.dir.is_dir():
+            return
+        for path in self.dir.iterdir():
+            name = path.name.removeprefix(".").removesuffix(".tmp")
+            if _FILE.match(name) and path.is_file() and not path.is_symlink():
+                path.unlink()
+        fsync_path(self.dir)
 
     def begin(self, run_id: int) -> None:
         """Mark this store as run ``run_id``'s (durably): a node restarted later in the same run goes on
-        from its newest residuals instead of starting the run again."""
+        from its newest residuals instead of starting the run again. An earlier run's mark is removed."""
         self._write(f"run-{run_id}", None)
+        for path in self.dir.glob("run-*"):
+            if path.name != f"run-{run_id}" and path.is_file() and not path.is_symlink():
+                path.unlink()
 
     def begun(self, run_id: int) -> bool:
         """Whether run ``run_id`` has already started on this store (this node is a restarted process)."""
@@ -124,3 +146,38 @@ class ResidualStore:
         for _, _, path in old:
             if path not in keep.values():
                 path.unlink(missing_ok=True)
+
+
+class PendingStore:
+    """A virtual node's pending update between its rounds, durably in one file (see the module's docstring)."""
+
+    NAME = "pending.safetensors"
+
+    def __init__(self, folder: Path | str):
+        self.path = Path(folder) / self.NAME
+
+    def save(self, pending: PendingUpdate | None, transfer_dtype: str) -> None:
+        """Keep ``pending`` (None: remove it), in ``transfer_dtype`` where that holds its values exactly (a
+        sent update: ParaBlock keeps what it sent), else in fp32 (the ``correction = "none"`` ablation's
+        offset, a sum of several)."""
+        if pending is None:
+            if self.path.exists():
+                self.path.unlink()
+                fsync_path(self.path.parent)
+            return
+        rounded, pieces = round_and_pack(pending.delta, transfer_dtype)
+        if any(not torch.equal(rounded[n], t) for n, t in pending.delta.items()):
+            pieces = pack_pieces(pending.delta, "fp32")
+        arrays = {name: np.concatenate(parts) for name, parts in pieces.items()}
+        meta = {"block": str(pending.block), "base-version": str(pending.base_version)}
+        make_dirs(self.path.parent, 0o700)  # the node's own; each new folder's parent fsynced
+        replace_file(self.path, lambda tmp: save_arrays(arrays, str(tmp), metadata=meta))
+
+    def load(self) -> PendingUpdate | None:
+        """The pending update last saved, as fp32 tensors (None: none kept)."""
+        if not self.path.exists():
+            return None
+        with safe_open(str(self.path), framework="numpy") as f:
+            meta = f.metadata()
+            arrays = {name: f.get_tensor(name) for name in f.keys()}
+        return PendingUpdate(int(meta["block"]), int(meta["base-version"]), unpack(arrays))

@@ -33,6 +33,7 @@ import torch
 
 from . import core
 from .config import RunConfig
+from .strategies.update_spill import IN_MEMORY
 
 GIB = 2**30
 RUNTIME_BYTES = 560 * 2**20  # Python with torch, transformers and datasets imported (measured: 490-600 MiB)
@@ -165,7 +166,10 @@ def server_terms(cfg: RunConfig, shape: ModelShape, num_nodes: int) -> dict[str,
     terms = {
         "runtime": SERVER_RUNTIME_BYTES,
         "model_fp32": shape.parameters * 4,
-        "replies_and_step": largest * 4 * (num_nodes + 2),  # every reply, their mean, the step
+        # The updates a round holds as they came (update_spill.IN_MEMORY; the rest spilled), one decoded
+        # at a time, their mean, the step.
+        "replies_and_step": min(num_nodes, IN_MEMORY) * round(largest * transfer_bytes_per_value(cfg.transfer_dtype))
+        + largest * 4 * 3,
         # A round with a full sync (a resumed run's first round, a node back after missing more steps
         # than there are blocks): one copy of every trainable tensor, shared by its messages, until
         # the round's step.
@@ -196,6 +200,13 @@ def disk_terms(cfg: RunConfig, shape: ModelShape, num_nodes: int) -> dict[str, i
         terms["step_log"] = min(terms["step_log"], 3 * shape.trainable * 4 + 2 * cfg.snapshot_every * step)
     if cfg.algorithm == "parablock":  # its server half stages them (Run.stage_pending)
         terms["pending_updates"] = 2 * num_nodes * step
+    # A round's accepted updates wait for their sum as they came (strategies/update_spill.py).
+    sent = round(max(shape.blocks) * transfer_bytes_per_value(cfg.transfer_dtype))
+    terms["round_spill"] = max(0, num_nodes - IN_MEMORY) * sent
+    # Simulation: each virtual node's state under RUN_DIR/node-state (deployment: on the node's own disk):
+    # its pending update as sent, and (a rounding transfer-dtype) the fp32 residual of each block it trained.
+    residuals = min(cfg.num_server_rounds, len(shape.blocks)) * step if cfg.transfer_dtype != "fp32" else 0
+    terms["node_state_simulation"] = num_nodes * ((sent if cfg.algorithm == "parablock" else 0) + residuals)
     return terms
 
 

@@ -78,17 +78,21 @@ class StepLog:
     def has(self, version: int) -> bool:
         return (self.dir / f"v{version:05d}.safetensors").exists()
 
-    def prune(self) -> None:
-        """Keep the two latest snapshots and the steps after the older one; drop the rest."""
+    def prune(self, keep_after: int | None = None) -> bool:
+        """Keep the two latest snapshots and the steps after the older one; drop the rest, except the
+        steps after ``keep_after`` (the server's evaluator, behind, still reads them). Returns whether
+        everything the snapshots made redundant is gone (False: a later prune has more to drop)."""
         snapshots = self.snapshots()
         if len(snapshots) < 2:
-            return  # x^0 (the model itself) plus every step is still the only way back to early versions
+            return True  # x^0 (the model itself) plus every step is still the only way back to early versions
         oldest_kept = snapshots[-2]
+        drop_to = oldest_kept if keep_after is None else min(oldest_kept, keep_after)
         for version in snapshots[:-2]:
             (self.dir / f"snapshot-v{version:05d}.safetensors").unlink(missing_ok=True)
         for version in self.steps():
-            if version <= oldest_kept:
+            if version <= drop_to:
                 (self.dir / f"v{version:05d}.safetensors").unlink(missing_ok=True)
+        return drop_to == oldest_kept
 
     def rebase_if_pruned(self, replica: ModelReplica, needed: int) -> None:
         """Move a replica that is behind the pruned log (it needs steps no longer there) onto the

@@ -40,9 +40,10 @@ REJECT_ENV = "PARABLOCK_TEST_REJECT"
 Answer = Callable[[int, Message], RecordDict | Error | Message | None]
 
 
-def client_app_answer(run_config: dict, num_nodes: int) -> Answer:
+def client_app_answer(run_config: dict, num_nodes: int, node_configs: list[dict] | None = None) -> Answer:
     """The project's ClientApp (the simulation's inline path), one node's message at a time as one
-    Ray actor would serve them, each node with its own Context (partition, ``context.state``)."""
+    Ray actor would serve them, each node with its own Context (partition, ``context.state``, and
+    ``node_configs[i]``'s keys: a site's own ``dataset``)."""
     from flwr.app import Context
 
     from parablock_flwr.client_apps.app import app
@@ -51,7 +52,7 @@ def client_app_answer(run_config: dict, num_nodes: int) -> Answer:
         Context(
             run_id=1,
             node_id=i,
-            node_config={"partition-id": i, "num-partitions": num_nodes},
+            node_config={"partition-id": i, "num-partitions": num_nodes, **(node_configs or [{}] * num_nodes)[i]},
             state=RecordDict(),
             run_config=dict(run_config),
         )  # fmt: skip
@@ -115,7 +116,7 @@ class InMemoryFederation:
             time.sleep(0.01)
 
 
-def run_server_app(run_config: dict, num_nodes: int) -> None:
+def run_server_app(run_config: dict, num_nodes: int, node_configs: list[dict] | None = None) -> None:
     """The project's ServerApp (``server_apps.app.app``, as Flower calls it) over this federation,
     each node answering with the project's ClientApp: the simulation's code paths, one process."""
     from flwr.app import Context
@@ -123,7 +124,7 @@ def run_server_app(run_config: dict, num_nodes: int) -> None:
     from parablock_flwr.server_apps.app import app
 
     context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=dict(run_config))
-    with InMemoryFederation(num_nodes, rejecting(client_app_answer(run_config, num_nodes))) as federation:
+    with InMemoryFederation(num_nodes, rejecting(client_app_answer(run_config, num_nodes, node_configs))) as federation:
         app(federation.grid, context)
 
 
@@ -146,4 +147,5 @@ def rejecting(answer: Answer) -> Answer:
 
 
 if __name__ == "__main__":
-    run_server_app(json.loads(open(sys.argv[1]).read()), int(sys.argv[2]))
+    configs = json.loads(sys.argv[3]) if len(sys.argv) > 3 else None  # each node's own node-config keys
+    run_server_app(json.loads(open(sys.argv[1]).read()), int(sys.argv[2]), configs)

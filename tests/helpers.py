@@ -133,14 +133,23 @@ def finished(result, out: Path) -> FinishedRun:
 
 @starts_flower
 def simulate_in_process(
-    tmp_path: Path, model_dir: Path, *, num_supernodes: int = 3, crash_at: str = "", reject: str = "", **overrides
+    tmp_path: Path,
+    model_dir: Path,
+    *,
+    num_supernodes: int = 3,
+    crash_at: str = "",
+    node_configs: list[dict] | None = None,
+    reject: str = "",
+    **overrides,
 ) -> FinishedRun:
     """The ServerApp and ``num_supernodes`` nodes running the real ClientApp in one subprocess, over
     Flower's in-memory LinkState and Grid (tests/federation.py): the simulation's code paths without
     Ray or a SuperLink, seconds of start-up instead of a minute. ``crash_at`` (``stage@round``,
     ``durable.crash_point``): the process SIGKILLs itself there, server and nodes together, as if
-    their machine had died (returncode -9, no status record). ``reject`` (``node@round``): that node's
-    reply of that round is made one the server rejects (tests/federation.py, ``rejecting``)."""
+    their machine had died (returncode -9, no status record). ``node_configs``: each node's own
+    node-config keys (a site's ``dataset``). ``reject``
+    (``node@round``): that node's reply of that round is made one the server rejects (tests/federation.py,
+    ``rejecting``)."""
     out = tmp_path / "out"
     config = tiny_config(model_dir, out, **{k.replace("_", "-"): v for k, v in overrides.items()})
     tmp_path.mkdir(parents=True, exist_ok=True)
@@ -149,7 +158,8 @@ def simulate_in_process(
     env |= ({CRASH_ENV: crash_at} if crash_at else {}) | ({"PARABLOCK_TEST_REJECT": reject} if reject else {})
     script = Path(__file__).with_name("federation.py")
     proc = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "run-config.json"), str(num_supernodes)],
+        [sys.executable, str(script), str(tmp_path / "run-config.json"), str(num_supernodes)]
+        + ([json.dumps(node_configs)] if node_configs else []),
         env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     run_dirs = sorted(p for p in out.glob("*") if p.is_dir()) if out.exists() else []

@@ -1,5 +1,5 @@
 """The convergence study's arithmetic (benchmarks/convergence.py): curves, spreads over seeds, and
-the claims it writes into docs/benchmarks.md, on records shaped like a run's metrics.jsonl."""
+the claims it writes into docs/results/convergence.md, on records shaped like a run's metrics.jsonl."""
 
 import pytest
 
@@ -45,11 +45,12 @@ def test_the_summary_and_the_claims_follow_the_runs(study):
 
 
 def test_the_section_writer_replaces_its_own_section_in_place(tmp_path):
-    """benchmarks/common.py's one writer: a section (dated or not) is replaced where it stands, the
-    others stay byte for byte, a new one is appended; a heading that merely starts alike is not ours."""
+    """benchmarks/common.py's writer of a results file of several sections: a section (dated or not) is
+    replaced where it stands, the others stay byte for byte, a new one is appended; a heading that merely
+    starts alike is not ours."""
     from benchmarks.common import replace_doc_section
 
-    doc = tmp_path / "benchmarks.md"
+    doc = tmp_path / "results.md"
     before = "# Benchmarks\n\nIntro.\n\n## A (2026-11-29)\n\nold A\n\n## A, hidden 256\n\nother\n\n## B\n\nold B\n"
     doc.write_text(before)
     replace_doc_section("## A", "new A\n", dated=True, doc=doc)
@@ -59,3 +60,22 @@ def test_the_section_writer_replaces_its_own_section_in_place(tmp_path):
     replace_doc_section("## B", "new B", doc=doc)
     replace_doc_section("## C", "c", doc=doc)
     assert doc.read_text().endswith("## B\n\nnew B\n\n## C\n\nc\n")
+
+
+def test_a_results_file_is_written_whole_with_the_command_that_writes_it(tmp_path, monkeypatch):
+    """``write_report``: docs/results/<name>.md is the benchmark's alone: its title, the command
+    that reproduces it, the commit and machine, the docstring's first paragraph, the report; a rerun
+    replaces all of it."""
+    from benchmarks import common
+
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path / "results")
+    monkeypatch.setattr(common.sys, "argv", ["overlap.py", "--rates", "65"])
+    path = common.write_report("overlap", "Overlap", "| a |\n|---|\n| 1 |", doc="Measures X.\n\nDetails.")
+    text = path.read_text()
+    assert path == tmp_path / "results" / "overlap.md"
+    assert text.startswith("# Overlap\n\nWritten by `python -m benchmarks.overlap --rates 65` (rerun it")
+    assert "\nCommit: " in text and "\nMachine: " in text and "Measures X.\n\n| a |" in text
+    assert "Details." not in text and text.endswith("| 1 |\n")
+    common.write_report("overlap", "Overlap", "| b |", how="python -m benchmarks.overlap --fast")
+    text = path.read_text()
+    assert "| a |" not in text and "`python -m benchmarks.overlap --fast`" in text and text.endswith("| b |\n")

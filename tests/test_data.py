@@ -132,10 +132,33 @@ def test_the_run_summary_puts_the_task_accuracy_beside_a_constant_answer():
         },
     ]
     assert run_summary(records) == (
-        "heldout_loss 1.9000 (round 0) -> 0.2000 (round 2); "
+        "heldout_loss 1.9000 (round 0) -> 0.5000 (round 1) -> 0.2000 (round 2); "
         "task_accuracy 0.062 (round 0) -> 0.625 (round 2) (always the most common answer: 0.750)"
     )
     assert round_line(records[0], 2) == "round 0/2 heldout_loss 1.9000 task_accuracy 0.062 (4/64)"
+
+
+def test_a_rounds_line_never_says_nan_and_the_last_line_carries_every_evaluated_round():
+    """A round not due for evaluation has no held-out number on its line (before: ``heldout_loss nan``), a
+    due one skipped under ``eval-max-lag`` says so; the run's last line lists every evaluated round's
+    held-out loss (past 12, the first six and last five with a count of the rest)."""
+    from parablock_flwr.metrics import round_line, run_summary
+
+    training = {"block": 1, "block_label": "layers 0-1", "train_loss": 1.0, "bytes_up_per_client": 1e6,
+                "bytes_down_per_client": 1e6, "compute_s_max": 1.0, "modeled_round_s": 1.0,
+                "modeled_round_s_sequential": 1.0, "modeled_round_s_overlapped": 1.0, "num_accepted": 2,
+                "num_replies": 2, "elapsed_s": 3.0}  # fmt: skip
+    assert "heldout" not in round_line({"round": 1, **training}, 3)
+    assert "nan" not in round_line({"round": 1, **training}, 3)
+    assert " heldout_loss skipped " in round_line({"round": 2, **training, "evaluation_skipped": 1}, 3)
+    assert " heldout_loss 0.5000 " in round_line({"round": 3, **training, "heldout_loss": 0.5}, 3)
+    assert round_line({"round": 0}, 3) == "round 0/3"
+    summary = run_summary([{"round": r, "heldout_loss": 2.0 - r / 100} for r in range(4)])
+    assert summary == "heldout_loss 2.0000 (round 0) -> 1.9900 (round 1) -> 1.9800 (round 2) -> 1.9700 (round 3)"
+    summary = run_summary([{"round": r, "heldout_loss": 2.0 - r / 100} for r in range(20)])
+    assert summary.startswith("heldout_loss 2.0000 (round 0) -> 1.9900 (round 1) -> ")
+    assert " -> 1.9500 (round 5) -> ... 9 more rounds in metrics.jsonl ... -> 1.8500 (round 15) -> " in summary
+    assert summary.endswith(" -> 1.8100 (round 19)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,7 +241,8 @@ def test_messages_rows_train_on_every_assistant_turn(tmp_path, tiny_model_dir):
         assert "You answer in one word." in tokenizer.decode(cat["input_ids"])  # the system turn is in the prompt
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"messages": [{"role": "human", "content": "hi"}]}) + "\n")
-    with pytest.raises(ValueError, match=r"expected a list of \{\"role\": system \| user \| assistant"):
+    with pytest.raises(ValueError, match=r"no usable row \(1 malformed; the first is row 1 \(messages\): expected "
+                       r"messages: a list of \{\"role\": system \| user \| assistant"):  # fmt: skip
         load_examples(f"messages:{bad}", None, seed=0)
 
 

@@ -1,11 +1,16 @@
 """Documentation whose code runs: every ```python block in README.md and docs/*.md either is an
 excerpt of a tested source file, marked on the line just before it with ``<!-- from: PATH -->``
 (each non-blank line of the block is a line of that file, in order, whitespace inside a line aside;
-the file is a module the tests import), or runs as it is (exec in a fresh namespace). Shell blocks are not checked."""
+the file is a module the tests import), or runs as it is (exec in a fresh namespace). docs/deploy-8b.md's bash
+blocks: each is run on loopback (tests/test_deploy_recipe.py) or needs what this machine lacks (below).
+The results page's commands name benchmarks whose ``--help`` runs, and its links, and those of the files
+under docs/results/, resolve."""
 
 from __future__ import annotations
 
+import importlib
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -72,3 +77,94 @@ def test_readme_lists_every_exit_code():
     readme = (PROJECT_DIR / "README.md").read_text()
     for kind, code in EXIT_CODES.items():
         assert f"| {code} | `{kind}` |" in readme, f"README.md's exit-code table lacks {code} ({kind})"
+
+
+RESULTS = PROJECT_DIR / "docs" / "results.md"
+BENCHMARK = re.compile(r"python -m (benchmarks(?:\.\w+)+)")
+
+
+def results_commands() -> list[str]:
+    """Every benchmark module a command on docs/results.md runs."""
+    return sorted(set(BENCHMARK.findall(RESULTS.read_text())))
+
+
+def test_the_results_page_has_commands_to_check():
+    assert len(results_commands()) >= 8  # the parser found the page's commands
+
+
+@pytest.mark.parametrize("module", results_commands())
+def test_every_results_command_names_a_benchmark_whose_help_runs(module, monkeypatch, capsys):
+    """The module exists, and ``--help`` prints its docstring's first line (what it measures) and
+    exits 0: an import and argparse, nothing measured."""
+    found = importlib.import_module(module)
+    monkeypatch.setattr(sys, "argv", [module, "--help"])
+    with pytest.raises(SystemExit) as stopped:
+        found.main()
+    assert stopped.value.code == 0, f"docs/results.md: python -m {module} --help exited {stopped.value.code}"
+    first_line = found.__doc__.strip().splitlines()[0]
+    assert first_line in capsys.readouterr().out, f"python -m {module} --help does not say what it measures"
+
+
+def test_the_results_pages_links_resolve():
+    for doc in [RESULTS, *sorted((PROJECT_DIR / "docs" / "results").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)#\s]+)", doc.read_text()):
+            if "://" not in target:
+                assert (doc.parent / target).exists(), f"{doc.relative_to(PROJECT_DIR)}: {target} does not exist"
+
+
+# ---------------------------------------------------------------- docs/deploy-8b.md's shell blocks
+RECIPE = PROJECT_DIR / "docs" / "deploy-8b.md"
+# What a loopback CPU machine lacks, by a command only such blocks hold. Every other bash block of the
+# recipe carries a ``<!-- loopback: PHASE -->`` mark and tests/test_deploy_recipe.py runs it.
+NOT_ON_LOOPBACK = {
+    "hf download": "the model hub is not reachable from this machine",
+    "git clone": "a fresh clone and install (CI runs scripts/install.sh on one)",
+    "systemctl": "systemd itself (tests/test_units.py stands in for it, running each unit's ExecStart)",
+    "split -n": "a site with two GPUs",
+    "nft ": "a firewall on the server",
+}
+
+
+def recipe_bash_blocks() -> list[tuple[int, str | None, str]]:
+    from test_deploy_recipe import bash_blocks
+
+    return bash_blocks(RECIPE)
+
+
+def test_every_recipe_block_runs_on_loopback_or_says_what_it_needs():
+    blocks = recipe_bash_blocks()
+    assert {mark for _, mark, _ in blocks} >= {"plan", "setup", "register", "run"}
+    for line, mark, body in blocks:
+        if mark is None:
+            assert any(cmd in body for cmd in NOT_ON_LOOPBACK), (
+                f"docs/deploy-8b.md:{line}: a bash block neither marked <!-- loopback: PHASE --> (run by "
+                f"tests/test_deploy_recipe.py) nor needing one of {sorted(NOT_ON_LOOPBACK)}"
+            )
+
+
+def test_the_recipe_run_config_passes_the_run_config_checks():
+    """The section 6 command's --run-config, parsed by Flower's own parser, holds only the app's keys with
+    values of their types, and passes RunConfig's checks."""
+    from flwr.common.config import parse_config_args
+
+    from parablock_flwr.config import RunConfig
+    from parablock_flwr.tools.app_config import app_config, check_overrides
+
+    (run,) = [body for _, mark, body in recipe_bash_blocks() if mark == "run"]
+    overrides = parse_config_args([re.search(r"--run-config '([^']*)'", run, re.S).group(1)])
+    check_overrides(overrides, app_config(PROJECT_DIR))
+    cfg = RunConfig.from_flower({**app_config(PROJECT_DIR), **overrides})
+    assert (cfg.weights, cfg.evaluation, cfg.min_available_nodes) == ("bf16", "clients", 3)
+
+
+def test_the_recipe_and_the_units_name_each_file_at_one_path():
+    """Each file the units read is where the recipe puts it, and the CA certificate has one path."""
+    recipe = RECIPE.read_text()
+    for unit in sorted((PROJECT_DIR / "deploy").glob("*.service")):
+        text = "\n".join(ln for ln in unit.read_text().splitlines() if not ln.startswith("#"))
+        for path in re.findall(r"/etc/parablock/[\w./%-]+", text):
+            named = {path.replace("%i", "0"), path.replace("%i", "N")}
+            assert any(p in recipe for p in named), f"{unit.name} reads {path}; docs/deploy-8b.md never names it"
+    ca_paths = set(re.findall(r"(/[\w/.-]*ca\.crt)", recipe))
+    assert ca_paths == {"/etc/parablock/ca/ca.crt"}, ca_paths
+    assert "huggingface-cli" not in recipe and "hf download" in recipe

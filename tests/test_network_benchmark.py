@@ -1,4 +1,4 @@
-"""benchmarks/network.py (and the plumbing in benchmarks/netlab.py) for real: namespaces, shaped veth
+"""benchmarks/network (and its plumbing, benchmarks/network/netlab.py) for real: namespaces, shaped veth
 links, the latency proxy, SuperLink, SuperNodes and node workers, every process stopped and every
 namespace deleted afterwards.
 
@@ -24,7 +24,7 @@ import pytest
 from parablock_flwr.tools.app_config import find_project_dir
 
 PROJECT_DIR = find_project_dir(Path(__file__).resolve().parent)  # the repository these tests are in
-SCRIPT = ["-m", "benchmarks.network"]  # run from the project folder, as docs/benchmarks.md says
+SCRIPT = ["-m", "benchmarks.network"]  # run from the project folder, as docs/results.md says
 ALGORITHMS = ["parablock", "fedbcd"]  # two runs in turn over the same links: ~3.5 min on 2 cores (all 4: ~10)
 
 
@@ -47,7 +47,7 @@ def namespaces() -> None:
     """Skip (with the reason) unless this machine can build network namespaces; probed once, lazily."""
     why_not = _namespaces_unavailable()
     if why_not is not None:
-        pytest.skip(f"benchmarks/network.py {why_not}")
+        pytest.skip(f"benchmarks.network {why_not}")
 
 
 def _namespaces(prefix: str) -> list[str]:
@@ -85,7 +85,7 @@ def _run(args: list[str], timeout_s: float) -> tuple[subprocess.Popen, str]:
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGTERM)  # the script cleans up on SIGTERM
         out, _ = proc.communicate(timeout=60)
-        pytest.fail(f"network.py did not finish within {timeout_s}s:\n{out[-4000:]}")
+        pytest.fail(f"benchmarks.network did not finish within {timeout_s}s:\n{out[-4000:]}")
     return proc, out
 
 
@@ -175,7 +175,7 @@ def test_sigterm_mid_run_stops_every_process_and_deletes_the_namespaces(tmp_path
 @pytest.mark.usefixtures("namespaces")
 def test_links_have_the_configured_rate_and_latency():
     """tbf limits each direction, the proxy delays each way: 1 MB at 8 Mbit/s ~ 1 s, RTT ~ 2 x 100 ms."""
-    from benchmarks import netlab as network
+    from benchmarks.network import netlab as network
 
     echo = (
         "import socket\ns = socket.create_server(('0.0.0.0', 9093))\nwhile True:\n    c, _ = s.accept()\n"

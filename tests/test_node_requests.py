@@ -263,7 +263,8 @@ def test_the_inline_clientapp_replies_state_intact_errors_itself(tmp_path, tiny_
     monkeypatch.setattr(node, "train_block", real)
     reply = train_inline(msg, context)
     assert not reply.has_error() and reply.content["metrics"]["own-data"] == 0
-    assert context.state["node"]["last-round"] == 1 and "pending" in context.state
+    assert context.state["node"]["last-round"] == 1 and list(context.state) == ["node"]  # the update is on disk
+    assert (tmp_path / "run" / "node-state" / "partition-0" / "pending.safetensors").is_file()
     again = train_inline(msg, context)
     assert again.has_error() and again.error.reason.startswith("state-intact: round 1 (train) refused")
 
@@ -352,6 +353,40 @@ def test_the_residual_is_written_beside_the_next_blocks_start_and_is_on_disk_bef
         worker.compute_thread.shutdown(wait=True)
     assert seen == {"thread": "residual-write", "ahead_first": True}
     assert on_disk == ["r00001-b0.safetensors"]
+
+
+def test_a_peer_never_chooses_the_workers_state_dir_and_a_store_removes_only_its_own_files(tmp_path, tiny_model_dir):
+    """``state-dir`` comes from the worker's command line (or its default beside the socket): a message
+    naming another one, whatever sent it, is refused with one line, state intact, before anything is
+    loaded or changed (before: the worker kept and cleared residuals wherever a message said, and a
+    resumed run's first message removed that folder whole). A store's ``clear`` removes its own files
+    only, never the folder nor a file it did not write."""
+    from parablock_flwr.node_state import ResidualStore
+
+    victim = tmp_path / "elsewhere" / "partition-0"
+    victim.mkdir(parents=True)
+    (victim / "notes.txt").write_text("not the worker's")
+    worker = NodeWorker(state_dir=tmp_path / "state")
+    config = tiny_config(tiny_model_dir, tmp_path / "out", **{"transfer-dtype": "bf16"})
+    header = worker_request(config, 7, 1, 0, 1, **{"resumed-after": 0})
+    header["node"] = {"state-dir": str(tmp_path / "elsewhere")}
+    reply, _ = worker.serve_request(header, {})
+    assert reply == {
+        "error": f"node config state-dir={str(tmp_path / 'elsewhere')!r} refused: this worker keeps its state in "
+        f"{tmp_path / 'state'}, set when it started (start it with --state-dir {tmp_path / 'elsewhere'})",
+        "state-intact": True,
+    }
+    assert worker.run_id is None and worker.partition_id is None  # nothing changed
+    assert (victim / "notes.txt").read_text() == "not the worker's"
+    header["node"] = {"state-dir": str(tmp_path / "state")}  # the worker's own: accepted
+    assert worker.node_settings(header).state_dir == str(tmp_path / "state")
+    worker.compute_thread.shutdown()
+
+    store = ResidualStore(victim)
+    store.save(1, 0, {"w": torch.ones(2)})
+    store.reset(2)
+    store.clear()
+    assert sorted(p.name for p in victim.iterdir()) == ["notes.txt"]
 
 
 def test_in_simulation_a_full_sync_repairs_a_lost_replica(tmp_path, tiny_model_dir, x0_of):

@@ -1,4 +1,4 @@
-"""The app held to the reference (tests/reference.py): the same global model after every round.
+"""The app held to the reference (parablock_flwr/reference.py): the same global model after every round.
 
 One run per algorithm (ParaBlock ``at-end``, sequential BCD, ParaBlock without the correction;
 without Ray, ``simulate_in_process``: the app's ServerApp and ClientApp over Flower's in-memory
@@ -18,9 +18,9 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import reference
 import torch
 
+from parablock_flwr import reference
 from parablock_flwr.config import RunConfig
 
 from helpers import simulate_in_process

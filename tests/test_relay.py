@@ -12,6 +12,7 @@ import resource
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 import tracemalloc
 from pathlib import Path
@@ -22,10 +23,40 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, Message
 from flwr.common.constant import SType
 from flwr.supercore.task_identity import TaskIdentity
 
-from benchmarks.relay import ECHO_WORKER
 from parablock_flwr.client_apps.app import relay_to_worker
 from parablock_flwr.npy import npy_header
+from parablock_flwr.versions import FRAME_KEY, PROTOCOL_VERSION
 from parablock_flwr.worker.protocol import ProtocolError, SocketReader, recv, request
+
+# A worker that echoes each array it receives as the update's array of the same name, unless the
+# request's round says "truncate": then it declares 16 bytes, sends 12 and closes.
+ECHO_WORKER = textwrap.dedent(
+    """
+    import asyncio, sys
+    from parablock_flwr.versions import PROTOCOL_VERSION
+    from parablock_flwr.worker.protocol import recv, send
+
+    async def serve(reader, writer):
+        header, arrays = await recv(reader, lambda header: (1 << 40, "the echo worker"))
+        if header["round"].get("mode") == "truncate":
+            raw = b'{"metrics": {}, "protocol-version": %d, ' % PROTOCOL_VERSION
+            raw += b'"arrays": [{"name": "w", "dtype": "float32", "shape": [4]}]}'
+            writer.write(len(raw).to_bytes(8, "big") + raw + bytes(12))
+        else:
+            echoed = {name.split("/", 1)[1]: a for name, a in arrays.items()}
+            await send(writer, {"metrics": {"received-bytes": sum(a.nbytes for a in arrays.values())}}, echoed)
+        await writer.drain()
+        writer.close()
+
+    async def main():
+        server = await asyncio.start_unix_server(serve, sys.argv[1], limit=2**26)
+        print("ready", flush=True)
+        async with server:
+            await server.serve_forever()
+
+    asyncio.run(main())
+    """
+)
 
 PAYLOAD_VALUES = 4 * 1024 * 1024  # 16 MiB of fp32: large beside everything else the relay allocates
 
@@ -107,7 +138,8 @@ def test_a_reply_declaring_more_than_it_sends_allocates_only_what_arrived():
     that sends 10 gets one line (the mapping refused, or the frame ended early), and the process's
     peak memory does not grow by what was declared: the buffer is mapped, its pages made as bytes arrive."""
     left, right = socket.socketpair()
-    header = b'{"metrics": {}, "arrays": [{"name": "w", "dtype": "int8", "shape": [562949953421312]}]}'
+    header = b'{"metrics": {}, "protocol-version": %d, ' % PROTOCOL_VERSION
+    header += b'"arrays": [{"name": "w", "dtype": "int8", "shape": [562949953421312]}]}'
     right.sendall(len(header).to_bytes(8, "big") + header + bytes(10))
     right.close()
 
@@ -154,7 +186,8 @@ def test_the_worker_reads_each_array_into_place_as_it_arrives():
     import threading
 
     values = np.random.default_rng(1).standard_normal(PAYLOAD_VALUES, dtype=np.float32)
-    header = json.dumps({"op": "train", "arrays": [{"name": "w", "dtype": "float32", "shape": [PAYLOAD_VALUES]}]})
+    header = json.dumps({"op": "train", "arrays": [{"name": "w", "dtype": "float32", "shape": [PAYLOAD_VALUES]}],
+                         FRAME_KEY: PROTOCOL_VERSION})  # fmt: skip
     left, right = socket.socketpair()
     sender = threading.Thread(target=lambda: (right.sendall(len(header).to_bytes(8, "big") + header.encode()),
                                               right.sendall(memoryview(values)), right.close()))  # fmt: skip

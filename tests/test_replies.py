@@ -195,8 +195,9 @@ def test_rows_dropped_for_length_are_counted_once_per_dataset():
 
 
 def test_a_site_with_its_own_data_keeps_the_count_of_its_first_accepted_reply():
-    """Without `max-num-examples`, a reply that says `own-data = 1` is bounded only by its own count:
-    a site's data does not change during a run, so a later reply claiming another count is rejected."""
+    """A site's data does not change during a run: a later reply of a site with its own data
+    (`own-data = 1`) claiming another count than its first accepted one is rejected (within the bound
+    every node has: `max-num-examples`, else `num-examples`)."""
     from parablock_flwr.strategies.reply_checks import Reply, check_own_count
 
     def reply(num_examples: float, own: int = 1) -> Reply:

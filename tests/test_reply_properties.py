@@ -9,7 +9,10 @@ layout that is not JSON or names a tensor twice or a wrong shape, NaN/Inf, a nor
 missing or extra tensors or arrays, int8 scales that are negative, non-finite, absurd, not a power
 of two, of the wrong dtype or length, or missing; scales with another dtype; every metric missing
 or of the wrong type, non-finite or out-of-range values, duplicated or inconsistent partition ids,
-stale rounds, wrong blocks, client errors).
+stale rounds, wrong blocks, client errors; the optional metrics malformed: negative or fractional
+counts, flags other than 0/1, stamps NaN, negative or lists, a node's evaluation without its count,
+with a count of 0 or a NaN loss, a task accuracy without its count or above 1). Valid replies carry
+any subset of the optional metrics (timeline stamps, counts, a node's evaluation).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import math
 import tempfile
 
 import numpy as np
+import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
@@ -30,7 +34,7 @@ from parablock_flwr import core
 from parablock_flwr.config import RunConfig
 from parablock_flwr.records import to_tensors
 from parablock_flwr.strategies import FedBCD, ParaBlock
-from parablock_flwr.strategies.run import Run
+from parablock_flwr.strategies.run import Run, TooFewReplies
 from parablock_flwr.wire import pack
 
 SHAPES = {"layer.0.w": (3, 4), "layer.0.b": (4,), "layer.1.w": (2, 2)}
@@ -84,7 +88,23 @@ CORRUPTIONS = (
     "trace-not-string",
     "duplicate-partition",
     "partition-of-another-node",
+    # the optional metrics (timeline stamps, counts, a node's evaluation), malformed
+    "count-negative",
+    "count-float",
+    "flag-two",
+    "stamp-nan",
+    "stamp-negative",
+    "stamp-list",
+    "evaluation-without-count",
+    "evaluation-count-zero",
+    "evaluation-loss-nan",
+    "evaluation-version-float",
+    "task-accuracy-without-count",
+    "task-accuracy-above-one",
+    "task-accuracy-without-evaluation",
 )
+COUNTS = ("steps-from-log", "truncated-examples", "dropped-examples", "malformed-examples", "oom-retries")
+STAMPS = ("compute-start", "compute-end", "request-received", "prev-reply-sent", "clientapp-start", "clientapp-reply")
 REQUIRED_METRICS = ("server-round", "block", "num-examples", "partition-id", "train-loss", "compute-s", "base-version")
 
 
@@ -237,12 +257,68 @@ def corrupt(
         m["partition-id"] = valid_partitions[0]
     elif kind == "partition-of-another-node":
         m["partition-id"] = 999  # the node is known (from an earlier accepted reply) by its own id
+    elif kind == "count-negative":
+        m[COUNTS[node % len(COUNTS)]] = -1
+    elif kind == "count-float":
+        m[COUNTS[node % len(COUNTS)]] = 1.5
+    elif kind == "flag-two":
+        m[("own-data", "clientapp-imported-torch")[node % 2]] = 2
+    elif kind in ("stamp-nan", "stamp-negative", "stamp-list"):
+        m[STAMPS[node % len(STAMPS)]] = {"stamp-nan": math.nan, "stamp-negative": -3.0, "stamp-list": [1.0]}[kind]
+    elif kind.startswith(("evaluation-", "task-accuracy-")):
+        m.update({"eval-version": ROUND - 1, "heldout-loss": 2.0, "heldout-examples": 4})
+        if kind == "evaluation-without-count":
+            del m["heldout-examples"]
+        elif kind == "evaluation-count-zero":
+            m["heldout-examples"] = 0
+        elif kind == "evaluation-loss-nan":
+            m["heldout-loss"] = math.nan
+        elif kind == "evaluation-version-float":
+            m["eval-version"] = ROUND - 1.0
+        elif kind == "task-accuracy-without-count":
+            m["task-accuracy"] = 0.5
+        elif kind == "task-accuracy-above-one":
+            m.update({"task-accuracy": 1.5, "task-examples": 2})
+        else:
+            m = {k: v for k, v in m.items() if k not in ("eval-version", "heldout-loss", "heldout-examples")}
+            m.update({"task-accuracy": 0.5, "task-examples": 2})
     return build(node, update, m, arrays)
 
 
 values = st.lists(st.floats(-1.0, 1.0, allow_nan=False, width=32), min_size=1, max_size=8)
+stamp = st.floats(0.0, 2e9)
+# Any subset of the optional metrics a reply may carry, each well-formed (a group whole or absent): the
+# server must read what is there and never need what is not.
+optional_metrics = st.fixed_dictionaries(
+    {},
+    optional={
+        **{key: st.integers(0, 50) for key in COUNTS},
+        **{key: stamp for key in STAMPS},
+        "waited-s": st.floats(0.0, 10.0),
+        "correction-after-step": st.integers(0, 4),
+        "correction-drift": st.floats(0.0, 1e-3),
+        "clientapp-handler-start": stamp,
+        "clientapp-sent": stamp,
+        "clientapp-pull-cpu-s": st.floats(0.0, 10.0),
+        "clientapp-cpu-s": st.floats(0.0, 10.0),
+        "clientapp-imported-torch": st.integers(0, 1),
+        "own-data": st.integers(0, 1),
+    },
+)
+EVALUATION = {"eval-version": st.just(ROUND - 1), "heldout-loss": st.floats(0.0, 20.0),
+              "heldout-examples": st.integers(1, 64)}  # fmt: skip
+TASK = {"task-accuracy": st.floats(0.0, 1.0), "task-examples": st.integers(0, 64)}
+evaluation_metrics = st.one_of(st.just({}), st.fixed_dictionaries(EVALUATION), st.fixed_dictionaries(EVALUATION | TASK))
 reply_specs = st.lists(
-    st.tuples(st.sampled_from((None,) + CORRUPTIONS), values, st.integers(1, MAX_EXAMPLES)), min_size=1, max_size=6
+    st.tuples(
+        st.sampled_from((None,) + CORRUPTIONS),
+        values,
+        st.integers(1, MAX_EXAMPLES),
+        optional_metrics,
+        evaluation_metrics,
+    ),  # fmt: skip
+    min_size=1,
+    max_size=6,
 )
 
 
@@ -267,16 +343,19 @@ def test_any_mix_of_replies_moves_the_model_by_the_valid_ones_alone(specs, algor
     with tempfile.TemporaryDirectory() as run_dir:
         strategy = algorithm(global_params=params, partition=PARTITION, schedule=[BLOCK, 1], config=config)
         Run(strategy, run_dir)
-        replies, valid, invalid_nodes, valid_partitions = [], [], set(), []
-        for i, (kind, vals, num_examples) in enumerate(specs):
+        replies, valid, invalid_nodes, valid_partitions, evaluated = [], [], set(), [], 0
+        for i, (kind, vals, num_examples, optional, evaluation) in enumerate(specs):
             node = 100 + i
             strategy.sync.partitions[node] = i  # each node is known by its partition id, i
             update, metrics = valid_parts(vals, i, num_examples)
+            metrics.update(optional)
             if kind is None or (kind == "duplicate-partition" and not valid_partitions):
+                metrics.update(evaluation)
                 arrays = wire(update, transfer_dtype)
                 replies.append(build(node, update, metrics, arrays))
                 valid.append((i, to_tensors(ArrayRecord(arrays)), float(num_examples)))
                 valid_partitions.append(i)
+                evaluated += evaluation.get("heldout-examples", 0)
             else:
                 replies.append(corrupt(kind, node, update, metrics, valid_partitions, transfer_dtype))
                 invalid_nodes.add(node)
@@ -295,3 +374,107 @@ def test_any_mix_of_replies_moves_the_model_by_the_valid_ones_alone(specs, algor
             core.apply_step(expected, core.round_for_transfer(core.global_step(mean, server_lr), transfer_dtype))
         for name in SHAPES:
             assert torch.equal(params[name], expected[name]), name
+        # the valid replies' evaluations of x^{r-1}, aggregated (and only theirs)
+        assert strategy.run.client_evaluations.get(ROUND - 1, {}).get("heldout_examples", 0) == evaluated
+
+
+def strategy_with(algorithm, run_dir: str, **config):
+    """A strategy over ``SHAPES`` at ``x^0`` (returned too), its run folder ``run_dir``."""
+    x0 = {n: torch.linspace(-1, 1, math.prod(s)).reshape(s) for n, s in SHAPES.items()}
+    params = {n: t.clone() for n, t in x0.items()}
+    cfg = RunConfig(max_num_examples=MAX_EXAMPLES, num_server_rounds=2, **config)
+    strategy = algorithm(global_params=params, partition=PARTITION, schedule=[BLOCK, 1], config=cfg)
+    Run(strategy, run_dir)
+    return strategy, x0
+
+
+def valid_reply(strategy, node: int, partition_id: int, values: list[float], transfer_dtype: str, **metrics):
+    strategy.sync.partitions[node] = partition_id
+    update, m = valid_parts(values, partition_id, 10)
+    return build(node, update, {**m, **metrics}, wire(update, transfer_dtype))
+
+
+@pytest.mark.parametrize("algorithm", [FedBCD, ParaBlock])
+@pytest.mark.parametrize("transfer_dtype", ["fp32", "int8"])
+def test_a_step_past_the_float_range_is_rejected_and_changes_nothing(tmp_path, algorithm, transfer_dtype):
+    """Two finite replies near fp32's largest value, times server-lr = 4: the step is infinite (fp32) or
+    has no int8 scale (int8). The aggregate is rejected with its reason, each of its replies counted and
+    its node resynchronised; ``x``, the step log, the nodes' versions and the staged pending updates stay
+    as they were. With min-accepted-replies = 0 the round goes on with a zero step; with 1 and
+    ``on-too-few-replies = "stop"`` the run stops (before: fp32 moved x to inf, int8 raised in the packing)."""
+    for min_accepted, stop in ((0, False), (1, True)):
+        strategy, x0 = strategy_with(algorithm, str(tmp_path / str(min_accepted)), server_lr=4.0,
+                                     transfer_dtype=transfer_dtype, min_accepted_replies=min_accepted,
+                                     on_too_few_replies="stop")  # fmt: skip
+        strategy.sync.versions = {100: 0, 101: 0}
+        replies = [valid_reply(strategy, 100 + i, i, [3e38, -3e38], transfer_dtype) for i in range(2)]
+        if stop:
+            with pytest.raises(TooFewReplies, match=r"0 valid replies.*the round's step"):
+                strategy.aggregate_train(ROUND, replies)
+        else:
+            strategy.aggregate_train(ROUND, replies)
+            record = strategy.last_metrics
+            assert record["num_accepted"] == 0 and len(record["rejected"]) == 2
+            assert all(r["reason"].startswith("the round's step") for r in record["rejected"]), record["rejected"]
+            (_, _, step) = strategy.run._unlogged[0]
+            assert all(torch.equal(t, torch.zeros_like(t)) for t in step.values())  # x does not move
+        strategy.run.staged()
+        for name in SHAPES:
+            assert torch.equal(strategy.global_params[name], x0[name]), name
+        assert strategy.sync.versions == {}  # both nodes resynchronised: they hold an update the server dropped
+        assert not (tmp_path / str(min_accepted) / "checkpoint" / "pending.staged").exists()
+        assert not list((tmp_path / str(min_accepted)).glob("global-steps/*"))
+
+
+def test_a_node_with_its_own_data_is_bounded_whatever_it_claims(tmp_path):
+    """``own-data = 1`` no longer lifts the bound: without ``max-num-examples``, every node's count is
+    bounded by ``num-examples`` (before: any finite count was accepted and the node dominated the mean)."""
+    strategy, _ = strategy_with(FedBCD, str(tmp_path), min_accepted_replies=0)
+    strategy.config = RunConfig(num_examples=40, num_server_rounds=2, min_accepted_replies=0)
+    huge = valid_reply(strategy, 100, 0, [0.5], "fp32", **{"own-data": 1, "num-examples": 10**9})
+    honest = valid_reply(strategy, 101, 1, [0.25], "fp32", **{"own-data": 1, "num-examples": 40})
+    strategy.aggregate_train(ROUND, [huge, honest])
+    record = strategy.last_metrics
+    assert record["num_accepted"] == 1 and [w["num_examples"] for w in record["client_weights"]] == [40]
+    (rejected,) = record["rejected"]
+    assert rejected["node"] == 100
+    assert (
+        rejected["reason"]
+        == "num-examples=1000000000, expected a number in (0, 40] (max-num-examples, else num-examples)"
+    )
+
+
+def test_a_partial_timeline_is_read_without_its_missing_stamps():
+    """A reply may carry any subset of the timeline's stamps: the critical path is computed from the
+    replies that carry every stamp it reads (before: a KeyError in the server for a missing
+    ``prev-reply-sent``)."""
+    from parablock_flwr.strategies.round_stats import critical_path_rows
+
+    previous = {
+        "last_reply": 10.0,
+        "aggregated": 11.0,
+        "arrivals": {1: 9.0, 2: 9.5},
+        "clientapp_reply": {1: 8.0, 2: 8.5},
+    }
+    partial = {"clientapp-start": 12.0, "request-received": 13.0}  # no prev-reply-sent
+    whole = {**partial, "prev-reply-sent": 7.5}
+    assert critical_path_rows({1: partial}, previous, pushed=11.5) == {}
+    rows = critical_path_rows({1: partial, 2: whole}, previous, pushed=11.5)
+    assert rows["critical_path_reply_relay_s"] == 8.5 - 7.5
+
+
+@pytest.mark.parametrize("transfer_dtype", ["fp32", "fp16"])
+def test_a_finite_step_that_would_take_x_past_the_float_range_is_rejected(tmp_path, transfer_dtype):
+    """fp32, server-lr = 1: the step is finite but ``x + g`` is not (a weight near fp32's largest value).
+    fp16, server-lr = 2: each reply is finite in fp16, the step (twice 60000) rounds to infinity in
+    fp16. Either way the aggregate is rejected and ``x`` stays as it was."""
+    fp32 = transfer_dtype == "fp32"
+    strategy, x0 = strategy_with(FedBCD, str(tmp_path), transfer_dtype=transfer_dtype, min_accepted_replies=0,
+                                 server_lr=1.0 if fp32 else 2.0)  # fmt: skip
+    if fp32:
+        strategy.global_params["layer.0.w"][0, 0] = x0["layer.0.w"][0, 0] = 3e38
+    strategy.aggregate_train(ROUND, [valid_reply(strategy, 100, 0, [3e38 if fp32 else 6e4], transfer_dtype)])
+    (rejected,) = strategy.last_metrics["rejected"]
+    assert rejected["reason"].startswith(f"the round's step is not finite in layer.0.w as {transfer_dtype}")
+    for name in SHAPES:
+        assert torch.equal(strategy.global_params[name], x0[name]), name

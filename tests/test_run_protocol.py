@@ -219,17 +219,20 @@ def test_an_error_from_a_node_whose_state_is_intact_costs_no_full_sync(tmp_path,
     assert records[3]["num_accepted"] == 2
 
 
-def test_a_node_with_its_own_data_is_bounded_by_max_num_examples_only(tmp_path, tiny_model_dir):
-    """num-examples = 40 bounds a partitioned node's count; a node with its own 64 rows (own-data = 1)
-    is not rejected for it, and is by ``max-num-examples`` when that is set lower."""
-    for max_num_examples, accepted in ((0, 2), (50, 1)):
+def test_a_node_with_its_own_data_is_bounded_like_any_other(tmp_path, tiny_model_dir):
+    """A node with its own 64 rows (own-data = 1) is bounded like a partitioned one: by ``num-examples`` = 40
+    when ``max-num-examples`` is 0 (rejected, naming both keys), by ``max-num-examples`` when it is set."""
+    for max_num_examples, accepted, bound in ((0, 1, 40), (80, 2, 80), (50, 1, 50)):
         strategy = make_strategy(tmp_path / str(max_num_examples), tiny_model_dir, 2, num_examples=40,
                                  max_num_examples=max_num_examples)  # fmt: skip
         answers = [honest_answer(strategy, num_examples=20), honest_answer(strategy, num_examples=64, own_data=1)]
         records = run(strategy, InMemoryFederation(2, lambda i, m, answers=answers: answers[i](i, m)), 2)
         assert all(r["num_accepted"] == accepted for r in records[1:]), (max_num_examples, records[1:])
         if accepted == 1:
-            assert "num-examples=64, expected a number in (0, 50]" in records[1]["rejected"][0]["reason"]
+            assert (
+                f"num-examples=64, expected a number in (0, {bound}] (max-num-examples, else num-examples)"
+                in (records[1]["rejected"][0]["reason"])
+            )
 
 
 def test_a_node_rejected_in_every_round_is_named_as_excluded(tmp_path, tiny_model_dir):
@@ -340,7 +343,7 @@ def test_a_bounded_step_log_is_pruned_only_between_rounds_never_while_a_rounds_n
 
     events = []
     real_prune, real_push = StepLog.prune, Run.push
-    monkeypatch.setattr(StepLog, "prune", lambda log: (events.append("prune"), real_prune(log))[1])
+    monkeypatch.setattr(StepLog, "prune", lambda log, *keep: (events.append("prune"), real_prune(log, *keep))[1])
     monkeypatch.setattr(
         Run, "push", lambda run, grid, messages: (events.append("push"), real_push(run, grid, messages))[1]
     )
@@ -412,14 +415,15 @@ def stalling(evaluator: ServerEvaluator, answer, seconds: float):
 
 
 def test_the_servers_evaluation_runs_beside_the_loop_and_evaluates_exactly_each_x_r(tmp_path, tiny_model_dir):
-    """An evaluator stalled for 3 s from round 1 (its process stopped; the in-process nodes answer at once) never
-    holds a round: the rounds go on while it is stopped, it then evaluates the newest round due and
-    records the older ones as skipped; round 0 and the last round are always evaluated, and the
-    run's end waits for the last. What it evaluates is exactly ``x^r``: the loss equals that of the
-    model rebuilt from the step log. Each round's evaluation part is appended after its training record."""
+    """An evaluator stalled for 3 s from round 1 (its process stopped; the in-process nodes answer at
+    once) never holds a round: the rounds go on while it is stopped; with ``eval-max-lag = 1`` it then
+    skips the rounds more than one round behind the newest handed over, recorded as skipped; round 0
+    and the last round are always evaluated, and the run's end waits for the last. What it evaluates
+    is exactly ``x^r``: the loss equals that of the model rebuilt from the step log. Each round's
+    evaluation part is appended after its training record."""
     rounds = 6
     strategy = make_strategy(tmp_path, tiny_model_dir, rounds, evaluation="server", eval_every=1,
-                             num_examples=24, heldout_examples=8, generate_examples=0,
+                             num_examples=24, heldout_examples=8, generate_examples=0, eval_max_lag=1,
                              model=str(tiny_model_dir), layers_per_block=2)  # fmt: skip
     cfg = strategy.config
     evaluator, tokenizer, heldout = evaluator_for(strategy, tiny_model_dir, tmp_path)
@@ -489,3 +493,80 @@ def test_an_evaluator_process_that_dies_fails_the_run_and_leaves_no_process(tmp_
     pid = killed[0]
     assert str(failed.value) == f"the server's evaluation failed: its process (pid {pid}) ended (killed by SIGKILL)"
     assert not Path(f"/proc/{pid}").exists(), "the evaluator process was not reaped"
+
+
+def rounds_as_aggregated(strategy: FedBCD) -> dict[int, dict]:
+    """Each round's ``x^r`` as the loop held it once the round was aggregated (a copy of every tensor)."""
+    models = {0: {n: t.detach().clone() for n, t in strategy.global_params.items()}}
+    real_aggregate = strategy.aggregate_train
+
+    def aggregate(server_round, replies):
+        result = real_aggregate(server_round, replies)
+        models[server_round] = {n: t.detach().clone() for n, t in strategy.global_params.items()}
+        return result
+
+    strategy.aggregate_train = aggregate
+    return models
+
+
+def test_by_default_every_round_is_evaluated_even_behind_a_pruned_step_log(tmp_path, tiny_model_dir, caplog):
+    """The default policy (``eval-max-lag = 0``): an evaluator stalled for 4 s, far slower than the rounds,
+    with ``snapshot-every = 2`` (the log pruned every other round): every round is still evaluated, exactly
+    ``x^r``, none skipped, no round waits for it (only the run's end does), and each round's line carries
+    its held-out loss, never ``nan``. The prune waits for the evaluator's version, and once the evaluator
+    is done the log is as bounded as without it. (Before: the evaluator skipped rounds, and found the
+    steps it needed pruned: FileNotFoundError, the run failed.)"""
+    rounds = 8
+    strategy = make_strategy(tmp_path, tiny_model_dir, rounds, evaluation="server", eval_every=1, snapshot_every=2,
+                             num_examples=24, heldout_examples=8, generate_examples=0,
+                             model=str(tiny_model_dir), layers_per_block=2)  # fmt: skip
+    cfg = strategy.config
+    models = rounds_as_aggregated(strategy)
+    evaluator, tokenizer, heldout = evaluator_for(strategy, tiny_model_dir, tmp_path)
+    Run(strategy, tmp_path, evaluator)
+    started = time.perf_counter()
+    with caplog.at_level("INFO", logger="parablock_flwr"):
+        records = run(strategy, InMemoryFederation(2, stalling(evaluator, honest_answer(strategy), 4.0)), rounds)
+    took = time.perf_counter() - started
+    assert took > 4.0, "the run ended before its queue of evaluations drained"
+    assert max(r["round_wall_s"] for r in records[1:]) < 4.0, [r["round_wall_s"] for r in records[1:]]
+    assert [r["round"] for r in records if "heldout_loss" in r] == list(range(rounds + 1))
+    assert not any(r.get("evaluation_skipped") for r in records)
+    assert max(r["evaluation_waited_s"] for r in records) > 2.0, "the evaluator never fell behind: no test"
+    model = load_model(str(tiny_model_dir))
+    params = dict(model.named_parameters())
+    for version in range(rounds + 1):
+        with torch.no_grad():
+            for name, value in models[version].items():
+                params[name].copy_(value)
+        expected, _ = evaluate(model, tokenizer, heldout, cfg, generate=False)
+        assert records[version]["heldout_loss"] == expected["heldout_loss"], version
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("round ")]
+    assert len([line for line in lines if " heldout_loss " in line]) == rounds + 1, lines
+    assert not [line for line in lines if "nan" in line], lines
+    log = strategy.run.step_log
+    assert log.snapshots() == [6, 8] and log.steps() == [7, 8]
+
+
+def test_handing_rounds_to_a_stopped_evaluator_never_blocks_the_loop(tmp_path, tiny_model_dir):
+    """The loop hands over round numbers (a queue of integers, not of models) and goes on: 2,000 rounds
+    handed to an evaluator whose process is stopped take well under a second (before: the pipe to the
+    process filled after a few hundred rounds and the loop blocked until the evaluator read them)."""
+    strategy = make_strategy(tmp_path, tiny_model_dir, 3000, evaluation="server", num_examples=12,
+                             heldout_examples=4, generate_examples=0, model=str(tiny_model_dir),
+                             layers_per_block=2)  # fmt: skip
+    evaluator, _, _ = evaluator_for(strategy, tiny_model_dir, tmp_path)
+    evaluator.begin(strategy.run)
+    os.kill(evaluator.pid, signal.SIGSTOP)
+    handed = threading.Thread(target=lambda: [evaluator.submit(r) for r in range(1, 2001)], daemon=True)
+    try:
+        started = time.perf_counter()
+        handed.start()
+        handed.join(10.0)
+        assert not handed.is_alive(), "submit blocked the loop"
+        assert time.perf_counter() - started < 1.0
+    finally:
+        os.kill(evaluator.pid, signal.SIGKILL)  # a stopped process takes no SIGTERM
+        evaluator.close(raise_error=False)
+        handed.join(30.0)
+    assert evaluator.pid is None

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import os
+import pwd
 import shutil
 import signal
 import socket
@@ -33,6 +34,7 @@ from parablock_flwr import node
 from parablock_flwr.cli import build_parser
 from parablock_flwr.client_apps.app import relay_to_worker
 from parablock_flwr.config import RunConfig
+from parablock_flwr.versions import FRAME_KEY, PROTOCOL_VERSION
 from parablock_flwr.worker.endpoint import MESSAGE_MARGIN_BYTES, MessageLimit, SocketRefused, WorkerSocket
 from parablock_flwr.worker.protocol import MAX_HEADER_BYTES, ProtocolError, _frame, recv, request
 
@@ -46,7 +48,7 @@ def mode(path: Path) -> int:
 
 
 def frame(header: dict, payload: bytes = b"") -> bytes:
-    raw = json.dumps(header).encode()
+    raw = json.dumps({FRAME_KEY: PROTOCOL_VERSION, **header}).encode()
     return struct.pack(">Q", len(raw)) + raw + payload
 
 
@@ -161,8 +163,25 @@ def test_the_worker_options_take_uid_lists_and_a_byte_count(capsys):
     )
     assert (args.allow_uid, args.max_message_bytes) == ([[1001, 1002], [7]], 99)
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["worker", "--socket", "w.sock", "--allow-uid", "flwr"])
-    assert "argument --allow-uid: 'flwr': expected user ids like 1001 or 1001,1002" in capsys.readouterr().err
+        build_parser().parse_args(["worker", "--socket", "w.sock", "--allow-uid", "no-such-user-here"])
+    err = capsys.readouterr().err
+    assert "argument --allow-uid: 'no-such-user-here': expected user ids or names like 1001,1002" in err
+    args = build_parser().parse_args(["worker", "--socket", "w.sock", "--allow-uid", "nobody,0"])  # a unit names users
+    assert args.allow_uid == [[pwd.getpwnam("nobody").pw_uid, 0]]
+
+
+def test_the_node_configs_worker_uid_takes_a_uid_as_a_number_a_quoted_number_or_a_user_name():
+    """``worker-uid=1001``, ``worker-uid="1001"`` (a node config quotes what a unit file writes) and
+    ``worker-uid="nobody"`` name a user, as ``--allow-uid`` does (before: a quoted number was refused as
+    no user's name); what is neither is refused in one line."""
+    from parablock_flwr.client_apps.app import trusted_worker_uids, unknown_node_config_key
+
+    nobody = pwd.getpwnam("nobody").pw_uid
+    for value, uid in ((1001, 1001), ("1001", 1001), ("nobody", nobody)):
+        assert unknown_node_config_key({"worker-uid": value}) is None, value
+        assert uid in trusted_worker_uids({"worker-uid": value}), value
+    for value in (-1, "-1", "no-such-user-here", ""):
+        assert "node config worker-uid=" in unknown_node_config_key({"worker-uid": value}), value
 
 
 # ---------------------------------------------------------------- the socket file, in process
@@ -198,6 +217,134 @@ def test_a_directory_others_can_enter_or_a_file_that_is_not_a_socket_is_refused(
     with pytest.raises(SocketRefused, match="a file that is not a socket is there"):
         WorkerSocket.claim(tmp_path / "w.sock")
     assert (tmp_path / "w.sock").read_text() == "notes"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes a folder of another user: needs root")
+def test_every_folder_above_the_socket_is_checked_not_only_its_own(tmp_path):
+    """The socket's whole path, as ssh checks the path to its keys: a folder above the socket's that another
+    user owns, or that group or others may write (not root's with the sticky bit), is refused with one line
+    naming it, before anything is created below it (before: only the socket's own folder was checked, and a
+    user who could rename folders above it could put their own socket folder in its place). A root-owned
+    sticky folder like /tmp is fine, and so is a symlinked path whose real folders are safe."""
+    cases = {"world-writable": (0, 0o777), "group-writable": (0, 0o775), "another-users": (65534, 0o755)}
+    for name, (uid, folder_mode) in cases.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        os.chmod(folder, folder_mode)
+        os.chown(folder, uid, -1)
+        with pytest.raises(SocketRefused) as refused:
+            WorkerSocket.claim(folder / "deeper" / "parablock" / "w.sock")
+        assert str(refused.value) == (
+            f"--socket {folder / 'deeper' / 'parablock' / 'w.sock'}: folder {folder} above it has mode "
+            f"{folder_mode:04o}, owner uid {uid}; expected every folder above the socket to be writable only by "
+            f"root or uid {os.geteuid()} (a root-owned folder with the sticky bit, like /tmp, is fine)"
+        ), name
+        assert not (folder / "deeper").exists(), name
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    os.chmod(sticky, 0o1777)
+    ok = WorkerSocket.claim(sticky / "parablock" / "w.sock")
+    ok.release()
+    (tmp_path / "link").symlink_to(tmp_path / "world-writable")
+    with pytest.raises(SocketRefused, match=f"folder {tmp_path / 'link'} above it has mode 0777"):
+        WorkerSocket.claim(tmp_path / "link" / "parablock" / "w.sock")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes a link of another user: needs root")
+def test_a_link_on_the_socket_path_that_another_user_owns_is_refused(tmp_path):
+    """A symbolic link on the socket's path belongs to whoever made it, whatever it points at: in a
+    sticky folder like /tmp another user may plant ``/tmp/pb -> a folder of the worker's`` and later point
+    it at a folder of their own. Such a link (not root's nor the worker's) is refused in one line naming
+    it (before: every check followed it to the worker's own folder and passed); the worker's own link
+    and root's are fine."""
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    os.chmod(sticky, 0o1777)
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    for name, owner, refused in (("theirs", 65534, True), ("mine", os.geteuid(), False), ("roots", 0, False)):
+        link = sticky / name
+        link.symlink_to(private)
+        os.lchown(link, owner, -1)
+        for socket_path in (link / "w.sock", link / "deeper" / "w.sock"):  # the socket's folder, or one above it
+            if refused:
+                with pytest.raises(SocketRefused) as err:
+                    WorkerSocket.claim(socket_path)
+                assert str(err.value) == (
+                    f"--socket {socket_path}: {link} on its path is a symbolic link of uid 65534; expected links "
+                    f"on the socket's path to be root's or uid {os.geteuid()}'s (another user may re-point theirs)"
+                ), socket_path
+            else:
+                WorkerSocket.claim(socket_path).release()
+        link.unlink()
+        shutil.rmtree(private / "deeper", ignore_errors=True)
+
+
+def impostor(path: Path, uid: int):
+    """A process of ``uid`` listening at ``path`` (its folder made that user's) that counts the bytes a
+    client sends it; returns (its pid, a function that waits for the count)."""
+    path.parent.mkdir(mode=0o700)
+    os.chown(path.parent, uid, -1)
+    ready_r, ready_w = os.pipe()
+    count_r, count_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        received = -1
+        try:
+            os.setuid(uid)
+            with socket.socket(socket.AF_UNIX) as server:
+                server.bind(str(path))
+                server.listen(1)
+                os.write(ready_w, b"1")
+                server.settimeout(20)
+                conn, _ = server.accept()
+                conn.settimeout(3)
+                received = 0
+                with contextlib.suppress(OSError):
+                    while chunk := conn.recv(1 << 16):
+                        received += len(chunk)
+                conn.close()
+        finally:
+            os.write(count_w, str(received).encode())
+            os._exit(0)
+    os.close(ready_w), os.close(count_w)
+    assert os.read(ready_r, 1) == b"1"
+    os.close(ready_r)
+
+    def count() -> int:
+        with os.fdopen(count_r) as answer:
+            value = int(answer.read())
+        os.waitpid(pid, 0)
+        return value
+
+    return pid, count
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="listens as another user: needs root")
+def test_the_clientapp_sends_nothing_to_a_worker_of_an_unexpected_user(monkeypatch):
+    """The relay checks whom it talks to (``SO_PEERCRED``) before it sends a byte: a process of uid 65534
+    listening at the node's socket path gets nothing, and the round's reply is one line naming it (before:
+    the message, the global step among it, went to whoever listened there). The node config's ``worker-uid``
+    names a worker run as another user on purpose: that one is sent the message."""
+    root = Path(tempfile.mkdtemp(prefix="pb-peer-", dir="/tmp"))  # /tmp: uid 65534 may traverse it
+    os.chmod(root, 0o711)
+    path = root / "node" / "w.sock"
+    pid, received = impostor(path, 65534)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)  # the ClientApp's own user, neither root nor the listener's
+    reason = relay_error(path)["reason"]
+    monkeypatch.undo()
+    assert received() == 0
+    assert reason == (
+        f"node worker socket {path}: the process listening there (pid {pid}) runs as uid 65534; expected uid 1000 "
+        "(this ClientApp's) or root, or the node config's worker-uid; nothing was sent"
+    )
+    shutil.rmtree(path.parent)
+    _, received = impostor(path, 65534)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    relay_error(path, worker_uid=65534)
+    monkeypatch.undo()
+    assert received() > 0
+    shutil.rmtree(root)
 
 
 # ---------------------------------------------------------------- real worker processes
@@ -356,13 +503,14 @@ def as_uid(uid: int, call) -> dict:
     return result
 
 
-def relay_error(path: Path) -> dict:
+def relay_error(path: Path, **node_config) -> dict:
     """What the deployment's ClientApp replies when it relays a round to the worker at ``path``."""
     TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 5, 0
     msg = Message(content=RecordDict({"round": ConfigRecord({"server-round": 1})}), dst_node_id=5,
                   message_type=MessageType.TRAIN)  # fmt: skip
     TaskIdentity.node_id = 5
-    context = Context(run_id=1, node_id=5, node_config={"worker-socket": str(path)}, state=RecordDict(),
+    node_config = {"worker-socket": str(path), **{k.replace("_", "-"): v for k, v in node_config.items()}}
+    context = Context(run_id=1, node_id=5, node_config=node_config, state=RecordDict(),
                       run_config={"round-timeout-s": 20.0})  # fmt: skip
     reply = relay_to_worker(msg, context, str(path))
     return {"reason": reply.error.reason if reply.has_error() else None}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import difflib
 import os
+import pwd
 import sys
 import time
 
@@ -25,7 +26,8 @@ from flwr.common.constant import ErrorCode, SType
 
 from ..node_data import NODE_SETTINGS_KEYS, STATE_INTACT, NodeSettings, node_settings_problem
 from ..npy import NpyError, npy_header, npy_view
-from ..worker.protocol import ProtocolError, request
+from ..versions import ROUND_KEY, mismatch
+from ..worker.protocol import ProtocolError, UntrustedWorker, request
 
 
 def _process_start_time() -> float:
@@ -44,7 +46,7 @@ _PROCESS_STARTED = _process_start_time()
 app = ClientApp()
 
 # The node-config keys this app reads; any other key is refused rather than silently ignored.
-NODE_CONFIG_KEYS = ("partition-id", "num-partitions", "worker-socket", *NODE_SETTINGS_KEYS)
+NODE_CONFIG_KEYS = ("partition-id", "num-partitions", "worker-socket", "worker-uid", *NODE_SETTINGS_KEYS)
 
 
 def unknown_node_config_key(node_config) -> str | None:
@@ -54,12 +56,44 @@ def unknown_node_config_key(node_config) -> str | None:
             close = difflib.get_close_matches(key, NODE_CONFIG_KEYS, n=1)
             hint = f"did you mean {close[0]}?" if close else f"expected one of {', '.join(NODE_CONFIG_KEYS)}"
             return f"node config {key}: unknown key; {hint}"
+    if "worker-uid" in node_config and worker_uid(node_config["worker-uid"]) is None:
+        return (f"node config worker-uid={node_config['worker-uid']!r}: expected the node worker's user, "
+                "a user id >= 0 or the name of a user of this machine")  # fmt: skip
     return node_settings_problem(node_config)
+
+
+def worker_uid(value) -> int | None:
+    """The node config's ``worker-uid`` as a uid: an integer (quoted or not), or a user name (a unit file
+    cannot compute a uid); None when it is neither."""
+    if type(value) is int:
+        return value if value >= 0 else None
+    if isinstance(value, str) and value.isdigit():
+        return int(value)
+    try:
+        return pwd.getpwnam(str(value)).pw_uid
+    except KeyError:
+        return None
+
+
+def message_problem(msg: Message, context: Context) -> str | None:
+    """Why this node must not act on ``msg``: its node config, or a round config of another protocol version."""
+    if (problem := unknown_node_config_key(context.node_config)) is not None:
+        return problem
+    if "round" not in msg.content.config_records:
+        return "message from the server has no round config; expected a ParaBlock server's message"
+    return mismatch(msg.content["round"], ROUND_KEY, "the server", "this node")
+
+
+def trusted_worker_uids(node_config) -> frozenset[int]:
+    """Whom the relay sends a round to: a worker of this process's own user or root, or of the node
+    config's ``worker-uid`` (a worker run as another user, with ``--allow-uid`` for this one)."""
+    extra = () if "worker-uid" not in node_config else (worker_uid(node_config["worker-uid"]),)
+    return frozenset((os.geteuid(), 0, *extra))
 
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    if (problem := unknown_node_config_key(context.node_config)) is not None:
+    if (problem := message_problem(msg, context)) is not None:
         return _error(msg, problem)
     socket_path = context.node_config.get("worker-socket")
     if not socket_path:
@@ -73,7 +107,7 @@ def train(msg: Message, context: Context) -> Message:
 def evaluate(msg: Message, context: Context) -> Message:
     """``evaluation = "clients"``, after the last round: the held-out loss of ``x^R`` on this node's own
     held-out split (every earlier ``x^{r-1}`` is evaluated inside round r, see docs/architecture.md)."""
-    if (problem := unknown_node_config_key(context.node_config)) is not None:
+    if (problem := message_problem(msg, context)) is not None:
         return _error(msg, problem)
     socket_path = context.node_config.get("worker-socket")
     if not socket_path:
@@ -123,8 +157,16 @@ def relay_to_worker(msg: Message, context: Context, socket_path: str, op: str = 
         def sent() -> None:  # the request's last byte is in the worker's socket
             stamps["clientapp-sent"] = time.time()
 
-        exchange = request(socket_path, header, arrays, timeout_s=timeout_s, prefix=npy_header, on_sent=sent)
+        trusted = trusted_worker_uids(context.node_config)
+        exchange = request(socket_path, header, arrays, timeout_s, npy_header, sent, worker_uids=trusted)
         reply, update = run_to_end(exchange)
+    except UntrustedWorker as err:
+        return _error(
+            msg,
+            f"node worker socket {socket_path}: the process listening there (pid {err.pid}) runs as uid {err.uid}; "
+            f"expected uid {os.geteuid()} (this ClientApp's) or root, or the node config's worker-uid; nothing was "
+            f"sent",
+        )
     except (FileNotFoundError, ConnectionRefusedError) as err:
         return _error(
             msg,

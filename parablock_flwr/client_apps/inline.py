@@ -1,28 +1,33 @@
 """The simulation's adapter of the node runtime (``node.Node``): the round runs inside this ClientApp.
 
-One Ray actor serves many virtual nodes, so a node's state (``node_state.NodeState``) lives in
-``context.state`` and is loaded into the runtime and stored back around each message; the model is
-loaded once per actor (``node.resources``). There is no network to overlap with: the computation
-runs here, in the handler (correcting at the end, or with ``on-receipt`` after the first local step,
-the aggregate having come with the message). The actor's replica catches up from the server's step
-log (``RUN_DIR/global-steps``) when another node moved it on; the residuals of ``transfer-dtype``
-are kept durably under ``RUN_DIR/node-state/partition-P`` (``context.state`` starts empty in a
-resumed run). A failure replies an error; ``state-intact: `` leads its reason when the node's
-state is as it was.
+One Ray actor serves many virtual nodes, so a node's state (``node_state.NodeState``) is loaded into the
+runtime and stored back around each message: its pending update and the residuals of ``transfer-dtype``
+on disk, under ``RUN_DIR/node-state/partition-P`` (``node_state.PendingStore``, ``ResidualStore``: read
+only by the actor that serves the node in a round, and of the residuals only the round's block), and
+the last round it answered in ``context.state`` (one number: Flower keeps every node's context in its own
+process, so nothing there may grow with a block). The model is loaded once per actor
+(``node.resources``). There is no network to overlap with: the computation runs here, in the handler
+(correcting at the end, or with ``on-receipt`` after the first local step, the aggregate having come
+with the message). The actor's replica catches up from the server's step log (``RUN_DIR/global-steps``)
+when another node moved it on (``context.state`` starts empty in a resumed run: the server hands the
+pending update back, the residuals come from the resumed folder). A failure replies an error;
+``state-intact: `` leads its reason when the node's state is as it was.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 from pathlib import Path
 
 from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.common.constant import ErrorCode
 
-from .. import core, node
+from .. import node
 from ..config import RunConfig
 from ..node_data import STATE_INTACT, NodeSettings
-from ..node_state import NodeState, ResidualStore
+from ..node_state import NodeState, PendingStore, ResidualStore
 from ..records import to_record, to_tensors
 from ..replica import StepLog
 from ..runtime import setup_torch
@@ -30,32 +35,28 @@ from ..runtime import setup_torch
 log = logging.getLogger(__name__)
 
 
-def load_state(state: RecordDict, block: int) -> NodeState:
-    """The node's state as the previous message of this run left it in ``context.state`` (of the
-    residuals, only ``block``'s: the one this round can change)."""
-    pending = None
-    if "pending" in state.config_records:
-        meta = state["pending"]
-        pending = core.PendingUpdate(int(meta["block"]), int(meta["base-version"]), to_tensors(state["pending-delta"]))
-    key = f"residual-{block}"
-    residuals = {block: to_tensors(state[key])} if key in state else {}
+def node_folder(run_dir: str, partition_id: int) -> Path:
+    """Where a virtual node's state lives between its rounds (each actor that serves it reads it there)."""
+    return Path(run_dir) / "node-state" / f"partition-{partition_id}"
+
+
+def load_state(state: RecordDict, folder: Path, block: int, keeps_residuals: bool) -> NodeState:
+    """The node's state as its previous message in this run left it: its pending update and (of the
+    residuals, only ``block``'s, the one this round can change) from ``folder``, its last round from
+    ``context.state``."""
     last_round = int(state["node"]["last-round"]) if "node" in state.config_records else 0
-    return NodeState(pending, residuals, last_round)
+    if last_round == 0:  # its first message in this run: what the folder holds is an earlier run's
+        return NodeState()
+    residuals = ResidualStore(folder).as_of(last_round, only=block) if keeps_residuals else {}
+    return NodeState(PendingStore(folder).load(), residuals, last_round)
 
 
-def store_state(state: RecordDict, node_state: NodeState, all_residuals: bool) -> None:
-    """Store the node's state back; ``all_residuals``: its residuals were replaced as a whole (a full
-    sync dropped them, a resumed run restored them), else only those it holds changed."""
-    stale = ("pending", "residual-") if all_residuals else ("pending",)
-    for key in [k for k in state if k.startswith(stale)]:
-        del state[key]
-    if node_state.pending is not None:
-        pending = node_state.pending
-        state["pending"] = ConfigRecord({"block": pending.block, "base-version": pending.base_version})
-        state["pending-delta"] = to_record(pending.delta)
-    for block, residual in node_state.residuals.items():
-        state[f"residual-{block}"] = to_record(residual)
-    state["node"] = ConfigRecord({"last-round": node_state.last_round})
+def store_state(state: RecordDict, folder: Path, before: NodeState, after: NodeState, transfer_dtype: str) -> None:
+    """Store the node's state back: its pending update where it changed (the residuals were written by
+    the runtime as they changed), its last round."""
+    if after.pending is not before.pending:
+        PendingStore(folder).save(after.pending, transfer_dtype)
+    state["node"] = ConfigRecord({"last-round": after.last_round})
 
 
 def train_inline(msg: Message, context: Context) -> Message:
@@ -99,26 +100,27 @@ def _run(msg: Message, context: Context, op: str) -> RecordDict:
         from_log.append(version)
         return step_log.read(version)
 
-    runtime = node.Node(load_state(context.state, req.block))
-    replaced = req.sync_version is not None or runtime.state.last_round == 0
+    folder = node_folder(req.run_dir, partition_id)
+    before = load_state(context.state, folder, req.block, cfg.transfer_dtype != "fp32")
+    runtime = node.Node(dataclasses.replace(before))
     if op == "evaluate":
         step_log.rebase_if_pruned(res.replica, req.evaluate_version - 1)
         done = runtime.evaluate(res, cfg, req, fetch_step)
-        store_state(context.state, runtime.state, replaced)
+        store_state(context.state, folder, before, runtime.state, cfg.transfer_dtype)
         return RecordDict({"metrics": MetricRecord(done.metrics)})
     # Behind a pruned step log (snapshot-every): start again from a snapshot. ParaBlock needs x^{r-2} next.
     step_log.rebase_if_pruned(res.replica, req.server_round - 2)
     store = resumed = None
     if cfg.transfer_dtype != "fp32":
-        store = ResidualStore(Path(req.run_dir) / "node-state" / f"partition-{partition_id}")
+        store = ResidualStore(folder)
         if req.resumed_after is not None:
             resumed = ResidualStore(resumed_node_state(req) / f"partition-{partition_id}")
     done = runtime.train(res, cfg, req, fetch_step, store, resumed)
-    store_state(context.state, runtime.state, replaced)
+    store_state(context.state, folder, before, runtime.state, cfg.transfer_dtype)
     content = RecordDict(
         {
             "update": to_record(done.update, cfg.transfer_dtype),
-            "metrics": MetricRecord({**done.metrics, "steps-from-log": len(from_log)}),
+            "metrics": MetricRecord({**done.metrics, "steps-from-log": len(from_log), "process-id": os.getpid()}),
         }
     )
     if done.trace:

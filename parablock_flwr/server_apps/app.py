@@ -23,7 +23,7 @@ from .. import core
 from ..checkpoint import check_resumable
 from ..config import ConfigError, RunConfig, check_num_clients, parse_cpu_list
 from ..data import tokenized_splits
-from ..durable import replace_file
+from ..durable import fsync_path, make_dirs, replace_file
 from ..metrics import RunRecorder, run_summary
 from ..model import load_for_training, load_tokenizer, save_model
 from ..node import node_device
@@ -40,7 +40,9 @@ app = ServerApp()
 def make_run_dir(output_path: Path, algorithm: str, run_id: int) -> Path:
     """``OUTPUT_DIR/<time>-<algorithm>-<run_id>``: the launchers find a run's folder by its id."""
     run_dir = output_path / f"{time.strftime('%Y%m%d-%H%M%S')}-{algorithm}-{run_id}"
-    run_dir.mkdir(parents=True, exist_ok=False)
+    make_dirs(output_path)
+    run_dir.mkdir()  # a folder of that name already: FileExistsError, as a second run of one id must
+    fsync_path(output_path)
     return run_dir
 
 
@@ -81,7 +83,9 @@ def main(grid: Grid, context: Context) -> None:
         rounds_completed = run["run"].rounds_completed if run["run"] else 0
         write_status(run_dir, kind, reason, rounds_completed, run["num_rounds"], excluded)
     if kind == "completed-with-exclusions":
-        log.error("Run completed with exclusions (exit code %d): %s", EXIT_CODES[kind], reason)
+        summary = run_summary(RunRecorder(run_dir).read()) if run_dir is not None else ""
+        log.error("Run completed with exclusions (exit code %d): %s%s", EXIT_CODES[kind], reason,
+                  f"; run: {summary}" if summary else "")  # fmt: skip
         sys.exit(EXIT_CODES[kind])
     if kind != "completed":
         log.error("Run failed (%s): %s", kind, reason)

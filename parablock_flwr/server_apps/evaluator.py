@@ -17,13 +17,15 @@ takes the time Flower's processes leave. Priority does not stop it from sharing 
 with Flower's copies of a block, which lengthens them (docs/benchmarks.md): ``eval-cpus`` gives
 it cores of its own.
 
-When it falls behind: the loop never waits. The evaluator takes every round handed to it since
-its last evaluation, applies their steps in order (a block add each) and evaluates only the
-newest round due for evaluation; the older ones are recorded as skipped
-(``evaluation_skipped``, counted on the run's last line). Round 0 and the last round are always
-evaluated, and the run ends when the last round's evaluation has. If the step log was pruned past
-the replica (``snapshot-every``, the evaluator more than W rounds behind), it restarts from the
-newest snapshot.
+When it falls behind: the loop never waits. It hands over round numbers (a queue of integers, sent
+down the pipe by a thread of its own, so a full pipe never holds the loop) and the evaluator takes
+them in order, applying each round's step (a block add) and evaluating every round due. By default
+(``eval-max-lag = 0``) none is skipped: the run's end waits for the queue to drain. With
+``eval-max-lag = L`` a round due while more than L newer rounds wait behind it is skipped and
+recorded so (``evaluation_skipped``, counted on the run's last line); round 0 and the last round
+never are. The step log keeps what the evaluator still reads: the loop's prune (``snapshot-every``)
+drops no step after the round the evaluator last reported (``version``), so the log's bound moves
+with the evaluator's lag.
 
 The process sends back each round's metrics; the ServerApp writes them into the round's record
 (one writer of records). An error in the process, or the process dying, fails the run with one
@@ -36,16 +38,18 @@ import json
 import logging
 import multiprocessing
 import os
+import queue
 import signal
 import sys
 import threading
 import time
+from collections import deque
 from pathlib import Path
 
 import torch
 
 from ..config import RunConfig, parse_cpu_list
-from ..durable import crash_requested
+from ..durable import crash_requested, replace_file
 from ..evaluation import evaluate
 from ..model import load_for_training, save_model
 from ..replica import ModelReplica, StepLog
@@ -62,7 +66,10 @@ class ServerEvaluator:
         self.run_dir = Path(run_dir)
         self._process: multiprocessing.process.BaseProcess | None = None
         self._receiver: threading.Thread | None = None
+        self._sender: threading.Thread | None = None
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # (round, handed over at) or None: no more
         self._error: BaseException | None = None
+        self.version = 0  # the newest round the process reported: it never reads a step at or before it again
 
     @property
     def pid(self) -> int | None:
@@ -81,8 +88,11 @@ class ServerEvaluator:
         self._process.start()
         child_end.close()  # the pipe ends (EOF) when the process does
         self._wait_until_ready()
+        self.version = run.first_round - 1
         self._receiver = threading.Thread(target=self._receive, name="parablock-evaluation-records", daemon=True)
         self._receiver.start()
+        self._sender = threading.Thread(target=self._send, name="parablock-evaluation-queue", daemon=True)
+        self._sender.start()
 
     def _wait_until_ready(self) -> None:
         """Once, before round 1: the process has built its replica of ``x`` (seconds: its imports and
@@ -101,14 +111,22 @@ class ServerEvaluator:
         raise RuntimeError(f"the server's evaluation failed: {rest[0]}") if rest else _ended(process)
 
     def submit(self, server_round: int) -> None:
-        """Round r is durable (its step in the step log): evaluate ``x^r`` when its turn comes."""
+        """Round r is durable (its step in the step log): evaluate ``x^r`` when its turn comes. Never
+        blocks: the round number joins a queue that the sender thread feeds to the process."""
         self._raise_if_failed()
-        try:
-            self._pipe.send((server_round, time.time()))
-        except OSError:  # the process is gone: the receiver ends, and says why
-            self._receiver.join()
-            self._raise_if_failed()
-            raise
+        self._queue.put((server_round, time.time()))
+
+    def _send(self) -> None:
+        """The sender thread: each queued round down the pipe, in order; ``None`` (``close``) last. A
+        full pipe (the process far behind) holds this thread, never the loop."""
+        while True:
+            item = self._queue.get()
+            try:
+                self._pipe.send(item)
+            except (OSError, ValueError):  # the process is gone (the receiver says why) or the pipe closed
+                return
+            if item is None:
+                return
 
     def close(self, raise_error: bool = True) -> None:
         """Wait for the evaluations handed over (the last round's among them), then stop the process.
@@ -117,11 +135,8 @@ class ServerEvaluator:
         if process is None:
             return
         try:
+            self._queue.put(None)  # no more rounds: it finishes those handed over, then exits
             if raise_error:
-                try:
-                    self._pipe.send(None)  # no more rounds: it finishes those handed over, then exits
-                except OSError:
-                    pass  # gone already: the receiver has ended
                 self._receiver.join()
                 process.join(30.0)
                 if self._error is None and process.exitcode != 0:
@@ -129,6 +144,7 @@ class ServerEvaluator:
         finally:  # every way out (an error, SIGTERM's SystemExit) stops the process and reaps it
             _stop(process)
             self._receiver.join()
+            self._sender.join(30.0)  # its send fails once the process is gone
             self._pipe.close()
         if raise_error:
             self._raise_if_failed()
@@ -140,6 +156,7 @@ class ServerEvaluator:
                 kind, *rest = self._pipe.recv()
                 if kind == "round":
                     self.run.write_evaluation(*rest)
+                    self.version = rest[0]
                 else:
                     self._error = RuntimeError(f"the server's evaluation failed: {rest[0]}")
         except (EOFError, OSError):  # the process has closed its end: it ended, or died
@@ -183,11 +200,12 @@ def follow_rounds(pipe, cfg, run_dir, tokenizer, heldout, version, threads, serv
     try:
         follower = Follower(cfg, Path(run_dir), tokenizer, heldout, version, threads, server_pid)
         pipe.send(("ready",))
-        more = True
-        while more:
-            backlog, more = _take(pipe)
-            for server_round, metrics in follower.catch_up(backlog):
-                pipe.send(("round", server_round, metrics))
+        waiting: deque = deque()  # (round, handed over at), in order: integers, never models
+        closed = False
+        while (closed := _take(pipe, waiting, closed)) is False or waiting:
+            server_round, handed_over = waiting.popleft()
+            newest = waiting[-1][0] if waiting else server_round
+            pipe.send(("round", server_round, follower.follow(server_round, handed_over, newest)))
     except BaseException as err:
         log.exception("The server's evaluation failed")
         try:
@@ -225,15 +243,15 @@ def _exit_with(server_pid: int) -> None:
     os._exit(1)
 
 
-def _take(pipe) -> tuple[list, bool]:
-    """The next round handed over and every other one already waiting; and whether more will come
-    (``None`` in the pipe: ``close``)."""
-    backlog = [pipe.recv()]
-    while backlog[-1] is not None and pipe.poll():
-        backlog.append(pipe.recv())
-    if backlog[-1] is None:
-        return backlog[:-1], False
-    return backlog, True
+def _take(pipe, waiting: deque, closed: bool) -> bool:
+    """Every round already handed over joins ``waiting`` (blocking for the next one only when none
+    waits); returns whether ``close`` said no more will come (``None`` in the pipe)."""
+    while not closed and (not waiting or pipe.poll()):
+        item = pipe.recv()
+        if item is None:
+            return True
+        waiting.append(item)
+    return closed
 
 
 class Follower:
@@ -250,31 +268,25 @@ class Follower:
         self.advance_to(version)
 
     def advance_to(self, version: int) -> None:
-        """``x^version``: the steps after the replica's version, applied in order (from the newest
-        snapshot at or before ``version`` where the log no longer holds the next step)."""
-        for attempt in range(2):
-            self.step_log.rebase_if_pruned(self.replica, version)
-            try:
-                return self.replica.advance_to(version, self.step_log.read)
-            except FileNotFoundError:  # the server pruned the log while this process read it: again once
-                if attempt:
-                    raise
+        """``x^version``: the steps after the replica's version, applied in order. The loop's prune keeps
+        every step after the round this process last reported (``ServerEvaluator.version``); only a
+        replica behind the log at its start (a resumed run's pruned log) starts from a snapshot."""
+        self.step_log.rebase_if_pruned(self.replica, version)
+        self.replica.advance_to(version, self.step_log.read)
 
-    def catch_up(self, backlog: list):
-        """Each round's evaluation part, in order: the newest round due is evaluated, older due ones
-        are skipped (round 0 and the last never)."""
-        due = [r for r, _ in backlog if self._due(r)]
-        for server_round, handed_over in backlog:
-            self.advance_to(server_round)
-            self._save_model(server_round)
-            if not self._due(server_round):
-                yield server_round, {}
-            elif server_round != due[-1] and server_round not in (0, self.cfg.num_server_rounds):
-                log.info("round %d: evaluation skipped (the evaluator was %d rounds behind)",
-                         server_round, due[-1] - server_round)  # fmt: skip
-                yield server_round, {"evaluation_skipped": 1}
-            else:
-                yield server_round, self._evaluate(server_round, handed_over)
+    def follow(self, server_round: int, handed_over: float, newest: int) -> dict:
+        """Round r's evaluation part: ``x^r`` evaluated when due, unless ``eval-max-lag`` allows a skip
+        and more than that many newer rounds wait behind it (round 0 and the last are never skipped)."""
+        self.advance_to(server_round)
+        self._save_model(server_round)
+        if not self._due(server_round):
+            return {}
+        lag, max_lag = newest - server_round, self.cfg.eval_max_lag
+        if max_lag and lag > max_lag and server_round not in (0, self.cfg.num_server_rounds):
+            log.info("round %d: evaluation skipped (the evaluator was %d rounds behind; eval-max-lag=%d)",
+                     server_round, lag, max_lag)  # fmt: skip
+            return {"evaluation_skipped": 1}
+        return self._evaluate(server_round, handed_over)
 
     def _due(self, server_round: int) -> bool:
         last = server_round == self.cfg.num_server_rounds
@@ -303,5 +315,5 @@ class Follower:
 
 
 def write_samples(path: Path, samples: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(s) + "\n" for s in samples))
+    """A round's generated answers, durably (``report`` reads them)."""
+    replace_file(path, "".join(json.dumps(s) + "\n" for s in samples))

@@ -44,8 +44,10 @@ OPTIONAL_NUMBER_METRICS = (
     "clientapp-imported-torch",
     "truncated-examples",  # examples of the round's batches cut at max-seq-len
     "dropped-examples",  # rows of the node's data max-seq-len cut before their answer (own-data: its own)
+    "malformed-examples",  # rows of the node's data skipped as malformed (unreadable, a field missing or not text)
     "oom-retries",  # 1: the node ran out of device memory and redid the round with half the micro-batch
     "own-data",  # 1: the node trains on its own dataset (its num-examples is bounded by max-num-examples only)
+    "process-id",  # simulation: the Ray actor's process that computed the update (records' served_by)
     # evaluation = "clients": the node's held-out evaluation of x^{eval-version} (node.evaluate_replica)
     "eval-version",
     "heldout-loss",
@@ -53,6 +55,12 @@ OPTIONAL_NUMBER_METRICS = (
     "task-accuracy",
     "task-examples",
 )
+# Optional metrics that are counts: integers >= 0 (``heldout-examples`` > 0), or flags 0/1.
+COUNT_METRICS = ("steps-from-log", "truncated-examples", "dropped-examples", "malformed-examples", "oom-retries",
+                 "eval-version", "heldout-examples", "task-examples", "correction-after-step")  # fmt: skip
+FLAG_METRICS = ("own-data", "clientapp-imported-torch")
+# Optional metrics that come together or not at all: a node's held-out evaluation, its task accuracy.
+METRIC_GROUPS = (("eval-version", "heldout-loss", "heldout-examples"), ("task-accuracy", "task-examples"))
 
 
 def state_intact(msg: Message) -> bool:
@@ -67,16 +75,10 @@ class Expected:
     server_round: int
     block: int
     shapes: dict[str, tuple[int, ...]]  # the block's parameters
-    max_num_examples: float  # the bound on a partitioned node's num-examples
+    max_num_examples: float  # the bound on every node's num-examples (its aggregation weight)
     max_update_norm: float = 0.0  # 0: no bound
     transfer_dtype: str = "fp32"  # the payload dtype updates travel in (records.WIRE_DTYPES)
     max_correction_drift: float = 0.0  # on-receipt: the bound on a node's reported drift (0: none)
-    max_own_examples: float = math.inf  # the bound on a node with its own data (own-data = 1): max-num-examples
-
-    def examples_bound(self, metrics: dict) -> float:
-        """A node with its own data is bounded by ``max-num-examples`` alone (when set); a
-        partitioned node by its share of the run's ``num-examples``."""
-        return self.max_own_examples if metrics.get("own-data") == 1 else self.max_num_examples
 
 
 @dataclass
@@ -114,11 +116,10 @@ def parse_reply(msg: Message, expected: Expected, node: int | None = None) -> Re
         return f"stale round: reply is for round {metrics['server-round']}, expected {expected.server_round}"
     if metrics["block"] != expected.block:
         return f"wrong block id {metrics['block']}, expected {expected.block}"
-    bound = expected.examples_bound(metrics)
+    bound = expected.max_num_examples  # whatever a node says of its data (own-data): the server cannot verify it
     if not 0 < metrics["num-examples"] <= bound:
-        return f"num-examples={metrics['num-examples']}, expected a number in (0, {bound:g}]"
-    if metrics.get("own-data", 0) not in (0, 1):
-        return f"metric own-data={metrics['own-data']}: expected 0 or 1"
+        return (f"num-examples={metrics['num-examples']}, expected a number in (0, {bound:g}] "
+                f"(max-num-examples, else num-examples)")  # fmt: skip
     if metrics["partition-id"] < 0:
         return f"partition-id={metrics['partition-id']}, expected >= 0"
     drift = metrics.get("correction-drift", 0.0)
@@ -157,9 +158,32 @@ def read_metrics(metrics: dict) -> dict[str, float | int] | str:
         if key in INT_METRICS and type(value) is not int:
             return f"metric {key}={value!r}: expected an integer"
         out[key] = value
-    if out["compute-s"] < 0:
-        return f"metric compute-s={out['compute-s']}: expected >= 0"
-    return out
+    return check_optional(out)
+
+
+def check_optional(metrics: dict[str, float | int]) -> dict[str, float | int] | str:
+    """The ranges and groups of the metrics a reply may carry, checked before anything reads them:
+    every number a reply carries is >= 0 (times, stamps, counts, losses), a count is an integer, a flag
+    0 or 1, an accuracy at most 1, and a group (a node's evaluation) whole or absent."""
+    for key, value in metrics.items():
+        if value < 0 and key not in INT_METRICS + ("num-examples",):  # those two: their own messages
+            return f"metric {key}={value!r}: expected >= 0"
+        if key in COUNT_METRICS + FLAG_METRICS and type(value) is not int:
+            return f"metric {key}={value!r}: expected an integer"
+        if key in FLAG_METRICS and value not in (0, 1):
+            return f"metric {key}={value}: expected 0 or 1"
+    if metrics.get("heldout-examples", 1) == 0:
+        return "metric heldout-examples=0: expected > 0"
+    if metrics.get("task-accuracy", 0) > 1:
+        return f"metric task-accuracy={metrics['task-accuracy']!r}: expected at most 1"
+    for group in METRIC_GROUPS:
+        present = [k for k in group if k in metrics]
+        if present and len(present) < len(group):
+            missing = [k for k in group if k not in metrics]
+            return f"metrics {', '.join(present)} without {', '.join(missing)}: expected all or none"
+    if "task-accuracy" in metrics and "heldout-loss" not in metrics:
+        return "metric task-accuracy without heldout-loss: expected it with an evaluation"
+    return metrics
 
 
 def read_update(
@@ -215,8 +239,7 @@ def check_partition(reply: Reply, seen: set[int], known: dict[int, int]) -> str 
 
 def check_own_count(reply: Reply, counts: dict[int, float]) -> str | None:
     """A site's own data does not change during a run: its ``num-examples`` stays what its first
-    accepted reply claimed. (Without ``max-num-examples`` this is the only bound on a node with its
-    own data: an operator who does not trust a site's count sets ``max-num-examples``.)"""
+    accepted reply claimed (within the bound every node has, ``Expected.max_num_examples``)."""
     first = counts.get(reply.partition_id)
     if reply.metrics.get("own-data") != 1 or first is None or reply.num_examples == first:
         return None

@@ -47,11 +47,12 @@ def array_bytes(content) -> int:
     return sum(len(array.data) for record in content.array_records.values() for array in record.values())
 
 
-def dropped_for_length(accepted: list[Reply]) -> int:
-    """Rows the round's nodes lost to ``max-seq-len`` (cut before their answer): each node with its own
-    data counts its own; nodes on partitions of the run's dataset all report that dataset's, once."""
-    own = sum(int(r.metrics.get("dropped-examples", 0)) for r in accepted if r.metrics.get("own-data") == 1)
-    shared = [int(r.metrics.get("dropped-examples", 0)) for r in accepted if r.metrics.get("own-data") != 1]
+def dropped_for_length(accepted: list[Reply], key: str = "dropped-examples") -> int:
+    """Rows the round's nodes lost to ``max-seq-len`` (cut before their answer; with ``key`` =
+    ``malformed-examples``: skipped as malformed): each node with its own data counts its own; nodes on
+    partitions of the run's dataset all report that dataset's, once."""
+    own = sum(int(r.metrics.get(key, 0)) for r in accepted if r.metrics.get("own-data") == 1)
+    shared = [int(r.metrics.get(key, 0)) for r in accepted if r.metrics.get("own-data") != 1]
     return own + max(shared, default=0)
 
 
@@ -101,12 +102,23 @@ def round_record(
             {"partition_id": r.partition_id, "num_examples": r.num_examples, "weight": w}
             for r, w in zip(accepted, weights)
         ],
+        # Simulation: the process (a Ray actor, on any machine of the cluster) that computed each update.
+        **served_by(accepted),
         "correction_drift_max": max((r.metrics.get("correction-drift", 0.0) for r in accepted), default=0.0),
         "truncated_examples": sum(int(r.metrics.get("truncated-examples", 0)) for r in accepted),
         "oom_retries": sum(int(r.metrics.get("oom-retries", 0)) for r in accepted),
         "dropped_examples": dropped_for_length(accepted),
+        "malformed_examples": dropped_for_length(accepted, "malformed-examples"),
         **timeline_metrics(accepted),
     }
+
+
+def served_by(accepted: list[Reply]) -> dict:
+    """``served_by``: each accepted update's partition and the process id of the Ray actor that computed
+    it (simulation replies carry ``process-id``): which actors, on which machines, did the work."""
+    rows = [{"partition_id": r.partition_id, "process_id": int(r.metrics["process-id"])}
+            for r in accepted if "process-id" in r.metrics]  # fmt: skip
+    return {"served_by": rows} if rows else {}
 
 
 def timeline_metrics(accepted: list[Reply]) -> dict:
@@ -186,7 +198,8 @@ def critical_path_rows(accepted_metrics: dict[int, dict], previous: dict, pushed
     legs: dict[str, list[float]] = {leg: [] for leg in CRITICAL_PATH_LEGS}
     for node, m in accepted_metrics.items():
         arrived, returned = previous["arrivals"].get(node), previous["clientapp_reply"].get(node)
-        if arrived is None or returned is None or "clientapp-start" not in m or "request-received" not in m:
+        if arrived is None or returned is None or not all(k in m for k in ("clientapp-start", "request-received",
+                                                                             "prev-reply-sent")):  # fmt: skip
             continue
         values = {
             "aggregate": previous["aggregated"] - previous["last_reply"],

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,6 +34,7 @@ from ..checkpoint import Checkpoint, clear_staged_pending, replay_run, save_chec
 from ..metrics import RunRecorder, round_line
 from ..records import to_record
 from ..replica import StepLog
+from ..versions import PROTOCOL_VERSION, ROUND_KEY
 from . import client_evaluation
 from .reply_checks import Reply
 from .round_stats import array_bytes, critical_path_rows
@@ -42,6 +43,9 @@ if TYPE_CHECKING:
     from .fedbcd.server import FedBCD
 
 log = logging.getLogger(__name__)
+# Clients' updates staged for the checkpoint that may wait for the writer thread in memory: a round of a
+# thousand clients would otherwise hold a thousand blocks when the disk is slower than the aggregation.
+MAX_STAGING = 2
 
 
 class TooFewReplies(RuntimeError):
@@ -154,7 +158,8 @@ class Run:
                 self.evaluator.close(raise_error=False)  # the run's own error is the one to report
             raise
         if self.evaluator is not None:
-            self.evaluator.close()  # the last round's evaluation (and any still running) ends first
+            self.evaluator.close()  # the queue drains: every round handed over is evaluated first
+            self.prune_step_log()  # what the evaluator held back
         return result
 
     @staticmethod
@@ -213,7 +218,9 @@ class Run:
         # may have outlasted the deadline, and replies that came in time are waiting on the SuperLink.
         while waiting and (first_pull or time.monotonic() < self._deadline):
             first_pull = False
-            for reply in grid.pull_messages(set(waiting) | set(self._abandoned)):
+            pulled = list(grid.pull_messages(set(waiting) | set(self._abandoned)))[::-1]
+            while pulled:  # each reply leaves the list as it is checked: the pull holds none of them after
+                reply = pulled.pop()
                 mid = reply.metadata.reply_to_message_id
                 if mid in self._abandoned:
                     node, _ = self._abandoned.pop(mid)
@@ -296,10 +303,12 @@ class Run:
         return time.perf_counter() - started
 
     def prune_step_log(self) -> None:
-        """Drop what the newest snapshot made redundant (``StepLog.prune``), between rounds."""
+        """Drop what the newest snapshot made redundant (``StepLog.prune``), between rounds, but never a
+        step the server's evaluator has still to read (after the round it last reported): until it has
+        read them, the next prune tries again."""
         if self._prune_due:
-            self.step_log.prune()
-            self._prune_due = False
+            keep_after = self.evaluator.version if self.evaluator is not None else None
+            self._prune_due = not self.step_log.prune(keep_after)
 
     def stage_pending(self, partition_id: int, pending: core.PendingUpdate) -> None:
         """A client's update of this round, for the round's checkpoint (what a restarted server
@@ -307,7 +316,14 @@ class Run:
         block is 4.2 GiB in fp32, per client); ``staged`` waits for it before the checkpoint."""
         if self._stager is None:
             self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-pending")
+        if len(self._staging) >= MAX_STAGING:  # written in order: then at most MAX_STAGING wait in memory
+            wait([self._staging[-MAX_STAGING]])
         self._staging.append(self._stager.submit(stage_pending, self.run_dir, partition_id, pending))
+
+    def discard_staged(self) -> None:
+        """The round's aggregate was rejected: what it staged for the checkpoint is dropped."""
+        self.staged()
+        clear_staged_pending(self.run_dir)
 
     def staged(self) -> None:
         """Every pending update staged so far is on disk (a failed write raises here)."""
@@ -334,8 +350,9 @@ class Run:
         nodes, num_rounds = self.algorithm.round_nodes, self.num_rounds
         if self.config.evaluation != "clients" or not nodes:
             return
-        round_cfg = {"server-round": num_rounds + 1, "block": -1, "step-block": self._last_block(),
-                     "next-block": -1, "algorithm": self.algorithm.algorithm, "run-dir": str(self.run_dir),
+        round_cfg = {ROUND_KEY: PROTOCOL_VERSION, "server-round": num_rounds + 1, "block": -1,
+                     "step-block": self._last_block(), "next-block": -1, "algorithm": self.algorithm.algorithm,
+                     "run-dir": str(self.run_dir),
                      **self.client_evaluation_keys(num_rounds)}  # fmt: skip
 
         def messages() -> Iterator[Message]:

@@ -95,9 +95,14 @@ def _bin(name: str) -> str:
 
 @contextlib.contextmanager
 def local_superlink(
-    workdir: Path, simulation: bool = True, tls: TlsFiles | None = None, node_auth: bool = False
+    workdir: Path,
+    simulation: bool = True,
+    tls: TlsFiles | None = None,
+    node_auth: bool = False,
+    env: Mapping[str, str] | None = None,
 ) -> Iterator[str]:
-    """A SuperLink on a free port (simulation mode or not, TLS or not); yields its address."""
+    """A SuperLink on a free port (simulation mode or not, TLS or not); yields its address. ``env``: more
+    environment for it and the simulation it starts (``RAY_ADDRESS``)."""
     workdir = Path(workdir)
     flwr_home = workdir / "flwr-home"
     flwr_home.mkdir(parents=True, exist_ok=True)
@@ -105,7 +110,7 @@ def local_superlink(
     control = f"127.0.0.1:{port}"
     write_connection(flwr_home, control, tls.ca_cert if tls else None)
     cmd = superlink_command(port, free_port(), simulation=simulation, tls=tls, node_auth=node_auth)
-    with started(cmd, workdir / "superlink.log", flower_env(flwr_home)) as proc:
+    with started(cmd, workdir / "superlink.log", {**flower_env(flwr_home), **(env or {})}) as proc:
         wait_for(lambda: listens(control), proc, workdir / "superlink.log")
         yield control
 
@@ -205,12 +210,20 @@ def register_supernode(public_key: Path, env: dict[str, str]) -> None:
         raise RuntimeError(f"flwr supernode register {public_key} failed: {proc.stdout[-500:]}{proc.stderr[-500:]}")
 
 
-def worker_command(socket_path: Path, idle_exit_s: int = 0, compute_cpus: str = "") -> list[str]:
+def worker_command(socket_path: Path, idle_exit_s: int = 0, compute_cpus: str = "", state_dir: str = "") -> list[str]:
     """The node worker listening on the Unix socket ``socket_path`` (its compute thread pinned to
-    ``compute_cpus``, e.g. "1", when given)."""
+    ``compute_cpus``, e.g. "1", when given; its state in ``state_dir``, when given)."""
     pin = ["--compute-cpus", compute_cpus] if compute_cpus else []
+    state = ["--state-dir", state_dir] if state_dir else []
     return [sys.executable, "-m", "parablock_flwr.worker", "--socket", str(socket_path),
-            "--idle-exit-s", str(idle_exit_s), *pin]  # fmt: skip
+            "--idle-exit-s", str(idle_exit_s), *pin, *state]  # fmt: skip
+
+
+def node_state_dir(settings: str) -> str:
+    """The ``state-dir="..."`` of a SuperNode's extra node-config text, given to its worker too: the worker
+    takes its state dir from its own command line only, and the node config's must name the same."""
+    found = re.search(r'state-dir="([^"]*)"', settings)
+    return found[1] if found else ""
 
 
 def node_config(partition_id: int, num_partitions: int, worker_socket: Path) -> str:
@@ -502,9 +515,17 @@ def run_simulation(
     timeout_s: float = 1800,
     app_dir: Path | None = None,
     capture: bool = True,
+    ray_address: str = "",
+    gpus_per_client: float = 0.0,
 ) -> RunResult:
     """`flwr run` the app on Flower's simulation engine; how it ended.
 
+    ``ray_address``: an existing Ray cluster to run the virtual clients on (``ray start --head`` prints
+    it; ``auto``: the one this machine belongs to), else a Ray instance of the run's own on this machine.
+    Flower's engine calls ``ray.init()`` with no address, so it is handed over as ``RAY_ADDRESS`` in the
+    SuperLink's environment, which the simulation process inherits (docs/scale.md).
+    ``cpus_per_client``, ``gpus_per_client``: what each virtual client's Ray actor reserves; the cluster
+    runs as many actors at once as its resources hold.
     ``app_dir``: the Flower app (default: ``find_project_dir()``, from the working directory up).
     Overrides are checked against the app's keys first: a bad one starts nothing (exit code 2).
     With ``capture`` the run's streamed logs (our per-round lines included) are only in the
@@ -515,15 +536,11 @@ def run_simulation(
         return bad
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    with local_superlink(workdir) as _:
-        return flwr_run(
-            workdir,
-            run_config,
-            app_dir,
-            timeout_s,
-            capture,
-            ["--federation-config", f"num-supernodes={num_supernodes} client-resources-num-cpus={cpus_per_client}"],
-        )
+    federation = f"num-supernodes={num_supernodes} client-resources-num-cpus={cpus_per_client}"
+    if gpus_per_client:
+        federation += f" client-resources-num-gpus={gpus_per_client:g}"
+    with local_superlink(workdir, env={"RAY_ADDRESS": ray_address} if ray_address else None) as _:
+        return flwr_run(workdir, run_config, app_dir, timeout_s, capture, ["--federation-config", federation])
 
 
 def _start_supernode(
@@ -602,7 +619,9 @@ def run_deployment(
         workers = []
         for i in range(num_supernodes):
             sock = sockets / f"worker-{i}.sock"
-            proc = stack.enter_context(started(worker_command(sock), workdir / f"worker-{i}.log", env))
+            state_dir = node_state_dir(node_settings[i]) if i < len(node_settings) else ""
+            command = worker_command(sock, state_dir=state_dir)
+            proc = stack.enter_context(started(command, workdir / f"worker-{i}.log", env))
             workers.append(proc)
         for i, proc in enumerate(workers):
             wait_for((sockets / f"worker-{i}.sock").exists, proc, workdir / f"worker-{i}.log")

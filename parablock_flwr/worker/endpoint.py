@@ -8,6 +8,11 @@ set the paths the node reads, or ask it to hold arrays in memory. So:
   worker's user and give nothing to others (nor write access to its group): otherwise the worker
   refuses to start with one line naming it and its mode. It never changes the mode of a directory
   it did not create: tightening a shared ``/tmp`` or ``/run`` would break its other users.
+- **Path.** Every folder above the socket's must be writable only by root or the worker's user
+  (a root-owned folder with the sticky bit, such as ``/tmp``, is fine: others may not rename what is
+  not theirs in it), as ``ssh`` checks the path to its keys; otherwise someone else could move the
+  socket's folder aside and put their own in its place. For the same reason no symbolic link on the
+  path, the socket's folder included, may be another user's. Checked before anything is created.
 - **Socket.** Bound under a umask that leaves it 0600 (0660 with ``--allow-uid``), then set to
   exactly that mode before ``listen()``: a connection before ``listen()`` is refused, so nobody
   can connect while the mode is anything else.
@@ -128,6 +133,7 @@ def _prepare_directory(path: Path, shared: bool) -> None:
     """Create the socket's missing directories with its directory's mode; check the one that holds it."""
     directory, mode = path.parent, 0o710 if shared else 0o700
     missing = [d for d in (directory, *directory.parents) if not d.exists()]
+    _check_ancestors(path, directory)
     for created in reversed(missing):
         with contextlib.suppress(FileExistsError):  # another worker made it meanwhile: checked below
             created.mkdir(mode)
@@ -140,6 +146,34 @@ def _prepare_directory(path: Path, shared: bool) -> None:
             f"socket directory {directory}: mode {have:04o}, owner uid {st.st_uid}; expected a directory of uid "
             f"{os.geteuid()} with mode {mode:04o}, e.g. one the worker creates: --socket {own}"
         )
+
+
+def _check_ancestors(path: Path, directory: Path) -> None:
+    """``SocketRefused`` if a folder above the socket's (as written, and as its links resolve) may be
+    changed by a user other than root and the worker's: owned by another user, or writable by group
+    or others without being root's with the sticky bit; or if a link on the path, the socket's folder
+    included, is another user's (its owner may point it elsewhere later)."""
+    for entry in (directory, *directory.parents):  # a link is its maker's, whatever it points at
+        with contextlib.suppress(FileNotFoundError):
+            st = os.lstat(entry)
+            if stat.S_ISLNK(st.st_mode) and st.st_uid not in (0, os.geteuid()):
+                raise SocketRefused(
+                    f"--socket {path}: {entry} on its path is a symbolic link of uid {st.st_uid}; expected links on "
+                    f"the socket's path to be root's or uid {os.geteuid()}'s (another user may re-point theirs)"
+                )
+    above = [*directory.parents, *Path(os.path.realpath(directory)).parents]
+    for folder in dict.fromkeys(above):
+        try:
+            st = os.stat(folder)
+        except FileNotFoundError:
+            continue  # created below, by the worker, with the socket directory's mode
+        sticky_root = st.st_uid == 0 and st.st_mode & stat.S_ISVTX
+        if st.st_uid not in (0, os.geteuid()) or (st.st_mode & 0o022 and not sticky_root):
+            raise SocketRefused(
+                f"--socket {path}: folder {folder} above it has mode {stat.S_IMODE(st.st_mode):04o}, owner uid "
+                f"{st.st_uid}; expected every folder above the socket to be writable only by root or uid "
+                f"{os.geteuid()} (a root-owned folder with the sticky bit, like /tmp, is fine)"
+            )
 
 
 @contextlib.contextmanager

@@ -1,6 +1,7 @@
 """The local IPC between a per-message ClientApp and its node worker (no torch here).
 
-One frame = 8-byte big-endian header length, a JSON header, then the raw
+One frame = 8-byte big-endian header length, a JSON header (with the sender's
+``versions.PROTOCOL_VERSION``: another one is refused), then the raw
 bytes of each array in header order. Arrays are numpy buffers, sent without
 pickle: a 15 MB block crosses a Unix socket in tens of milliseconds. A sender
 may give a 1-D array as its pieces (``wire.pack_pieces``: one per tensor), which
@@ -23,9 +24,11 @@ import math
 import mmap
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import numpy as np
+
+from ..versions import FRAME_KEY, PROTOCOL_VERSION, mismatch
 
 _LEN = struct.Struct(">Q")
 # A header holds the run config and one entry per array (name, dtype, shape: about 150 bytes), so
@@ -41,6 +44,14 @@ MAX_ARRAY_DIMS = 32
 ArrayLimit = Callable[[dict], tuple[int, str]]
 # What a receiver wants in front of each array's bytes, given its dtype and shape (npy.npy_header).
 Prefix = Callable[[np.dtype, tuple[int, ...]], bytes]
+
+
+class UntrustedWorker(Exception):
+    """The process listening on the worker's socket runs as a uid the relay does not trust: nothing was sent."""
+
+    def __init__(self, pid: int, uid: int):
+        super().__init__(f"pid {pid}, uid {uid}")
+        self.pid, self.uid = pid, uid
 
 
 class ProtocolError(ValueError):
@@ -61,7 +72,7 @@ def _frame(header: dict, arrays: dict[str, Sendable] | None) -> list[bytes | mem
             raise ValueError(f"array {name!r}: pieces of {sorted(map(str, dtypes))}; expected 1-D pieces of one dtype")
         shape = list(parts[0].shape) if len(parts) == 1 else [sum(p.size for p in parts)]
         specs.append({"name": name, "dtype": str(parts[0].dtype), "shape": shape})
-    raw = json.dumps(dict(header, arrays=specs)).encode()
+    raw = json.dumps(dict(header, arrays=specs, **{FRAME_KEY: PROTOCOL_VERSION})).encode()
     buffers = (memoryview(np.ascontiguousarray(p)).cast("B") for parts in pieces.values() for p in parts)
     return [_LEN.pack(len(raw)) + raw, *(b for b in buffers if b.nbytes)]
 
@@ -87,6 +98,10 @@ async def recv(
     if size > MAX_HEADER_BYTES:
         raise ProtocolError(f"header of {size:,} bytes; expected at most {MAX_HEADER_BYTES:,}")
     header = _parse_header(await _read(reader, size, "the header"))
+    peer, here = ("the ClientApp", "this node worker") if limit is not None else ("the node worker", "this ClientApp")
+    if (problem := mismatch(header, FRAME_KEY, peer, here)) is not None:
+        raise ProtocolError(problem)  # before any array is read: a peer of another release is not parsed
+    header.pop(FRAME_KEY)
     specs = [_array_spec(i, spec) for i, spec in enumerate(header.pop("arrays"))]
     if len({name for name, _, _ in specs}) != len(specs):
         raise ProtocolError("the header names an array twice; expected unique names")
@@ -214,9 +229,12 @@ async def request(
     timeout_s: float | None = None,
     prefix: Prefix | None = None,
     on_sent: Callable[[], None] | None = None,
+    worker_uids: Collection[int] | None = None,
 ) -> tuple[dict, dict[str, np.ndarray | bytes]]:
     """One request/response over a fresh connection to the worker (``prefix``: as ``recv`` says;
-    ``on_sent``: called once the request's last byte is written, for the relay's timeline).
+    ``on_sent``: called once the request's last byte is written, for the relay's timeline;
+    ``worker_uids``: the uids the listening process may run as, checked (``SO_PEERCRED``) before a
+    byte is sent, ``UntrustedWorker`` otherwise).
 
     The arrays go to the socket as they are (a memoryview of each, never joined: an array that is a
     view of a Flower payload is not copied), and the reply is read straight from the socket.
@@ -228,6 +246,10 @@ async def request(
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.setblocking(False)
         await loop.sock_connect(sock, socket_path)
+        if worker_uids is not None:
+            pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            if uid not in worker_uids:
+                raise UntrustedWorker(pid, uid)
         try:
             for buffer in _frame(header, arrays):
                 await loop.sock_sendall(sock, buffer)

@@ -71,7 +71,9 @@ class NodeWorker:
             max_workers=1, thread_name_prefix="parablock-compute", initializer=_pin_thread, initargs=(compute_cpus,)
         )
         self.device = ""  # --device: the node's device unless its node config names one
-        self.state_dir = state_dir  # where the residuals outlive this process (node config's state-dir first)
+        # Where the residuals outlive this process: fixed when it starts (--state-dir, else SOCKET.state), never
+        # taken from a message, since a peer must not choose which folders this process writes or clears.
+        self.state_dir = state_dir
         self.lock = threading.Lock()
         self.node = node.Node(submit=self.compute_thread.submit, runs_ahead=True)
         self.run_id: int | None = None
@@ -113,9 +115,11 @@ class NodeWorker:
 
     def handle_request(self, header: dict, arrays: dict[str, np.ndarray], received: float):
         cfg = RunConfig.from_flower(header["run-config"])
+        settings = self.node_settings(header)  # a refused one changes nothing
+        if (refused := settings.refusal(cfg.model, cfg.dataset)) is not None:
+            raise node.Refused(refused)  # before admit: a run this node refuses does not take it from its run
         self.admit(header)
         setup_torch(cfg)
-        settings = self.node_settings(header)
         res = node.resources(cfg, header["run-id"], settings)
         op = "evaluate" if header.get("op") == "evaluate" else "train"
         records = split_records(arrays)
@@ -165,12 +169,20 @@ class NodeWorker:
         log.info("new run %s", run_id)
 
     def residual_store(self, settings: NodeSettings, partition_id: int) -> ResidualStore | None:
-        folder = Path(settings.state_dir) if settings.state_dir else self.state_dir
-        return ResidualStore(folder / f"partition-{partition_id}") if folder is not None else None
+        """The partition's store, in the state dir this worker was started with."""
+        return ResidualStore(self.state_dir / f"partition-{partition_id}") if self.state_dir is not None else None
 
     def node_settings(self, header: dict) -> NodeSettings:
-        """The node's own data and device (its node config, relayed), the device defaulting to ``--device``."""
+        """The node's own data and device (its node config, relayed), the device defaulting to ``--device``.
+        A node config's ``state-dir`` only confirms the worker's own: any other is refused (``node.Refused``)."""
         settings = NodeSettings.from_header(header.get("node"))
+        if settings.state_dir and (
+            self.state_dir is None or os.path.realpath(settings.state_dir) != os.path.realpath(self.state_dir)
+        ):
+            raise node.Refused(
+                f"node config state-dir={settings.state_dir!r} refused: this worker keeps its state in "
+                f"{self.state_dir}, set when it started (start it with --state-dir {settings.state_dir})"
+            )
         if not settings.device and self.device:
             settings = dataclasses.replace(settings, device=self.device)
         return settings

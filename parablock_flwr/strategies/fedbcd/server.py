@@ -24,12 +24,22 @@ from flwr.serverapp.strategy.strategy_utils import sample_nodes
 
 from ... import core
 from ...config import RunConfig
-from ...records import pieces_record
-from ...wire import round_and_pack
+from ...records import pieces_record, record_arrays
+from ...versions import PROTOCOL_VERSION, ROUND_KEY
+from ...wire import WireError, round_and_pack
 from ..node_sync import NodeSync, ask_partitions, seeded_sample
-from ..reply_checks import Expected, Reply, check_own_count, check_partition, parse_reply, state_intact
+from ..reply_checks import (
+    Expected,
+    Reply,
+    all_finite,
+    check_own_count,
+    check_partition,
+    parse_reply,
+    state_intact,
+)
 from ..round_stats import RoundStats, array_bytes, round_record
 from ..run import TooFewReplies
+from ..update_spill import UpdateSpill
 
 if TYPE_CHECKING:
     from ...checkpoint import Checkpoint
@@ -78,6 +88,7 @@ class FedBCD(Strategy):
     def attach(self, run: Run) -> None:
         """Called by ``Run``: the run whose messages, step log and records this algorithm uses."""
         self.run = run
+        self.spill = UpdateSpill(run.run_dir)
         self.sync = NodeSync(self.global_params, self.partition.num_blocks, run.step_log, self.config.transfer_dtype)
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
@@ -172,6 +183,7 @@ class FedBCD(Strategy):
         return ConfigRecord(
             {
                 **self.run.client_evaluation_keys(server_round - 1),
+                ROUND_KEY: PROTOCOL_VERSION,  # a node of another release refuses the round
                 "server-round": server_round,
                 "block": block,
                 "step-block": step_block,
@@ -228,6 +240,7 @@ class FedBCD(Strategy):
         """Send ``g^{r-1}`` (in ``arrays``, empty in round 1), ``b_r`` and any catch-up to each node."""
         self.stats = RoundStats(server_round)
         self._retry_grid, self._global_step = grid, arrays  # kept for a retry of this round
+        self.spill.start()
         nodes = self.select_nodes(server_round, grid)
         if server_round == self.run.first_round and (self.sync.resume_pending or self.sync.carried):
             self.sync.partitions.update(ask_partitions(grid, nodes, self.config.round_timeout_s))
@@ -255,25 +268,25 @@ class FedBCD(Strategy):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Check each reply, aggregate the valid ones, apply ``g^r`` to ``x``, log ``g^r``.
 
-        Nothing on the server changes before every reply of the round is checked.
+        Nothing on the server changes before every reply of the round is checked, and then only if
+        ``g^r`` keeps ``x`` finite: else the aggregate is rejected and the round retried or stopped as
+        for too few valid replies (``apply_if_finite``, ``reject_aggregate``).
         """
         block = self.block_for_round(server_round)
+        own_counts = dict(self.own_counts)  # as before the round: a rejected aggregate accepted nothing
         accepted = self.check_replies(server_round, block, replies, [])
-        while len(accepted) < self.config.min_accepted_replies:
-            accepted = self.check_replies(server_round, block, self.retry_round(server_round, accepted), accepted)
-
-        # Float sums depend on order and replies arrive in any order: sort them by the
-        # client's stable partition id (node ids change from run to run).
-        accepted.sort(key=lambda r: (r.partition_id, r.node))
-        if accepted:
-            updates = self.accepted_updates(server_round, block, accepted)
-            mean = self.combine(updates, [self.client_weight(r.metrics) for r in accepted])
-            step = self.server_update(server_round, block, mean)
-        else:  # nothing valid: x does not move, but clients still need a (zero) step to re-base on
-            step = {n: torch.zeros_like(self.global_params[n]) for n in self.partition.names(block)}
-        # Every copy applies the step as it travels: rounded to transfer-dtype, from the very pieces sent.
-        step, wire_pieces = round_and_pack(step, self.config.transfer_dtype)
-        self.sync.applied(core.apply_step_keeping(self.global_params, step))
+        while True:
+            while len(accepted) < self.config.min_accepted_replies:
+                accepted = self.check_replies(server_round, block, self.retry_round(server_round, accepted), accepted)
+            # Float sums depend on order and replies arrive in any order: sort them by the
+            # client's stable partition id (node ids change from run to run).
+            accepted.sort(key=lambda r: (r.partition_id, r.node))
+            applied = self.apply_if_finite(self.round_step(server_round, block, accepted))
+            if not isinstance(applied, str):
+                break
+            self.reject_aggregate(server_round, accepted, applied)
+            self.own_counts, accepted = dict(own_counts), []
+        step, wire_pieces = applied
         self.run.log_step(server_round, block, step)
         for reply in accepted:
             self.sync.accepted(reply.node, server_round, reply.partition_id)
@@ -292,6 +305,49 @@ class FedBCD(Strategy):
         numbers = {k: v for k, v in record.items() if type(v) in (int, float)}
         return pieces_record(wire_pieces), MetricRecord(numbers)
 
+    def round_step(self, server_round: int, block: int, accepted: list[Reply]) -> core.Tensors:
+        """``g^r`` from the accepted replies (sorted), before rounding; a zero step when none is valid
+        (``x`` does not move, but clients still need a step to re-base on)."""
+        if not accepted:
+            return {n: torch.zeros_like(self.global_params[n]) for n in self.partition.names(block)}
+        updates = self.accepted_updates(server_round, block, accepted)
+        mean = self.combine(updates, [self.client_weight(r.metrics) for r in accepted])
+        self.spill.start()  # every update is combined: the file is emptied
+        return self.server_update(server_round, block, mean)
+
+    def apply_if_finite(self, step: core.Tensors) -> tuple[core.Tensors, dict] | str:
+        """Round ``g^r`` as it travels (``transfer-dtype``, from the very pieces sent) and apply it to
+        ``x``, only if the step and the new ``x`` are finite: returns (the rounded step, its wire pieces),
+        or why not, with ``x`` unchanged. Finite replies can sum, or scale by ``server-lr``, past fp32's
+        range (or fp16's, or int8's largest scale); a non-finite ``x`` would reach every copy."""
+        try:
+            step, wire_pieces = round_and_pack(step, self.config.transfer_dtype)
+        except WireError as err:
+            return f"the round's step cannot travel as {self.config.transfer_dtype} ({err})"
+        new = {}
+        for name, delta in step.items():
+            current = self.global_params[name].detach()
+            new[name] = current + delta.to(device=current.device, dtype=current.dtype)  # apply_step's float op
+            if not all_finite(new[name]):  # x is finite: a non-finite step makes the sum non-finite too
+                return (f"the round's step is not finite in {name} as {self.config.transfer_dtype} "
+                        f"(server-lr={self.config.server_lr:g}): x is left as it was")  # fmt: skip
+        before = {}
+        for name, values in new.items():  # as core.apply_step_keeping: the same tensors take the new values
+            before[name] = self.global_params[name].detach()
+            self.global_params[name].data = values
+        self.sync.applied(before)
+        return step, wire_pieces
+
+    def reject_aggregate(self, server_round: int, accepted: list[Reply], reason: str) -> None:
+        """The round's aggregate is not applied: every reply in it is rejected with ``reason`` (counted,
+        its node resynchronised: it holds an update the server dropped), and the pending updates staged
+        for the checkpoint are discarded. The round then retries or stops (``on-too-few-replies``)."""
+        log.warning("round %d: rejected the aggregate of %d replies: %s", server_round, len(accepted), reason)
+        for reply in accepted:
+            self.stats.rejected.append({"node": reply.node, "reason": reason})
+            self.sync.failed(reply.node)
+        self.run.discard_staged()
+
     def check_replies(
         self, server_round: int, block: int, replies: Iterable[Message], accepted: list[Reply]
     ) -> list[Reply]:
@@ -301,9 +357,8 @@ class FedBCD(Strategy):
         shapes = {n: tuple(self.global_params[n].shape) for n in self.partition.names(block)}
         cfg = self.config
         expected = Expected(server_round, block, shapes, cfg.max_examples_per_client, cfg.max_update_norm,
-                            cfg.transfer_dtype, cfg.max_correction_drift,
-                            max_own_examples=cfg.max_num_examples or math.inf)  # fmt: skip
-        seen = {r.partition_id for r in accepted}
+                            cfg.transfer_dtype, cfg.max_correction_drift)  # fmt: skip
+        seen, accepted = {r.partition_id for r in accepted}, list(accepted)
         for msg in replies:
             node = self.run.sent_to(msg)
             self.stats.num_replies += 1
@@ -320,7 +375,9 @@ class FedBCD(Strategy):
                 seen.add(reply.partition_id)
                 if reply.metrics.get("own-data") == 1:
                     self.own_counts.setdefault(reply.partition_id, reply.num_examples)
-                accepted = accepted + [reply]
+                self.spill.put(reply.node, record_arrays(msg.content["update"]))  # as it came, until combined
+                reply.update = None
+                accepted.append(reply)
                 continue
             log.warning("round %d: rejected the reply of node %d: %s", server_round, node, reply)
             self.stats.rejected.append({"node": node, "reason": reply})
@@ -332,10 +389,13 @@ class FedBCD(Strategy):
         return accepted
 
     def accepted_updates(self, server_round: int, block: int, accepted: list[Reply]) -> Iterator[core.Tensors]:
-        """Each accepted ``Δ_i^r`` in turn, dropped once combined: the default weighted mean
-        holds the running sum and one update, not one per client (ParaBlock's are held until
-        written for the checkpoint, on the run's writer thread)."""
+        """Each accepted ``Δ_i^r`` in turn, read back from the round's spill (``update_spill``) and
+        dropped once combined: the default weighted mean holds the running sum and one update, not one
+        per client (ParaBlock's are held until written for the checkpoint, on the run's writer thread)."""
+        shapes = {n: tuple(self.global_params[n].shape) for n in self.partition.names(block)}
         for reply in accepted:
+            if reply.update is None:
+                reply.update = self.spill.take(reply.node, shapes)
             self.observe_update(server_round, block, reply)
             update, reply.update = reply.update, None
             yield update

@@ -1,7 +1,10 @@
-"""A reference of ParaBlock, sequential BCD and the no-correction ablation: the spec's rounds as a loop.
+"""ParaBlock, sequential BCD and the no-correction ablation as the spec defines them: one plain loop.
 
-Read it beside docs/algorithm.md. No Flower, no server, no node runtime: the clients are a
-list, a round is a loop over the sampled ones, the server is three lines. What it takes from
+This is the clearest statement of the algorithm in the project; read it beside docs/algorithm.md.
+tests/test_reference.py holds the Flower app to it bit for bit.
+
+No Flower, no server, no node runtime: the clients are a list, a round is a loop over the
+sampled ones, the server is three lines. What it takes from
 the app defines the *data and settings*, so that both compute on the same numbers: the model
 and its blocks (``load_for_training``), the block schedule, the rows and each client's
 Dirichlet partition, the seeded batches of a client's round (``round_seed``,
@@ -26,7 +29,7 @@ Start points (``START``): a sampled client trains block ``b_r`` from
   (``x^{r-2} + Δ_i^{r-1} = x^{r-1} + (Δ_i^{r-1} − g^{r-1})``, on block ``b_{r-1}``):
   ``fresh-plus-own``: ``x^{r-1} + Δ_i^{r-1}``; ``stale``: ``x^{r-2}``.
 
-    .venv/bin/python -m benchmarks.reference_gap     # the study that uses it (docs/benchmarks.md)
+Its study of the alpha 0.1 gap: docs/results.md, "Measured by experiments no longer in the tree".
 """
 
 from __future__ import annotations

@@ -1,37 +1,28 @@
-"""The analysis of ``python -m benchmarks.network --transfer-dtypes ...``: the communication window against
-the link rate for each transfer dtype, and the time model (``core.LinkModel``) calibrated on two points of
-the sweep and checked on every other one (issue 23).
+"""``--transfer-dtypes``: the communication window against the link rate for each transfer dtype, and
+the time model (``core.LinkModel``) calibrated on two points of the sweep and checked on every other one.
 
-The sweep itself (every rate x dtype over one set of processes) is ``network.run_dtype_sweep``. Here:
+The sweep itself (every rate x dtype over one set of processes) is ``runs.run_dtype_sweep``. Here:
 each run's window (rounds 2..R: the previous reply up plus this round's message down, ``comm_s``), a fit
 of the framework's cost ``fixed + bytes / throughput`` on the calibration runs after taking the link's
 own time away (``8 x bytes / rate`` and twice the latency), and the predicted round (sequential BCD:
 compute + window) of every run against the measured one. Writes results.json's ``dtype_sweep``, a
-figure (window-vs-rate.png, with matplotlib) and a section of docs/benchmarks.md.
-
-The same fit is the probe for your own deployment: run a few rounds of sequential BCD (``fedbcd``)
-twice, with two message sizes (``transfer-dtype`` fp32 and int8, or two ``layers-per-block``), and give
-their run folders with the link the runs had:
-
-    .venv/bin/python -m benchmarks.dtype_sweep --probe RUN_DIR RUN_DIR --rate 1000 --latency-ms 5
-    .venv/bin/python -m benchmarks.dtype_sweep --report runs/dtype-sweep/results.json   # tables, figure, docs again
+figure (window-vs-rate.png, with matplotlib) and docs/results/network-dtypes.md. The same fit on two
+runs of your own is ``python -m benchmarks.time_model``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import PROJECT_DIR, fit, read_records, replace_doc_section
+from benchmarks.common import PROJECT_DIR, fit, write_report
 from parablock_flwr import core
 
-DOC_HEADING = "## The window against link rate for each transfer dtype"
-TARGET_ERROR = 0.15  # issue 23: the time model predicts an uncalibrated block size and rate within 15%
+TITLE = "The window against link rate for each transfer dtype"
+TARGET_ERROR = 0.15  # the time model should predict an uncalibrated block size and rate within 15%
 
 
 def windows(run: dict) -> list[dict]:
@@ -170,11 +161,9 @@ def plot(runs: list[dict], analysis: dict, path: Path) -> Path | None:
 
 
 def describe(results: dict) -> str:
-    s, m = results["settings"], results["machine"]
+    s = results["settings"]
     return (
-        f"Command: `{results['command']}`  \nDate: {results['date']}  \n"
-        f"Machine: {m['arch']}, {m['cpu']}, nproc {m['nproc']}, {m['memory_gib']} GiB, GPU: {m['gpu']}; shared "
-        "(the load average beside each run).  \n"
+        "The load average beside each run.  \n"
         f"Model `{s['model_label']}`, {s['clients']} client(s), {', '.join(s['algorithms'])}, {s['rounds']} rounds "
         f"(rounds 2..R: one window each), {s['layers_per_block']} layers per block, {s['local_steps']} local "
         f"step(s); links of {', '.join(f'{r:g}' for r in s['rates_mbps'])} Mbit/s each way with "
@@ -197,47 +186,7 @@ def report(results: dict, out: Path, docs: bool) -> int:
         if png:
             (PROJECT_DIR / "docs" / "img").mkdir(parents=True, exist_ok=True)
             shutil.copy(png, PROJECT_DIR / "docs" / "img" / "window-vs-rate.png")
-            text += "\n\n![window against rate](img/window-vs-rate.png)\n"
-        replace_doc_section(DOC_HEADING, text)
-        print("wrote the section of docs/benchmarks.md and docs/img/window-vs-rate.png")
+            text += "\n\n![window against rate](../img/window-vs-rate.png)\n"
+        write_report("network-dtypes", TITLE, text, how=results["command"])
+        print("wrote docs/results/network-dtypes.md and docs/img/window-vs-rate.png")
     return 0 if all("error" not in r for r in results["runs"]) else 1
-
-
-def probe(run_dirs: list[Path], rate: float, latency_ms: float) -> dict:
-    """``message-overhead-s`` and ``message-throughput-mbs`` fitted to two (or more) runs of your own."""
-    from benchmarks.network import round_row
-
-    runs = []
-    for run_dir in run_dirs:
-        rounds = [round_row(rec) for rec in read_records(run_dir)[1:]]
-        runs.append({"transfer_dtype": str(run_dir), "rate_mbps": rate, "latency_ms": latency_ms, "rounds": rounds})
-    if bad := [str(d) for d, r in zip(run_dirs, runs) if not windows(r)]:
-        raise ValueError(
-            f"{bad[0]}: no round 2 or later with a measured window (measured_comm_s); expected >= 3 rounds"
-        )
-    return calibrate(runs, runs)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--report", type=Path, help="a sweep's results.json: its tables, figure and docs again")
-    what.add_argument("--probe", type=Path, nargs="+", metavar="RUN_DIR", help="run folders of your own (>= 2 sizes)")
-    p.add_argument("--rate", type=float, help="--probe: the link rate the runs had, Mbit/s each way")
-    p.add_argument("--latency-ms", type=float, default=0.0, help="--probe: their one-way latency")
-    p.add_argument("--no-docs", action="store_true", help="--report: leave docs/ alone")
-    args = p.parse_args(argv)
-    if args.report:
-        return report(json.loads(args.report.read_text()), args.report.parent, not args.no_docs)
-    if args.rate is None or args.rate <= 0:
-        p.error(f"--rate {args.rate}: expected the runs' link rate in Mbit/s, > 0")
-    try:
-        model = probe(args.probe, args.rate, args.latency_ms)
-    except ValueError as err:
-        sys.exit(f"dtype_sweep.py: {err}")
-    print(f"message-overhead-s = {model['fixed_s']:.2f}\nmessage-throughput-mbs = {model['throughput_mbs']:.1f}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

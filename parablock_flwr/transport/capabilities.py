@@ -1,0 +1,192 @@
+"""Capabilities for the direct transport: who may move which record's bytes, once, before when.
+
+The server side issues one capability per node, round, direction and record, and sends it to that
+node inside Flower's message, which Flower's TLS and node authentication protect. The stream
+service (service.py) then accepts a capability once: it is bound to the run, node, round,
+direction and record it was issued for, expires with the round's timeout, and a second use is
+refused. Nothing here imports grpc or Flower, so the rules are tested without processes.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import secrets
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+TOKEN_BYTES = 32  # 256 bits: guessing one is out of reach
+EXPIRED_KEPT_S = 600.0  # how long an expired capability is still refused as "expired" rather than unknown
+
+
+class Direction(enum.StrEnum):
+    UPLOAD = "upload"  # node -> server: the node's update
+    DOWNLOAD = "download"  # server -> node: a step, catch-up, full sync or hand-back
+
+
+class RefusalKind(enum.StrEnum):
+    """Why the service refused a request; each kind is counted on its own."""
+
+    BAD_HEADER = "bad_header"  # the first message is not a header this service reads
+    BAD_CAPABILITY = "bad_capability"  # unknown token, or bound to another run, round or direction
+    EXPIRED = "expired"  # the round's timeout passed
+    REPLAYED = "replayed"  # the capability was used already (or is in use)
+    FOREIGN_RECORD = "foreign_record"  # a node asks for a record its capability does not name
+    OVERSIZED = "oversized"  # the declared size is above the bound, refused before any byte is read
+    SIZE_MISMATCH = "size_mismatch"  # the bytes sent differ in length from the declared size
+    DIGEST_MISMATCH = "digest_mismatch"  # the bytes' SHA-256 is not the declared one
+    STALLED = "stalled"  # no message within the idle timeout
+    TRICKLING = "trickling"  # bytes arrive below the minimum rate
+    UNKNOWN_RECORD = "unknown_record"  # a download of a record not published
+
+
+class Refused(Exception):
+    """A refusal: its kind, and one line of text that names values, never secrets or payload bytes."""
+
+    def __init__(self, kind: RefusalKind, text: str):
+        super().__init__(f"{kind}: {text}")
+        self.kind = RefusalKind(kind)
+        self.text = text
+
+    def line(self) -> str:
+        return f"refused {self.kind}: {self.text}"
+
+
+class Refusals:
+    """Refusals counted by kind (what the round's record will carry), thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter()
+
+    def add(self, refused: Refused) -> None:
+        with self._lock:
+            self._counts[str(refused.kind)] += 1
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """What a node receives in Flower's message to use the stream: the token and what it is bound to."""
+
+    token: bytes
+    run_id: int
+    node_id: int
+    round: int
+    direction: Direction
+    record: str
+
+
+@dataclass
+class _Grant:
+    ticket: Ticket
+    expires_at: float
+    max_size: int | None
+    state: str = field(default="issued")  # issued -> in_use -> used; a refusal sends in_use back
+
+
+def _key(token: bytes) -> bytes:
+    """The registry's index: a hash of the token, so the lookup's timing says nothing about a guess."""
+    return hashlib.sha256(token).digest()
+
+
+class CapabilityRegistry:
+    """The server side's capabilities: issue, check (constant time), reserve, finish, release.
+
+    ``clock`` is injectable so that expiry is tested without sleeping.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._grants: dict[bytes, _Grant] = {}
+
+    def issue(
+        self,
+        run_id: int,
+        node_id: int,
+        round: int,
+        direction: Direction,
+        record: str,
+        ttl_s: float,
+        max_size: int | None = None,
+    ) -> Ticket:
+        """A fresh capability; ``ttl_s`` is the round's timeout, ``max_size`` bounds an upload's declaration."""
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s={ttl_s!r}; expected a positive number of seconds (the round's timeout)")
+        if Direction(direction) is Direction.UPLOAD and (max_size is None or max_size < 0):
+            raise ValueError(f"max_size={max_size!r}; an upload capability needs a size bound >= 0")
+        ticket = Ticket(secrets.token_bytes(TOKEN_BYTES), run_id, node_id, round, Direction(direction), record)
+        with self._lock:
+            self._prune()
+            self._grants[_key(ticket.token)] = _Grant(ticket, self._clock() + ttl_s, max_size)
+        return ticket
+
+    def reserve(self, claim: Ticket, size: int | None = None) -> Ticket:
+        """Check ``claim`` (what a request presents) and mark its capability in use; a second request
+        with it is refused as replayed. Refusals change nothing. ``size``: an upload's declared size."""
+        with self._lock:
+            grant = self._grants.get(_key(claim.token))
+            if grant is None or not hmac.compare_digest(grant.ticket.token, claim.token):
+                raise Refused(RefusalKind.BAD_CAPABILITY, "the capability is not one this server issued")
+            mine = grant.ticket
+            if (mine.run_id, mine.round, mine.direction) != (claim.run_id, claim.round, claim.direction):
+                raise Refused(
+                    RefusalKind.BAD_CAPABILITY,
+                    f"the capability is for run {mine.run_id} round {mine.round} {mine.direction}, "
+                    f"not run {claim.run_id} round {claim.round} {claim.direction}",
+                )
+            if (mine.node_id, mine.record) != (claim.node_id, claim.record):
+                raise Refused(
+                    RefusalKind.FOREIGN_RECORD,
+                    f"node {claim.node_id} asks for record {claim.record!r}; the capability names "
+                    f"node {mine.node_id}'s record {mine.record!r}",
+                )
+            if self._clock() >= grant.expires_at:
+                raise Refused(RefusalKind.EXPIRED, f"the capability for round {mine.round} expired")
+            if grant.state != "issued":
+                raise Refused(
+                    RefusalKind.REPLAYED, f"the capability for {mine.record!r} was {grant.state.replace('_', ' ')}"
+                )
+            if mine.direction is Direction.UPLOAD:
+                if size is None or grant.max_size is None or size > grant.max_size:
+                    raise Refused(
+                        RefusalKind.OVERSIZED, f"declared size {size} bytes; at most {grant.max_size} allowed"
+                    )
+            grant.state = "in_use"
+            return mine
+
+    def finish(self, ticket: Ticket) -> None:
+        """The transfer completed: the capability is spent."""
+        self._set(ticket, "used")
+
+    def release(self, ticket: Ticket) -> None:
+        """The transfer was refused or broke: the capability is as before it (until it expires)."""
+        self._set(ticket, "issued")
+
+    def drop_round(self, run_id: int, round: int) -> int:
+        """Forget a round's capabilities (the round ended); how many were dropped."""
+        with self._lock:
+            keys = [k for k, g in self._grants.items() if (g.ticket.run_id, g.ticket.round) == (run_id, round)]
+            for k in keys:
+                del self._grants[k]
+            return len(keys)
+
+    def _set(self, ticket: Ticket, state: str) -> None:
+        with self._lock:
+            grant = self._grants.get(_key(ticket.token))
+            if grant is not None:
+                grant.state = state
+
+    def _prune(self) -> None:
+        """Drop long-expired capabilities so a long run's registry stays small."""
+        now = self._clock()
+        for k in [k for k, g in self._grants.items() if now >= g.expires_at + EXPIRED_KEPT_S]:
+            del self._grants[k]

@@ -1,0 +1,107 @@
+"""The node side of the stream service: upload a record, download a published one.
+
+A node gets its capability (a Ticket) and, for a download, the record's size and SHA-256 from
+Flower's message; it checks both before it hands the bytes on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from pathlib import Path
+
+import grpc
+
+from parablock_flwr.transport.capabilities import Direction, RefusalKind, Refused, Ticket
+from parablock_flwr.transport.headers import encode_header
+from parablock_flwr.transport.service import CHUNK_BYTES, DOWNLOAD, MESSAGE_LIMIT, UPLOAD
+
+
+class TransportError(Exception):
+    """The stream failed for a reason that is not a refusal (unreachable, broken): the caller falls back."""
+
+
+def _identity(b):
+    return b
+
+
+class TransportClient:
+    """A channel to the stream service: TLS with the operator's CA file, or plaintext with ``insecure=True``."""
+
+    def __init__(
+        self, address: str, ca_file: Path | None = None, insecure: bool = False, timeout_s: float | None = None
+    ):
+        if insecure == (ca_file is not None):
+            raise ValueError(f"ca_file={ca_file!r}, insecure={insecure}; give the CA file for TLS, or insecure=True")
+        options = [("grpc.max_receive_message_length", MESSAGE_LIMIT), ("grpc.max_send_message_length", MESSAGE_LIMIT)]
+        if insecure:
+            self._channel = grpc.insecure_channel(address, options=options)
+        else:
+            credentials = grpc.ssl_channel_credentials(root_certificates=Path(ca_file).read_bytes())
+            self._channel = grpc.secure_channel(address, credentials, options=options)
+        self._timeout = timeout_s
+        self._upload = self._channel.stream_unary(UPLOAD, request_serializer=_identity, response_deserializer=_identity)
+        self._download = self._channel.unary_stream(
+            DOWNLOAD, request_serializer=_identity, response_deserializer=_identity
+        )
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def upload(self, ticket: Ticket, data: bytes | bytearray | memoryview, sha256: str | None = None) -> str:
+        """Send ``data`` under ``ticket``; its SHA-256 (hex: what the Flower reply will carry).
+        ``sha256`` skips hashing when the caller has it already."""
+        if ticket.direction is not Direction.UPLOAD:
+            raise ValueError(f"a {ticket.direction} ticket for upload; expected an upload ticket")
+        view = memoryview(data).cast("B")
+        sha256 = sha256 or hashlib.sha256(view).hexdigest()
+        header = encode_header(ticket, view.nbytes, sha256)
+
+        def messages():
+            yield header
+            for start in range(0, view.nbytes, CHUNK_BYTES):
+                yield bytes(view[start : start + CHUNK_BYTES])
+
+        self._call(lambda: self._upload(messages(), timeout=self._timeout))
+        return sha256
+
+    def download(self, ticket: Ticket, size: int, sha256: str) -> bytearray:
+        """The record ``ticket`` names, checked against ``size`` and ``sha256`` from Flower's message."""
+        if ticket.direction is not Direction.DOWNLOAD:
+            raise ValueError(f"a {ticket.direction} ticket for download; expected a download ticket")
+
+        def receive() -> bytearray:
+            data, digest, got = bytearray(size), hashlib.sha256(), 0
+            for chunk in self._download(encode_header(ticket), timeout=self._timeout):
+                if got + len(chunk) > size:
+                    raise TransportError(f"record {ticket.record!r}: more than the announced {size} bytes")
+                data[got : got + len(chunk)] = chunk
+                digest.update(chunk)
+                got += len(chunk)
+            if got != size:
+                raise TransportError(f"record {ticket.record!r}: {got} bytes; announced {size}")
+            if not hmac.compare_digest(digest.hexdigest(), sha256):
+                raise TransportError(f"record {ticket.record!r}: SHA-256 differs from the announced one")
+            return data
+
+        return self._call(receive)
+
+    @staticmethod
+    def _call(fn):
+        """Run a call; a refusal comes back as Refused (its kind parsed from the details), anything
+        else as TransportError."""
+        try:
+            return fn()
+        except grpc.RpcError as error:
+            details = error.details() or ""
+            prefix, _, rest = details.partition(": ")
+            kind = prefix.removeprefix("refused ")
+            if prefix.startswith("refused ") and kind in RefusalKind.__members__.values():
+                raise Refused(RefusalKind(kind), rest) from None
+            raise TransportError(f"{error.code().name}: {details}") from None

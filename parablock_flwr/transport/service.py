@@ -1,0 +1,347 @@
+"""The stream service: a block record's bytes beside Flower's messages, over gRPC with TLS.
+
+Two methods on one gRPC service, with raw bytes as messages (no generated code):
+- ``Upload`` (client-streaming): a header (capability, record, size, SHA-256), then chunks. The
+  bytes are hashed as they arrive and accepted only when length and digest equal the declaration;
+  they then wait in the inbox until the node's Flower reply claims them with its own digest.
+- ``Download`` (server-streaming): a header (capability, record), then the published record's chunks.
+
+Every refusal is one line to the caller (the gRPC status details), one log line, one count by kind,
+and changes nothing: the capability is released, the inbox and outbox stay as they were.
+The server runs in a thread pool of the process that starts it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import queue
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from parablock_flwr.transport.capabilities import (
+    CapabilityRegistry,
+    Direction,
+    RefusalKind,
+    Refusals,
+    Refused,
+    Ticket,
+)
+from parablock_flwr.transport.headers import Header, parse_header
+
+log = logging.getLogger(__name__)
+
+SERVICE = "parablock.transport.Transport"
+UPLOAD = f"/{SERVICE}/Upload"
+DOWNLOAD = f"/{SERVICE}/Download"
+CHUNK_BYTES = 4 * 2**20
+MESSAGE_LIMIT = CHUNK_BYTES + 2**20  # a chunk plus room for framing; larger messages are refused by grpc
+
+STATUS = {
+    RefusalKind.BAD_HEADER: grpc.StatusCode.INVALID_ARGUMENT,
+    RefusalKind.BAD_CAPABILITY: grpc.StatusCode.PERMISSION_DENIED,
+    RefusalKind.EXPIRED: grpc.StatusCode.PERMISSION_DENIED,
+    RefusalKind.REPLAYED: grpc.StatusCode.PERMISSION_DENIED,
+    RefusalKind.FOREIGN_RECORD: grpc.StatusCode.PERMISSION_DENIED,
+    RefusalKind.OVERSIZED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    RefusalKind.SIZE_MISMATCH: grpc.StatusCode.INVALID_ARGUMENT,
+    RefusalKind.DIGEST_MISMATCH: grpc.StatusCode.DATA_LOSS,
+    RefusalKind.STALLED: grpc.StatusCode.DEADLINE_EXCEEDED,
+    RefusalKind.TRICKLING: grpc.StatusCode.DEADLINE_EXCEEDED,
+    RefusalKind.UNKNOWN_RECORD: grpc.StatusCode.NOT_FOUND,
+}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """How slow an upload may be: no message for ``idle_timeout_s`` is a stall; after ``grace_s``,
+    an average below ``min_rate_bytes_s`` is a trickle. ``chunk_bytes``: the download's chunk size."""
+
+    idle_timeout_s: float = 30.0
+    min_rate_bytes_s: float = 1e6
+    grace_s: float = 10.0
+    chunk_bytes: int = CHUNK_BYTES
+
+    def __post_init__(self):
+        for name in ("idle_timeout_s", "min_rate_bytes_s", "grace_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)!r}; expected a positive number")
+        if not 0 < self.chunk_bytes <= CHUNK_BYTES:
+            raise ValueError(f"chunk_bytes={self.chunk_bytes!r}; expected 1..{CHUNK_BYTES}")
+
+
+@dataclass(frozen=True)
+class Published:
+    """A record the server publishes once: its bytes in memory or a file, with size and SHA-256 (hex)."""
+
+    name: str
+    size: int
+    sha256: str
+    data: bytes | None = None
+    path: Path | None = None
+
+    def chunks(self, chunk_bytes: int):
+        if self.data is not None:
+            view = memoryview(self.data)
+            for start in range(0, self.size, chunk_bytes):
+                yield bytes(view[start : start + chunk_bytes])
+            return
+        with open(self.path, "rb") as f:
+            while chunk := f.read(chunk_bytes):
+                yield chunk
+
+
+class Outbox:
+    """Records published for download, each once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._records: dict[str, Published] = {}
+
+    def publish(self, name: str, data: bytes | None = None, path: Path | None = None) -> Published:
+        """Publish ``data`` or the file at ``path`` under ``name``; its size and SHA-256 go into Flower's message."""
+        if (data is None) == (path is None):
+            raise ValueError(
+                f"publish {name!r}: give either data or path, not {'both' if data is not None else 'neither'}"
+            )
+        if data is not None:
+            record = Published(name, len(data), hashlib.sha256(data).hexdigest(), data=bytes(data))
+        else:
+            path = Path(path)
+            with open(path, "rb") as f:
+                digest = hashlib.file_digest(f, "sha256").hexdigest()
+            record = Published(name, path.stat().st_size, digest, path=path)
+        with self._lock:
+            if name in self._records:
+                raise ValueError(f"record {name!r} is already published; a record is published once")
+            self._records[name] = record
+        return record
+
+    def get(self, name: str) -> Published | None:
+        with self._lock:
+            return self._records.get(name)
+
+    def retire(self, name: str) -> None:
+        with self._lock:
+            self._records.pop(name, None)
+
+
+class Inbox:
+    """Uploads whose bytes matched their declaration, waiting for the Flower reply that commits them."""
+
+    def __init__(self, refusals: Refusals) -> None:
+        self._lock = threading.Lock()
+        self._records: dict[tuple, tuple[str, bytearray]] = {}
+        self._refusals = refusals
+
+    def put(self, ticket: Ticket, sha256: str, data: bytearray) -> None:
+        with self._lock:
+            self._records[_slot(ticket)] = (sha256, data)
+
+    def claim(self, run_id: int, node_id: int, round: int, record: str, sha256: str) -> bytearray | None:
+        """The uploaded bytes when their digest equals ``sha256`` (from the node's Flower reply), and
+        None when nothing was uploaded (the caller falls back). A different digest is refused, counted,
+        and leaves the inbox as it was."""
+        with self._lock:
+            held = self._records.get((run_id, node_id, round, record))
+            if held is None:
+                return None
+            if not hmac.compare_digest(held[0], sha256):
+                refused = Refused(
+                    RefusalKind.DIGEST_MISMATCH,
+                    f"node {node_id} round {round} record {record!r}: the reply's SHA-256 is not the uploaded one",
+                )
+                self._refusals.add(refused)
+                raise refused
+            del self._records[(run_id, node_id, round, record)]
+            return held[1]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._records)
+
+
+def _slot(t: Ticket) -> tuple:
+    return (t.run_id, t.node_id, t.round, t.record)
+
+
+class _Feed:
+    """Pulls a client stream in a helper thread so the handler can wait with a timeout (a stalled
+    client would otherwise hold the handler forever)."""
+
+    _END = object()
+
+    def __init__(self, requests) -> None:
+        self._queue: queue.Queue = queue.Queue(maxsize=4)
+        self._stop = threading.Event()
+        threading.Thread(target=self._pull, args=(requests,), daemon=True, name="transport-feed").start()
+
+    def _pull(self, requests) -> None:
+        try:
+            for message in requests:
+                if not self._put(message):
+                    return
+        except Exception:  # the RPC ended (cancelled or aborted): the handler sees the end
+            pass
+        self._put(self._END)
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.5)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def next(self, timeout: float):
+        """The next message, None at the stream's end; raises queue.Empty after ``timeout``."""
+        item = self._queue.get(timeout=timeout)
+        return None if item is self._END else item
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class TransportServer:
+    """The stream service, with its capability registry, outbox, inbox and refusal counts."""
+
+    def __init__(
+        self,
+        registry: CapabilityRegistry | None = None,
+        address: str = "0.0.0.0:0",
+        cert_file: Path | None = None,
+        key_file: Path | None = None,
+        insecure: bool = False,
+        limits: Limits = Limits(),
+        max_workers: int = 16,
+    ):
+        if insecure and (cert_file or key_file):
+            raise ValueError("insecure=True with a certificate; choose TLS (cert_file and key_file) or insecure")
+        if not insecure and not (cert_file and key_file):
+            raise ValueError(
+                f"cert_file={cert_file!r}, key_file={key_file!r}; TLS needs both (plaintext only with insecure=True)"
+            )
+        self.registry = registry or CapabilityRegistry()
+        self.refusals = Refusals()
+        self.outbox = Outbox()
+        self.inbox = Inbox(self.refusals)
+        self.limits = limits
+        self._address, self._insecure = address, insecure
+        self._cert = Path(cert_file).read_bytes() if cert_file else None
+        self._key = Path(key_file).read_bytes() if key_file else None
+        self._max_workers = max_workers
+        self._server: grpc.Server | None = None
+        self.port: int | None = None
+
+    def start(self) -> int:
+        """Start serving; the bound port (``address`` may ask for port 0: any free one)."""
+        options = [("grpc.max_receive_message_length", MESSAGE_LIMIT), ("grpc.max_send_message_length", MESSAGE_LIMIT)]
+        # Each upload holds a worker and a feed thread; the pool bounds concurrent transfers.
+        self._server = grpc.server(futures.ThreadPoolExecutor(self._max_workers, "transport"), options=options)
+        handlers = {
+            "Upload": grpc.stream_unary_rpc_method_handler(self._upload),
+            "Download": grpc.unary_stream_rpc_method_handler(self._download),
+        }
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+        if self._insecure:
+            self.port = self._server.add_insecure_port(self._address)
+        else:
+            credentials = grpc.ssl_server_credentials([(self._key, self._cert)])
+            self.port = self._server.add_secure_port(self._address, credentials)
+        if not self.port:
+            raise OSError(f"the transport service could not bind {self._address!r}")
+        self._server.start()
+        log.info("transport service on port %d (%s)", self.port, "PLAINTEXT" if self._insecure else "TLS")
+        return self.port
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        if self._server is not None:
+            self._server.stop(grace_s).wait()
+            self._server = None
+
+    def _refuse(self, refused: Refused, context: grpc.ServicerContext) -> None:
+        self.refusals.add(refused)
+        log.warning("transport %s", refused.line())
+        context.abort(STATUS[refused.kind], refused.line())
+
+    def _upload(self, requests, context: grpc.ServicerContext) -> bytes:
+        feed, ticket, done = _Feed(requests), None, False
+        try:
+            first = self._next(feed, time.monotonic(), 0)
+            if first is None:
+                raise Refused(RefusalKind.BAD_HEADER, "the stream ended before its header")
+            header = parse_header(first, Direction.UPLOAD)
+            ticket = self.registry.reserve(header.claim, header.size)
+            data = self._receive(feed, header)
+            self.inbox.put(ticket, header.sha256, data)
+            self.registry.finish(ticket)
+            done = True
+            return b"accepted"
+        except Refused as refused:
+            self._refuse(refused, context)
+        finally:
+            feed.stop()
+            # Anything but acceptance (a refusal, a broken stream, an error) leaves the capability as it was.
+            if ticket is not None and not done:
+                self.registry.release(ticket)
+
+    def _receive(self, feed: _Feed, header: Header) -> bytearray:
+        """The declared bytes, hashed as they arrive; any difference from the declaration is refused."""
+        data, digest, got, start = bytearray(header.size), hashlib.sha256(), 0, time.monotonic()
+        while (chunk := self._next(feed, start, got)) is not None:
+            if got + len(chunk) > header.size:
+                raise Refused(RefusalKind.SIZE_MISMATCH, f"more than the declared {header.size} bytes")
+            data[got : got + len(chunk)] = chunk
+            digest.update(chunk)
+            got += len(chunk)
+        if got != header.size:
+            raise Refused(RefusalKind.SIZE_MISMATCH, f"{got} bytes; declared {header.size}")
+        if not hmac.compare_digest(digest.hexdigest(), header.sha256):
+            raise Refused(
+                RefusalKind.DIGEST_MISMATCH, f"record {header.claim.record!r}: SHA-256 differs from the declared one"
+            )
+        return data
+
+    def _next(self, feed: _Feed, start: float, got: int):
+        """The next message, refusing a stall (nothing for the idle timeout) or a trickle (below the
+        minimum average rate once the grace period is over)."""
+        limits = self.limits
+        try:
+            message = feed.next(limits.idle_timeout_s)
+        except queue.Empty:
+            raise Refused(
+                RefusalKind.STALLED, f"no message for {limits.idle_timeout_s:g} s after {got} bytes"
+            ) from None
+        elapsed = time.monotonic() - start
+        if message is not None and elapsed > limits.grace_s and got / elapsed < limits.min_rate_bytes_s:
+            raise Refused(
+                RefusalKind.TRICKLING,
+                f"{got} bytes in {elapsed:.1f} s; at least {limits.min_rate_bytes_s:g} B/s after {limits.grace_s:g} s",
+            )
+        return message
+
+    def _download(self, request: bytes, context: grpc.ServicerContext):
+        ticket = None
+        try:
+            header = parse_header(request, Direction.DOWNLOAD)
+            ticket = self.registry.reserve(header.claim)
+            record = self.outbox.get(ticket.record)
+            if record is None:
+                raise Refused(RefusalKind.UNKNOWN_RECORD, f"record {ticket.record!r} is not published")
+        except Refused as refused:
+            if ticket is not None:
+                self.registry.release(ticket)
+            self._refuse(refused, context)
+        done = False
+        try:
+            yield from record.chunks(self.limits.chunk_bytes)
+            done = True
+        finally:
+            (self.registry.finish if done else self.registry.release)(ticket)

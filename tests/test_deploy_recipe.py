@@ -1,0 +1,139 @@
+"""docs/deploy-8b.md followed end to end on one machine: its bash blocks marked ``<!-- loopback: PHASE -->``
+run as written (with ``/`` moved under a folder, loopback addresses, a tiny Llama, one site, two
+rounds), and the shipped units (deploy/) start the SuperLink, the worker and the SuperNode as systemd
+would (tests/test_units.py), with TLS from ``openssl`` and a node key from ``ssh-keygen``."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+from test_units import UNITS, USERS, Unit, site_root, systemd_start, wait_until  # noqa: F401 (site_root: a fixture)
+
+from parablock_flwr.tools.app_config import find_project_dir
+from parablock_flwr.tools.launch import free_port, listens
+from parablock_flwr.tools.tiny_model import build_tiny_model
+
+PROJECT_DIR = find_project_dir(Path(__file__).resolve().parent)
+RECIPE = PROJECT_DIR / "docs" / "deploy-8b.md"
+MARK = re.compile(r"^<!--\s*loopback:\s*(\w+)\s*-->$")
+MODEL = "/models/Meta-Llama-3.1-8B-Instruct"
+TRAIN_ROWS, HELDOUT_ROWS = 24, 6
+
+
+def bash_blocks(doc: Path) -> list[tuple[int, str | None, str]]:
+    """(line of the fence, the ``loopback:`` phase or None, the block's text) of every ```bash block."""
+    lines, blocks, i = doc.read_text().splitlines(), [], 0
+    while i < len(lines):
+        if lines[i].strip() == "```bash":
+            mark = MARK.match(lines[i - 1].strip()) if i else None
+            end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
+            blocks.append((i + 1, mark.group(1) if mark else None, "\n".join(ln.strip() for ln in lines[i + 1 : end])))
+            i = end
+        i += 1
+    return blocks
+
+
+def phase(name: str, subs: list[tuple[str, str]]) -> str:
+    """The phase's blocks, in page order, with the loopback's substitutions."""
+    text = "\n".join(body for _, mark, body in bash_blocks(RECIPE) if mark == name)
+    assert text, f"docs/deploy-8b.md has no block marked loopback: {name}"
+    for old, new in subs:
+        text = text.replace(old, new)
+    return text
+
+
+def run_phase(name: str, subs: list[tuple[str, str]], env: dict[str, str], timeout_s: float) -> str:
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c", phase(name, subs)], cwd=PROJECT_DIR, env=env,
+                          capture_output=True, text=True, timeout=timeout_s)  # fmt: skip
+    assert done.returncode == 0, (
+        f"loopback: {name} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    )
+    return done.stdout + done.stderr
+
+
+def site_data(folder: Path) -> None:
+    folder.mkdir(parents=True)
+    for name, rows in (("train", TRAIN_ROWS), ("heldout", HELDOUT_ROWS)):
+        lines = [{"instruction": f"What is {i} + 3?", "output": f"{i + 3}."} for i in range(rows)]
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    for path in (folder, folder.parent):
+        os.chmod(path, 0o755)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_the_recipe_runs_on_loopback_with_the_shipped_units(site_root):  # noqa: F811
+    root = site_root
+    port, app_port, node_health, link_health = free_port(), free_port(), free_port(), free_port()
+    user, group = USERS["parablock"]
+    subs = [
+        (
+            "/opt/parablock-flwr",
+            str(PROJECT_DIR),
+        ),  # commands run by root from the checkout; the units use /opt's stand-in
+        ("SERVER_DNS:9093", f"localhost:{port}"),
+        ("CLIENTAPP_PORT=9094", f"CLIENTAPP_PORT={app_port}"),
+        ("127.0.0.1:9096", f"127.0.0.1:{node_health}"),
+        ("SERVER_DNS", "localhost"),
+        ("SERVER_IP", "127.0.0.1"),
+        ("-o parablock -g parablock", f"-o {user} -g {group}"),
+        ("-o parablock-superlink -g parablock-superlink", "-o {} -g {}".format(*USERS["parablock-superlink"])),
+        ('worker-uid="parablock"', f'worker-uid="{user}"'),
+        ("/etc/parablock", f"{root}/etc/parablock"),
+        ("/srv/", f"{root}/srv/"),
+        ("/models/", f"{root}/models/"),
+        ("/run/parablock", f"{root}/run/parablock"),
+        ("/data/", f"{root}/data/"),
+        ("min-available-nodes=3", "min-available-nodes=1"),
+        ("num-server-rounds=64", "num-server-rounds=2 local-steps=2"),
+    ]
+    (root / "models").mkdir(mode=0o755)
+    build_tiny_model(root / "models" / MODEL.rsplit("/", 1)[1])
+    site_data(root / "srv" / "site0")
+    home = root / "home"
+    home.mkdir()
+    env = {**os.environ, "HOME": str(home), "PYTHONPATH": str(PROJECT_DIR)}
+    env.pop("FLWR_HOME", None)
+
+    planned = run_phase("plan", subs, env, 300)
+    assert "GiB" in planned  # plan's own figures, whatever they are today
+    run_phase("setup", subs, env, 300)
+    etc = root / "etc" / "parablock"
+    assert oct(os.stat(etc / "node_key-0").st_mode & 0o777) == "0o600"
+    (etc / "superlink.env").write_text(f"HOST=127.0.0.1\nPORT={port}\nHEALTH_ADDRESS=127.0.0.1:{link_health}\n")
+    (etc / "worker-0.env").write_text("DEVICE=cpu\n")  # the CPU in place of cuda:0
+    env_files = {str(p): p.read_text() for p in etc.glob("*.env")}
+
+    link = Unit.read(UNITS / "parablock-superlink.service", root=root)
+    worker = Unit.read(UNITS / "parablock-worker@.service", "0", root)
+    node = Unit.read(UNITS / "parablock-supernode@.service", "0", root)
+    flwr = [str(PROJECT_DIR / ".venv" / "bin" / "flwr")]
+    with systemd_start(link, root, env_files, root / "superlink.log") as (link_proc, _):
+        wait_until(lambda: listens(f"127.0.0.1:{port}"), link_proc, root / "superlink.log")
+        registered = run_phase("register", subs, env, 120)
+        assert "registered successfully" in registered, registered
+        with systemd_start(worker, root, env_files, root / "worker.log") as (worker_proc, argv):
+            wait_until(Path(argv[argv.index("--socket") + 1]).exists, worker_proc, root / "worker.log")
+            with systemd_start(node, root, env_files, root / "supernode.log") as (node_proc, _):
+
+                def online() -> bool:
+                    listed = subprocess.run([*flwr, "supernode", "list", "mylink"], env=env, capture_output=True,
+                                            text=True, timeout=120)  # fmt: skip
+                    return "online" in listed.stdout
+
+                wait_until(online, node_proc, root / "supernode.log")
+                run_phase("run", subs, env, 900)
+
+    statuses = list((root / "data" / "parablock-runs").glob("*/status.json"))
+    assert len(statuses) == 1, statuses
+    status = json.loads(statuses[0].read_text())
+    assert status["status"] == "completed", status.get("reason", status)
+    nodes = [json.loads(line) for line in (statuses[0].parent / "nodes.jsonl").read_text().splitlines()]
+    weights = [w for rec in nodes for w in rec.get("client_weights", [])]
+    assert weights and all(w["num_examples"] == TRAIN_ROWS for w in weights), weights
+    assert f"Loading model {root}/models/" in (root / "worker.log").read_text()

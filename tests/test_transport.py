@@ -1,0 +1,457 @@
+"""The direct transport's stream service and its security rules (parablock_flwr/transport).
+
+Capability and header rules are tested without processes; the service over loopback with a real
+gRPC server and client, TLS with a CA and certificate made here. Each refusal is checked three ways:
+the caller gets its kind, the server counts it, and nothing else changed."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import threading
+import time
+
+import grpc
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from parablock_flwr.tools.credentials import make_tls
+from parablock_flwr.transport import (
+    CapabilityRegistry,
+    Direction,
+    Limits,
+    RefusalKind,
+    Refused,
+    Ticket,
+    TransportClient,
+    TransportError,
+    TransportServer,
+)
+from parablock_flwr.transport.capabilities import Refusals
+from parablock_flwr.transport.headers import MAX_HEADER_BYTES, encode_header, parse_header
+from parablock_flwr.transport.service import UPLOAD, Inbox, Outbox
+
+UP, DOWN = Direction.UPLOAD, Direction.DOWNLOAD
+
+
+class Clock:
+    """A clock the test moves (expiry without sleeping)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def refused_kind(fn) -> RefusalKind:
+    with pytest.raises(Refused) as info:
+        fn()
+    return info.value.kind
+
+
+# ---------------------------------------------------------------- capabilities, without processes
+
+
+def test_capabilities_are_256_random_bits_and_distinct():
+    reg = CapabilityRegistry()
+    tickets = [reg.issue(1, 2, 3, UP, "update/2", ttl_s=10, max_size=10) for _ in range(50)]
+    assert all(len(t.token) == 32 for t in tickets)
+    assert len({t.token for t in tickets}) == 50
+
+
+def test_a_capability_is_accepted_once_then_refused_as_replayed():
+    reg = CapabilityRegistry()
+    t = reg.issue(1, 2, 3, DOWN, "step/3", ttl_s=10)
+    assert reg.reserve(t) == t
+    assert refused_kind(lambda: reg.reserve(t)) is RefusalKind.REPLAYED  # in use
+    reg.finish(t)
+    assert refused_kind(lambda: reg.reserve(t)) is RefusalKind.REPLAYED  # spent
+
+
+def test_a_refused_transfer_leaves_the_capability_usable():
+    reg = CapabilityRegistry()
+    t = reg.issue(1, 2, 3, UP, "update/2", ttl_s=10, max_size=100)
+    assert refused_kind(lambda: reg.reserve(t, size=101)) is RefusalKind.OVERSIZED
+    reg.reserve(t, size=100)
+    reg.release(t)  # e.g. the bytes did not match their digest
+    assert reg.reserve(t, size=100) == t
+
+
+def test_an_unknown_or_altered_token_is_a_bad_capability():
+    reg = CapabilityRegistry()
+    t = reg.issue(1, 2, 3, DOWN, "step/3", ttl_s=10)
+    flipped = bytes([t.token[0] ^ 1]) + t.token[1:]
+    assert refused_kind(lambda: reg.reserve(dataclasses.replace(t, token=flipped))) is RefusalKind.BAD_CAPABILITY
+    assert refused_kind(lambda: reg.reserve(dataclasses.replace(t, token=os.urandom(32)))) is RefusalKind.BAD_CAPABILITY
+
+
+@pytest.mark.parametrize("change", [{"run_id": 9}, {"round": 4}, {"direction": UP}])
+def test_a_capability_is_bound_to_its_run_round_and_direction(change):
+    reg = CapabilityRegistry()
+    t = reg.issue(1, 2, 3, DOWN, "step/3", ttl_s=10)
+    assert refused_kind(lambda: reg.reserve(dataclasses.replace(t, **change), size=1)) is RefusalKind.BAD_CAPABILITY
+    assert reg.reserve(t) == t  # the refusal changed nothing
+
+
+@pytest.mark.parametrize("change", [{"node_id": 5}, {"record": "catchup/5"}])
+def test_a_node_asking_for_another_nodes_record_is_refused(change):
+    reg = CapabilityRegistry()
+    t = reg.issue(1, 2, 3, DOWN, "catchup/2", ttl_s=10)
+    refused = pytest.raises(Refused, reg.reserve, dataclasses.replace(t, **change)).value
+    assert refused.kind is RefusalKind.FOREIGN_RECORD
+    assert "\n" not in refused.line() and t.token.hex() not in refused.line()
+
+
+def test_a_capability_expires_with_the_rounds_timeout():
+    clock = Clock()
+    reg = CapabilityRegistry(clock)
+    t = reg.issue(1, 2, 3, DOWN, "step/3", ttl_s=5)
+    clock.now = 4.99
+    reg.reserve(t)
+    reg.release(t)
+    clock.now = 5.0
+    assert refused_kind(lambda: reg.reserve(t)) is RefusalKind.EXPIRED
+
+
+def test_dropping_a_round_forgets_its_capabilities_only():
+    reg = CapabilityRegistry()
+    old = reg.issue(1, 2, 3, DOWN, "step/3", ttl_s=10)
+    new = reg.issue(1, 2, 4, DOWN, "step/4", ttl_s=10)
+    assert reg.drop_round(1, 3) == 1
+    assert refused_kind(lambda: reg.reserve(old)) is RefusalKind.BAD_CAPABILITY
+    assert reg.reserve(new) == new
+
+
+@pytest.mark.parametrize(
+    "kwargs, names",
+    [
+        ({"ttl_s": 0, "max_size": 1}, "ttl_s=0"),
+        ({"ttl_s": 1}, "max_size=None"),
+        ({"ttl_s": 1, "max_size": -1}, "max_size=-1"),
+    ],
+)
+def test_issue_names_a_bad_argument(kwargs, names):
+    with pytest.raises(ValueError, match=names):
+        CapabilityRegistry().issue(1, 2, 3, UP, "update/2", **kwargs)
+
+
+def test_inbox_commits_bytes_only_under_the_replys_digest():
+    refusals = Refusals()
+    inbox = Inbox(refusals)
+    t = Ticket(os.urandom(32), 1, 2, 3, UP, "update/2")
+    inbox.put(t, sha(b"abc"), bytearray(b"abc"))
+    assert refused_kind(lambda: inbox.claim(1, 2, 3, "update/2", sha(b"abd"))) is RefusalKind.DIGEST_MISMATCH
+    assert refusals.counts() == {"digest_mismatch": 1} and len(inbox) == 1  # counted, nothing changed
+    assert inbox.claim(1, 2, 3, "update/2", sha(b"abc")) == b"abc"
+    assert inbox.claim(1, 2, 3, "update/2", sha(b"abc")) is None  # claimed once; None: fall back
+
+
+def test_a_record_is_published_once_from_bytes_or_a_file(tmp_path):
+    outbox = Outbox()
+    record = outbox.publish("step/3", data=b"xyz")
+    assert (record.size, record.sha256) == (3, sha(b"xyz"))
+    with pytest.raises(ValueError, match="already published"):
+        outbox.publish("step/3", data=b"other")
+    (tmp_path / "f").write_bytes(b"0123456789")
+    from_file = outbox.publish("full/3", path=tmp_path / "f")
+    assert (from_file.size, from_file.sha256) == (10, sha(b"0123456789"))
+    assert b"".join(from_file.chunks(3)) == b"0123456789"
+    with pytest.raises(ValueError, match="either data or path"):
+        outbox.publish("x", data=b"1", path=tmp_path / "f")
+
+
+# ---------------------------------------------------------------- headers: what comes off the network
+
+tickets = st.builds(
+    Ticket,
+    token=st.binary(min_size=32, max_size=32),
+    run_id=st.integers(0, 2**64 - 1),
+    node_id=st.integers(0, 2**64 - 1),
+    round=st.integers(0, 2**64 - 1),
+    direction=st.sampled_from(Direction),
+    record=st.from_regex(r"[A-Za-z0-9_.:/-]{1,128}", fullmatch=True),
+)
+
+
+@given(tickets, st.integers(0, 2**63 - 1), st.binary(min_size=32, max_size=32))
+def test_a_header_reads_back_as_written(ticket, size, digest):
+    header = parse_header(encode_header(ticket, size, digest.hex()), ticket.direction)
+    assert header.claim == ticket
+    if ticket.direction is UP:
+        assert (header.size, header.sha256) == (size, digest.hex())
+
+
+@given(st.binary(max_size=MAX_HEADER_BYTES + 10), st.sampled_from(Direction))
+def test_any_bytes_are_a_header_or_one_bad_header_refusal(data, direction):
+    try:
+        parse_header(data, direction)
+    except Refused as refused:
+        assert refused.kind is RefusalKind.BAD_HEADER and "\n" not in refused.line()
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=80),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=8,
+)
+FIELDS = ["token", "run_id", "node_id", "round", "direction", "record", "size", "sha256", "extra"]
+
+
+@settings(max_examples=300)
+@given(tickets, st.dictionaries(st.sampled_from(FIELDS), json_values, max_size=4), st.sets(st.sampled_from(FIELDS)))
+def test_a_header_with_altered_fields_is_read_strictly(ticket, changes, dropped):
+    fields = json.loads(encode_header(ticket, 10, "0" * 64))
+    fields = {k: v for k, v in (fields | changes).items() if k not in dropped}
+    data = json.dumps(fields).encode()
+    try:
+        header = parse_header(data, ticket.direction)
+    except Refused as refused:
+        assert refused.kind is RefusalKind.BAD_HEADER
+        assert ticket.token.hex() not in refused.text  # a token is never echoed
+        return
+    # Accepted: every field is of its type and range.
+    assert isinstance(header.claim.run_id, int) and not isinstance(header.claim.run_id, bool)
+    assert len(header.claim.token) == 32
+
+
+@pytest.mark.parametrize(
+    "edit, says",
+    [
+        (lambda f: f | {"size": True}, "size=True"),
+        (lambda f: f | {"size": -1}, "size=-1"),
+        (lambda f: f | {"round": 1.0}, "round=1.0"),
+        (lambda f: f | {"record": "../etc/passwd\n"}, "record="),
+        (lambda f: f | {"direction": "download"}, "direction"),
+        (lambda f: f | {"token": "AB" * 32}, "token=(hidden)"),
+        (lambda f: f | {"more": 1}, "fields"),
+        (lambda f: f | {"record": "x" * MAX_HEADER_BYTES}, f"at most {MAX_HEADER_BYTES}"),
+    ],
+)
+def test_a_bad_header_is_named_in_one_line(edit, says):
+    fields = json.loads(encode_header(Ticket(os.urandom(32), 1, 2, 3, UP, "update/2"), 10, "0" * 64))
+    refused = pytest.raises(Refused, parse_header, json.dumps(edit(fields)).encode(), UP).value
+    assert refused.kind is RefusalKind.BAD_HEADER and says in refused.text and "\n" not in refused.line()
+
+
+# ---------------------------------------------------------------- the service over loopback, with TLS
+
+LIMITS = Limits(idle_timeout_s=1.0, min_rate_bytes_s=1e6, grace_s=0.5)
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory):
+    return make_tls(tmp_path_factory.mktemp("transport-tls"))
+
+
+@pytest.fixture(scope="module")
+def server(tls):
+    srv = TransportServer(address="127.0.0.1:0", cert_file=tls.server_cert, key_file=tls.server_key, limits=LIMITS)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server, tls):
+    with TransportClient(f"localhost:{server.port}", ca_file=tls.ca_cert, timeout_s=30) as c:
+        yield c
+
+
+_records = iter(range(10**6))
+
+
+def upload_ticket(server, max_size, ttl_s=30.0) -> Ticket:
+    return server.registry.issue(1, 2, 7, UP, f"update/2/{next(_records)}", ttl_s=ttl_s, max_size=max_size)
+
+
+def raw_upload(server, tls, messages):
+    """An Upload call from a client that sends whatever ``messages`` yields: the status details."""
+    credentials = grpc.ssl_channel_credentials(root_certificates=tls.ca_cert.read_bytes())
+    with grpc.secure_channel(f"localhost:{server.port}", credentials) as channel:
+        call = channel.stream_unary(UPLOAD, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        try:
+            return call(messages, timeout=20).decode()
+        except grpc.RpcError as error:
+            return error.details()
+
+
+def expect_refusal(server, kind, fn):
+    """``fn`` is refused with ``kind``, counted once, and leaves the inbox as it was."""
+    before, held = server.refusals.counts().get(kind, 0), len(server.inbox)
+    result = fn()  # the kind the client raised, or a raw call's status details
+    if isinstance(result, RefusalKind):
+        assert result == kind
+    else:
+        assert result.startswith(f"refused {kind}: "), result
+    assert server.refusals.counts().get(kind, 0) == before + 1
+    assert len(server.inbox) == held
+
+
+def test_random_bytes_round_trip_over_tls(server, client):
+    data = os.urandom(9 * 2**20 + 123)  # three chunks, the last one short
+    t = upload_ticket(server, len(data))
+    digest = client.upload(t, data)
+    assert digest == sha(data)
+    assert server.inbox.claim(1, 2, 7, t.record, digest) == data
+    record = server.outbox.publish(f"step/{next(_records)}", data=data)
+    down = server.registry.issue(1, 2, 7, DOWN, record.name, ttl_s=30)
+    assert client.download(down, record.size, record.sha256) == data
+
+
+def test_a_record_published_from_a_file_downloads(server, client, tmp_path):
+    data = os.urandom(5 * 2**20)
+    (tmp_path / "block.bin").write_bytes(data)
+    record = server.outbox.publish(f"full/{next(_records)}", path=tmp_path / "block.bin")
+    t = server.registry.issue(1, 3, 7, DOWN, record.name, ttl_s=30)
+    assert client.download(t, record.size, record.sha256) == data
+
+
+def test_tls_is_required_unless_insecure_is_explicit(tls):
+    with pytest.raises(ValueError, match="insecure=True"):
+        TransportServer()
+    with pytest.raises(ValueError, match="insecure=True"):
+        TransportClient("localhost:1")
+    with pytest.raises(ValueError, match="choose TLS"):
+        TransportServer(cert_file=tls.server_cert, key_file=tls.server_key, insecure=True)
+
+
+def test_plaintext_works_only_when_both_sides_say_insecure(tls):
+    srv = TransportServer(address="127.0.0.1:0", insecure=True)
+    srv.start()
+    try:
+        t = srv.registry.issue(1, 2, 7, UP, "update/2", ttl_s=30, max_size=3)
+        with TransportClient(f"localhost:{srv.port}", ca_file=tls.ca_cert, timeout_s=5) as tls_client:
+            with pytest.raises(TransportError, match="UNAVAILABLE"):  # a TLS client does not drop to plaintext
+                tls_client.upload(t, b"abc")
+        with TransportClient(f"localhost:{srv.port}", insecure=True, timeout_s=5) as plain:
+            assert plain.upload(t, b"abc") == sha(b"abc")
+    finally:
+        srv.stop()
+
+
+def test_a_client_refuses_a_server_its_ca_did_not_sign(server, tmp_path):
+    other = make_tls(tmp_path)
+    with TransportClient(f"localhost:{server.port}", ca_file=other.ca_cert, timeout_s=5) as stranger:
+        t = upload_ticket(server, 10)
+        with pytest.raises(TransportError, match="UNAVAILABLE"):
+            stranger.upload(t, b"0123456789")
+    assert server.registry.reserve(t, size=10) == t  # nothing reached the service
+
+
+def test_a_wrong_capability_is_refused(server, client):
+    t = dataclasses.replace(upload_ticket(server, 10), token=os.urandom(32))
+    expect_refusal(server, "bad_capability", lambda: refused_kind(lambda: client.upload(t, b"0123456789")))
+
+
+def test_an_expired_capability_is_refused(server, client):
+    t = upload_ticket(server, 10, ttl_s=0.2)
+    time.sleep(0.3)
+    expect_refusal(server, "expired", lambda: refused_kind(lambda: client.upload(t, b"0123456789")))
+
+
+def test_a_replayed_capability_is_refused_both_ways(server, client):
+    t = upload_ticket(server, 10)
+    client.upload(t, b"0123456789")
+    expect_refusal(server, "replayed", lambda: refused_kind(lambda: client.upload(t, b"9876543210")))
+    assert server.inbox.claim(1, 2, 7, t.record, sha(b"0123456789")) == b"0123456789"  # the first upload stands
+    record = server.outbox.publish(f"step/{next(_records)}", data=b"abc")
+    down = server.registry.issue(1, 2, 7, DOWN, record.name, ttl_s=30)
+    client.download(down, 3, record.sha256)
+    expect_refusal(server, "replayed", lambda: refused_kind(lambda: client.download(down, 3, record.sha256)))
+
+
+def test_bytes_that_do_not_match_their_digest_are_refused(server, client):
+    t = upload_ticket(server, 10)
+    expect_refusal(server, "digest_mismatch", lambda: refused_kind(lambda: client.upload(t, b"0123456789", sha(b"x"))))
+    client.upload(t, b"0123456789")  # the refusal changed nothing: the capability still works
+
+
+def test_a_node_asking_for_another_nodes_record_is_refused_by_the_service(server, client):
+    theirs = server.outbox.publish(f"catchup/5/{next(_records)}", data=b"node 5's block")
+    mine = server.registry.issue(1, 2, 7, DOWN, f"catchup/2/{next(_records)}", ttl_s=30)
+    asking = dataclasses.replace(mine, record=theirs.name)
+    expect_refusal(
+        server, "foreign_record", lambda: refused_kind(lambda: client.download(asking, theirs.size, theirs.sha256))
+    )
+
+
+def test_an_oversized_declaration_is_refused_before_any_byte_is_read(server, tls):
+    t = upload_ticket(server, 1000)
+    header = encode_header(t, 2**62, "0" * 64)  # would not fit in memory if it were allocated
+    started = time.monotonic()
+    expect_refusal(server, "oversized", lambda: raw_upload(server, tls, iter([header, b"x" * 100])))
+    assert time.monotonic() - started < LIMITS.idle_timeout_s
+    assert server.registry.reserve(t, size=1000) == t
+
+
+def test_more_or_fewer_bytes_than_declared_are_refused(server, tls):
+    t = upload_ticket(server, 100)
+    expect_refusal(
+        server,
+        "size_mismatch",
+        lambda: raw_upload(server, tls, iter([encode_header(t, 10, sha(b"0" * 10)), b"0" * 11])),
+    )
+    expect_refusal(
+        server, "size_mismatch", lambda: raw_upload(server, tls, iter([encode_header(t, 10, sha(b"0" * 10)), b"0" * 9]))
+    )
+
+
+def test_a_header_that_is_not_one_is_refused(server, tls):
+    expect_refusal(server, "bad_header", lambda: raw_upload(server, tls, iter([b"\x00garbage"])))
+
+
+def test_a_stalled_upload_is_refused(server, tls):
+    t, release = upload_ticket(server, 10**6), threading.Event()
+
+    def stalls():
+        yield encode_header(t, 10**6, "0" * 64)
+        yield b"x" * 1000
+        release.wait(10)  # the client stops sending
+
+    try:
+        started = time.monotonic()
+        expect_refusal(server, "stalled", lambda: raw_upload(server, tls, stalls()))
+        assert LIMITS.idle_timeout_s <= time.monotonic() - started < LIMITS.idle_timeout_s + 3
+    finally:
+        release.set()
+    assert server.registry.reserve(t, size=10) == t  # released: the capability is as before
+
+
+def test_a_trickling_upload_is_refused(server, tls):
+    t, stop = upload_ticket(server, 10**6), threading.Event()
+
+    def trickles():
+        yield encode_header(t, 10**6, "0" * 64)
+        for _ in range(100):  # 1 kB every 50 ms: far below 1 MB/s, yet never idle
+            if stop.wait(0.05):
+                return
+            yield b"x" * 1000
+
+    try:
+        started = time.monotonic()
+        expect_refusal(server, "trickling", lambda: raw_upload(server, tls, trickles()))
+        assert time.monotonic() - started < LIMITS.grace_s + 2
+    finally:
+        stop.set()
+
+
+def test_a_download_of_an_unpublished_record_is_refused_and_can_be_retried(server, client):
+    t = server.registry.issue(1, 2, 7, DOWN, f"step/{next(_records)}", ttl_s=30)
+    expect_refusal(server, "unknown_record", lambda: refused_kind(lambda: client.download(t, 3, sha(b"abc"))))
+    record = server.outbox.publish(t.record, data=b"abc")
+    assert client.download(t, 3, record.sha256) == b"abc"
+
+
+def test_a_client_checks_what_it_downloads_against_flowers_message(server, client):
+    record = server.outbox.publish(f"step/{next(_records)}", data=b"abc")
+    t = server.registry.issue(1, 2, 7, DOWN, record.name, ttl_s=30)
+    with pytest.raises(TransportError, match="SHA-256 differs"):
+        client.download(t, 3, sha(b"abd"))

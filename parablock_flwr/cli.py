@@ -130,6 +130,16 @@ def _byte_count(text: str) -> int:
     return count
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected seconds > 0, like 2.5")
+    return seconds
+
+
 def _device(text: str) -> str:
     from .node_data import device_valid
 
@@ -209,6 +219,16 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument(
         "--samples", type=Path, help="write the generated answers (data with exact answers) to this JSONL file"
     )
+    ev.add_argument(
+        "--dataset",
+        default="",
+        help="score on this data instead of the run's, in any format a run reads, e.g. alpaca:/data/bench.jsonl, "
+        "messages:/data/chat.jsonl, mathinstruct:/data/math.jsonl (its first heldout-examples rows)",
+    )
+    ev.add_argument("--all-rows", action="store_true", help="every row of the data, each one answered and scored")
+    ev.add_argument("--device", type=_device, default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    ev.add_argument("--precision", choices=("fp32", "bf16"), help="the model's weights (default: the run's)")
+    ev.add_argument("--max-new-tokens", type=int, default=0, help="tokens to generate per answer (default: the run's)")
     rep = sub.add_parser("report", help="print a run's table and write PNG plots")
     rep.add_argument("run_dir", type=Path)
     pln = sub.add_parser("plan", help="memory per site (device, host) and on the server, from the model's config")
@@ -216,6 +236,11 @@ def build_parser() -> argparse.ArgumentParser:
     pln.add_argument("overrides", nargs="*", help="run-config values, KEY=VALUE in TOML syntax")
     pln.add_argument("--gpu-memory-gb", type=float, help="also print the settings that fit a GPU of this size")
     pln.add_argument("--num-nodes", type=int, default=3, help="nodes replying each round (server memory)")
+    step = pln.add_mutually_exclusive_group()
+    step.add_argument("--step-time-s", type=_positive_seconds, help="one local step, measured: models compute")
+    step.add_argument(
+        "--probe", action="store_true", help="measure one local step here (loads the model; cuda if present)"
+    )
     return parser
 
 
@@ -238,6 +263,39 @@ def _worker(args) -> int:
     return 0
 
 
+def _evaluate(args) -> int:
+    """`evaluate`: the metrics as one JSON line; a bad setting or data is one line and exit code 2."""
+    from .config import ConfigError
+
+    try:
+        result = evaluate(
+            args.model, args.config, args.samples, dataset=args.dataset, all_rows=args.all_rows,
+            device=args.device, precision=args.precision or "", max_new_tokens=args.max_new_tokens,
+        )  # fmt: skip
+    except (ConfigError, ValueError) as err:
+        print(f"parablock-flwr evaluate: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(result))
+    return 0
+
+
+def _plan(args) -> int:
+    """`plan`: a bad key or value is one line and exit code 2, as `simulate` refuses it."""
+    from .config import ConfigError
+    from .plan import plan_command
+
+    try:
+        overrides = parse_overrides(args.overrides)
+        text = plan_command(args.model, overrides, args.gpu_memory_gb, args.num_nodes, args.step_time_s, args.probe)
+    except (ConfigError, OverrideError) as err:
+        print(f"parablock-flwr plan: {err}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as err:
+        sys.exit(f"parablock-flwr plan: {err}")
+    print(text)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
@@ -246,17 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "worker":
         return _worker(args)
     if args.command == "plan":
-        from .config import ConfigError
-        from .plan import plan_command
-
-        try:
-            print(plan_command(args.model, parse_overrides(args.overrides), args.gpu_memory_gb, args.num_nodes))
-        except (ConfigError, OverrideError, ValueError, OSError) as err:
-            sys.exit(f"plan: {err}")
-        return 0
+        return _plan(args)
     if args.command == "evaluate":
-        print(json.dumps(evaluate(args.model, args.config, args.samples)))
-        return 0
+        return _evaluate(args)
     from .report import report
 
     try:
@@ -266,22 +316,63 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def evaluate(model_spec: str, config_path: Path | None, samples_path: Path | None = None) -> dict:
-    """A saved model (full or PEFT adapter folder) on a run's held-out split, with the server's own code."""
+def evaluate(
+    model_spec: str,
+    config_path: Path | None,
+    samples_path: Path | None = None,
+    *,
+    dataset: str = "",
+    all_rows: bool = False,
+    device: str = "cpu",
+    precision: str = "",
+    max_new_tokens: int = 0,
+) -> dict:
+    """A saved model (full or PEFT adapter folder) on held-out rows, with the server's own code.
+
+    The rows: the run's held-out split (its config's ``dataset``), or ``dataset`` (any format a run
+    reads), whose first ``heldout-examples`` rows are taken, or every row with ``all_rows`` (then
+    every row is also answered, where answers are exact or chat rows have one answer turn)."""
+    import dataclasses
+
+    import torch
+
     from .config import RunConfig
-    from .data import tokenized_splits
+    from .data import tokenized_rows_counted, tokenized_splits
     from .evaluation import evaluate as evaluate_model
     from .model import load_saved, load_tokenizer, resolve_model
+    from .node import node_device
 
-    cfg = RunConfig.from_flower(json.loads(config_path.read_text()) if config_path else {})
+    values = json.loads(config_path.read_text()) if config_path else {}
+    values |= {"dataset": dataset} if dataset else {}
+    values |= {"precision": precision} if precision else {}
+    values |= {"max-new-tokens": max_new_tokens} if max_new_tokens else {}
+    cfg = RunConfig.from_flower(values)
     model, tokenizer = load_saved(resolve_model(model_spec)), load_tokenizer(model_spec, cfg.prompt_format)
-    _, heldout = tokenized_splits(
-        cfg.dataset, cfg.num_examples, cfg.heldout_examples, cfg.seed, tokenizer, cfg.max_seq_len
-    )
-    metrics, samples = evaluate_model(model, tokenizer, heldout, cfg, generate=True)
+    if cfg.precision == "bf16":  # the weights themselves, so that generation runs in bf16 too
+        model.to(torch.bfloat16)
+    model.to(node_device(device))
+    if all_rows:
+        limit = cfg.num_examples if cfg.dataset.startswith("reasoning-gym:") else None
+        heldout, dropped, malformed = tokenized_rows_counted(cfg.dataset, limit, cfg.seed, tokenizer, cfg.max_seq_len)
+        cfg = dataclasses.replace(cfg, generate_examples=len(heldout))
+    else:
+        split = tokenized_splits(
+            cfg.dataset, cfg.num_examples, cfg.heldout_examples, cfg.seed, tokenizer, cfg.max_seq_len
+        )
+        heldout, dropped, malformed = split.heldout, split.dropped_for_length, split.malformed
+    metrics, samples = evaluate_model(model, tokenizer, heldout, cfg, generate=True, chat_exact_match=True)
     if samples_path is not None:
         samples_path.write_text("".join(json.dumps(s) + "\n" for s in samples))
-    return {"model": model_spec, **metrics, "examples": len(heldout)}
+    return {
+        "model": model_spec,
+        "dataset": cfg.dataset,
+        "device": device,
+        "precision": cfg.precision,
+        **metrics,
+        "examples": len(heldout),
+        "dropped_for_length": dropped,
+        "malformed": malformed,
+    }
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ expected.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -29,6 +30,20 @@ TRANSFER_DTYPES = ("fp32", "bf16", "fp16", "int8")  # the keys of core.TRANSFER_
 EVALUATIONS = ("server", "clients")
 WEIGHTS = ("fp32", "bf16")
 PROMPT_FORMATS = ("auto", "chat", "plain")  # model.load_tokenizer: the chat template, else PLAIN_TEMPLATE
+
+
+METRICS_SINKS = ("", "tensorboard")
+
+
+def _check_metrics_sink(sink: str) -> None:
+    """``metrics-sink``: "" (metrics.jsonl only) or "tensorboard", whose package must be installed (an
+    optional extra): refused before the run starts, not after its first round."""
+    _one_of("metrics-sink", sink, METRICS_SINKS)
+    if sink == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError(
+            'metrics-sink="tensorboard": the tensorboard package is not installed; expected '
+            "`pip install 'parablock-flwr[tensorboard]'` (or tensorboard) on the server, or metrics-sink=\"\""
+        )
 
 
 class ConfigError(ValueError):
@@ -103,6 +118,7 @@ class RunConfig:
     generate_examples: int = 64
     generate_every: int = 0
     max_new_tokens: int = 8
+    metrics_sink: str = ""
     uplink_mbps: float = 50.0
     downlink_mbps: float = 50.0
     latency_ms: float = 50.0
@@ -153,6 +169,7 @@ class RunConfig:
         _one_of("evaluation", self.evaluation, EVALUATIONS)
         _one_of("weights", self.weights, WEIGHTS)
         _one_of("prompt-format", self.prompt_format, PROMPT_FORMATS)
+        _check_metrics_sink(self.metrics_sink)
         if self.snapshot_every == 1:
             raise ConfigError(
                 "snapshot-every=1: expected 0 (keep every step) or at least 2 (a resumed run needs a snapshot "

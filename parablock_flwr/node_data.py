@@ -31,6 +31,15 @@ NODE_SETTINGS_KEYS = ("dataset", "heldout-dataset", "device", "state-dir", "allo
 STATE_INTACT = "state-intact: "
 
 
+def error_line(err: BaseException) -> str:
+    """What of a node's error may leave the site: its type, and its text only when this project wrote
+    it (its errors name a file, a row number and a field, never a row); a library's text may quote the
+    site's data, so it stays in the node's own log."""
+    if type(err).__module__.startswith("parablock_flwr."):
+        return f"{type(err).__name__}: {err}"
+    return f"{type(err).__name__} (its text is in the node's log: it may quote the site's data)"
+
+
 @dataclass(frozen=True)
 class NodeSettings:
     """The node's own settings: empty strings mean "the run config's" (data) or "the default" (device)."""

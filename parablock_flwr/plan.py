@@ -25,15 +25,20 @@ before it moves to the device.
 
 from __future__ import annotations
 
+import hashlib
 import json
-from dataclasses import dataclass, replace
+import math
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
 from . import core
 from .config import RunConfig
+from .durable import replace_file
+from .paths import EMBEDDED, cache_dir
 from .strategies.update_spill import IN_MEMORY
+from .tools.app_config import check_overrides
 
 GIB = 2**30
 RUNTIME_BYTES = 560 * 2**20  # Python with torch, transformers and datasets imported (measured: 490-600 MiB)
@@ -43,6 +48,8 @@ CUDA_CONTEXT_BYTES = 600 * 2**20  # the CUDA context and allocator slack, outsid
 CUDA_HOST_BYTES = 1024 * 2**20
 SERVER_RUNTIME_BYTES = 900 * 2**20  # the ServerApp process and the SuperLink beside it
 EVALUATOR_RUNTIME_BYTES = 600 * 2**20  # the evaluator process, its model aside (measured: 596 MiB RSS, tiny model)
+# The run-config fields a model's partition (and so its ModelShape) depends on.
+SHAPE_KEYS = ("trainable", "layers_per_block", "non_layer_params", "one_block", "lora_rank", "lora_target_modules")
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,8 @@ class ModelShape:
     hidden: int
     intermediate: int
     vocab: int
+    layer_params: int  # the trainable parameters of one decoder layer (the time model's unit of a block)
+    dtype_bytes: int  # bytes per parameter of the checkpoint's dtype (its files' size, when not on disk)
 
 
 def model_config(spec: str):
@@ -69,6 +78,48 @@ def model_config(spec: str):
     from .model import resolve_model
 
     return AutoConfig.from_pretrained(resolve_model(spec))
+
+
+def local_config_file(spec: str) -> Path | None:
+    """The ``config.json`` that ``spec`` names on this disk without transformers' help (a file, a folder,
+    an ``embedded:`` model converted before), or None (a hub id: ``model_config`` asks the hub cache)."""
+    path = Path(spec).expanduser()
+    if spec.startswith("embedded:") and spec.removeprefix("embedded:") in EMBEDDED:
+        path = cache_dir() / spec.removeprefix("embedded:")
+    if path.is_dir():
+        path = path / "config.json"
+    return path if path.is_file() else None
+
+
+def shape_key(cfg: RunConfig, config_text: str) -> str:
+    """What a model's shape depends on: its config, the run config's partition and LoRA keys, and the
+    transformers version (which builds the model)."""
+    from importlib.metadata import version
+
+    parts = [config_text, version("transformers"), version("peft") if cfg.trainable == "lora" else ""]
+    parts += [str(getattr(cfg, k)) for k in SHAPE_KEYS]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
+
+
+def cached_shape(cfg: RunConfig, spec: str, config_of) -> ModelShape:
+    """``model_shape``, kept on disk by ``shape_key``: building a model, even on the meta device, needs
+    transformers' modeling code, whose import alone takes seconds. A cache file that cannot be read is
+    rebuilt."""
+    file = local_config_file(spec)
+    if file is None:
+        return model_shape(cfg, config_of())
+    cached = cache_dir() / "plan-shapes" / f"{shape_key(cfg, file.read_text())}.json"
+    try:
+        values = json.loads(cached.read_text())
+        return ModelShape(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
+    except (OSError, ValueError, TypeError):
+        pass
+    shape = model_shape(cfg, config_of())
+    try:
+        replace_file(cached, json.dumps(asdict(shape)))
+    except OSError:
+        pass  # a read-only cache only costs the next plan its seconds
+    return shape
 
 
 def _config_file(path: Path):
@@ -100,6 +151,8 @@ def model_shape(cfg: RunConfig, config) -> ModelShape:
         layers = [int(n[len(prefix) :].split(".", 1)[0]) for n in names if n.startswith(prefix)]
         firsts.append(min(layers) if layers and len(layers) == len(names) else 0)  # non-layer: the embeddings
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    trained = set(partition.all_names())
+    dtype = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
     return ModelShape(
         parameters=sum(p.numel() for p in params.values()),
         trainable=sum(params[n].numel() for n in partition.all_names()),
@@ -109,6 +162,8 @@ def model_shape(cfg: RunConfig, config) -> ModelShape:
         hidden=text.hidden_size,
         intermediate=getattr(text, "intermediate_size", None) or 4 * text.hidden_size,
         vocab=text.vocab_size,
+        layer_params=sum(p.numel() for n, p in params.items() if n.startswith(prefix + "0.") and n in trained),
+        dtype_bytes=4 if dtype.endswith("float32") else 2,
     )
 
 
@@ -283,8 +338,8 @@ def gib(n: int) -> str:
     return f"{n / GIB:,.1f}"
 
 
-def render(plan: Plan, fits: list[Plan] | None, gpu_gb: float | None) -> str:
-    """The table `parablock-flwr plan` prints."""
+def render(plan: Plan, fits: list[Plan] | None, gpu_gb: float | None, extra: list[str] = ()) -> str:
+    """The table `parablock-flwr plan` prints (``extra`` lines after the table, before the fits)."""
     cfg, shape = plan.cfg, plan.shape
     lines = [
         f"model: {cfg.model}  P={shape.parameters / 1e9:.3f} B parameters, {shape.num_layers} layers, "
@@ -317,6 +372,7 @@ def render(plan: Plan, fits: list[Plan] | None, gpu_gb: float | None) -> str:
         if bounded < plan.disk["step_log"]:
             lines.append(f"the step log grows by {gib(max(shape.blocks) * 4)} GiB a round: snapshot-every={every} "
                          f"bounds it at {gib(bounded)} GiB, whatever the number of rounds")  # fmt: skip
+    lines += extra
     if gpu_gb is not None:
         lines += ["", f"fits a {gpu_gb:g} GB GPU:"]
         if not fits:
@@ -331,20 +387,214 @@ def render(plan: Plan, fits: list[Plan] | None, gpu_gb: float | None) -> str:
     return "\n".join(lines)
 
 
-def plan_command(model: str, overrides: dict, gpu_memory_gb: float | None, num_nodes: int) -> str:
-    """`parablock-flwr plan MODEL [KEY=VALUE ...] [--gpu-memory-gb G]`: the table as text."""
+def run_config_defaults() -> dict[str, object]:
+    """Every run-config key and its default: what ``plan``'s overrides are checked against."""
+    return RunConfig().as_run_config()
+
+
+def load_spike_bytes(cfg: RunConfig, shape: ModelShape) -> int:
+    """A worker's host memory for a moment at load: the whole model in ``weights``' dtype (with LoRA's
+    adapters in fp32) before it moves to the device, with bf16 weights' fp32 master, and the runtime.
+    With LoRA the steady host column holds only adapters, so this is far above it."""
+    bf16 = cfg.weights == "bf16"
+    adapters = shape.trainable if cfg.trainable == "lora" else 0
+    model = (shape.parameters - adapters) * (2 if bf16 else 4) + adapters * 4
+    return RUNTIME_BYTES + model + (shape.trainable * 4 if bf16 else 0)
+
+
+def site_disk_terms(cfg: RunConfig, shape: ModelShape, spec: str, num_rows: int | None = None) -> dict[str, int]:
+    """Bytes a site keeps on disk: the model's files, the residual store (``node_state.ResidualStore``:
+    at most one fp32 residual per block plus ``KEEP_ROUNDS`` rounds', only with a rounded
+    ``transfer-dtype``), and the datasets cache (``datasets`` copies a data file into Arrow once, about
+    its size; reasoning-gym's rows are made in memory)."""
+    from .node_state import KEEP_ROUNDS
+
+    terms = {"model_files": model_file_bytes(cfg, shape, spec)}
+    if cfg.transfer_dtype != "fp32":
+        terms["residual_store"] = (len(shape.blocks) + KEEP_ROUNDS) * max(shape.blocks) * 4
+    source = Path(cfg.dataset.partition(":")[2]).expanduser()
+    if not cfg.dataset.startswith("reasoning-gym:") and source.exists():
+        files = [source] if source.is_file() else [f for f in source.rglob("*") if f.is_file()]
+        terms["datasets_cache"] = sum(f.stat().st_size for f in files)
+    return terms
+
+
+def model_file_bytes(cfg: RunConfig, shape: ModelShape, spec: str) -> int:
+    """The model's weight files as they are on disk, else its parameters at the config's dtype."""
+    file = local_config_file(spec)
+    if file is not None:
+        weights = [f for f in file.parent.iterdir() if f.suffix in (".safetensors", ".bin", ".gguf")]
+        if weights:
+            return sum(f.stat().st_size for f in weights)
+    base = shape.parameters - (shape.trainable if cfg.trainable == "lora" else 0)
+    return base * (4 if shape.dtype_bytes == 4 else 2)
+
+
+def block_bytes(cfg: RunConfig, values: int) -> int:
+    """One direction's bytes for a block of ``values``: its update up, the round's step down."""
+    return round(values * transfer_bytes_per_value(cfg.transfer_dtype))
+
+
+def time_rows(cfg: RunConfig, shape: ModelShape, step_s: float | None) -> list[dict]:
+    """Each round's modeled time (``core.LinkModel``, ``core.modeled_round_seconds``): per block of
+    the schedule, its bytes, the exchange's time, the compute of ``local-steps`` steps of ``step_s``,
+    ParaBlock's round (the larger of the two) and sequential FedBCD's (their sum)."""
+    link = core.LinkModel.from_config(cfg)
+    rows = []
+    for b, values in enumerate(shape.blocks):
+        nbytes = block_bytes(cfg, values)
+        comm = link.comm_seconds(nbytes, nbytes)
+        row = {"block": b, "bytes": nbytes, "comm_s": comm}
+        if step_s is not None:
+            compute = cfg.local_steps * step_s
+            row |= {
+                "compute_s": compute,
+                "parablock_s": core.modeled_round_seconds([compute], [comm], overlapped=True),
+                "fedbcd_s": core.modeled_round_seconds([compute], [comm], overlapped=False),
+            }
+        rows.append(row)
+    return rows
+
+
+def balance(cfg: RunConfig, shape: ModelShape, step_s: float) -> tuple[int, int]:
+    """(local-steps, layers-per-block) at which compute fills the largest block's window: the fewest
+    steps whose compute covers it at this ``layers-per-block``, and the most layers per block whose
+    window this ``local-steps`` covers (0: not even one layer's, the fixed cost alone exceeds it)."""
+    link = core.LinkModel.from_config(cfg)
+    window = link.comm_seconds(block_bytes(cfg, max(shape.blocks)), block_bytes(cfg, max(shape.blocks)))
+    steps = max(1, math.ceil(window / step_s))
+    per_layer = shape.layer_params
+    layers = 0
+    for n in range(1, shape.num_layers + 1):
+        nbytes = block_bytes(cfg, n * per_layer)
+        if link.comm_seconds(nbytes, nbytes) <= cfg.local_steps * step_s:
+            layers = n
+    return steps, layers
+
+
+def grouped(rows: list[dict]) -> list[tuple[str, dict]]:
+    """Runs of blocks with the same figures as one row ("0-5"): a 32-layer model is not 32 rows."""
+    out: list[tuple[int, int, dict]] = []
+    for r in rows:
+        same = out and {k: v for k, v in out[-1][2].items() if k != "block"} == {
+            k: v for k, v in r.items() if k != "block"
+        }
+        out[-1:] = [(out[-1][0], r["block"], r)] if same else out[-1:] + [(r["block"], r["block"], r)]
+    return [(f"{a}" if a == b else f"{a}-{b}", r) for a, b, r in out]
+
+
+def render_time(cfg: RunConfig, shape: ModelShape, step_s: float | None, step_source: str) -> list[str]:
+    """The time section: the link and fixed costs, a row per block, the run's total, the balance."""
+    link = core.LinkModel.from_config(cfg)
+    per_byte = f"{link.message_throughput_mbs:g} MB/s" if link.message_throughput_mbs else "not modeled"
+    lines = [
+        "",
+        f"time per round (core.LinkModel): uplink {link.uplink_mbps:g} Mbit/s, downlink {link.downlink_mbps:g} "
+        f"Mbit/s, latency {link.latency_ms:g} ms, fixed cost per exchange (message-overhead-s) "
+        f"{link.message_overhead_s:g} s, framework per-byte cost (message-throughput-mbs) {per_byte}; "
+        f"transfer-dtype={cfg.transfer_dtype}",
+    ]
+    rows = time_rows(cfg, shape, step_s)
+    if step_s is None:
+        lines.append("compute not modeled: give --step-time-s S (one local step, measured) or --probe")
+        lines += ["| block | MB each way | exchange s |", "|---|---|---|"]
+        lines += [f"| {b} | {r['bytes'] / 1e6:,.1f} | {r['comm_s']:.2f} |" for b, r in grouped(rows)]
+        return lines
+    lines.append(f"one local step {step_s:.3g} s ({step_source}) x local-steps={cfg.local_steps}")
+    lines += [
+        "| block | MB each way | exchange s | compute s | parablock round s | fedbcd round s |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {b} | {r['bytes'] / 1e6:,.1f} | {r['comm_s']:.2f} | {r['compute_s']:.2f} | "
+        f"{r['parablock_s']:.2f} | {r['fedbcd_s']:.2f} |"
+        for b, r in grouped(rows)
+    ]
+    schedule = core.block_schedule(cfg.schedule, len(shape.blocks), cfg.num_server_rounds, cfg.seed)
+    para = sum(rows[b]["parablock_s"] for b in schedule)
+    seq = sum(rows[b]["fedbcd_s"] for b in schedule)
+    lines.append(f"{cfg.num_server_rounds} rounds ({cfg.schedule}): parablock {para:,.1f} s, fedbcd {seq:,.1f} s")
+    steps, layers = balance(cfg, shape, step_s)
+    by_layers = (
+        f"layers-per-block={layers} (with local-steps={cfg.local_steps})"
+        if layers
+        else f"no layers-per-block (the fixed cost alone exceeds local-steps={cfg.local_steps} steps)"
+    )
+    lines.append(
+        f"compute matches the window at local-steps={steps} (with layers-per-block={cfg.layers_per_block}) "
+        f"or at {by_layers}"
+    )
+    return lines
+
+
+def probe_step_seconds(cfg: RunConfig, device: str = "", steps: int = 3) -> float:
+    """One local step of the lowest block (backward reaches furthest), measured on this machine's device
+    (``cuda`` if there is one) with the run's model, batch-size and max-seq-len: the median of ``steps``
+    steps after one warm-up step."""
+    import statistics
+    import time
+
+    from .model import load_for_training
+    from .node import node_device
+    from .training import TrainSettings, train_block
+
+    model, partition = load_for_training(cfg, cfg.weights)
+    model.to(node_device(device))
+    vocab = model.get_input_embeddings().weight.shape[0]
+    gen = torch.Generator().manual_seed(cfg.seed)
+    ids = torch.randint(0, vocab, (cfg.batch_size, cfg.max_seq_len), generator=gen)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    settings = TrainSettings(1, cfg.learning_rate, cfg.weight_decay, "constant", 0, cfg.max_grad_norm,
+                             cfg.precision, cfg.micro_batch_size, cfg.gradient_checkpointing)  # fmt: skip
+    times = []
+    for _ in range(steps + 1):
+        started = time.perf_counter()
+        train_block(model, partition.names(0), [batch], settings)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:])
+
+
+def plan_command(
+    model: str,
+    overrides: dict,
+    gpu_memory_gb: float | None,
+    num_nodes: int,
+    step_time_s: float | None = None,
+    probe: bool = False,
+) -> str:
+    """`parablock-flwr plan MODEL [KEY=VALUE ...] [--gpu-memory-gb G] [--step-time-s S | --probe]`: the
+    tables as text. An unknown key or a wrongly typed value raises ``OverrideError`` first."""
+    check_overrides(overrides, run_config_defaults())
     cfg = RunConfig.from_flower({**overrides, "model": model})
-    config = model_config(model)
+    config = None
+
+    def config_of():
+        nonlocal config
+        config = config if config is not None else model_config(model)
+        return config
+
     shapes: dict[tuple, ModelShape] = {}
 
     def shape_of(c: RunConfig) -> ModelShape:
-        key = (c.trainable, c.layers_per_block)
+        key = tuple(getattr(c, k) for k in SHAPE_KEYS)
         if key not in shapes:
-            shapes[key] = model_shape(c, config)
+            shapes[key] = cached_shape(c, model, config_of)
         return shapes[key]
 
     plan = make_plan(cfg, shape_of(cfg), num_nodes)
     fits = None
     if gpu_memory_gb is not None:
         fits = fitting_settings(cfg, shape_of, int(gpu_memory_gb * 1e9), num_nodes)
-    return render(plan, fits, gpu_memory_gb)
+    source = "given"
+    if probe:
+        step_time_s, source = probe_step_seconds(cfg), "probed here, lowest block"
+    lines = [
+        f"per-site host at load (a moment, before the move to the device): {gib(load_spike_bytes(cfg, plan.shape))} "
+        f"GiB (the model in weights={cfg.weights}{', with the LoRA adapters' if cfg.trainable == 'lora' else ''})"
+    ]
+    disk = site_disk_terms(cfg, plan.shape, model)
+    lines.append(
+        f"per-site disk: {gib(sum(disk.values()))} GiB: " + ", ".join(f"{k} {gib(v)}" for k, v in disk.items())
+    )
+    lines += render_time(cfg, plan.shape, step_time_s, source)
+    return render(plan, fits, gpu_memory_gb, lines)

@@ -175,3 +175,16 @@ def test_no_row_of_a_site_reaches_anything_the_server_writes_or_prints(tmp_path,
     for record in (r for r in run.records if r["round"] >= 1):
         assert record["num_accepted"] == 2 and record["malformed_examples"] == 5, record
     assert "up to 5 malformed data rows skipped" in printed
+
+
+def test_a_library_errors_text_stays_at_the_site_and_the_projects_own_errors_say_what_failed():
+    """A node relays its errors to the server. A library's message may quote a row (a tokenizer's or a
+    JSON parser's error echoes its input), so only its type leaves; this project's errors name a file,
+    a row number and a field, and go as they are."""
+    from parablock_flwr.data import DataError
+    from parablock_flwr.node_data import error_line
+
+    leaked = error_line(ValueError(f"cannot encode {MARKER!r}"))
+    assert MARKER not in leaked and leaked.startswith("ValueError")
+    ours = error_line(DataError("dataset='alpaca:/srv/a.jsonl': no usable row (the first is row 3 (output))"))
+    assert ours == "DataError: dataset='alpaca:/srv/a.jsonl': no usable row (the first is row 3 (output))"

@@ -8,6 +8,7 @@ import inspect
 import socket
 import time
 
+import pytest
 import torch
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
@@ -128,3 +129,31 @@ def test_the_worker_lives_as_long_as_its_node_unless_asked():
     """No idle exit by default (a node not sampled for hours keeps its model and pending update)."""
     parser_default = build_parser().parse_args(["worker", "--socket", "/tmp/w.sock"]).idle_exit_s
     assert parser_default == 0 and inspect.signature(run_worker).parameters["idle_exit_s"].default == 0
+
+
+def test_the_worker_logs_one_line_per_round(tmp_path, tiny_model_dir, caplog):
+    """An operator at a site sees each round: round, block, loss, compute time, bytes in and out, and
+    the wait for the server since the node's last reply (numbers only: nothing of the data)."""
+    import logging
+    import re
+
+    config = tiny_config(tiny_model_dir, tmp_path)
+    worker = NodeWorker()
+    caplog.set_level(logging.INFO, logger="parablock_flwr.worker.server")
+    _, update1 = worker.serve_request(worker_request(config, 9, 1, block=0, next_block=1), {})
+    worker.last_reply_sent = time.time() - 2.0  # what serving over the socket records when the reply leaves
+    step = {n: t * 0.5 for n, t in unpack(join_pieces(update1)).items()}
+    arrays = relayed({"global-step": step})
+    reply, update2 = worker.serve_request(worker_request(config, 9, 2, block=1, next_block=-1), arrays)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("round ")]
+    assert len(lines) == 2 and "waited for the server - (first request of this run)" in lines[0]
+    pattern = (
+        r"round 2 block 1: train-loss (\d+\.\d{4}), compute (\d+\.\d\d) s, in ([\d.]+) MB, out ([\d.]+) MB, "
+        r"waited for the server (\d+\.\d\d) s"
+    )
+    loss, compute, mb_in, mb_out, waited = map(float, re.fullmatch(pattern, lines[1]).groups())
+    assert loss == pytest.approx(reply["metrics"]["train-loss"], abs=1e-4)
+    assert compute == pytest.approx(reply["metrics"]["compute-s"], abs=0.01) and compute > 0
+    assert mb_in == pytest.approx(sum(a.nbytes for a in arrays.values()) / 1e6, abs=0.01) and mb_in > 0
+    assert mb_out == pytest.approx(sum(p.nbytes for ps in update2.values() for p in ps) / 1e6, abs=0.01)
+    assert 2.0 <= waited < 60

@@ -26,7 +26,7 @@ from flwr.common.constant import ErrorCode
 
 from .. import node
 from ..config import RunConfig
-from ..node_data import STATE_INTACT, NodeSettings
+from ..node_data import STATE_INTACT, NodeSettings, error_line
 from ..node_state import NodeState, PendingStore, ResidualStore
 from ..records import to_record, to_tensors
 from ..replica import StepLog
@@ -77,7 +77,7 @@ def _handle(msg: Message, context: Context, op: str) -> Message:
         return _error(msg, f"{STATE_INTACT}{err}")
     except Exception as err:
         log.exception("%s failed", op)
-        return _error(msg, f"{type(err).__name__}: {err}")
+        return _error(msg, error_line(err))
     return Message(content=content, reply_to=msg)
 
 

@@ -78,7 +78,7 @@ class Run:
         self._stager: ThreadPoolExecutor | None = None  # one writer thread while writes are outstanding
         self._staging: list[Future] = []
         self._model_digest = core.ModelDigest(algorithm.partition.all_names())  # rehashes what steps change
-        self.recorder = RunRecorder(run_dir)
+        self.recorder = RunRecorder(run_dir, self.config.metrics_sink)
         self.evaluator = evaluator
         self.num_rounds = self.config.num_server_rounds
         self.round_timeout_s = self.config.round_timeout_s

@@ -27,7 +27,7 @@ import numpy as np
 
 from .. import core, node
 from ..config import RunConfig
-from ..node_data import NodeSettings
+from ..node_data import NodeSettings, error_line
 from ..node_state import NodeState, ResidualStore
 from ..runtime import setup_torch
 from ..wire import WireError, pack_pieces, unpack
@@ -109,7 +109,7 @@ class NodeWorker:
                 return {"error": str(err), "state-intact": True}, {}
             except Exception as err:  # reported to the ClientApp, which replies an error to the server
                 log.exception("round failed")
-                return {"error": f"{type(err).__name__}: {err}"}, {}
+                return {"error": error_line(err)}, {}
             self.last = (key, reply)
             return reply
 
@@ -141,7 +141,10 @@ class NodeWorker:
         done = self.node.train(res, cfg, req, fetch_step, store, store)
         metrics = {**done.metrics, "request-received": received, "prev-reply-sent": self.last_reply_sent}
         # Each array as its pieces (one per tensor), written to the socket in turn: no joined copy of the block.
-        return {"metrics": metrics, "trace": done.trace}, pack_pieces(done.update, cfg.transfer_dtype)
+        pieces = pack_pieces(done.update, cfg.transfer_dtype)
+        bytes_out = sum(p.nbytes for parts in pieces.values() for p in parts)
+        log.info(round_line(metrics, sum(a.nbytes for a in arrays.values()), bytes_out))
+        return {"metrics": metrics, "trace": done.trace}, pieces
 
     def admit(self, header: dict) -> None:
         """The partition pin and the run: a request this worker must not act on is refused; a new
@@ -211,6 +214,19 @@ class NodeWorker:
                 self.last_reply_sent = time.time()
         finally:
             writer.close()
+
+
+def round_line(metrics: dict, bytes_in: int, bytes_out: int) -> str:
+    """The one line a site's operator sees per round: the round, its block, the training loss, the
+    compute time, the bytes in and out, and how long the node waited for the server between its last
+    reply and this request (numbers only: nothing of the site's data)."""
+    prev, received = metrics["prev-reply-sent"], metrics["request-received"]
+    waited = f"{received - prev:.2f} s" if prev else "- (first request of this run)"
+    return (
+        f"round {metrics['server-round']} block {metrics['block']}: train-loss {metrics['train-loss']:.4f}, "
+        f"compute {metrics['compute-s']:.2f} s, in {bytes_in / 1e6:,.2f} MB, out {bytes_out / 1e6:,.2f} MB, "
+        f"waited for the server {waited}"
+    )
 
 
 def _pin_thread(cpus: set[int] | None) -> None:

@@ -286,6 +286,11 @@ def in_background(fn: Callable, *args) -> Callable[[], None]:
     return wait
 
 
+class ResidualsMissing(FileNotFoundError):
+    """A resumed node cannot find the residuals the resume says it has (its text names where it looked,
+    never a site's data)."""
+
+
 class ResidualWriteFailed(RuntimeError):
     """The round's residual was not written durably while something else in the round failed too: the
     reply names both (never a ``StateIntact``: the node has taken the round in)."""
@@ -477,7 +482,7 @@ class Node:
         self.state.residuals = resumed_store.as_of(req.resumed_after)
         back = req.handed_back
         if back is not None and back.block not in self.state.residuals:
-            raise FileNotFoundError(
+            raise ResidualsMissing(
                 f"resumed after round {req.resumed_after}: no residual of block {back.block} in "
                 f"{resumed_store.dir} (expected this node's round-{req.resumed_after} residuals of "
                 f"transfer-dtype={cfg.transfer_dtype} there); not starting its error feedback from zero"

@@ -523,3 +523,27 @@ def test_a_worker_restarted_in_a_resumed_run_goes_on_with_its_newest_residuals(t
     finally:
         first.compute_thread.shutdown(wait=True)
     assert all(torch.equal(after_restart[n], kept_running[n]) for n in kept_running)
+
+
+def test_a_resumed_node_that_cannot_find_its_residuals_fails_naming_where_it_looked(tmp_path, tiny_model_dir):
+    """bf16, a resumed run whose folder this node cannot see (`resume-dir` as the server resolved it): the
+    node's reply is an error naming the folder, never a round computed with its residuals started from
+    zero (before: a relative `resume-from` was looked up in the node's working directory, silently)."""
+    from flwr.app import Context
+
+    from parablock_flwr.records import to_record
+
+    config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 1, "transfer-dtype": "bf16"})
+    missing = tmp_path / "no-such-run"
+    round_cfg = dict(worker_request(config, 12, 2, block=1, next_block=-1, num_partitions=2)["round"],
+                     **{"run-dir": str(tmp_path / "run"), "resumed-after": 1, "resume-dir": str(missing)})  # fmt: skip
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 12, 6, 6
+    res = node.resources(RunConfig.from_flower(config), 12)
+    g1 = {n: torch.zeros_like(res.replica.params[n]) for n in res.partition.names(0)}
+    msg = Message(content=RecordDict({"round": ConfigRecord(round_cfg), "global-step": to_record(g1)}), dst_node_id=6,
+                  message_type=MessageType.TRAIN)  # fmt: skip
+    context = Context(run_id=12, node_id=6, node_config={"partition-id": 0, "num-partitions": 2}, state=RecordDict(),
+                      run_config=config)  # fmt: skip
+    reply = train_inline(msg, context)
+    assert reply.has_error() and reply.error.reason.startswith("ResidualsMissing"), reply.error
+    assert str(missing) in reply.error.reason and not reply.error.reason.startswith("state-intact")

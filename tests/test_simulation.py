@@ -7,6 +7,7 @@ model must catch up from the server's step log.
 
 import json
 import logging
+import os
 
 import pytest
 import torch
@@ -329,9 +330,9 @@ def test_with_int8_transfer_a_killed_server_resumes_to_the_same_final_model(
             killed.run_dir, {**json.loads((killed.run_dir / "config.json").read_text()), "learning-rate": 0.5}
         )
 
-    resumed = _ok(
-        simulate(tmp_path / "resumed", tiny_model_dir, resume_from=str(killed.run_dir), save_final_model=True, **same)
-    )
+    # Relative to the resumed run's output-dir: the server resolves it, never the Ray actors (their cwd is another).
+    relative = os.path.relpath(killed.run_dir, tmp_path / "resumed" / "out")
+    resumed = _ok(simulate(tmp_path / "resumed", tiny_model_dir, resume_from=relative, save_final_model=True, **same))
     assert "Resumed from" in resumed.stdout and "after round 2 (3 pending client updates" in resumed.stdout
     records = resumed.records
     assert [r["round"] for r in records] == list(range(ROUNDS + 1))

@@ -134,7 +134,7 @@ def resumed_node_state(req: node.Request) -> Path:
     rather than start its residuals from zero."""
     folder = Path(req.resume_dir) / "node-state"
     if not req.resume_dir or not folder.is_dir():
-        raise FileNotFoundError(
+        raise node.ResidualsMissing(
             f"resume-dir={req.resume_dir!r}: this node cannot see the resumed run's node-state/ folder "
             f"(expected the residuals of the run resumed after round {req.resumed_after} there)"
         )

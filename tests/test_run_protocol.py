@@ -140,7 +140,7 @@ def test_a_late_reply_leaves_the_node_where_a_rejected_one_would(tmp_path, tiny_
     own round-2 update in (ParaBlock's pending, the computation it started from it), which the server
     dropped. Round 3 must resynchronise both alike: a full sync (dropping the node's own state), no
     catch-up (before: node 2 got g^1 only, and went on from the update the server had dropped)."""
-    strategy = make_strategy(tmp_path, tiny_model_dir, 3, round_timeout_s=4.0)  # room for the others on a loaded machine
+    strategy = make_strategy(tmp_path, tiny_model_dir, 3, round_timeout_s=4.0)  # room for the others under load
     honest, late, round3 = honest_answer(strategy), {}, {}
 
     def answer(index, msg):

@@ -76,6 +76,7 @@ class Checkpoint:
     strategy_state: dict = field(default_factory=dict)
     pending: dict[int, PendingUpdate] = field(default_factory=dict)  # partition id -> Δ_i^round (on load)
     participation: dict = field(default_factory=dict)  # who was left out so far (Run.participation_state)
+    node_sync: dict = field(default_factory=dict)  # what the server knew of each node (NodeSync.by_partition)
     # "per-tensor": core.ModelDigest; "whole": core.digest (checkpoints written before 2026-12-01)
     digest_format: str = DIGEST_FORMAT
 
@@ -121,6 +122,7 @@ def save_checkpoint(run_dir: Path, ckpt: Checkpoint) -> Path:
         "modeled_wall_s": ckpt.modeled_wall_s,
         "strategy_state": ckpt.strategy_state,
         "participation": ckpt.participation,
+        "node_sync": ckpt.node_sync,
     }
     if (root / STAGED).exists():
         os.replace(root / STAGED, tmp / "pending")
@@ -167,6 +169,7 @@ def load_checkpoint(run_dir: Path) -> Checkpoint:
         strategy_state=state["strategy_state"],
         pending=pending,
         participation=state.get("participation", {}),  # absent from checkpoints written before 2026-12-01
+        node_sync=state.get("node_sync", {}),  # likewise
         digest_format=state.get("digest_format", "whole"),  # likewise
     )
 

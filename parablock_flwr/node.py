@@ -183,6 +183,7 @@ class Request:
     evaluate_version: int | None = None  # evaluation = "clients": evaluate x^v in this round
     evaluate_generate: bool = False
     resumed_after: int | None = None  # a resumed run: the round R its server's checkpoint holds
+    resume_dir: str = ""  # ... and that run's folder, resolved by the server (simulation: its node-state/)
 
     @classmethod
     def parse(
@@ -207,6 +208,7 @@ class Request:
             evaluate_version=version if version >= 0 else None,
             evaluate_generate=bool(round_cfg.get("evaluate-generate", 0)),
             resumed_after=int(round_cfg["resumed-after"]) if "resumed-after" in round_cfg else None,
+            resume_dir=str(round_cfg.get("resume-dir", "")),
         )
 
     @property
@@ -284,6 +286,32 @@ def in_background(fn: Callable, *args) -> Callable[[], None]:
     return wait
 
 
+class ResidualsMissing(FileNotFoundError):
+    """A resumed node cannot find the residuals the resume says it has (its text names where it looked,
+    never a site's data)."""
+
+
+class ResidualWriteFailed(RuntimeError):
+    """The round's residual was not written durably while something else in the round failed too: the
+    reply names both (never a ``StateIntact``: the node has taken the round in)."""
+
+
+def wait_for_write(wait: Callable[[], None] | None, failed: BaseException | None = None) -> None:
+    """Wait for the residual's write (``in_background``) on every way out of a round, so that it never
+    runs beside the next request and its error always fails the reply, also when ``failed`` (another
+    error of the round) fails it first."""
+    if wait is None:
+        return
+    try:
+        wait()
+    except BaseException as write_err:
+        if failed is None:
+            raise
+        raise ResidualWriteFailed(
+            f"{type(write_err).__name__} writing the residual: {write_err} (and {type(failed).__name__}: {failed})"
+        ) from failed
+
+
 # ------------------------------------------------------------------ the runtime
 class Node:
     """One node's state and the only code that changes it (see the module's docstring).
@@ -345,32 +373,36 @@ class Node:
             if store is not None:  # durable before the reply leaves; written while the next block starts
                 residual = {n: t.detach().cpu() for n, t in self.state.residuals[req.block].items()}
                 residual_written = in_background(store.save, req.server_round, req.block, residual)
-        kept = client.finish_round(res.replica, started_from, result.delta, req.block, req.server_round, fetch_step)
-        res.replica.advance_to(req.server_round - 1, fetch_step)
-        self.state.pending, self.state.last_round = kept, req.server_round
+        try:
+            kept = client.finish_round(res.replica, started_from, result.delta, req.block, req.server_round, fetch_step)
+            res.replica.advance_to(req.server_round - 1, fetch_step)
+            self.state.pending, self.state.last_round = kept, req.server_round
 
-        trace = {}
-        if cfg.verify_invariant and kept is not None:  # y after the correction is x^{r-1} + Δ_i^r
-            trace["local-model-sha256"] = core.digest_after(res.replica.params, res.partition.all_names(), kept.delta)
-        metrics = {
-            **update_metrics(result, req.server_round, req.block, req.partition_id, base_version),
-            "own-data": int(res.settings.local),
-            "dropped-examples": res.dropped_for_length,  # its data's rows max-seq-len cut before their answer
-            "malformed-examples": res.malformed_rows,  # its data's rows skipped as malformed (counted, never quoted)
-            "oom-retries": result.oom_retries,
-            "compute-start": result.started,
-            "compute-end": result.ended,
-            "waited-s": waited,
-            **client.round_metrics(slot, res.replica, kept, cfg.local_steps),
-        }
-        if req.evaluate_version is not None:  # x^{r-1}: the replica holds it, nothing runs on it
-            # Not StateIntact if it fails: the node has taken round r in already, the server has not.
-            job = (res, cfg, req.evaluate_version, req.evaluate_generate)
-            metrics.update(self.submit(evaluate_replica, *job).result())
-        if self.runs_ahead and client.runs_ahead and req.next_block >= 0:
-            self.start_ahead(res, cfg, req, client, fetch_step)
-        if residual_written is not None:
-            residual_written()
+            trace = {}
+            if cfg.verify_invariant and kept is not None:  # y after the correction is x^{r-1} + Δ_i^r
+                names = res.partition.all_names()
+                trace["local-model-sha256"] = core.digest_after(res.replica.params, names, kept.delta)
+            metrics = {
+                **update_metrics(result, req.server_round, req.block, req.partition_id, base_version),
+                "own-data": int(res.settings.local),
+                "dropped-examples": res.dropped_for_length,  # its data's rows max-seq-len cut before their answer
+                "malformed-examples": res.malformed_rows,  # rows skipped as malformed (counted, never quoted)
+                "oom-retries": result.oom_retries,
+                "compute-start": result.started,
+                "compute-end": result.ended,
+                "waited-s": waited,
+                **client.round_metrics(slot, res.replica, kept, cfg.local_steps),
+            }
+            if req.evaluate_version is not None:  # x^{r-1}: the replica holds it, nothing runs on it
+                # Not StateIntact if it fails: the node has taken round r in already, the server has not.
+                job = (res, cfg, req.evaluate_version, req.evaluate_generate)
+                metrics.update(self.submit(evaluate_replica, *job).result())
+            if self.runs_ahead and client.runs_ahead and req.next_block >= 0:
+                self.start_ahead(res, cfg, req, client, fetch_step)
+        except BaseException as err:
+            wait_for_write(residual_written, err)
+            raise
+        wait_for_write(residual_written)
         return Reply(metrics, result.delta, trace)
 
     def evaluate(self, res: NodeResources, cfg: RunConfig, req: Request, fetch_step: FetchStep) -> Reply:
@@ -431,14 +463,35 @@ class Node:
     ) -> None:
         """A resumed run: the residuals as of the checkpoint's round R, which every message of a resumed
         run names (``resumed-after``), also to a node first sampled rounds later that answered rounds
-        after R before the server stopped; a new run: none."""
-        if not cfg.resume_from or resumed_store is None:
-            store.clear()
+        after R before the server stopped; a new run: none. A process restarted later in the run (the
+        store says the run has begun on it) goes on from its newest residuals, not from round R's.
+
+        A hand-back (``resume-pending``) says this node's round-R reply was aggregated, so the store
+        must hold that round's residual of its block: without it the node would go on from zero and the
+        run would silently stop being exact, so it fails instead, naming where it looked. A full sync
+        without a hand-back drops them, as the stopped server's would have (its reply of round R was
+        rejected, or it missed too much): the resumed server syncs each node as the stopped one would."""
+        if store.begun(req.run_id):  # a restarted process, later in this run: its newest residuals
+            if req.sync_version is None:  # (a full sync has just dropped them)
+                self.state.residuals = store.as_of(req.server_round - 1)
             return
-        resumed_after = req.resumed_after if req.resumed_after is not None else req.server_round - 1
-        self.state.residuals = resumed_store.as_of(resumed_after)
-        store.restart_at(resumed_after, self.state.residuals)
-        log.info("resumed after round %d with residuals of blocks %s", resumed_after, sorted(self.state.residuals))
+        if req.resumed_after is None or resumed_store is None:
+            store.clear()
+            store.begin(req.run_id)
+            return
+        self.state.residuals = resumed_store.as_of(req.resumed_after)
+        back = req.handed_back
+        if back is not None and back.block not in self.state.residuals:
+            raise ResidualsMissing(
+                f"resumed after round {req.resumed_after}: no residual of block {back.block} in "
+                f"{resumed_store.dir} (expected this node's round-{req.resumed_after} residuals of "
+                f"transfer-dtype={cfg.transfer_dtype} there); not starting its error feedback from zero"
+            )
+        if req.sync_version is not None and back is None:  # the stopped server had dropped this node's state
+            self.state.residuals = {}
+        store.restart_at(req.resumed_after, self.state.residuals)
+        store.begin(req.run_id)
+        log.info("resumed after round %d with residuals of blocks %s", req.resumed_after, sorted(self.state.residuals))
 
     def start_ahead(self, res: NodeResources, cfg: RunConfig, req: Request, client, fetch_step: FetchStep) -> None:
         """Round r+1 starts now, from the client half's start point, while round r's reply travels."""

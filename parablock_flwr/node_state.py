@@ -121,6 +121,18 @@ class ResidualStore:
                 path.unlink()
         fsync_path(self.dir)
 
+    def begin(self, run_id: int) -> None:
+        """Mark this store as run ``run_id``'s (durably): a node restarted later in the same run goes on
+        from its newest residuals instead of starting the run again. An earlier run's mark is removed."""
+        self._write(f"run-{run_id}", None)
+        for path in self.dir.glob("run-*"):
+            if path.name != f"run-{run_id}" and path.is_file() and not path.is_symlink():
+                path.unlink()
+
+    def begun(self, run_id: int) -> bool:
+        """Whether run ``run_id`` has already started on this store (this node is a restarted process)."""
+        return (self.dir / f"run-{run_id}").is_file()
+
     def _prune(self, newest_round: int) -> None:
         """Drop what no ``as_of(R)`` for ``R >= newest_round - KEEP_ROUNDS`` reads."""
         horizon = newest_round - KEEP_ROUNDS

@@ -16,6 +16,7 @@ their machine had died (tests/helpers.py, ``simulate_in_process``).
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import sys
 import threading
@@ -35,6 +36,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from flwr.superlink.federation import NoOpFederationManager
 from flwr.superlink.grid import InMemoryGrid
 
+REJECT_ENV = "PARABLOCK_TEST_REJECT"
 Answer = Callable[[int, Message], RecordDict | Error | Message | None]
 
 
@@ -122,8 +124,26 @@ def run_server_app(run_config: dict, num_nodes: int, node_configs: list[dict] | 
     from parablock_flwr.server_apps.app import app
 
     context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=dict(run_config))
-    with InMemoryFederation(num_nodes, client_app_answer(run_config, num_nodes, node_configs)) as federation:
+    with InMemoryFederation(num_nodes, rejecting(client_app_answer(run_config, num_nodes, node_configs))) as federation:
         app(federation.grid, context)
+
+
+def rejecting(answer: Answer) -> Answer:
+    """``answer``, with the reply of node ``I`` in round ``R`` made one the server rejects (it names another
+    block) when ``PARABLOCK_TEST_REJECT=I@R``: a rejection at a known place, the same in every run."""
+    spec = os.environ.get(REJECT_ENV, "")
+    if not spec:
+        return answer
+    index, server_round = (int(x) for x in spec.split("@"))
+
+    def answer_or_reject(i: int, msg: Message):
+        reply = answer(i, msg)
+        cfg = msg.content.config_records.get("round")
+        if i == index and cfg is not None and int(cfg["server-round"]) == server_round and not reply.has_error():
+            reply.content["metrics"]["block"] = 10_000
+        return reply
+
+    return answer_or_reject
 
 
 if __name__ == "__main__":

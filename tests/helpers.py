@@ -139,6 +139,7 @@ def simulate_in_process(
     num_supernodes: int = 3,
     crash_at: str = "",
     node_configs: list[dict] | None = None,
+    reject: str = "",
     **overrides,
 ) -> FinishedRun:
     """The ServerApp and ``num_supernodes`` nodes running the real ClientApp in one subprocess, over
@@ -146,12 +147,15 @@ def simulate_in_process(
     Ray or a SuperLink, seconds of start-up instead of a minute. ``crash_at`` (``stage@round``,
     ``durable.crash_point``): the process SIGKILLs itself there, server and nodes together, as if
     their machine had died (returncode -9, no status record). ``node_configs``: each node's own
-    node-config keys (a site's ``dataset``)."""
+    node-config keys (a site's ``dataset``). ``reject``
+    (``node@round``): that node's reply of that round is made one the server rejects (tests/federation.py,
+    ``rejecting``)."""
     out = tmp_path / "out"
     config = tiny_config(model_dir, out, **{k.replace("_", "-"): v for k, v in overrides.items()})
     tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "run-config.json").write_text(json.dumps(config))
-    env = {k: v for k, v in os.environ.items() if k != CRASH_ENV} | ({CRASH_ENV: crash_at} if crash_at else {})
+    env = {k: v for k, v in os.environ.items() if k not in (CRASH_ENV, "PARABLOCK_TEST_REJECT")}
+    env |= ({CRASH_ENV: crash_at} if crash_at else {}) | ({"PARABLOCK_TEST_REJECT": reject} if reject else {})
     script = Path(__file__).with_name("federation.py")
     proc = subprocess.run(
         [sys.executable, str(script), str(tmp_path / "run-config.json"), str(num_supernodes)]

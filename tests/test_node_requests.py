@@ -387,3 +387,163 @@ def test_a_peer_never_chooses_the_workers_state_dir_and_a_store_removes_only_its
     store.reset(2)
     store.clear()
     assert sorted(p.name for p in victim.iterdir()) == ["notes.txt"]
+
+
+def test_in_simulation_a_full_sync_repairs_a_lost_replica(tmp_path, tiny_model_dir, x0_of):
+    """One Ray actor serves several nodes with one replica. Out of device memory while restoring it after
+    a computation (the one narrow patch of the device move, as above: a fault a CPU cannot make real)
+    loses it; the server answers that node's error with a full sync, and the next node this actor serves
+    with one must leave with the replica repaired, exactly x^1 (before: the sync's values were not
+    decoded, and the actor failed every node it served for the rest of the run)."""
+    from flwr.app import Context
+
+    from parablock_flwr.records import to_record
+
+    config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 1})
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 5, 6, 0
+
+    def message(server_round: int, block: int, next_block: int, partition: int, **records):
+        round_cfg = dict(worker_request(config, 5, server_round, block, next_block, partition, 2)["round"],
+                         **{"run-dir": str(tmp_path / "run")})  # fmt: skip
+        if "sync-values" in records:
+            round_cfg["sync-version"] = server_round - 2
+        content = RecordDict({"round": ConfigRecord(round_cfg), **records})
+        return Message(content=content, dst_node_id=6, message_type=MessageType.TRAIN)
+
+    contexts = [Context(run_id=5, node_id=6 + i, node_config={"partition-id": i, "num-partitions": 2},
+                        state=RecordDict(), run_config=config) for i in range(2)]  # fmt: skip
+    TaskIdentity.node_id = 6
+    replica = node.resources(RunConfig.from_flower(config), 5).replica
+    moves, real_move = [], replica._to_device
+
+    def fail_on_restore(names, fp32=()):
+        moves.append(fp32)
+        if len(moves) == 2:  # the first move sets the block up, the second restores the replica
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        real_move(names, fp32)
+
+    replica._to_device = fail_on_restore
+    lost = train_inline(message(1, 0, 1, partition=0), contexts[0])
+    del replica._to_device
+    assert lost.has_error() and "ReplicaLost" in lost.error.reason and not lost.error.reason.startswith("state-")
+    assert replica.lost
+
+    x0 = x0_of(config)
+    g1 = {n: torch.full_like(x0[n], 1e-3) for n in node.resources(RunConfig.from_flower(config), 5).partition.names(0)}
+    synced = message(2, 1, -1, partition=1, **{"sync-values": to_record(x0), "global-step": to_record(g1)})
+    reply = train_inline(synced, contexts[1])
+    assert not reply.has_error(), reply.error
+    x1 = {n: t.clone() for n, t in x0.items()}
+    core.apply_step(x1, g1)
+    assert not replica.lost and replica.version == 1
+    assert all(torch.equal(replica.params[n].detach(), x1[n]) for n in x1)
+
+
+def test_a_retry_carrying_a_full_sync_is_always_computed_never_answered_from_the_cache(tmp_path):
+    """The same round carrying a full sync (or a hand-back) twice: the server has dropped what it knew of
+    the node both times, so each is computed from the state it gives, never answered with the reply
+    the node computed before (before: the second came back from the cache, keyed like the first)."""
+    worker = NodeWorker(state_dir=tmp_path)
+    calls = []
+    worker.handle_request = lambda header, arrays, received: calls.append(header) or ({"metrics": {}}, {})
+    synced = {"op": "train", "run-id": 7, "partition-id": 0, "round": {"server-round": 3, "sync-version": 1}}
+    worker.serve_request(synced, {})
+    worker.serve_request(synced, {})
+    handed_back = {"op": "train", "run-id": 7, "partition-id": 0, "round": {"server-round": 3}}
+    worker.serve_request(handed_back, {"resume-pending/w": np.zeros(1, np.float32)})
+    worker.serve_request(handed_back, {"resume-pending/w": np.zeros(1, np.float32)})
+    assert len(calls) == 4
+    worker.compute_thread.shutdown()
+
+
+def test_a_residual_write_error_fails_the_reply_whatever_else_fails_in_the_round(tmp_path, tiny_model_dir):
+    """transfer-dtype bf16, the round's residual file cannot be written (a folder in its place, in a
+    store its run has begun on: a real error): the reply fails and names the write, also when something
+    later in the round fails too (an evaluation of a version the node does not hold), and the write has
+    ended before the reply leaves (before: that path replied the evaluation's error alone, the write's
+    error lost, its thread left running beside the next request)."""
+    config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 1, "transfer-dtype": "bf16"})
+    store = tmp_path / "state" / "partition-0"
+    (store / "r00001-b0.safetensors" / "in-the-way").mkdir(parents=True)
+    for run_id in (8, 9):
+        (store / f"run-{run_id}").write_bytes(b"")
+    worker = NodeWorker(state_dir=tmp_path / "state")
+    try:
+        header = worker_request(config, 8, 1, block=0, next_block=1, num_partitions=2)
+        reply, _ = worker.serve_request(header, {})
+        assert reply["error"].startswith(("IsADirectoryError", "OSError")) and "state-intact" not in reply, reply
+        header = worker_request(config, 9, 1, block=0, next_block=1, num_partitions=2, **{"evaluate-version": 5})
+        reply, _ = worker.serve_request(header, {})
+        assert "writing the residual" in reply["error"] and "x^5" in reply["error"], reply
+        assert "state-intact" not in reply
+        assert not [t for t in threading.enumerate() if t.name == "residual-write"]
+    finally:
+        worker.compute_thread.shutdown(wait=True)
+
+
+def test_a_worker_restarted_in_a_resumed_run_goes_on_with_its_newest_residuals(tmp_path, tiny_model_dir):
+    """bf16, sequential BCD (a round starts from x^{r-1}, so a restarted worker computes exactly what it
+    would have): run 20 answers round 1 and stops; run 21 resumes after round 1 and the worker answers
+    rounds 2-4; it is then restarted (a new worker on a copy of its state folder, as after a crash) and
+    answers round 5, catching up from x^0. Its reply equals, bit for bit, that of the worker that kept
+    running: it restored its residuals as of round 4, not of round 1, which the resume names (before: it
+    went back to round 1's and deleted the newer ones)."""
+    import shutil
+
+    config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 1, "transfer-dtype": "bf16"})
+    blocks = {1: 0, 2: 1, 3: 0, 4: 1, 5: 0}
+    steps: dict[int, dict] = {}
+    first = NodeWorker(state_dir=tmp_path / "state")
+
+    def train(worker, run_id, server_round, catch_up=(), **extra):
+        arrays = {"global-step": steps[server_round - 1]} if server_round > 1 else {}
+        if catch_up:
+            arrays["catch-up"] = {f"v{v}/{n}": t for v in catch_up for n, t in steps[v].items()}
+            extra.update({"catch-up-versions": list(catch_up), "catch-up-blocks": [blocks[v] for v in catch_up]})
+        extra.update({"algorithm": "fedbcd", "step-block": blocks.get(server_round - 1, -1)})
+        header = worker_request(config, run_id, server_round, blocks[server_round], blocks.get(server_round + 1, -1),
+                                num_partitions=2, **extra)  # fmt: skip
+        reply, pieces = worker.serve_request(header, relayed(arrays, "bf16") if arrays else {})
+        assert "error" not in reply, reply
+        update = unpack(join_pieces(pieces))
+        steps.setdefault(server_round, {n: t * 0.5 for n, t in update.items()})  # g^r, as a server might take it
+        return update
+
+    try:
+        train(first, 20, 1)
+        for server_round in (2, 3, 4):
+            train(first, 21, server_round, **{"resumed-after": 1})
+        shutil.copytree(tmp_path / "state", tmp_path / "restarted")
+        restarted = NodeWorker(state_dir=tmp_path / "restarted")
+        try:
+            after_restart = train(restarted, 21, 5, catch_up=(1, 2, 3), **{"resumed-after": 1})
+        finally:
+            restarted.compute_thread.shutdown(wait=True)
+        kept_running = train(first, 21, 5, **{"resumed-after": 1})
+    finally:
+        first.compute_thread.shutdown(wait=True)
+    assert all(torch.equal(after_restart[n], kept_running[n]) for n in kept_running)
+
+
+def test_a_resumed_node_that_cannot_find_its_residuals_fails_naming_where_it_looked(tmp_path, tiny_model_dir):
+    """bf16, a resumed run whose folder this node cannot see (`resume-dir` as the server resolved it): the
+    node's reply is an error naming the folder, never a round computed with its residuals started from
+    zero (before: a relative `resume-from` was looked up in the node's working directory, silently)."""
+    from flwr.app import Context
+
+    from parablock_flwr.records import to_record
+
+    config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 1, "transfer-dtype": "bf16"})
+    missing = tmp_path / "no-such-run"
+    round_cfg = dict(worker_request(config, 12, 2, block=1, next_block=-1, num_partitions=2)["round"],
+                     **{"run-dir": str(tmp_path / "run"), "resumed-after": 1, "resume-dir": str(missing)})  # fmt: skip
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 12, 6, 6
+    res = node.resources(RunConfig.from_flower(config), 12)
+    g1 = {n: torch.zeros_like(res.replica.params[n]) for n in res.partition.names(0)}
+    msg = Message(content=RecordDict({"round": ConfigRecord(round_cfg), "global-step": to_record(g1)}), dst_node_id=6,
+                  message_type=MessageType.TRAIN)  # fmt: skip
+    context = Context(run_id=12, node_id=6, node_config={"partition-id": 0, "num-partitions": 2}, state=RecordDict(),
+                      run_config=config)  # fmt: skip
+    reply = train_inline(msg, context)
+    assert reply.has_error() and reply.error.reason.startswith("ResidualsMissing"), reply.error
+    assert str(missing) in reply.error.reason and not reply.error.reason.startswith("state-intact")

@@ -58,6 +58,8 @@ def honest_answer(strategy: FedBCD, num_examples: int = 10, own_data: int | None
     carries, and the held-out evaluation the message asks for (``evaluation = "clients"``)."""
 
     def answer(index: int, msg: Message) -> RecordDict:
+        if msg.metadata.message_type == MessageType.QUERY:  # a resumed server asks each node's partition
+            return RecordDict({"node": MetricRecord({"partition-id": index})})
         cfg = msg.content.config_records["round"]
         metrics = {"server-round": int(cfg["server-round"]), "block": int(cfg["block"]), "partition-id": index,
                    "num-examples": num_examples, "train-loss": 1.0, "compute-s": 0.01,
@@ -129,8 +131,37 @@ def test_messages_expire_with_the_round_and_a_stalled_node_is_left_behind(tmp_pa
     by_round = {r["round"]: r for r in records}
     assert by_round[2]["replies_missing"] == 1 and by_round[2]["num_accepted"] == 2
     assert by_round[3]["num_accepted"] == 3 and by_round[4]["num_accepted"] == 3
-    assert by_round[3]["catch_up_steps_sent"] == 1  # the stalled node missed g^1 and catches up
+    assert by_round[3]["full_syncs_sent"] == 1  # it may have answered after all: resynchronised (test below)
     assert sum(r.get("late_replies_dropped", 0) for r in records) == 1  # its expired message, pulled and dropped
+
+
+def test_a_late_reply_leaves_the_node_where_a_rejected_one_would(tmp_path, tiny_model_dir):
+    """In round 2 node 1's reply is rejected and node 2 answers past the deadline: node 2 has taken its
+    own round-2 update in (ParaBlock's pending, the computation it started from it), which the server
+    dropped. Round 3 must resynchronise both alike: a full sync (dropping the node's own state), no
+    catch-up (before: node 2 got g^1 only, and went on from the update the server had dropped)."""
+    strategy = make_strategy(tmp_path, tiny_model_dir, 3, round_timeout_s=4.0)  # room for the others under load
+    honest, late, round3 = honest_answer(strategy), {}, {}
+
+    def answer(index, msg):
+        cfg = msg.content.config_records["round"]
+        server_round = int(cfg["server-round"])
+        if server_round == 3:
+            round3[index] = (cfg.get("sync-version"), "sync-values" in msg.content, "catch-up" in msg.content)
+        content = honest(index, msg)
+        if server_round == 2 and index == 1:
+            content["metrics"]["block"] = 99  # rejected: not the round's block
+        if server_round == 2 and index == 2 and not late:
+            late["at"] = time.monotonic()
+            time.sleep(6.0)  # answered, but past the deadline
+        return content
+
+    records = run(strategy, InMemoryFederation(3, answer), 3)
+    by_round = {r["round"]: r for r in records}
+    assert by_round[2]["replies_missing"] == 1 and by_round[2]["num_accepted"] == 1
+    assert round3[1] == round3[2] == (1, True, False), round3
+    assert round3[0] == (None, False, False)
+    assert by_round[3]["full_syncs_sent"] == 2 and by_round[3]["num_accepted"] == 3
 
 
 def test_an_unavailable_node_is_marked_by_the_message_it_was_sent(tmp_path, tiny_model_dir):

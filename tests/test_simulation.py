@@ -7,6 +7,7 @@ model must catch up from the server's step log.
 
 import json
 import logging
+import os
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import torch
 from parablock_flwr import core
 from parablock_flwr.checkpoint import check_resumable
 from parablock_flwr.model import load_model
+from parablock_flwr.node_state import ResidualStore
 from parablock_flwr.replica import StepLog
 from parablock_flwr.report import report
 
@@ -328,9 +330,9 @@ def test_with_int8_transfer_a_killed_server_resumes_to_the_same_final_model(
             killed.run_dir, {**json.loads((killed.run_dir / "config.json").read_text()), "learning-rate": 0.5}
         )
 
-    resumed = _ok(
-        simulate(tmp_path / "resumed", tiny_model_dir, resume_from=str(killed.run_dir), save_final_model=True, **same)
-    )
+    # Relative to the resumed run's output-dir: the server resolves it, never the Ray actors (their cwd is another).
+    relative = os.path.relpath(killed.run_dir, tmp_path / "resumed" / "out")
+    resumed = _ok(simulate(tmp_path / "resumed", tiny_model_dir, resume_from=relative, save_final_model=True, **same))
     assert "Resumed from" in resumed.stdout and "after round 2 (3 pending client updates" in resumed.stdout
     records = resumed.records
     assert [r["round"] for r in records] == list(range(ROUNDS + 1))
@@ -409,3 +411,34 @@ def test_only_aggregation_lies_between_a_rounds_last_reply_and_the_next_messages
     # written after them (what round r's checkpoint counts on), each round's write recorded.
     assert max(rec["server_critical_path_s"] for rec in records[1:-1]) < 5.0
     assert all(rec["step_log_write_s"] > 0 for rec in records[1:])
+
+
+@pytest.mark.parametrize("transfer_dtype", ["fp32", "bf16", "fp16", "int8"])
+def test_a_resume_from_a_run_folders_name_goes_on_with_each_nodes_residuals_in_every_transfer_dtype(
+    tmp_path, tiny_model_dir, transfer_dtype
+):
+    """`resume-from` as the README shows it, the run folder's name inside `output-dir`: the server
+    resolves it once and tells the nodes where their residuals are, so a node whose working
+    directory is elsewhere (a Ray actor's; here the test's) does not start its error feedback from
+    zero. Node 1's reply of round 3 is rejected, the last round before the stop. The server dies in
+    round 4's checkpoint, after g^4, round 4's record and the nodes' round-4 residuals are on disk; the
+    resumed run computes round 4 again from round 3's checkpoint, syncing each node as the killed run
+    did (node 1 resynchronised, dropping its own state and residuals as it did), and its g^4 and each
+    node's round-4 residuals equal the killed run's bit for bit. Without Ray (``simulate_in_process``)."""
+    same = dict(algorithm="parablock", num_server_rounds=ROUNDS, transfer_dtype=transfer_dtype, reject="1@3",
+                **SCHEDULE)  # fmt: skip
+    killed = simulate_in_process(tmp_path, tiny_model_dir, crash_at="checkpoint@4", **same)
+    assert killed.returncode == -9 and killed.run_dir is not None, killed.stdout[-3000:] + killed.stderr[-3000:]
+    assert killed.records[3]["num_accepted"] == 2 and killed.records[4]["full_syncs_sent"] == 1
+    resumed = _ok(simulate_in_process(tmp_path, tiny_model_dir, resume_from=killed.run_dir.name, **same))
+    assert resumed.run_dir != killed.run_dir and "after round 3" in resumed.stdout
+    assert resumed.records[4]["full_syncs_sent"] == 3  # each hand-back comes with x^2, and node 1's sync
+    assert resumed.records[4]["num_accepted"] == 3 and resumed.records[4]["num_resynchronised"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(resumed.step(4)[1].values(), killed.step(4)[1].values()))
+    if transfer_dtype != "fp32":
+        for partition in range(3):
+            old, new = (ResidualStore(run.run_dir / "node-state" / f"partition-{partition}").as_of(4)
+                        for run in (killed, resumed))  # fmt: skip
+            assert old and old.keys() == new.keys(), (partition, sorted(old), sorted(new))
+            for block in old:
+                assert all(torch.equal(old[block][n], new[block][n]) for n in old[block]), (partition, block)

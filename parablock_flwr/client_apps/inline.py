@@ -86,9 +86,10 @@ def _run(msg: Message, context: Context, op: str) -> RecordDict:
     setup_torch(cfg)
     res = node.resources(cfg, context.run_id, NodeSettings.from_node_config(context.node_config))
     partition_id = int(context.node_config.get("partition-id", 0))
-    # The values of a full sync are not decoded here: the server's step log covers every version.
-    arrays = {name: to_tensors(msg.content[name]) for name in ("global-step", "catch-up", "resume-pending")
-              if name in msg.content.array_records}  # fmt: skip
+    # A full sync's values are decoded too: the step log covers every version, but only they repair this
+    # actor's replica once it is lost (ReplicaLost), for every node it serves.
+    arrays = {name: to_tensors(msg.content[name]) for name in ("global-step", "catch-up", "resume-pending",
+              "sync-values") if name in msg.content.array_records}  # fmt: skip
     num_partitions = int(context.node_config.get("num-partitions", 1))
     req = node.Request.parse(op, context.run_id, msg.content["round"], arrays, partition_id, num_partitions)
     step_log, from_log = StepLog(req.run_dir), []
@@ -112,8 +113,8 @@ def _run(msg: Message, context: Context, op: str) -> RecordDict:
     store = resumed = None
     if cfg.transfer_dtype != "fp32":
         store = ResidualStore(folder)
-        if cfg.resume_from:
-            resumed = ResidualStore(Path(cfg.resume_from) / "node-state" / f"partition-{partition_id}")
+        if req.resumed_after is not None:
+            resumed = ResidualStore(resumed_node_state(req) / f"partition-{partition_id}")
     done = runtime.train(res, cfg, req, fetch_step, store, resumed)
     store_state(context.state, folder, before, runtime.state, cfg.transfer_dtype)
     content = RecordDict(
@@ -125,6 +126,19 @@ def _run(msg: Message, context: Context, op: str) -> RecordDict:
     if done.trace:
         content["trace"] = ConfigRecord(done.trace)
     return content
+
+
+def resumed_node_state(req: node.Request) -> Path:
+    """The resumed run's ``node-state/`` where the server says it is (a relative ``resume-from`` is the
+    server's to resolve: this actor's working directory is another). Not there: the node fails, naming it,
+    rather than start its residuals from zero."""
+    folder = Path(req.resume_dir) / "node-state"
+    if not req.resume_dir or not folder.is_dir():
+        raise node.ResidualsMissing(
+            f"resume-dir={req.resume_dir!r}: this node cannot see the resumed run's node-state/ folder "
+            f"(expected the residuals of the run resumed after round {req.resumed_after} there)"
+        )
+    return folder
 
 
 def _error(msg: Message, reason: str) -> Message:

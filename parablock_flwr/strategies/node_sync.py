@@ -39,6 +39,9 @@ class NodeSync:
         # The values block b_{r-1} had before g^{r-1}: x^{r-2} = x^{r-1} with these put back.
         self.before_last_step: core.Tensors = {}
         self._full_sync: tuple[int, ArrayRecord | None] = (0, None)  # (round, its full-sync record)
+        # A resumed run: what the stopped server knew, by partition (node ids change across a restart),
+        # taken up by each node once its partition is known: partition -> version, None for a full sync.
+        self.carried: dict[int, int | None] = {}
 
     # ------------------------------------------------------------ what the server learns
     def accepted(self, node: int, server_round: int, partition_id: int) -> None:
@@ -60,15 +63,44 @@ class NodeSync:
         self._full_sync = (0, None)
         self.before_last_step = before
 
+    # ------------------------------------------------------------ across a resume
+    def by_partition(self) -> dict:
+        """For the checkpoint: each node's known version and whether it needs a full sync, by partition,
+        so that a resumed server syncs each node as the stopped one would have (a node rejected in the
+        last round before the stop still drops its own state, residuals included)."""
+        out = {str(p): v for p, v in self.carried.items() if v is not None}
+        out.update({str(self.partitions[n]): v for n, v in self.versions.items() if n in self.partitions})
+        full = {p for p, v in self.carried.items() if v is None}
+        full |= {self.partitions[n] for n in self.needs_full_sync if n in self.partitions}
+        return {"versions": out, "full_sync": sorted(full)}
+
+    def carry(self, state: dict) -> None:
+        """A resumed run: the stopped server's ``by_partition``."""
+        self.carried = {int(p): int(v) for p, v in state.get("versions", {}).items()}
+        self.carried.update({int(p): None for p in state.get("full_sync", [])})
+
+    def adopt(self, node: int) -> None:
+        """The first message to ``node`` in a resumed run: what the stopped server knew of its partition."""
+        if node in self.partitions and self.partitions[node] in self.carried:
+            version = self.carried.pop(self.partitions[node])
+            if node in self.versions or node in self.needs_full_sync:
+                return  # learnt in this run already
+            if version is None:
+                self.needs_full_sync.add(node)
+            else:
+                self.versions[node] = version
+
     # ------------------------------------------------------------ what a message carries
     def add_to_message(self, content: RecordDict, server_round: int, node: int) -> dict[str, int]:
         """Catch-up or full sync, and any resume hand-back, for ``node``; returns what was added."""
+        self.adopt(node)
         pending = self.pending_to_hand_back(server_round, node)
         missed = list(range(self.versions.get(node, 0) + 1, server_round - 1))
         pruned = any(not self.step_log.has(version) for version in missed)  # snapshot-every dropped them
         full = node in self.needs_full_sync or (
             server_round >= 2
-            and (len(missed) > self.num_blocks or pruned or (pending is not None and node not in self.versions))
+            # A hand-back comes with x^{r-2}'s values: a fresh process (a restarted worker) computes from them.
+            and (len(missed) > self.num_blocks or pruned or pending is not None)
         )
         sent = {"catch_up_steps_sent": 0, "full_syncs_sent": 0}
         if full and server_round >= 2:

@@ -83,6 +83,7 @@ class Run:
         self.num_rounds = self.config.num_server_rounds
         self.round_timeout_s = self.config.round_timeout_s
         self.first_round = 1  # R+1 when resumed from round R's checkpoint
+        self.resumed_from: Path | None = None  # the resumed run's folder, resolved here once for every node
         self.rounds_completed = 0  # the last round whose checkpoint is on disk
         self._started = time.perf_counter()
         # Wall-clock times (time.time, comparable with the node workers' on one host) of this round's
@@ -210,7 +211,8 @@ class Run:
 
         Messages still unanswered at the deadline are abandoned: they expire on the SuperLink at
         the same time (their TTL), and a reply to one that still arrives later is pulled and
-        dropped, counted in the round that pulls it (``late_replies_dropped``)."""
+        dropped, counted in the round that pulls it (``late_replies_dropped``). Its node gets a full sync
+        next, as after a rejected reply."""
         waiting, first_pull = dict(sent), True
         # At least one pull: what ran since the push (the previous round's record and checkpoint)
         # may have outlasted the deadline, and replies that came in time are waiting on the SuperLink.
@@ -239,6 +241,9 @@ class Run:
         for mid, node in waiting.items():
             log.warning("node %d did not answer within round-timeout-s=%g", node, self.round_timeout_s)
             self._counts["replies_missing"] += 1
+            # It may still answer, having taken in an update the server now drops (ParaBlock's pending, a
+            # computation started from it): its state is unknown, as after a rejected reply.
+            self.algorithm.sync.failed(node)
             self._abandoned[mid] = (node, now + self.round_timeout_s)
 
     def sent_to(self, reply: Message) -> int:
@@ -486,6 +491,7 @@ class Run:
                 modeled_wall_s=self._modeled_wall_s,
                 strategy_state=self.algorithm.state_dict(),
                 participation=self.participation_state(),
+                node_sync=self.algorithm.sync.by_partition(),
             ),
         )
 
@@ -523,6 +529,7 @@ class Run:
         )  # keeps x^{R-1} for a full sync
         self._model_digest = core.ModelDigest(algorithm.partition.all_names())  # x is x^R now: hash it anew
         self.first_round = ckpt.round + 1
+        self.resumed_from = Path(from_run_dir).expanduser().resolve()
         self.rounds_completed = ckpt.round
         records = {r["round"]: r for r in self.recorder.read()}
         last = records.get(ckpt.round, {})

@@ -90,15 +90,16 @@ class NodeWorker:
         update's arrays as their pieces (``wire.pack_pieces``; ``wire.join_pieces`` joins them)."""
         received = time.time()
         try:
-            # A repeat is the same round with nothing that replaces the node's state: a retried round that
-            # carries a full sync (or a hand-back) is computed again, from that state.
-            replaces = ("sync-version" in header["round"], any(k.startswith("resume-pending/") for k in arrays))
+            # A repeat is the same round with nothing that replaces the node's state: a round that carries a
+            # full sync (or a hand-back) says the server dropped what it knew of the node, so it is computed
+            # again from that state every time, never answered with a reply computed before.
+            replaces = "sync-version" in header["round"] or any(k.startswith("resume-pending/") for k in arrays)
             key = (header.get("op", "train"), header["run-id"], int(header["partition-id"]),
-                   int(header["round"]["server-round"]), replaces)  # fmt: skip
+                   int(header["round"]["server-round"]))  # fmt: skip
         except (KeyError, TypeError, ValueError) as err:
             return {"error": f"malformed request header ({type(err).__name__}: {err})", "state-intact": True}, {}
         with self.lock:
-            if self.last is not None and self.last[0] == key:
+            if self.last is not None and self.last[0] == key and not replaces:
                 log.info("round %d again: the same reply, not a second computation", key[3])
                 return self.last[1]
             try:

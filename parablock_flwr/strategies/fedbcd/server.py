@@ -103,6 +103,7 @@ class FedBCD(Strategy):
         updates to hand back, the subclass's own state."""
         self.sync.first_round = ckpt.round + 1
         self.sync.resume_pending = ckpt.pending
+        self.sync.carry(ckpt.node_sync)
         self._blocks = dict(ckpt.blocks)
         self.load_state_dict(ckpt.strategy_state)
 
@@ -191,8 +192,13 @@ class FedBCD(Strategy):
                 "algorithm": self.algorithm,
                 "run-dir": str(self.run.run_dir),
                 # A resumed run: the round its checkpoint holds, whose residuals a node goes on from
-                # (it may have answered later rounds before the server stopped).
-                **({"resumed-after": self.run.first_round - 1} if self.run.first_round > 1 else {}),
+                # (it may have answered later rounds before the server stopped), and its folder as the
+                # server resolved it (a relative resume-from means nothing in a Ray actor's directory).
+                **(
+                    {"resumed-after": self.run.first_round - 1, "resume-dir": str(self.run.resumed_from)}
+                    if self.run.first_round > 1
+                    else {}
+                ),
             }
         )
 
@@ -236,7 +242,7 @@ class FedBCD(Strategy):
         self._retry_grid, self._global_step = grid, arrays  # kept for a retry of this round
         self.spill.start()
         nodes = self.select_nodes(server_round, grid)
-        if server_round == self.run.first_round and self.sync.resume_pending:
+        if server_round == self.run.first_round and (self.sync.resume_pending or self.sync.carried):
             self.sync.partitions.update(ask_partitions(grid, nodes, self.config.round_timeout_s))
         return self.train_messages(server_round, nodes)
 

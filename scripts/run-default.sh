@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install (if needed), then run the main job: `flwr run .` with ParaBlock on the
-# embedded default (SmolLM2-135M-Instruct, offline reasoning-gym syllogisms), 2 virtual
+# embedded default (SmolLM2-135M-Instruct, an offline mix of four reasoning-gym tasks), 2 virtual
 # clients on Flower's Ray simulation engine. Extra KEY=VALUE arguments override
 # the run config, e.g.  bash scripts/run-default.sh 'algorithm="fedbcd"'
 set -euo pipefail

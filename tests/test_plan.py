@@ -136,7 +136,7 @@ def test_plan_models_each_rounds_time_with_the_transports_fixed_and_per_byte_cos
 
     link = ["uplink-mbps=1000.0", "downlink-mbps=1000.0", "latency-ms=20.0", "message-overhead-s=5.0"]
     args = ["plan", str(LLAMA_8B), 'transfer-dtype="bf16"', "message-throughput-mbs=100.0", *link]
-    assert cli_main([*args, "--step-time-s", "2"]) == 0
+    assert cli_main([*args, "local-steps=3", "--step-time-s", "2"]) == 0
     out = capsys.readouterr().out
     mb, comm, compute, para, seq = _row(out, "0-5")
     nbytes = 5 * 218_112_000 * 2  # 5 decoder layers of 218.1 M parameters, 2 bytes each

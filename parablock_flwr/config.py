@@ -77,7 +77,7 @@ class RunConfig:
     lora_alpha: float = 16.0
     lora_dropout: float = 0.05
     lora_target_modules: str = "q_proj,k_proj,v_proj,o_proj"
-    dataset: str = "reasoning-gym:syllogism,ransom_note,gcd,family_relationships"
+    dataset: str = "reasoning-gym:syllogism,letter_counting,gcd,family_relationships"
     prompt_format: str = "auto"
     num_examples: int = 240
     heldout_examples: int = 64

@@ -1,6 +1,7 @@
 """Data sources in the Alpaca-GPT4 and MathInstruct schemas, the instruction mix, partitioners, scoring."""
 
 import json
+import os
 
 import pytest
 
@@ -279,3 +280,30 @@ def test_the_run_summary_says_what_the_run_left_out():
     expected = "3 replies rejected; up to 5 data rows dropped, cut before their answer by max-seq-len"
     assert run_summary(records) == expected
     assert run_summary([{"round": 0}, {"round": 1, "num_rejected": 0, "dropped_examples": 0}]) == ""
+
+
+def test_the_default_datasets_rows_are_the_same_bits_in_every_process():
+    """Deterministic mode promises the same bits in every run: the default dataset's rows must not depend
+    on the process (Python randomises str hashes per process; a generator that iterates a set of letters
+    gives other rows in another process, as reasoning-gym's ransom_note did)."""
+    import subprocess
+    import sys
+
+    from parablock_flwr.config import RunConfig
+
+    code = (
+        "import hashlib, json, sys; from parablock_flwr.data import generate_examples; "
+        "rows = generate_examples(sys.argv[1], 64, 0); "
+        "print(hashlib.sha256(json.dumps(rows.to_list()).encode()).hexdigest())"
+    )
+    digests = {
+        subprocess.run(
+            [sys.executable, "-c", code, RunConfig().dataset],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        ).stdout.strip()
+        for seed in ("1", "2")
+    }
+    assert len(digests) == 1, f"{RunConfig().dataset}: its rows differ between processes"

@@ -102,22 +102,12 @@ def _cpu_list(text: str) -> set[int]:
 
 def _uid_list(text: str) -> list[int]:
     """``1001``, ``1001,1002`` or user names (``parablock-node``: a systemd unit cannot compute a uid)."""
-    uids = [_uid(part) for part in text.split(",")]
-    if any(uid < 0 for uid in uids):
+    from .node_data import user_id
+
+    uids = [user_id(part) for part in text.split(",")]
+    if None in uids:
         raise argparse.ArgumentTypeError(f"{text!r}: expected user ids or names like 1001,1002 or parablock-node")
     return uids
-
-
-def _uid(part: str) -> int:
-    """A user id, or the id of the user of that name; -1 for neither."""
-    import pwd
-
-    if part.isdigit():
-        return int(part)
-    try:
-        return pwd.getpwnam(part).pw_uid
-    except KeyError:
-        return -1
 
 
 def _byte_count(text: str) -> int:

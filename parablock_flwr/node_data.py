@@ -21,6 +21,7 @@ is loaded. The node's own data (``dataset``, ``heldout-dataset``) must be in ``a
 from __future__ import annotations
 
 import os
+import pwd
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -29,6 +30,19 @@ NODE_SETTINGS_KEYS = ("dataset", "heldout-dataset", "device", "state-dir", "allo
 # An error reply whose reason starts with this says the node's model state is intact (a refused message,
 # out of memory, a data error): the server keeps that node's sync state (``node.StateIntact``).
 STATE_INTACT = "state-intact: "
+
+
+def user_id(value) -> int | None:
+    """A user as a uid: an integer (quoted or not), or a user name (a unit file cannot compute a uid);
+    None when it is neither. The worker's ``--allow-uid`` and the node config's ``worker-uid`` read it."""
+    if type(value) is int:
+        return value if value >= 0 else None
+    if isinstance(value, str) and value.isdigit():
+        return int(value)
+    try:
+        return pwd.getpwnam(str(value)).pw_uid
+    except KeyError:
+        return None
 
 
 def error_line(err: BaseException) -> str:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import difflib
 import os
-import pwd
 import sys
 import time
 
@@ -24,7 +23,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, 
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode, SType
 
-from ..node_data import NODE_SETTINGS_KEYS, STATE_INTACT, NodeSettings, node_settings_problem
+from ..node_data import NODE_SETTINGS_KEYS, STATE_INTACT, NodeSettings, node_settings_problem, user_id
 from ..npy import NpyError, npy_header, npy_view
 from ..versions import ROUND_KEY, mismatch
 from ..worker.protocol import ProtocolError, UntrustedWorker, request
@@ -56,23 +55,10 @@ def unknown_node_config_key(node_config) -> str | None:
             close = difflib.get_close_matches(key, NODE_CONFIG_KEYS, n=1)
             hint = f"did you mean {close[0]}?" if close else f"expected one of {', '.join(NODE_CONFIG_KEYS)}"
             return f"node config {key}: unknown key; {hint}"
-    if "worker-uid" in node_config and worker_uid(node_config["worker-uid"]) is None:
+    if "worker-uid" in node_config and user_id(node_config["worker-uid"]) is None:
         return (f"node config worker-uid={node_config['worker-uid']!r}: expected the node worker's user, "
                 "a user id >= 0 or the name of a user of this machine")  # fmt: skip
     return node_settings_problem(node_config)
-
-
-def worker_uid(value) -> int | None:
-    """The node config's ``worker-uid`` as a uid: an integer (quoted or not), or a user name (a unit file
-    cannot compute a uid); None when it is neither."""
-    if type(value) is int:
-        return value if value >= 0 else None
-    if isinstance(value, str) and value.isdigit():
-        return int(value)
-    try:
-        return pwd.getpwnam(str(value)).pw_uid
-    except KeyError:
-        return None
 
 
 def message_problem(msg: Message, context: Context) -> str | None:
@@ -87,7 +73,7 @@ def message_problem(msg: Message, context: Context) -> str | None:
 def trusted_worker_uids(node_config) -> frozenset[int]:
     """Whom the relay sends a round to: a worker of this process's own user or root, or of the node
     config's ``worker-uid`` (a worker run as another user, with ``--allow-uid`` for this one)."""
-    extra = () if "worker-uid" not in node_config else (worker_uid(node_config["worker-uid"]),)
+    extra = () if "worker-uid" not in node_config else (user_id(node_config["worker-uid"]),)
     return frozenset((os.geteuid(), 0, *extra))
 
 

@@ -1,0 +1,388 @@
+"""What crosses a process boundary, spelled once: a round's message and its reply, the evaluation
+reply, the partition query, and the frames between a ClientApp and its node worker.
+
+Every key is derived here from a field name (``server_round`` travels as ``server-round``) or named
+here as a constant; no other module writes one (``tests/test_messages.py`` checks it). Each message
+is a typed dataclass with a ``to_*`` and a ``from_*``: the sender builds the dataclass, the receiver
+gets the dataclass or a one-line reason, never a ``KeyError`` from a field a peer left out.
+
+Neither torch nor Flower is imported: the torch-free ClientApp relay and the Flower-free node worker
+read this module too. A block's tensors travel in records of their own beside these fields
+(``BLOCK_RECORDS``), packed as ``wire.py`` says.
+
+| message                       | dataclass         | carried as                                  |
+|-------------------------------|-------------------|---------------------------------------------|
+| round r, server -> node       | ``RoundConfig``   | the ``round`` config record + block records |
+| a node's update, node -> server | ``TrainMetrics`` | the ``metrics`` record + ``update`` + ``trace`` |
+| a node's evaluation           | ``EvaluateMetrics`` | the ``metrics`` record                    |
+| which partition a node serves | ``PartitionAnswer`` | the ``node`` record of a QUERY reply      |
+| ClientApp -> node worker      | ``WorkerRequest`` | a frame's JSON header (``worker/protocol.py``) |
+| node worker -> ClientApp      | ``WorkerReply``   | a frame's JSON header                       |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from .versions import PROTOCOL_VERSION
+
+# ------------------------------------------------------------------ record names
+ROUND = "round"  # the round's config record (``RoundConfig``)
+GLOBAL_STEP = "global-step"  # g^{r-1}
+CATCH_UP = "catch-up"  # the steps a node missed, each tensor named ``v{k}/{param}`` (``catch_up_name``)
+SYNC_VALUES = "sync-values"  # a full sync: x^{r-2}'s values of every block
+RESUME_PENDING = "resume-pending"  # a resumed server hands a node its own Δ_i^R back
+BLOCK_RECORDS = (GLOBAL_STEP, CATCH_UP, SYNC_VALUES, RESUME_PENDING)  # the records of tensors a message may carry
+UPDATE = "update"  # a node's Δ_i^r
+METRICS = "metrics"  # a reply's numbers (``TrainMetrics``, ``EvaluateMetrics``)
+TRACE = "trace"  # a reply's strings: its local model's digest (``verify-invariant``)
+LOCAL_MODEL_DIGEST = "local-model-sha256"  # the trace's one key
+NODE = "node"  # the QUERY reply's record (``PartitionAnswer``)
+PROTOCOL_KEY = "protocol-version"  # in every round config and every worker frame (``versions.mismatch``)
+
+
+class MessageError(ValueError):
+    """A message that does not hold what its kind must: the text is one line naming the field."""
+
+
+def key(name: str) -> str:
+    """The key a field travels under: ``server_round`` -> ``server-round``."""
+    return name.replace("_", "-")
+
+
+def _fields(cls) -> tuple[dataclasses.Field, ...]:
+    return tuple(f for f in dataclasses.fields(cls) if f.name != "extra")
+
+
+# ------------------------------------------------------------------ server -> node
+@dataclass(frozen=True)
+class RoundConfig:
+    """Round r's control data for one node: which block to train, which step the message brings, what
+    else to do (evaluate, take a full sync or a hand-back, resume), all of it small numbers and names.
+    The tensors come in ``BLOCK_RECORDS`` beside it."""
+
+    server_round: int
+    block: int = -1  # b_r (-1: the final evaluation trains nothing)
+    step_block: int = -1  # b_{r-1}, the block of the global step the message brings (-1: round 1)
+    next_block: int = -1  # b_{r+1}, for a node worker to start early (-1: none)
+    algorithm: str = ""  # the client half to run (``strategies.CLIENT_HALVES``)
+    run_dir: str = ""  # the server's run folder (simulation: the step log an actor catches up from)
+    protocol_version: int = PROTOCOL_VERSION
+    evaluate_version: int | None = None  # evaluation = "clients": evaluate x^v ...
+    evaluate_generate: bool = False  # ... and generate answers for the task accuracy
+    resumed_after: int | None = None  # a resumed run: the round R its checkpoint holds ...
+    resume_dir: str = ""  # ... and its folder, resolved by the server
+    sync_version: int | None = None  # a full sync: drop the node's own state; SYNC_VALUES hold x^v
+    catch_up_versions: tuple[int, ...] = ()  # the steps in CATCH_UP ...
+    catch_up_blocks: tuple[int, ...] = ()  # ... and their blocks
+    resume_pending_block: int | None = None  # RESUME_PENDING's block ...
+    resume_pending_version: int | None = None  # ... and the version it is an offset from
+
+    def to_config(self) -> dict[str, Any]:
+        """The config record's entries: a field left at None (or an empty list) is not sent."""
+        out: dict[str, Any] = {}
+        for f in _fields(self):
+            value = getattr(self, f.name)
+            if value is None or value == () or (f.name == "evaluate_generate" and self.evaluate_version is None):
+                continue
+            out[key(f.name)] = list(value) if isinstance(value, tuple) else int(value) if type(value) is bool else value
+        return out
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> RoundConfig:
+        """The round config a node received; ``MessageError`` names the first field of the wrong kind
+        (a server of another release sends another ``protocol-version``: ``versions.mismatch`` first)."""
+        values: dict[str, Any] = {}
+        for f in _fields(cls):
+            name = key(f.name)
+            if name not in config:
+                if f.default is dataclasses.MISSING:
+                    raise MessageError(f"round config: {name} missing")
+                continue
+            values[f.name] = _typed("round config", name, config[name], f.type)
+        if len(values.get("catch_up_versions", ())) != len(values.get("catch_up_blocks", ())):
+            raise MessageError("round config: catch-up-versions and catch-up-blocks differ in length")
+        return cls(**values)
+
+
+def _typed(where: str, name: str, value: Any, annotation: str) -> Any:
+    """``value`` as the field's type (from its annotation's text), or ``MessageError``."""
+    if annotation.startswith("tuple"):
+        if not isinstance(value, list | tuple) or not all(type(v) is int for v in value):
+            raise MessageError(f"{where}: {name}={value!r:.40} expected a list of integers")
+        return tuple(value)
+    if annotation.startswith("int") or annotation == "bool":
+        if type(value) is not int:
+            raise MessageError(f"{where}: {name}={value!r:.40} expected an integer")
+        return bool(value) if annotation == "bool" else value
+    if annotation == "str":
+        if not isinstance(value, str):
+            raise MessageError(f"{where}: {name}={value!r:.40} expected a string")
+        return value
+    raise TypeError(f"{annotation}: not a message field type")  # a field added here without a reader
+
+
+def catch_up_name(version: int, param: str) -> str:
+    """A missed step's tensor in ``CATCH_UP``."""
+    return f"v{version}/{param}"
+
+
+def catch_up_step(tensors: Mapping[str, Any], version: int) -> dict[str, Any]:
+    """Step ``g^version``'s tensors out of ``CATCH_UP``'s (``catch_up_name``)."""
+    prefix = f"v{version}/"
+    return {n[len(prefix) :]: t for n, t in tensors.items() if n.startswith(prefix)}
+
+
+# ------------------------------------------------------------------ node -> server
+# The kinds of reply metrics (a field's ``metadata["kind"]``); each is checked on arrival.
+INT = "int"  # an integer, compared with what the server sent
+NUMBER = "number"  # a finite number >= 0: times, stamps, losses
+COUNT = "count"  # an integer >= 0
+FLAG = "flag"  # 0 or 1
+
+
+def _metric(kind: str, default: Any = None) -> Any:
+    return field(default=default, metadata={"kind": kind})
+
+
+@dataclass(frozen=True)
+class EvaluateMetrics:
+    """A node's held-out evaluation of ``x^eval_version`` (``evaluation = "clients"``): inside round
+    ``eval_version + 1``'s reply, or alone after the last round."""
+
+    eval_version: int = _metric(COUNT, dataclasses.MISSING)
+    heldout_loss: float = _metric(NUMBER, dataclasses.MISSING)
+    heldout_examples: int = _metric(COUNT, dataclasses.MISSING)  # > 0
+    task_accuracy: float | None = _metric(NUMBER)  # at most 1, with task_examples: exact answers only
+    task_examples: int | None = _metric(COUNT)
+
+    def check(self) -> str | None:
+        if self.heldout_examples == 0:
+            return "metric heldout-examples=0: expected > 0"
+        if (self.task_accuracy is None) != (self.task_examples is None):
+            return "metrics task-accuracy and task-examples: expected both or neither"
+        if self.task_accuracy is not None and self.task_accuracy > 1:
+            return f"metric task-accuracy={self.task_accuracy!r}: expected at most 1"
+        return None
+
+
+@dataclass(frozen=True)
+class TrainMetrics:
+    """What a node says of its round-r update (the update itself is the ``UPDATE`` record).
+
+    The first seven fields come with every update; the rest are optional: the node's timeline (node
+    worker, ClientApp), its data's counts, its correction, and its evaluation of ``x^{r-1}`` when the
+    round asked for one. A site's rows never appear here: numbers only."""
+
+    server_round: int = _metric(INT, dataclasses.MISSING)
+    block: int = _metric(INT, dataclasses.MISSING)
+    partition_id: int = _metric(INT, dataclasses.MISSING)  # >= 0
+    base_version: int = _metric(INT, dataclasses.MISSING)  # v: the update was trained from x^v (+ pending)
+    num_examples: float = _metric(NUMBER, dataclasses.MISSING)  # its weight: bounded by the server
+    train_loss: float = _metric(NUMBER, dataclasses.MISSING)
+    compute_s: float = _metric(NUMBER, dataclasses.MISSING)
+    # The data: rows cut at max-seq-len, dropped before their answer, skipped as malformed; own data.
+    truncated_examples: int | None = _metric(COUNT)
+    dropped_examples: int | None = _metric(COUNT)
+    malformed_examples: int | None = _metric(COUNT)
+    own_data: int | None = _metric(FLAG)  # 1: num-examples is the site's own claim
+    oom_retries: int | None = _metric(COUNT)  # 1: redone with half the micro-batch
+    # The client half's rule: after which local step the correction reached the computation; on-receipt's drift.
+    correction_after_step: int | None = _metric(COUNT)
+    correction_drift: float | None = _metric(NUMBER)
+    # The timeline (wall-clock seconds, comparable on one host): node runtime, node worker, ClientApp.
+    compute_start: float | None = _metric(NUMBER)
+    compute_end: float | None = _metric(NUMBER)
+    waited_s: float | None = _metric(NUMBER)  # for the computation running ahead
+    request_received: float | None = _metric(NUMBER)
+    prev_reply_sent: float | None = _metric(NUMBER)
+    clientapp_start: float | None = _metric(NUMBER)
+    clientapp_handler_start: float | None = _metric(NUMBER)  # Flower has pulled and deserialised the message
+    clientapp_sent: float | None = _metric(NUMBER)  # the request's last byte is in the worker's socket
+    clientapp_reply: float | None = _metric(NUMBER)
+    clientapp_pull_cpu_s: float | None = _metric(NUMBER)  # the ClientApp's CPU seconds at its handler's start ...
+    clientapp_cpu_s: float | None = _metric(NUMBER)  # ... and at its reply
+    clientapp_imported_torch: int | None = _metric(FLAG)
+    # Simulation: steps an actor read from the server's step log, and the process that computed.
+    steps_from_log: int | None = _metric(COUNT)
+    process_id: int | None = _metric(COUNT)
+    evaluation: EvaluateMetrics | None = None  # of x^{r-1}, when round r asked (its fields travel flat)
+
+    def check(self) -> str | None:
+        if self.partition_id < 0:
+            return f"metric partition-id={self.partition_id}: expected >= 0"
+        return None if self.evaluation is None else self.evaluation.check()
+
+
+def metrics_to_record(metrics: TrainMetrics | EvaluateMetrics, **extra: float | int) -> dict[str, float | int]:
+    """The ``METRICS`` record's entries: every field that is set, an evaluation's flat beside them."""
+    out: dict[str, float | int] = {}
+    for f in dataclasses.fields(metrics):
+        value = getattr(metrics, f.name)
+        if isinstance(value, EvaluateMetrics):
+            out.update(metrics_to_record(value))
+        elif value is not None:
+            out[key(f.name)] = value
+    return {**out, **extra}
+
+
+def metrics_from_record(cls: type, record: Mapping[str, Any]) -> Any:
+    """The reply's metrics as ``cls`` (``TrainMetrics`` or ``EvaluateMetrics``), each value of its kind,
+    or one line saying which is not. Keys this release does not know are ignored."""
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name == "evaluation":
+            values[f.name] = _evaluation_in(record)
+            if isinstance(values[f.name], str):
+                return values[f.name]
+            continue
+        name = key(f.name)
+        if name not in record:
+            if f.default is dataclasses.MISSING:
+                return f"missing metric {name!r}"
+            continue
+        value = _metric_value(name, record[name], f.metadata["kind"])
+        if isinstance(value, str):  # the reason: a metric is never a string
+            return value
+        values[f.name] = value
+    metrics = cls(**values)
+    problem = metrics.check()
+    return metrics if problem is None else problem
+
+
+def _evaluation_in(record: Mapping[str, Any]) -> EvaluateMetrics | None | str:
+    """A train reply's evaluation: all of its fields or none."""
+    names = [key(f.name) for f in dataclasses.fields(EvaluateMetrics) if f.default is dataclasses.MISSING]
+    present = [n for n in names if n in record]
+    if not present:
+        extra = [key(f.name) for f in dataclasses.fields(EvaluateMetrics) if key(f.name) in record]
+        return f"metric {extra[0]} without heldout-loss: expected it with an evaluation" if extra else None
+    if len(present) < len(names):
+        missing = [n for n in names if n not in present]
+        return f"metrics {', '.join(present)} without {', '.join(missing)}: expected all or none"
+    return metrics_from_record(EvaluateMetrics, record)
+
+
+def _metric_value(name: str, value: Any, kind: str) -> Any:
+    """``value`` if it is of ``kind``, else the reason (a string: metrics are never strings)."""
+    if type(value) not in (int, float) or not math.isfinite(value):
+        return f"metric {name}={value!r:.40}: expected a finite number"
+    if kind in (INT, COUNT, FLAG) and type(value) is not int:
+        return f"metric {name}={value!r}: expected an integer"
+    if kind != INT and name != "num-examples" and value < 0:  # num-examples: the server's bound says more
+        return f"metric {name}={value!r}: expected >= 0"
+    if kind == FLAG and value not in (0, 1):
+        return f"metric {name}={value}: expected 0 or 1"
+    return value
+
+
+@dataclass(frozen=True)
+class PartitionAnswer:
+    """A node's answer to the partition query (QUERY): the data partition it serves. A resumed server
+    maps its new node ids to the clients' checkpointed state with it."""
+
+    partition_id: int
+
+    def to_record(self) -> dict[str, int]:
+        return {key("partition_id"): self.partition_id}
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any] | None) -> PartitionAnswer | None:
+        value = None if record is None else record.get(key("partition_id"))
+        return cls(value) if type(value) is int and value >= 0 else None
+
+
+# ------------------------------------------------------------------ ClientApp <-> node worker
+@dataclass(frozen=True)
+class WorkerRequest:
+    """A frame's header from the ClientApp to its node worker: the round's message without its tensors
+    (they follow the header as ``record/array``, ``relay_name``), and who asks."""
+
+    OPS: ClassVar[tuple[str, ...]] = ("train", "evaluate", "ping")
+
+    op: str
+    run_id: int = 0
+    run_config: dict = field(default_factory=dict)
+    round: dict = field(default_factory=dict)  # ``RoundConfig.to_config``: the worker reads it with ``from_config``
+    partition_id: int = 0
+    num_partitions: int = 1
+    node: dict = field(default_factory=dict)  # the node config's settings (``node_data.NodeSettings.as_header``)
+
+    def to_header(self) -> dict[str, Any]:
+        return {key(f.name): getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_header(cls, header: Mapping[str, Any]) -> WorkerRequest:
+        op = header.get("op", "train")
+        if op not in cls.OPS:
+            raise MessageError(f"worker request: op={op!r:.40} expected one of {', '.join(cls.OPS)}")
+        if op == "ping":
+            return cls(op)
+        values: dict[str, Any] = {"op": op}
+        for f in dataclasses.fields(cls):
+            name = key(f.name)
+            if f.name == "op":
+                continue
+            if name not in header:
+                raise MessageError(f"worker request: {name} missing")
+            value, expected = header[name], {"dict": dict, "int": int}[f.type]
+            if type(value) is not expected or (expected is int and value < 0):
+                kind = "a mapping" if expected is dict else "an integer >= 0"
+                raise MessageError(f"worker request: {name}={value!r:.40} expected {kind}")
+            values[f.name] = value
+        return cls(**values)
+
+    @property
+    def server_round(self) -> int:
+        """The round, from the round config (``from_config`` checks the rest when the round is handled)."""
+        value = self.round.get(key("server_round"))
+        if type(value) is not int:
+            raise MessageError(f"worker request: round config server-round={value!r:.40} expected an integer")
+        return value
+
+
+def relay_name(record: str, array: str) -> str:
+    """A packed record's array in a worker frame: ``global-step/values``."""
+    return f"{record}/{array}"
+
+
+def relay_split(name: str) -> tuple[str, str]:
+    """``relay_name``'s inverse."""
+    record, _, array = name.partition("/")
+    return record, array
+
+
+@dataclass(frozen=True)
+class WorkerReply:
+    """A frame's header from the node worker back: the round's metrics and trace (the update's packed
+    arrays follow it), or the error and whether the node's state is as it was before the request.
+    A ping's answer says which process serves and which run it is in."""
+
+    metrics: dict = field(default_factory=dict)  # ``metrics_to_record``'s entries
+    trace: dict = field(default_factory=dict)
+    error: str = ""
+    state_intact: bool = False
+    pid: int = 0  # a ping's answer ...
+    run_id: int | None = None  # ... and the run the worker is in
+
+    def to_header(self) -> dict[str, Any]:
+        if self.error:
+            return {"error": self.error, key("state_intact"): self.state_intact}
+        if self.pid:
+            return {"pid": self.pid, key("run_id"): self.run_id}
+        return {"metrics": self.metrics, "trace": self.trace}
+
+    @classmethod
+    def from_header(cls, header: Mapping[str, Any]) -> WorkerReply:
+        if "error" in header:
+            return cls(error=str(header["error"]), state_intact=bool(header.get(key("state_intact"))))
+        if "pid" in header:
+            return cls(pid=int(header["pid"]), run_id=header.get(key("run_id")))
+        metrics, trace = header.get("metrics"), header.get("trace", {})
+        if not isinstance(metrics, dict) or not isinstance(trace, dict):
+            raise MessageError("worker reply: expected metrics and trace mappings")
+        return cls(metrics=metrics, trace=trace)

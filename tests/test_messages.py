@@ -1,0 +1,137 @@
+"""The message schema (``parablock_flwr/messages.py``): what each side builds, the other reads back
+exactly; what a peer sends malformed is a one-line reason, never an exception from deep inside."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from parablock_flwr import messages
+from parablock_flwr.messages import (
+    EvaluateMetrics,
+    MessageError,
+    PartitionAnswer,
+    RoundConfig,
+    TrainMetrics,
+    WorkerReply,
+    WorkerRequest,
+    metrics_from_record,
+    metrics_to_record,
+)
+from parablock_flwr.versions import PROTOCOL_VERSION
+
+
+def full_round() -> RoundConfig:
+    return RoundConfig(
+        server_round=7, block=2, step_block=1, next_block=3, algorithm="parablock", run_dir="/runs/a",
+        evaluate_version=6, evaluate_generate=True, resumed_after=4, resume_dir="/runs/old", sync_version=5,
+        catch_up_versions=(3, 4), catch_up_blocks=(0, 1), resume_pending_block=1, resume_pending_version=5,
+    )  # fmt: skip
+
+
+def test_a_round_config_reads_back_as_it_was_sent_with_every_field_set_or_none():
+    for sent in (full_round(), RoundConfig(server_round=1)):
+        assert RoundConfig.from_config(sent.to_config()) == sent
+    assert RoundConfig(server_round=1).to_config() == {
+        "server-round": 1, "block": -1, "step-block": -1, "next-block": -1, "algorithm": "", "run-dir": "",
+        "protocol-version": PROTOCOL_VERSION, "resume-dir": "",
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"server-round": "7"}, "round config: server-round='7' expected an integer"),
+        ({"block": 1.5}, "round config: block=1.5 expected an integer"),
+        ({"catch-up-versions": [1, 2], "catch-up-blocks": [0]}, "catch-up-versions and catch-up-blocks differ"),
+        ({"catch-up-versions": ["v1"], "catch-up-blocks": [0]}, "catch-up-versions=['v1'] expected a list"),
+        ({"run-dir": 3}, "run-dir=3 expected a string"),
+    ],
+)
+def test_a_malformed_round_config_is_one_line_naming_the_field(change, reason):
+    with pytest.raises(MessageError, match=reason.replace("[", r"\[").replace("]", r"\]")):
+        RoundConfig.from_config({**full_round().to_config(), **change})
+    with pytest.raises(MessageError, match="server-round missing"):
+        RoundConfig.from_config({})
+
+
+def train_metrics(**extra) -> TrainMetrics:
+    return TrainMetrics(server_round=3, block=1, partition_id=0, base_version=1, num_examples=12.0,
+                        train_loss=0.5, compute_s=1.25, **extra)  # fmt: skip
+
+
+def test_train_metrics_travel_flat_and_read_back_typed_with_an_evaluation():
+    sent = train_metrics(own_data=1, waited_s=0.1,
+                         evaluation=EvaluateMetrics(eval_version=2, heldout_loss=1.5, heldout_examples=8))  # fmt: skip
+    record = metrics_to_record(sent)
+    assert record["eval-version"] == 2 and record["own-data"] == 1 and "evaluation" not in record
+    assert metrics_from_record(TrainMetrics, record) == sent
+    assert metrics_from_record(TrainMetrics, metrics_to_record(train_metrics())) == train_metrics()
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"num-examples": "12"}, "metric num-examples='12': expected a finite number"),
+        ({"block": 1.0}, "metric block=1.0: expected an integer"),
+        ({"train-loss": float("nan")}, "metric train-loss=nan: expected a finite number"),
+        ({"waited-s": -1.0}, "metric waited-s=-1.0: expected >= 0"),
+        ({"own-data": 2}, "metric own-data=2: expected 0 or 1"),
+        ({"partition-id": -1}, "metric partition-id=-1: expected >= 0"),
+        ({"heldout-loss": 1.0}, "without eval-version, heldout-examples: expected all or none"),
+        ({"task-accuracy": 0.5}, "task-accuracy without heldout-loss"),
+        ({"eval-version": 1, "heldout-loss": 1.0, "heldout-examples": 0}, "heldout-examples=0: expected > 0"),
+        ({"eval-version": 1, "heldout-loss": 1.0, "heldout-examples": 2, "task-accuracy": 1.5, "task-examples": 2},
+         "task-accuracy=1.5: expected at most 1"),
+    ],
+)  # fmt: skip
+def test_malformed_metrics_are_a_reason_naming_the_metric(change, reason):
+    got = metrics_from_record(TrainMetrics, {**metrics_to_record(train_metrics()), **change})
+    assert isinstance(got, str) and reason in got
+
+
+def test_a_reply_without_a_required_metric_names_it():
+    record = metrics_to_record(train_metrics())
+    del record["compute-s"]
+    assert metrics_from_record(TrainMetrics, record) == "missing metric 'compute-s'"
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=8,
+)
+evaluation_keys = [messages.key(f.name) for f in dataclasses.fields(EvaluateMetrics)]
+metric_keys = st.sampled_from([messages.key(f.name) for f in dataclasses.fields(TrainMetrics)] + evaluation_keys)
+round_keys = st.sampled_from(list(full_round().to_config()) + ["other"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(metric_keys, json_values), st.dictionaries(round_keys, json_values))
+def test_whatever_a_peer_sends_is_read_or_refused_in_one_line(metrics, round_config):
+    for base in ({}, metrics_to_record(train_metrics())):
+        got = metrics_from_record(TrainMetrics, {**base, **metrics})
+        assert isinstance(got, TrainMetrics) or (isinstance(got, str) and "\n" not in got)
+    try:
+        RoundConfig.from_config({**full_round().to_config(), **round_config})
+    except MessageError as err:
+        assert "\n" not in str(err)
+
+
+def test_the_worker_frames_and_the_partition_answer_read_back():
+    request = WorkerRequest("train", 5, {"model": "m"}, full_round().to_config(), 2, 4, {"dataset": "d.jsonl"})
+    assert WorkerRequest.from_header(request.to_header()) == request
+    assert request.server_round == 7
+    assert WorkerRequest.from_header({"op": "ping"}) == WorkerRequest("ping")
+    with pytest.raises(MessageError, match="op='fit' expected one of train, evaluate, ping"):
+        WorkerRequest.from_header({"op": "fit"})
+    with pytest.raises(MessageError, match="partition-id=-1 expected an integer >= 0"):
+        WorkerRequest.from_header({**request.to_header(), "partition-id": -1})
+    for reply in (WorkerReply(metrics={"a": 1}, trace={"t": "x"}), WorkerReply(error="e", state_intact=True),
+                  WorkerReply(pid=12, run_id=5)):  # fmt: skip
+        assert WorkerReply.from_header(reply.to_header()) == reply
+    assert PartitionAnswer.from_record(PartitionAnswer(3).to_record()) == PartitionAnswer(3)
+    assert PartitionAnswer.from_record({"partition-id": "3"}) is None

@@ -14,7 +14,7 @@ read this module too. A block's tensors travel in records of their own beside th
 |-------------------------------|-------------------|---------------------------------------------|
 | round r, server -> node       | ``RoundConfig``   | the ``round`` config record + block records |
 | a node's update, node -> server | ``TrainMetrics`` | the ``metrics`` record + ``update`` + ``trace`` |
-| a node's evaluation           | ``EvaluateMetrics`` | the ``metrics`` record                    |
+| the final evaluation's reply  | ``EvaluateReply`` | the ``metrics`` record (``EvaluateMetrics`` flat) |
 | which partition a node serves | ``PartitionAnswer`` | the ``node`` record of a QUERY reply      |
 | ClientApp -> node worker      | ``WorkerRequest`` | a frame's JSON header (``worker/protocol.py``) |
 | node worker -> ClientApp      | ``WorkerReply``   | a frame's JSON header                       |
@@ -278,6 +278,26 @@ def _metric_value(name: str, value: Any, kind: str) -> Any:
     if kind == FLAG and value not in (0, 1):
         return f"metric {name}={value}: expected 0 or 1"
     return value
+
+
+@dataclass(frozen=True)
+class EvaluateReply:
+    """The reply to the final evaluation (``evaluation = "clients"``): which partition evaluated, and how."""
+
+    partition_id: int
+    evaluation: EvaluateMetrics
+
+    def to_record(self) -> dict[str, float | int]:
+        return metrics_to_record(self.evaluation, **{key("partition_id"): self.partition_id})
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> EvaluateReply | str:
+        """The reply, or one line saying what is wrong with it."""
+        partition_id = record.get(key("partition_id"))
+        if type(partition_id) is not int or partition_id < 0:
+            return f"metric partition-id={partition_id!r:.40}: expected an integer >= 0"
+        evaluation = metrics_from_record(EvaluateMetrics, record)
+        return evaluation if isinstance(evaluation, str) else cls(partition_id, evaluation)
 
 
 @dataclass(frozen=True)

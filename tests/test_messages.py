@@ -134,4 +134,7 @@ def test_the_worker_frames_and_the_partition_answer_read_back():
                   WorkerReply(pid=12, run_id=5)):  # fmt: skip
         assert WorkerReply.from_header(reply.to_header()) == reply
     assert PartitionAnswer.from_record(PartitionAnswer(3).to_record()) == PartitionAnswer(3)
+    evaluated = messages.EvaluateReply(2, EvaluateMetrics(eval_version=4, heldout_loss=1.0, heldout_examples=3))
+    assert messages.EvaluateReply.from_record(evaluated.to_record()) == evaluated
+    assert messages.EvaluateReply.from_record({"partition-id": 1}) == "missing metric 'eval-version'"
     assert PartitionAnswer.from_record({"partition-id": "3"}) is None

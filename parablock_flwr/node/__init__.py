@@ -11,7 +11,7 @@ The drivers (``client_apps/inline.py``, ``worker/server.py``) use the names re-e
 """
 
 from .cache import NodeResources, loaded, node_device, resources
-from .compute import Job, compute_update, computed, evaluate_replica, run_here
+from .compute import Job, compute_update, computed, evaluate_replica, run_here, update_metrics
 from .request import Refused, Reply, Request, StateIntact, check_blocks
 from .runtime import Ahead, Node, ResidualsMissing, ResidualWriteFailed, in_background, wait_for_write
 
@@ -35,5 +35,6 @@ __all__ = [
     "node_device",
     "resources",
     "run_here",
+    "update_metrics",
     "wait_for_write",
 ]

@@ -64,7 +64,7 @@ class Ahead:
 def in_background(fn: Callable, *args) -> Callable[[], None]:
     """Start ``fn(*args)`` on a thread of its own; the function returned waits for it and raises its error.
 
-    The residual's durable write (a block in fp32, fsynced: seconds at 8B sizes) runs beside
+    The residual's durable write (a block in fp32, fsynced) runs beside
     the correction and the next block's start instead of before them. Its tensors are copied to the
     host first, in the caller's thread: a device copy from another thread would queue behind the
     next block's kernels."""

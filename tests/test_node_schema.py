@@ -9,12 +9,14 @@ import dataclasses
 import inspect
 from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import parablock_flwr
 from parablock_flwr import messages
 from parablock_flwr.messages import RoundConfig, WorkerRequest
+from parablock_flwr.node import Refused, Request, StateIntact
 from parablock_flwr.worker.server import NodeWorker
 
 from helpers import worker_request
@@ -127,3 +129,26 @@ def test_any_header_reaches_the_node_read_through_the_schema_or_is_refused_in_on
     assert set(reply) == {"error", "state-intact"} and reply["state-intact"] is True, reply
     assert "\n" not in reply["error"] and arrays == {}
     assert (worker.run_id, worker.partition_id, worker.last, worker.node.state) == before
+
+
+# ------------------------------------------------------------------ the runtime's door
+@pytest.mark.parametrize(
+    ("op", "change", "arrays", "reason"),
+    [
+        ("train", {"server-round": "3"}, {}, "round config: server-round='3' expected an integer"),
+        ("train", {}, {}, "round 3: no global-step record; expected g^2"),
+        ("train", {"catch-up-versions": [1], "catch-up-blocks": [0]}, {"global-step": {}},
+         "round 3: catch-up versions without a catch-up record"),
+        ("train", {}, {"global-step": {}, "resume-pending": {}},
+         "round 3: a resume-pending record without its block and version"),
+        ("train", {"evaluate-version": -1}, {"global-step": {}}, "round config: evaluate-version=-1 expected >= 0"),
+        ("evaluate", {}, {"global-step": {}}, "round config: evaluate-version missing from an evaluation"),
+    ],
+)  # fmt: skip
+def test_a_malformed_round_is_refused_by_the_runtime_in_one_line(op, change, arrays, reason):
+    """What the schema reads but a round cannot use (a step the message does not carry, a hand-back without
+    its block): ``Refused``, a ``StateIntact``, naming it, before the node's state is touched."""
+    round_cfg = {**worker_request({}, 7, 3, block=0, next_block=1)["round"], **change}
+    with pytest.raises(Refused) as refused:
+        Request.parse(op, 7, round_cfg, arrays, 0, 2)
+    assert str(refused.value) == reason and isinstance(refused.value, StateIntact)

@@ -24,8 +24,9 @@ from flwr.common.constant import SType
 from flwr.supercore.task_identity import TaskIdentity
 
 from parablock_flwr.client_apps.app import relay_to_worker
+from parablock_flwr.messages import PROTOCOL_KEY
 from parablock_flwr.npy import npy_header
-from parablock_flwr.versions import FRAME_KEY, PROTOCOL_VERSION
+from parablock_flwr.versions import PROTOCOL_VERSION
 from parablock_flwr.worker.protocol import ProtocolError, SocketReader, recv, request
 
 # A worker that echoes each array it receives as the update's array of the same name, unless the
@@ -187,7 +188,7 @@ def test_the_worker_reads_each_array_into_place_as_it_arrives():
 
     values = np.random.default_rng(1).standard_normal(PAYLOAD_VALUES, dtype=np.float32)
     header = json.dumps({"op": "train", "arrays": [{"name": "w", "dtype": "float32", "shape": [PAYLOAD_VALUES]}],
-                         FRAME_KEY: PROTOCOL_VERSION})  # fmt: skip
+                         PROTOCOL_KEY: PROTOCOL_VERSION})  # fmt: skip
     left, right = socket.socketpair()
     sender = threading.Thread(target=lambda: (right.sendall(len(header).to_bytes(8, "big") + header.encode()),
                                               right.sendall(memoryview(values)), right.close()))  # fmt: skip

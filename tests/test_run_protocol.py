@@ -225,7 +225,7 @@ def test_a_node_with_its_own_data_is_bounded_like_any_other(tmp_path, tiny_model
     when ``max-num-examples`` is 0 (rejected, naming both keys), by ``max-num-examples`` when it is set."""
     for max_num_examples, accepted, bound in ((0, 1, 40), (80, 2, 80), (50, 1, 50)):
         run = make_run(tmp_path / str(max_num_examples), tiny_model_dir, 2, num_examples=40,
-                                 max_num_examples=max_num_examples)  # fmt: skip
+                       max_num_examples=max_num_examples)  # fmt: skip
         answers = [honest_answer(run, num_examples=20), honest_answer(run, num_examples=64, own_data=1)]
         records = run_rounds(run, InMemoryFederation(2, lambda i, m, answers=answers: answers[i](i, m)))
         assert all(r["num_accepted"] == accepted for r in records[1:]), (max_num_examples, records[1:])
@@ -258,7 +258,7 @@ def test_a_resumed_run_goes_on_counting_who_it_left_out(tmp_path, tiny_model_dir
     honest, big = honest_answer(resumed, num_examples=20), honest_answer(resumed, num_examples=64)
     with InMemoryFederation(2, lambda i, m: big(i, m) if i else honest(i, m)) as federation:
         resumed.start(federation.grid, first_step)
-    excluded = resumed.run.excluded_nodes()
+    excluded = resumed.excluded_nodes()
     assert len(excluded) == 1 and "(partition 1): not aggregated in 5 of 5 rounds (5 in a row" in excluded[0], excluded
 
 
@@ -423,8 +423,8 @@ def test_the_servers_evaluation_runs_beside_the_loop_and_evaluates_exactly_each_
     evaluation part is appended after its training record."""
     rounds = 6
     run = make_run(tmp_path, tiny_model_dir, rounds, evaluation="server", eval_every=1,
-                             num_examples=24, heldout_examples=8, generate_examples=0, eval_max_lag=1,
-                             model=str(tiny_model_dir), layers_per_block=2)  # fmt: skip
+                   num_examples=24, heldout_examples=8, generate_examples=0, eval_max_lag=1,
+                   model=str(tiny_model_dir), layers_per_block=2)  # fmt: skip
     cfg = run.config
     evaluator, tokenizer, heldout = evaluator_for(run, tiny_model_dir, tmp_path)
     run.evaluator = evaluator
@@ -457,8 +457,8 @@ def test_an_evaluation_that_fails_fails_the_run(tmp_path, tiny_model_dir):
     ``error``), and the process is gone. The fault is real: round 0's generated answers cannot be
     written (a file stands where the samples folder goes)."""
     run = make_run(tmp_path, tiny_model_dir, 3, evaluation="server", num_examples=12, heldout_examples=4,
-                             generate_examples=1, max_new_tokens=2, model=str(tiny_model_dir),
-                             layers_per_block=2)  # fmt: skip
+                   generate_examples=1, max_new_tokens=2, model=str(tiny_model_dir),
+                   layers_per_block=2)  # fmt: skip
     (tmp_path / "samples").write_text("not a folder")
     evaluator, _, _ = evaluator_for(run, tiny_model_dir, tmp_path)
     run.evaluator = evaluator
@@ -473,8 +473,8 @@ def test_an_evaluator_process_that_dies_fails_the_run_and_leaves_no_process(tmp_
     thread of it ran at ``SCHED_IDLE`` on ``eval-cpus`` (threads started later inherit both)."""
     eval_cpu = max(os.sched_getaffinity(0))
     run = make_run(tmp_path, tiny_model_dir, 4, evaluation="server", num_examples=12, heldout_examples=4,
-                             generate_examples=0, model=str(tiny_model_dir), layers_per_block=2,
-                             eval_cpus=str(eval_cpu))  # fmt: skip
+                   generate_examples=0, model=str(tiny_model_dir), layers_per_block=2,
+                   eval_cpus=str(eval_cpu))  # fmt: skip
     evaluator, _, _ = evaluator_for(run, tiny_model_dir, tmp_path)
     run.evaluator = evaluator
     honest, killed, placement = honest_answer(run), [], set()
@@ -519,8 +519,8 @@ def test_by_default_every_round_is_evaluated_even_behind_a_pruned_step_log(tmp_p
     steps it needed pruned: FileNotFoundError, the run failed.)"""
     rounds = 8
     run = make_run(tmp_path, tiny_model_dir, rounds, evaluation="server", eval_every=1, snapshot_every=2,
-                             num_examples=24, heldout_examples=8, generate_examples=0,
-                             model=str(tiny_model_dir), layers_per_block=2)  # fmt: skip
+                   num_examples=24, heldout_examples=8, generate_examples=0,
+                   model=str(tiny_model_dir), layers_per_block=2)  # fmt: skip
     cfg = run.config
     models = rounds_as_aggregated(run)
     evaluator, tokenizer, heldout = evaluator_for(run, tiny_model_dir, tmp_path)
@@ -554,10 +554,10 @@ def test_handing_rounds_to_a_stopped_evaluator_never_blocks_the_loop(tmp_path, t
     handed to an evaluator whose process is stopped take well under a second (before: the pipe to the
     process filled after a few hundred rounds and the loop blocked until the evaluator read them)."""
     run = make_run(tmp_path, tiny_model_dir, 3000, evaluation="server", num_examples=12,
-                             heldout_examples=4, generate_examples=0, model=str(tiny_model_dir),
-                             layers_per_block=2)  # fmt: skip
+                   heldout_examples=4, generate_examples=0, model=str(tiny_model_dir),
+                   layers_per_block=2)  # fmt: skip
     evaluator, _, _ = evaluator_for(run, tiny_model_dir, tmp_path)
-    evaluator.begin(run.run)
+    evaluator.begin(run)
     os.kill(evaluator.pid, signal.SIGSTOP)
     handed = threading.Thread(target=lambda: [evaluator.submit(r) for r in range(1, 2001)], daemon=True)
     try:

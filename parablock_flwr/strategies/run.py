@@ -220,7 +220,8 @@ class Run:
         self._counts["round_retries"] += 1
         done = {r.node for r in outcome.accepted}
         nodes = [n for n in self.algorithm.round_nodes if n not in done]
-        log.warning("round %d: %s: re-sending to %d nodes (retry %d of %d)", outcome.server_round, too_few,
+        log.warning("round %d: %d valid replies, fewer than min-accepted-replies=%d: re-sending to %d nodes "
+                    "(retry %d of %d)", outcome.server_round, len(outcome.accepted), cfg.min_accepted_replies,
                     len(nodes), retries + 1, cfg.max_round_retries)  # fmt: skip
         return self.push(grid, self.algorithm.train_messages(outcome.server_round, nodes))
 

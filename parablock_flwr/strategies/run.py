@@ -7,7 +7,8 @@ this module. The boundary is small:
 - the run asks the algorithm for a round's messages (Flower's ``configure_train``, given the run's
   part of the round config; ``train_messages`` again for a retry; ``configure_evaluate`` for the
   nodes' final evaluation) and for what the replies come to (``aggregate_train``, given the replies,
-  the messages they answer and where pending updates go): a ``RoundOutcome``;
+  the messages they answer and where pending updates go): a ``RoundOutcome``; and for its
+  ``summary`` line, once;
 - the run does everything with a side effect: pushing and pulling, deadlines, retries and stopping
   (``TooFewReplies``), the step log, staging pending updates, participation, clocks, the nodes'
   evaluations, records, checkpoints (``checkpoint_state``) and resume (``resumed``, ``step_applied``);
@@ -180,7 +181,9 @@ class Run:
         return ConfigRecord(part.to_config())
 
     # ------------------------------------------------------------ a round's replies
-    def aggregate(self, server_round: int, replies: Iterable[Message], sent: dict[str, int], grid: Grid | None):
+    def aggregate(
+        self, server_round: int, replies: Iterable[Message], sent: dict[str, int], grid: Grid | None
+    ) -> RoundOutcome:
         """Round r's replies (answering ``sent``) checked as they arrive and aggregated by the algorithm;
         then ``g^r`` logged, the round's participation, clocks and the nodes' evaluations noted. Too few
         valid replies: the round is re-sent to the nodes without one (``on-too-few-replies = "retry"``, at

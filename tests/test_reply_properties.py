@@ -362,12 +362,17 @@ def test_any_mix_of_replies_moves_the_model_by_the_valid_ones_alone(specs, algor
                 replies.append(corrupt(kind, node, update, metrics, valid_partitions, transfer_dtype))
                 invalid_nodes.add(node)
 
+        pending = {}  # what the run is handed to write for the checkpoint (test_run_protocol: the writing)
+        run.stage_pending = lambda partition_id, update: pending.setdefault(partition_id, []).append(update)
         record = aggregate(run, replies)  # must not raise
-        run.staged()  # ParaBlock's pending updates are written beside the loop: done before cleanup
 
         assert record["num_accepted"] == len(valid)
         rejected = {r["node"]: r["reason"] for r in record["rejected"]}
-        assert set(rejected) == invalid_nodes and all(rejected.values())
+        assert set(rejected) == invalid_nodes and all(r and "\n" not in r for r in rejected.values())
+        kept = {i: u for i, u, _ in valid} if algorithm is ParaBlock else {}
+        assert sorted(pending) == sorted(kept)  # each valid reply's update, once, and only theirs
+        assert all(len(updates) == 1 for updates in pending.values())
+        assert all(torch.equal(pending[i][0].delta[n], u[n]) for i, u in kept.items() for n in u)
         expected = {n: t.clone() for n, t in x0.items()}
         if valid:
             valid.sort(key=lambda v: v[0])  # partition order, as the server sums

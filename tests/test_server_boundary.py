@@ -82,3 +82,46 @@ def test_the_server_spells_no_message_key():
         if isinstance(node, ast.Constant) and node.value in keys
     ]
     assert not spelled, spelled
+
+
+def test_the_algorithm_decides_a_round_without_a_run_and_leaves_the_acting_to_it(tmp_path):
+    """ParaBlock built with its run folder and no ``Run``: ``aggregate_train`` returns the round's outcome
+    (the step it applied to ``x``, the replies accepted and rejected with their reasons, each pending
+    update to keep) and does none of the run's work: no step logged, nothing staged or recorded. Its own
+    loop is the run's: ``start`` says so rather than ignore Flower's parameters."""
+    import pytest
+    import torch
+    from flwr.app import Message, MessageType, MetricRecord, RecordDict
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from parablock_flwr import core
+    from parablock_flwr.config import RunConfig
+    from parablock_flwr.records import to_record
+    from parablock_flwr.replica import StepLog
+    from parablock_flwr.strategies import ParaBlock
+
+    partition = core.BlockPartition(blocks=(("w",), ("b",)), labels=("w", "b"))
+    x = {"w": torch.zeros(3), "b": torch.zeros(2)}
+    strategy = ParaBlock(global_params=x, partition=partition, schedule=[0, 1], run_dir=tmp_path,
+                         config=RunConfig(num_server_rounds=2, min_accepted_replies=1))  # fmt: skip
+
+    def reply(node: int, block: int) -> Message:
+        TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, node, 0
+        request = Message(content=RecordDict(), dst_node_id=node, message_type=MessageType.TRAIN)
+        TaskIdentity.node_id = node
+        sent = messages.TrainMetrics(server_round=1, block=block, partition_id=node, base_version=0, num_examples=4,
+                                     train_loss=1.0, compute_s=0.1)  # fmt: skip
+        content = RecordDict({messages.METRICS: MetricRecord(messages.metrics_to_record(sent)),
+                              messages.UPDATE: to_record({"w": torch.ones(3)})})  # fmt: skip
+        return Message(content, reply_to=request)
+
+    outcome = strategy.aggregate_train(1, [reply(0, block=0), reply(1, block=1)])
+    assert [r.partition_id for r in outcome.accepted] == [0] and outcome.accepted[0].metrics.num_examples == 4
+    assert [(r.node, r.reason) for r in outcome.rejected] == [(1, "wrong block id 1, expected 0")]
+    assert torch.equal(outcome.step["w"], torch.ones(3)) and torch.equal(x["w"], torch.ones(3))
+    assert [(p, u.block, u.base_version) for p, u in outcome.pending] == [(0, 0, 0)]
+    assert outcome.record["num_accepted"] == 1 and outcome.record["num_rejected"] == 1
+    assert not StepLog(tmp_path).steps() and not (tmp_path / "checkpoint").exists()
+    assert not (tmp_path / "metrics.jsonl").exists()
+    with pytest.raises(NotImplementedError, match=r"Run\(algorithm\)\.start"):
+        strategy.start(None, None, num_rounds=3)

@@ -1,8 +1,9 @@
 """The run around an algorithm's rounds: Flower's round loop, each round's record and
 checkpoint, resume, and the server's evaluation beside the loop (``ServerEvaluator``).
 
-The algorithm decides, the run acts; only the run calls the other, and the algorithm never imports
-this module. The boundary is small:
+The algorithm decides, the run acts. The run calls the algorithm; the algorithm holds no reference to
+the run and never imports this module (the one thing of the run's it is handed is the writer of
+pending updates, an argument of ``aggregate_train``). The boundary is small:
 
 - the run asks the algorithm for a round's messages (Flower's ``configure_train``, given the run's
   part of the round config; ``train_messages`` again for a retry; ``configure_evaluate`` for the

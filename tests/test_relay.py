@@ -161,8 +161,8 @@ def test_a_reply_declaring_more_than_it_sends_allocates_only_what_arrived():
 def test_the_relay_stamps_its_handler_start_last_byte_sent_and_cpu(echo_worker):
     """What splits the ``clientapp_relay`` leg (round_stats.CLIENTAPP_RELAY_PARTS): the handler's start
     (Flower's pull done), the request's last byte in the worker's socket, the reply; and the process's CPU
-    seconds at the start and at the reply. The server's checks accept them (reply_checks.read_metrics)."""
-    from parablock_flwr.strategies.reply_checks import read_metrics
+    seconds at the start and at the reply. The server's checks accept them (messages.metrics_from_record)."""
+    from parablock_flwr.messages import TrainMetrics, key, metrics_from_record
 
     msg, context = message({"values": Array(np.ones(1000, np.float32))})
     before = time.time()
@@ -171,9 +171,10 @@ def test_the_relay_stamps_its_handler_start_last_byte_sent_and_cpu(echo_worker):
     assert 0 < metrics["clientapp-pull-cpu-s"] <= metrics["clientapp-cpu-s"]
     required = {"server-round": 1, "block": 0, "partition-id": 0, "base-version": 0, "num-examples": 1.0,
                 "train-loss": 0.0, "compute-s": 0.0}  # fmt: skip
-    read = read_metrics({**metrics, **required})
+    read = metrics_from_record(TrainMetrics, {**metrics, **required})
     assert not isinstance(read, str), read
-    assert {k: read[k] for k in metrics if k.startswith("clientapp-")} == {
+    fields = {key(name): getattr(read, name) for name in TrainMetrics.__dataclass_fields__}
+    assert {k: fields[k] for k in metrics if k.startswith("clientapp-")} == {
         k: v for k, v in metrics.items() if k.startswith("clientapp-")
     }
 

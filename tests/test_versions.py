@@ -11,7 +11,6 @@ import struct
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
@@ -83,12 +82,25 @@ def test_a_round_config_of_another_version_is_refused_by_the_node_before_anythin
     assert "node worker is not running at /nonexistent/w.sock" in handler(msg, context).error.reason
 
 
-def test_the_server_sends_the_version_in_every_round_config():
-    from parablock_flwr.strategies import run as run_module
-    from parablock_flwr.strategies.fedbcd import server as fedbcd_server
+def test_the_server_sends_the_version_in_every_round_config(tmp_path):
+    """Every message the server builds (a round's, the nodes' final evaluation's) carries its config as
+    ``RoundConfig`` writes it: with this release's protocol version."""
+    import torch
+    from flwr.app import ArrayRecord, ConfigRecord, MessageType
 
-    for module in (fedbcd_server, run_module):
-        assert "ROUND_KEY: PROTOCOL_VERSION" in Path(module.__file__).read_text(), module.__name__
+    from parablock_flwr import core
+    from parablock_flwr.config import RunConfig
+    from parablock_flwr.messages import PROTOCOL_KEY, ROUND, RoundConfig
+    from parablock_flwr.strategies import FedBCD
+
+    partition = core.BlockPartition(blocks=(("w",),), labels=("w",))
+    strategy = FedBCD(global_params={"w": torch.zeros(2)}, partition=partition, schedule=[0, 0], run_dir=tmp_path,
+                      config=RunConfig(num_server_rounds=2))  # fmt: skip
+    run_part = ConfigRecord(RoundConfig(server_round=1).to_config())
+    strategy.stats.nodes = [5]
+    for msg in [*strategy.configure_evaluate(3, ArrayRecord(), run_part, None)] + [*strategy.train_messages(1, [4])]:
+        assert msg.content.config_records[ROUND][PROTOCOL_KEY] == PROTOCOL_VERSION, msg.metadata.message_type
+    assert msg.metadata.message_type == MessageType.TRAIN
 
 
 @pytest.mark.e2e

@@ -16,16 +16,6 @@ from collections.abc import Mapping
 PROTOCOL_VERSION = 1
 
 
-def __getattr__(name: str) -> str:
-    """``FRAME_KEY`` and ``ROUND_KEY``: aliases of ``messages.PROTOCOL_KEY`` for callers not yet moved to it
-    (to be removed once none is left; read lazily: ``messages`` imports this module)."""
-    if name in ("FRAME_KEY", "ROUND_KEY"):
-        from .messages import PROTOCOL_KEY
-
-        return PROTOCOL_KEY
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def mismatch(header: Mapping[str, object], key: str, peer: str, here: str) -> str | None:
     """One line naming both versions when ``header[key]`` is not this release's (None: they match)."""
     theirs = header.get(key)

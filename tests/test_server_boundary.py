@@ -1,18 +1,14 @@
-"""The server's shape: the package imports without a cycle, and the server spells no message key (the
-schema, ``parablock_flwr/messages.py``, does). Static checks over the source: no model, no Flower."""
+"""The server's shape: the package imports without a cycle, and the algorithm decides a round without a
+``Run`` (which acts on what it returns). No module but the schema spells a message key: tests/test_messages.py."""
 
 from __future__ import annotations
 
 import ast
-import dataclasses
 from pathlib import Path
 
 from parablock_flwr import messages
 
 PACKAGE = Path(messages.__file__).parent
-# Fields of the records the server writes (metrics.jsonl, the checkpoint's state, the evaluator's pipe) that
-# are single words equal to a message key or record name: the same word, another file format.
-RECORD_FIELDS = {"round", "block", "algorithm", "node"}
 
 
 def module_name(path: Path) -> str:
@@ -56,32 +52,6 @@ def test_the_package_imports_without_a_cycle():
 
     for module in sorted(graph):
         visit(module, [])
-
-
-def message_keys() -> set[str]:
-    """Every key and record name a message carries: each field's key, each record-name constant."""
-    names = {"ROUND", "GLOBAL_STEP", "CATCH_UP", "SYNC_VALUES", "RESUME_PENDING", "UPDATE", "METRICS", "TRACE",
-             "LOCAL_MODEL_DIGEST", "NODE", "PROTOCOL_KEY"}  # fmt: skip
-    keys = {getattr(messages, name) for name in names}
-    for cls in (messages.RoundConfig, messages.TrainMetrics, messages.EvaluateMetrics, messages.EvaluateReply):
-        keys |= {messages.key(f.name) for f in dataclasses.fields(cls) if f.name != "evaluation"}
-    return keys
-
-
-def test_the_server_spells_no_message_key():
-    """The server's modules read and write messages through the schema: no string in them is a key or a
-    record name of a message (the client halves, beside them in strategies/, are the node's)."""
-    keys = message_keys() - RECORD_FIELDS
-    assert {"server-round", "num-examples", "global-step", "partition-id"} <= keys
-    paths = [p for p in (PACKAGE / "strategies").rglob("*.py") if p.name != "client.py"]
-    paths += [*(PACKAGE / "server_apps").glob("*.py"), PACKAGE / "checkpoint.py", PACKAGE / "metrics.py"]
-    spelled = [
-        f"{path.relative_to(PACKAGE)}:{node.lineno}: {node.value!r}"
-        for path in paths
-        for node in ast.walk(ast.parse(path.read_text()))
-        if isinstance(node, ast.Constant) and node.value in keys
-    ]
-    assert not spelled, spelled
 
 
 def test_the_algorithm_decides_a_round_without_a_run_and_leaves_the_acting_to_it(tmp_path):

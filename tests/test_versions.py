@@ -17,7 +17,8 @@ from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
 from parablock_flwr.client_apps import app
-from parablock_flwr.versions import FRAME_KEY, PROTOCOL_VERSION, ROUND_KEY
+from parablock_flwr.messages import PROTOCOL_KEY
+from parablock_flwr.versions import PROTOCOL_VERSION
 from parablock_flwr.worker.protocol import ProtocolError, _frame, recv, request
 
 OTHER = PROTOCOL_VERSION + 1
@@ -40,7 +41,7 @@ def receive(data: bytes, worker_side: bool):
 
 def test_every_frame_carries_the_version_and_the_receiver_hides_it():
     sent = b"".join(bytes(b) for b in _frame({"op": "ping"}, None))
-    assert json.loads(sent[8:])[FRAME_KEY] == PROTOCOL_VERSION
+    assert json.loads(sent[8:])[PROTOCOL_KEY] == PROTOCOL_VERSION
     header, _ = receive(sent, worker_side=True)
     assert header == {"op": "ping"}
 
@@ -51,7 +52,7 @@ def test_every_frame_carries_the_version_and_the_receiver_hides_it():
 )
 def test_a_frame_of_another_version_is_refused_naming_both(worker_side, peer, here):
     with pytest.raises(ProtocolError) as refused:
-        receive(raw_frame({"op": "train", FRAME_KEY: OTHER}), worker_side)
+        receive(raw_frame({"op": "train", PROTOCOL_KEY: OTHER}), worker_side)
     assert str(refused.value).startswith(
         f"protocol version mismatch: {peer} speaks {OTHER}, {here} speaks {PROTOCOL_VERSION}; "
     )
@@ -71,14 +72,14 @@ def server_message(round_cfg: dict) -> tuple[Message, Context]:
 @pytest.mark.parametrize("handler", [app.train, app.evaluate])
 def test_a_round_config_of_another_version_is_refused_by_the_node_before_anything(handler):
     """Refused before the ClientApp touches its worker (whose socket here does not exist) or loads anything."""
-    msg, context = server_message({ROUND_KEY: OTHER, "server-round": 1})
+    msg, context = server_message({PROTOCOL_KEY: OTHER, "server-round": 1})
     reply = handler(msg, context)
     assert reply.has_error()
     assert reply.error.reason == (
         f"protocol version mismatch: the server speaks {OTHER}, this node speaks {PROTOCOL_VERSION}; "
         "install the same parablock-flwr release on the server and at every site"
     )
-    msg, context = server_message({ROUND_KEY: PROTOCOL_VERSION, "server-round": 1})
+    msg, context = server_message({PROTOCOL_KEY: PROTOCOL_VERSION, "server-round": 1})
     assert "node worker is not running at /nonexistent/w.sock" in handler(msg, context).error.reason
 
 
@@ -119,12 +120,12 @@ def test_a_real_worker_refuses_a_client_of_another_version_in_one_line(tmp_path)
         with socket.socket(socket.AF_UNIX) as client:
             client.settimeout(30)
             client.connect(str(path))
-            client.sendall(raw_frame({"op": "train", "run-id": 1, FRAME_KEY: OTHER}))
+            client.sendall(raw_frame({"op": "train", "run-id": 1, PROTOCOL_KEY: OTHER}))
             (size,) = struct.unpack(">Q", client.recv(8, socket.MSG_WAITALL))
             reply = json.loads(client.recv(size, socket.MSG_WAITALL))
         want = f"the ClientApp speaks {OTHER}, this node worker speaks {PROTOCOL_VERSION}"
         assert reply["error"].startswith("ProtocolError: protocol version mismatch: " + want)
-        assert reply[FRAME_KEY] == PROTOCOL_VERSION and "\n" not in reply["error"]
+        assert reply[PROTOCOL_KEY] == PROTOCOL_VERSION and "\n" not in reply["error"]
         assert asyncio.run(request(str(path), {"op": "ping"}, timeout_s=30))[0]["pid"] == proc.pid
         assert want in log.read_text()
     finally:

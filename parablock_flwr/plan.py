@@ -164,10 +164,10 @@ def model_shape(cfg: RunConfig, config) -> ModelShape:
         if cfg.trainable == "lora":
             model, trainable = add_lora(model, cfg), is_lora_name
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    dtype = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     widths = {"num_layers": text.num_hidden_layers, "hidden": text.hidden_size,
               "intermediate": getattr(text, "intermediate_size", None) or 4 * text.hidden_size,
-              "vocab": text.vocab_size, "dtype_bytes": 4 if dtype.endswith("float32") else 2}  # fmt: skip
+              "vocab": text.vocab_size, "dtype_bytes": dtype_bytes(dtype)}  # fmt: skip
     return partitioned_shape(cfg, model, trainable, widths)
 
 
@@ -179,11 +179,15 @@ def arithmetic_shape(cfg: RunConfig, values: dict) -> ModelShape | None:
         return None
     adapters = {name for name, _ in shapes if ".lora_A." in name or ".lora_B." in name}
     trainable = adapters.__contains__ if cfg.trainable == "lora" else lambda name: True
-    dtype = str(values.get("dtype") or values.get("torch_dtype") or "float32")
     widths = {"num_layers": values["num_hidden_layers"], "hidden": values["hidden_size"],
               "intermediate": values["intermediate_size"], "vocab": values["vocab_size"],
-              "dtype_bytes": 4 if dtype.endswith("float32") else 2}  # fmt: skip
+              "dtype_bytes": dtype_bytes(values.get("dtype") or values.get("torch_dtype"))}  # fmt: skip
     return partitioned_shape(cfg, meta_module(shapes, values["num_hidden_layers"]), trainable, widths)
+
+
+def dtype_bytes(dtype) -> int:
+    """Bytes per parameter of a config's ``dtype`` (a torch dtype or its name; none: fp32)."""
+    return 4 if str(dtype or "float32").endswith("float32") else 2
 
 
 def meta_module(shapes: Shapes, num_layers: int):

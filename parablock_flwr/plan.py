@@ -27,6 +27,7 @@ before it moves to the device.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -174,15 +175,27 @@ def model_shape(cfg: RunConfig, config) -> ModelShape:
 def arithmetic_shape(cfg: RunConfig, values: dict) -> ModelShape | None:
     """``model_shape`` from a ``config.json``'s values by arithmetic (``decoder_shapes``), without
     transformers; None for an architecture or a config it does not know."""
-    shapes = decoder_shapes(values, cfg.trainable, cfg.lora_rank, cfg.lora_target_modules)
-    if shapes is None:
+    found = decoder_module(json.dumps(values, sort_keys=True), cfg.trainable, cfg.lora_rank, cfg.lora_target_modules)
+    if found is None:
         return None
-    adapters = {name for name, _ in shapes if ".lora_A." in name or ".lora_B." in name}
+    module, adapters = found
     trainable = adapters.__contains__ if cfg.trainable == "lora" else lambda name: True
     widths = {"num_layers": values["num_hidden_layers"], "hidden": values["hidden_size"],
               "intermediate": values["intermediate_size"], "vocab": values["vocab_size"],
               "dtype_bytes": dtype_bytes(values.get("dtype") or values.get("torch_dtype"))}  # fmt: skip
-    return partitioned_shape(cfg, meta_module(shapes, values["num_hidden_layers"]), trainable, widths)
+    return partitioned_shape(cfg, module, trainable, widths)
+
+
+@functools.lru_cache(maxsize=4)
+def decoder_module(config_json: str, train: str, lora_rank: int, lora_targets: str):
+    """``meta_module`` of ``decoder_shapes`` and the names of its LoRA adapters, or None; kept for the
+    other partitions the fits' search tries (building the module tree is most of a shape's time)."""
+    values = json.loads(config_json)
+    shapes = decoder_shapes(values, train, lora_rank, lora_targets)
+    if shapes is None:
+        return None
+    adapters = frozenset(name for name, _ in shapes if ".lora_A." in name or ".lora_B." in name)
+    return meta_module(shapes, values["num_hidden_layers"]), adapters
 
 
 def dtype_bytes(dtype) -> int:

@@ -5,7 +5,7 @@ the first plan on a machine), then again with the cache the first left behind (w
 docs/deploy-8b.md's plan of Llama-3.1-8B, Llama-3.1-70B with LoRA and the fits' search, and GPT-2
 (124M), an architecture whose shapes plan does not compute but builds on the meta device and caches.
 With ``--against COMMIT`` the same runs are made with that commit's ``parablock_flwr`` (extracted by
-``git archive``) in the same session, to compare before and after on one machine under one load.
+``git archive``), taking turns with this checkout's, to compare before and after under one load.
 Writes docs/results/plan_time.md (the medians, and the spread of the repetitions).
 
     .venv/bin/python -m benchmarks.plan_time --repeats 5 --against afd82fa
@@ -74,13 +74,26 @@ def one_plan(code: Path, args: list[str], cache: Path) -> float:
     return elapsed
 
 
-def measure(code: Path, args: list[str], repeats: int, workdir: Path) -> dict[str, list[float]]:
-    """``repeats`` cold runs, each in an empty cache and followed by a warm run in the cache it left."""
-    times: dict[str, list[float]] = {"cold": [], "warm": []}
+def measure(codes: dict[str, Path], args: list[str], repeats: int, workdir: Path) -> dict[str, dict[str, list]]:
+    """Per code, ``repeats`` cold runs, each in an empty cache and followed by a warm run in the cache it
+    left; the codes take turns, so that each sees the same load on a shared machine."""
+    times = {label: {"cold": [], "warm": []} for label in codes}
     for _ in range(repeats):
-        cache = Path(tempfile.mkdtemp(dir=workdir, prefix="cache-"))
-        times["cold"].append(one_plan(code, args, cache))
-        times["warm"].append(one_plan(code, args, cache))
+        for label, code in codes.items():
+            cache = Path(tempfile.mkdtemp(dir=workdir, prefix="cache-"))
+            times[label]["cold"].append(one_plan(code, args, cache))
+            times[label]["warm"].append(one_plan(code, args, cache))
+    return times
+
+
+def torch_import_seconds(repeats: int) -> list[float]:
+    """A Python that imports torch and nothing else, start to exit: the floor of a plan that imports
+    torch (core's time model and partitioning do)."""
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "import torch"], check=True)
+        times.append(time.perf_counter() - started)
     return times
 
 
@@ -106,13 +119,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.against:
             codes[f"at {args.against}"] = checkout(args.against, workdir)
         for case, plan_args in cases(workdir).items():
-            for label, code in codes.items():
-                print(f"[{time.strftime('%H:%M:%S')}] {case}, {label} ...", flush=True)
-                times = measure(code, plan_args, args.repeats, workdir)
+            print(f"[{time.strftime('%H:%M:%S')}] {case} ...", flush=True)
+            for label, times in measure(codes, plan_args, args.repeats, workdir).items():
                 rows.append(f"| {case} | {label} | {cell(times['cold'])} | {cell(times['warm'])} |")
+    floor = torch_import_seconds(args.repeats)
     body = "\n".join([
         f"{args.repeats} repetitions of each; seconds, median (min-max); load average (1 min) "
         f"{load_before:.2f} before, {os.getloadavg()[0]:.2f} after: the machine is shared, so timings carry noise.",
+        f"A Python that only imports torch takes {cell(floor)} s here.",
         "",
         "| case | code | cold cache s | warm cache s |",
         "|---|---|---|---|",

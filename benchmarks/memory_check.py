@@ -81,6 +81,7 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "parablock-random-1b")
     args = parser.parse_args()
 
+    from parablock_flwr.messages import GLOBAL_STEP, TRAIN, RoundConfig, WorkerReply, WorkerRequest, relay_name
     from parablock_flwr.plan import make_plan, model_config, model_shape
     from parablock_flwr.wire import join_pieces
     from parablock_flwr.worker.server import NodeWorker
@@ -105,20 +106,20 @@ def main() -> None:
     worker = NodeWorker(state_dir=Path(tempfile.mkdtemp()))
 
     def header(r: int, block: int, next_block: int) -> dict:
-        return {"op": "train", "run-id": 1, "run-config": config, "partition-id": 0, "num-partitions": 1,
-                "node": {"device": args.device},
-                "round": {"server-round": r, "block": block, "step-block": 1 if r > 1 else -1,
-                          "next-block": next_block, "algorithm": "parablock", "run-dir": "unused"}}  # fmt: skip
+        round_config = RoundConfig(server_round=r, block=block, step_block=1 if r > 1 else -1,
+                                   next_block=next_block, algorithm="parablock", run_dir="unused")  # fmt: skip
+        return WorkerRequest(op=TRAIN, run_id=1, run_config=config, round=round_config.to_config(), partition_id=0,
+                             num_partitions=1, node={"device": args.device}).to_header()  # fmt: skip
 
     def round_of(*args, arrays=None) -> dict:
         reply, update = worker.serve_request(header(*args), arrays or {})
-        if "error" in reply:
-            sys.exit(f"memory-check: the worker failed: {reply['error']}")
+        if error := WorkerReply.from_header(reply).error:
+            sys.exit(f"memory-check: the worker failed: {error}")
         return join_pieces(update)  # what the socket would carry
 
     started = time.time()
     update = round_of(1, 1, 0)  # round 2 (block 0) starts ahead from x^0 + Δ^1
-    round_of(2, 0, -1, arrays={f"global-step/{n}": a for n, a in update.items()})  # one node: g^1 = Δ^1
+    round_of(2, 0, -1, arrays={relay_name(GLOBAL_STEP, n): a for n, a in update.items()})  # one node: g^1 = Δ^1
     seconds = time.time() - started
     if args.device.startswith("cuda"):
         peak = torch.cuda.max_memory_allocated(torch.device(args.device))

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import parablock_flwr
 from parablock_flwr import messages
+from parablock_flwr.config import RunConfig
 from parablock_flwr.messages import (
     EvaluateMetrics,
     MessageError,
@@ -217,6 +218,17 @@ def test_no_module_but_the_schema_spells_a_message_key():
     modules = [p for p in sorted(PACKAGE.rglob("*.py")) if p.name != "messages.py"]
     found = [hit for path in modules for hit in spelled(path, keys_read_in(path, keys))]
     assert found == [], "message keys spelled outside messages.py: " + ", ".join(found)
+
+
+def test_no_benchmark_or_script_spells_a_message_key():
+    """The tools beside the package (a benchmark that drives a node worker) build messages through the
+    schema too. A run config's own keys are theirs to spell (``num-examples`` also names a metric)."""
+    project = Path(__file__).resolve().parents[1]
+    tools = sorted([*project.glob("benchmarks/**/*.py"), *project.glob("scripts/**/*.py")])
+    keys = {k for k in message_keys() if "-" in k} - set(RunConfig().as_run_config())
+    assert tools and "server-round" in keys
+    found = [hit for path in tools for hit in spelled(path, keys, project)]
+    assert found == [], "message keys spelled in benchmarks/ or scripts/: " + ", ".join(found)
 
 
 def test_the_scan_finds_a_key_spelled_in_a_module(tmp_path):

@@ -221,7 +221,7 @@ class ModelReplica:
 
 def catch_up_steps(config: RoundConfig, arrays: dict[str, Tensors]) -> dict[int, Step]:
     """The global steps a round-r message carries: ``g^{r-1}`` (``GLOBAL_STEP``) and any missed ones
-    (``CATCH_UP``, each tensor named by ``messages.catch_up_name``; ``FedBCD.catch_up``)."""
+    (``CATCH_UP``, each tensor named by ``messages.catch_up_name``; ``NodeSync.parts_for``)."""
     steps: dict[int, Step] = {}
     if config.server_round > 1:
         if GLOBAL_STEP not in arrays:

@@ -118,8 +118,8 @@ class Node:
     """One node's state and the only code that changes it (see the module's docstring).
 
     ``submit(fn, *args) -> Future`` says where computations run: ``run_here`` (inline: simulation),
-    or the worker's compute thread, in which case ParaBlock's round r+1 starts ahead. ``store`` keeps
-    the residuals durably (None: they are not kept across processes; fp32 transfer needs none).
+    or the worker's compute thread, in which case ParaBlock's round r+1 starts ahead. ``train``'s ``store``
+    keeps the residuals durably (None: they are not kept across processes; fp32 transfer needs none).
     """
 
     def __init__(

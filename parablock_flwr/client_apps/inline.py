@@ -114,7 +114,7 @@ def _run(msg: Message, context: Context, op: str) -> RecordDict:
     if cfg.transfer_dtype != "fp32":
         store = ResidualStore(folder)
         if req.resumed_after is not None:
-            resumed = ResidualStore(resumed_node_state(req) / f"partition-{partition_id}")
+            resumed = ResidualStore(resumed_node_folder(req, partition_id))
     done = runtime.train(res, cfg, req, fetch_step, store, resumed)
     store_state(context.state, folder, before, runtime.state, cfg.transfer_dtype)
     metrics = dataclasses.replace(done.metrics, steps_from_log=len(from_log), process_id=os.getpid())
@@ -126,12 +126,12 @@ def _run(msg: Message, context: Context, op: str) -> RecordDict:
     return content
 
 
-def resumed_node_state(req: node.Request) -> Path:
-    """The resumed run's ``node-state/`` where the server says it is (a relative ``resume-from`` is the
-    server's to resolve: this actor's working directory is another). Not there: the node fails, naming it,
-    rather than start its residuals from zero."""
-    folder = Path(req.resume_dir) / "node-state"
-    if not req.resume_dir or not folder.is_dir():
+def resumed_node_folder(req: node.Request, partition_id: int) -> Path:
+    """This node's folder in the resumed run (``node_folder``), where the server says that run is (a
+    relative ``resume-from`` is the server's to resolve: this actor's working directory is another). Its
+    ``node-state/`` not there: the node fails, naming it, rather than start its residuals from zero."""
+    folder = node_folder(req.resume_dir, partition_id)
+    if not req.resume_dir or not folder.parent.is_dir():
         raise node.ResidualsMissing(
             f"resume-dir={req.resume_dir!r}: this node cannot see the resumed run's node-state/ folder "
             f"(expected the residuals of the run resumed after round {req.resumed_after} there)"

@@ -3,8 +3,8 @@ reads); this module reads and writes them without copying the values.
 
 numpy only, no torch and no Flower: the ClientApp relay, which must start in about a second, and
 ``records.py`` share it. ``Array.numpy()`` copies a payload into a new array, and ``Array(ndarray)``
-copies an array through a ``BytesIO``; for a 70 MB block on a machine short of memory bandwidth those
-copies cost tens of milliseconds each, and each adds the block's size to the process's peak memory.
+copies an array through a ``BytesIO``: each copy costs a pass over the block's memory and adds the
+block's size to the process's peak memory.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 One frame = 8-byte big-endian header length, a JSON header (with the sender's
 ``versions.PROTOCOL_VERSION``: another one is refused), then the raw
 bytes of each array in header order. Arrays are numpy buffers, sent without
-pickle: a 15 MB block crosses a Unix socket in tens of milliseconds. A sender
+pickle (no copy, no code run on receipt). A sender
 may give a 1-D array as its pieces (``wire.pack_pieces``: one per tensor), which
 go to the socket one after another: the receiver reads one array, and the
 sender never joins a block-sized copy of them.

@@ -1,6 +1,6 @@
-"""The node side speaks the message schema (``parablock_flwr/messages.py``) and nothing else: no node
-module spells a message's key, and whatever header reaches the node worker is read through the
-schema, or refused in one line with the node's state as it was."""
+"""The node side speaks the message schema (``parablock_flwr/messages.py``) and nothing else: whatever
+header reaches the node worker is read through the schema, or refused in one line with the node's state
+as it was (that no module but the schema spells a key: tests/test_messages.py)."""
 
 from __future__ import annotations
 

@@ -62,11 +62,6 @@ class Request:
             raise AttributeError(name)
         return getattr(self.config, name)
 
-    @property
-    def key(self) -> tuple:
-        """What makes two messages the same request (a repeat gets the same reply)."""
-        return self.op, self.run_id, self.partition_id, self.config.server_round
-
     def step(self, version: int) -> core.Tensors:
         return self.steps[version][1]
 

@@ -260,14 +260,18 @@ class Node:
             wait_start = time.time()
             result = computed(ahead.future)
             return ahead.job, result, time.time() - wait_start
-        base_version, started_from = client.start_point(self.state.pending, req.server_round, fetch_step)
-        res.replica.advance_to(base_version, fetch_step)
-        job = Job(server_round=req.server_round, block=req.block, base_version=base_version,
-                  started_from=started_from, partition_id=req.partition_id, num_partitions=req.num_partitions,
-                  slot=client.new_slot())  # fmt: skip
+        job = self.new_job(req, client, req.server_round, req.block, fetch_step)
+        res.replica.advance_to(job.base_version, fetch_step)
         if job.slot is not None and req.server_round > 1:  # g^{r-1} came with the message
-            client.aggregate_arrived(job.slot, req.step(req.server_round - 1), started_from)
+            client.aggregate_arrived(job.slot, req.step(req.server_round - 1), job.started_from)
         return job, computed(self.submit(compute_update, res, cfg, job)), 0.0
+
+    def new_job(self, req: Request, client, server_round: int, block: int, fetch_step: FetchStep) -> Job:
+        """Round ``server_round``'s computation of ``block``, from the client half's start point."""
+        base_version, started_from = client.start_point(self.state.pending, server_round, fetch_step)
+        return Job(server_round=server_round, block=block, base_version=base_version,
+                   started_from=started_from, partition_id=req.partition_id, num_partitions=req.num_partitions,
+                   slot=client.new_slot())  # fmt: skip
 
     def feed_back(
         self, cfg: RunConfig, req: Request, result: TrainResult, store: ResidualStore | None
@@ -320,11 +324,7 @@ class Node:
 
     def start_ahead(self, res: NodeResources, cfg: RunConfig, req: Request, client, fetch_step: FetchStep) -> None:
         """Step 8: round r+1 starts now, from the client half's start point, while round r's reply travels."""
-        next_round = req.server_round + 1
-        base_version, started_from = client.start_point(self.state.pending, next_round, fetch_step)
-        job = Job(server_round=next_round, block=req.next_block, base_version=base_version,
-                  started_from=started_from, partition_id=req.partition_id, num_partitions=req.num_partitions,
-                  slot=client.new_slot())  # fmt: skip
+        job = self.new_job(req, client, req.server_round + 1, req.next_block, fetch_step)
         self.ahead = Ahead(req.run_id, job, self.submit(compute_update, res, cfg, job))
 
 

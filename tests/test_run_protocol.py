@@ -3,8 +3,8 @@ LinkState and Grid (tests/federation.py): bounded bytes per round, messages that
 mapped to the node they came from, error replies from nodes whose state is intact, and nodes
 with their own data.
 
-The nodes here answer with a deterministic update of the block's shape (the protocol of
-``node.update_metrics``, as tests/test_replies.py builds replies): what is tested is the server.
+The nodes here answer with a deterministic update of the block's shape and its
+``messages.TrainMetrics``, as tests/test_replies.py builds replies: what is tested is the server.
 """
 
 from __future__ import annotations

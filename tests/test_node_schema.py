@@ -78,3 +78,12 @@ def test_a_malformed_round_is_refused_by_the_runtime_in_one_line(op, change, arr
     with pytest.raises(Refused) as refused:
         Request.parse(op, 7, round_cfg, arrays, 0, 2)
     assert str(refused.value) == reason and isinstance(refused.value, StateIntact)
+
+
+def test_a_run_config_the_node_cannot_read_is_refused_with_its_state_intact():
+    """A request whose run config is invalid changes nothing on the node: its reply says so, and the
+    server keeps the node's sync state instead of sending it a full sync."""
+    worker = NodeWorker()
+    reply, arrays = worker.serve_request(worker_request({"local-steps": "x"}, 7, 1, 0, -1), {})
+    assert reply.get("state-intact") is True and "local-steps" in reply["error"] and arrays == {}
+    assert "\n" not in reply["error"] and worker.run_id is None and worker.node.state.last_round == 0

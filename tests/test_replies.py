@@ -160,8 +160,8 @@ def test_a_failed_invariant_check_rejects_the_update_and_resynchronises_the_node
     assert (rec["num_accepted"], rec["invariant_checked"], rec["invariant_failed"]) == (1, 2, 1)
     assert "invariant broken" in rec["rejected"][0]["reason"]
     run.write_step_log(1)
-    strategy._global_step = to_record(run.step_log.read(1)[1])
-    messages = {m.metadata.dst_node_id: m for m in strategy.train_messages(2, [10, 11])}
+    step, run_part = to_record(run.step_log.read(1)[1]), run.round_part(2, {})
+    messages = {m.metadata.dst_node_id: m for m in strategy.train_messages(2, [10, 11], step, run_part)}
     assert "sync-values" not in messages[10].content and "sync-values" in messages[11].content
     assert messages[11].content["round"]["sync-version"] == 0
     sent = to_tensors(messages[11].content["sync-values"])
@@ -184,10 +184,10 @@ def test_a_rounds_full_syncs_share_one_copy_of_the_model(setup):
     """After a resume every node gets a full sync: the server builds it once per round (O(|x|)
     memory, not one copy per node), and the round's messages are built as they are pushed."""
     strategy = setup[0].algorithm
-    strategy.stats, strategy._global_step = RoundStats(2), ArrayRecord()
+    strategy.stats = RoundStats(2)
     strategy.sync.needs_full_sync |= {1, 2, 3}
     TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0
-    messages = strategy.train_messages(2, [1, 2, 3])
+    messages = strategy.train_messages(2, [1, 2, 3], ArrayRecord(), setup[0].round_part(2, {}))
     assert not isinstance(messages, list)  # a generator: Run.push builds and pushes in batches
     syncs = [m.content["sync-values"] for m in messages]
     assert syncs[0] is syncs[1] is syncs[2] and strategy.stats.full_syncs_sent == 3

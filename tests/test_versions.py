@@ -99,7 +99,9 @@ def test_the_server_sends_the_version_in_every_round_config(tmp_path):
                       config=RunConfig(num_server_rounds=2))  # fmt: skip
     run_part = ConfigRecord(RoundConfig(server_round=1).to_config())
     strategy.stats.nodes = [5]
-    for msg in [*strategy.configure_evaluate(3, ArrayRecord(), run_part, None)] + [*strategy.train_messages(1, [4])]:
+    for msg in [*strategy.configure_evaluate(3, ArrayRecord(), run_part, None)] + [
+        *strategy.train_messages(1, [4], ArrayRecord(), run_part)
+    ]:
         assert msg.content.config_records[ROUND][PROTOCOL_KEY] == PROTOCOL_VERSION, msg.metadata.message_type
     assert msg.metadata.message_type == MessageType.TRAIN
 

@@ -145,7 +145,8 @@ class Run:
                     self._times["previous_finished"] = time.time()  # beside the message's way to the nodes
                 self.staged()
                 clear_staged_pending(self.run_dir)  # what an earlier, failed attempt staged
-                outcome = self.aggregate(server_round, self.replies_as_they_arrive(grid, sent), sent, grid)
+                replies = self.replies_as_they_arrive(grid, sent)
+                outcome = self.aggregate(server_round, replies, sent, grid, (arrays, config))
                 numbers = {k: v for k, v in outcome.record.items() if type(v) in (int, float)}
                 arrays = result.arrays = outcome.arrays
                 result.train_metrics_clientapp[server_round] = MetricRecord(numbers)
@@ -183,14 +184,20 @@ class Run:
 
     # ------------------------------------------------------------ a round's replies
     def aggregate(
-        self, server_round: int, replies: Iterable[Message], sent: dict[str, int], grid: Grid | None
+        self,
+        server_round: int,
+        replies: Iterable[Message],
+        sent: dict[str, int],
+        grid: Grid | None,
+        message: tuple[ArrayRecord, ConfigRecord] = (ArrayRecord(), ConfigRecord()),
     ) -> RoundOutcome:
         """Round r's replies (answering ``sent``) checked as they arrive and aggregated by the algorithm;
         then ``g^r`` logged, the round's participation, clocks and the nodes' evaluations noted. Too few
         valid replies: the round is re-sent to the nodes without one (``on-too-few-replies = "retry"``, at
         most ``max-round-retries`` times), or the run stops (``TooFewReplies``); an aggregate the
         algorithm rejected voids what its replies staged for the checkpoint. Returns the outcome, its
-        record completed with the run's figures."""
+        record completed with the run's figures. ``message``: the round's step and the run's part of its
+        config, which a retry sends again."""
         accepted: list[Reply] = []
         while True:
             outcome = self.algorithm.aggregate_train(server_round, replies, sent, accepted, self.stage_pending)
@@ -201,7 +208,7 @@ class Run:
                 self.discard_staged()
             accepted, replies, sent = outcome.accepted, [], {}
             if len(accepted) < self.config.min_accepted_replies:  # (else: aggregate again, with none)
-                sent = self.retry(grid, outcome)
+                sent = self.retry(grid, outcome, message)
                 replies = self.replies_as_they_arrive(grid, sent)
         self.log_step(server_round, outcome.block, outcome.step)
         reasons = {r.node: r.reason for r in outcome.rejected}
@@ -211,15 +218,15 @@ class Run:
         self.last_record = outcome.record
         return outcome
 
-    def retry(self, grid: Grid | None, outcome: RoundOutcome) -> dict[str, int]:
+    def retry(
+        self, grid: Grid | None, outcome: RoundOutcome, message: tuple[ArrayRecord, ConfigRecord]
+    ) -> dict[str, int]:
         """Too few valid replies: re-send the round to the nodes without one (returns what was pushed),
         or stop the run (``on-too-few-replies = "stop"``, the retries spent, or no grid to re-send on)."""
         cfg, retries = self.config, self._counts["round_retries"]
-        too_few = (f"{len(outcome.accepted)} valid replies, expected at least "
-                   f"min-accepted-replies={cfg.min_accepted_replies}")  # fmt: skip
         if cfg.on_too_few_replies == "stop" or retries >= cfg.max_round_retries or grid is None:
             reasons = "; ".join(f"node {r.node}: {r.reason}" for r in outcome.rejected[-3:]) or "no replies"
-            raise TooFewReplies(f"round {outcome.server_round}: {too_few} ({reasons})",
+            raise TooFewReplies(f"round {outcome.server_round}: {outcome.reason} ({reasons})",
                                 kind="timeout" if outcome.num_replies == 0 else "too-few-replies")  # fmt: skip
         self._counts["round_retries"] += 1
         done = {r.node for r in outcome.accepted}
@@ -227,7 +234,7 @@ class Run:
         log.warning("round %d: %d valid replies, fewer than min-accepted-replies=%d: re-sending to %d nodes "
                     "(retry %d of %d)", outcome.server_round, len(outcome.accepted), cfg.min_accepted_replies,
                     len(nodes), retries + 1, cfg.max_round_retries)  # fmt: skip
-        return self.push(grid, self.algorithm.train_messages(outcome.server_round, nodes))
+        return self.push(grid, self.algorithm.train_messages(outcome.server_round, nodes, *message))
 
     def push(self, grid: Grid, messages: Iterable[Message]) -> dict[str, int]:
         """Push ``messages`` (each expires after ``round-timeout-s``); returns message id -> node

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import core, node
-from ..config import RunConfig
+from ..config import ConfigError, RunConfig
 from ..messages import (
     EVALUATE,
     GLOBAL_STEP,
@@ -131,7 +131,10 @@ class NodeWorker:
             return reply
 
     def handle_request(self, request: WorkerRequest, arrays: dict[str, np.ndarray], received: float):
-        cfg = RunConfig.from_flower(request.run_config)
+        try:
+            cfg = RunConfig.from_flower(request.run_config)
+        except ConfigError as err:  # read before anything changes: the node is as it was
+            raise node.Refused(f"run config refused: {err}") from None
         settings = self.node_settings(request.node)  # a refused one changes nothing
         if (refused := settings.refusal(cfg.model, cfg.dataset)) is not None:
             raise node.Refused(refused)  # before admit: a run this node refuses does not take it from its run

@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Result, Strategy
 from flwr.serverapp.strategy.strategy_utils import sample_nodes
 
 from ... import core
@@ -72,8 +71,9 @@ class RoundOutcome:
     """What round r's replies came to, as far as they have come: the run acts on it.
 
     With a ``step``, ``x`` holds ``x^r`` and ``arrays`` is ``g^r`` as round r+1's messages carry it.
-    Without one, ``reason`` says why: too few valid replies (the run retries or stops), or the aggregate
-    was rejected (``aggregate_rejected``: its replies are rejected and what they staged is void)."""
+    Without one, ``reason`` says why: too few valid replies (the run retries or stops); after a rejected
+    aggregate (``aggregate_rejected``: its replies are rejected, with the reason, and what they staged is
+    void) there are none."""
 
     server_round: int
     block: int
@@ -89,8 +89,14 @@ class RoundOutcome:
     pending: list[tuple[int, core.PendingUpdate]] = field(default_factory=list)  # kept here when no ``stage``
 
 
-class FedBCD(Strategy):
+class FedBCD:
     """Federated BCD: one block per round, every sampled client, no overlap.
+
+    Shaped like Flower's Message-API strategies (``configure_train``, ``aggregate_train``,
+    ``configure_evaluate``), but not a ``flwr`` ``Strategy``: ``aggregate_train`` returns a
+    ``RoundOutcome`` rather than Flower's (arrays, metrics), and the loop is ``run.Run.start``, which
+    owns what Flower's ``Strategy.start`` would not do (a deadline per message, retries, the step log,
+    records, checkpoints, resume) and reads its rounds, timeout and evaluation from the run config.
 
     Override points (stable signatures, see docs/extending.md):
     ``choose_block``, ``select_nodes``, ``check_reply``, ``client_weight``,
@@ -123,18 +129,7 @@ class FedBCD(Strategy):
         self._blocks: dict[int, int] = {}  # server round -> block, as decided so far (``block_for_round``)
         self._asked_partition: set[int] = set()  # nodes asked their partition id (select_nodes)
         self.own_counts: dict[int, float] = {}  # partition -> num-examples of a site with its own data
-        # The round in flight (``configure_train``): its step, the run's part of its config, and the
-        # own-data counts as it began (a rejected aggregate accepted nothing).
-        self._global_step = ArrayRecord()
-        self._run_part = RoundConfig(server_round=0)
-        self._own_counts_before = dict(self.own_counts)
-
-    def start(self, *args, **kwargs) -> Result:
-        """Not this strategy's loop: ``run.Run.start`` is the one loop (``Run(algorithm).start(grid,
-        arrays)``). Flower's ``Strategy.start`` would ignore what a round here needs (a deadline per
-        message, retries, the step log, records, resume), and its parameters (rounds, timeout, an
-        evaluation function) are the run config's and the run's evaluator's: two loops would disagree."""
-        raise NotImplementedError("FedBCD runs in run.Run: Run(algorithm).start(grid, initial_arrays)")
+        self._own_counts_before = dict(self.own_counts)  # as the round in flight began: a rejected aggregate
 
     def resumed(self, ckpt: Checkpoint) -> None:
         """Called by ``Run.resume`` once ``x^R`` is rebuilt: the blocks decided, the clients' pending
@@ -291,23 +286,25 @@ class FedBCD(Strategy):
         """Round r's messages: ``g^{r-1}`` (in ``arrays``, empty in round 1), ``b_r`` and any catch-up to
         each node; ``config`` is the run's part of the round config (``RoundConfig``'s entries)."""
         self.stats = RoundStats(server_round)
-        self._global_step, self._run_part = arrays, RoundConfig.from_config(config)
         self._own_counts_before = dict(self.own_counts)
         self.spill.start()
         nodes = self.select_nodes(server_round, grid)
         if server_round == self.sync.first_round and (self.sync.resume_pending or self.sync.carried):
             self.sync.partitions.update(ask_partitions(grid, nodes, self.config.round_timeout_s))
-        return self.train_messages(server_round, nodes)
+        return self.train_messages(server_round, nodes, arrays, config)
 
-    def train_messages(self, server_round: int, nodes: list[int]) -> Iterator[Message]:
-        """Round r's message to each of ``nodes`` (again, for a retry), built one at a time as the run
-        pushes them: ``g^{r-1}``, the blocks, the node's catch-up."""
+    def train_messages(
+        self, server_round: int, nodes: list[int], arrays: ArrayRecord, config: ConfigRecord
+    ) -> Iterator[Message]:
+        """Round r's message to each of ``nodes`` (again, for a retry, with the same ``arrays`` and
+        ``config`` as ``configure_train``), built one at a time as the run pushes them: ``g^{r-1}``, the
+        blocks, the node's catch-up."""
         block = self.block_for_round(server_round)
         step_block = self.block_for_round(server_round - 1) if server_round > 1 else -1
-        config = self.round_config(server_round, block, step_block, self._run_part)
+        round_config = self.round_config(server_round, block, step_block, RoundConfig.from_config(config))
         self.stats.nodes = sorted(set(self.stats.nodes) | set(nodes))
         for node in nodes:
-            msg = self.message(MessageType.TRAIN, server_round, self._global_step, config, node)
+            msg = self.message(MessageType.TRAIN, server_round, arrays, round_config, node)
             self.stats.wire_bytes_down += array_bytes(msg.content)
             yield msg
 
@@ -342,11 +339,10 @@ class FedBCD(Strategy):
         self.stats.rejected.extend(checked.rejected)
         for node in checked.resync:
             self.sync.failed(node)  # its own state is not trusted: it gets a full sync next time
-        outcome = RoundOutcome(server_round, block, checked.accepted, self.stats.rejected, self.stats.num_replies,
-                               checked.claimed_partitions)  # fmt: skip
+        outcome = RoundOutcome(server_round, block, checked.accepted, list(self.stats.rejected),
+                               self.stats.num_replies, checked.claimed_partitions)  # fmt: skip
         if len(outcome.accepted) < self.config.min_accepted_replies:
-            outcome.reason = (f"{len(outcome.accepted)} valid replies, expected at least "
-                              f"min-accepted-replies={self.config.min_accepted_replies}")  # fmt: skip
+            outcome.reason = self.too_few(outcome.accepted)
             return outcome
         # Float sums depend on order and replies arrive in any order: sort them by the client's stable
         # partition id (node ids change from run to run).
@@ -356,7 +352,8 @@ class FedBCD(Strategy):
         )
         if isinstance(applied, str):
             self.reject_aggregate(server_round, outcome.accepted, applied)
-            outcome.accepted, outcome.reason, outcome.aggregate_rejected, outcome.pending = [], applied, True, []
+            outcome.accepted, outcome.aggregate_rejected, outcome.pending = [], True, []
+            outcome.reason, outcome.rejected = self.too_few([]), list(self.stats.rejected)
             return outcome
         outcome.step, wire_pieces = applied
         outcome.arrays = pieces_record(wire_pieces)
@@ -369,6 +366,11 @@ class FedBCD(Strategy):
         )  # fmt: skip
         outcome.record.update(self.extra_round_metrics(server_round, outcome.accepted))
         return outcome
+
+    def too_few(self, accepted: list[Reply]) -> str:
+        """Why a round with ``accepted`` has no step yet (the run's retry and stop lines say it too)."""
+        return (f"{len(accepted)} valid replies, expected at least "
+                f"min-accepted-replies={self.config.min_accepted_replies}")  # fmt: skip
 
     def round_step(self, server_round: int, block: int, accepted: list[Reply], stage: Stage) -> core.Tensors:
         """``g^r`` from the accepted replies (sorted), before rounding; a zero step when none is valid

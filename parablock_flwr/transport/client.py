@@ -66,7 +66,6 @@ class TransportClient:
     def close(self) -> None:
         self._channel.close()
 
-
     def __enter__(self):
         return self
 

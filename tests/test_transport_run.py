@@ -16,8 +16,16 @@ import pytest
 import torch
 from flwr.app import ConfigRecord
 
-from parablock_flwr.messages import CATCH_UP, GLOBAL_STEP, SYNC_VALUES, TransportOffer, UpdateCommit
-from parablock_flwr.records import record_arrays, to_record, to_tensors
+from parablock_flwr.messages import (
+    CATCH_UP,
+    GLOBAL_STEP,
+    SYNC_VALUES,
+    TransportOffer,
+    UpdateCommit,
+    relay_name,
+    relay_split,
+)
+from parablock_flwr.records import pieces_record, record_arrays, to_record, to_tensors
 from parablock_flwr.tools.credentials import make_tls
 from parablock_flwr.transport import (
     Limits,
@@ -31,7 +39,7 @@ from parablock_flwr.transport import (
     update_bound,
 )
 from parablock_flwr.transport.framing import FramingError, arrays, frame, unframe
-from parablock_flwr.wire import unpack
+from parablock_flwr.wire import pack_pieces, unpack
 
 RUN, TTL = 41, 30.0
 LIMITS = Limits(idle_timeout_s=2.0, grace_s=1.0)
@@ -137,6 +145,23 @@ def test_an_update_is_claimed_only_under_the_digest_its_reply_commits(hub, node)
     assert hub.claim(4, 8, commit) is None  # another node's reply cannot claim it
     counts = hub.end_round(4)
     assert counts["direct_refused_digest_mismatch"] == 1 and counts["direct_refused_size_mismatch"] == 1
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "int8"])
+def test_the_workers_forms_move_the_same_bytes_as_flowers_records(hub, node, dtype):
+    """The worker hands over the update as ``wire.pack_pieces``'s pieces and takes records as
+    ``record/array`` arrays: what the server claims is the ``Array`` payloads Flower's path would carry."""
+    gen = torch.Generator().manual_seed(11)
+    update = {"a": torch.randn(300, generator=gen), "b": torch.randn(4, 70, generator=gen)}
+    pieces = pack_pieces(update, dtype)
+    offer = hub.offer(4, node=7, records={SYNC_VALUES: block(12, dtype)}, upload_max_size=update_bound(580, 2))
+    commit = node.upload_pieces(offer, pieces)
+    claimed = hub.claim(4, 7, commit)
+    assert {k: bytes(v) for k, v in claimed.items()} == payloads(pieces_record(pieces))
+    fetched = node.fetch_arrays(offer)
+    assert sorted(fetched) == [relay_name(SYNC_VALUES, n) for n in sorted(block(12, dtype).keys())]
+    got = unpack({relay_split(k)[1]: v for k, v in fetched.items()})
+    assert all(torch.equal(got[k], v) for k, v in to_tensors(block(12, dtype)).items())
 
 
 def test_an_update_above_the_bound_is_not_sent(hub, node):

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ..npy import NpyError, npy_view
+from ..npy import NpyError, npy_header, npy_view
 
 MAX_INDEX_BYTES = 64 * 1024
 ARRAY_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -37,6 +37,23 @@ def frame(payloads: Mapping[str, object]) -> bytes:
             raise FramingError(f"array name {name!r:.40}: expected 1-64 of A-Z a-z 0-9 _ . -")
     index = json.dumps([[name, view.nbytes] for name, view in views.items()], separators=(",", ":")).encode()
     return b"".join([len(index).to_bytes(4, "big"), index, *views.values()])
+
+
+def frame_pieces(pieces: Mapping[str, list[np.ndarray]]) -> bytes:
+    """``frame`` of the arrays ``wire.pack_pieces`` returns as 1-D pieces (joined, each array is one npy
+    payload): the pieces are copied once, into the result, never joined on their own first."""
+    parts, index = [], []
+    for name, array_pieces in pieces.items():
+        dtype, count = array_pieces[0].dtype, sum(p.size for p in array_pieces)
+        header = npy_header(dtype, (count,))
+        views = [memoryview(np.ascontiguousarray(p)).cast("B") for p in array_pieces]
+        index.append([name, len(header) + sum(v.nbytes for v in views)])
+        parts += [header, *views]
+    for name, _ in index:
+        if not ARRAY_NAME.fullmatch(name):
+            raise FramingError(f"array name {name!r:.40}: expected 1-64 of A-Z a-z 0-9 _ . -")
+    text = json.dumps(index, separators=(",", ":")).encode()
+    return b"".join([len(text).to_bytes(4, "big"), text, *parts])
 
 
 def unframe(data: bytes | bytearray | memoryview, record: str) -> dict[str, memoryview]:

@@ -18,10 +18,13 @@ import threading
 import time
 from collections.abc import Mapping
 
-from ..messages import TransportOffer, UpdateCommit
+import numpy as np
+
+from ..messages import TransportOffer, UpdateCommit, relay_name
+from ..npy import npy_view
 from .capabilities import Direction, Refused, Ticket
 from .client import TransportClient, TransportError
-from .framing import FramingError, frame, unframe
+from .framing import FramingError, frame, frame_pieces, unframe
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +67,27 @@ class NodeTransport:
                 raise StreamUnusable(f"record {ref.record}: {err}") from None
         return out
 
+    def fetch_arrays(self, offer: TransportOffer) -> dict[str, np.ndarray]:
+        """``fetch``'s records as the relay hands them to the node worker: ``record/array`` -> the array
+        (``messages.relay_name``), each a read-only view of the fetched bytes."""
+        return {
+            relay_name(record, name): npy_view(payload, relay_name(record, name))
+            for record, payloads in self.fetch(offer).items()
+            for name, payload in payloads.items()
+        }
+
     def upload(self, offer: TransportOffer, payloads: Mapping[str, object]) -> UpdateCommit:
         """Send the update (array name -> npy payload) under the offer's upload capability; the commit the
         reply carries. Raises ``StreamUnusable`` (then the update goes in the reply, on Flower's path)."""
+        return self._upload(offer, frame(payloads))
+
+    def upload_pieces(self, offer: TransportOffer, pieces: Mapping[str, list[np.ndarray]]) -> UpdateCommit:
+        """``upload`` of the update as ``wire.pack_pieces`` returns it (each array as its 1-D pieces)."""
+        return self._upload(offer, frame_pieces(pieces))
+
+    def _upload(self, offer: TransportOffer, data: bytes) -> UpdateCommit:
         if not offer.upload_name:
             raise StreamUnusable("the message offers no upload capability")
-        data = frame(payloads)
         if len(data) > offer.upload_max_size:
             raise StreamUnusable(f"an update of {len(data)} bytes; the offer bounds it at {offer.upload_max_size}")
         sha256 = hashlib.sha256(data).hexdigest()

@@ -139,11 +139,23 @@ def _device(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line: every subcommand and its options."""
+    """The command line: every subcommand and its options, one function per subcommand."""
     parser = argparse.ArgumentParser(
         prog="parablock-flwr", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    _simulate_parser(sub)
+    _deploy_parser(sub)
+    _worker_parser(sub)
+    _evaluate_parser(sub)
+    rep = sub.add_parser("report", help="print a run's table and write PNG plots")
+    rep.add_argument("run_dir", type=Path)
+    _plan_parser(sub)
+    return parser
+
+
+def _simulate_parser(sub) -> None:
+    """`simulate`: the run's options, and the Ray actors' share of this machine (or another Ray cluster)."""
     sim = sub.add_parser("simulate", help="run the app on Flower's simulation engine")
     _run_args(sim)
     sim.add_argument("--cpus-per-client", type=int, default=2, help="CPUs each virtual client's Ray actor reserves")
@@ -153,6 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help="an existing Ray cluster (HEAD_IP:6379, or auto) to run the clients on; default: a Ray of the run's own",
     )
+
+
+def _deploy_parser(sub) -> None:
+    """`deploy`: the run's options, and whether its local SuperLink and SuperNodes talk over TLS."""
     dep = sub.add_parser("deploy", help="run a real local deployment with node workers")
     _run_args(dep)
     dep.add_argument(
@@ -160,6 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="TLS and SuperNode authentication (credentials made in WORKDIR/credentials)",
     )
+
+
+def _worker_parser(sub) -> None:
+    """`worker`: what a site's operator decides for its node worker (socket, peers, CPUs, device, limits)."""
     wrk = sub.add_parser("worker", help="the node worker beside a flower-supernode")
     wrk.add_argument(
         "--socket",
@@ -203,6 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="refuse a message whose arrays declare more bytes than this (default: the largest message "
         "the server sends for the run's model, with a margin; before the model is loaded, the machine's memory)",
     )
+
+
+def _evaluate_parser(sub) -> None:
+    """`evaluate`: a saved model, the data to score it on, and where it runs."""
     ev = sub.add_parser("evaluate", help="held-out loss, perplexity and task accuracy of a saved model")
     ev.add_argument("model", help="a saved Hugging Face folder (e.g. RUN_DIR/final-model), an id or embedded:<name>")
     ev.add_argument("--config", type=Path, help="a run's RUN_DIR/config.json, for the same data (default: defaults)")
@@ -219,8 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--device", type=_device, default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     ev.add_argument("--precision", choices=("fp32", "bf16"), help="the model's weights (default: the run's)")
     ev.add_argument("--max-new-tokens", type=int, default=0, help="tokens to generate per answer (default: the run's)")
-    rep = sub.add_parser("report", help="print a run's table and write PNG plots")
-    rep.add_argument("run_dir", type=Path)
+
+
+def _plan_parser(sub) -> None:
+    """`plan`: a model and run settings, and how one local step's time is known (given, probed or modeled)."""
     pln = sub.add_parser("plan", help="memory per site (device, host) and on the server, from the model's config")
     pln.add_argument("model", help="a model folder, its config.json, a Hugging Face id or embedded:<name>")
     pln.add_argument("overrides", nargs="*", help="run-config values, KEY=VALUE in TOML syntax")
@@ -231,7 +257,6 @@ def build_parser() -> argparse.ArgumentParser:
     step.add_argument(
         "--probe", action="store_true", help="measure one local step here (loads the model; cuda if present)"
     )
-    return parser
 
 
 def _worker(args) -> int:

@@ -162,6 +162,19 @@ class RunConfig:
         return config
 
     def validate(self) -> None:
+        """Every value checked once, before anything starts: the first bad one raises ``ConfigError``, one
+        line naming the key, its value and what was expected (a run refused now loses no work)."""
+        self._check_choices()
+        self._check_counts()
+        self._check_uncorrected()
+        self._check_relations()
+        self._check_devices()
+        self._check_numbers()
+        self._check_names()
+        self._check_transport()
+
+    def _check_choices(self) -> None:
+        """Keys whose value is one of a fixed set: a typo would otherwise select nothing, silently."""
         _one_of("algorithm", self.algorithm, strategies.algorithms())
         _one_of("schedule", self.schedule, SCHEDULES)
         _one_of("non-layer-params", self.non_layer_params, NON_LAYER_MODES)
@@ -177,26 +190,15 @@ class RunConfig:
         _one_of("weights", self.weights, WEIGHTS)
         _one_of("prompt-format", self.prompt_format, PROMPT_FORMATS)
         _check_metrics_sink(self.metrics_sink)
-        self._check_transport()
+        _one_of("lr-schedule-scope", self.lr_schedule_scope, LR_SCHEDULE_SCOPES)
+
+    def _check_counts(self) -> None:
+        """Integer keys: rounds, steps, sizes and limits, each with its least meaningful value."""
         if self.snapshot_every == 1:
             raise ConfigError(
                 "snapshot-every=1: expected 0 (keep every step) or at least 2 (a resumed run needs a snapshot "
                 "older than its last checkpoint's round, which the two kept snapshots then always include)"
             )
-        _one_of("lr-schedule-scope", self.lr_schedule_scope, LR_SCHEDULE_SCOPES)
-        self._check_uncorrected()
-        if self.micro_batch_size < 0 or (self.micro_batch_size and self.batch_size % self.micro_batch_size):
-            raise ConfigError(
-                f"micro-batch-size={self.micro_batch_size}: expected 0 (no accumulation) or a divisor of "
-                f"batch-size={self.batch_size}"
-            )
-        if not device_valid(self.eval_device):
-            raise ConfigError(f"eval-device={self.eval_device!r}: expected cpu, cuda or cuda:<index>")
-        if self.eval_cpus:
-            try:
-                parse_cpu_list(self.eval_cpus)
-            except ValueError as err:
-                raise ConfigError(f"eval-cpus={err}") from None
         for key in (
             "num-server-rounds",
             "layers-per-block",
@@ -208,6 +210,7 @@ class RunConfig:
             "eval-every",
             "lora-rank",
             "max-new-tokens",
+            "min-available-nodes",
         ):
             _at_least(key, getattr(self, key.replace("-", "_")), 1)
         for key in (
@@ -221,15 +224,35 @@ class RunConfig:
             "max-num-examples",
             "snapshot-every",
             "eval-max-lag",
+            "warmup-steps",
         ):
             _at_least(key, getattr(self, key.replace("-", "_")), 0)
-        _at_least("min-available-nodes", self.min_available_nodes, 1)
-        _at_least("warmup-steps", self.warmup_steps, 0)
+
+    def _check_relations(self) -> None:
+        """Values that are valid alone but not together (a micro-batch must divide the batch...)."""
+        if self.micro_batch_size < 0 or (self.micro_batch_size and self.batch_size % self.micro_batch_size):
+            raise ConfigError(
+                f"micro-batch-size={self.micro_batch_size}: expected 0 (no accumulation) or a divisor of "
+                f"batch-size={self.batch_size}"
+            )
         if self.num_examples < self.heldout_examples + 1:
             raise ConfigError(
                 f"num-examples={self.num_examples}: expected more than "
                 f"heldout-examples={self.heldout_examples} (clients need training data)"
             )
+
+    def _check_devices(self) -> None:
+        """Where the server's evaluation runs: a device and CPUs this machine can name."""
+        if not device_valid(self.eval_device):
+            raise ConfigError(f"eval-device={self.eval_device!r}: expected cpu, cuda or cuda:<index>")
+        if self.eval_cpus:
+            try:
+                parse_cpu_list(self.eval_cpus)
+            except ValueError as err:
+                raise ConfigError(f"eval-cpus={err}") from None
+
+    def _check_numbers(self) -> None:
+        """Real-valued keys: rates, times and scales that must be positive, non-negative or a fraction."""
         for key in (
             "learning-rate",
             "server-lr",
@@ -246,8 +269,6 @@ class RunConfig:
                 raise ConfigError(f"{key}={value}: expected a number > 0")
         if not 0.0 <= self.lora_dropout < 1.0:
             raise ConfigError(f"lora-dropout={self.lora_dropout}: expected a number in [0, 1)")
-        if not [m for m in self.lora_target_modules.split(",") if m.strip()]:
-            raise ConfigError("lora-target-modules='': expected comma-separated module names, e.g. q_proj,v_proj")
         if not 0.0 < self.fraction_train <= 1.0:
             raise ConfigError(f"fraction-train={self.fraction_train}: expected a number in (0, 1]")
         for key in (
@@ -261,6 +282,11 @@ class RunConfig:
             value = getattr(self, key.replace("-", "_"))
             if not value >= 0:
                 raise ConfigError(f"{key}={value}: expected a number >= 0")
+
+    def _check_names(self) -> None:
+        """Keys that name something (the model, LoRA's target modules): empty would load nothing."""
+        if not [m for m in self.lora_target_modules.split(",") if m.strip()]:
+            raise ConfigError("lora-target-modules='': expected comma-separated module names, e.g. q_proj,v_proj")
         if not self.model.strip():
             raise ConfigError("model='': expected a Hugging Face id, a local folder or embedded:<name>")
 

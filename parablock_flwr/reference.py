@@ -4,7 +4,7 @@ This is the clearest statement of the algorithm in the project; read it beside d
 tests/test_reference.py holds the Flower app to it bit for bit.
 
 No Flower, no server, no node runtime: the clients are a list, a round is a loop over the
-sampled ones, the server is three lines. What it takes from
+sampled ones, the server is one short function (``server_step``). What it takes from
 the app defines the *data and settings*, so that both compute on the same numbers: the model
 and its blocks (``load_for_training``), the block schedule, the rows and each client's
 Dirichlet partition, the seeded batches of a client's round (``round_seed``,
@@ -77,6 +77,12 @@ class Round:
     batches: dict[int, str] = field(default_factory=dict)  # client -> SHA-256 of its batches' token ids
     stale_start: int = 0  # clients that started from their own previous update
 
+    def note_batches(self, client: int, batches: list[dict]) -> None:
+        """What a client's round computed on, which tests/test_reference.py compares with the app's records."""
+        self.steps[client] = len(batches)
+        self.examples[client] = sum(len(b["input_ids"]) for b in batches)
+        self.batches[client] = hashlib.sha256(b"".join(b["input_ids"].numpy().tobytes() for b in batches)).hexdigest()
+
 
 @functools.cache
 def _rows(model: str, dataset: str, num_examples: int, heldout: int, seed: int, max_len: int):
@@ -130,6 +136,16 @@ def start_point(start: str, client: Client, r: int, x: Tensors, x_before: Tensor
     raise ValueError(f"start={start!r}: expected one of {START}")
 
 
+def server_step(updates: list[Tensors], weights: list[float], server_lr: float) -> Tensors:
+    """The server: ``Δ̄ = Σ (w_i / Σw) Δ_i`` in the clients' order, then ``g^r = η_s Δ̄``."""
+    total = sum(weights)
+    mean = {n: (weights[0] / total) * t for n, t in updates[0].items()}
+    for update, w in zip(updates[1:], weights[1:]):
+        for n, t in update.items():
+            mean[n].add_(t, alpha=w / total)
+    return mean if server_lr == 1.0 else {n: server_lr * t for n, t in mean.items()}
+
+
 def run(
     cfg: RunConfig,
     num_clients: int,
@@ -172,23 +188,14 @@ def run(
             torch.manual_seed(seed)
             batches = list(sample_batches(client.rows, cfg.local_steps, cfg.batch_size, seed, pad))
             result = train_block(model, names, batches, settings(cfg, r))
-            done.steps[i] = len(batches)
-            done.examples[i] = sum(len(b["input_ids"]) for b in batches)
-            done.batches[i] = hashlib.sha256(b"".join(b["input_ids"].numpy().tobytes() for b in batches)).hexdigest()
+            done.note_batches(i, batches)
             updates.append(result.delta)
             weights.append(float(len(client.rows)) if cfg.weighting == "examples" else 1.0)
             losses.append(result.mean_loss)
             if start == "none":
                 client.model = plus(y, result.delta)  # its own updates only
             client.last_round, client.own = r, result.delta
-        # The server: Δ̄ = Σ (w_i / Σw) Δ_i, g^r = η_s Δ̄, x^r[b_r] = x^{r-1}[b_r] + g^r.
-        total = sum(weights)
-        mean = {n: (weights[0] / total) * t for n, t in updates[0].items()}
-        for update, w in zip(updates[1:], weights[1:]):
-            for n, t in update.items():
-                mean[n].add_(t, alpha=w / total)
-        step = mean if cfg.server_lr == 1.0 else {n: cfg.server_lr * t for n, t in mean.items()}
-        x_before, x = x, plus(x, step)
+        x_before, x = x, plus(x, server_step(updates, weights, cfg.server_lr))  # x^r[b_r] = x^{r-1}[b_r] + g^r
         done.x, done.train_loss = x, sum(losses) / len(losses)
         if evaluate_every and (r % evaluate_every == 0 or r == cfg.num_server_rounds):
             load(x)

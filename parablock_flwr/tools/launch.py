@@ -437,6 +437,36 @@ def flwr_run(
     overrides.write_text("".join(f"{k} = {toml_value(v)}\n" for k, v in run_config.items()))
     cmd = [*prefix, _bin("flwr"), "run", str(app_dir), "local", "--stream", "--run-config", str(overrides), *extra]
     env = flower_env(workdir / "flwr-home")
+    stdout, stderr, returncode = _run_streaming(cmd, env, timeout_s, capture)
+    started_runs = STARTED_RUN.findall(stdout)
+    run_id = int(started_runs[-1]) if started_runs else None
+    output_dir = output_dir_of(run_config, app_dir)
+    common = dict(stdout=stdout, stderr=stderr, run_id=run_id, flwr_returncode=returncode)
+    if returncode is None:
+        run_dir = find_run_dir(output_dir, run_id) if run_id is not None else None
+        return RunResult(
+            EXIT_CODES["timeout"],
+            "timeout",
+            f"the launcher's time limit of {timeout_s:g} s passed; `flwr run` was stopped",
+            run_dir=run_dir,
+            **common,
+        )
+    if run_id is None:
+        return RunResult(
+            EXIT_CODES["error"],
+            "error",
+            f"`flwr run` started no run (it exited with {returncode}); its output says why",
+            **common,
+        )
+    return _ended_run(output_dir, run_id, env, prefix, common)
+
+
+def _run_streaming(
+    cmd: Sequence[str], env: dict[str, str], timeout_s: float, capture: bool
+) -> tuple[str, str, int | None]:
+    """Run ``cmd`` in a session of its own, its output collected (and echoed unless ``capture``) as it
+    comes, so that a long run shows progress; stopped with its process group at ``timeout_s`` or on
+    Ctrl-C. Returns its stdout, its stderr and its exit code (None: it was stopped at the time limit)."""
     out: list[str] = []
     err: list[str] = []
     proc = subprocess.Popen(
@@ -463,27 +493,11 @@ def flwr_run(
         stop_process_group(proc)
     for pump in pumps:
         pump.join(10)
-    stdout, stderr = "".join(out), "".join(err)
-    started_runs = STARTED_RUN.findall(stdout)
-    run_id = int(started_runs[-1]) if started_runs else None
-    output_dir = output_dir_of(run_config, app_dir)
-    common = dict(stdout=stdout, stderr=stderr, run_id=run_id, flwr_returncode=None if timed_out else proc.returncode)
-    if timed_out:
-        run_dir = find_run_dir(output_dir, run_id) if run_id is not None else None
-        return RunResult(
-            EXIT_CODES["timeout"],
-            "timeout",
-            f"the launcher's time limit of {timeout_s:g} s passed; `flwr run` was stopped",
-            run_dir=run_dir,
-            **common,
-        )
-    if run_id is None:
-        return RunResult(
-            EXIT_CODES["error"],
-            "error",
-            f"`flwr run` started no run (it exited with {proc.returncode}); its output says why",
-            **common,
-        )
+    return "".join(out), "".join(err), None if timed_out else proc.returncode
+
+
+def _ended_run(output_dir: Path, run_id: int, env: dict[str, str], prefix: Sequence[str], common: dict) -> RunResult:
+    """How a started run ended, from its status record: `flwr run` exits 0 however it ended."""
     run_dir, status = await_status(output_dir, run_id, env, prefix)
     if status is None:
         where = f"run folder {run_dir}" if run_dir else f"no folder ending in -{run_id} in {output_dir}"
@@ -609,36 +623,66 @@ def run_deployment(
         # Unix socket paths are limited to ~100 bytes: keep them short, under /tmp.
         sockets = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="parablock-")))
         superlink = stack.enter_context(local_superlink(workdir, simulation=False, tls=tls, node_auth=secure))
-        workers = []
+        workers = _start_workers(stack, workdir, sockets, env, num_supernodes, node_settings)
         for i in range(num_supernodes):
-            sock = sockets / f"worker-{i}.sock"
-            state_dir = node_state_dir(node_settings[i]) if i < len(node_settings) else ""
-            command = worker_command(sock, state_dir=state_dir)
-            proc = stack.enter_context(started(command, workdir / f"worker-{i}.log", env))
-            workers.append(proc)
-        for i, proc in enumerate(workers):
-            wait_for((sockets / f"worker-{i}.sock").exists, proc, workdir / f"worker-{i}.log")
-        for i in range(num_supernodes):
-            auth_key = None
-            if secure:
-                auth_key, public_key = make_node_key(workdir / "credentials", f"supernode-{i}")
-                register_supernode(public_key, env)
-            config = node_config(i, num_supernodes, sockets / f"worker-{i}.sock")
-            if i < len(node_settings) and node_settings[i]:
-                config = f"{config} {node_settings[i]}"
-            _start_supernode(
-                stack,
-                workdir / f"supernode-{i}.log",
-                env,
-                lambda port, config=config, auth_key=auth_key: supernode_command(
-                    superlink,
-                    port,
-                    free_port(),
-                    config,
-                    root_certificates=tls.ca_cert if tls else None,
-                    auth_key=auth_key,
-                ),
-            )
+            _start_node(stack, workdir, sockets, env, superlink, tls, i, num_supernodes, node_settings)
         if on_started is not None:
             on_started(LocalDeployment(workdir, superlink, env, workers, tls))
         return flwr_run(workdir, run_config, app_dir, timeout_s, capture)
+
+
+def _start_workers(
+    stack: contextlib.ExitStack,
+    workdir: Path,
+    sockets: Path,
+    env: dict[str, str],
+    num_supernodes: int,
+    node_settings: Sequence[str],
+) -> list[subprocess.Popen]:
+    """One node worker per SuperNode, all started before waiting for any (each imports torch), and
+    returned once every socket exists: a SuperNode's first message must find its worker listening."""
+    workers = []
+    for i in range(num_supernodes):
+        sock = sockets / f"worker-{i}.sock"
+        state_dir = node_state_dir(node_settings[i]) if i < len(node_settings) else ""
+        command = worker_command(sock, state_dir=state_dir)
+        proc = stack.enter_context(started(command, workdir / f"worker-{i}.log", env))
+        workers.append(proc)
+    for i, proc in enumerate(workers):
+        wait_for((sockets / f"worker-{i}.sock").exists, proc, workdir / f"worker-{i}.log")
+    return workers
+
+
+def _start_node(
+    stack: contextlib.ExitStack,
+    workdir: Path,
+    sockets: Path,
+    env: dict[str, str],
+    superlink: str,
+    tls: TlsFiles | None,
+    i: int,
+    num_supernodes: int,
+    node_settings: Sequence[str],
+) -> None:
+    """SuperNode ``i``, pointed at its worker's socket with its own node config; with TLS, its key is
+    registered with the SuperLink before it starts, since the SuperLink admits only registered nodes."""
+    auth_key = None
+    if tls is not None:
+        auth_key, public_key = make_node_key(workdir / "credentials", f"supernode-{i}")
+        register_supernode(public_key, env)
+    config = node_config(i, num_supernodes, sockets / f"worker-{i}.sock")
+    if i < len(node_settings) and node_settings[i]:
+        config = f"{config} {node_settings[i]}"
+    _start_supernode(
+        stack,
+        workdir / f"supernode-{i}.log",
+        env,
+        lambda port: supernode_command(
+            superlink,
+            port,
+            free_port(),
+            config,
+            root_certificates=tls.ca_cert if tls else None,
+            auth_key=auth_key,
+        ),
+    )

@@ -1,0 +1,87 @@
+"""ParaBlock's math, as defined by this project (see docs/algorithm.md), framework-free.
+
+No Flower here, only torch tensors keyed by parameter name: strategies, the node runtime and the
+plain-PyTorch reference (``parablock_flwr/reference.py``) are thin adapters around it, and read like
+the spec through this package's names (``core.aggregate(...)``, ``core.PendingUpdate``).
+
+Notation (as in the spec): global model ``x``, blocks ``B_1..B_M``, schedule
+``b_1..b_R``, client update ``Δ_i^r``, aggregate ``Δ̄^r``, server learning rate
+``η_s``. We call ``g^r = η_s Δ̄^r`` the *global step* of round r: the server
+applies ``x^r[b_r] = x^{r-1}[b_r] + g^r`` and clients apply the very same
+float operation, which is what keeps every copy of ``x`` bit-identical.
+
+=========================  ==================================================================
+module                     holds
+=========================  ==================================================================
+``blocks``                 ``BlockPartition``, ``partition_blocks``, ``find_decoder_layers``,
+                           ``one_block``, ``block_schedule``: the blocks and which one a round trains
+``algorithm``              ``Tensors``, ``snapshot``, ``delta``, ``aggregate``, ``global_step``,
+                           ``apply_step(_keeping)``, ``PendingUpdate``, ``parablock_base``,
+                           ``correct_in_place``, ``uncorrected_offset``: the spec's arithmetic
+``digests``                ``digest``, ``tensor_sha256``, ``ModelDigest``, ``digest_after``:
+                           proof that two copies of ``x`` hold the same bits
+``transfer_precision``     ``TRANSFER_DTYPES``, ``INT8_BLOCK``, ``int8_blocks``, ``quantize_int8``,
+                           ``dequantize_int8``, ``round_for_transfer``, ``round_with_feedback``
+``time_model``             ``LinkModel``, ``modeled_round_seconds``: what a round would cost
+=========================  ==================================================================
+
+Every name is re-exported here; callers write ``core.X``, never a submodule's path.
+"""
+
+from .algorithm import (
+    PendingUpdate,
+    Tensors,
+    aggregate,
+    apply_step,
+    apply_step_keeping,
+    correct_in_place,
+    delta,
+    global_step,
+    parablock_base,
+    snapshot,
+    uncorrected_offset,
+)
+from .blocks import BlockPartition, block_schedule, find_decoder_layers, one_block, partition_blocks
+from .digests import ModelDigest, digest, digest_after, tensor_sha256
+from .time_model import LinkModel, modeled_round_seconds
+from .transfer_precision import (
+    INT8_BLOCK,
+    TRANSFER_DTYPES,
+    dequantize_int8,
+    int8_blocks,
+    quantize_int8,
+    round_for_transfer,
+    round_with_feedback,
+)
+
+__all__ = [
+    "INT8_BLOCK",
+    "TRANSFER_DTYPES",
+    "BlockPartition",
+    "LinkModel",
+    "ModelDigest",
+    "PendingUpdate",
+    "Tensors",
+    "aggregate",
+    "apply_step",
+    "apply_step_keeping",
+    "block_schedule",
+    "correct_in_place",
+    "delta",
+    "dequantize_int8",
+    "digest",
+    "digest_after",
+    "find_decoder_layers",
+    "global_step",
+    "int8_blocks",
+    "modeled_round_seconds",
+    "one_block",
+    "parablock_base",
+    "partition_blocks",
+    "quantize_int8",
+    "round_for_transfer",
+    "round_with_feedback",
+    "snapshot",
+    "tensor_sha256",
+    "uncorrected_offset",
+]

@@ -1,0 +1,136 @@
+"""ParaBlock's arithmetic, line for line the spec's (docs/algorithm.md): updates, aggregate, global step,
+the client's pending update, its start point and its correction.
+
+Every copy of ``x`` (server, simulated clients, node workers, the plain-PyTorch reference) calls these
+same functions, so that the same float operations in the same order keep them bit-identical.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+Tensors = dict[str, torch.Tensor]
+
+
+def snapshot(params: Mapping[str, torch.Tensor], names: Iterable[str]) -> Tensors:
+    """Detached fp32 copies of the named tensors."""
+    return {n: params[n].detach().to(torch.float32).clone() for n in names}
+
+
+def delta(after: Mapping[str, torch.Tensor], before: Mapping[str, torch.Tensor]) -> Tensors:
+    """``Δ = after - before`` in fp32: the optimizer's changes to a block."""
+    return {n: after[n].detach().float() - before[n] for n in before}
+
+
+def aggregate(updates: Iterable[Tensors], weights: list[float]) -> Tensors:
+    """``Δ̄ = Σ w_i Δ_i / Σ w_i``, computed as ``Σ (w_i / Σw) Δ_i`` in the given order.
+
+    Normalising the weights first makes a single client's aggregate equal
+    its update to the last bit (``1.0 * Δ == Δ``), which the tests rely on.
+    ``updates`` may be a generator: only the running sum and the current
+    update are held, however many clients there are.
+    """
+    total = float(sum(weights))
+    if total <= 0:
+        raise ValueError(f"aggregate: weights sum to {total}, expected > 0")
+    updates = iter(updates)
+    out: Tensors = {}
+    for i, w in enumerate(weights):
+        update = next(updates, None)
+        if update is None:
+            raise ValueError(f"aggregate: got {i} updates and {len(weights)} weights")
+        for n, t in update.items():
+            if i == 0:
+                out[n] = (w / total) * t
+            else:
+                out[n].add_(t, alpha=w / total)
+    if next(updates, None) is not None:
+        raise ValueError(f"aggregate: got more updates than the {len(weights)} weights")
+    return out
+
+
+def global_step(mean_update: Tensors, server_lr: float) -> Tensors:
+    """``g = η_s Δ̄`` (exact when η_s = 1: ``Δ̄``'s own tensors, not a copy of the block)."""
+    if server_lr == 1.0:
+        return dict(mean_update)
+    return {n: server_lr * t for n, t in mean_update.items()}
+
+
+@torch.no_grad()
+def apply_step(params: Mapping[str, torch.Tensor], step: Mapping[str, torch.Tensor]) -> None:
+    """In place: ``x[b] += g`` (or ``y[b] += Δ``), the one float op every copy uses."""
+    for n, t in step.items():
+        params[n].add_(t.to(device=params[n].device, dtype=params[n].dtype))
+
+
+@torch.no_grad()
+def apply_step_keeping(params: Mapping[str, torch.Tensor], step: Mapping[str, torch.Tensor]) -> Tensors:
+    """``apply_step``'s float op into new storage, which each tensor then takes (``.data``: the same
+    tensor and parameter objects, so a model holding them sees the new values); returns the replaced
+    tensors, ``x^{r-1}[b]``, uncopied. The server keeps them for a full sync without a copy of the
+    block between the last reply and the next message."""
+    before: Tensors = {}
+    for n, t in step.items():
+        before[n] = params[n].detach()
+        params[n].data = before[n] + t.to(device=before[n].device, dtype=before[n].dtype)
+    return before
+
+
+@dataclass
+class PendingUpdate:
+    """A ParaBlock client's own update not yet folded into the global model.
+
+    The client's local model is ``y = x^{base_version}`` with
+    ``y[block] += delta``. After the correction of round r,
+    ``base_version = r - 1`` and ``delta = Δ_i^r``: the spec's invariant.
+    """
+
+    block: int
+    base_version: int
+    delta: Tensors
+
+
+def parablock_base(pending: PendingUpdate | None, server_round: int) -> tuple[int, PendingUpdate | None]:
+    """Which model round r's computation starts from.
+
+    Normally ``y = x^{r-2} + Δ_i^{r-1}`` (the stale start that lets the
+    client compute while round r-1's exchange is in flight). A client with
+    no usable pending update (round 1, or it missed round r-1) is
+    resynchronised: it starts from ``x^{r-1}`` with nothing pending, which
+    is exactly a sequential-BCD round.
+    """
+    if pending is not None and pending.base_version == server_round - 2:
+        return server_round - 2, pending
+    return server_round - 1, None
+
+
+@torch.no_grad()
+def correct_in_place(params: Mapping[str, torch.Tensor], before: Tensors, step: Tensors, own_update: Tensors) -> None:
+    """The ``on-receipt`` correction, applied to a model in the middle of training.
+
+    ``y[b_{r-1}] += η_s Δ̄^{r-1} − Δ_i^{r-1}`` on the live parameters. If the
+    block being trained is that block too, its ``before`` snapshot moves by the
+    same amount so that ``Δ_i^r`` keeps counting only the optimizer's changes.
+    Not bit-exact (float sums in another order): the deterministic mode corrects
+    at the end instead (``strategies.ParaBlockClient.correct``).
+    """
+    for n, g in step.items():
+        change = g - own_update[n]
+        params[n].add_(change.to(device=params[n].device, dtype=params[n].dtype))
+        if n in before:
+            before[n].add_(change.to(before[n].device))
+
+
+def uncorrected_offset(offset: Tensors, own_update: Tensors, steps: Iterable[Tensors]) -> Tensors:
+    """``correction = "none"``: a client model that never takes in the aggregate, ``y = x^v + offset``,
+    after its own update and written on a version ``len(steps)`` newer: ``offset + Δ_i − Σ g``."""
+    out = dict(offset)
+    for n, t in own_update.items():
+        out[n] = out[n] + t if n in out else t.clone()
+    for step in steps:
+        for n, g in step.items():
+            out[n] = out[n] - g if n in out else -g
+    return out

@@ -47,6 +47,9 @@ NODE = "node"  # the QUERY reply's record (``PartitionAnswer``)
 PROTOCOL_KEY = "protocol-version"  # in every round config and every worker frame (``versions.mismatch``)
 TRANSPORT = "transport"  # transport = "direct": where the message's block records wait (``TransportOffer``)
 COMMIT = "commit"  # transport = "direct": the update a reply commits, moved on the stream (``UpdateCommit``)
+# In a node's error reply: it could not fetch the message's records from the stream (its state is intact);
+# the server sends that node's next messages with their records on Flower's path.
+STREAM_UNUSABLE = "the direct transport's stream is unusable here: "
 
 
 class MessageError(ValueError):

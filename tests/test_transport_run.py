@@ -12,20 +12,34 @@ import json
 import logging
 import socket
 
+import numpy as np
 import pytest
 import torch
-from flwr.app import ConfigRecord
+from flwr.app import ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
+from flwr.common.constant import ErrorCode
+from flwr.supercore.task_identity import TaskIdentity
 
 from parablock_flwr.messages import (
     CATCH_UP,
+    COMMIT,
     GLOBAL_STEP,
+    METRICS,
+    STREAM_UNUSABLE,
     SYNC_VALUES,
+    TRANSPORT,
+    UPDATE,
+    TrainMetrics,
     TransportOffer,
     UpdateCommit,
+    metrics_to_record,
     relay_name,
     relay_split,
 )
+from parablock_flwr.npy import npy_view
 from parablock_flwr.records import pieces_record, record_arrays, to_record, to_tensors
+from parablock_flwr.strategies.direct import DirectMessages
+from parablock_flwr.strategies.reply_checks import Expected, parse_reply
+from parablock_flwr.strategies.round_stats import array_bytes
 from parablock_flwr.tools.credentials import make_tls
 from parablock_flwr.transport import (
     Limits,
@@ -288,3 +302,95 @@ def test_framing_refuses_what_is_not_a_framed_record():
         with pytest.raises(FramingError, match=says):
             unframe(bad, "x")
     assert record_arrays(block(1)).keys() == arrays(good, "x").keys()
+
+
+# ---------------------------------------------------------------- the run's side around Flower's messages
+
+
+def flower_message(node_id: int, content: RecordDict) -> Message:
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = RUN, 5, 0
+    return Message(content=content, dst_node_id=node_id, message_type=MessageType.TRAIN)
+
+
+def reply_to(msg: Message, content: RecordDict | None = None, error: str = "") -> Message:
+    TaskIdentity.node_id = msg.metadata.dst_node_id
+    if error:
+        return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=error), reply_to=msg)
+    return Message(content=content, reply_to=msg)
+
+
+def round_message(node_id: int, step, sync=None) -> Message:
+    content = RecordDict({GLOBAL_STEP: step, "round": ConfigRecord({"x": 1})})
+    if sync is not None:
+        content[SYNC_VALUES] = sync
+    return flower_message(node_id, content)
+
+
+UPDATE_TENSORS = {"layers.0.w": (64, 48), "layers.0.b": (48,)}
+
+
+def update_metrics(**extra) -> MetricRecord:
+    metrics = TrainMetrics(server_round=4, block=0, partition_id=0, base_version=2, num_examples=8.0,
+                           train_loss=0.5, compute_s=1.0, **extra)  # fmt: skip
+    return MetricRecord(metrics_to_record(metrics))
+
+
+def test_a_message_and_its_reply_through_the_stream_are_what_flowers_path_carries(hub, node):
+    direct, step, sync = DirectMessages(hub), block(21, "bf16"), block(22, "bf16")
+    msg = round_message(7, step, sync)
+    before = array_bytes(msg.content)
+    direct.outgoing(msg, 4, upload_max_size=update_bound(64 * 48 + 48, 2))
+    assert array_bytes(msg.content) == 0 and set(msg.content.config_records) == {"round", TRANSPORT}
+    offer = TransportOffer.from_config(dict(msg.content[TRANSPORT]))
+    fetched = node.fetch_arrays(offer)
+    assert sum(len(p) for p in payloads(step).values()) + sum(len(p) for p in payloads(sync).values()) == before
+    for name, record in ((GLOBAL_STEP, step), (SYNC_VALUES, sync)):
+        for array, payload in payloads(record).items():
+            got, sent = fetched[relay_name(name, array)], npy_view(payload, array)
+            assert got.dtype == sent.dtype and np.array_equal(got, sent)
+    # The node trains and uploads; its reply commits the update.
+    update = to_record({n: torch.randn(s, generator=torch.Generator().manual_seed(3)) for n, s in
+                        UPDATE_TENSORS.items()}, "bf16")  # fmt: skip
+    commit = node.upload(offer, payloads(update))
+    reply = reply_to(msg, RecordDict({METRICS: update_metrics(), COMMIT: ConfigRecord(commit.to_config())}))
+    taken = direct.incoming(reply, 4, 7)
+    assert taken is reply and COMMIT not in reply.content.config_records
+    assert payloads(reply.content[UPDATE]) == payloads(update)  # the Array payloads Flower's path carries
+    expected = Expected(4, 0, UPDATE_TENSORS, 100.0, transfer_dtype="bf16")
+    checked = parse_reply(reply, expected, 7)  # the reply checks, unchanged
+    assert all(torch.equal(checked.update[n], t) for n, t in to_tensors(update).items())
+    assert direct.end_round(4) == {"direct_fallbacks": 0, "direct_refusals": 0}
+
+
+def test_a_reply_whose_commit_does_not_match_the_upload_is_rejected_with_the_refusal(hub, node):
+    direct = DirectMessages(hub)
+    msg = direct.outgoing(round_message(7, block(1)), 4, upload_max_size=10**6)
+    offer = TransportOffer.from_config(dict(msg.content[TRANSPORT]))
+    commit = node.upload(offer, payloads(block(2)))
+    forged = ConfigRecord(dataclasses.replace(commit, sha256="e" * 64).to_config())
+    why = direct.incoming(reply_to(msg, RecordDict({METRICS: update_metrics(), COMMIT: forged})), 4, 7)
+    assert why.startswith("refused digest_mismatch: node 7 round 4")
+    never = reply_to(msg, RecordDict({METRICS: update_metrics(), COMMIT: ConfigRecord(commit.to_config())}))
+    assert direct.incoming(never, 5, 7).startswith("its update (")  # nothing uploaded in round 5
+    malformed = reply_to(msg, RecordDict({METRICS: update_metrics(), COMMIT: ConfigRecord({"size": -1})}))
+    assert direct.incoming(malformed, 4, 7).startswith("update commit: ")
+    assert direct.end_round(4)["direct_refused_digest_mismatch"] == 1
+
+
+def test_a_node_that_falls_back_gets_its_records_inline_until_it_commits_on_the_stream_again(hub, node):
+    direct, step = DirectMessages(hub), block(1)
+    first = direct.outgoing(round_message(7, step), 4, upload_max_size=10**6)
+    inline = RecordDict({METRICS: update_metrics(direct_fallbacks=1), UPDATE: block(2)})
+    assert direct.incoming(reply_to(first, inline), 4, 7).content[UPDATE] is inline[UPDATE]  # as it came
+    again = direct.outgoing(round_message(7, step), 5, upload_max_size=10**6)
+    assert GLOBAL_STEP in again.content.array_records  # inline now ...
+    offer = TransportOffer.from_config(dict(again.content[TRANSPORT]))
+    assert offer.records == () and offer.upload_token  # ... with an upload capability still
+    commit = node.upload(offer, payloads(block(3)))
+    committed = RecordDict({METRICS: update_metrics(), COMMIT: ConfigRecord(commit.to_config())})
+    assert UPDATE in direct.incoming(reply_to(again, committed), 5, 7).content.array_records
+    assert GLOBAL_STEP not in direct.outgoing(round_message(7, step), 6, 10**6).content.array_records  # back
+    lost = direct.outgoing(round_message(8, step), 6, 10**6)
+    direct.incoming(reply_to(lost, error=f"state-intact: node worker failed: {STREAM_UNUSABLE}x"), 6, 8)
+    assert GLOBAL_STEP in direct.outgoing(round_message(8, step), 7, 10**6).content.array_records
+    assert direct.end_round(4)["direct_fallbacks"] == 2  # node 7 in round 4, node 8 in round 6

@@ -368,12 +368,20 @@ def test_a_reply_whose_commit_does_not_match_the_upload_is_rejected_with_the_ref
     offer = TransportOffer.from_config(dict(msg.content[TRANSPORT]))
     commit = node.upload(offer, payloads(block(2)))
     forged = ConfigRecord(dataclasses.replace(commit, sha256="e" * 64).to_config())
-    why = direct.incoming(reply_to(msg, RecordDict({METRICS: update_metrics(), COMMIT: forged})), 4, 7)
-    assert why.startswith("refused digest_mismatch: node 7 round 4")
-    never = reply_to(msg, RecordDict({METRICS: update_metrics(), COMMIT: ConfigRecord(commit.to_config())}))
-    assert direct.incoming(never, 5, 7).startswith("its update (")  # nothing uploaded in round 5
-    malformed = reply_to(msg, RecordDict({METRICS: update_metrics(), COMMIT: ConfigRecord({"size": -1})}))
-    assert direct.incoming(malformed, 4, 7).startswith("update commit: ")
+    expected = Expected(4, 0, UPDATE_TENSORS, 100.0)
+
+    def rejection(content: RecordDict, server_round: int = 4) -> str:
+        """What the reply checks say of the reply ``incoming`` hands on."""
+        reply = direct.incoming(reply_to(msg, content), server_round, 7)
+        assert reply.metadata.reply_to_message_id == msg.metadata.message_id  # it answers the same message
+        return parse_reply(reply, expected, 7)
+
+    why = rejection(RecordDict({METRICS: update_metrics(), COMMIT: forged}))
+    assert why.startswith("client error: direct transport: refused digest_mismatch: node 7 round 4"), why
+    never = RecordDict({METRICS: update_metrics(), COMMIT: ConfigRecord(commit.to_config())})
+    assert rejection(never, 5).startswith("client error: direct transport: its update (")  # none in round 5
+    malformed = RecordDict({METRICS: update_metrics(), COMMIT: ConfigRecord({"size": -1})})
+    assert rejection(malformed).startswith("client error: direct transport: update commit: ")
     assert direct.end_round(4)["direct_refused_digest_mismatch"] == 1
 
 

@@ -12,10 +12,11 @@ Each such message is counted (``direct_fallbacks``) and logged once per node (``
 
 from __future__ import annotations
 
+import copy
 import logging
 
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message
-from flwr.common.constant import SType
+from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message
+from flwr.common.constant import ErrorCode, SType
 
 from ..messages import (
     BLOCK_RECORDS,
@@ -33,6 +34,7 @@ from ..transport import Refused, RunTransport
 
 log = logging.getLogger(__name__)
 FALLBACKS = key("direct_fallbacks")
+DIRECT = "direct transport:"  # what a reply rejected here says first
 
 
 class DirectMessages:
@@ -55,19 +57,24 @@ class DirectMessages:
         content[TRANSPORT] = ConfigRecord(offer.to_config())
         return msg
 
-    def incoming(self, reply: Message, server_round: int, node: int) -> Message | str:
+    def incoming(self, reply: Message, server_round: int, node: int) -> Message:
         """``reply`` with its committed update taken from the stream (as the ``update`` record Flower's path
-        carries), or why it must be rejected. A reply on Flower's path is returned as it is, its fallback noted."""
+        carries), or an error reply in its place saying why it must be rejected (``rejected``). A reply on
+        Flower's path is returned as it is, its fallback noted."""
+        why = self._take(reply, server_round, node)
+        return reply if why is None else rejected(reply, why)
+
+    def _take(self, reply: Message, server_round: int, node: int) -> str | None:
         if reply.has_error():
             if STREAM_UNUSABLE in str(reply.error.reason):
                 self._fell_back(node, "it could not fetch the round's records from the stream")
-            return reply
+            return None
         content = reply.content
         if COMMIT not in content.config_records:
             metrics = content.metric_records.get(METRICS)
             if metrics is not None and type(metrics.get(FALLBACKS)) is int and metrics[FALLBACKS] > 0:
                 self._fell_back(node, "its update came inline")
-            return reply
+            return None
         if UPDATE in content.array_records:
             return "a reply with both an update and a commit of one on the stream: expected one"
         try:
@@ -81,7 +88,7 @@ class DirectMessages:
         content[UPDATE] = ArrayRecord({name: _array(payload, name) for name, payload in payloads.items()})
         del content[COMMIT]
         self.on_stream[node] = True
-        return reply
+        return None
 
     def _fell_back(self, node: int, why: str) -> None:
         self.on_stream[node] = False
@@ -90,6 +97,12 @@ class DirectMessages:
     def end_round(self, server_round: int) -> dict[str, int]:
         """The round's counts for its record; its capabilities, records and unclaimed uploads forgotten."""
         return self.transport.end_round(server_round)
+
+
+def rejected(reply: Message, why: str) -> Message:
+    """An error reply in place of ``reply`` (same sender, same message answered): the reply checks reject it
+    with ``why``, and its node, whose update the server could not take, gets a full sync next."""
+    return Message(error=Error(code=ErrorCode.UNKNOWN, reason=f"{DIRECT} {why}"), metadata=copy.copy(reply.metadata))
 
 
 def _array(payload: memoryview, name: str) -> Array:

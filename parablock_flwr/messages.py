@@ -16,8 +16,8 @@ read this module too. A block's tensors travel in records of their own beside th
 | a node's update, node -> server | ``TrainMetrics`` | the ``metrics`` record + ``update`` + ``trace`` |
 | the final evaluation's reply  | ``EvaluateReply`` | the ``metrics`` record (``EvaluateMetrics`` flat) |
 | which partition a node serves | ``PartitionAnswer`` | the ``node`` record of a QUERY reply      |
-| direct transport, server -> node | ``TransportOffer`` | the ``transport`` record, for the block records |
-| direct transport, node -> server | ``UpdateCommit`` | the ``commit`` record, for ``update``         |
+| direct transport, server -> node | ``TransportOffer`` | the ``stream-offer`` record, for block records |
+| direct transport, node -> server | ``UpdateCommit`` | the ``stream-commit`` record, for ``update``   |
 | ClientApp -> node worker      | ``WorkerRequest`` | a frame's JSON header (``worker/protocol.py``) |
 | node worker -> ClientApp      | ``WorkerReply``   | a frame's JSON header                       |
 """
@@ -28,7 +28,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from .versions import PROTOCOL_VERSION
 
@@ -45,8 +45,8 @@ TRACE = "trace"  # a reply's strings: its local model's digest (``verify-invaria
 LOCAL_MODEL_DIGEST = "local-model-sha256"  # the trace's one key
 NODE = "node"  # the QUERY reply's record (``PartitionAnswer``)
 PROTOCOL_KEY = "protocol-version"  # in every round config and every worker frame (``versions.mismatch``)
-TRANSPORT = "transport"  # transport = "direct": where the message's block records wait (``TransportOffer``)
-COMMIT = "commit"  # transport = "direct": the update a reply commits, moved on the stream (``UpdateCommit``)
+OFFER = "stream-offer"  # transport = "direct": where the message's block records wait (``TransportOffer``)
+COMMIT = "stream-commit"  # transport = "direct": the update a reply commits, moved on the stream (``UpdateCommit``)
 # In a node's error reply: it could not fetch the message's records from the stream (its state is intact);
 # the server sends that node's next messages with their records on Flower's path.
 STREAM_UNUSABLE = "the direct transport's stream is unusable here: "
@@ -332,11 +332,10 @@ MAX_CA_PEM = 64 * 1024
 _HEX64 = frozenset("0123456789abcdef")
 
 
-@dataclass(frozen=True)
-class RecordOffer:
+class RecordOffer(NamedTuple):
     """One of a message's block records, waiting on the stream: which record of ``BLOCK_RECORDS`` it stands
     for, its name on the service, its size and SHA-256 (hex; what the node checks before it uses a byte),
-    and the node's download capability (hex)."""
+    and the node's download capability (hex). It travels as ``TransportOffer``'s parallel ``records-*`` lists."""
 
     record: str
     name: str
@@ -368,8 +367,8 @@ class TransportOffer:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name == "records":
-                for sub in dataclasses.fields(RecordOffer):
-                    out[key(f"records_{sub.name}")] = [getattr(r, sub.name) for r in value]
+                for sub in RecordOffer._fields:
+                    out[key(f"records_{sub}")] = [getattr(r, sub) for r in value]
             else:
                 out[key(f.name)] = str(value) if f.name in ("run_id", "node_id") else value
         return out
@@ -378,7 +377,7 @@ class TransportOffer:
     def from_config(cls, config: Mapping[str, Any]) -> TransportOffer:
         """The offer a node received, every field checked (``MessageError`` names the first that is not)."""
         get = _Reader("transport offer", config)
-        lists = {sub.name: get.list(key(f"records_{sub.name}")) for sub in dataclasses.fields(RecordOffer)}
+        lists = {sub: get.list(key(f"records_{sub}")) for sub in RecordOffer._fields}
         if len({len(v) for v in lists.values()}) != 1 or len(lists["record"]) > len(BLOCK_RECORDS):
             raise MessageError(f"transport offer: records-* lists of lengths {[len(v) for v in lists.values()]}: "
                                f"expected equal, at most {len(BLOCK_RECORDS)}")  # fmt: skip
@@ -419,8 +418,8 @@ class UpdateCommit:
     """A reply's update, moved on the stream: its size and SHA-256 (hex). The server aggregates only the
     uploaded bytes whose digest is this one, which Flower's node authentication vouches for."""
 
-    size: int
-    sha256: str
+    update_size: int
+    update_sha256: str
 
     def to_config(self) -> dict[str, Any]:
         return {key(f.name): getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -428,10 +427,11 @@ class UpdateCommit:
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> UpdateCommit:
         get = _Reader("update commit", config)
-        sha256 = get.text("sha256", 64, 64)
+        name = key("update_sha256")
+        sha256 = get.text(name, 64, 64)
         if not _hex64(sha256):
-            raise MessageError(f"update commit: sha256={sha256!r:.40} expected 64 lowercase hex digits")
-        return cls(size=get.int("size", 0, MAX_SIZE), sha256=sha256)
+            raise MessageError(f"update commit: {name}={sha256!r:.40} expected 64 lowercase hex digits")
+        return cls(update_size=get.int(key("update_size"), 0, MAX_SIZE), update_sha256=sha256)
 
 
 def _hex64(value: Any) -> bool:
@@ -499,8 +499,8 @@ class WorkerRequest:
     partition_id: int = 0
     num_partitions: int = 1
     node: dict = field(default_factory=dict)  # the node config's settings (``node_data.NodeSettings.as_header``)
-    transport: dict = field(default_factory=dict)  # ``TransportOffer.to_config`` (transport = "direct"), else empty
-    OPTIONAL: ClassVar[tuple[str, ...]] = ("transport",)  # fields a header may leave out (empty)
+    stream_offer: dict = field(default_factory=dict)  # ``TransportOffer.to_config`` (transport = "direct"), or empty
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("stream_offer",)  # fields a header may leave out (empty)
 
     def to_header(self) -> dict[str, Any]:
         return {key(f.name): getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -560,14 +560,15 @@ class WorkerReply:
     state_intact: bool = False
     pid: int = 0  # a ping's answer ...
     run_id: int | None = None  # ... and the run the worker is in
-    commit: dict = field(default_factory=dict)  # ``UpdateCommit.to_config``: the update went on the stream
+    stream_commit: dict = field(default_factory=dict)  # ``UpdateCommit.to_config``: the update went on the stream
 
     def to_header(self) -> dict[str, Any]:
         if self.error:
             return {"error": self.error, key("state_intact"): self.state_intact}
         if self.pid:
             return {"pid": self.pid, key("run_id"): self.run_id}
-        return {"metrics": self.metrics, "trace": self.trace} | ({"commit": self.commit} if self.commit else {})
+        commit = {key("stream_commit"): self.stream_commit} if self.stream_commit else {}
+        return {"metrics": self.metrics, "trace": self.trace, **commit}
 
     @classmethod
     def from_header(cls, header: Mapping[str, Any]) -> WorkerReply:
@@ -575,7 +576,7 @@ class WorkerReply:
             return cls(error=str(header["error"]), state_intact=bool(header.get(key("state_intact"))))
         if "pid" in header:
             return cls(pid=int(header["pid"]), run_id=header.get(key("run_id")))
-        metrics, trace, commit = header.get("metrics"), header.get("trace", {}), header.get("commit", {})
+        metrics, trace, commit = header.get("metrics"), header.get("trace", {}), header.get(key("stream_commit"), {})
         if not isinstance(metrics, dict) or not isinstance(trace, dict) or not isinstance(commit, dict):
-            raise MessageError("worker reply: expected metrics, trace and commit mappings")
-        return cls(metrics=metrics, trace=trace, commit=commit)
+            raise MessageError("worker reply: expected metrics, trace and stream-commit mappings")
+        return cls(metrics=metrics, trace=trace, stream_commit=commit)

@@ -154,9 +154,9 @@ def test_a_transport_offer_and_a_commit_read_back():
     assert messages.UpdateCommit.from_config(commit.to_config()) == commit
     request = WorkerRequest("train", 5, {}, full_round().to_config(), 2, 4, {}, offer().to_config())
     assert WorkerRequest.from_header(request.to_header()) == request
-    legacy = {k: v for k, v in request.to_header().items() if k != "transport"}  # a relay that sends none
-    assert WorkerRequest.from_header(legacy).transport == {}
-    reply = WorkerReply(metrics={"a": 1}, commit=commit.to_config())
+    legacy = {k: v for k, v in request.to_header().items() if k != messages.key("stream_offer")}  # none sent
+    assert WorkerRequest.from_header(legacy).stream_offer == {}
+    reply = WorkerReply(metrics={"a": 1}, stream_commit=commit.to_config())
     assert WorkerReply.from_header(reply.to_header()) == reply
 
 

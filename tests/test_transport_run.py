@@ -24,9 +24,9 @@ from parablock_flwr.messages import (
     COMMIT,
     GLOBAL_STEP,
     METRICS,
+    OFFER,
     STREAM_UNUSABLE,
     SYNC_VALUES,
-    TRANSPORT,
     UPDATE,
     TrainMetrics,
     TransportOffer,
@@ -126,7 +126,7 @@ def test_a_record_every_node_gets_is_published_once_and_each_node_moves_only_its
     assert a.records[0].name == b.records[0].name  # one published record, one capability per node
     assert a.records[0].token != b.records[0].token
     # Node 7 presenting node 8's capability for node 8's full sync: refused, counted, nothing moved.
-    theirs = dataclasses.replace(a, records=(dataclasses.replace(b.records[1], record=SYNC_VALUES),))
+    theirs = dataclasses.replace(a, records=(b.records[1]._replace(record=SYNC_VALUES),))
     with pytest.raises(StreamUnusable, match="refused foreign_record"):
         node.fetch(theirs)
     assert node.fetch(b)[SYNC_VALUES]  # the refusal changed nothing for node 8
@@ -136,7 +136,7 @@ def test_a_record_every_node_gets_is_published_once_and_each_node_moves_only_its
 def test_a_record_altered_on_the_service_is_caught_by_the_node(hub, node):
     offer = hub.offer(2, node=7, records={GLOBAL_STEP: block(5)}, upload_max_size=None)
     ref = offer.records[0]
-    forged = dataclasses.replace(offer, records=(dataclasses.replace(ref, sha256="0" * 64),))
+    forged = dataclasses.replace(offer, records=(ref._replace(sha256="0" * 64),))
     with pytest.raises(StreamUnusable, match="SHA-256 differs"):
         node.fetch(forged)  # what Flower's message says wins over what the stream sends
 
@@ -149,10 +149,12 @@ def test_an_update_is_claimed_only_under_the_digest_its_reply_commits(hub, node)
     offer = hub.offer(4, node=7, records={}, upload_max_size=update_bound(64 * 48 + 48, 2))
     commit = node.upload(offer, payloads(update))
     with pytest.raises(Refused) as refused:
-        hub.claim(4, 7, dataclasses.replace(commit, sha256="f" * 64))
+        hub.claim(4, 7, dataclasses.replace(commit, update_sha256="f" * 64))
     assert refused.value.kind is RefusalKind.DIGEST_MISMATCH
     with pytest.raises(Refused):
-        hub.claim(4, 7, dataclasses.replace(commit, size=commit.size + 1))  # the digest matches, the size not
+        hub.claim(
+            4, 7, dataclasses.replace(commit, update_size=commit.update_size + 1)
+        )  # the digest matches, the size not
     claimed = hub.claim(4, 7, commit)  # the refusals changed nothing
     assert {k: bytes(v) for k, v in claimed.items()} == payloads(update)
     assert hub.claim(4, 7, commit) is None  # claimed once
@@ -340,8 +342,8 @@ def test_a_message_and_its_reply_through_the_stream_are_what_flowers_path_carrie
     msg = round_message(7, step, sync)
     before = array_bytes(msg.content)
     direct.outgoing(msg, 4, upload_max_size=update_bound(64 * 48 + 48, 2))
-    assert array_bytes(msg.content) == 0 and set(msg.content.config_records) == {"round", TRANSPORT}
-    offer = TransportOffer.from_config(dict(msg.content[TRANSPORT]))
+    assert array_bytes(msg.content) == 0 and set(msg.content.config_records) == {"round", OFFER}
+    offer = TransportOffer.from_config(dict(msg.content[OFFER]))
     fetched = node.fetch_arrays(offer)
     assert sum(len(p) for p in payloads(step).values()) + sum(len(p) for p in payloads(sync).values()) == before
     for name, record in ((GLOBAL_STEP, step), (SYNC_VALUES, sync)):
@@ -365,9 +367,9 @@ def test_a_message_and_its_reply_through_the_stream_are_what_flowers_path_carrie
 def test_a_reply_whose_commit_does_not_match_the_upload_is_rejected_with_the_refusal(hub, node):
     direct = DirectMessages(hub)
     msg = direct.outgoing(round_message(7, block(1)), 4, upload_max_size=10**6)
-    offer = TransportOffer.from_config(dict(msg.content[TRANSPORT]))
+    offer = TransportOffer.from_config(dict(msg.content[OFFER]))
     commit = node.upload(offer, payloads(block(2)))
-    forged = ConfigRecord(dataclasses.replace(commit, sha256="e" * 64).to_config())
+    forged = ConfigRecord(dataclasses.replace(commit, update_sha256="e" * 64).to_config())
     expected = Expected(4, 0, UPDATE_TENSORS, 100.0)
 
     def rejection(content: RecordDict, server_round: int = 4) -> str:
@@ -380,7 +382,7 @@ def test_a_reply_whose_commit_does_not_match_the_upload_is_rejected_with_the_ref
     assert why.startswith("client error: direct transport: refused digest_mismatch: node 7 round 4"), why
     never = RecordDict({METRICS: update_metrics(), COMMIT: ConfigRecord(commit.to_config())})
     assert rejection(never, 5).startswith("client error: direct transport: its update (")  # none in round 5
-    malformed = RecordDict({METRICS: update_metrics(), COMMIT: ConfigRecord({"size": -1})})
+    malformed = RecordDict({METRICS: update_metrics(), COMMIT: ConfigRecord({"update-size": -1})})
     assert rejection(malformed).startswith("client error: direct transport: update commit: ")
     assert direct.end_round(4)["direct_refused_digest_mismatch"] == 1
 
@@ -392,7 +394,7 @@ def test_a_node_that_falls_back_gets_its_records_inline_until_it_commits_on_the_
     assert direct.incoming(reply_to(first, inline), 4, 7).content[UPDATE] is inline[UPDATE]  # as it came
     again = direct.outgoing(round_message(7, step), 5, upload_max_size=10**6)
     assert GLOBAL_STEP in again.content.array_records  # inline now ...
-    offer = TransportOffer.from_config(dict(again.content[TRANSPORT]))
+    offer = TransportOffer.from_config(dict(again.content[OFFER]))
     assert offer.records == () and offer.upload_token  # ... with an upload capability still
     commit = node.upload(offer, payloads(block(3)))
     committed = RecordDict({METRICS: update_metrics(), COMMIT: ConfigRecord(commit.to_config())})

@@ -22,8 +22,8 @@ from ..messages import (
     BLOCK_RECORDS,
     COMMIT,
     METRICS,
+    OFFER,
     STREAM_UNUSABLE,
-    TRANSPORT,
     UPDATE,
     MessageError,
     UpdateCommit,
@@ -54,7 +54,7 @@ class DirectMessages:
         offer = self.transport.offer(server_round, node, records, upload_max_size)
         for name in records:
             del content[name]
-        content[TRANSPORT] = ConfigRecord(offer.to_config())
+        content[OFFER] = ConfigRecord(offer.to_config())
         return msg
 
     def incoming(self, reply: Message, server_round: int, node: int) -> Message:
@@ -83,7 +83,7 @@ class DirectMessages:
         except (MessageError, Refused) as err:
             return str(err) if isinstance(err, MessageError) else err.line()
         if payloads is None:
-            return (f"its update ({commit.size} bytes) is committed but was not uploaded on the stream in round "
+            return (f"its update ({commit.update_size} bytes) is committed but was not uploaded on the stream in round "
                     f"{server_round}")  # fmt: skip
         content[UPDATE] = ArrayRecord({name: _array(payload, name) for name, payload in payloads.items()})
         del content[COMMIT]

@@ -93,7 +93,7 @@ class NodeTransport:
         sha256 = hashlib.sha256(data).hexdigest()
         ticket = self._ticket(offer, Direction.UPLOAD, offer.upload_name, offer.upload_token)
         self._call(offer, lambda client: client.upload(ticket, data, sha256))
-        return UpdateCommit(size=len(data), sha256=sha256)
+        return UpdateCommit(update_size=len(data), update_sha256=sha256)
 
     def close(self) -> None:
         with self._lock:

@@ -167,7 +167,9 @@ class RunTransport:
         size, or bytes that are not a framed record, raise ``Refused`` (counted; the reply is rejected)."""
         name = self.upload_name(server_round, node)
         try:
-            data = self.server.inbox.claim(self.run_id, node, server_round, name, commit.sha256, commit.size)
+            data = self.server.inbox.claim(
+                self.run_id, node, server_round, name, commit.update_sha256, commit.update_size
+            )
         except Refused as refused:  # counted by the inbox
             log.warning("transport %s", refused.line())
             raise

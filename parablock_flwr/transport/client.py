@@ -57,7 +57,7 @@ class TransportClient:
             root = ca_pem if ca_pem else Path(ca_file).read_bytes()
             credentials = grpc.ssl_channel_credentials(root_certificates=root)
             self._channel = grpc.secure_channel(address, credentials, options=options)
-        self._timeout = timeout_s
+        self.timeout_s = timeout_s  # each call's deadline (None: none)
         self._upload = self._channel.stream_unary(UPLOAD, request_serializer=_identity, response_deserializer=_identity)
         self._download = self._channel.unary_stream(
             DOWNLOAD, request_serializer=_identity, response_deserializer=_identity
@@ -86,7 +86,7 @@ class TransportClient:
             for start in range(0, view.nbytes, CHUNK_BYTES):
                 yield bytes(view[start : start + CHUNK_BYTES])
 
-        self._call(lambda: self._upload(messages(), timeout=self._timeout))
+        self._call(lambda: self._upload(messages(), timeout=self.timeout_s))
         return sha256
 
     def download(self, ticket: Ticket, size: int, sha256: str) -> bytearray:
@@ -96,7 +96,7 @@ class TransportClient:
 
         def receive() -> bytearray:
             data, digest, got = bytearray(size), hashlib.sha256(), 0
-            for chunk in self._download(encode_header(ticket), timeout=self._timeout):
+            for chunk in self._download(encode_header(ticket), timeout=self.timeout_s):
                 if got + len(chunk) > size:
                     raise TransportError(f"record {ticket.record!r}: more than the announced {size} bytes")
                 data[got : got + len(chunk)] = chunk

@@ -120,6 +120,7 @@ class NodeTransport:
                                          ca_pem=None if key[2] else key[1].encode(),
                                          connect_timeout_s=self.connect_timeout_s)  # fmt: skip
                 self._clients[key] = client
+        client.timeout_s = self.timeout_s
         try:
             return fn(client)
         except Refused as refused:

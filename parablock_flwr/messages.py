@@ -45,6 +45,7 @@ TRACE = "trace"  # a reply's strings: its local model's digest (``verify-invaria
 LOCAL_MODEL_DIGEST = "local-model-sha256"  # the trace's one key
 NODE = "node"  # the QUERY reply's record (``PartitionAnswer``)
 PROTOCOL_KEY = "protocol-version"  # in every round config and every worker frame (``versions.mismatch``)
+TRAIN, EVALUATE, PING = "train", "evaluate", "ping"  # what a worker request asks (``WorkerRequest.op``)
 OFFER = "stream-offer"  # transport = "direct": where the message's block records wait (``TransportOffer``)
 COMMIT = "stream-commit"  # transport = "direct": the update a reply commits, moved on the stream (``UpdateCommit``)
 # In a node's error reply: it could not fetch the message's records from the stream (its state is intact);
@@ -289,6 +290,15 @@ def _metric_value(name: str, value: Any, kind: str) -> Any:
     return value
 
 
+def stamped(record: Mapping[str, Any], **fields: float | int) -> dict[str, Any]:
+    """A ``METRICS`` record with more ``TrainMetrics`` fields set, by field name: a hop adds its own numbers
+    (the ClientApp's timeline) to what the node sent without reading it. A name that is no field raises."""
+    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(TrainMetrics)})
+    if unknown:
+        raise TypeError(f"not TrainMetrics fields: {', '.join(unknown)}")
+    return {**record, **{key(name): value for name, value in fields.items()}}
+
+
 @dataclass(frozen=True)
 class EvaluateReply:
     """The reply to the final evaluation (``evaluation = "clients"``): which partition evaluated, and how."""
@@ -490,7 +500,7 @@ class WorkerRequest:
     """A frame's header from the ClientApp to its node worker: the round's message without its tensors
     (they follow the header as ``record/array``, ``relay_name``), and who asks."""
 
-    OPS: ClassVar[tuple[str, ...]] = ("train", "evaluate", "ping")
+    OPS: ClassVar[tuple[str, ...]] = (TRAIN, EVALUATE, PING)
 
     op: str
     run_id: int = 0
@@ -507,10 +517,10 @@ class WorkerRequest:
 
     @classmethod
     def from_header(cls, header: Mapping[str, Any]) -> WorkerRequest:
-        op = header.get("op", "train")
+        op = header.get("op", TRAIN)
         if op not in cls.OPS:
             raise MessageError(f"worker request: op={op!r:.40} expected one of {', '.join(cls.OPS)}")
-        if op == "ping":
+        if op == PING:
             return cls(op)
         values: dict[str, Any] = {"op": op}
         for f in dataclasses.fields(cls):
@@ -527,6 +537,12 @@ class WorkerRequest:
                 raise MessageError(f"worker request: {name}={value!r:.40} expected {kind}")
             values[f.name] = value
         return cls(**values)
+
+    @staticmethod
+    def run_of(header: Mapping[str, Any]) -> int | None:
+        """The run a header names, before the rest is read (the worker bounds a frame's arrays by its run)."""
+        value = header.get(key("run_id"))
+        return value if type(value) is int else None
 
     @property
     def server_round(self) -> int:
@@ -563,8 +579,8 @@ class WorkerReply:
     stream_commit: dict = field(default_factory=dict)  # ``UpdateCommit.to_config``: the update went on the stream
 
     def to_header(self) -> dict[str, Any]:
-        if self.error:
-            return {"error": self.error, key("state_intact"): self.state_intact}
+        if self.error:  # state-intact travels only when it is so (a reply without it: not intact)
+            return {"error": self.error, **({key("state_intact"): True} if self.state_intact else {})}
         if self.pid:
             return {"pid": self.pid, key("run_id"): self.run_id}
         commit = {key("stream_commit"): self.stream_commit} if self.stream_commit else {}
@@ -575,7 +591,10 @@ class WorkerReply:
         if "error" in header:
             return cls(error=str(header["error"]), state_intact=bool(header.get(key("state_intact"))))
         if "pid" in header:
-            return cls(pid=int(header["pid"]), run_id=header.get(key("run_id")))
+            pid, run_id = header["pid"], header.get(key("run_id"))
+            if type(pid) is not int or not (run_id is None or type(run_id) is int):
+                raise MessageError(f"worker reply: pid={pid!r:.40}, run-id={run_id!r:.40} expected integers")
+            return cls(pid=pid, run_id=run_id)
         metrics, trace, commit = header.get("metrics"), header.get("trace", {}), header.get(key("stream_commit"), {})
         if not isinstance(metrics, dict) or not isinstance(trace, dict) or not isinstance(commit, dict):
             raise MessageError("worker reply: expected metrics, trace and stream-commit mappings")

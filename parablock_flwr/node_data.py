@@ -30,8 +30,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 DATASET_KINDS = ("reasoning-gym", "alpaca", "mathinstruct", "messages")
+# The node config (``--node-config``), a schema of its own, not a message: each key is named here once.
+PARTITION_ID = "partition-id"  # the node's identity: its data partition (or its own data's id), its seed
+NUM_PARTITIONS = "num-partitions"
+WORKER_SOCKET = "worker-socket"  # deployment: the node worker's Unix socket (none: the round runs inline)
+WORKER_UID = "worker-uid"  # the node worker's user, when it is not the ClientApp's
 NODE_SETTINGS_KEYS = ("dataset", "heldout-dataset", "device", "state-dir", "allow-models", "allow-data", "transport",
                       "transport-address")  # fmt: skip
+NODE_CONFIG_KEYS = (PARTITION_ID, NUM_PARTITIONS, WORKER_SOCKET, WORKER_UID, *NODE_SETTINGS_KEYS)
 # An error reply whose reason starts with this says the node's model state is intact (a refused message,
 # out of memory, a data error): the server keeps that node's sync state (``node.StateIntact``).
 STATE_INTACT = "state-intact: "
@@ -144,12 +150,17 @@ def node_settings_problem(node_config: Mapping[str, object]) -> str | None:
                 f"node config {key}={value!r}: expected reasoning-gym:<task>, alpaca:<path or hub id>, "
                 f"mathinstruct:<path or hub id> or messages:<path or hub id>"
             )
-    if "dataset" in node_config and "partition-id" not in node_config:
+    if "dataset" in node_config and PARTITION_ID not in node_config:
         return (
-            f"node config dataset={node_config['dataset']!r}: also set partition-id=<an integer unique among "
+            f"node config dataset={node_config['dataset']!r}: also set {PARTITION_ID}=<an integer unique among "
             f"the nodes> (the node's identity: its batches' seed, its place in the aggregation order, resume)"
         )
     return None
+
+
+def partition_of(node_config: Mapping[str, object]) -> tuple[int, int]:
+    """``(partition-id, num-partitions)`` of the node config (default: the only partition, 0 of 1)."""
+    return int(node_config.get(PARTITION_ID, 0)), int(node_config.get(NUM_PARTITIONS, 1))
 
 
 def device_valid(value: object) -> bool:

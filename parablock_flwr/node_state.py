@@ -28,6 +28,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -46,6 +47,10 @@ _FILE = re.compile(r"r(\d+)-(b(\d+)\.safetensors|reset)$")
 @dataclass
 class NodeState:
     """One node's state between two of its rounds (the node runtime, ``node.Node``, changes it)."""
+
+    # Simulation keeps its last round in Flower's ``context.state`` (``client_apps/inline.py``), here.
+    CONTEXT_RECORD: ClassVar[str] = "node-state"
+    LAST_ROUND: ClassVar[str] = "last-round"
 
     pending: PendingUpdate | None = None  # its own update not yet in the global model
     residuals: dict[int, Tensors] = field(default_factory=dict)  # transfer-dtype's error feedback, by block
@@ -152,6 +157,8 @@ class PendingStore:
     """A virtual node's pending update between its rounds, durably in one file (see the module's docstring)."""
 
     NAME = "pending.safetensors"
+    # The file's metadata (a file format of the node's own, not a message): its keys are named here.
+    BLOCK, BASE_VERSION = "block", "base-version"
 
     def __init__(self, folder: Path | str):
         self.path = Path(folder) / self.NAME
@@ -169,7 +176,7 @@ class PendingStore:
         if any(not torch.equal(rounded[n], t) for n, t in pending.delta.items()):
             pieces = pack_pieces(pending.delta, "fp32")
         arrays = {name: np.concatenate(parts) for name, parts in pieces.items()}
-        meta = {"block": str(pending.block), "base-version": str(pending.base_version)}
+        meta = {self.BLOCK: str(pending.block), self.BASE_VERSION: str(pending.base_version)}
         make_dirs(self.path.parent, 0o700)  # the node's own; each new folder's parent fsynced
         replace_file(self.path, lambda tmp: save_arrays(arrays, str(tmp), metadata=meta))
 
@@ -180,4 +187,4 @@ class PendingStore:
         with safe_open(str(self.path), framework="numpy") as f:
             meta = f.metadata()
             arrays = {name: f.get_tensor(name) for name in f.keys()}
-        return PendingUpdate(int(meta["block"]), int(meta["base-version"]), unpack(arrays))
+        return PendingUpdate(int(meta[self.BLOCK]), int(meta[self.BASE_VERSION]), unpack(arrays))

@@ -24,9 +24,12 @@ from torch import nn
 
 from .core import PendingUpdate, Tensors, apply_step
 from .durable import crash_point, replace_file
+from .messages import CATCH_UP, GLOBAL_STEP, RESUME_PENDING, MessageError, RoundConfig, catch_up_step
 
 Step = tuple[int, Tensors]  # (block, g)
 FetchStep = Callable[[int], Step]  # version k -> (b_k, g^k)
+# The step log's file format (each step's safetensors metadata), not a message: its keys are named here.
+STEP_FILE_BLOCK, STEP_FILE_VERSION = "block", "version"
 
 
 class StepLog:
@@ -52,7 +55,7 @@ class StepLog:
         tensors = {n: t.contiguous() for n, t in step.items()}
 
         def write(tmp: Path) -> None:
-            save_file(tensors, str(tmp), metadata={"block": json.dumps(block), "version": str(version)})
+            save_file(tensors, str(tmp), metadata={STEP_FILE_BLOCK: json.dumps(block), STEP_FILE_VERSION: str(version)})
             crash_point("step-log", version)  # the crash tests' point: the step written, not yet renamed
 
         replace_file(self.dir / f"v{version:05d}.safetensors", write)
@@ -111,7 +114,7 @@ class StepLog:
         from safetensors import safe_open
 
         with safe_open(str(path), framework="pt") as f:
-            block = json.loads(f.metadata()["block"])
+            block = json.loads(f.metadata()[STEP_FILE_BLOCK])
         return block, load_file(str(path))
 
 
@@ -216,35 +219,31 @@ class ModelReplica:
                 raise ReplicaLost(self.lost) from err
 
 
-def catch_up_steps(round_cfg, arrays: dict[str, torch.Tensor]) -> dict[int, Step]:
-    """The global steps a round-r message carries: ``g^{r-1}`` and any missed ones.
-
-    ``arrays`` are the message's ``global-step`` tensors; missed steps come in
-    ``catch-up`` tensors named ``v{k}/{param}`` (``FedBCD.catch_up``).
-    """
-    server_round = int(round_cfg["server-round"])
+def catch_up_steps(config: RoundConfig, arrays: dict[str, Tensors]) -> dict[int, Step]:
+    """The global steps a round-r message carries: ``g^{r-1}`` (``GLOBAL_STEP``) and any missed ones
+    (``CATCH_UP``, each tensor named by ``messages.catch_up_name``; ``FedBCD.catch_up``)."""
     steps: dict[int, Step] = {}
-    if server_round > 1:
-        steps[server_round - 1] = (int(round_cfg["step-block"]), arrays["global-step"])
-    for version, block in zip(round_cfg.get("catch-up-versions", []), round_cfg.get("catch-up-blocks", [])):
-        prefix = f"v{version}/"
-        steps[int(version)] = (
-            int(block),
-            {n[len(prefix) :]: t for n, t in arrays["catch-up"].items() if n.startswith(prefix)},
-        )
+    if config.server_round > 1:
+        if GLOBAL_STEP not in arrays:
+            raise MessageError(
+                f"round {config.server_round}: no {GLOBAL_STEP} record; expected g^{config.server_round - 1}"
+            )
+        steps[config.server_round - 1] = (config.step_block, arrays[GLOBAL_STEP])
+    if config.catch_up_versions and CATCH_UP not in arrays:
+        raise MessageError(f"round {config.server_round}: catch-up versions without a {CATCH_UP} record")
+    for version, block in zip(config.catch_up_versions, config.catch_up_blocks, strict=True):
+        steps[version] = (block, catch_up_step(arrays[CATCH_UP], version))
     return steps
 
 
-def resumed_pending(round_cfg, arrays: dict[str, Tensors]) -> PendingUpdate | None:
-    """The client's own ``Δ_i^R`` that a resumed server hands back in round R+1 (``resume-pending``).
+def resumed_pending(config: RoundConfig, arrays: dict[str, Tensors]) -> PendingUpdate | None:
+    """The client's own ``Δ_i^R`` that a resumed server hands back in round R+1 (``RESUME_PENDING``).
 
     After a server restart the client processes are new: the server's checkpoint
     is the only copy of the update each client would compute round R+1 from.
     """
-    if "resume-pending" not in arrays:
+    if RESUME_PENDING not in arrays:
         return None
-    return PendingUpdate(
-        block=int(round_cfg["resume-pending-block"]),
-        base_version=int(round_cfg["resume-pending-version"]),
-        delta=arrays["resume-pending"],
-    )
+    if config.resume_pending_block is None or config.resume_pending_version is None:
+        raise MessageError(f"round {config.server_round}: a {RESUME_PENDING} record without its block and version")
+    return PendingUpdate(config.resume_pending_block, config.resume_pending_version, arrays[RESUME_PENDING])

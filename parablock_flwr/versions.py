@@ -1,10 +1,11 @@
 """The one version number of what crosses a process boundary (no imports: every side reads it).
 
 A deployment mixes code from two sources: the ClientApp and the ServerApp come from the app bundle
-``flwr run`` ships, the node worker from each site's own install. ``PROTOCOL_VERSION`` travels in
-every frame between a ClientApp and its worker (``worker/protocol.py`` adds and checks it) and in
-every round's config from the server (``ROUND_KEY``, checked by the ClientApp): a side that meets
-another number refuses the message in one line naming both, before anything is loaded or changed.
+``flwr run`` ships, the node worker from each site's own install. ``PROTOCOL_VERSION`` travels, under
+``messages.PROTOCOL_KEY``, in every frame between a ClientApp and its worker (``worker/protocol.py``
+adds and checks it) and in every round's config from the server (checked by the ClientApp): a side
+that meets another number refuses the message in one line naming both, before anything is loaded or
+changed.
 Raise it whenever a message's meaning changes (a key added, renamed or read differently).
 """
 
@@ -13,8 +14,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 PROTOCOL_VERSION = 1
-FRAME_KEY = "protocol-version"  # in each ClientApp <-> worker frame's header
-ROUND_KEY = "protocol-version"  # in each round's config (server -> node)
 
 
 def mismatch(header: Mapping[str, object], key: str, peer: str, here: str) -> str | None:

@@ -77,6 +77,7 @@ def worker_request(
         "run-config": config,
         "partition-id": partition_id,
         "num-partitions": num_partitions,
+        "node": {},  # the node config's own data and device: none
         "round": {
             "server-round": server_round,
             "block": block,

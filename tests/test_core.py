@@ -92,17 +92,8 @@ def test_parablock_base_uses_pending_only_when_it_is_one_round_old():
     assert core.parablock_base(pending, server_round=4) == (2, pending)
     assert core.parablock_base(pending, server_round=5) == (4, None)  # missed a round: resync
     assert core.parablock_base(None, server_round=1) == (0, None)
-    replica = ModelReplica(torch.nn.Linear(1, 1, bias=False))
-    replica.version = 2
-    corrected = ParaBlockClient.correct(
-        replica,
-        {"weight": torch.ones(1, 1)},
-        block=0,
-        server_round=4,
-        fetch_step=lambda v: (0, {"weight": torch.zeros(1, 1)}),
-    )
-    assert (corrected.block, corrected.base_version) == (0, 3)
-    assert replica.version == 3  # re-based onto x^{r-1}
+    kept = ParaBlockClient().finish_round(pending, {"weight": torch.ones(1, 1)}, 0, 4, lambda v: (0, {}))
+    assert (kept.block, kept.base_version) == (0, 3)  # Δ_i^r, written on x^{r-1} (the runtime re-based onto it)
 
 
 def test_without_the_correction_a_client_keeps_its_own_model_across_skipped_rounds():
@@ -122,7 +113,8 @@ def test_without_the_correction_a_client_keeps_its_own_model_across_skipped_roun
         replica.advance_to(base, steps.__getitem__)
         with replica.local_model(base, start, ()) as m:  # the model round r trains from is y_i
             assert all(torch.allclose(p, expected[n], atol=1e-6) for n, p in m.named_parameters())
-        pending = client.finish_round(replica, start, own[r], r % 2, r, steps.__getitem__)
+        replica.advance_to(r - 1, steps.__getitem__)  # the runtime's correction step: re-based onto x^{r-1}
+        pending = client.finish_round(start, own[r], r % 2, r, steps.__getitem__)
         assert (pending.base_version, replica.version) == (r - 1, r - 1)
         for n, d in own[r].items():
             expected[n] = expected[n] + d

@@ -23,7 +23,7 @@ def make(cls, tmp_path, tiny_model_dir, rounds=6):
     params = dict(model.named_parameters())
     config = RunConfig(num_server_rounds=rounds)
     return cls(global_params={n: params[n] for n in part.all_names()}, partition=part, schedule=[0] * rounds,
-               config=config)  # fmt: skip
+               run_dir=tmp_path, config=config)  # fmt: skip
 
 
 def test_trimmed_mean_ignores_an_outlier(tmp_path, tiny_model_dir):
@@ -106,10 +106,11 @@ def test_a_new_algorithm_added_as_the_docs_say_runs(tmp_path, tiny_model_dir, mo
     part = core.partition_blocks(model, layers_per_block=2)
     params = dict(model.named_parameters())
     strategy = strategy_class("damped-bcd", "")(
-        global_params={n: params[n] for n in part.all_names()}, partition=part, schedule=[0, 1], config=cfg,
+        global_params={n: params[n] for n in part.all_names()}, partition=part, schedule=[0, 1],
+        run_dir=tmp_path / "run", config=cfg,
     )  # fmt: skip
     with InMemoryFederation(2, client_app_answer(run_config, 2)) as federation:
-        Run(strategy, tmp_path / "run").start(federation.grid, ArrayRecord())
+        Run(strategy).start(federation.grid, ArrayRecord())
     records = RunRecorder(tmp_path / "run").read()
     assert [r["num_accepted"] for r in records[1:]] == [2, 2], records
     assert DampedClient.rounds_finished == 4

@@ -118,7 +118,7 @@ def test_bf16_weights_keep_every_copy_of_x_bit_identical_and_training_lowers_the
     blocks = [1, 0, 1, 0, 1]
     for r, block in enumerate(blocks, start=1):
         header = {
-            "op": "train", "run-id": 21, "run-config": config, "partition-id": 0, "num-partitions": 1,
+            "op": "train", "run-id": 21, "run-config": config, "partition-id": 0, "num-partitions": 1, "node": {},
             "round": {"server-round": r, "block": block, "step-block": blocks[r - 2] if r > 1 else -1,
                       "next-block": blocks[r] if r < len(blocks) else -1, "algorithm": "parablock",
                       "run-dir": "unused"},

@@ -3,12 +3,16 @@ exactly; what a peer sends malformed is a one-line reason, never an exception fr
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import parablock_flwr
 from parablock_flwr import messages
 from parablock_flwr.messages import (
     EvaluateMetrics,
@@ -138,6 +142,88 @@ def test_the_worker_frames_and_the_partition_answer_read_back():
     assert messages.EvaluateReply.from_record(evaluated.to_record()) == evaluated
     assert messages.EvaluateReply.from_record({"partition-id": 1}) == "missing metric 'eval-version'"
     assert PartitionAnswer.from_record({"partition-id": "3"}) is None
+
+
+# ------------------------------------------------------------------ one module spells the keys
+PACKAGE = Path(parablock_flwr.__file__).parent
+# Where a plain word that is a message key (``block``, ``round``, ``train``) means the message's: the node side
+# and the algorithms. Elsewhere such words name the fields of what a run writes to disk, the CLI's commands and
+# the run config's values; a key with a hyphen (``server-round``) is a message's everywhere.
+MESSAGE_SIDE = [
+    *PACKAGE.glob("node/*.py"),
+    *PACKAGE.glob("node*.py"),
+    PACKAGE / "replica.py",
+    *PACKAGE.glob("worker/*.py"),
+    *PACKAGE.glob("client_apps/*.py"),
+    PACKAGE / "runtime.py",
+    PACKAGE / "evaluation.py",
+    PACKAGE / "training.py",
+    *PACKAGE.glob("strategies/**/*.py"),
+]
+RECORD_FIELDS = {"round", "block", "algorithm", "node"}  # also fields of the records on disk (metrics.jsonl)
+# Strings equal to a message key that are another schema's own key, each named once as a constant: the node
+# config's (``--node-config``) and the metadata of two file formats (the step log, a virtual node's pending).
+OTHER_SCHEMAS = {
+    ("node_data.py", "partition-id"),  # node_data.PARTITION_ID
+    ("node_data.py", "num-partitions"),  # node_data.NUM_PARTITIONS
+    ("replica.py", "block"),  # replica.STEP_FILE_BLOCK
+    ("node_state.py", "block"),  # PendingStore.BLOCK
+    ("node_state.py", "base-version"),  # PendingStore.BASE_VERSION
+    ("config.py", "heldout-examples"),  # the run config's key; the evaluation's metric has its name
+}
+
+
+def message_keys() -> set[str]:
+    """Every key and record name a message carries, and the worker request's operations."""
+    names = {*messages.BLOCK_RECORDS, messages.ROUND, messages.UPDATE, messages.METRICS, messages.TRACE}
+    names |= {messages.LOCAL_MODEL_DIGEST, messages.NODE, messages.PROTOCOL_KEY, *WorkerRequest.OPS}
+    for cls in vars(messages).values():
+        if inspect.isclass(cls) and dataclasses.is_dataclass(cls) and cls.__module__ == messages.__name__:
+            names |= {messages.key(f.name) for f in dataclasses.fields(cls)}
+    return names
+
+
+def spelled(path: Path, keys: set[str], root: Path = PACKAGE) -> list[str]:
+    """``file:line key`` for each string literal equal to a key (docstrings aside: they name keys in prose)."""
+    tree = ast.parse(path.read_text())
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+    }
+    return [
+        f"{path.relative_to(root)}:{node.lineno} {node.value!r}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and node.value in keys
+        and id(node) not in docstrings
+        and (path.name, node.value) not in OTHER_SCHEMAS
+    ]
+
+
+def keys_read_in(path: Path, keys: set[str]) -> set[str]:
+    """The keys that must not be spelled in ``path`` (``MESSAGE_SIDE``)."""
+    if path in MESSAGE_SIDE:
+        return keys - RECORD_FIELDS if path.is_relative_to(PACKAGE / "strategies") else keys
+    return {k for k in keys if "-" in k}
+
+
+def test_no_module_but_the_schema_spells_a_message_key():
+    keys = message_keys()
+    assert {"server-round", "global-step", "partition-id", "run-id", "state-intact", "train"} <= keys
+    modules = [p for p in sorted(PACKAGE.rglob("*.py")) if p.name != "messages.py"]
+    found = [hit for path in modules for hit in spelled(path, keys_read_in(path, keys))]
+    assert found == [], "message keys spelled outside messages.py: " + ", ".join(found)
+
+
+def test_the_scan_finds_a_key_spelled_in_a_module(tmp_path):
+    """The scan above can fail: a module that reads a key by its string is found."""
+    module = tmp_path / "reader.py"
+    module.write_text('"""Reads ``server-round``."""\n\ndef read(config):\n    return config["server-round"]\n')
+    assert spelled(module, message_keys(), tmp_path) == ["reader.py:4 'server-round'"]
 
 
 # ------------------------------------------------------------------ transport = "direct"

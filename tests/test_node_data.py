@@ -15,6 +15,7 @@ from parablock_flwr.client_apps.app import unknown_node_config_key
 from parablock_flwr.config import RunConfig
 from parablock_flwr.data import tokenized_rows
 from parablock_flwr.evaluation import evaluate
+from parablock_flwr.messages import EvaluateMetrics, EvaluateReply
 from parablock_flwr.metrics import RunRecorder
 from parablock_flwr.model import load_for_training, load_tokenizer
 from parablock_flwr.node_data import NodeSettings
@@ -71,8 +72,8 @@ def test_node_settings_are_checked_in_one_line():
 
 def test_client_evaluation_is_the_example_weighted_mean_and_completes_earlier_records(tmp_path):
     rows = [
-        {"partition-id": 0, "heldout-loss": 2.0, "heldout-examples": 4},
-        {"partition-id": 1, "heldout-loss": 1.0, "heldout-examples": 12},
+        EvaluateReply(0, EvaluateMetrics(eval_version=0, heldout_loss=2.0, heldout_examples=4)),
+        EvaluateReply(1, EvaluateMetrics(eval_version=0, heldout_loss=1.0, heldout_examples=12)),
     ]
     out = aggregate_client_evaluation(rows)
     assert out["heldout_loss"] == pytest.approx((2.0 * 4 + 1.0 * 12) / 16) and out["heldout_examples"] == 16

@@ -182,7 +182,7 @@ def test_out_of_memory_retries_once_with_half_the_micro_batch_then_names_the_key
     (a narrow monkeypatch of the one call) once, then always. Once: the round runs again with half the
     micro-batch and says so (`oom-retries`); always: an error reply, state intact, naming the keys."""
     config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 2, "batch-size": 4})
-    real, calls = node.train_block, []
+    real, calls = node.compute.train_block, []
 
     def out_of_memory_first(model, names, batches, settings, slot=None):
         calls.append(settings.micro_batch_size)
@@ -190,7 +190,7 @@ def test_out_of_memory_retries_once_with_half_the_micro_batch_then_names_the_key
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
         return real(model, names, batches, settings, slot)
 
-    monkeypatch.setattr(node, "train_block", out_of_memory_first)
+    monkeypatch.setattr(node.compute, "train_block", out_of_memory_first)
     fail_always = False
     worker = NodeWorker()
     try:
@@ -250,20 +250,20 @@ def test_the_inline_clientapp_replies_state_intact_errors_itself(tmp_path, tiny_
     TaskIdentity.node_id = 6
     context = Context(run_id=4, node_id=6, node_config={"partition-id": 0, "num-partitions": 2}, state=RecordDict(),
                       run_config=config)  # fmt: skip
-    real = node.train_block
+    real = node.compute.train_block
 
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB.")
 
-    monkeypatch.setattr(node, "train_block", out_of_memory)
+    monkeypatch.setattr(node.compute, "train_block", out_of_memory)
     reply = train_inline(msg, context)
     assert reply.has_error() and reply.error.reason.startswith("state-intact: out of memory on cpu"), reply.error
     assert len(context.state) == 0  # nothing stored: the node is as before the message
 
-    monkeypatch.setattr(node, "train_block", real)
+    monkeypatch.setattr(node.compute, "train_block", real)
     reply = train_inline(msg, context)
     assert not reply.has_error() and reply.content["metrics"]["own-data"] == 0
-    assert context.state["node"]["last-round"] == 1 and list(context.state) == ["node"]  # the update is on disk
+    assert context.state["node-state"]["last-round"] == 1 and list(context.state) == ["node-state"]  # update: on disk
     assert (tmp_path / "run" / "node-state" / "partition-0" / "pending.safetensors").is_file()
     again = train_inline(msg, context)
     assert again.has_error() and again.error.reason.startswith("state-intact: round 1 (train) refused")
@@ -276,14 +276,14 @@ def test_a_repeat_is_answered_from_the_cache_but_a_retry_that_syncs_the_node_is_
     worker = NodeWorker(state_dir=tmp_path)
     calls = []
     worker.handle_request = lambda header, arrays, received: calls.append(header) or ({"metrics": {}}, {})
-    header = {"op": "train", "run-id": 7, "partition-id": 0, "round": {"server-round": 3}}
+    header = worker_request({}, 7, 3, block=0, next_block=-1)
     assert worker.serve_request(header, {}) == worker.serve_request(header, {}) and len(calls) == 1
-    synced = {**header, "round": {"server-round": 3, "sync-version": 1}}
+    synced = worker_request({}, 7, 3, block=0, next_block=-1, **{"sync-version": 1})
     worker.serve_request(synced, {})
     worker.serve_request(header, {"resume-pending/w": np.zeros(1, np.float32)})
     assert len(calls) == 3
     reply, _ = worker.serve_request({"op": "train", "run-id": 7}, {})  # no partition, no round
-    assert reply["error"].startswith("malformed request header") and reply["state-intact"]
+    assert reply == {"error": "worker request: run-config missing", "state-intact": True}
     worker.compute_thread.shutdown()
 
 
@@ -379,7 +379,7 @@ def test_a_peer_never_chooses_the_workers_state_dir_and_a_store_removes_only_its
     assert worker.run_id is None and worker.partition_id is None  # nothing changed
     assert (victim / "notes.txt").read_text() == "not the worker's"
     header["node"] = {"state-dir": str(tmp_path / "state")}  # the worker's own: accepted
-    assert worker.node_settings(header).state_dir == str(tmp_path / "state")
+    assert worker.node_settings(header["node"]).state_dir == str(tmp_path / "state")
     worker.compute_thread.shutdown()
 
     store = ResidualStore(victim)
@@ -446,10 +446,10 @@ def test_a_retry_carrying_a_full_sync_is_always_computed_never_answered_from_the
     worker = NodeWorker(state_dir=tmp_path)
     calls = []
     worker.handle_request = lambda header, arrays, received: calls.append(header) or ({"metrics": {}}, {})
-    synced = {"op": "train", "run-id": 7, "partition-id": 0, "round": {"server-round": 3, "sync-version": 1}}
+    synced = worker_request({}, 7, 3, block=0, next_block=-1, **{"sync-version": 1})
     worker.serve_request(synced, {})
     worker.serve_request(synced, {})
-    handed_back = {"op": "train", "run-id": 7, "partition-id": 0, "round": {"server-round": 3}}
+    handed_back = worker_request({}, 7, 3, block=0, next_block=-1)
     worker.serve_request(handed_back, {"resume-pending/w": np.zeros(1, np.float32)})
     worker.serve_request(handed_back, {"resume-pending/w": np.zeros(1, np.float32)})
     assert len(calls) == 4

@@ -6,9 +6,9 @@ import gc
 import weakref
 
 import torch
-from flwr.app import ConfigRecord, RecordDict
 
 from parablock_flwr import core
+from parablock_flwr.messages import SYNC_VALUES
 from parablock_flwr.replica import StepLog
 from parablock_flwr.strategies.node_sync import NodeSync
 
@@ -20,10 +20,10 @@ def test_a_rounds_full_sync_copy_of_the_model_is_freed_once_the_round_ends(tmp_p
     x = {"a": torch.zeros(4), "b": torch.ones(4)}
     sync = NodeSync(x, num_blocks=2, step_log=StepLog(tmp_path))
     sync.failed(7)  # node 7's state is unknown: its next message carries a full sync
-    content = RecordDict({"round": ConfigRecord({"server-round": 3})})
-    assert sync.add_to_message(content, 3, node=7)["full_syncs_sent"] == 1
-    record = weakref.ref(content["sync-values"])
-    del content  # the message has been pushed
+    parts = sync.parts_for(3, node=7)
+    assert parts.full_sync and parts.fields == {"sync_version": 1}
+    record = weakref.ref(parts.records[SYNC_VALUES])
+    del parts  # the message has been pushed
     sync.applied(core.apply_step_keeping(x, {"a": torch.ones(4)}))  # round 3's step: its messages are all out
     gc.collect()
     assert record() is None

@@ -24,8 +24,9 @@ from flwr.common.constant import SType
 from flwr.supercore.task_identity import TaskIdentity
 
 from parablock_flwr.client_apps.app import relay_to_worker
+from parablock_flwr.messages import PROTOCOL_KEY
 from parablock_flwr.npy import npy_header
-from parablock_flwr.versions import FRAME_KEY, PROTOCOL_VERSION
+from parablock_flwr.versions import PROTOCOL_VERSION
 from parablock_flwr.worker.protocol import ProtocolError, SocketReader, recv, request
 
 # A worker that echoes each array it receives as the update's array of the same name, unless the
@@ -160,8 +161,8 @@ def test_a_reply_declaring_more_than_it_sends_allocates_only_what_arrived():
 def test_the_relay_stamps_its_handler_start_last_byte_sent_and_cpu(echo_worker):
     """What splits the ``clientapp_relay`` leg (round_stats.CLIENTAPP_RELAY_PARTS): the handler's start
     (Flower's pull done), the request's last byte in the worker's socket, the reply; and the process's CPU
-    seconds at the start and at the reply. The server's checks accept them (reply_checks.read_metrics)."""
-    from parablock_flwr.strategies.reply_checks import read_metrics
+    seconds at the start and at the reply. The server's checks accept them (messages.metrics_from_record)."""
+    from parablock_flwr.messages import TrainMetrics, key, metrics_from_record
 
     msg, context = message({"values": Array(np.ones(1000, np.float32))})
     before = time.time()
@@ -170,9 +171,10 @@ def test_the_relay_stamps_its_handler_start_last_byte_sent_and_cpu(echo_worker):
     assert 0 < metrics["clientapp-pull-cpu-s"] <= metrics["clientapp-cpu-s"]
     required = {"server-round": 1, "block": 0, "partition-id": 0, "base-version": 0, "num-examples": 1.0,
                 "train-loss": 0.0, "compute-s": 0.0}  # fmt: skip
-    read = read_metrics({**metrics, **required})
+    read = metrics_from_record(TrainMetrics, {**metrics, **required})
     assert not isinstance(read, str), read
-    assert {k: read[k] for k in metrics if k.startswith("clientapp-")} == {
+    fields = {key(name): getattr(read, name) for name in TrainMetrics.__dataclass_fields__}
+    assert {k: fields[k] for k in metrics if k.startswith("clientapp-")} == {
         k: v for k, v in metrics.items() if k.startswith("clientapp-")
     }
 
@@ -187,7 +189,7 @@ def test_the_worker_reads_each_array_into_place_as_it_arrives():
 
     values = np.random.default_rng(1).standard_normal(PAYLOAD_VALUES, dtype=np.float32)
     header = json.dumps({"op": "train", "arrays": [{"name": "w", "dtype": "float32", "shape": [PAYLOAD_VALUES]}],
-                         FRAME_KEY: PROTOCOL_VERSION})  # fmt: skip
+                         PROTOCOL_KEY: PROTOCOL_VERSION})  # fmt: skip
     left, right = socket.socketpair()
     sender = threading.Thread(target=lambda: (right.sendall(len(header).to_bytes(8, "big") + header.encode()),
                                               right.sendall(memoryview(values)), right.close()))  # fmt: skip

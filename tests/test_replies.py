@@ -12,6 +12,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from parablock_flwr import core
 from parablock_flwr.config import RunConfig
+from parablock_flwr.messages import TrainMetrics
 from parablock_flwr.model import load_model
 from parablock_flwr.records import to_record, to_tensors
 from parablock_flwr.strategies import ParaBlock
@@ -31,13 +32,18 @@ def setup(tmp_path, tiny_model_dir):
         global_params=global_params,
         partition=partition,
         schedule=[BLOCK, 0],
+        run_dir=tmp_path,
         config=RunConfig(max_update_norm=10.0, min_accepted_replies=0, num_server_rounds=2),
     )
-    Run(strategy, tmp_path)  # attaches itself: the step log, the records, the message counts
     torch.manual_seed(0)
     update = {n: 1e-3 * torch.randn_like(params[n]) for n in partition.names(BLOCK)}
     before = core.snapshot(global_params, global_params)
-    return strategy, update, before
+    return Run(strategy), update, before  # the run: the step log, the records, the message counts
+
+
+def aggregate(run: Run, replies: list[Message]) -> dict:
+    """Round 1's replies through the run (no grid: too few valid replies stop it); the round's record."""
+    return run.aggregate(1, replies, {}, grid=None).record
 
 
 def reply(node: int, update: dict | None, server_round=1, block=BLOCK, num_examples=10, error=None) -> Message:
@@ -66,6 +72,13 @@ def reply(node: int, update: dict | None, server_round=1, block=BLOCK, num_examp
     return Message(content, reply_to=request)
 
 
+def train_metrics(**fields) -> TrainMetrics:
+    """A reply's metrics, as the schema reads them: these ``fields`` and the rest plausible."""
+    required = dict(server_round=1, block=BLOCK, partition_id=0, base_version=0, num_examples=10, train_loss=1.0,
+                    compute_s=0.1)  # fmt: skip
+    return TrainMetrics(**{**required, **fields})
+
+
 def malformed(update):
     name = next(iter(update))
     wrong_shape = dict(update, **{name: torch.zeros(3, 3)})
@@ -90,11 +103,12 @@ def malformed(update):
 
 
 def test_each_malformed_kind_is_rejected_and_counted(setup):
-    strategy, update, before = setup
+    run, update, before = setup
+    strategy = run.algorithm
     bad = malformed(update)
     good = reply(10, update)
-    step_record, _ = strategy.aggregate_train(1, [good] + [m for m, _ in bad])
-    rec = strategy.last_metrics
+    outcome = run.aggregate(1, [good] + [m for m, _ in bad], {}, grid=None)
+    step_record, rec = outcome.arrays, outcome.record
     assert rec["num_accepted"] == 1 and rec["num_rejected"] == len(bad)
     reasons = {r["node"]: r["reason"] for r in rec["rejected"]}
     for msg, expected in bad:
@@ -107,27 +121,27 @@ def test_each_malformed_kind_is_rejected_and_counted(setup):
 
 
 def test_all_rejected_leaves_the_model_unchanged(setup):
-    strategy, update, before = setup
-    strategy.aggregate_train(1, [m for m, _ in malformed(update)])
-    assert strategy.last_metrics["num_accepted"] == 0
-    for n, t in strategy.global_params.items():
+    run, update, before = setup
+    assert aggregate(run, [m for m, _ in malformed(update)])["num_accepted"] == 0
+    for n, t in run.algorithm.global_params.items():
         assert torch.equal(t.detach(), before[n]), n
     # The (zero) step reaches the log when the run makes round 1 durable, after round 2's messages are out.
-    assert not strategy.run.step_log.has(1)
-    strategy.run.write_step_log(1)
-    assert all(torch.count_nonzero(t) == 0 for t in strategy.run.step_log.read(1)[1].values())
+    assert not run.step_log.has(1)
+    run.write_step_log(1)
+    assert all(torch.count_nonzero(t) == 0 for t in run.step_log.read(1)[1].values())
 
 
 def test_too_few_valid_replies_stop_the_run_with_one_line(setup):
-    strategy, update, before = setup
-    strategy.config = RunConfig(max_update_norm=10.0, min_accepted_replies=2, on_too_few_replies="stop")
+    run, update, before = setup
+    strategy = run.algorithm
+    strategy.config = run.config = RunConfig(max_update_norm=10.0, min_accepted_replies=2, on_too_few_replies="stop")
     strategy.stats = RoundStats(1, nodes=[10, 13])  # as configure_train leaves it
     with pytest.raises(
         TooFewReplies,
         match=r"round 1: 1 valid replies, expected at least "
         r"min-accepted-replies=2 \(node 13: non-finite values",
     ):
-        strategy.aggregate_train(1, [reply(10, update), malformed(update)[2][0]])
+        aggregate(run, [reply(10, update), malformed(update)[2][0]])
     for n, t in strategy.global_params.items():  # nothing was applied
         assert torch.equal(t.detach(), before[n]), n
 
@@ -135,18 +149,18 @@ def test_too_few_valid_replies_stop_the_run_with_one_line(setup):
 def test_a_failed_invariant_check_rejects_the_update_and_resynchronises_the_node(setup):
     """With verify-invariant, a client whose local model is not x^{r-1} + its update is rejected
     (counted), x does not move, and its next message is a full sync that drops its own state."""
-    strategy, update, before = setup
+    run, update, before = setup
+    strategy = run.algorithm
     strategy.config = RunConfig(verify_invariant=True, min_accepted_replies=0, num_server_rounds=2)
     good, bad = reply(10, update), reply(11, update)
     names = strategy.partition.all_names()
     good.content["trace"] = ConfigRecord({"local-model-sha256": core.digest_after(before, names, update)})
     bad.content["trace"] = ConfigRecord({"local-model-sha256": core.digest(before, names)})  # its update is missing
-    strategy.aggregate_train(1, [good, bad])
-    rec = strategy.last_metrics
+    rec = aggregate(run, [good, bad])
     assert (rec["num_accepted"], rec["invariant_checked"], rec["invariant_failed"]) == (1, 2, 1)
     assert "invariant broken" in rec["rejected"][0]["reason"]
-    strategy.run.write_step_log(1)
-    strategy._global_step = to_record(strategy.run.step_log.read(1)[1])
+    run.write_step_log(1)
+    strategy._global_step = to_record(run.step_log.read(1)[1])
     messages = {m.metadata.dst_node_id: m for m in strategy.train_messages(2, [10, 11])}
     assert "sync-values" not in messages[10].content and "sync-values" in messages[11].content
     assert messages[11].content["round"]["sync-version"] == 0
@@ -155,12 +169,11 @@ def test_a_failed_invariant_check_rejects_the_update_and_resynchronises_the_node
 
 
 def test_a_reply_whose_on_receipt_correction_drifted_too_far_is_rejected(setup):
-    strategy, update, before = setup
-    strategy.config = RunConfig(max_correction_drift=1e-4, min_accepted_replies=0, num_server_rounds=2)
+    run, update, before = setup
+    run.algorithm.config = RunConfig(max_correction_drift=1e-4, min_accepted_replies=0, num_server_rounds=2)
     drifted = reply(11, update)
     drifted.content["metrics"]["correction-drift"] = 0.5
-    strategy.aggregate_train(1, [reply(10, update), drifted])
-    rec = strategy.last_metrics
+    rec = aggregate(run, [reply(10, update), drifted])
     assert (
         rec["num_accepted"] == 1
         and "correction drift 0.5 above max-correction-drift=0.0001" in rec["rejected"][0]["reason"]
@@ -170,7 +183,7 @@ def test_a_reply_whose_on_receipt_correction_drifted_too_far_is_rejected(setup):
 def test_a_rounds_full_syncs_share_one_copy_of_the_model(setup):
     """After a resume every node gets a full sync: the server builds it once per round (O(|x|)
     memory, not one copy per node), and the round's messages are built as they are pushed."""
-    strategy, _, _ = setup
+    strategy = setup[0].algorithm
     strategy.stats, strategy._global_step = RoundStats(2), ArrayRecord()
     strategy.sync.needs_full_sync |= {1, 2, 3}
     TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0
@@ -187,7 +200,7 @@ def test_rows_dropped_for_length_are_counted_once_per_dataset():
     from parablock_flwr.strategies.round_stats import dropped_for_length
 
     def reply(node: int, own: int, dropped: int) -> Reply:
-        return Reply(node, {"partition-id": node, "own-data": own, "dropped-examples": dropped}, None)
+        return Reply(node, train_metrics(partition_id=node, own_data=own, dropped_examples=dropped), None)
 
     assert dropped_for_length([reply(0, 1, 4), reply(1, 1, 7)]) == 11
     assert dropped_for_length([reply(0, 0, 5), reply(1, 0, 5), reply(2, 1, 2)]) == 7
@@ -201,7 +214,7 @@ def test_a_site_with_its_own_data_keeps_the_count_of_its_first_accepted_reply():
     from parablock_flwr.strategies.reply_checks import Reply, check_own_count
 
     def reply(num_examples: float, own: int = 1) -> Reply:
-        return Reply(4, {"partition-id": 2, "own-data": own, "num-examples": num_examples}, None)
+        return Reply(4, train_metrics(partition_id=2, own_data=own, num_examples=num_examples), None)
 
     counts = {}
     assert check_own_count(reply(48), counts) is None  # the first: nothing to compare with

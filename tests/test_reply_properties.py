@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 
 from parablock_flwr import core
 from parablock_flwr.config import RunConfig
+from parablock_flwr.messages import TrainMetrics
 from parablock_flwr.records import to_tensors
 from parablock_flwr.strategies import FedBCD, ParaBlock
 from parablock_flwr.strategies.run import Run, TooFewReplies
@@ -341,8 +342,9 @@ def test_any_mix_of_replies_moves_the_model_by_the_valid_ones_alone(specs, algor
         transfer_dtype=transfer_dtype,
     )
     with tempfile.TemporaryDirectory() as run_dir:
-        strategy = algorithm(global_params=params, partition=PARTITION, schedule=[BLOCK, 1], config=config)
-        Run(strategy, run_dir)
+        strategy = algorithm(global_params=params, partition=PARTITION, schedule=[BLOCK, 1], run_dir=run_dir,
+                             config=config)  # fmt: skip
+        run = Run(strategy)
         replies, valid, invalid_nodes, valid_partitions, evaluated = [], [], set(), [], 0
         for i, (kind, vals, num_examples, optional, evaluation) in enumerate(specs):
             node = 100 + i
@@ -360,13 +362,17 @@ def test_any_mix_of_replies_moves_the_model_by_the_valid_ones_alone(specs, algor
                 replies.append(corrupt(kind, node, update, metrics, valid_partitions, transfer_dtype))
                 invalid_nodes.add(node)
 
-        strategy.aggregate_train(ROUND, replies)  # must not raise
-        strategy.run.staged()  # ParaBlock's pending updates are written beside the loop: done before cleanup
+        pending = {}  # what the run is handed to write for the checkpoint (test_run_protocol: the writing)
+        run.stage_pending = lambda partition_id, update: pending.setdefault(partition_id, []).append(update)
+        record = aggregate(run, replies)  # must not raise
 
-        record = strategy.last_metrics
         assert record["num_accepted"] == len(valid)
         rejected = {r["node"]: r["reason"] for r in record["rejected"]}
-        assert set(rejected) == invalid_nodes and all(rejected.values())
+        assert set(rejected) == invalid_nodes and all(r and "\n" not in r for r in rejected.values())
+        kept = {i: u for i, u, _ in valid} if algorithm is ParaBlock else {}
+        assert sorted(pending) == sorted(kept)  # each valid reply's update, once, and only theirs
+        assert all(len(updates) == 1 for updates in pending.values())
+        assert all(torch.equal(pending[i][0].delta[n], u[n]) for i, u in kept.items() for n in u)
         expected = {n: t.clone() for n, t in x0.items()}
         if valid:
             valid.sort(key=lambda v: v[0])  # partition order, as the server sums
@@ -375,17 +381,21 @@ def test_any_mix_of_replies_moves_the_model_by_the_valid_ones_alone(specs, algor
         for name in SHAPES:
             assert torch.equal(params[name], expected[name]), name
         # the valid replies' evaluations of x^{r-1}, aggregated (and only theirs)
-        assert strategy.run.client_evaluations.get(ROUND - 1, {}).get("heldout_examples", 0) == evaluated
+        assert run.client_evaluations.get(ROUND - 1, {}).get("heldout_examples", 0) == evaluated
 
 
-def strategy_with(algorithm, run_dir: str, **config):
-    """A strategy over ``SHAPES`` at ``x^0`` (returned too), its run folder ``run_dir``."""
+def aggregate(run: Run, replies: list[Message]) -> dict:
+    """Round ``ROUND``'s replies through the run (no grid: too few valid replies stop it); its record."""
+    return run.aggregate(ROUND, replies, {}, grid=None).record
+
+
+def run_with(algorithm, run_dir: str, **config) -> tuple[Run, dict]:
+    """The run of a strategy over ``SHAPES`` at ``x^0`` (returned too), in ``run_dir``."""
     x0 = {n: torch.linspace(-1, 1, math.prod(s)).reshape(s) for n, s in SHAPES.items()}
     params = {n: t.clone() for n, t in x0.items()}
     cfg = RunConfig(max_num_examples=MAX_EXAMPLES, num_server_rounds=2, **config)
-    strategy = algorithm(global_params=params, partition=PARTITION, schedule=[BLOCK, 1], config=cfg)
-    Run(strategy, run_dir)
-    return strategy, x0
+    strategy = algorithm(global_params=params, partition=PARTITION, schedule=[BLOCK, 1], run_dir=run_dir, config=cfg)
+    return Run(strategy), x0
 
 
 def valid_reply(strategy, node: int, partition_id: int, values: list[float], transfer_dtype: str, **metrics):
@@ -403,22 +413,22 @@ def test_a_step_past_the_float_range_is_rejected_and_changes_nothing(tmp_path, a
     as they were. With min-accepted-replies = 0 the round goes on with a zero step; with 1 and
     ``on-too-few-replies = "stop"`` the run stops (before: fp32 moved x to inf, int8 raised in the packing)."""
     for min_accepted, stop in ((0, False), (1, True)):
-        strategy, x0 = strategy_with(algorithm, str(tmp_path / str(min_accepted)), server_lr=4.0,
-                                     transfer_dtype=transfer_dtype, min_accepted_replies=min_accepted,
-                                     on_too_few_replies="stop")  # fmt: skip
+        run, x0 = run_with(algorithm, str(tmp_path / str(min_accepted)), server_lr=4.0,
+                           transfer_dtype=transfer_dtype, min_accepted_replies=min_accepted,
+                           on_too_few_replies="stop")  # fmt: skip
+        strategy = run.algorithm
         strategy.sync.versions = {100: 0, 101: 0}
         replies = [valid_reply(strategy, 100 + i, i, [3e38, -3e38], transfer_dtype) for i in range(2)]
         if stop:
             with pytest.raises(TooFewReplies, match=r"0 valid replies.*the round's step"):
-                strategy.aggregate_train(ROUND, replies)
+                aggregate(run, replies)
         else:
-            strategy.aggregate_train(ROUND, replies)
-            record = strategy.last_metrics
+            record = aggregate(run, replies)
             assert record["num_accepted"] == 0 and len(record["rejected"]) == 2
             assert all(r["reason"].startswith("the round's step") for r in record["rejected"]), record["rejected"]
-            (_, _, step) = strategy.run._unlogged[0]
+            (_, _, step) = run._unlogged[0]
             assert all(torch.equal(t, torch.zeros_like(t)) for t in step.values())  # x does not move
-        strategy.run.staged()
+        run.staged()
         for name in SHAPES:
             assert torch.equal(strategy.global_params[name], x0[name]), name
         assert strategy.sync.versions == {}  # both nodes resynchronised: they hold an update the server dropped
@@ -429,12 +439,12 @@ def test_a_step_past_the_float_range_is_rejected_and_changes_nothing(tmp_path, a
 def test_a_node_with_its_own_data_is_bounded_whatever_it_claims(tmp_path):
     """``own-data = 1`` no longer lifts the bound: without ``max-num-examples``, every node's count is
     bounded by ``num-examples`` (before: any finite count was accepted and the node dominated the mean)."""
-    strategy, _ = strategy_with(FedBCD, str(tmp_path), min_accepted_replies=0)
+    run, _ = run_with(FedBCD, str(tmp_path), min_accepted_replies=0)
+    strategy = run.algorithm
     strategy.config = RunConfig(num_examples=40, num_server_rounds=2, min_accepted_replies=0)
     huge = valid_reply(strategy, 100, 0, [0.5], "fp32", **{"own-data": 1, "num-examples": 10**9})
     honest = valid_reply(strategy, 101, 1, [0.25], "fp32", **{"own-data": 1, "num-examples": 40})
-    strategy.aggregate_train(ROUND, [huge, honest])
-    record = strategy.last_metrics
+    record = aggregate(run, [huge, honest])
     assert record["num_accepted"] == 1 and [w["num_examples"] for w in record["client_weights"]] == [40]
     (rejected,) = record["rejected"]
     assert rejected["node"] == 100
@@ -450,14 +460,18 @@ def test_a_partial_timeline_is_read_without_its_missing_stamps():
     ``prev-reply-sent``)."""
     from parablock_flwr.strategies.round_stats import critical_path_rows
 
+    def metrics(**stamps) -> TrainMetrics:
+        return TrainMetrics(server_round=2, block=0, partition_id=0, base_version=1, num_examples=1.0,
+                            train_loss=1.0, compute_s=1.0, **stamps)  # fmt: skip
+
     previous = {
         "last_reply": 10.0,
         "aggregated": 11.0,
         "arrivals": {1: 9.0, 2: 9.5},
         "clientapp_reply": {1: 8.0, 2: 8.5},
     }
-    partial = {"clientapp-start": 12.0, "request-received": 13.0}  # no prev-reply-sent
-    whole = {**partial, "prev-reply-sent": 7.5}
+    partial = metrics(clientapp_start=12.0, request_received=13.0)  # no prev-reply-sent
+    whole = metrics(clientapp_start=12.0, request_received=13.0, prev_reply_sent=7.5)
     assert critical_path_rows({1: partial}, previous, pushed=11.5) == {}
     rows = critical_path_rows({1: partial, 2: whole}, previous, pushed=11.5)
     assert rows["critical_path_reply_relay_s"] == 8.5 - 7.5
@@ -469,12 +483,13 @@ def test_a_finite_step_that_would_take_x_past_the_float_range_is_rejected(tmp_pa
     fp16, server-lr = 2: each reply is finite in fp16, the step (twice 60000) rounds to infinity in
     fp16. Either way the aggregate is rejected and ``x`` stays as it was."""
     fp32 = transfer_dtype == "fp32"
-    strategy, x0 = strategy_with(FedBCD, str(tmp_path), transfer_dtype=transfer_dtype, min_accepted_replies=0,
-                                 server_lr=1.0 if fp32 else 2.0)  # fmt: skip
+    run, x0 = run_with(FedBCD, str(tmp_path), transfer_dtype=transfer_dtype, min_accepted_replies=0,
+                       server_lr=1.0 if fp32 else 2.0)  # fmt: skip
+    strategy = run.algorithm
     if fp32:
         strategy.global_params["layer.0.w"][0, 0] = x0["layer.0.w"][0, 0] = 3e38
-    strategy.aggregate_train(ROUND, [valid_reply(strategy, 100, 0, [3e38 if fp32 else 6e4], transfer_dtype)])
-    (rejected,) = strategy.last_metrics["rejected"]
+    record = aggregate(run, [valid_reply(strategy, 100, 0, [3e38 if fp32 else 6e4], transfer_dtype)])
+    (rejected,) = record["rejected"]
     assert rejected["reason"].startswith(f"the round's step is not finite in layer.0.w as {transfer_dtype}")
     for name in SHAPES:
         assert torch.equal(strategy.global_params[name], x0[name]), name

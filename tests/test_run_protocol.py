@@ -37,8 +37,8 @@ from parablock_flwr.strategies.run import Run
 pytestmark = pytest.mark.e2e
 
 
-def make_strategy(tmp_path: Path, model_dir: Path, rounds: int, algorithm=FedBCD, **config) -> FedBCD:
-    """Sequential BCD (or ``algorithm``) on the tiny model, its run (``strategy.run``) in ``tmp_path``."""
+def make_run(tmp_path: Path, model_dir: Path, rounds: int, algorithm=FedBCD, evaluator=None, **config) -> Run:
+    """The run of sequential BCD (or ``algorithm``, ``run.algorithm``) on the tiny model, in ``tmp_path``."""
     model = load_model(str(model_dir))
     partition = core.partition_blocks(model, layers_per_block=2)
     params = dict(model.named_parameters())
@@ -47,15 +47,16 @@ def make_strategy(tmp_path: Path, model_dir: Path, rounds: int, algorithm=FedBCD
         global_params={n: params[n] for n in partition.all_names()},
         partition=partition,
         schedule=core.block_schedule("ascending", partition.num_blocks, rounds, 0),
+        run_dir=tmp_path,
         config=cfg,
     )
-    Run(strategy, tmp_path)
-    return strategy
+    return Run(strategy, evaluator)
 
 
-def honest_answer(strategy: FedBCD, num_examples: int = 10, own_data: int | None = None):
+def honest_answer(run: Run, num_examples: int = 10, own_data: int | None = None):
     """A node's reply: a small deterministic update of the round's block, the metrics every reply
     carries, and the held-out evaluation the message asks for (``evaluation = "clients"``)."""
+    strategy = run.algorithm
 
     def answer(index: int, msg: Message) -> RecordDict:
         if msg.metadata.message_type == MessageType.QUERY:  # a resumed server asks each node's partition
@@ -78,10 +79,10 @@ def honest_answer(strategy: FedBCD, num_examples: int = 10, own_data: int | None
     return answer
 
 
-def run(strategy: FedBCD, federation: InMemoryFederation, rounds: int) -> list[dict]:
+def run_rounds(run: Run, federation: InMemoryFederation) -> list[dict]:
     with federation:
-        strategy.run.start(federation.grid, ArrayRecord())
-    return RunRecorder(strategy.run.run_dir).read()
+        run.start(federation.grid, ArrayRecord())
+    return RunRecorder(run.run_dir).read()
 
 
 def written_bytes() -> int:
@@ -101,9 +102,9 @@ def test_bytes_written_per_round_do_not_grow_over_200_rounds(tmp_path, tiny_mode
             per_round[server_round], last[0] = now - last[0], now
             return {}
 
-    strategy = make_strategy(tmp_path, tiny_model_dir, rounds, evaluation="clients", eval_every=1)
-    strategy.__class__ = Measured
-    records = run(strategy, InMemoryFederation(2, honest_answer(strategy)), rounds)
+    run = make_run(tmp_path, tiny_model_dir, rounds, evaluation="clients", eval_every=1)
+    run.algorithm.__class__ = Measured
+    records = run_rounds(run, InMemoryFederation(2, honest_answer(run)))
     assert [r["round"] for r in records] == list(range(rounds + 1))
     assert all(r["heldout_loss"] == 2.0 for r in records), "every x^r evaluated by the nodes"
     print(f"bytes written in round 10: {per_round[10]}, in round 200: {per_round[200]}")
@@ -116,8 +117,8 @@ def test_messages_expire_with_the_round_and_a_stalled_node_is_left_behind(tmp_pa
     missing, its message expires on the SuperLink and what comes back for it later is dropped;
     the node recovers in round 3 and is aggregated again."""
     ttls, stalled = set(), {}
-    strategy = make_strategy(tmp_path, tiny_model_dir, 4, round_timeout_s=1.5)
-    honest = honest_answer(strategy)
+    run = make_run(tmp_path, tiny_model_dir, 4, round_timeout_s=1.5)
+    honest = honest_answer(run)
 
     def answer(index, msg):
         ttls.add(msg.metadata.ttl)
@@ -126,7 +127,7 @@ def test_messages_expire_with_the_round_and_a_stalled_node_is_left_behind(tmp_pa
             time.sleep(2.5)  # past the deadline: the reply goes nowhere (its message expired)
         return honest(index, msg)
 
-    records = run(strategy, InMemoryFederation(3, answer), 4)
+    records = run_rounds(run, InMemoryFederation(3, answer))
     assert ttls == {1.5}
     by_round = {r["round"]: r for r in records}
     assert by_round[2]["replies_missing"] == 1 and by_round[2]["num_accepted"] == 2
@@ -140,8 +141,8 @@ def test_a_late_reply_leaves_the_node_where_a_rejected_one_would(tmp_path, tiny_
     own round-2 update in (ParaBlock's pending, the computation it started from it), which the server
     dropped. Round 3 must resynchronise both alike: a full sync (dropping the node's own state), no
     catch-up (before: node 2 got g^1 only, and went on from the update the server had dropped)."""
-    strategy = make_strategy(tmp_path, tiny_model_dir, 3, round_timeout_s=4.0)  # room for the others under load
-    honest, late, round3 = honest_answer(strategy), {}, {}
+    run = make_run(tmp_path, tiny_model_dir, 3, round_timeout_s=4.0)  # room for the others under load
+    honest, late, round3 = honest_answer(run), {}, {}
 
     def answer(index, msg):
         cfg = msg.content.config_records["round"]
@@ -156,7 +157,7 @@ def test_a_late_reply_leaves_the_node_where_a_rejected_one_would(tmp_path, tiny_
             time.sleep(6.0)  # answered, but past the deadline
         return content
 
-    records = run(strategy, InMemoryFederation(3, answer), 3)
+    records = run_rounds(run, InMemoryFederation(3, answer))
     by_round = {r["round"]: r for r in records}
     assert by_round[2]["replies_missing"] == 1 and by_round[2]["num_accepted"] == 1
     assert round3[1] == round3[2] == (1, True, False), round3
@@ -167,8 +168,8 @@ def test_a_late_reply_leaves_the_node_where_a_rejected_one_would(tmp_path, tiny_
 def test_an_unavailable_node_is_marked_by_the_message_it_was_sent(tmp_path, tiny_model_dir):
     """Flower answers for a node that stopped heartbeating with a reply whose sender is the
     SuperLink: the server marks the node it sent the message to (before: the SuperLink's id)."""
-    strategy = make_strategy(tmp_path, tiny_model_dir, 2)
-    honest, stopped = honest_answer(strategy), set()
+    run = make_run(tmp_path, tiny_model_dir, 2)
+    honest, stopped = honest_answer(run), set()
 
     def answer(index, msg):
         if index == 1:  # takes its first message, then neither answers nor heartbeats: unavailable
@@ -179,15 +180,15 @@ def test_an_unavailable_node_is_marked_by_the_message_it_was_sent(tmp_path, tiny
     federation = InMemoryFederation(2, answer, heartbeat_s=0.5)
     federation.heartbeat = lambda index: index not in stopped
     gone = federation.nodes[1]
-    records = run(strategy, federation, 2)
+    records = run_rounds(run, federation)
     rejected = [x for r in records for x in r.get("rejected", [])]
     assert rejected and {x["node"] for x in rejected} == {gone}, rejected
-    assert gone in strategy.sync.needs_full_sync
+    assert gone in run.algorithm.sync.needs_full_sync
 
 
 def test_a_message_the_grid_did_not_take_is_counted_and_not_waited_for(tmp_path, tiny_model_dir):
-    strategy = make_strategy(tmp_path, tiny_model_dir, 2, round_timeout_s=30.0)
-    federation = InMemoryFederation(2, honest_answer(strategy))
+    run = make_run(tmp_path, tiny_model_dir, 2, round_timeout_s=30.0)
+    federation = InMemoryFederation(2, honest_answer(run))
     push = federation.grid.push_messages
 
     def push_dropping_one(messages):  # a malformed push: Flower's HTTP grid returns None for it
@@ -197,22 +198,22 @@ def test_a_message_the_grid_did_not_take_is_counted_and_not_waited_for(tmp_path,
 
     federation.grid.push_messages = push_dropping_one
     started = time.monotonic()
-    records = run(strategy, federation, 2)
+    records = run_rounds(run, federation)
     assert time.monotonic() - started < 20, "a round waited for a message that was never sent"
     assert all(r["messages_not_pushed"] == 1 and r["num_accepted"] == 1 for r in records[1:])
 
 
 @pytest.mark.parametrize("reason, full_sync", [("state-intact: CUDA out of memory", 0), ("CUDA out of memory", 1)])
 def test_an_error_from_a_node_whose_state_is_intact_costs_no_full_sync(tmp_path, tiny_model_dir, reason, full_sync):
-    strategy = make_strategy(tmp_path, tiny_model_dir, 3)
-    honest = honest_answer(strategy)
+    run = make_run(tmp_path, tiny_model_dir, 3)
+    honest = honest_answer(run)
 
     def answer(index, msg):
         if index == 1 and int(msg.content.config_records["round"]["server-round"]) == 2:
             return Error(code=0, reason=reason)
         return honest(index, msg)
 
-    records = {r["round"]: r for r in run(strategy, InMemoryFederation(2, answer), 3)}
+    records = {r["round"]: r for r in run_rounds(run, InMemoryFederation(2, answer))}
     assert records[2]["num_rejected"] == 1 and records[2]["state_intact_errors"] == 1 - full_sync
     assert records[3]["full_syncs_sent"] == full_sync
     assert records[3]["catch_up_steps_sent"] == 1 - full_sync  # missed g^1 only: a catch-up suffices
@@ -223,10 +224,10 @@ def test_a_node_with_its_own_data_is_bounded_like_any_other(tmp_path, tiny_model
     """A node with its own 64 rows (own-data = 1) is bounded like a partitioned one: by ``num-examples`` = 40
     when ``max-num-examples`` is 0 (rejected, naming both keys), by ``max-num-examples`` when it is set."""
     for max_num_examples, accepted, bound in ((0, 1, 40), (80, 2, 80), (50, 1, 50)):
-        strategy = make_strategy(tmp_path / str(max_num_examples), tiny_model_dir, 2, num_examples=40,
-                                 max_num_examples=max_num_examples)  # fmt: skip
-        answers = [honest_answer(strategy, num_examples=20), honest_answer(strategy, num_examples=64, own_data=1)]
-        records = run(strategy, InMemoryFederation(2, lambda i, m, answers=answers: answers[i](i, m)), 2)
+        run = make_run(tmp_path / str(max_num_examples), tiny_model_dir, 2, num_examples=40,
+                       max_num_examples=max_num_examples)  # fmt: skip
+        answers = [honest_answer(run, num_examples=20), honest_answer(run, num_examples=64, own_data=1)]
+        records = run_rounds(run, InMemoryFederation(2, lambda i, m, answers=answers: answers[i](i, m)))
         assert all(r["num_accepted"] == accepted for r in records[1:]), (max_num_examples, records[1:])
         if accepted == 1:
             assert (
@@ -236,10 +237,10 @@ def test_a_node_with_its_own_data_is_bounded_like_any_other(tmp_path, tiny_model
 
 
 def test_a_node_rejected_in_every_round_is_named_as_excluded(tmp_path, tiny_model_dir):
-    strategy = make_strategy(tmp_path, tiny_model_dir, 3, num_examples=40)
-    honest, big = honest_answer(strategy, num_examples=20), honest_answer(strategy, num_examples=64)
-    run(strategy, InMemoryFederation(2, lambda i, m: big(i, m) if i else honest(i, m)), 3)
-    excluded = strategy.run.excluded_nodes()
+    run = make_run(tmp_path, tiny_model_dir, 3, num_examples=40)
+    honest, big = honest_answer(run, num_examples=20), honest_answer(run, num_examples=64)
+    run_rounds(run, InMemoryFederation(2, lambda i, m: big(i, m) if i else honest(i, m)))
+    excluded = run.excluded_nodes()
     assert len(excluded) == 1 and "(partition 1): not aggregated in 3 of 3 rounds" in excluded[0], excluded
     assert "num-examples=64, expected a number in (0, 40]" in excluded[0]
 
@@ -248,16 +249,16 @@ def test_a_resumed_run_goes_on_counting_who_it_left_out(tmp_path, tiny_model_dir
     """Rejected in rounds 1-3, the run stopped and resumed for rounds 4-5: the node is named as not
     aggregated in 5 of 5 rounds (before: the count started again, 2 of 2), by its partition, since
     node ids change across a restart."""
-    first = make_strategy(tmp_path / "first", tiny_model_dir, 3, num_examples=40)
+    first = make_run(tmp_path / "first", tiny_model_dir, 3, num_examples=40)
     honest, big = honest_answer(first, num_examples=20), honest_answer(first, num_examples=64)
-    run(first, InMemoryFederation(2, lambda i, m: big(i, m) if i else honest(i, m)), 3)
-    resumed = make_strategy(tmp_path / "resumed", tiny_model_dir, 5, num_examples=40)
-    checkpoint = load_checkpoint(first.run.run_dir)  # (check_resumable also reads the config.json the ServerApp writes)
-    first_step = resumed.run.resume(first.run.run_dir, checkpoint)
+    run_rounds(first, InMemoryFederation(2, lambda i, m: big(i, m) if i else honest(i, m)))
+    resumed = make_run(tmp_path / "resumed", tiny_model_dir, 5, num_examples=40)
+    checkpoint = load_checkpoint(first.run_dir)  # (check_resumable also reads the config.json the ServerApp writes)
+    first_step = resumed.resume(first.run_dir, checkpoint)
     honest, big = honest_answer(resumed, num_examples=20), honest_answer(resumed, num_examples=64)
     with InMemoryFederation(2, lambda i, m: big(i, m) if i else honest(i, m)) as federation:
-        resumed.run.start(federation.grid, first_step)
-    excluded = resumed.run.excluded_nodes()
+        resumed.start(federation.grid, first_step)
+    excluded = resumed.excluded_nodes()
     assert len(excluded) == 1 and "(partition 1): not aggregated in 5 of 5 rounds (5 in a row" in excluded[0], excluded
 
 
@@ -271,29 +272,28 @@ def test_each_checkpoint_hashes_only_what_its_round_changed_and_a_resume_checks_
     hashed = []
     hash_tensor = core.tensor_sha256
     monkeypatch.setattr(core, "tensor_sha256", lambda t: hashed.append(t.numel()) or hash_tensor(t))
-    first = make_strategy(tmp_path / "first", tiny_model_dir, 4, schedule="ascending")
-    run(first, InMemoryFederation(2, honest_answer(first)), 4)
-    names = first.partition.all_names()
-    block = sum(first.global_params[n].numel() for n in first.partition.names(0))
-    assert sum(hashed) == sum(first.global_params[n].numel() for n in names) + 3 * block  # x^1 whole, then a block
-    run_dir = first.run.run_dir
+    first = make_run(tmp_path / "first", tiny_model_dir, 4, schedule="ascending")
+    run_rounds(first, InMemoryFederation(2, honest_answer(first)))
+    x, partition = first.algorithm.global_params, first.algorithm.partition
+    names = partition.all_names()
+    block = sum(x[n].numel() for n in partition.names(0))
+    assert sum(hashed) == sum(x[n].numel() for n in names) + 3 * block  # x^1 whole, then a block
+    run_dir = first.run_dir
     checkpoint = load_checkpoint(run_dir)
     assert checkpoint.digest_format == "per-tensor"
-    assert checkpoint.global_sha256 == core.ModelDigest(names)(first.global_params)
-    make_strategy(tmp_path / "resumed", tiny_model_dir, 6, schedule="ascending").run.resume(run_dir, checkpoint)
+    assert checkpoint.global_sha256 == core.ModelDigest(names)(x)
+    make_run(tmp_path / "resumed", tiny_model_dir, 6, schedule="ascending").resume(run_dir, checkpoint)
 
     state_file = next((run_dir / "checkpoint").glob("round-*")) / "state.json"
     state = json.loads(state_file.read_text())
     del state["digest_format"]
-    state["global_sha256"] = core.digest(first.global_params, names)  # as written before
+    state["global_sha256"] = core.digest(x, names)  # as written before
     state_file.write_text(json.dumps(state))
-    make_strategy(tmp_path / "old", tiny_model_dir, 6, schedule="ascending").run.resume(
-        run_dir, load_checkpoint(run_dir)
-    )
+    make_run(tmp_path / "old", tiny_model_dir, 6, schedule="ascending").resume(run_dir, load_checkpoint(run_dir))
     state["global_sha256"] = "0" * 64
     state_file.write_text(json.dumps(state))
     with pytest.raises(ValueError, match="does not give the checkpointed x\\^4"):
-        make_strategy(tmp_path / "bad", tiny_model_dir, 6).run.resume(run_dir, load_checkpoint(run_dir))
+        make_run(tmp_path / "bad", tiny_model_dir, 6).resume(run_dir, load_checkpoint(run_dir))
 
 
 def test_pending_updates_are_written_beside_the_loop_and_a_failed_write_stops_the_run_before_its_checkpoint(
@@ -307,7 +307,7 @@ def test_pending_updates_are_written_beside_the_loop_and_a_failed_write_stops_th
     from parablock_flwr.strategies import ParaBlock
     from parablock_flwr.strategies import run as run_module
 
-    strategy = make_strategy(tmp_path / "ok", tiny_model_dir, 3, algorithm=ParaBlock)
+    run = make_run(tmp_path / "ok", tiny_model_dir, 3, algorithm=ParaBlock)
     writers = []
 
     def stage(*args):  # the real write, noting the thread it runs on
@@ -315,7 +315,7 @@ def test_pending_updates_are_written_beside_the_loop_and_a_failed_write_stops_th
         checkpoint.stage_pending(*args)
 
     monkeypatch.setattr(run_module, "stage_pending", stage)
-    run(strategy, InMemoryFederation(2, honest_answer(strategy)), 3)
+    run_rounds(run, InMemoryFederation(2, honest_answer(run)))
     assert len(writers) == 6 and all(name.startswith("stage-pending") for name in writers), writers
     assert sorted(load_checkpoint(tmp_path / "ok").pending) == [0, 1]
 
@@ -325,9 +325,9 @@ def test_pending_updates_are_written_beside_the_loop_and_a_failed_write_stops_th
         checkpoint.stage_pending(run_dir, partition_id, pending)
 
     monkeypatch.setattr(run_module, "stage_pending", full_disk)
-    strategy = make_strategy(tmp_path / "full", tiny_model_dir, 3, algorithm=ParaBlock)
+    run = make_run(tmp_path / "full", tiny_model_dir, 3, algorithm=ParaBlock)
     with pytest.raises(OSError, match="No space left on device"):
-        run(strategy, InMemoryFederation(2, honest_answer(strategy)), 3)
+        run_rounds(run, InMemoryFederation(2, honest_answer(run)))
     assert sorted(p.name for p in (tmp_path / "full" / "checkpoint").glob("round-*")) == ["round-00001"]
     assert [r["round"] for r in RunRecorder(tmp_path / "full").read() if "num_accepted" in r] == [1]
 
@@ -347,10 +347,10 @@ def test_a_bounded_step_log_is_pruned_only_between_rounds_never_while_a_rounds_n
     monkeypatch.setattr(
         Run, "push", lambda run, grid, messages: (events.append("push"), real_push(run, grid, messages))[1]
     )
-    strategy = make_strategy(tmp_path, tiny_model_dir, 5, snapshot_every=2)
-    real_aggregate = strategy.aggregate_train
-    strategy.aggregate_train = lambda r, replies: (events.append("aggregated"), real_aggregate(r, replies))[1]
-    run(strategy, InMemoryFederation(2, honest_answer(strategy)), 5)
+    run = make_run(tmp_path, tiny_model_dir, 5, snapshot_every=2)
+    real_aggregate = run.algorithm.aggregate_train
+    run.algorithm.aggregate_train = lambda *args: (events.append("aggregated"), real_aggregate(*args))[1]
+    run_rounds(run, InMemoryFederation(2, honest_answer(run)))
     assert events.count("prune") == 2, events  # snapshot 2: before round 4's messages; snapshot 4: at the end
     for i, event in enumerate(events):
         if event == "prune":
@@ -374,24 +374,24 @@ def test_a_slow_finish_never_loses_replies_and_the_last_round_is_durable_before_
                 time.sleep(2.0)
             super().record_round(server_round, extra)
 
-    strategy = make_strategy(tmp_path, tiny_model_dir, rounds, round_timeout_s=1.0, evaluation="clients")
-    strategy.run.__class__ = SlowRecord
-    honest = honest_answer(strategy)
+    run = make_run(tmp_path, tiny_model_dir, rounds, round_timeout_s=1.0, evaluation="clients")
+    run.__class__ = SlowRecord
+    honest = honest_answer(run)
 
     def answer(index, msg):
         if msg.metadata.message_type == MessageType.EVALUATE:
             checkpointed_at_final_evaluation.append((tmp_path / "checkpoint" / f"round-{rounds:05d}").exists())
         return honest(index, msg)
 
-    records = {r["round"]: r for r in run(strategy, InMemoryFederation(2, answer), rounds)}
+    records = {r["round"]: r for r in run_rounds(run, InMemoryFederation(2, answer))}
     assert records[2]["num_accepted"] == 2 and records[2].get("replies_missing", 0) == 0, records[2]
     assert checkpointed_at_final_evaluation == [True, True]
 
 
-def evaluator_for(strategy: FedBCD, model_dir: Path, run_dir: Path) -> tuple[ServerEvaluator, object, object]:
-    """The ServerApp's evaluator for ``strategy``'s run (its config names the tiny model: the evaluator
+def evaluator_for(run: Run, model_dir: Path, run_dir: Path) -> tuple[ServerEvaluator, object, object]:
+    """The ServerApp's evaluator for ``run``'s run (its config names the tiny model: the evaluator
     process builds x^0 from it), with the tokenizer and held-out rows it evaluates on."""
-    cfg = strategy.config
+    cfg = run.config
     tokenizer = load_tokenizer(str(model_dir))
     _, heldout = tokenized_splits(
         cfg.dataset, cfg.num_examples, cfg.heldout_examples, cfg.seed, tokenizer, cfg.max_seq_len
@@ -422,14 +422,14 @@ def test_the_servers_evaluation_runs_beside_the_loop_and_evaluates_exactly_each_
     is exactly ``x^r``: the loss equals that of the model rebuilt from the step log. Each round's
     evaluation part is appended after its training record."""
     rounds = 6
-    strategy = make_strategy(tmp_path, tiny_model_dir, rounds, evaluation="server", eval_every=1,
-                             num_examples=24, heldout_examples=8, generate_examples=0, eval_max_lag=1,
-                             model=str(tiny_model_dir), layers_per_block=2)  # fmt: skip
-    cfg = strategy.config
-    evaluator, tokenizer, heldout = evaluator_for(strategy, tiny_model_dir, tmp_path)
-    Run(strategy, tmp_path, evaluator)
+    run = make_run(tmp_path, tiny_model_dir, rounds, evaluation="server", eval_every=1,
+                   num_examples=24, heldout_examples=8, generate_examples=0, eval_max_lag=1,
+                   model=str(tiny_model_dir), layers_per_block=2)  # fmt: skip
+    cfg = run.config
+    evaluator, tokenizer, heldout = evaluator_for(run, tiny_model_dir, tmp_path)
+    run.evaluator = evaluator
     started = time.perf_counter()
-    records = run(strategy, InMemoryFederation(2, stalling(evaluator, honest_answer(strategy), 3.0)), rounds)
+    records = run_rounds(run, InMemoryFederation(2, stalling(evaluator, honest_answer(run), 3.0)))
     took = time.perf_counter() - started
     evaluated = [r["round"] for r in records if "heldout_loss" in r]
     skipped = [r["round"] for r in records if r.get("evaluation_skipped")]
@@ -441,7 +441,7 @@ def test_the_servers_evaluation_runs_beside_the_loop_and_evaluates_exactly_each_
     replica = load_model(str(tiny_model_dir))
     replica_params = dict(replica.named_parameters())
     for version in range(1, rounds + 1):
-        _, step = strategy.run.step_log.read(version)
+        _, step = run.step_log.read(version)
         core.apply_step(replica_params, step)
         if version in evaluated:
             expected, _ = evaluate(replica, tokenizer, heldout, cfg, generate=False)
@@ -456,14 +456,14 @@ def test_an_evaluation_that_fails_fails_the_run(tmp_path, tiny_model_dir):
     """An error in the evaluator process is not lost: the loop raises it in one line (the run ends as
     ``error``), and the process is gone. The fault is real: round 0's generated answers cannot be
     written (a file stands where the samples folder goes)."""
-    strategy = make_strategy(tmp_path, tiny_model_dir, 3, evaluation="server", num_examples=12, heldout_examples=4,
-                             generate_examples=1, max_new_tokens=2, model=str(tiny_model_dir),
-                             layers_per_block=2)  # fmt: skip
+    run = make_run(tmp_path, tiny_model_dir, 3, evaluation="server", num_examples=12, heldout_examples=4,
+                   generate_examples=1, max_new_tokens=2, model=str(tiny_model_dir),
+                   layers_per_block=2)  # fmt: skip
     (tmp_path / "samples").write_text("not a folder")
-    evaluator, _, _ = evaluator_for(strategy, tiny_model_dir, tmp_path)
-    Run(strategy, tmp_path, evaluator)
+    evaluator, _, _ = evaluator_for(run, tiny_model_dir, tmp_path)
+    run.evaluator = evaluator
     with pytest.raises(RuntimeError, match=r"^the server's evaluation failed: FileExistsError: .*samples'$"):
-        run(strategy, InMemoryFederation(2, honest_answer(strategy)), 3)
+        run_rounds(run, InMemoryFederation(2, honest_answer(run)))
     assert evaluator.pid is None  # closed: stopped and reaped
 
 
@@ -472,12 +472,12 @@ def test_an_evaluator_process_that_dies_fails_the_run_and_leaves_no_process(tmp_
     one line naming the process and how it ended, and no process is left behind. Until then every
     thread of it ran at ``SCHED_IDLE`` on ``eval-cpus`` (threads started later inherit both)."""
     eval_cpu = max(os.sched_getaffinity(0))
-    strategy = make_strategy(tmp_path, tiny_model_dir, 4, evaluation="server", num_examples=12, heldout_examples=4,
-                             generate_examples=0, model=str(tiny_model_dir), layers_per_block=2,
-                             eval_cpus=str(eval_cpu))  # fmt: skip
-    evaluator, _, _ = evaluator_for(strategy, tiny_model_dir, tmp_path)
-    Run(strategy, tmp_path, evaluator)
-    honest, killed, placement = honest_answer(strategy), [], set()
+    run = make_run(tmp_path, tiny_model_dir, 4, evaluation="server", num_examples=12, heldout_examples=4,
+                   generate_examples=0, model=str(tiny_model_dir), layers_per_block=2,
+                   eval_cpus=str(eval_cpu))  # fmt: skip
+    evaluator, _, _ = evaluator_for(run, tiny_model_dir, tmp_path)
+    run.evaluator = evaluator
+    honest, killed, placement = honest_answer(run), [], set()
 
     def answer(index, msg):
         if int(msg.content.config_records["round"]["server-round"]) == 2 and not killed:
@@ -488,20 +488,21 @@ def test_an_evaluator_process_that_dies_fails_the_run_and_leaves_no_process(tmp_
         return honest(index, msg)
 
     with pytest.raises(RuntimeError) as failed:
-        run(strategy, InMemoryFederation(2, answer), 4)
+        run_rounds(run, InMemoryFederation(2, answer))
     assert placement == {(frozenset({eval_cpu}), os.SCHED_IDLE)}
     pid = killed[0]
     assert str(failed.value) == f"the server's evaluation failed: its process (pid {pid}) ended (killed by SIGKILL)"
     assert not Path(f"/proc/{pid}").exists(), "the evaluator process was not reaped"
 
 
-def rounds_as_aggregated(strategy: FedBCD) -> dict[int, dict]:
+def rounds_as_aggregated(run: Run) -> dict[int, dict]:
     """Each round's ``x^r`` as the loop held it once the round was aggregated (a copy of every tensor)."""
+    strategy = run.algorithm
     models = {0: {n: t.detach().clone() for n, t in strategy.global_params.items()}}
     real_aggregate = strategy.aggregate_train
 
-    def aggregate(server_round, replies):
-        result = real_aggregate(server_round, replies)
+    def aggregate(server_round, *args):
+        result = real_aggregate(server_round, *args)
         models[server_round] = {n: t.detach().clone() for n, t in strategy.global_params.items()}
         return result
 
@@ -517,16 +518,16 @@ def test_by_default_every_round_is_evaluated_even_behind_a_pruned_step_log(tmp_p
     is done the log is as bounded as without it. (Before: the evaluator skipped rounds, and found the
     steps it needed pruned: FileNotFoundError, the run failed.)"""
     rounds = 8
-    strategy = make_strategy(tmp_path, tiny_model_dir, rounds, evaluation="server", eval_every=1, snapshot_every=2,
-                             num_examples=24, heldout_examples=8, generate_examples=0,
-                             model=str(tiny_model_dir), layers_per_block=2)  # fmt: skip
-    cfg = strategy.config
-    models = rounds_as_aggregated(strategy)
-    evaluator, tokenizer, heldout = evaluator_for(strategy, tiny_model_dir, tmp_path)
-    Run(strategy, tmp_path, evaluator)
+    run = make_run(tmp_path, tiny_model_dir, rounds, evaluation="server", eval_every=1, snapshot_every=2,
+                   num_examples=24, heldout_examples=8, generate_examples=0,
+                   model=str(tiny_model_dir), layers_per_block=2)  # fmt: skip
+    cfg = run.config
+    models = rounds_as_aggregated(run)
+    evaluator, tokenizer, heldout = evaluator_for(run, tiny_model_dir, tmp_path)
+    run.evaluator = evaluator
     started = time.perf_counter()
     with caplog.at_level("INFO", logger="parablock_flwr"):
-        records = run(strategy, InMemoryFederation(2, stalling(evaluator, honest_answer(strategy), 4.0)), rounds)
+        records = run_rounds(run, InMemoryFederation(2, stalling(evaluator, honest_answer(run), 4.0)))
     took = time.perf_counter() - started
     assert took > 4.0, "the run ended before its queue of evaluations drained"
     assert max(r["round_wall_s"] for r in records[1:]) < 4.0, [r["round_wall_s"] for r in records[1:]]
@@ -544,7 +545,7 @@ def test_by_default_every_round_is_evaluated_even_behind_a_pruned_step_log(tmp_p
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("round ")]
     assert len([line for line in lines if " heldout_loss " in line]) == rounds + 1, lines
     assert not [line for line in lines if "nan" in line], lines
-    log = strategy.run.step_log
+    log = run.step_log
     assert log.snapshots() == [6, 8] and log.steps() == [7, 8]
 
 
@@ -552,11 +553,11 @@ def test_handing_rounds_to_a_stopped_evaluator_never_blocks_the_loop(tmp_path, t
     """The loop hands over round numbers (a queue of integers, not of models) and goes on: 2,000 rounds
     handed to an evaluator whose process is stopped take well under a second (before: the pipe to the
     process filled after a few hundred rounds and the loop blocked until the evaluator read them)."""
-    strategy = make_strategy(tmp_path, tiny_model_dir, 3000, evaluation="server", num_examples=12,
-                             heldout_examples=4, generate_examples=0, model=str(tiny_model_dir),
-                             layers_per_block=2)  # fmt: skip
-    evaluator, _, _ = evaluator_for(strategy, tiny_model_dir, tmp_path)
-    evaluator.begin(strategy.run)
+    run = make_run(tmp_path, tiny_model_dir, 3000, evaluation="server", num_examples=12,
+                   heldout_examples=4, generate_examples=0, model=str(tiny_model_dir),
+                   layers_per_block=2)  # fmt: skip
+    evaluator, _, _ = evaluator_for(run, tiny_model_dir, tmp_path)
+    evaluator.begin(run)
     os.kill(evaluator.pid, signal.SIGSTOP)
     handed = threading.Thread(target=lambda: [evaluator.submit(r) for r in range(1, 2001)], daemon=True)
     try:
@@ -578,14 +579,14 @@ def test_rounds_a_stopped_run_had_not_evaluated_are_counted_as_skipped_when_it_r
     counts them, instead of losing them without a word. Here the first run had no evaluator at all."""
     settings = dict(evaluation="server", eval_every=1, num_examples=24, heldout_examples=8, generate_examples=0,
                     model=str(tiny_model_dir), layers_per_block=2)  # fmt: skip
-    first = make_strategy(tmp_path / "first", tiny_model_dir, 3, **settings)
-    run(first, InMemoryFederation(2, honest_answer(first)), 3)
-    resumed = make_strategy(tmp_path / "resumed", tiny_model_dir, 4, **settings)
+    first = make_run(tmp_path / "first", tiny_model_dir, 3, **settings)
+    run_rounds(first, InMemoryFederation(2, honest_answer(first)))
+    resumed = make_run(tmp_path / "resumed", tiny_model_dir, 4, **settings)
     evaluator, _, _ = evaluator_for(resumed, tiny_model_dir, tmp_path / "resumed")
-    Run(resumed, tmp_path / "resumed", evaluator)
-    first_step = resumed.run.resume(first.run.run_dir, load_checkpoint(first.run.run_dir))
+    resumed.evaluator = evaluator
+    first_step = resumed.resume(first.run_dir, load_checkpoint(first.run_dir))
     with InMemoryFederation(2, honest_answer(resumed)) as federation:
-        resumed.run.start(federation.grid, first_step)
+        resumed.start(federation.grid, first_step)
     records = RunRecorder(tmp_path / "resumed").read()
     assert [r["round"] for r in records if r.get("evaluation_skipped")] == [0, 1, 2]
     assert [r["round"] for r in records if "heldout_loss" in r] == [3, 4]  # the checkpoint's round, then on

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from parablock_flwr import core
+from parablock_flwr.messages import TrainMetrics
 from parablock_flwr.metrics import RunRecorder
 from parablock_flwr.node_state import PendingStore
 from parablock_flwr.strategies.reply_checks import Reply
@@ -68,7 +69,16 @@ def record_line(tmp_path, clients: int) -> tuple[int, int]:
     accepted = [
         Reply(
             node=10_000 + i,
-            metrics={"partition-id": i, "num-examples": 8, "compute-s": 0.25, "train-loss": 1.5, "process-id": 4242},
+            metrics=TrainMetrics(
+                server_round=1,
+                block=0,
+                partition_id=i,
+                base_version=0,
+                num_examples=8,
+                train_loss=1.5,
+                compute_s=0.25,
+                process_id=4242,
+            ),  # fmt: skip
             update=None,
             payload_bytes=1000,
         )

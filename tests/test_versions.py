@@ -11,14 +11,14 @@ import struct
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
 from parablock_flwr.client_apps import app
-from parablock_flwr.versions import FRAME_KEY, PROTOCOL_VERSION, ROUND_KEY
+from parablock_flwr.messages import PROTOCOL_KEY
+from parablock_flwr.versions import PROTOCOL_VERSION
 from parablock_flwr.worker.protocol import ProtocolError, _frame, recv, request
 
 OTHER = PROTOCOL_VERSION + 1
@@ -41,7 +41,7 @@ def receive(data: bytes, worker_side: bool):
 
 def test_every_frame_carries_the_version_and_the_receiver_hides_it():
     sent = b"".join(bytes(b) for b in _frame({"op": "ping"}, None))
-    assert json.loads(sent[8:])[FRAME_KEY] == PROTOCOL_VERSION
+    assert json.loads(sent[8:])[PROTOCOL_KEY] == PROTOCOL_VERSION
     header, _ = receive(sent, worker_side=True)
     assert header == {"op": "ping"}
 
@@ -52,7 +52,7 @@ def test_every_frame_carries_the_version_and_the_receiver_hides_it():
 )
 def test_a_frame_of_another_version_is_refused_naming_both(worker_side, peer, here):
     with pytest.raises(ProtocolError) as refused:
-        receive(raw_frame({"op": "train", FRAME_KEY: OTHER}), worker_side)
+        receive(raw_frame({"op": "train", PROTOCOL_KEY: OTHER}), worker_side)
     assert str(refused.value).startswith(
         f"protocol version mismatch: {peer} speaks {OTHER}, {here} speaks {PROTOCOL_VERSION}; "
     )
@@ -72,23 +72,36 @@ def server_message(round_cfg: dict) -> tuple[Message, Context]:
 @pytest.mark.parametrize("handler", [app.train, app.evaluate])
 def test_a_round_config_of_another_version_is_refused_by_the_node_before_anything(handler):
     """Refused before the ClientApp touches its worker (whose socket here does not exist) or loads anything."""
-    msg, context = server_message({ROUND_KEY: OTHER, "server-round": 1})
+    msg, context = server_message({PROTOCOL_KEY: OTHER, "server-round": 1})
     reply = handler(msg, context)
     assert reply.has_error()
     assert reply.error.reason == (
         f"protocol version mismatch: the server speaks {OTHER}, this node speaks {PROTOCOL_VERSION}; "
         "install the same parablock-flwr release on the server and at every site"
     )
-    msg, context = server_message({ROUND_KEY: PROTOCOL_VERSION, "server-round": 1})
+    msg, context = server_message({PROTOCOL_KEY: PROTOCOL_VERSION, "server-round": 1})
     assert "node worker is not running at /nonexistent/w.sock" in handler(msg, context).error.reason
 
 
-def test_the_server_sends_the_version_in_every_round_config():
-    from parablock_flwr.strategies import run as run_module
-    from parablock_flwr.strategies.fedbcd import server as fedbcd_server
+def test_the_server_sends_the_version_in_every_round_config(tmp_path):
+    """Every message the server builds (a round's, the nodes' final evaluation's) carries its config as
+    ``RoundConfig`` writes it: with this release's protocol version."""
+    import torch
+    from flwr.app import ArrayRecord, ConfigRecord, MessageType
 
-    for module in (fedbcd_server, run_module):
-        assert "ROUND_KEY: PROTOCOL_VERSION" in Path(module.__file__).read_text(), module.__name__
+    from parablock_flwr import core
+    from parablock_flwr.config import RunConfig
+    from parablock_flwr.messages import PROTOCOL_KEY, ROUND, RoundConfig
+    from parablock_flwr.strategies import FedBCD
+
+    partition = core.BlockPartition(blocks=(("w",),), labels=("w",))
+    strategy = FedBCD(global_params={"w": torch.zeros(2)}, partition=partition, schedule=[0, 0], run_dir=tmp_path,
+                      config=RunConfig(num_server_rounds=2))  # fmt: skip
+    run_part = ConfigRecord(RoundConfig(server_round=1).to_config())
+    strategy.stats.nodes = [5]
+    for msg in [*strategy.configure_evaluate(3, ArrayRecord(), run_part, None)] + [*strategy.train_messages(1, [4])]:
+        assert msg.content.config_records[ROUND][PROTOCOL_KEY] == PROTOCOL_VERSION, msg.metadata.message_type
+    assert msg.metadata.message_type == MessageType.TRAIN
 
 
 @pytest.mark.e2e
@@ -107,12 +120,12 @@ def test_a_real_worker_refuses_a_client_of_another_version_in_one_line(tmp_path)
         with socket.socket(socket.AF_UNIX) as client:
             client.settimeout(30)
             client.connect(str(path))
-            client.sendall(raw_frame({"op": "train", "run-id": 1, FRAME_KEY: OTHER}))
+            client.sendall(raw_frame({"op": "train", "run-id": 1, PROTOCOL_KEY: OTHER}))
             (size,) = struct.unpack(">Q", client.recv(8, socket.MSG_WAITALL))
             reply = json.loads(client.recv(size, socket.MSG_WAITALL))
         want = f"the ClientApp speaks {OTHER}, this node worker speaks {PROTOCOL_VERSION}"
         assert reply["error"].startswith("ProtocolError: protocol version mismatch: " + want)
-        assert reply[FRAME_KEY] == PROTOCOL_VERSION and "\n" not in reply["error"]
+        assert reply[PROTOCOL_KEY] == PROTOCOL_VERSION and "\n" not in reply["error"]
         assert asyncio.run(request(str(path), {"op": "ping"}, timeout_s=30))[0]["pid"] == proc.pid
         assert want in log.read_text()
     finally:

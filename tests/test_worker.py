@@ -53,6 +53,24 @@ def test_a_full_sync_during_a_computation_ahead_leaves_the_invariant_exact(tmp_p
     assert worker.node.state.pending.base_version == 1 and worker.node.ahead is None
 
 
+def test_a_computation_ahead_of_another_block_is_dropped_and_the_round_trains_the_block_asked(tmp_path, tiny_model_dir):
+    """Round 1 says round 2 trains block 1 and the worker starts it ahead; round 2's message asks for block 0
+    (a server whose schedule moved on). The update is block 0's, trained now, never the block-1 update
+    computed ahead under round 2's name (before: that one was replied, labelled block 0)."""
+    config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 2})
+    worker = NodeWorker()
+    try:
+        reply, update1 = worker.serve_request(worker_request(config, 7, 1, block=0, next_block=1), {})
+        assert worker.node.ahead is not None and worker.node.ahead.job.block == 1
+        g1 = relayed({"global-step": {n: t * 0.5 for n, t in unpack(join_pieces(update1)).items()}})
+        reply, update2 = worker.serve_request(worker_request(config, 7, 2, block=0, next_block=-1), g1)
+    finally:
+        worker.compute_thread.shutdown(wait=True)
+    assert reply["metrics"]["block"] == 0 and reply["metrics"]["waited-s"] == 0.0  # computed now, not ahead
+    partition = node.resources(RunConfig.from_flower(config), 7).partition
+    assert set(unpack(join_pieces(update2))) == set(partition.names(0))
+
+
 def test_without_the_correction_a_node_back_from_a_skipped_round_keeps_its_own_model(tmp_path, tiny_model_dir):
     """correction = "none" in the worker: round 1 runs round 2 ahead, the node is not sampled in
     round 2, round 3's message brings g^1 (catch-up) and g^2. The worker drops the computation

@@ -34,7 +34,8 @@ from parablock_flwr import node
 from parablock_flwr.cli import build_parser
 from parablock_flwr.client_apps.app import relay_to_worker
 from parablock_flwr.config import RunConfig
-from parablock_flwr.versions import FRAME_KEY, PROTOCOL_VERSION
+from parablock_flwr.messages import PROTOCOL_KEY
+from parablock_flwr.versions import PROTOCOL_VERSION
 from parablock_flwr.worker.endpoint import MESSAGE_MARGIN_BYTES, MessageLimit, SocketRefused, WorkerSocket
 from parablock_flwr.worker.protocol import MAX_HEADER_BYTES, ProtocolError, _frame, recv, request
 
@@ -48,7 +49,7 @@ def mode(path: Path) -> int:
 
 
 def frame(header: dict, payload: bytes = b"") -> bytes:
-    raw = json.dumps({FRAME_KEY: PROTOCOL_VERSION, **header}).encode()
+    raw = json.dumps({PROTOCOL_KEY: PROTOCOL_VERSION, **header}).encode()
     return struct.pack(">Q", len(raw)) + raw + payload
 
 

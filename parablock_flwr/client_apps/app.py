@@ -23,9 +23,34 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, 
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode, SType
 
-from ..node_data import NODE_SETTINGS_KEYS, STATE_INTACT, NodeSettings, node_settings_problem, user_id
+from ..messages import (
+    EVALUATE,
+    METRICS,
+    NODE,
+    PROTOCOL_KEY,
+    ROUND,
+    TRACE,
+    TRAIN,
+    UPDATE,
+    MessageError,
+    PartitionAnswer,
+    WorkerReply,
+    WorkerRequest,
+    relay_name,
+    stamped,
+)
+from ..node_data import (
+    NODE_CONFIG_KEYS,
+    STATE_INTACT,
+    WORKER_SOCKET,
+    WORKER_UID,
+    NodeSettings,
+    node_settings_problem,
+    partition_of,
+    user_id,
+)
 from ..npy import NpyError, npy_header, npy_view
-from ..versions import ROUND_KEY, mismatch
+from ..versions import mismatch
 from ..worker.protocol import ProtocolError, UntrustedWorker, request
 
 
@@ -44,19 +69,17 @@ def _process_start_time() -> float:
 _PROCESS_STARTED = _process_start_time()
 app = ClientApp()
 
-# The node-config keys this app reads; any other key is refused rather than silently ignored.
-NODE_CONFIG_KEYS = ("partition-id", "num-partitions", "worker-socket", "worker-uid", *NODE_SETTINGS_KEYS)
-
 
 def unknown_node_config_key(node_config) -> str | None:
-    """One line naming the first node-config key this app does not know, with the closest known one."""
+    """One line naming the first node-config key this app does not know (``node_data.NODE_CONFIG_KEYS``:
+    any other is refused rather than silently ignored), with the closest known one."""
     for key in sorted(node_config):
         if key not in NODE_CONFIG_KEYS:
             close = difflib.get_close_matches(key, NODE_CONFIG_KEYS, n=1)
             hint = f"did you mean {close[0]}?" if close else f"expected one of {', '.join(NODE_CONFIG_KEYS)}"
             return f"node config {key}: unknown key; {hint}"
-    if "worker-uid" in node_config and user_id(node_config["worker-uid"]) is None:
-        return (f"node config worker-uid={node_config['worker-uid']!r}: expected the node worker's user, "
+    if WORKER_UID in node_config and user_id(node_config[WORKER_UID]) is None:
+        return (f"node config {WORKER_UID}={node_config[WORKER_UID]!r}: expected the node worker's user, "
                 "a user id >= 0 or the name of a user of this machine")  # fmt: skip
     return node_settings_problem(node_config)
 
@@ -65,15 +88,15 @@ def message_problem(msg: Message, context: Context) -> str | None:
     """Why this node must not act on ``msg``: its node config, or a round config of another protocol version."""
     if (problem := unknown_node_config_key(context.node_config)) is not None:
         return problem
-    if "round" not in msg.content.config_records:
+    if ROUND not in msg.content.config_records:
         return "message from the server has no round config; expected a ParaBlock server's message"
-    return mismatch(msg.content["round"], ROUND_KEY, "the server", "this node")
+    return mismatch(msg.content[ROUND], PROTOCOL_KEY, "the server", "this node")
 
 
 def trusted_worker_uids(node_config) -> frozenset[int]:
     """Whom the relay sends a round to: a worker of this process's own user or root, or of the node
     config's ``worker-uid`` (a worker run as another user, with ``--allow-uid`` for this one)."""
-    extra = () if "worker-uid" not in node_config else (user_id(node_config["worker-uid"]),)
+    extra = () if WORKER_UID not in node_config else (user_id(node_config[WORKER_UID]),)
     return frozenset((os.geteuid(), 0, *extra))
 
 
@@ -81,7 +104,7 @@ def trusted_worker_uids(node_config) -> frozenset[int]:
 def train(msg: Message, context: Context) -> Message:
     if (problem := message_problem(msg, context)) is not None:
         return _error(msg, problem)
-    socket_path = context.node_config.get("worker-socket")
+    socket_path = context.node_config.get(WORKER_SOCKET)
     if not socket_path:
         from .inline import train_inline  # imports torch: only where the model lives in this process
 
@@ -95,100 +118,106 @@ def evaluate(msg: Message, context: Context) -> Message:
     held-out split (every earlier ``x^{r-1}`` is evaluated inside round r, see docs/architecture.md)."""
     if (problem := message_problem(msg, context)) is not None:
         return _error(msg, problem)
-    socket_path = context.node_config.get("worker-socket")
+    socket_path = context.node_config.get(WORKER_SOCKET)
     if not socket_path:
         from .inline import evaluate_inline
 
         return evaluate_inline(msg, context)
-    return relay_to_worker(msg, context, str(socket_path), op="evaluate")
+    return relay_to_worker(msg, context, str(socket_path), op=EVALUATE)
 
 
 @app.query()
 def identify(msg: Message, context: Context) -> Message:
     """Which data partition this node serves: a resumed server maps its new node ids to the
     clients' checkpointed state with it."""
-    partition_id = int(context.node_config.get("partition-id", 0))
-    return Message(content=RecordDict({"node": MetricRecord({"partition-id": partition_id})}), reply_to=msg)
+    answer = PartitionAnswer(partition_of(context.node_config)[0])
+    return Message(content=RecordDict({NODE: MetricRecord(answer.to_record())}), reply_to=msg)
 
 
-def relay_to_worker(msg: Message, context: Context, socket_path: str, op: str = "train") -> Message:
+def relay_to_worker(msg: Message, context: Context, socket_path: str, op: str = TRAIN) -> Message:
     """Hand ``g^{r-1}`` and the round's blocks to the node worker; reply its ``Δ_i^r`` (``op="train"``),
     or its evaluation of ``x^R`` (``op="evaluate"``)."""
     # The handler starts once Flower has pulled and deserialised the message: what comes before is Flower's.
-    stamps = {"clientapp-handler-start": time.time(), "clientapp-pull-cpu-s": time.process_time()}
-    header = {
-        "op": op,
-        "run-id": context.run_id,
-        "run-config": dict(context.run_config),
-        "round": dict(msg.content["round"]),
-        "partition-id": int(context.node_config.get("partition-id", 0)),
-        "num-partitions": int(context.node_config.get("num-partitions", 1)),
-        "node": NodeSettings.from_node_config(context.node_config).as_header(),  # its own data and device
-    }
-    # Every array record travels (g^{r-1}, and any catch-up or full sync), each as its few packed arrays
-    # (wire.py: values, layout, int8's scales), named "record/array": the worker unpacks them, not this process.
-    # Each is a view of Flower's own payload bytes (npy.npy_view), written to the socket as it is: no copy.
+    stamps = {"clientapp_handler_start": time.time(), "clientapp_pull_cpu_s": time.process_time()}
     try:
-        arrays = {
-            f"{record_name}/{name}": npy_view(array.data, f"{record_name}/{name}")
-            for record_name, record in msg.content.array_records.items()
-            for name, array in record.items()
-        }
+        arrays = relayed_arrays(msg)
     except NpyError as err:
         return _error(msg, f"message from the server: {err}")
     # A round cannot take longer than the server waits for it; a worker silent for longer is stuck.
     timeout_s = float(context.run_config.get("round-timeout-s", 3600.0))
-    try:
-        # The update's arrays come back as npy payloads, read from the socket behind their npy header.
-        def sent() -> None:  # the request's last byte is in the worker's socket
-            stamps["clientapp-sent"] = time.time()
 
-        trusted = trusted_worker_uids(context.node_config)
+    def sent() -> None:  # the request's last byte is in the worker's socket
+        stamps["clientapp_sent"] = time.time()
+
+    header = worker_request(msg, context, op).to_header()
+    trusted = trusted_worker_uids(context.node_config)
+    try:  # the update's arrays come back as npy payloads, read from the socket behind their npy header
         exchange = request(socket_path, header, arrays, timeout_s, npy_header, sent, worker_uids=trusted)
-        reply, update = run_to_end(exchange)
-    except UntrustedWorker as err:
-        return _error(
-            msg,
-            f"node worker socket {socket_path}: the process listening there (pid {err.pid}) runs as uid {err.uid}; "
-            f"expected uid {os.geteuid()} (this ClientApp's) or root, or the node config's worker-uid; nothing was "
-            f"sent",
-        )
-    except (FileNotFoundError, ConnectionRefusedError) as err:
-        return _error(
-            msg,
-            f"node worker is not running at {socket_path} ({type(err).__name__}); start it "
-            f"with: python -m parablock_flwr.worker --socket {socket_path}",
-        )
-    except PermissionError:
-        return _error(
-            msg,
-            f"node worker socket {socket_path}: permission denied for uid {os.geteuid()}; run the SuperNode as the "
-            f"worker's user, or start the worker with --allow-uid {os.geteuid()} (docs/deployment.md)",
-        )
-    except TimeoutError:
-        return _error(msg, f"node worker at {socket_path} did not answer within round-timeout-s={timeout_s:g}")
-    except (ProtocolError, asyncio.IncompleteReadError, ConnectionError) as err:
-        return _error(msg, f"node worker at {socket_path} gave no readable reply ({type(err).__name__}: {err})")
-    if "error" in reply:  # the worker says whether the node's state is intact (node.StateIntact)
-        intact = STATE_INTACT if reply.get("state-intact") else ""
-        return _error(msg, f"{intact}node worker failed: {reply['error']}")
-    metrics = dict(
-        reply["metrics"],
+        answer, update = run_to_end(exchange)
+        reply = WorkerReply.from_header(answer)
+    except (UntrustedWorker, OSError, TimeoutError, ProtocolError, asyncio.IncompleteReadError, MessageError) as err:
+        return _error(msg, relay_failure(err, socket_path, timeout_s))
+    if reply.error:  # the worker says whether the node's state is intact (node.StateIntact)
+        return _error(msg, f"{STATE_INTACT if reply.state_intact else ''}node worker failed: {reply.error}")
+    if op == EVALUATE:
+        return Message(content=RecordDict({METRICS: MetricRecord(reply.metrics)}), reply_to=msg)
+    metrics = stamped(
+        reply.metrics,
         **stamps,
-        **{
-            "clientapp-start": _PROCESS_STARTED,
-            "clientapp-reply": time.time(),
-            "clientapp-cpu-s": time.process_time(),  # this process's CPU: imports, Flower's pull, the relay
-            "clientapp-imported-torch": int("torch" in sys.modules),
-        },
+        clientapp_start=_PROCESS_STARTED,
+        clientapp_reply=time.time(),
+        clientapp_cpu_s=time.process_time(),  # this process's CPU: imports, Flower's pull, the relay
+        clientapp_imported_torch=int("torch" in sys.modules),
     )
-    if op == "evaluate":
-        return Message(content=RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
     # The worker's update is already packed (wire.pack): its arrays become the record as they are.
-    content = RecordDict({"update": ArrayRecord(update_arrays(update)), "metrics": MetricRecord(metrics)})
-    if reply.get("trace"):
-        content["trace"] = ConfigRecord(reply["trace"])
+    content = RecordDict({UPDATE: ArrayRecord(update_arrays(update)), METRICS: MetricRecord(metrics)})
+    if reply.trace:
+        content[TRACE] = ConfigRecord(reply.trace)
     return Message(content=content, reply_to=msg)
+
+
+def worker_request(msg: Message, context: Context, op: str) -> WorkerRequest:
+    """The frame's header: the round's message without its tensors, and who asks (the node config's
+    partition, its own data and device)."""
+    partition_id, num_partitions = partition_of(context.node_config)
+    settings = NodeSettings.from_node_config(context.node_config).as_header()
+    return WorkerRequest(op, context.run_id, dict(context.run_config), dict(msg.content[ROUND]), partition_id,
+                         num_partitions, settings)  # fmt: skip
+
+
+def relayed_arrays(msg: Message) -> dict:
+    """Every array record of the message (``g^{r-1}``, any catch-up or full sync), each as its few packed
+    arrays (``wire.py``: values, layout, int8's scales) named ``relay_name(record, array)``: the worker
+    unpacks them, not this process. Each is a view of Flower's own payload bytes (``npy.npy_view``),
+    written to the socket as it is: no copy."""
+    return {
+        relay_name(record_name, name): npy_view(array.data, relay_name(record_name, name))
+        for record_name, record in msg.content.array_records.items()
+        for name, array in record.items()
+    }
+
+
+def relay_failure(err: BaseException, socket_path: str, timeout_s: float) -> str:
+    """Why the worker gave no answer, in one line that says what to do about it."""
+    if isinstance(err, UntrustedWorker):
+        return (
+            f"node worker socket {socket_path}: the process listening there (pid {err.pid}) runs as uid {err.uid}; "
+            f"expected uid {os.geteuid()} (this ClientApp's) or root, or the node config's {WORKER_UID}; nothing "
+            f"was sent"
+        )
+    if isinstance(err, FileNotFoundError | ConnectionRefusedError):
+        return (
+            f"node worker is not running at {socket_path} ({type(err).__name__}); start it "
+            f"with: python -m parablock_flwr.worker --socket {socket_path}"
+        )
+    if isinstance(err, PermissionError):
+        return (
+            f"node worker socket {socket_path}: permission denied for uid {os.geteuid()}; run the SuperNode as the "
+            f"worker's user, or start the worker with --allow-uid {os.geteuid()} (docs/deployment.md)"
+        )
+    if isinstance(err, TimeoutError):
+        return f"node worker at {socket_path} did not answer within round-timeout-s={timeout_s:g}"
+    return f"node worker at {socket_path} gave no readable reply ({type(err).__name__}: {err})"
 
 
 def run_to_end(coroutine):

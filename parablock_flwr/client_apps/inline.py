@@ -26,7 +26,8 @@ from flwr.common.constant import ErrorCode
 
 from .. import node
 from ..config import RunConfig
-from ..node_data import STATE_INTACT, NodeSettings, error_line
+from ..messages import BLOCK_RECORDS, EVALUATE, METRICS, ROUND, TRACE, TRAIN, UPDATE, metrics_to_record
+from ..node_data import STATE_INTACT, NodeSettings, error_line, partition_of
 from ..node_state import NodeState, PendingStore, ResidualStore
 from ..records import to_record, to_tensors
 from ..replica import StepLog
@@ -44,7 +45,8 @@ def load_state(state: RecordDict, folder: Path, block: int, keeps_residuals: boo
     """The node's state as its previous message in this run left it: its pending update and (of the
     residuals, only ``block``'s, the one this round can change) from ``folder``, its last round from
     ``context.state``."""
-    last_round = int(state["node"]["last-round"]) if "node" in state.config_records else 0
+    record = NodeState.CONTEXT_RECORD
+    last_round = int(state[record][NodeState.LAST_ROUND]) if record in state.config_records else 0
     if last_round == 0:  # its first message in this run: what the folder holds is an earlier run's
         return NodeState()
     residuals = ResidualStore(folder).as_of(last_round, only=block) if keeps_residuals else {}
@@ -56,17 +58,17 @@ def store_state(state: RecordDict, folder: Path, before: NodeState, after: NodeS
     the runtime as they changed), its last round."""
     if after.pending is not before.pending:
         PendingStore(folder).save(after.pending, transfer_dtype)
-    state["node"] = ConfigRecord({"last-round": after.last_round})
+    state[NodeState.CONTEXT_RECORD] = ConfigRecord({NodeState.LAST_ROUND: after.last_round})
 
 
 def train_inline(msg: Message, context: Context) -> Message:
     """Round r of the algorithm named in the message, for the node this context belongs to."""
-    return _handle(msg, context, "train")
+    return _handle(msg, context, TRAIN)
 
 
 def evaluate_inline(msg: Message, context: Context) -> Message:
     """``evaluation = "clients"`` after the last round: this node's held-out loss of ``x^R``."""
-    return _handle(msg, context, "evaluate")
+    return _handle(msg, context, EVALUATE)
 
 
 def _handle(msg: Message, context: Context, op: str) -> Message:
@@ -85,13 +87,11 @@ def _run(msg: Message, context: Context, op: str) -> RecordDict:
     cfg = RunConfig.from_flower(context.run_config)
     setup_torch(cfg)
     res = node.resources(cfg, context.run_id, NodeSettings.from_node_config(context.node_config))
-    partition_id = int(context.node_config.get("partition-id", 0))
+    partition_id, num_partitions = partition_of(context.node_config)
     # A full sync's values are decoded too: the step log covers every version, but only they repair this
     # actor's replica once it is lost (ReplicaLost), for every node it serves.
-    arrays = {name: to_tensors(msg.content[name]) for name in ("global-step", "catch-up", "resume-pending",
-              "sync-values") if name in msg.content.array_records}  # fmt: skip
-    num_partitions = int(context.node_config.get("num-partitions", 1))
-    req = node.Request.parse(op, context.run_id, msg.content["round"], arrays, partition_id, num_partitions)
+    arrays = {name: to_tensors(msg.content[name]) for name in BLOCK_RECORDS if name in msg.content.array_records}
+    req = node.Request.parse(op, context.run_id, msg.content[ROUND], arrays, partition_id, num_partitions)
     step_log, from_log = StepLog(req.run_dir), []
 
     def fetch_step(version: int):  # the message's steps, else (this actor is behind) the server's log
@@ -103,11 +103,11 @@ def _run(msg: Message, context: Context, op: str) -> RecordDict:
     folder = node_folder(req.run_dir, partition_id)
     before = load_state(context.state, folder, req.block, cfg.transfer_dtype != "fp32")
     runtime = node.Node(dataclasses.replace(before))
-    if op == "evaluate":
+    if op == EVALUATE:
         step_log.rebase_if_pruned(res.replica, req.evaluate_version - 1)
         done = runtime.evaluate(res, cfg, req, fetch_step)
         store_state(context.state, folder, before, runtime.state, cfg.transfer_dtype)
-        return RecordDict({"metrics": MetricRecord(done.metrics)})
+        return RecordDict({METRICS: MetricRecord(done.metrics.to_record())})
     # Behind a pruned step log (snapshot-every): start again from a snapshot. ParaBlock needs x^{r-2} next.
     step_log.rebase_if_pruned(res.replica, req.server_round - 2)
     store = resumed = None
@@ -117,14 +117,12 @@ def _run(msg: Message, context: Context, op: str) -> RecordDict:
             resumed = ResidualStore(resumed_node_state(req) / f"partition-{partition_id}")
     done = runtime.train(res, cfg, req, fetch_step, store, resumed)
     store_state(context.state, folder, before, runtime.state, cfg.transfer_dtype)
+    metrics = dataclasses.replace(done.metrics, steps_from_log=len(from_log), process_id=os.getpid())
     content = RecordDict(
-        {
-            "update": to_record(done.update, cfg.transfer_dtype),
-            "metrics": MetricRecord({**done.metrics, "steps-from-log": len(from_log), "process-id": os.getpid()}),
-        }
+        {UPDATE: to_record(done.update, cfg.transfer_dtype), METRICS: MetricRecord(metrics_to_record(metrics))}
     )
     if done.trace:
-        content["trace"] = ConfigRecord(done.trace)
+        content[TRACE] = ConfigRecord(done.trace)
     return content
 
 

@@ -14,13 +14,15 @@ import logging
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from flwr.app import ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
 from .. import core
-from ..checkpoint import check_resumable
+from ..checkpoint import Checkpoint, check_resumable
 from ..config import ConfigError, RunConfig, check_num_clients, parse_cpu_list
 from ..data import tokenized_splits
 from ..durable import fsync_path, make_dirs, replace_file
@@ -95,63 +97,70 @@ def main(grid: Grid, context: Context) -> None:
     log.info("Done. Metrics: %s", run_dir / "metrics.jsonl")
 
 
-def run_app(grid: Grid, context: Context, run: dict) -> None:
-    """Validate, load, train; fills ``run`` (its folder, the ``Run``) as it goes."""
+@dataclass
+class Loaded:
+    """What a valid configuration gives before the run folder exists: the settings, the model and its
+    blocks, the tokenizer, the algorithm's class, the server's held-out rows, a checkpoint to resume."""
+
+    cfg: RunConfig
+    model: torch.nn.Module
+    partition: core.BlockPartition
+    tokenizer: object
+    strategy_cls: type
+    num_clients: int
+    heldout: object = None  # evaluation = "clients": the server reads no data and runs no forward pass
+    checkpoint: Checkpoint | None = None
+
+
+def load(grid: Grid, context: Context, run: dict) -> Loaded:
+    """Validate the run config and load what it names; ``RunFailed("invalid-config")`` in one line."""
     try:
         cfg = RunConfig.from_flower(context.run_config)
         run["num_rounds"] = cfg.num_server_rounds
         setup_torch(cfg)
         model, partition = load_for_training(cfg)
-        tokenizer = load_tokenizer(cfg.model, cfg.prompt_format)
-        strategy_cls = strategy_class(cfg.algorithm, cfg.strategy)
-        num_clients = wait_for_nodes(grid)
-        check_num_clients(num_clients)
-        heldout = None  # evaluation = "clients": the server reads no data and runs no forward pass
+        loaded = Loaded(cfg, model, partition, load_tokenizer(cfg.model, cfg.prompt_format),
+                        strategy_class(cfg.algorithm, cfg.strategy), wait_for_nodes(grid))  # fmt: skip
+        check_num_clients(loaded.num_clients)
         if cfg.evaluation == "server":
             check_eval_device(cfg.eval_device)
             check_eval_cpus(cfg.eval_cpus)
-            _, heldout = tokenized_splits(
-                cfg.dataset, cfg.num_examples, cfg.heldout_examples, cfg.seed, tokenizer, cfg.max_seq_len
-            )
-        checkpoint = check_resumable(cfg.resume_path, cfg.as_run_config()) if cfg.resume_path else None
-        if cfg.num_examples - cfg.heldout_examples < num_clients:
-            raise ConfigError(
-                f"num-examples={cfg.num_examples}: expected at least "
-                f"{cfg.heldout_examples + num_clients} for {num_clients} clients"
-            )
+            _, loaded.heldout = tokenized_splits(cfg.dataset, cfg.num_examples, cfg.heldout_examples, cfg.seed,
+                                                 loaded.tokenizer, cfg.max_seq_len)  # fmt: skip
+        loaded.checkpoint = check_resumable(cfg.resume_path, cfg.as_run_config()) if cfg.resume_path else None
+        if cfg.num_examples - cfg.heldout_examples < loaded.num_clients:
+            needed, clients = cfg.heldout_examples + loaded.num_clients, loaded.num_clients
+            raise ConfigError(f"num-examples={cfg.num_examples}: expected at least {needed} for {clients} clients")
     except (ConfigError, ValueError, FileNotFoundError) as err:
         raise RunFailed("invalid-config", f"Invalid configuration: {err}") from err
+    return loaded
 
+
+def run_app(grid: Grid, context: Context, run: dict) -> None:
+    """Validate, load, train; fills ``run`` (its folder, the ``Run``) as it goes."""
+    loaded = load(grid, context, run)
+    cfg, partition = loaded.cfg, loaded.partition
     run_dir = run["dir"] = make_run_dir(cfg.output_path, cfg.algorithm, context.run_id)
     replace_file(run_dir / "config.json", json.dumps(cfg.as_run_config(), indent=2, sort_keys=True) + "\n")
     log.info("Run folder: %s", run_dir)
-    log.info(
-        "%s on %s: %d clients, %d blocks (%s), %d rounds",
-        cfg.algorithm,
-        cfg.model,
-        num_clients,
-        partition.num_blocks,
-        ", ".join(partition.labels),
-        cfg.num_server_rounds,
-    )
-    schedule = core.block_schedule(cfg.schedule, partition.num_blocks, cfg.num_server_rounds, cfg.seed)
-    params = dict(model.named_parameters())
-    algorithm = strategy_cls(
+    log.info("%s on %s: %d clients, %d blocks (%s), %d rounds", cfg.algorithm, cfg.model, loaded.num_clients,
+             partition.num_blocks, ", ".join(partition.labels), cfg.num_server_rounds)  # fmt: skip
+    params = dict(loaded.model.named_parameters())
+    algorithm = loaded.strategy_cls(
         global_params={n: params[n] for n in partition.all_names()},
         partition=partition,
-        schedule=schedule,
+        schedule=core.block_schedule(cfg.schedule, partition.num_blocks, cfg.num_server_rounds, cfg.seed),
+        run_dir=run_dir,
         config=cfg,
     )
     # The server's evaluation and the save-every exports run beside the loop, on a replica of x in a
     # process of its own (with evaluation = "clients" the nodes' evaluations complete the records instead).
     evaluator = None
-    if heldout is not None or cfg.save_every:
-        evaluator = ServerEvaluator(tokenizer, heldout, cfg, run_dir)
-    this_run = Run(algorithm, run_dir, evaluator)
-
-    # Round 1 sends no step; a resumed run sends g^R in round R+1.
-    try:
-        first_step = this_run.resume(cfg.resume_path, checkpoint) if checkpoint else ArrayRecord()
+    if loaded.heldout is not None or cfg.save_every:
+        evaluator = ServerEvaluator(loaded.tokenizer, loaded.heldout, cfg, run_dir)
+    this_run = Run(algorithm, evaluator)
+    try:  # Round 1 sends no step; a resumed run sends g^R in round R+1.
+        first_step = this_run.resume(cfg.resume_path, loaded.checkpoint) if loaded.checkpoint else ArrayRecord()
     except ValueError as err:
         raise RunFailed("invalid-config", f"Cannot resume: {err}") from err
     run["run"] = this_run
@@ -160,7 +169,7 @@ def run_app(grid: Grid, context: Context, run: dict) -> None:
     except TooFewReplies as err:
         raise RunFailed(err.kind, f"Stopping the run: {err}") from err
     if cfg.save_final_model:
-        save_model(model, tokenizer, run_dir / "final-model")
+        save_model(loaded.model, loaded.tokenizer, run_dir / "final-model")
 
 
 def check_eval_device(device: str) -> None:

@@ -14,13 +14,25 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import dataclass, field
 
 from flwr.app import ArrayRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
 from .. import core
+from ..messages import CATCH_UP, NODE, RESUME_PENDING, SYNC_VALUES, PartitionAnswer, catch_up_name
 from ..records import to_record
 from ..replica import StepLog
+
+
+@dataclass
+class SyncParts:
+    """What one node's message carries to keep its copy exact: ``RoundConfig`` fields and records of tensors."""
+
+    fields: dict = field(default_factory=dict)  # RoundConfig's field name -> value
+    records: dict[str, ArrayRecord] = field(default_factory=dict)  # record name -> its tensors
+    catch_up_steps: int = 0
+    full_sync: bool = False
 
 
 class NodeSync:
@@ -91,8 +103,8 @@ class NodeSync:
                 self.versions[node] = version
 
     # ------------------------------------------------------------ what a message carries
-    def add_to_message(self, content: RecordDict, server_round: int, node: int) -> dict[str, int]:
-        """Catch-up or full sync, and any resume hand-back, for ``node``; returns what was added."""
+    def parts_for(self, server_round: int, node: int) -> SyncParts:
+        """Catch-up or full sync, and any resume hand-back, for ``node``'s round-r message."""
         self.adopt(node)
         pending = self.pending_to_hand_back(server_round, node)
         missed = list(range(self.versions.get(node, 0) + 1, server_round - 1))
@@ -102,24 +114,24 @@ class NodeSync:
             # A hand-back comes with x^{r-2}'s values: a fresh process (a restarted worker) computes from them.
             and (len(missed) > self.num_blocks or pruned or pending is not None)
         )
-        sent = {"catch_up_steps_sent": 0, "full_syncs_sent": 0}
+        parts = SyncParts()
         if full and server_round >= 2:
-            content["round"]["sync-version"] = server_round - 2
-            content["sync-values"] = self.full_sync_record(server_round)
-            sent["full_syncs_sent"] = 1
+            parts.fields["sync_version"] = server_round - 2
+            parts.records[SYNC_VALUES] = self.full_sync_record(server_round)
+            parts.full_sync = True
         elif missed:
             steps = {version: self.step_log.read(version) for version in missed}
-            content["round"]["catch-up-versions"] = missed
-            content["round"]["catch-up-blocks"] = [steps[v][0] for v in missed]
-            content["catch-up"] = to_record(
-                {f"v{v}/{n}": t for v in missed for n, t in steps[v][1].items()}, self.transfer_dtype
+            parts.fields["catch_up_versions"] = tuple(missed)
+            parts.fields["catch_up_blocks"] = tuple(steps[v][0] for v in missed)
+            parts.records[CATCH_UP] = to_record(
+                {catch_up_name(v, n): t for v in missed for n, t in steps[v][1].items()}, self.transfer_dtype
             )
-            sent["catch_up_steps_sent"] = len(missed)
+            parts.catch_up_steps = len(missed)
         if pending is not None:
-            content["round"]["resume-pending-block"] = pending.block
-            content["round"]["resume-pending-version"] = pending.base_version
-            content["resume-pending"] = to_record(pending.delta)
-        return sent
+            parts.fields["resume_pending_block"] = pending.block
+            parts.fields["resume_pending_version"] = pending.base_version
+            parts.records[RESUME_PENDING] = to_record(pending.delta)
+        return parts
 
     def full_sync_record(self, server_round: int) -> ArrayRecord:
         """Round r's full sync (``x^{r-2}``), built once and shared by every message of the round
@@ -151,10 +163,9 @@ def ask_partitions(grid: Grid, nodes: list[int], timeout: float) -> dict[int, in
     messages = [Message(RecordDict(), n, MessageType.QUERY, ttl=timeout) for n in nodes]
     answers = {}
     for msg in grid.send_and_receive(messages, timeout=timeout):
-        record = None if msg.has_error() else msg.content.metric_records.get("node")
-        value = record.get("partition-id") if record is not None else None
-        if type(value) is int and value >= 0:
-            answers[msg.metadata.src_node_id] = value
+        answer = None if msg.has_error() else PartitionAnswer.from_record(msg.content.metric_records.get(NODE))
+        if answer is not None:
+            answers[msg.metadata.src_node_id] = answer.partition_id
     return answers
 
 

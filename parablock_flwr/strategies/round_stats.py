@@ -12,8 +12,17 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from .. import core
+from ..messages import TrainMetrics
 from ..wire import payload_bytes
 from .reply_checks import Reply
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A reply that is not in the round's step, and why (the round's record lists them)."""
+
+    node: int
+    reason: str
 
 
 @dataclass
@@ -25,11 +34,10 @@ class RoundStats:
     nodes: list[int] = field(default_factory=list)  # every node sent this round's message
     catch_up_steps_sent: int = 0
     full_syncs_sent: int = 0
-    round_retries: int = 0
     num_replies: int = 0
     wire_bytes_down: int = 0  # array bytes in this round's messages: g^{r-1}, catch-up, full syncs, hand-backs
     wire_bytes_up: int = 0  # array bytes in every reply received, accepted or not
-    rejected: list[dict] = field(default_factory=list)  # {node, reason}
+    rejected: list[Rejection] = field(default_factory=list)
     invariant_checked: int = 0
     invariant_failed: int = 0
     state_intact_errors: int = 0  # error replies from nodes whose model state is intact (no full sync)
@@ -47,12 +55,12 @@ def array_bytes(content) -> int:
     return sum(len(array.data) for record in content.array_records.values() for array in record.values())
 
 
-def dropped_for_length(accepted: list[Reply], key: str = "dropped-examples") -> int:
-    """Rows the round's nodes lost to ``max-seq-len`` (cut before their answer; with ``key`` =
-    ``malformed-examples``: skipped as malformed): each node with its own data counts its own; nodes on
+def dropped_for_length(accepted: list[Reply], count: str = "dropped_examples") -> int:
+    """Rows the round's nodes lost to ``max-seq-len`` (cut before their answer; with ``count`` =
+    ``malformed_examples``: skipped as malformed): each node with its own data counts its own; nodes on
     partitions of the run's dataset all report that dataset's, once."""
-    own = sum(int(r.metrics.get(key, 0)) for r in accepted if r.metrics.get("own-data") == 1)
-    shared = [int(r.metrics.get(key, 0)) for r in accepted if r.metrics.get("own-data") != 1]
+    own = sum(getattr(r.metrics, count) or 0 for r in accepted if r.metrics.own_data == 1)
+    shared = [getattr(r.metrics, count) or 0 for r in accepted if r.metrics.own_data != 1]
     return own + max(shared, default=0)
 
 
@@ -71,13 +79,13 @@ def round_record(
     the modeled round time."""
     bytes_down = payload_bytes(step, transfer_dtype)  # g^r goes down next round
     ups = [r.payload_bytes for r in accepted]
-    compute = [float(r.metrics["compute-s"]) for r in accepted]
+    compute = [float(r.metrics.compute_s) for r in accepted]
     comm = [link.comm_seconds(u, bytes_down) for u in ups]
     sequential = core.modeled_round_seconds(compute, comm, overlapped=False)
     # Round 1 has nothing to overlap with yet.
     overlapped_s = core.modeled_round_seconds(compute, comm, overlapped=stats.server_round > 1)
     weights = [r.num_examples for r in accepted]
-    losses = [float(r.metrics["train-loss"]) for r in accepted]
+    losses = [float(r.metrics.train_loss) for r in accepted]
     return {
         "round": stats.server_round,
         "block": block,
@@ -96,7 +104,7 @@ def round_record(
         "modeled_round_s_overlapped": overlapped_s,
         "modeled_round_s": overlapped_s if overlapped else sequential,
         # Global steps the client processes replayed from the step log to catch up.
-        "replica_steps_from_log": sum(int(r.metrics.get("steps-from-log", 0)) for r in accepted),
+        "replica_steps_from_log": sum(r.metrics.steps_from_log or 0 for r in accepted),
         # Each accepted client's weight: its own example count (node-local data) or its partition's size.
         "client_weights": [
             {"partition_id": r.partition_id, "num_examples": r.num_examples, "weight": w}
@@ -104,11 +112,11 @@ def round_record(
         ],
         # Simulation: the process (a Ray actor, on any machine of the cluster) that computed each update.
         **served_by(accepted),
-        "correction_drift_max": max((r.metrics.get("correction-drift", 0.0) for r in accepted), default=0.0),
-        "truncated_examples": sum(int(r.metrics.get("truncated-examples", 0)) for r in accepted),
-        "oom_retries": sum(int(r.metrics.get("oom-retries", 0)) for r in accepted),
+        "correction_drift_max": max((r.metrics.correction_drift or 0.0 for r in accepted), default=0.0),
+        "truncated_examples": sum(r.metrics.truncated_examples or 0 for r in accepted),
+        "oom_retries": sum(r.metrics.oom_retries or 0 for r in accepted),
         "dropped_examples": dropped_for_length(accepted),
-        "malformed_examples": dropped_for_length(accepted, "malformed-examples"),
+        "malformed_examples": dropped_for_length(accepted, "malformed_examples"),
         **timeline_metrics(accepted),
     }
 
@@ -116,8 +124,8 @@ def round_record(
 def served_by(accepted: list[Reply]) -> dict:
     """``served_by``: each accepted update's partition and the process id of the Ray actor that computed
     it (simulation replies carry ``process-id``): which actors, on which machines, did the work."""
-    rows = [{"partition_id": r.partition_id, "process_id": int(r.metrics["process-id"])}
-            for r in accepted if "process-id" in r.metrics]  # fmt: skip
+    rows = [{"partition_id": r.partition_id, "process_id": r.metrics.process_id}
+            for r in accepted if r.metrics.process_id is not None]  # fmt: skip
     return {"served_by": rows} if rows else {}
 
 
@@ -129,13 +137,14 @@ def timeline_metrics(accepted: list[Reply]) -> dict:
     of ``Δ^r`` ran from ``compute-start`` to ``compute-end``. The overlap is
     the part of the window covered by compute; idle is the part after it.
     """
-    keys = ("compute-start", "compute-end", "request-received", "prev-reply-sent", "waited-s", "correction-after-step")
+    stamps = ("compute_start", "compute_end", "request_received", "prev_reply_sent", "waited_s",
+              "correction_after_step")  # fmt: skip
     rows = []
     for reply in accepted:
         m = reply.metrics
-        if not all(k in m for k in keys):
+        if any(getattr(m, k) is None for k in stamps):
             continue
-        row = {"node": reply.node, **{k.replace("-", "_"): float(m[k]) for k in keys}}
+        row = {"node": reply.node, **{k: float(getattr(m, k)) for k in stamps}}
         if row["prev_reply_sent"] > 0:
             window = row["request_received"] - row["prev_reply_sent"]
             covered = min(row["compute_end"], row["request_received"]) - max(
@@ -144,12 +153,12 @@ def timeline_metrics(accepted: list[Reply]) -> dict:
             row["comm_s"] = window
             row["overlap_share"] = max(0.0, covered) / window if window > 0 else 0.0
             row["idle_s"] = max(0.0, row["request_received"] - row["compute_end"])
-        if all(k in m for k in ("clientapp-imported-torch", "clientapp-start", "clientapp-reply")):
-            row["clientapp_imported_torch"] = int(m["clientapp-imported-torch"])
-            row["clientapp_start_to_reply_s"] = float(m["clientapp-reply"]) - float(m["clientapp-start"])
-        for key in ("clientapp-pull-cpu-s", "clientapp-cpu-s"):  # which process burns the bytes
-            if key in m:
-                row[key.replace("-", "_")] = float(m[key])
+        if None not in (m.clientapp_imported_torch, m.clientapp_start, m.clientapp_reply):
+            row["clientapp_imported_torch"] = m.clientapp_imported_torch
+            row["clientapp_start_to_reply_s"] = float(m.clientapp_reply) - float(m.clientapp_start)
+        for cpu in ("clientapp_pull_cpu_s", "clientapp_cpu_s"):  # which process burns the bytes
+            if getattr(m, cpu) is not None:
+                row[cpu] = float(getattr(m, cpu))
         rows.append(row)
     if not rows:
         return {}
@@ -180,7 +189,7 @@ CRITICAL_PATH_LEGS = (
 CLIENTAPP_RELAY_PARTS = ("clientapp_pull", "relay_send", "worker_read")
 
 
-def critical_path_rows(accepted_metrics: dict[int, dict], previous: dict, pushed: float | None) -> dict:
+def critical_path_rows(accepted_metrics: dict[int, TrainMetrics], previous: dict, pushed: float | None) -> dict:
     """Per node (deployment, where workers report their timeline), the legs between round r-1's
     reply and round r's message reaching the worker, and their means over nodes.
 
@@ -198,22 +207,21 @@ def critical_path_rows(accepted_metrics: dict[int, dict], previous: dict, pushed
     legs: dict[str, list[float]] = {leg: [] for leg in CRITICAL_PATH_LEGS}
     for node, m in accepted_metrics.items():
         arrived, returned = previous["arrivals"].get(node), previous["clientapp_reply"].get(node)
-        if arrived is None or returned is None or not all(k in m for k in ("clientapp-start", "request-received",
-                                                                             "prev-reply-sent")):  # fmt: skip
+        if None in (arrived, returned, m.clientapp_start, m.request_received, m.prev_reply_sent):
             continue
         values = {
             "aggregate": previous["aggregated"] - previous["last_reply"],
             "dispatch": pushed - previous["aggregated"],
-            "delivery": m["clientapp-start"] - pushed,
-            "clientapp_relay": m["request-received"] - m["clientapp-start"],
-            "reply_relay": returned - m["prev-reply-sent"],
+            "delivery": m.clientapp_start - pushed,
+            "clientapp_relay": m.request_received - m.clientapp_start,
+            "reply_relay": returned - m.prev_reply_sent,
             "reply_to_server": arrived - returned,
             "wait_for_others": previous["last_reply"] - arrived,
         }
-        if "clientapp-handler-start" in m and "clientapp-sent" in m:
-            values["clientapp_pull"] = m["clientapp-handler-start"] - m["clientapp-start"]
-            values["relay_send"] = m["clientapp-sent"] - m["clientapp-handler-start"]
-            values["worker_read"] = m["request-received"] - m["clientapp-sent"]
+        if m.clientapp_handler_start is not None and m.clientapp_sent is not None:
+            values["clientapp_pull"] = m.clientapp_handler_start - m.clientapp_start
+            values["relay_send"] = m.clientapp_sent - m.clientapp_handler_start
+            values["worker_read"] = m.request_received - m.clientapp_sent
         for leg, value in values.items():
             legs.setdefault(leg, []).append(value)
     if not legs["aggregate"]:

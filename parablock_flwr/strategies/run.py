@@ -1,19 +1,21 @@
 """The run around an algorithm's rounds: Flower's round loop, each round's record and
 checkpoint, resume, and the server's evaluation beside the loop (``ServerEvaluator``).
 
-``Run`` and the algorithm (``FedBCD`` and its subclasses) are two objects that talk through a
-small named interface; neither touches the other's private fields:
+The algorithm decides, the run acts. The run calls the algorithm; the algorithm holds no reference to
+the run and never imports this module (the one thing of the run's it is handed is the writer of
+pending updates, an argument of ``aggregate_train``). The boundary is small:
 
-- the run gives the algorithm (``algorithm.run``): ``push``, ``replies_as_they_arrive``,
-  ``sent_to`` (messages), ``round_clock`` (the round's clocks and message counts),
-  ``note_participation``/``note_partition`` (who was left out), ``client_evaluation_keys``/
-  ``collect_client_evaluation`` (``evaluation = "clients"``), ``log_step`` (``g^r``, once applied),
-  ``stage_pending`` (a client's update for the checkpoint), ``step_log``, ``run_dir``,
-  ``num_rounds``, ``round_timeout_s``, ``first_round``;
-- the algorithm gives the run: Flower's ``configure_train``/``aggregate_train``, ``summary``,
-  ``decided_blocks``, ``state_dict``/``load_state_dict``, ``resumed``, and the public
-  ``config``, ``algorithm``, ``partition``, ``global_params``, ``sync`` (``NodeSync``),
-  ``round_nodes`` (the nodes sent the round's message) and ``last_metrics`` (the last round's record).
+- the run asks the algorithm for a round's messages (Flower's ``configure_train``, given the run's
+  part of the round config; ``train_messages`` again for a retry; ``configure_evaluate`` for the
+  nodes' final evaluation) and for what the replies come to (``aggregate_train``, given the replies,
+  the messages they answer and where pending updates go): a ``RoundOutcome``; and for its
+  ``summary`` line, once;
+- the run does everything with a side effect: pushing and pulling, deadlines, retries and stopping
+  (``TooFewReplies``), the step log, staging pending updates, participation, clocks, the nodes'
+  evaluations, records, checkpoints (``checkpoint_state``) and resume (``resumed``, ``step_applied``);
+- besides, it reads the algorithm's public settings and model (``config``, ``algorithm``,
+  ``partition``, ``global_params``, ``run_dir``) and what it knows of nodes (``round_nodes``,
+  ``partition_of``).
 """
 
 from __future__ import annotations
@@ -22,25 +24,26 @@ import logging
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
 from .. import core
 from ..checkpoint import Checkpoint, clear_staged_pending, replay_run, save_checkpoint, stage_pending
+from ..messages import EvaluateReply, RoundConfig, TrainMetrics
 from ..metrics import RunRecorder, round_line
 from ..records import to_record
 from ..replica import StepLog
-from ..versions import PROTOCOL_VERSION, ROUND_KEY
 from . import client_evaluation
 from .reply_checks import Reply
 from .round_stats import array_bytes, critical_path_rows
 
 if TYPE_CHECKING:
-    from .fedbcd.server import FedBCD
+    from .fedbcd.server import FedBCD, RoundOutcome
 
 log = logging.getLogger(__name__)
 # Clients' updates staged for the checkpoint that may wait for the writer thread in memory: a round of a
@@ -66,10 +69,10 @@ class Run:
     its own, beside the loop: the loop hands it each durable round and never waits for it.
     """
 
-    def __init__(self, algorithm: FedBCD, run_dir: Path, evaluator=None):
+    def __init__(self, algorithm: FedBCD, evaluator=None):
         self.algorithm = algorithm
         self.config = algorithm.config
-        self.run_dir = Path(run_dir)
+        self.run_dir = run_dir = algorithm.run_dir
         self.step_log = StepLog(run_dir)  # g^1..g^r: clients catch up from it, resume replays it
         self._unlogged: list[tuple[int, int, core.Tensors]] = []  # (round, block, g^r) applied, not yet on disk
         self._prune_due = False  # a snapshot was written: the older steps go before the next messages
@@ -101,14 +104,15 @@ class Run:
         self.unevaluated_round: int | None = None  # resumed after a round whose evaluation was lost
         self._deadline = 0.0  # time.monotonic() at which the round's outstanding replies are abandoned
         self._abandoned: dict[str, tuple[int, float]] = {}  # message id -> (node, when it expires)
-        self._replied_by: dict[str, int] = {}  # message id -> its node, for the replies of this round
         self._participation: dict[int, dict] = {}  # node -> rounds asked, aggregated, not in a row
         self._rounds_noted = 0  # rounds whose participation was noted, since round 1 (a resume goes on counting)
         # A resumed run's rows from before the restart, by partition ("partition 3") where it was known,
         # else by node id ("node 7"): node ids change across a restart, partitions do not.
         self._carried_participation: dict[str, dict] = {}
         self.pull_interval_s = self.config.pull_interval_s
-        algorithm.attach(self)
+        self.last_record: dict = {}  # the last aggregated round's record (written once the round is durable)
+        # A push is sent in batches of at most one model's worth of arrays (``push``).
+        self._batch_limit = sum(t.numel() * t.element_size() for t in algorithm.global_params.values())
 
     # ------------------------------------------------------------ the loop
     def start(self, grid: Grid, first_step: ArrayRecord) -> Result:
@@ -130,10 +134,10 @@ class Run:
         self._times = {"aggregated": time.time()}
         try:
             for server_round in range(self.first_round, self.num_rounds + 1):
-                self._replied_by.clear()
                 self._counts = self._new_counts()
                 self.prune_step_log()  # before the messages: no node of this round reads what it drops
-                sent = self.push(grid, self.algorithm.configure_train(server_round, arrays, ConfigRecord(), grid))
+                config = self.round_part(server_round, self.client_evaluation_request(server_round - 1))
+                sent = self.push(grid, self.algorithm.configure_train(server_round, arrays, config, grid))
                 self._times["pushed"] = time.time()
                 self._times.pop("first_reply_checked", None)
                 if due is not None:
@@ -141,9 +145,10 @@ class Run:
                     self._times["previous_finished"] = time.time()  # beside the message's way to the nodes
                 self.staged()
                 clear_staged_pending(self.run_dir)  # what an earlier, failed attempt staged
-                replies = self.replies_as_they_arrive(grid, sent)
-                arrays, train_metrics = self.algorithm.aggregate_train(server_round, replies)
-                result.arrays, result.train_metrics_clientapp[server_round] = arrays, train_metrics
+                outcome = self.aggregate(server_round, self.replies_as_they_arrive(grid, sent), sent, grid)
+                numbers = {k: v for k, v in outcome.record.items() if type(v) in (int, float)}
+                arrays = result.arrays = outcome.arrays
+                result.train_metrics_clientapp[server_round] = MetricRecord(numbers)
                 due = server_round
             if due is not None:
                 self.make_durable(due)  # before the nodes' final evaluation, which may take round-timeout-s
@@ -164,9 +169,66 @@ class Run:
 
     @staticmethod
     def _new_counts() -> dict[str, int]:
-        return {"messages_not_pushed": 0, "replies_missing": 0, "late_replies_dropped": 0}
+        return {"messages_not_pushed": 0, "replies_missing": 0, "late_replies_dropped": 0, "round_retries": 0}
 
-    # ------------------------------------------------------------ messages
+    def round_part(self, server_round: int, evaluation: dict, resumed: bool = True) -> ConfigRecord:
+        """The run's part of round r's config (``RoundConfig``): its folder, and for a resumed run the
+        round its checkpoint holds (whose residuals a node goes on from: it may have answered later rounds
+        before the server stopped) and its folder as the server resolved it (a relative resume-from means
+        nothing in a Ray actor's directory); ``evaluation``: what the nodes evaluate."""
+        part = RoundConfig(server_round=server_round, run_dir=str(self.run_dir), **evaluation)
+        if resumed and self.first_round > 1:
+            part = replace(part, resumed_after=self.first_round - 1, resume_dir=str(self.resumed_from))
+        return ConfigRecord(part.to_config())
+
+    # ------------------------------------------------------------ a round's replies
+    def aggregate(
+        self, server_round: int, replies: Iterable[Message], sent: dict[str, int], grid: Grid | None
+    ) -> RoundOutcome:
+        """Round r's replies (answering ``sent``) checked as they arrive and aggregated by the algorithm;
+        then ``g^r`` logged, the round's participation, clocks and the nodes' evaluations noted. Too few
+        valid replies: the round is re-sent to the nodes without one (``on-too-few-replies = "retry"``, at
+        most ``max-round-retries`` times), or the run stops (``TooFewReplies``); an aggregate the
+        algorithm rejected voids what its replies staged for the checkpoint. Returns the outcome, its
+        record completed with the run's figures."""
+        accepted: list[Reply] = []
+        while True:
+            outcome = self.algorithm.aggregate_train(server_round, replies, sent, accepted, self.stage_pending)
+            self.note_claimed_partitions(outcome.claimed_partitions)
+            if outcome.step is not None:
+                break
+            if outcome.aggregate_rejected:
+                self.discard_staged()
+            accepted, replies, sent = outcome.accepted, [], {}
+            if len(accepted) < self.config.min_accepted_replies:  # (else: aggregate again, with none)
+                sent = self.retry(grid, outcome)
+                replies = self.replies_as_they_arrive(grid, sent)
+        self.log_step(server_round, outcome.block, outcome.step)
+        reasons = {r.node: r.reason for r in outcome.rejected}
+        self.note_participation(self.algorithm.round_nodes, {r.node for r in outcome.accepted}, reasons)
+        self.collect_client_evaluation(server_round - 1, outcome.accepted)
+        outcome.record.update(self.round_clock({r.node: r.metrics for r in outcome.accepted}))
+        self.last_record = outcome.record
+        return outcome
+
+    def retry(self, grid: Grid | None, outcome: RoundOutcome) -> dict[str, int]:
+        """Too few valid replies: re-send the round to the nodes without one (returns what was pushed),
+        or stop the run (``on-too-few-replies = "stop"``, the retries spent, or no grid to re-send on)."""
+        cfg, retries = self.config, self._counts["round_retries"]
+        too_few = (f"{len(outcome.accepted)} valid replies, expected at least "
+                   f"min-accepted-replies={cfg.min_accepted_replies}")  # fmt: skip
+        if cfg.on_too_few_replies == "stop" or retries >= cfg.max_round_retries or grid is None:
+            reasons = "; ".join(f"node {r.node}: {r.reason}" for r in outcome.rejected[-3:]) or "no replies"
+            raise TooFewReplies(f"round {outcome.server_round}: {too_few} ({reasons})",
+                                kind="timeout" if outcome.num_replies == 0 else "too-few-replies")  # fmt: skip
+        self._counts["round_retries"] += 1
+        done = {r.node for r in outcome.accepted}
+        nodes = [n for n in self.algorithm.round_nodes if n not in done]
+        log.warning("round %d: %d valid replies, fewer than min-accepted-replies=%d: re-sending to %d nodes "
+                    "(retry %d of %d)", outcome.server_round, len(outcome.accepted), cfg.min_accepted_replies,
+                    len(nodes), retries + 1, cfg.max_round_retries)  # fmt: skip
+        return self.push(grid, self.algorithm.train_messages(outcome.server_round, nodes))
+
     def push(self, grid: Grid, messages: Iterable[Message]) -> dict[str, int]:
         """Push ``messages`` (each expires after ``round-timeout-s``); returns message id -> node
         for those the Grid took, with the round's deadline counted from now.
@@ -177,8 +239,7 @@ class Run:
         (``messages_not_pushed``); its node is then one that did not answer."""
         sent: dict[str, int] = {}
         batch: list[Message] = []
-        params = self.algorithm.global_params
-        batch_bytes, limit = 0, sum(t.numel() * t.element_size() for t in params.values())
+        batch_bytes, limit = 0, self._batch_limit
         for msg in messages:
             msg.metadata.ttl = self.round_timeout_s
             batch.append(msg)
@@ -206,13 +267,12 @@ class Run:
     def replies_as_they_arrive(self, grid: Grid, sent: dict[str, int]) -> Iterator[Message]:
         """Each reply as soon as it is pulled (every ``pull-interval-s``), until all have come or
         the deadline (``round-timeout-s`` after the push) passes: the aggregation checks each on
-        arrival. ``sent_to`` then names the node the message went to (a reply Flower makes itself
-        for an unavailable node names the SuperLink as its sender).
+        arrival.
 
         Messages still unanswered at the deadline are abandoned: they expire on the SuperLink at
         the same time (their TTL), and a reply to one that still arrives later is pulled and
-        dropped, counted in the round that pulls it (``late_replies_dropped``). Its node gets a full sync
-        next, as after a rejected reply."""
+        dropped, counted in the round that pulls it (``late_replies_dropped``). (The algorithm gives
+        its node a full sync next, as after a rejected reply: it is in ``sent`` and did not reply.)"""
         waiting, first_pull = dict(sent), True
         # At least one pull: what ran since the push (the previous round's record and checkpoint)
         # may have outlasted the deadline, and replies that came in time are waiting on the SuperLink.
@@ -232,7 +292,6 @@ class Run:
                 node = waiting.pop(mid)
                 self._times["last_reply"] = self._arrivals[node] = time.time()
                 self._times.setdefault("first_reply_checked", self._times["last_reply"])  # checked on arrival
-                self._replied_by[mid] = node
                 yield reply
             if waiting:
                 time.sleep(self.pull_interval_s)
@@ -241,16 +300,9 @@ class Run:
         for mid, node in waiting.items():
             log.warning("node %d did not answer within round-timeout-s=%g", node, self.round_timeout_s)
             self._counts["replies_missing"] += 1
-            # It may still answer, having taken in an update the server now drops (ParaBlock's pending, a
-            # computation started from it): its state is unknown, as after a rejected reply.
-            self.algorithm.sync.failed(node)
             self._abandoned[mid] = (node, now + self.round_timeout_s)
 
-    def sent_to(self, reply: Message) -> int:
-        """The node a reply answers for: the one its message went to (``push``)."""
-        return self._replied_by.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
-
-    def round_clock(self, accepted_metrics: dict[int, dict]) -> dict:
+    def round_clock(self, accepted_metrics: dict[int, TrainMetrics]) -> dict:
         """Called once round r is aggregated (``accepted_metrics``: node -> its reply's metrics):
         the round's message counts, its wall time (since round r-1 was aggregated), the time from
         its last reply to its aggregate (checks ran as replies arrived), and where the time between
@@ -269,7 +321,9 @@ class Run:
             "last_reply": self._times.get("last_reply"),
             "aggregated": now,
             "arrivals": dict(self._arrivals),
-            "clientapp_reply": {n: m["clientapp-reply"] for n, m in accepted_metrics.items() if "clientapp-reply" in m},
+            "clientapp_reply": {
+                n: m.clientapp_reply for n, m in accepted_metrics.items() if m.clientapp_reply is not None
+            },  # fmt: skip
         }
         self._times["aggregated"], self._arrivals, self._cpu_at_aggregate = now, {}, time.process_time()
         return clock
@@ -334,39 +388,28 @@ class Run:
             future.result()
 
     # ------------------------------------------------------------ evaluation
-    def client_evaluation_keys(self, version: int) -> dict:
+    def client_evaluation_request(self, version: int) -> dict:
         """``evaluation = "clients"``: what asks the nodes of round ``version + 1`` to evaluate ``x^version``."""
-        return client_evaluation.request_keys(self.config, version, self.num_rounds)
+        return client_evaluation.request(self.config, version, self.num_rounds)
 
     def collect_client_evaluation(self, version: int, replies: list[Reply]) -> None:
         """The nodes' evaluations of ``x^version`` that came with round ``version + 1``'s replies."""
-        rows = [r.metrics for r in replies if r.metrics.get("eval-version") == version]
+        rows = [EvaluateReply(r.partition_id, r.metrics.evaluation) for r in replies
+                if r.metrics.evaluation is not None and r.metrics.evaluation.eval_version == version]  # fmt: skip
         if rows:
             self.client_evaluations[version] = client_evaluation.aggregate(rows)
 
     def final_client_evaluation(self, grid: Grid, arrays: ArrayRecord) -> None:
         """``evaluation = "clients"``: the nodes of the last round evaluate ``x^R`` (an EVALUATE message
         carrying ``g^R`` and any catch-up) after the last round."""
-        nodes, num_rounds = self.algorithm.round_nodes, self.num_rounds
-        if self.config.evaluation != "clients" or not nodes:
+        num_rounds = self.num_rounds
+        if self.config.evaluation != "clients" or not self.algorithm.round_nodes:
             return
-        round_cfg = {ROUND_KEY: PROTOCOL_VERSION, "server-round": num_rounds + 1, "block": -1,
-                     "step-block": self._last_block(), "next-block": -1, "algorithm": self.algorithm.algorithm,
-                     "run-dir": str(self.run_dir),
-                     **self.client_evaluation_keys(num_rounds)}  # fmt: skip
-
-        def messages() -> Iterator[Message]:
-            for node in nodes:
-                content = RecordDict({"global-step": arrays, "round": ConfigRecord(dict(round_cfg))})
-                self.algorithm.sync.add_to_message(content, num_rounds + 1, node)
-                yield Message(content=content, message_type=MessageType.EVALUATE, dst_node_id=node)
-
-        replies = self.replies_as_they_arrive(grid, self.push(grid, messages()))
+        config = self.round_part(num_rounds + 1, self.client_evaluation_request(num_rounds), resumed=False)
+        messages = self.algorithm.configure_evaluate(num_rounds + 1, arrays, config, grid)
+        replies = self.replies_as_they_arrive(grid, self.push(grid, messages))
         if rows := client_evaluation.valid_rows(replies, num_rounds):
             self.client_evaluations[num_rounds] = client_evaluation.aggregate(rows)
-
-    def _last_block(self) -> int:
-        return self.algorithm.decided_blocks().get(self.num_rounds, -1)
 
     def finish_round(self, server_round: int) -> None:
         """Round r's record and checkpoint made durable, then its evaluation handed on (r = 0: the
@@ -404,11 +447,11 @@ class Run:
             self.rounds_completed = server_round
 
     def record_round(self, server_round: int, extra: dict) -> None:
-        """Append round r's training record (the algorithm's ``last_metrics`` and ``extra``, the run's
-        own figures) to ``metrics.jsonl``."""
+        """Append round r's training record (``last_record``: the algorithm's fields and the run's clocks,
+        and ``extra``) to ``metrics.jsonl``."""
         record = {"round": server_round, "algorithm": self.algorithm.algorithm}
-        self._modeled_wall_s += self.algorithm.last_metrics.get("modeled_round_s", 0.0)
-        record.update(self.algorithm.last_metrics, **extra, modeled_wall_s=self._modeled_wall_s)
+        self._modeled_wall_s += self.last_record.get("modeled_round_s", 0.0)
+        record.update(self.last_record, **extra, modeled_wall_s=self._modeled_wall_s)
         if 0 < server_round < self.num_rounds and "last_reply" in self._times:
             # From the round's last reply to the next round's messages being out: only aggregation.
             record["server_critical_path_s"] = self._times["pushed"] - self._times["last_reply"]
@@ -424,7 +467,7 @@ class Run:
         error, no reply) counts towards its exclusion (``excluded_nodes``)."""
         self._rounds_noted += 1
         for node in asked:
-            row = self._participation_row(node, self.algorithm.sync.partitions.get(node))
+            row = self._participation_row(node, self.algorithm.partition_of(node))
             row["rounds"] += 1
             if node in accepted:
                 row["accepted"] += 1
@@ -434,13 +477,11 @@ class Run:
                 row["longest"] = max(row["longest"], row["streak"])
                 row["last_reason"] = reasons.get(node, f"no reply within round-timeout-s={self.round_timeout_s:g}")
 
-    def note_partition(self, node: int, msg: Message) -> None:
-        """The partition id a rejected reply claims, if it says one: only to name the node to the
-        operator (``excluded_nodes``); the server trusts partition ids from accepted replies alone."""
-        record = None if msg.has_error() else msg.content.metric_records.get("metrics")
-        claimed = record.get("partition-id") if record is not None else None
-        if type(claimed) is int:
-            self._participation_row(node, claimed)["claimed_partition"] = claimed
+    def note_claimed_partitions(self, claimed: dict[int, int]) -> None:
+        """The partition ids rejected replies claim (node -> id): only to name the node to the operator
+        (``excluded_nodes``); the server trusts partition ids from accepted replies alone."""
+        for node, partition in claimed.items():
+            self._participation_row(node, partition)["claimed_partition"] = partition
 
     def _participation_row(self, node: int, partition: int | None) -> dict:
         """``node``'s row; a new one goes on from the row its partition (or node id) had before a resume."""
@@ -455,9 +496,14 @@ class Run:
         """What the checkpoint keeps of who was left out, so that a resumed run goes on counting."""
         rows = dict(self._carried_participation)
         for node, row in self._participation.items():
-            partition = self.algorithm.sync.partitions.get(node, row.get("claimed_partition"))
+            partition = self._partition(node, row)
             rows[f"partition {partition}" if partition is not None else f"node {node}"] = row
         return {"rounds_noted": self._rounds_noted, "rows": rows}
+
+    def _partition(self, node: int | None, row: dict) -> int | None:
+        """A node's partition: as the algorithm knows it, else as its rejected replies claimed."""
+        known = self.algorithm.partition_of(node) if node is not None else None
+        return known if known is not None else row.get("claimed_partition")
 
     def excluded_nodes(self) -> list[str]:
         """The nodes this run left out, one line each: asked in every round and never aggregated, or
@@ -471,7 +517,7 @@ class Run:
         for name, node, row in rows:
             never = 0 < row["rounds"] == self._rounds_noted and row["accepted"] == 0
             if never or (k and row["longest"] >= k):
-                partition = self.algorithm.sync.partitions.get(node, row.get("claimed_partition"))
+                partition = self._partition(node, row)
                 if node is not None and partition is not None:
                     name += f" (partition {partition})"
                 out.append(f"{name}: not aggregated in {row['rounds'] - row['accepted']} of {row['rounds']} rounds "
@@ -485,13 +531,11 @@ class Run:
             self.run_dir,
             Checkpoint(
                 round=server_round,
-                blocks=self.algorithm.decided_blocks(),
                 global_sha256=self._model_digest(self.algorithm.global_params),
                 elapsed_s=time.perf_counter() - self._started,
                 modeled_wall_s=self._modeled_wall_s,
-                strategy_state=self.algorithm.state_dict(),
                 participation=self.participation_state(),
-                node_sync=self.algorithm.sync.by_partition(),
+                **self.algorithm.checkpoint_state(),
             ),
         )
 
@@ -525,7 +569,7 @@ class Run:
             algorithm.partition.all_names(),
             self.step_log,
             self.recorder,
-            after_each_step=algorithm.sync.applied,
+            after_each_step=algorithm.step_applied,
         )  # keeps x^{R-1} for a full sync
         self._model_digest = core.ModelDigest(algorithm.partition.all_names())  # x is x^R now: hash it anew
         self.first_round = ckpt.round + 1

@@ -41,6 +41,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..messages import WorkerReply, WorkerRequest
 from .protocol import send
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,8 @@ class WorkerSocket:
                 allowed = ", ".join(map(str, sorted(self.allowed_uids)))
                 log.warning("refused a connection from pid %d, uid %d: allowed uids are %s", pid, uid, allowed)
                 with contextlib.suppress(OSError):
-                    await send(writer, {"error": f"uid {uid} may not use this node worker (allowed uids: {allowed})"})
+                    refusal = WorkerReply(error=f"uid {uid} may not use this node worker (allowed uids: {allowed})")
+                    await send(writer, refusal.to_header())
                 writer.close()
                 return
             try:
@@ -249,7 +251,7 @@ class MessageLimit:
         from .. import node  # the worker's loaded run, if any (torch: only in the worker process)
 
         loaded = node.loaded()
-        if loaded is not None and loaded.key[0] == header.get("run-id"):
+        if loaded is not None and loaded.key[0] == WorkerRequest.run_of(header):
             largest = model_message_bytes(loaded.partition.blocks, loaded.replica.params)
             return largest, f"the largest message for run {loaded.key[0]}'s model, with a margin"
         return physical_memory(), "this machine's memory; no model is loaded for this run yet"

@@ -28,7 +28,8 @@ from collections.abc import Callable, Collection
 
 import numpy as np
 
-from ..versions import FRAME_KEY, PROTOCOL_VERSION, mismatch
+from ..messages import PROTOCOL_KEY
+from ..versions import PROTOCOL_VERSION, mismatch
 
 _LEN = struct.Struct(">Q")
 # A header holds the run config and one entry per array (name, dtype, shape: about 150 bytes), so
@@ -72,7 +73,7 @@ def _frame(header: dict, arrays: dict[str, Sendable] | None) -> list[bytes | mem
             raise ValueError(f"array {name!r}: pieces of {sorted(map(str, dtypes))}; expected 1-D pieces of one dtype")
         shape = list(parts[0].shape) if len(parts) == 1 else [sum(p.size for p in parts)]
         specs.append({"name": name, "dtype": str(parts[0].dtype), "shape": shape})
-    raw = json.dumps(dict(header, arrays=specs, **{FRAME_KEY: PROTOCOL_VERSION})).encode()
+    raw = json.dumps(dict(header, arrays=specs, **{PROTOCOL_KEY: PROTOCOL_VERSION})).encode()
     buffers = (memoryview(np.ascontiguousarray(p)).cast("B") for parts in pieces.values() for p in parts)
     return [_LEN.pack(len(raw)) + raw, *(b for b in buffers if b.nbytes)]
 
@@ -99,9 +100,9 @@ async def recv(
         raise ProtocolError(f"header of {size:,} bytes; expected at most {MAX_HEADER_BYTES:,}")
     header = _parse_header(await _read(reader, size, "the header"))
     peer, here = ("the ClientApp", "this node worker") if limit is not None else ("the node worker", "this ClientApp")
-    if (problem := mismatch(header, FRAME_KEY, peer, here)) is not None:
+    if (problem := mismatch(header, PROTOCOL_KEY, peer, here)) is not None:
         raise ProtocolError(problem)  # before any array is read: a peer of another release is not parsed
-    header.pop(FRAME_KEY)
+    header.pop(PROTOCOL_KEY)
     specs = [_array_spec(i, spec) for i, spec in enumerate(header.pop("arrays"))]
     if len({name for name, _, _ in specs}) != len(specs):
         raise ProtocolError("the header names an array twice; expected unique names")

@@ -27,6 +27,19 @@ import numpy as np
 
 from .. import core, node
 from ..config import RunConfig
+from ..messages import (
+    EVALUATE,
+    GLOBAL_STEP,
+    PING,
+    RESUME_PENDING,
+    MessageError,
+    RoundConfig,
+    TrainMetrics,
+    WorkerReply,
+    WorkerRequest,
+    metrics_to_record,
+    relay_split,
+)
 from ..node_data import NodeSettings, error_line
 from ..node_state import NodeState, ResidualStore
 from ..runtime import setup_torch
@@ -38,13 +51,13 @@ log = logging.getLogger(__name__)
 
 
 def split_records(arrays: dict[str, np.ndarray]) -> dict[str, core.Tensors]:
-    """``{"record/array": array}`` from the relay back into ``{record: {name: tensor}}``: each record's
-    packed arrays (``wire.py``) unpacked. A malformed record raises ``wire.WireError`` (nothing changed)."""
+    """``{relay_name(record, array): array}`` from the relay back into ``{record: {name: tensor}}``: each
+    record's packed arrays (``wire.py``) unpacked. A malformed record is refused (nothing changed)."""
     packed: dict[str, dict[str, np.ndarray]] = {}
-    for key, array in arrays.items():
-        record, _, name = key.partition("/")
-        packed.setdefault(record, {})[name] = array
-    records: dict[str, core.Tensors] = {"global-step": {}}
+    for name, array in arrays.items():
+        record, array_name = relay_split(name)
+        packed.setdefault(record, {})[array_name] = array
+    records: dict[str, core.Tensors] = {GLOBAL_STEP: {}}  # an empty record's arrays do not travel
     for record, parts in packed.items():
         try:
             records[record] = unpack(parts)
@@ -86,46 +99,65 @@ class NodeWorker:
 
     # ------------------------------------------------------------ requests
     def serve_request(self, header: dict, arrays: dict[str, np.ndarray]) -> tuple[dict, dict[str, list[np.ndarray]]]:
-        """One ``train`` or ``evaluate`` request, in order; its reply (``{"error": ...}`` on failure) and the
-        update's arrays as their pieces (``wire.pack_pieces``; ``wire.join_pieces`` joins them)."""
+        """One ``train`` or ``evaluate`` request (a ``WorkerRequest``'s header), in order: its reply's
+        header (``WorkerReply``; a header that is no request is refused in one line, state intact) and
+        the update's arrays as their pieces (``wire.pack_pieces``; ``wire.join_pieces`` joins them)."""
         received = time.time()
         try:
-            # A repeat is the same round with nothing that replaces the node's state: a round that carries a
-            # full sync (or a hand-back) says the server dropped what it knew of the node, so it is computed
-            # again from that state every time, never answered with a reply computed before.
-            replaces = "sync-version" in header["round"] or any(k.startswith("resume-pending/") for k in arrays)
-            key = (header.get("op", "train"), header["run-id"], int(header["partition-id"]),
-                   int(header["round"]["server-round"]))  # fmt: skip
-        except (KeyError, TypeError, ValueError) as err:
-            return {"error": f"malformed request header ({type(err).__name__}: {err})", "state-intact": True}, {}
+            request = WorkerRequest.from_header(header)
+            config = RoundConfig.from_config(request.round)
+            if request.op == PING:
+                raise MessageError("worker request: op='ping' expected train or evaluate here")
+        except MessageError as err:
+            return WorkerReply(error=str(err), state_intact=True).to_header(), {}
+        # A repeat is the same round with nothing that replaces the node's state: a round that carries a
+        # full sync (or a hand-back) says the server dropped what it knew of the node, so it is computed
+        # again from that state every time, never answered with a reply computed before.
+        replaces = config.sync_version is not None or any(relay_split(n)[0] == RESUME_PENDING for n in arrays)
+        key = (request.op, request.run_id, request.partition_id, config.server_round)
         with self.lock:
             if self.last is not None and self.last[0] == key and not replaces:
-                log.info("round %d again: the same reply, not a second computation", key[3])
+                log.info("round %d again: the same reply, not a second computation", config.server_round)
                 return self.last[1]
             try:
-                reply = self.handle_request(header, arrays, received)
+                reply = self.handle_request(request, arrays, received)
             except node.StateIntact as err:
-                log.warning("round %d not done, state intact: %s", key[3], err)
-                return {"error": str(err), "state-intact": True}, {}
+                log.warning("round %d not done, state intact: %s", config.server_round, err)
+                return WorkerReply(error=str(err), state_intact=True).to_header(), {}
             except Exception as err:  # reported to the ClientApp, which replies an error to the server
                 log.exception("round failed")
-                return {"error": error_line(err)}, {}
+                return WorkerReply(error=error_line(err)).to_header(), {}
             self.last = (key, reply)
             return reply
 
-    def handle_request(self, header: dict, arrays: dict[str, np.ndarray], received: float):
-        cfg = RunConfig.from_flower(header["run-config"])
-        settings = self.node_settings(header)  # a refused one changes nothing
+    def handle_request(self, request: WorkerRequest, arrays: dict[str, np.ndarray], received: float):
+        cfg = RunConfig.from_flower(request.run_config)
+        settings = self.node_settings(request.node)  # a refused one changes nothing
         if (refused := settings.refusal(cfg.model, cfg.dataset)) is not None:
             raise node.Refused(refused)  # before admit: a run this node refuses does not take it from its run
-        self.admit(header)
+        self.admit(request)
         setup_torch(cfg)
-        res = node.resources(cfg, header["run-id"], settings)
-        op = "evaluate" if header.get("op") == "evaluate" else "train"
-        records = split_records(arrays)
-        req = node.Request.parse(
-            op, header["run-id"], header["round"], records, header["partition-id"], header["num-partitions"]
-        )
+        res = node.resources(cfg, request.run_id, settings)
+        req = node.Request.parse(request.op, request.run_id, request.round, split_records(arrays),
+                                 request.partition_id, request.num_partitions)  # fmt: skip
+        fetch_step = self.steps_of(req, res)
+        if request.op == EVALUATE:
+            return WorkerReply(
+                metrics=self.node.evaluate(res, cfg, req, fetch_step).metrics.to_record()
+            ).to_header(), {}
+        store = self.residual_store(settings, req.partition_id) if cfg.transfer_dtype != "fp32" else None
+        done = self.node.train(res, cfg, req, fetch_step, store, store)
+        metrics = dataclasses.replace(done.metrics, request_received=received, prev_reply_sent=self.last_reply_sent)
+        # Each array as its pieces (one per tensor), written to the socket in turn: no joined copy of the block.
+        pieces = pack_pieces(done.update, cfg.transfer_dtype)
+        bytes_out = sum(p.nbytes for parts in pieces.values() for p in parts)
+        log.info(round_line(metrics, sum(a.nbytes for a in arrays.values()), bytes_out))
+        return WorkerReply(metrics=metrics_to_record(metrics), trace=done.trace).to_header(), pieces
+
+    @staticmethod
+    def steps_of(req: node.Request, res: node.NodeResources):
+        """The global steps this worker's replica may replay: only those the message brought (the server
+        sends a node the steps it knows the node missed)."""
 
         def fetch_step(version: int):
             if version in req.steps:
@@ -135,22 +167,12 @@ class NodeWorker:
                 f"global step v{version} (the server sends missed steps to nodes it knows are behind)"
             )
 
-        if op == "evaluate":
-            return {"metrics": self.node.evaluate(res, cfg, req, fetch_step).metrics}, {}
-        store = self.residual_store(settings, req.partition_id) if cfg.transfer_dtype != "fp32" else None
-        done = self.node.train(res, cfg, req, fetch_step, store, store)
-        metrics = {**done.metrics, "request-received": received, "prev-reply-sent": self.last_reply_sent}
-        # Each array as its pieces (one per tensor), written to the socket in turn: no joined copy of the block.
-        pieces = pack_pieces(done.update, cfg.transfer_dtype)
-        bytes_out = sum(p.nbytes for parts in pieces.values() for p in parts)
-        log.info(round_line(metrics, sum(a.nbytes for a in arrays.values()), bytes_out))
-        return {"metrics": metrics, "trace": done.trace}, pieces
+        return fetch_step
 
-    def admit(self, header: dict) -> None:
+    def admit(self, request: WorkerRequest) -> None:
         """The partition pin and the run: a request this worker must not act on is refused; a new
         run starts from a fresh node state."""
-        partition_id, run_id = int(header["partition-id"]), header["run-id"]
-        server_round = int(header["round"]["server-round"])
+        partition_id, run_id = request.partition_id, request.run_id
         if self.partition_id is None:
             self.partition_id = partition_id
         elif partition_id != self.partition_id:
@@ -162,8 +184,8 @@ class NodeWorker:
             return
         if run_id in self.left_runs:
             raise node.Refused(
-                f"round {server_round} of run {run_id} refused: this worker left that run for run {self.run_id} "
-                f"(last answered round {self.node.state.last_round})"
+                f"round {request.server_round} of run {run_id} refused: this worker left that run for run "
+                f"{self.run_id} (last answered round {self.node.state.last_round})"
             )
         if self.run_id is not None:
             self.left_runs.add(self.run_id)
@@ -175,10 +197,10 @@ class NodeWorker:
         """The partition's store, in the state dir this worker was started with."""
         return ResidualStore(self.state_dir / f"partition-{partition_id}") if self.state_dir is not None else None
 
-    def node_settings(self, header: dict) -> NodeSettings:
+    def node_settings(self, node_config: dict) -> NodeSettings:
         """The node's own data and device (its node config, relayed), the device defaulting to ``--device``.
         A node config's ``state-dir`` only confirms the worker's own: any other is refused (``node.Refused``)."""
-        settings = NodeSettings.from_header(header.get("node"))
+        settings = NodeSettings.from_header(node_config)
         if settings.state_dir and (
             self.state_dir is None or os.path.realpath(settings.state_dir) != os.path.realpath(self.state_dir)
         ):
@@ -198,33 +220,41 @@ class NodeWorker:
             except ProtocolError as err:  # nothing it declared was allocated: answered with the reason
                 log.warning("refused a message: %s", err)
                 with contextlib.suppress(OSError):
-                    await send(writer, {"error": f"ProtocolError: {err}"})
+                    await send(writer, WorkerReply(error=f"ProtocolError: {err}").to_header())
                 return
             except (asyncio.IncompleteReadError, ConnectionError):
                 return  # connected and left without a message (another worker's start-up check)
             self.last_request = time.time()
-            if header.get("op") == "ping":
-                await send(writer, {"ok": True, "pid": os.getpid(), "run-id": self.run_id})
+            if self.is_ping(header):
+                await send(writer, WorkerReply(pid=os.getpid(), run_id=self.run_id).to_header())
                 return
             reply, reply_arrays = await asyncio.get_running_loop().run_in_executor(
                 None, self.serve_request, header, arrays
             )
             await send(writer, reply, reply_arrays)
-            if "error" not in reply:
+            if not WorkerReply.from_header(reply).error:
                 self.last_reply_sent = time.time()
         finally:
             writer.close()
 
+    @staticmethod
+    def is_ping(header: dict) -> bool:
+        """A ping (who serves, in which run), answered at once; anything else is a request, in order."""
+        try:
+            return WorkerRequest.from_header(header).op == PING
+        except MessageError:
+            return False  # serve_request refuses it, in order, with the reason
 
-def round_line(metrics: dict, bytes_in: int, bytes_out: int) -> str:
+
+def round_line(metrics: TrainMetrics, bytes_in: int, bytes_out: int) -> str:
     """The one line a site's operator sees per round: the round, its block, the training loss, the
     compute time, the bytes in and out, and how long the node waited for the server between its last
     reply and this request (numbers only: nothing of the site's data)."""
-    prev, received = metrics["prev-reply-sent"], metrics["request-received"]
+    prev, received = metrics.prev_reply_sent, metrics.request_received
     waited = f"{received - prev:.2f} s" if prev else "- (first request of this run)"
     return (
-        f"round {metrics['server-round']} block {metrics['block']}: train-loss {metrics['train-loss']:.4f}, "
-        f"compute {metrics['compute-s']:.2f} s, in {bytes_in / 1e6:,.2f} MB, out {bytes_out / 1e6:,.2f} MB, "
+        f"round {metrics.server_round} block {metrics.block}: train-loss {metrics.train_loss:.4f}, "
+        f"compute {metrics.compute_s:.2f} s, in {bytes_in / 1e6:,.2f} MB, out {bytes_out / 1e6:,.2f} MB, "
         f"waited for the server {waited}"
     )
 

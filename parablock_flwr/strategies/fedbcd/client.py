@@ -14,9 +14,10 @@ class BCDClient:
 
     A client half is an algorithm's whole client-side rule: which model a round trains from
     (``start_point``), what reaches a computation while it runs (``aggregate_arrived``, ParaBlock's
-    on-receipt correction), and what the client keeps afterwards (``finish_round``, ParaBlock's
-    at-end correction). The node runtime (``node.Node``) calls these hooks, and only these, in
-    both drivers (the simulation's inline ClientApp and the deployment's node worker).
+    on-receipt correction), and what the client keeps afterwards on ``x^{r-1}``, onto which the
+    runtime has re-based the replica (``finish_round``; ParaBlock's at-end correction). The node
+    runtime (``node.Node``) calls these hooks, and only these, in both drivers (the simulation's
+    inline ClientApp and the deployment's node worker).
     """
 
     runs_ahead = False  # may the node worker start round r+1 before its message arrives?
@@ -38,17 +39,18 @@ class BCDClient:
 
     def finish_round(
         self,
-        replica: ModelReplica,
         started_from: core.PendingUpdate | None,
         delta: core.Tensors,
         block: int,
         server_round: int,
         fetch_step: FetchStep,
     ) -> core.PendingUpdate | None:
-        """After ``Δ_i^r`` (trained from ``x^v + started_from``): what the client keeps until the
-        next round. BCD: nothing."""
+        """After ``Δ_i^r`` (trained from ``x^v + started_from``), with the node's replica re-based onto
+        ``x^{r-1}`` (the runtime's correction step): what the client keeps on it until the next round,
+        as an offset from ``x^{r-1}``. BCD: nothing."""
         return None
 
     def round_metrics(self, slot, replica: ModelReplica, kept: core.PendingUpdate | None, local_steps: int) -> dict:
-        """What the reply reports of the client-side rule. BCD: no correction, after the last step."""
-        return {"correction-after-step": local_steps}
+        """What the reply reports of the client-side rule, by ``messages.TrainMetrics`` field name.
+        BCD: no correction, after the last step."""
+        return {"correction_after_step": local_steps}

@@ -3,17 +3,24 @@
 Round r: send each client ``g^{r-1} = η_s Δ̄^{r-1}`` and the block ``b_r``; clients reply
 ``Δ_i^r``; the server checks each reply, aggregates the valid ones and applies
 ``x^r[b_r] = x^{r-1}[b_r] + g^r``. ParaBlock differs on the client (``ParaBlockClient``).
+
+The algorithm decides; the run acts. ``FedBCD`` builds a round's messages (``configure_train``) and
+says what its replies come to (``aggregate_train`` returns a ``RoundOutcome``: the step it applied to
+``x``, or why there is none, each reply accepted or rejected with its reason, the round's record).
+The run around the rounds (``run.Run``) pushes the messages, pulls the replies, retries, logs the
+step, stages pending updates, and writes records and checkpoints; this module never imports it.
 The parts live beside the class, as Flower keeps ``strategy_utils`` beside ``FedAvg``:
 ``reply_checks`` (is a reply valid), ``node_sync`` (what a node needs to hold ``x`` exactly),
-``round_stats`` (the round's numbers). The run around the rounds (loop, records, checkpoints,
-resume, evaluation) is another object, ``run.Run``, reached as ``self.run``.
+``round_stats`` (the round's numbers), ``update_spill`` (the round's updates until combined).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,8 +31,9 @@ from flwr.serverapp.strategy.strategy_utils import sample_nodes
 
 from ... import core
 from ...config import RunConfig
+from ...messages import GLOBAL_STEP, METRICS, ROUND, UPDATE, PartitionAnswer, RoundConfig, TrainMetrics
 from ...records import pieces_record, record_arrays
-from ...versions import PROTOCOL_VERSION, ROUND_KEY
+from ...replica import StepLog
 from ...wire import WireError, round_and_pack
 from ..node_sync import NodeSync, ask_partitions, seeded_sample
 from ..reply_checks import (
@@ -37,32 +45,62 @@ from ..reply_checks import (
     parse_reply,
     state_intact,
 )
-from ..round_stats import RoundStats, array_bytes, round_record
-from ..run import TooFewReplies
+from ..round_stats import Rejection, RoundStats, array_bytes, round_record
 from ..update_spill import UpdateSpill
 
 if TYPE_CHECKING:
     from ...checkpoint import Checkpoint
-    from ..run import Run
 
 log = logging.getLogger(__name__)
 PARTITION_QUERY_TIMEOUT_S = 60.0  # asking a node its partition id: a thin message, no training
+Stage = Callable[[int, core.PendingUpdate], None]  # (partition id, a client's pending update) -> kept
+
+
+@dataclass
+class Checked:
+    """Replies checked: the valid ones, the others with their reasons, and the nodes whose own state the
+    server no longer trusts (a rejected reply, an error, no reply): their next message is a full sync."""
+
+    accepted: list[Reply]
+    rejected: list[Rejection] = field(default_factory=list)
+    resync: set[int] = field(default_factory=set)
+    claimed_partitions: dict[int, int] = field(default_factory=dict)  # node -> the partition a rejected reply names
+
+
+@dataclass
+class RoundOutcome:
+    """What round r's replies came to, as far as they have come: the run acts on it.
+
+    With a ``step``, ``x`` holds ``x^r`` and ``arrays`` is ``g^r`` as round r+1's messages carry it.
+    Without one, ``reason`` says why: too few valid replies (the run retries or stops), or the aggregate
+    was rejected (``aggregate_rejected``: its replies are rejected and what they staged is void)."""
+
+    server_round: int
+    block: int
+    accepted: list[Reply]  # in the step, in partition order (so far, without a step)
+    rejected: list[Rejection]  # every rejection of the round so far, with its reason
+    num_replies: int = 0  # replies received this round, valid or not
+    claimed_partitions: dict[int, int] = field(default_factory=dict)  # node -> the partition a rejected reply names
+    step: core.Tensors | None = None  # g^r, applied to x, rounded as it travels
+    arrays: ArrayRecord | None = None
+    reason: str = ""
+    aggregate_rejected: bool = False
+    record: dict = field(default_factory=dict)  # the round's record: the algorithm's fields
+    pending: list[tuple[int, core.PendingUpdate]] = field(default_factory=list)  # kept here when no ``stage``
 
 
 class FedBCD(Strategy):
     """Federated BCD: one block per round, every sampled client, no overlap.
 
     Override points (stable signatures, see docs/extending.md):
-    ``choose_block``, ``select_nodes``, ``round_config``, ``check_reply``, ``client_weight``,
+    ``choose_block``, ``select_nodes``, ``check_reply``, ``client_weight``,
     ``combine``, ``observe_update``, ``server_update``, ``extra_round_metrics``,
-    ``state_dict``/``load_state_dict``. The run it belongs to (``self.run``, a ``run.Run``)
-    attaches itself; ``run.py``'s docstring lists what each gives the other.
+    ``state_dict``/``load_state_dict``. ``run_dir`` is the run's folder: catch-ups read its step log,
+    the round's accepted updates wait there until combined (``update_spill``).
     """
 
     algorithm = "fedbcd"
     overlapped = False  # does a round cost max(compute, comm) instead of their sum?
-    run: Run
-    sync: NodeSync
 
     def __init__(
         self,
@@ -70,33 +108,33 @@ class FedBCD(Strategy):
         global_params: dict[str, torch.Tensor],
         partition: core.BlockPartition,
         schedule: list[int],
+        run_dir: Path | str,
         config: RunConfig | None = None,
     ):
         self.config = config or RunConfig()  # the one source of settings and their defaults
         self.global_params = global_params
         self.partition = partition
         self.schedule = schedule
-        cfg = self.config
-        self.link = core.LinkModel.from_config(cfg)
+        self.link = core.LinkModel.from_config(self.config)
+        self.run_dir = Path(run_dir)
+        self.sync = NodeSync(global_params, partition.num_blocks, StepLog(run_dir), self.config.transfer_dtype)
+        self.spill = UpdateSpill(run_dir)
         self.stats = RoundStats(0)
         self._blocks: dict[int, int] = {}  # server round -> block, as decided so far (``block_for_round``)
         self._asked_partition: set[int] = set()  # nodes asked their partition id (select_nodes)
         self.own_counts: dict[int, float] = {}  # partition -> num-examples of a site with its own data
-        self.last_metrics: dict = {}  # the last round's record
+        # The round in flight (``configure_train``): its step, the run's part of its config, and the
+        # own-data counts as it began (a rejected aggregate accepted nothing).
+        self._global_step = ArrayRecord()
+        self._run_part = RoundConfig(server_round=0)
+        self._own_counts_before = dict(self.own_counts)
 
-    # ------------------------------------------------------------ with the run
-    def attach(self, run: Run) -> None:
-        """Called by ``Run``: the run whose messages, step log and records this algorithm uses."""
-        self.run = run
-        self.spill = UpdateSpill(run.run_dir)
-        self.sync = NodeSync(self.global_params, self.partition.num_blocks, run.step_log, self.config.transfer_dtype)
-
-    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
-              train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
-              evaluate_fn: Callable | None = None) -> Result:  # fmt: skip
-        """Flower's entry point: the attached run's loop (``Run.start``); the rounds and the timeout
-        come from the run config, the evaluation from the run's evaluator."""
-        return self.run.start(grid, initial_arrays)
+    def start(self, *args, **kwargs) -> Result:
+        """Not this strategy's loop: ``run.Run.start`` is the one loop (``Run(algorithm).start(grid,
+        arrays)``). Flower's ``Strategy.start`` would ignore what a round here needs (a deadline per
+        message, retries, the step log, records, resume), and its parameters (rounds, timeout, an
+        evaluation function) are the run config's and the run's evaluator's: two loops would disagree."""
+        raise NotImplementedError("FedBCD runs in run.Run: Run(algorithm).start(grid, initial_arrays)")
 
     def resumed(self, ckpt: Checkpoint) -> None:
         """Called by ``Run.resume`` once ``x^R`` is rebuilt: the blocks decided, the clients' pending
@@ -114,17 +152,39 @@ class FedBCD(Strategy):
     def load_state_dict(self, state: dict) -> None:
         """Override point: restore what ``state_dict`` returned."""
 
+    def checkpoint_state(self) -> dict:
+        """What round r's checkpoint keeps of the algorithm (``Checkpoint``'s fields): the blocks decided,
+        what the server knows of each node's copy, the subclass's own state. ``resumed`` reads it back."""
+        return {"blocks": self.decided_blocks(), "node_sync": self.sync.by_partition(),
+                "strategy_state": self.state_dict()}  # fmt: skip
+
+    def step_applied(self, before: core.Tensors) -> None:
+        """A logged step was replayed onto ``x`` (a resume; ``before``: the values it replaced), so that a
+        full sync of the first round sends ``x^{R-1}`` exactly."""
+        self.sync.applied(before)
+
+    def partition_of(self, node: int) -> int | None:
+        """The partition a node serves, as its accepted replies or a query said (None: not known)."""
+        return self.sync.partitions.get(node)
+
     def summary(self) -> None:
-        log.info("%s: %d blocks, %d rounds", type(self).__name__, self.partition.num_blocks, self.run.num_rounds)
+        log.info("%s: %d blocks, %d rounds", type(self).__name__, self.partition.num_blocks,
+                 self.config.num_server_rounds)  # fmt: skip
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """No evaluation messages of Flower's kind: the run evaluates (``ServerEvaluator``, or the nodes'
-        own held-out rows asked in the round's config)."""
-        return []
+    ) -> Iterator[Message]:
+        """``evaluation = "clients"``, after the last round R (``server_round`` = R+1): the nodes of round
+        R evaluate ``x^R``. ``config`` is the run's part of the round config (what to evaluate); the
+        message carries ``g^R`` (``arrays``) and any catch-up, and trains nothing (block -1)."""
+        base = RoundConfig.from_config(config)
+        base = replace(base, step_block=self._blocks.get(server_round - 1, -1), algorithm=self.algorithm)
+        for node in self.round_nodes:
+            yield self.message(MessageType.EVALUATE, server_round, arrays, base, node)
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        """Nothing here: the run completes the round records with the nodes' evaluations
+        (``client_evaluation``), which hold more than a ``MetricRecord`` does (each node's row)."""
         return None
 
     @property
@@ -177,29 +237,18 @@ class FedBCD(Strategy):
         chosen = seeded_sample(by_partition, self.config.fraction_train, self.config.seed * 1_000_003 + server_round)
         return sorted(chosen)
 
-    def round_config(self, server_round: int, block: int, step_block: int) -> ConfigRecord:
-        """What every client is told this round; subclasses may add keys."""
+    def round_config(self, server_round: int, block: int, step_block: int, run_part: RoundConfig) -> RoundConfig:
+        """What every client is told this round: ``run_part`` (the run's folder, a resumed run's round,
+        what to evaluate) with the round's blocks and the algorithm's name."""
         last = server_round == self.config.num_server_rounds
-        return ConfigRecord(
-            {
-                **self.run.client_evaluation_keys(server_round - 1),
-                ROUND_KEY: PROTOCOL_VERSION,  # a node of another release refuses the round
-                "server-round": server_round,
-                "block": block,
-                "step-block": step_block,
-                # Lets a node worker start the next round's computation before the next message.
-                "next-block": -1 if last else self.block_for_round(server_round + 1),
-                "algorithm": self.algorithm,
-                "run-dir": str(self.run.run_dir),
-                # A resumed run: the round its checkpoint holds, whose residuals a node goes on from
-                # (it may have answered later rounds before the server stopped), and its folder as the
-                # server resolved it (a relative resume-from means nothing in a Ray actor's directory).
-                **(
-                    {"resumed-after": self.run.first_round - 1, "resume-dir": str(self.run.resumed_from)}
-                    if self.run.first_round > 1
-                    else {}
-                ),
-            }
+        return replace(
+            run_part,
+            server_round=server_round,
+            block=block,
+            step_block=step_block,
+            # Lets a node worker start the next round's computation before the next message.
+            next_block=-1 if last else self.block_for_round(server_round + 1),
+            algorithm=self.algorithm,
         )
 
     def check_reply(self, server_round: int, block: int, reply: Reply) -> str | None:
@@ -207,9 +256,9 @@ class FedBCD(Strategy):
         The checks of form and content (``reply_checks``) have passed already."""
         return None
 
-    def client_weight(self, metrics: dict) -> float:
+    def client_weight(self, metrics: TrainMetrics) -> float:
         """``w_i``: number of local examples (checked finite, > 0 and bounded), or uniform."""
-        return float(metrics["num-examples"]) if self.config.weighting == "examples" else 1.0
+        return float(metrics.num_examples) if self.config.weighting == "examples" else 1.0
 
     def combine(self, updates: Iterable[core.Tensors], weights: list[float]) -> core.Tensors:
         """``Δ̄``: the weighted mean of the accepted updates.
@@ -219,8 +268,10 @@ class FedBCD(Strategy):
         """
         return core.aggregate(updates, weights)
 
-    def observe_update(self, server_round: int, block: int, reply: Reply) -> None:
-        """Every accepted update once, before it is combined: nothing to do in sequential BCD."""
+    def observe_update(self, server_round: int, block: int, reply: Reply) -> core.PendingUpdate | None:
+        """Every accepted update once, before it is combined; returns what the checkpoint keeps of it for
+        the client (a restarted server hands it back): nothing in sequential BCD."""
+        return None
 
     def server_update(self, server_round: int, block: int, mean_update: core.Tensors) -> core.Tensors:
         """``g^r``, the step applied to ``x[b_r]`` and sent to every client: ``η_s Δ̄``.
@@ -236,81 +287,95 @@ class FedBCD(Strategy):
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """Send ``g^{r-1}`` (in ``arrays``, empty in round 1), ``b_r`` and any catch-up to each node."""
+    ) -> Iterator[Message]:
+        """Round r's messages: ``g^{r-1}`` (in ``arrays``, empty in round 1), ``b_r`` and any catch-up to
+        each node; ``config`` is the run's part of the round config (``RoundConfig``'s entries)."""
         self.stats = RoundStats(server_round)
-        self._retry_grid, self._global_step = grid, arrays  # kept for a retry of this round
+        self._global_step, self._run_part = arrays, RoundConfig.from_config(config)
+        self._own_counts_before = dict(self.own_counts)
         self.spill.start()
         nodes = self.select_nodes(server_round, grid)
-        if server_round == self.run.first_round and (self.sync.resume_pending or self.sync.carried):
+        if server_round == self.sync.first_round and (self.sync.resume_pending or self.sync.carried):
             self.sync.partitions.update(ask_partitions(grid, nodes, self.config.round_timeout_s))
         return self.train_messages(server_round, nodes)
 
     def train_messages(self, server_round: int, nodes: list[int]) -> Iterator[Message]:
-        """Round r's message to each node: ``g^{r-1}``, the blocks, the node's catch-up; built one
-        at a time as the run pushes them (``Run.push``)."""
+        """Round r's message to each of ``nodes`` (again, for a retry), built one at a time as the run
+        pushes them: ``g^{r-1}``, the blocks, the node's catch-up."""
         block = self.block_for_round(server_round)
         step_block = self.block_for_round(server_round - 1) if server_round > 1 else -1
+        config = self.round_config(server_round, block, step_block, self._run_part)
         self.stats.nodes = sorted(set(self.stats.nodes) | set(nodes))
         for node in nodes:
-            content = RecordDict(
-                {"global-step": self._global_step, "round": self.round_config(server_round, block, step_block)}
-            )
-            sent = self.sync.add_to_message(content, server_round, node)
-            self.stats.catch_up_steps_sent += sent["catch_up_steps_sent"]
-            self.stats.full_syncs_sent += sent["full_syncs_sent"]
-            self.stats.wire_bytes_down += array_bytes(content)
-            yield Message(content=content, message_type=MessageType.TRAIN, dst_node_id=node,
-                          ttl=self.config.round_timeout_s)  # fmt: skip
+            msg = self.message(MessageType.TRAIN, server_round, self._global_step, config, node)
+            self.stats.wire_bytes_down += array_bytes(msg.content)
+            yield msg
+
+    def message(self, kind: str, server_round: int, step: ArrayRecord, config: RoundConfig, node: int) -> Message:
+        """One node's message: the step, the round config, and what keeps its copy exact (``NodeSync``)."""
+        parts = self.sync.parts_for(server_round, node)
+        self.stats.catch_up_steps_sent += parts.catch_up_steps
+        self.stats.full_syncs_sent += int(parts.full_sync)
+        round_config = ConfigRecord(replace(config, **parts.fields).to_config())
+        content = RecordDict({GLOBAL_STEP: step, ROUND: round_config, **parts.records})
+        return Message(content=content, message_type=kind, dst_node_id=node, ttl=self.config.round_timeout_s)
 
     def aggregate_train(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Check each reply, aggregate the valid ones, apply ``g^r`` to ``x``, log ``g^r``.
+        self,
+        server_round: int,
+        replies: Iterable[Message],
+        sent_to: Mapping[str, int] | None = None,
+        accepted: Sequence[Reply] = (),
+        stage: Stage | None = None,
+    ) -> RoundOutcome:
+        """Check each reply and, with at least ``min-accepted-replies`` valid ones (with ``accepted``,
+        those of this round's earlier replies), aggregate them and apply ``g^r`` to ``x``.
 
-        Nothing on the server changes before every reply of the round is checked, and then only if
-        ``g^r`` keeps ``x`` finite: else the aggregate is rejected and the round retried or stopped as
-        for too few valid replies (``apply_if_finite``, ``reject_aggregate``).
+        ``sent_to``: message id -> node of the messages the replies answer (a node among them that did
+        not reply is resynchronised). ``stage``: where each accepted client's pending update for the
+        checkpoint goes as it is combined (``observe_update``); without one it is kept in the outcome.
+        Nothing on the server changes before every reply is checked, and then only if ``g^r`` keeps ``x``
+        finite: else the aggregate is rejected, and its replies with it (``apply_if_finite``).
         """
         block = self.block_for_round(server_round)
-        own_counts = dict(self.own_counts)  # as before the round: a rejected aggregate accepted nothing
-        accepted = self.check_replies(server_round, block, replies, [])
-        while True:
-            while len(accepted) < self.config.min_accepted_replies:
-                accepted = self.check_replies(server_round, block, self.retry_round(server_round, accepted), accepted)
-            # Float sums depend on order and replies arrive in any order: sort them by the
-            # client's stable partition id (node ids change from run to run).
-            accepted.sort(key=lambda r: (r.partition_id, r.node))
-            applied = self.apply_if_finite(self.round_step(server_round, block, accepted))
-            if not isinstance(applied, str):
-                break
-            self.reject_aggregate(server_round, accepted, applied)
-            self.own_counts, accepted = dict(own_counts), []
-        step, wire_pieces = applied
-        self.run.log_step(server_round, block, step)
-        for reply in accepted:
+        checked = self.check_replies(server_round, block, replies, sent_to or {}, list(accepted))
+        self.stats.rejected.extend(checked.rejected)
+        for node in checked.resync:
+            self.sync.failed(node)  # its own state is not trusted: it gets a full sync next time
+        outcome = RoundOutcome(server_round, block, checked.accepted, self.stats.rejected, self.stats.num_replies,
+                               checked.claimed_partitions)  # fmt: skip
+        if len(outcome.accepted) < self.config.min_accepted_replies:
+            outcome.reason = (f"{len(outcome.accepted)} valid replies, expected at least "
+                              f"min-accepted-replies={self.config.min_accepted_replies}")  # fmt: skip
+            return outcome
+        # Float sums depend on order and replies arrive in any order: sort them by the client's stable
+        # partition id (node ids change from run to run).
+        outcome.accepted.sort(key=lambda r: (r.partition_id, r.node))
+        applied = self.apply_if_finite(
+            self.round_step(server_round, block, outcome.accepted, stage or (lambda *p: outcome.pending.append(p)))
+        )
+        if isinstance(applied, str):
+            self.reject_aggregate(server_round, outcome.accepted, applied)
+            outcome.accepted, outcome.reason, outcome.aggregate_rejected, outcome.pending = [], applied, True, []
+            return outcome
+        outcome.step, wire_pieces = applied
+        outcome.arrays = pieces_record(wire_pieces)
+        for reply in outcome.accepted:
             self.sync.accepted(reply.node, server_round, reply.partition_id)
-        reasons = {r["node"]: r["reason"] for r in self.stats.rejected}
-        self.run.note_participation(self.stats.nodes, {r.node for r in accepted}, reasons)
-
-        self.run.collect_client_evaluation(server_round - 1, accepted)
-        weights = [self.client_weight(r.metrics) for r in accepted]
-        record = round_record(
-            self.stats, self.partition.labels[block], block, step, accepted, weights, self.link, self.overlapped,
-            self.config.transfer_dtype,
+        weights = [self.client_weight(r.metrics) for r in outcome.accepted]
+        outcome.record = round_record(
+            self.stats, self.partition.labels[block], block, outcome.step, outcome.accepted, weights, self.link,
+            self.overlapped, self.config.transfer_dtype,
         )  # fmt: skip
-        record.update(self.run.round_clock({r.node: r.metrics for r in accepted}))
-        record.update(self.extra_round_metrics(server_round, accepted))
-        self.last_metrics = record
-        numbers = {k: v for k, v in record.items() if type(v) in (int, float)}
-        return pieces_record(wire_pieces), MetricRecord(numbers)
+        outcome.record.update(self.extra_round_metrics(server_round, outcome.accepted))
+        return outcome
 
-    def round_step(self, server_round: int, block: int, accepted: list[Reply]) -> core.Tensors:
+    def round_step(self, server_round: int, block: int, accepted: list[Reply], stage: Stage) -> core.Tensors:
         """``g^r`` from the accepted replies (sorted), before rounding; a zero step when none is valid
         (``x`` does not move, but clients still need a step to re-base on)."""
         if not accepted:
             return {n: torch.zeros_like(self.global_params[n]) for n in self.partition.names(block)}
-        updates = self.accepted_updates(server_round, block, accepted)
+        updates = self.accepted_updates(server_round, block, accepted, stage)
         mean = self.combine(updates, [self.client_weight(r.metrics) for r in accepted])
         self.spill.start()  # every update is combined: the file is emptied
         return self.server_update(server_round, block, mean)
@@ -340,27 +405,31 @@ class FedBCD(Strategy):
 
     def reject_aggregate(self, server_round: int, accepted: list[Reply], reason: str) -> None:
         """The round's aggregate is not applied: every reply in it is rejected with ``reason`` (counted,
-        its node resynchronised: it holds an update the server dropped), and the pending updates staged
-        for the checkpoint are discarded. The round then retries or stops (``on-too-few-replies``)."""
+        its node resynchronised: it holds an update the server dropped), and the own-data counts go back
+        to the round's start. The run then discards what they staged, and retries or stops."""
         log.warning("round %d: rejected the aggregate of %d replies: %s", server_round, len(accepted), reason)
         for reply in accepted:
-            self.stats.rejected.append({"node": reply.node, "reason": reason})
+            self.stats.rejected.append(Rejection(reply.node, reason))
             self.sync.failed(reply.node)
-        self.run.discard_staged()
+        self.own_counts = dict(self._own_counts_before)
 
     def check_replies(
-        self, server_round: int, block: int, replies: Iterable[Message], accepted: list[Reply]
-    ) -> list[Reply]:
-        """``accepted`` plus the valid ones of ``replies``; each rejection is logged and counted,
-        and its node gets a full sync next time unless the reply says that its state is intact
-        (``reply_checks.STATE_INTACT``). A reply is the node's its message went to (``Run.sent_to``)."""
+        self, server_round: int, block: int, replies: Iterable[Message], sent_to: Mapping[str, int],
+        accepted: list[Reply],
+    ) -> Checked:  # fmt: skip
+        """``accepted`` plus the valid ones of ``replies``, and the others with their reasons; a rejected
+        reply's node is resynchronised unless the reply says that its state is intact
+        (``reply_checks.STATE_INTACT``), and so is a node of ``sent_to`` that did not reply. A reply is
+        the node's its message went to (a reply Flower makes itself for an unavailable node names the
+        SuperLink as its sender)."""
         shapes = {n: tuple(self.global_params[n].shape) for n in self.partition.names(block)}
         cfg = self.config
         expected = Expected(server_round, block, shapes, cfg.max_examples_per_client, cfg.max_update_norm,
                             cfg.transfer_dtype, cfg.max_correction_drift)  # fmt: skip
-        seen, accepted = {r.partition_id for r in accepted}, list(accepted)
+        seen, checked, replied = {r.partition_id for r in accepted}, Checked(accepted), set()
         for msg in replies:
-            node = self.run.sent_to(msg)
+            node = sent_to.get(msg.metadata.reply_to_message_id, msg.metadata.src_node_id)
+            replied.add(node)
             self.stats.num_replies += 1
             self.stats.wire_bytes_up += 0 if msg.has_error() else array_bytes(msg.content)
             reply = parse_reply(msg, expected, node)
@@ -373,48 +442,39 @@ class FedBCD(Strategy):
                 )
             if isinstance(reply, Reply):
                 seen.add(reply.partition_id)
-                if reply.metrics.get("own-data") == 1:
+                if reply.metrics.own_data == 1:
                     self.own_counts.setdefault(reply.partition_id, reply.num_examples)
-                self.spill.put(reply.node, record_arrays(msg.content["update"]))  # as it came, until combined
+                self.spill.put(reply.node, record_arrays(msg.content[UPDATE]))  # as it came, until combined
                 reply.update = None
-                accepted.append(reply)
+                checked.accepted.append(reply)
                 continue
             log.warning("round %d: rejected the reply of node %d: %s", server_round, node, reply)
-            self.stats.rejected.append({"node": node, "reason": reply})
-            self.run.note_partition(node, msg)
+            checked.rejected.append(Rejection(node, reply))
+            claimed = None if msg.has_error() else PartitionAnswer.from_record(msg.content.metric_records.get(METRICS))
+            if claimed is not None:
+                checked.claimed_partitions[node] = claimed.partition_id
             if state_intact(msg):
                 self.stats.state_intact_errors += 1  # its model is as it was: no full sync
             else:
-                self.sync.failed(node)  # its own state is not trusted: it gets a full sync next time
-        return accepted
+                checked.resync.add(node)
+        # A node that did not answer may still, having taken in an update the server now drops (ParaBlock's
+        # pending, a computation started from it): its state is unknown, as after a rejected reply.
+        checked.resync |= set(sent_to.values()) - replied
+        return checked
 
-    def accepted_updates(self, server_round: int, block: int, accepted: list[Reply]) -> Iterator[core.Tensors]:
+    def accepted_updates(
+        self, server_round: int, block: int, accepted: list[Reply], stage: Stage
+    ) -> Iterator[core.Tensors]:
         """Each accepted ``Δ_i^r`` in turn, read back from the round's spill (``update_spill``) and
         dropped once combined: the default weighted mean holds the running sum and one update, not one
-        per client (ParaBlock's are held until written for the checkpoint, on the run's writer thread)."""
+        per client. What ``observe_update`` keeps of it for the checkpoint goes to ``stage`` (the run
+        writes it on a thread of its own, holding a bounded number in memory)."""
         shapes = {n: tuple(self.global_params[n].shape) for n in self.partition.names(block)}
         for reply in accepted:
             if reply.update is None:
                 reply.update = self.spill.take(reply.node, shapes)
-            self.observe_update(server_round, block, reply)
+            pending = self.observe_update(server_round, block, reply)
+            if pending is not None:
+                stage(reply.partition_id, pending)
             update, reply.update = reply.update, None
             yield update
-
-    def retry_round(self, server_round: int, accepted: list[Reply]) -> list[Message]:
-        """Too few valid replies: re-send the round to the nodes without one, or stop the run."""
-        stats = self.stats
-        if self.config.on_too_few_replies == "stop" or stats.round_retries >= self.config.max_round_retries:
-            reasons = "; ".join(f"node {r['node']}: {r['reason']}" for r in stats.rejected[-3:]) or "no replies"
-            raise TooFewReplies(
-                f"round {server_round}: {len(accepted)} valid replies, expected at least "
-                f"min-accepted-replies={self.config.min_accepted_replies} ({reasons})",
-                kind="timeout" if stats.num_replies == 0 else "too-few-replies",
-            )
-        stats.round_retries += 1
-        done = {r.node for r in accepted}
-        nodes = [n for n in stats.nodes if n not in done]
-        log.warning("round %d: %d valid replies, fewer than min-accepted-replies=%d: re-sending to %d nodes "
-                    "(retry %d of %d)", server_round, len(accepted), self.config.min_accepted_replies, len(nodes),
-                    stats.round_retries, self.config.max_round_retries)  # fmt: skip
-        sent = self.run.push(self._retry_grid, self.train_messages(server_round, nodes))
-        return list(self.run.replies_as_they_arrive(self._retry_grid, sent))

@@ -53,42 +53,40 @@ class ParaBlockClient(BCDClient):
 
     def finish_round(
         self,
-        replica: ModelReplica,
         started_from: core.PendingUpdate | None,
         delta: core.Tensors,
         block: int,
         server_round: int,
         fetch_step: FetchStep,
     ) -> core.PendingUpdate:
-        return self.correct(replica, delta, block, server_round, fetch_step)
+        return self.correct(delta, block, server_round)
 
     @staticmethod
-    def correct(
-        replica: ModelReplica, delta: core.Tensors, block: int, server_round: int, fetch_step: FetchStep
-    ) -> core.PendingUpdate:
-        """The correction ``y[b_{r-1}] += η_s Δ̄^{r-1} − Δ_i^{r-1}``, applied exactly (``at-end``).
+    def correct(delta: core.Tensors, block: int, server_round: int) -> core.PendingUpdate:
+        """What the correction ``y[b_{r-1}] += η_s Δ̄^{r-1} − Δ_i^{r-1}`` (``at-end``) leaves the client: its
+        own ``Δ_i^r``, written on ``x^{r-1}``.
 
-        The local model is kept as (global version, own pending update): the additive
-        correction is re-basing the replica onto ``x^{r-1}`` (replaying ``g^{r-1}``) and
-        keeping only ``Δ_i^r``. It equals the additive form in exact arithmetic and, unlike
-        it, accumulates no float rounding: the invariant ``y = x^{r-1} + Δ_i^r`` holds to the
-        bit, also when ``b_r == b_{r-1}``. The ``on-receipt`` mode applies the additive form
-        to the running computation as well (``correct_on_receipt``); its result is re-based the
-        same way here, and how far the live model had drifted is reported (``round_metrics``).
+        The local model is kept as (global version, own pending update): the node runtime re-bases the
+        replica onto ``x^{r-1}`` (replaying ``g^{r-1}``, ``Node.finish_round``) and the client keeps only
+        ``Δ_i^r``. It equals the additive form in exact arithmetic and, unlike it, accumulates no float
+        rounding: the invariant ``y = x^{r-1} + Δ_i^r`` holds to the bit, also when ``b_r == b_{r-1}``.
+        The ``on-receipt`` mode applies the additive form to the running computation as well
+        (``correct_on_receipt``); its result is kept the same way here, and how far the live model had
+        drifted is reported (``round_metrics``).
         """
-        replica.advance_to(server_round - 1, fetch_step)
         return core.PendingUpdate(block=block, base_version=server_round - 1, delta=delta)
 
     def round_metrics(
         self, slot: CorrectionSlot | None, replica: ModelReplica, kept: core.PendingUpdate | None, local_steps: int
     ) -> dict:
         """After which step the correction reached the computation (``local-steps``: at the end), and
-        with ``on-receipt`` how far the live model drifted from the exact one (``correction-drift``)."""
+        with ``on-receipt`` how far the live model drifted from the exact one (``correction-drift``), by
+        ``messages.TrainMetrics`` field name."""
         if slot is None:
-            return {"correction-after-step": local_steps}
-        out = {"correction-after-step": slot.applied_after_step or local_steps}
+            return {"correction_after_step": local_steps}
+        out = {"correction_after_step": slot.applied_after_step or local_steps}
         if slot.live and kept is not None:
-            out["correction-drift"] = slot.drift(replica.params, kept.delta)
+            out["correction_drift"] = slot.drift(replica.params, kept.delta)
         return out
 
 
@@ -166,7 +164,6 @@ class UncorrectedClient(ParaBlockClient):
 
     def finish_round(
         self,
-        replica: ModelReplica,
         started_from: core.PendingUpdate | None,
         delta: core.Tensors,
         block: int,
@@ -179,5 +176,4 @@ class UncorrectedClient(ParaBlockClient):
             offset = dict(delta)
         else:  # trained from x^{r-2} + offset
             offset = core.uncorrected_offset(started_from.delta, delta, [fetch_step(server_round - 1)[1]])
-        replica.advance_to(server_round - 1, fetch_step)
         return core.PendingUpdate(block=block, base_version=server_round - 1, delta=offset)

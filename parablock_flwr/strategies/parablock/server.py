@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 
 from ... import core
+from ...messages import LOCAL_MODEL_DIGEST
 from ..fedbcd.server import FedBCD
 from ..reply_checks import Reply
 
@@ -31,7 +32,7 @@ class ParaBlock(FedBCD):
         A failed check rejects the update; the node is then resynchronised."""
         if not self.config.verify_invariant:
             return None
-        reported = reply.trace.get("local-model-sha256")
+        reported = reply.trace.get(LOCAL_MODEL_DIGEST)
         if reported is None:
             return "verify-invariant is on and the reply carries no local-model digest"
         self.stats.invariant_checked += 1
@@ -40,13 +41,13 @@ class ParaBlock(FedBCD):
             return "invariant broken: the local model is not x^{r-1} + its own update"
         return None
 
-    def observe_update(self, server_round: int, block: int, reply: Reply) -> None:
-        """Keep each accepted ``Δ_i^r`` for the checkpoint, by partition id: after round r the
-        client's local model is ``x^{r-1} + Δ_i^r``, and a restarted server hands it back."""
-        self.run.stage_pending(reply.partition_id, core.PendingUpdate(block, server_round - 1, reply.update))
+    def observe_update(self, server_round: int, block: int, reply: Reply) -> core.PendingUpdate:
+        """Each accepted ``Δ_i^r``, for the checkpoint (by partition id): after round r the client's
+        local model is ``x^{r-1} + Δ_i^r``, and a restarted server hands it back."""
+        return core.PendingUpdate(block, server_round - 1, reply.update)
 
     def extra_round_metrics(self, server_round: int, accepted: list[Reply]) -> dict:
         """How many clients had to be resynchronised (trained from ``x^{r-1}``, no staleness)."""
         if server_round == 1:
             return {"num_resynchronised": 0}
-        return {"num_resynchronised": sum(1 for r in accepted if r.metrics["base-version"] == server_round - 1)}
+        return {"num_resynchronised": sum(1 for r in accepted if r.metrics.base_version == server_round - 1)}

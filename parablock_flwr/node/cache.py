@@ -1,0 +1,107 @@
+"""What a node process loads once and keeps (``resources``): the model replica and the data (a Ray actor or a node
+worker holds one ``NodeResources``, rebuilt only for a new run, model or node settings)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import datasets
+import torch
+
+from .. import core
+from ..config import RunConfig
+from ..data import client_partition, local_rows_limit, node_splits, tokenized_rows, tokenized_splits
+from ..model import load_for_training, load_tokenizer
+from ..node_data import NodeSettings
+from ..replica import ModelReplica
+from .request import Refused
+
+
+@dataclass
+class NodeResources:
+    """Loaded once per process (a Ray actor or a node worker) and reused."""
+
+    key: tuple[int, RunConfig, NodeSettings]
+    replica: ModelReplica
+    partition: core.BlockPartition
+    train_rows: datasets.Dataset  # the node's own rows, or the run's training rows to take a partition of
+    pad_id: int
+    heldout_rows: datasets.Dataset | None = None  # for evaluation = "clients"
+    tokenizer: object = None
+    settings: NodeSettings = NodeSettings()
+    # Source rows ``max-seq-len`` cut before their answer, dropped (data.Split): the node's own data's,
+    # or (a partition of the run's dataset) the whole dataset's, the same on every such node.
+    dropped_for_length: int = 0
+    malformed_rows: int = 0  # its data's rows skipped as malformed (data.Malformed), counted like the above
+
+    def rows(self, cfg: RunConfig, partition_id: int, num_partitions: int) -> datasets.Dataset:
+        """The rows this node trains on: its own data, or its partition of the run's dataset."""
+        if self.settings.local:
+            return self.train_rows
+        return client_partition(
+            self.train_rows, partition_id, num_partitions, cfg.partitioning, cfg.dirichlet_alpha, cfg.seed
+        )
+
+
+_RESOURCES: NodeResources | None = None
+WEIGHTS_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+
+
+def resources(cfg: RunConfig, run_id: int, settings: NodeSettings | None = None) -> NodeResources:
+    """This process's model replica and data, rebuilt only for a new run, model or node settings.
+
+    A node with its own ``dataset`` (``settings``) loads only that, never the run config's
+    ``dataset``; its held-out rows are its ``heldout-dataset``, or (``evaluation = "clients"``
+    without one) the first ``heldout-examples`` rows of its own data."""
+    global _RESOURCES
+    settings = settings or NodeSettings()
+    if (refused := settings.refusal(cfg.model, cfg.dataset)) is not None:
+        raise Refused(refused)  # the node config's allow-lists: nothing loaded, nothing changed
+    key = (run_id, cfg, settings)
+    if _RESOURCES is None or _RESOURCES.key != key:
+        _RESOURCES = None  # free the previous run's model before loading the next
+        _RESOURCES = _load(key)
+    return _RESOURCES
+
+
+def _load(key: tuple[int, RunConfig, NodeSettings]) -> NodeResources:
+    """The replica on the node's device, the tokenizer, and the node's rows (its own, or the run's)."""
+    _, cfg, settings = key
+    model, partition = load_for_training(cfg, cfg.weights)  # bf16: no fp32 copy of the whole model
+    device = node_device(settings.device)
+    replica = ModelReplica(model, partition.all_names(), WEIGHTS_DTYPES[cfg.weights])  # cast before the move
+    model.to(device)
+    tokenizer = load_tokenizer(cfg.model, cfg.prompt_format)
+    own_heldout = cfg.heldout_examples if cfg.evaluation == "clients" else 0
+    if settings.local:
+        split = node_splits(
+            settings.dataset, settings.heldout_dataset, own_heldout, cfg.num_examples, cfg.seed, tokenizer,
+            cfg.max_seq_len,
+        )  # fmt: skip
+    else:
+        split = tokenized_splits(
+            cfg.dataset, cfg.num_examples, cfg.heldout_examples, cfg.seed, tokenizer, cfg.max_seq_len
+        )
+    train_rows, heldout_rows = split
+    if not settings.local and settings.heldout_dataset:
+        limit = local_rows_limit(settings.heldout_dataset, cfg.num_examples)
+        heldout_rows = tokenized_rows(settings.heldout_dataset, limit, cfg.seed, tokenizer, cfg.max_seq_len)
+    return NodeResources(
+        key, replica, partition, train_rows, tokenizer.pad_token_id, heldout_rows, tokenizer, settings,
+        split.dropped_for_length, split.malformed,
+    )  # fmt: skip
+
+
+def loaded() -> NodeResources | None:
+    """The resources this process holds, if any: the worker bounds a run's messages by its model."""
+    return _RESOURCES
+
+
+def node_device(name: str) -> torch.device:
+    """The node's device: as named (``cuda:1``), else CUDA when there is a GPU, else the CPU."""
+    if not name:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        raise ValueError(f"device={name!r}: this machine has {torch.cuda.device_count()} CUDA devices")
+    return device

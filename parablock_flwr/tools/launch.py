@@ -31,7 +31,7 @@ from pathlib import Path
 
 from ..run_status import EXIT_CODES, read_status
 from .app_config import OverrideError, app_config, check_overrides, find_project_dir, toml_value
-from .credentials import TlsFiles, make_node_key, make_tls
+from .credentials import TlsFiles, make_node_key, make_tls, tls_files
 
 log = logging.getLogger(__name__)
 
@@ -612,12 +612,12 @@ def run_deployment(
     """
     app_dir = find_project_dir() if app_dir is None else Path(app_dir)
     workdir = Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    tls = make_tls(workdir / "credentials") if secure else None
     run_config = {"min-available-nodes": num_supernodes, **run_config}  # start once every node is connected
-    run_config = {**direct_transport(run_config, tls), **run_config}
+    run_config = {**direct_transport(run_config, tls_files(workdir / "credentials") if secure else None), **run_config}
     if (bad := check_run_config(run_config, app_dir)) is not None:
         return bad
+    workdir.mkdir(parents=True, exist_ok=True)
+    tls = make_tls(workdir / "credentials") if secure else None
     env = flower_env(workdir / "flwr-home")
     env["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] = "0.2"  # the only Flower poll that can be tuned
     with contextlib.ExitStack() as stack:

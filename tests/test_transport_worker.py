@@ -11,10 +11,13 @@ import socket
 
 import pytest
 import torch
+from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
 
 from parablock_flwr import core, node
+from parablock_flwr.client_apps.inline import train_inline
 from parablock_flwr.config import RunConfig
-from parablock_flwr.messages import GLOBAL_STEP, STREAM_UNUSABLE, UpdateCommit, key
+from parablock_flwr.messages import GLOBAL_STEP, OFFER, ROUND, STREAM_UNUSABLE, UpdateCommit, key
 from parablock_flwr.npy import npy_view
 from parablock_flwr.records import pieces_record
 from parablock_flwr.tools.credentials import make_tls
@@ -104,3 +107,20 @@ def test_a_site_that_keeps_to_flowers_path_sends_its_update_inline(tmp_path, tin
         assert reply["metrics"][key("direct_fallbacks")] == 1 and pieces and len(stream.server.inbox) == 0
     finally:
         worker.compute_thread.shutdown(wait=True)
+
+
+def test_a_node_without_a_worker_cannot_fetch_and_says_so_state_intact(tmp_path, tiny_model_dir, stream):
+    """A SuperNode that runs its rounds in its ClientApp (no ``worker-socket``) moves nothing on the stream:
+    a message whose records wait there is refused, state intact, with the marker the server reads."""
+    config = tiny_config(tiny_model_dir, tmp_path)
+    offer = stream.offer(2, 6, {GLOBAL_STEP: pieces_record(pack_pieces({"w": torch.ones(3)}))}, 10**6)
+    round_config = worker_request(config, 4, 2, block=1, next_block=-1, num_partitions=2)["round"]
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 4, 6, 0
+    content = RecordDict({ROUND: ConfigRecord(round_config), OFFER: ConfigRecord(offer.to_config())})
+    msg = Message(content=content, dst_node_id=6, message_type=MessageType.TRAIN)
+    TaskIdentity.node_id = 6
+    context = Context(run_id=4, node_id=6, node_config={"partition-id": 0, "num-partitions": 2}, state=RecordDict(),
+                      run_config=config)  # fmt: skip
+    reply = train_inline(msg, context)
+    assert reply.has_error() and reply.error.reason.startswith(f"state-intact: {STREAM_UNUSABLE}"), reply.error
+    assert len(context.state) == 0

@@ -1,8 +1,10 @@
 """`parablock-flwr plan`: the memory a run needs, from the model's config alone (no weights).
 
-The model is built on PyTorch's ``meta`` device (shapes, no storage), partitioned into blocks as a
-run partitions it, and each term of what a node worker holds is computed from the parameter counts
-and the run config:
+The model's parameter shapes come from its ``config.json`` by arithmetic for the decoders
+``decoder_shapes`` knows (Llama, SmolLM2, Mistral, Qwen2, Qwen3), else from the model built on
+PyTorch's ``meta`` device (shapes, no storage); they are partitioned into blocks as a run partitions
+them, and each term of what a node worker holds is computed from the parameter counts and the run
+config:
 
 - on the device: the weights (P x 2 bytes with ``weights = "bf16"``, else 4), the trained block in
   fp32 with its start snapshot, gradient and two AdamW moments (B x 20 bytes), the fp32 copies the
@@ -25,16 +27,17 @@ before it moves to the device.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-
-import torch
+from types import SimpleNamespace
 
 from . import core
 from .config import RunConfig
+from .decoder_shapes import Shapes, decoder_shapes
 from .durable import replace_file
 from .paths import EMBEDDED, cache_dir
 from .strategies.update_spill import IN_MEMORY
@@ -101,6 +104,25 @@ def shape_key(cfg: RunConfig, config_text: str) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
 
 
+def config_values(spec: str) -> dict | None:
+    """The values of the ``config.json`` that ``spec`` names on this disk, or None (not on this disk, or
+    not a JSON object: transformers then reads it, and says what is wrong)."""
+    file = local_config_file(spec)
+    try:
+        values = json.loads(file.read_text()) if file is not None else None
+    except (OSError, ValueError):
+        return None
+    return values if isinstance(values, dict) else None
+
+
+def shape_for(cfg: RunConfig, spec: str, config_of, values: dict | None) -> ModelShape:
+    """The model's shape by arithmetic from its config's ``values`` when ``decoder_shapes`` knows the
+    architecture (no transformers: the first plan of a model takes as long as the next), else built
+    on the meta device and cached."""
+    shape = arithmetic_shape(cfg, values) if values is not None else None
+    return shape if shape is not None else cached_shape(cfg, spec, config_of)
+
+
 def cached_shape(cfg: RunConfig, spec: str, config_of) -> ModelShape:
     """``model_shape``, kept on disk by ``shape_key``: building a model, even on the meta device, needs
     transformers' modeling code, whose import alone takes seconds. A cache file that cannot be read is
@@ -132,6 +154,7 @@ def _config_file(path: Path):
 def model_shape(cfg: RunConfig, config) -> ModelShape:
     """Build the model on the ``meta`` device (no memory), with LoRA when ``train = "lora"``, and
     partition it as a run does."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     from .model import add_lora, is_lora_name
@@ -141,6 +164,68 @@ def model_shape(cfg: RunConfig, config) -> ModelShape:
         trainable = lambda name: True  # noqa: E731
         if cfg.trainable == "lora":
             model, trainable = add_lora(model, cfg), is_lora_name
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    widths = {"num_layers": text.num_hidden_layers, "hidden": text.hidden_size,
+              "intermediate": getattr(text, "intermediate_size", None) or 4 * text.hidden_size,
+              "vocab": text.vocab_size, "dtype_bytes": dtype_bytes(dtype)}  # fmt: skip
+    return partitioned_shape(cfg, model, trainable, widths)
+
+
+def arithmetic_shape(cfg: RunConfig, values: dict) -> ModelShape | None:
+    """``model_shape`` from a ``config.json``'s values by arithmetic (``decoder_shapes``), without
+    transformers; None for an architecture or a config it does not know."""
+    found = decoder_module(json.dumps(values, sort_keys=True), cfg.trainable, cfg.lora_rank, cfg.lora_target_modules)
+    if found is None:
+        return None
+    module, adapters = found
+    trainable = adapters.__contains__ if cfg.trainable == "lora" else lambda name: True
+    widths = {"num_layers": values["num_hidden_layers"], "hidden": values["hidden_size"],
+              "intermediate": values["intermediate_size"], "vocab": values["vocab_size"],
+              "dtype_bytes": dtype_bytes(values.get("dtype") or values.get("torch_dtype"))}  # fmt: skip
+    return partitioned_shape(cfg, module, trainable, widths)
+
+
+@functools.lru_cache(maxsize=4)
+def decoder_module(config_json: str, train: str, lora_rank: int, lora_targets: str):
+    """``meta_module`` of ``decoder_shapes`` and the names of its LoRA adapters, or None; kept for the
+    other partitions the fits' search tries (building the module tree is most of a shape's time)."""
+    values = json.loads(config_json)
+    shapes = decoder_shapes(values, train, lora_rank, lora_targets)
+    if shapes is None:
+        return None
+    adapters = frozenset(name for name, _ in shapes if ".lora_A." in name or ".lora_B." in name)
+    return meta_module(shapes, values["num_hidden_layers"]), adapters
+
+
+def dtype_bytes(dtype) -> int:
+    """Bytes per parameter of a config's ``dtype`` (a torch dtype or its name; none: fp32)."""
+    return 4 if str(dtype or "float32").endswith("float32") else 2
+
+
+def meta_module(shapes: Shapes, num_layers: int):
+    """A module tree holding meta tensors of these names and shapes and nothing else: what
+    ``core.partition_blocks`` reads of a model (its layer list, its named parameters), so that the
+    arithmetic's shapes are partitioned by the one partitioning a run uses."""
+    import torch
+    from torch import nn
+
+    root = nn.Module()
+    root.config = SimpleNamespace(num_hidden_layers=num_layers)
+    for name, shape in shapes:
+        *path, leaf = name.split(".")
+        module = root
+        for part, after in zip(path, path[1:] + [leaf]):
+            if part not in module._modules:  # add_module's checks, for names that are a model's own, cost more
+                module._modules[part] = nn.ModuleList() if after.isdigit() else nn.Module()
+            module = module._modules[part]
+        module.register_parameter(leaf, nn.Parameter(torch.empty(shape, device="meta"), requires_grad=False))
+    return root
+
+
+def partitioned_shape(cfg: RunConfig, model, trainable, widths: dict[str, int]) -> ModelShape:
+    """The ``ModelShape`` of a (meta) model partitioned as a run partitions it; ``widths``: the
+    config's layer count, hidden, intermediate and vocabulary sizes and checkpoint dtype width."""
     partition = core.partition_blocks(model, cfg.layers_per_block, cfg.non_layer_params, trainable)
     if cfg.one_block:
         partition = core.one_block(partition)
@@ -150,20 +235,14 @@ def model_shape(cfg: RunConfig, config) -> ModelShape:
     for names in partition.blocks:
         layers = [int(n[len(prefix) :].split(".", 1)[0]) for n in names if n.startswith(prefix)]
         firsts.append(min(layers) if layers and len(layers) == len(names) else 0)  # non-layer: the embeddings
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
     trained = set(partition.all_names())
-    dtype = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
     return ModelShape(
         parameters=sum(p.numel() for p in params.values()),
         trainable=sum(params[n].numel() for n in partition.all_names()),
         blocks=tuple(sum(params[n].numel() for n in names) for names in partition.blocks),
         first_layers=tuple(firsts),
-        num_layers=text.num_hidden_layers,
-        hidden=text.hidden_size,
-        intermediate=getattr(text, "intermediate_size", None) or 4 * text.hidden_size,
-        vocab=text.vocab_size,
         layer_params=sum(p.numel() for n, p in params.items() if n.startswith(prefix + "0.") and n in trained),
-        dtype_bytes=4 if dtype.endswith("float32") else 2,
+        **widths,
     )
 
 
@@ -534,6 +613,8 @@ def probe_step_seconds(cfg: RunConfig, device: str = "", steps: int = 3) -> floa
     import statistics
     import time
 
+    import torch
+
     from .model import load_for_training
     from .node import node_device
     from .training import TrainSettings, train_block
@@ -574,11 +655,12 @@ def plan_command(
         return config
 
     shapes: dict[tuple, ModelShape] = {}
+    values = config_values(model)
 
     def shape_of(c: RunConfig) -> ModelShape:
         key = tuple(getattr(c, k) for k in SHAPE_KEYS)
         if key not in shapes:
-            shapes[key] = cached_shape(c, model, config_of)
+            shapes[key] = shape_for(c, model, config_of, values)
         return shapes[key]
 
     plan = make_plan(cfg, shape_of(cfg), num_nodes)

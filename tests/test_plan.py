@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from parablock_flwr.cli import main as cli_main
+from parablock_flwr.decoder_shapes import DECODERS, decoder_shapes
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_8B = ROOT / "docs" / "model-configs" / "llama-3.1-8b"
@@ -180,19 +181,152 @@ def test_plan_with_a_data_file_counts_its_datasets_cache(capsys, tmp_path):
     assert f"datasets_cache {data.stat().st_size / 2**30:,.1f}" in disk and "residual_store" not in disk
 
 
-def test_a_second_plan_of_a_model_does_not_import_transformers_modeling_code(tmp_path):
-    """Building the model on the meta device needs transformers' modeling code (seconds of imports):
-    the shape is cached, so a second plan of the same config and partition keys skips it."""
-    env = {**os.environ, "PARABLOCK_CACHE": str(tmp_path), "PYTHONPATH": str(ROOT)}
+def _plan_in_a_fresh_process(model: str, args: list[str], cache: Path) -> tuple[str, list[str]]:
+    """``plan``'s output in a new Python, and which of transformers, its modeling code and peft it
+    imported."""
+    env = {**os.environ, "PARABLOCK_CACHE": str(cache), "PYTHONPATH": str(ROOT)}
     code = (
         "import sys; from parablock_flwr.cli import main; "
-        f"assert main(['plan', {str(LLAMA_8B)!r}, '--step-time-s', '2']) == 0; "
-        "print('MODELING', 'transformers.modeling_utils' in sys.modules)"
+        f"assert main(['plan', {model!r}, *{args!r}]) == 0; "
+        "print('IMPORTED', [m for m in ('transformers', 'transformers.modeling_utils', 'peft') if m in sys.modules])"
     )
-    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True) for _ in "12"]
-    assert [r.returncode for r in runs] == [0, 0], runs[0].stderr[-2000:]
-    assert runs[0].stdout.endswith("MODELING True\n") and runs[1].stdout.endswith("MODELING False\n")
-    assert runs[0].stdout == runs[1].stdout.replace("MODELING False", "MODELING True")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out, _, imported = run.stdout.rpartition("IMPORTED ")
+    return out, json.loads(imported.replace("'", '"'))
+
+
+def test_a_first_plan_of_a_known_decoder_imports_neither_transformers_nor_peft(tmp_path):
+    """Llama-3.1-8B's shapes follow from its config.json by arithmetic: the first plan in an empty cache,
+    with LoRA and the fits' search, imports neither transformers (seconds) nor peft, and caches nothing."""
+    args = ['train="lora"', "--gpu-memory-gb", "24", "--step-time-s", "2"]
+    out, imported = _plan_in_a_fresh_process(str(LLAMA_8B), args, tmp_path)
+    assert "P=8.037 B parameters, 32 layers" in out and "fits a 24 GB GPU:" in out  # the adapters counted
+    assert imported == [] and not (tmp_path / "plan-shapes").exists()
+
+
+def test_a_second_plan_of_an_unknown_architecture_does_not_import_transformers_modeling_code(tmp_path):
+    """GPT-2 is not a decoder the arithmetic knows: plan builds it on the meta device (transformers'
+    modeling code) once and caches its shape, so a second plan of the same config and partition keys
+    skips it and prints the same."""
+    folder = tmp_path / "gpt2"
+    folder.mkdir()
+    values = {"model_type": "gpt2", "n_layer": 4, "n_embd": 64, "n_head": 4, "vocab_size": 1000,
+              "bos_token_id": 0, "eos_token_id": 0}  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(values))
+    runs = [_plan_in_a_fresh_process(str(folder), ["layers-per-block=2"], tmp_path / "cache") for _ in "12"]
+    assert "4 layers" in runs[0][0] and runs[0][0] == runs[1][0]
+    assert "transformers.modeling_utils" in runs[0][1] and "transformers.modeling_utils" not in runs[1][1]
+
+
+# Configs of each decoder the arithmetic knows, beside docs/model-configs and SmolLM2: every optional
+# key absent (the architecture's defaults), and each switch turned the other way.
+SMALL = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "num_hidden_layers": 3,
+         "vocab_size": 100}  # fmt: skip
+SWITCHED = {"num_key_value_heads": 2, "head_dim": 24, "tie_word_embeddings": True}
+SYNTHETIC = {
+    **{f"{arch}-defaults": {"model_type": arch, **SMALL} for arch in DECODERS},
+    **{f"{arch}-switched": {"model_type": arch, **SMALL, **SWITCHED} for arch in DECODERS},
+    "llama-biases": {"model_type": "llama", **SMALL, "attention_bias": True, "mlp_bias": True, "head_dim": None},
+    "qwen3-biases": {"model_type": "qwen3", **SMALL, "attention_bias": True, "num_key_value_heads": None},
+    "mistral-null-head-dim": {"model_type": "mistral", **SMALL, "head_dim": None, "num_key_value_heads": 1},
+}
+LORA = {
+    "full": {},
+    "lora-default": {"train": "lora"},
+    "lora-all-linear": {"train": "lora", "lora-target-modules": "all-linear", "lora-rank": 4},
+    "lora-mlp": {"train": "lora", "lora-target-modules": " gate_proj,down_proj,gate_proj", "lora-rank": 3},
+}
+
+
+def _config_folder(name: str, tmp_path: Path) -> Path:
+    """A folder with the named config.json: docs/model-configs', SmolLM2's (converted), a synthetic one."""
+    if name in SYNTHETIC:
+        (tmp_path / "config.json").write_text(json.dumps(SYNTHETIC[name]))
+        return tmp_path
+    if name == "smollm2":
+        from parablock_flwr.model import resolve_model
+
+        return Path(resolve_model("embedded:smollm2-135m-instruct"))  # converted once per machine (slow)
+    return ROOT / "docs" / "model-configs" / name
+
+
+DOC_CONFIGS = sorted(p.name for p in (ROOT / "docs" / "model-configs").iterdir() if p.is_dir())
+REAL_CONFIGS = [pytest.param("smollm2", marks=pytest.mark.slow), *DOC_CONFIGS]
+
+
+@pytest.mark.parametrize("lora", list(LORA))
+@pytest.mark.parametrize("name", REAL_CONFIGS + list(SYNTHETIC))
+def test_the_arithmetic_gives_the_parameters_of_transformers_own_model(name, lora, tmp_path):
+    """Every parameter's name and shape, in ``named_parameters`` order, as transformers builds the model
+    on the meta device and PEFT adds its adapters, for every config under docs/model-configs, SmolLM2,
+    and each known decoder with its defaults and its switches."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from parablock_flwr.config import RunConfig
+    from parablock_flwr.model import add_lora
+    from parablock_flwr.plan import model_config
+
+    folder = _config_folder(name, tmp_path)
+    cfg = RunConfig.from_flower({"model": str(folder), **LORA[lora]})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config(str(folder)))
+        model = add_lora(model, cfg) if cfg.trainable == "lora" else model
+    built = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    values = json.loads((folder / "config.json").read_text())
+    assert decoder_shapes(values, cfg.trainable, cfg.lora_rank, cfg.lora_target_modules) == built
+
+
+@pytest.mark.parametrize(
+    ("values", "lora_targets"),
+    [
+        ({"model_type": "gpt2", **SMALL}, ""),  # an architecture the arithmetic does not know
+        ({"model_type": "llama", **SMALL, "hidden_size": 66}, ""),  # 66 / 4 heads: transformers refuses it
+        ({"model_type": "qwen3", **SMALL, "head_dim": None}, ""),  # transformers cannot build it
+        ({"model_type": "llama", **{k: v for k, v in SMALL.items() if k != "vocab_size"}}, ""),
+        ({"model_type": "llama", **SMALL, "mlp_bias": "yes"}, ""),
+        ({"model_type": "llama", **SMALL}, "mlp"),  # not a linear layer: PEFT refuses it with its own words
+        ({"model_type": "llama", **SMALL}, "self_attn.q_proj"),  # PEFT's suffix match
+    ],
+)
+def test_the_arithmetic_leaves_what_it_does_not_know_to_transformers(values, lora_targets):
+    train = "lora" if lora_targets else "full"
+    assert decoder_shapes(values, train, 8, lora_targets) is None
+
+
+# The argument sets of this file's tests and docs/deploy-8b.md's plan, and the partition keys.
+PLAN_ARGS = [
+    ['weights="bf16"', "--gpu-memory-gb", "24"],
+    ['weights="bf16"', 'precision="bf16"', "max-seq-len=1024", "batch-size=8", "layers-per-block=8",
+     "--gpu-memory-gb", "24", "--num-nodes", "3"],
+    ['train="lora"', 'transfer-dtype="int8"', 'lora-target-modules="all-linear"', "lora-rank=16"],
+    ['non-layer-params="block"', "layers-per-block=3", "num-server-rounds=500", "--gpu-memory-gb", "48"],
+    ['algorithm="fedavg-lora"', "--gpu-memory-gb", "40"],
+    ['transfer-dtype="bf16"', "message-throughput-mbs=100.0", "uplink-mbps=1000.0", "message-overhead-s=5.0",
+     "local-steps=3", "--step-time-s", "2"],
+]  # fmt: skip
+
+
+# The built model's plan of a 70B model builds it on the meta device once per layers-per-block the fits try.
+PLAN_CONFIGS = [pytest.param(c, marks=pytest.mark.slow) if "70b" in c else c for c in DOC_CONFIGS]
+
+
+@pytest.mark.parametrize("name", [REAL_CONFIGS[0], *PLAN_CONFIGS])
+def test_the_plan_by_arithmetic_prints_what_the_plan_of_the_built_model_prints(name, tmp_path, monkeypatch, capsys):
+    """Every config under docs/model-configs and SmolLM2, with this file's argument sets: the same
+    text, character for character, as when every shape comes from the model built on the meta device."""
+    from parablock_flwr import plan
+
+    folder = str(_config_folder(name, tmp_path))
+    monkeypatch.setenv("PARABLOCK_CACHE", str(tmp_path / "cache"))  # no shape from an earlier plan
+    for args in PLAN_ARGS:
+        assert cli_main(["plan", folder, *args]) == 0
+        by_arithmetic = capsys.readouterr().out
+        with monkeypatch.context() as built:
+            built.setattr(plan, "arithmetic_shape", lambda cfg, values: None)
+            assert cli_main(["plan", folder, *args]) == 0
+        assert capsys.readouterr().out == by_arithmetic, args
 
 
 def test_plan_probes_a_step_on_this_machine(tiny_model_dir, capsys):

@@ -106,6 +106,8 @@ def app_config(size: str, args, out: Path) -> dict:
         "latency-ms": 0.0,
     }
     config.update(SIZES[size][0])
+    if args.transport == "direct":  # the blocks on the run's own stream (plaintext on loopback, as the SuperLink)
+        config["transport"] = "direct"
     if args.fast:
         config.update({"layers-per-block": 1, "train": "full"})
     return config
@@ -347,6 +349,8 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--fast", action="store_true", help="tiny model, 0.6 and 14 MB floor: a smoke run (no docs)")
     p.add_argument("--report", type=Path, help="run nothing: the tables, figure and docs from this window.json")
     p.add_argument("--no-docs", action="store_true", help="leave docs/ alone (a partial run: its tables only)")
+    p.add_argument("--transport", choices=("flower", "direct"), default="flower",
+                   help="the app's transport (docs/transport.md); direct implies --no-docs")  # fmt: skip
     p.add_argument("--out", type=Path)
     p.add_argument("--timeout-s", type=float, default=1800.0)
     args = p.parse_args(argv)
@@ -401,7 +405,7 @@ def report(results: dict, args) -> int:
     png = plot(results, args.out / "window.png")
     (args.out / "window.json").write_text(json.dumps(results, indent=1))
     print(results["tables"])
-    if not args.fast and not args.no_docs:
+    if not args.fast and not args.no_docs and args.transport == "flower":
         write_docs(results, png)
         print("wrote docs/results/window.json, docs/img/window.png and docs/results/window.md")
     return 0 if not any("error" in r for r in results["runs"]) else 1

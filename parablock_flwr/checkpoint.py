@@ -60,6 +60,14 @@ MAY_CHANGE_ON_RESUME = frozenset(
         "eval-cpus",
         "snapshot-every",
         "max-consecutive-rejections",
+        # How a block's bytes travel (docs/transport.md): the same bytes either way, and a restarted server
+        # may serve its stream elsewhere.
+        "transport",
+        "transport-address",
+        "transport-certfile",
+        "transport-keyfile",
+        "transport-ca",
+        "transport-insecure",
     }
 )
 

@@ -26,6 +26,7 @@ LR_SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine")
 CORRECTIONS = ("auto", "at-end", "on-receipt", "none")
 LR_SCHEDULE_SCOPES = ("round", "run")
 TOO_FEW_REPLIES = ("retry", "stop")
+TRANSPORTS = ("flower", "direct")  # how a block record's bytes travel in a deployment (docs/transport.md)
 TRANSFER_DTYPES = ("fp32", "bf16", "fp16", "int8")  # the keys of core.TRANSFER_DTYPES, the one table of them
 EVALUATIONS = ("server", "clients")
 WEIGHTS = ("fp32", "bf16")
@@ -126,6 +127,12 @@ class RunConfig:
     message_throughput_mbs: float = 0.0
     round_timeout_s: float = 3600.0
     pull_interval_s: float = 0.1
+    transport: str = "flower"
+    transport_address: str = ""
+    transport_certfile: str = ""
+    transport_keyfile: str = ""
+    transport_ca: str = ""
+    transport_insecure: bool = False
     max_update_norm: float = 0.0
     max_num_examples: int = 0
     max_correction_drift: float = 0.0
@@ -164,6 +171,7 @@ class RunConfig:
         self._check_devices()
         self._check_numbers()
         self._check_names()
+        self._check_transport()
 
     def _check_choices(self) -> None:
         """Keys whose value is one of a fixed set: a typo would otherwise select nothing, silently."""
@@ -281,6 +289,33 @@ class RunConfig:
             raise ConfigError("lora-target-modules='': expected comma-separated module names, e.g. q_proj,v_proj")
         if not self.model.strip():
             raise ConfigError("model='': expected a Hugging Face id, a local folder or embedded:<name>")
+
+    def _check_transport(self) -> None:
+        """``transport = "direct"``: the address the nodes dial, and TLS files or the explicit insecure switch.
+        The files are read where the service starts (the ServerApp), not here: the nodes validate this
+        config too, and the server's paths mean nothing on their machines."""
+        _one_of("transport", self.transport, TRANSPORTS)
+        if self.transport != "direct":
+            return
+        host, colon, port = self.transport_address.rpartition(":")
+        if not colon or not host or not port.isdigit() or int(port) > 65535:
+            raise ConfigError(
+                f"transport-address={self.transport_address!r}: expected host:port, the address the nodes dial "
+                f"(the ServerApp serves its port on every interface; port 0: any free port)"
+            )
+        keys = ("transport-certfile", "transport-keyfile", "transport-ca")
+        files = {k: getattr(self, k.replace("-", "_")) for k in keys}
+        if self.transport_insecure:
+            named = [f"{k}={v!r}" for k, v in files.items() if v]
+            if named:
+                raise ConfigError(f"{named[0]} with transport-insecure=true: expected TLS files or insecure, not both")
+            return
+        missing = [k for k, v in files.items() if not v]
+        if missing:
+            raise ConfigError(
+                f"{missing[0]}='': transport='direct' needs transport-certfile, transport-keyfile and transport-ca "
+                f"(TLS), or transport-insecure=true (plaintext)"
+            )
 
     def _check_uncorrected(self) -> None:
         """``correction = "none"`` is an ablation: its clients' models are not ``x^{r-1} + Δ_i^r``, so

@@ -16,6 +16,8 @@ read this module too. A block's tensors travel in records of their own beside th
 | a node's update, node -> server | ``TrainMetrics`` | the ``metrics`` record + ``update`` + ``trace`` |
 | the final evaluation's reply  | ``EvaluateReply`` | the ``metrics`` record (``EvaluateMetrics`` flat) |
 | which partition a node serves | ``PartitionAnswer`` | the ``node`` record of a QUERY reply      |
+| direct transport, server -> node | ``TransportOffer`` | the ``stream-offer`` record, for block records |
+| direct transport, node -> server | ``UpdateCommit`` | the ``stream-commit`` record, for ``update``   |
 | ClientApp -> node worker      | ``WorkerRequest`` | a frame's JSON header (``worker/protocol.py``) |
 | node worker -> ClientApp      | ``WorkerReply``   | a frame's JSON header                       |
 """
@@ -26,7 +28,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from .versions import PROTOCOL_VERSION
 
@@ -44,6 +46,11 @@ LOCAL_MODEL_DIGEST = "local-model-sha256"  # the trace's one key
 NODE = "node"  # the QUERY reply's record (``PartitionAnswer``)
 PROTOCOL_KEY = "protocol-version"  # in every round config and every worker frame (``versions.mismatch``)
 TRAIN, EVALUATE, PING = "train", "evaluate", "ping"  # what a worker request asks (``WorkerRequest.op``)
+OFFER = "stream-offer"  # transport = "direct": where the message's block records wait (``TransportOffer``)
+COMMIT = "stream-commit"  # transport = "direct": the update a reply commits, moved on the stream (``UpdateCommit``)
+# In a node's error reply: it could not fetch the message's records from the stream (its state is intact);
+# the server sends that node's next messages with their records on Flower's path.
+STREAM_UNUSABLE = "the direct transport's stream is unusable here: "
 
 
 class MessageError(ValueError):
@@ -211,6 +218,8 @@ class TrainMetrics:
     # Simulation: steps an actor read from the server's step log, and the process that computed.
     steps_from_log: int | None = _metric(COUNT)
     process_id: int | None = _metric(COUNT)
+    # transport = "direct": 1 when this update came on Flower's path because the node could not use the stream.
+    direct_fallbacks: int | None = _metric(COUNT)
     evaluation: EvaluateMetrics | None = None  # of x^{r-1}, when round r asked (its fields travel flat)
 
     def check(self) -> str | None:
@@ -326,6 +335,165 @@ class PartitionAnswer:
         return cls(value) if type(value) is int and value >= 0 else None
 
 
+# ------------------------------------------------------------------ transport = "direct" (docs/transport.md)
+MAX_ID = 2**64 - 1  # Flower's run and node ids are uint64: they travel as text (a config record's int is int64)
+MAX_SIZE = 2**63 - 1
+MAX_CA_PEM = 64 * 1024
+_HEX64 = frozenset("0123456789abcdef")
+
+
+class RecordOffer(NamedTuple):
+    """One of a message's block records, waiting on the stream: which record of ``BLOCK_RECORDS`` it stands
+    for, its name on the service, its size and SHA-256 (hex; what the node checks before it uses a byte),
+    and the node's download capability (hex). It travels as ``TransportOffer``'s parallel ``records-*`` lists."""
+
+    record: str
+    name: str
+    size: int
+    sha256: str
+    token: str
+
+
+@dataclass(frozen=True)
+class TransportOffer:
+    """What a round's message says of the stream, for one node and round: where it is, the CA to trust (the
+    message is authenticated by Flower: the CA is as trusted as the capabilities beside it), the block
+    records waiting there, and the capability to upload this round's update (its name and size bound)."""
+
+    address: str
+    run_id: int
+    node_id: int
+    server_round: int
+    ca_pem: str = ""  # "" only with insecure
+    insecure: bool = False
+    records: tuple[RecordOffer, ...] = ()
+    upload_name: str = ""  # "" when the message asks for no update (the final evaluation)
+    upload_token: str = ""
+    upload_max_size: int = 0
+
+    def to_config(self) -> dict[str, Any]:
+        """The ``transport`` config record: the records as parallel lists (``records-name``, ...)."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "records":
+                for sub in RecordOffer._fields:
+                    out[key(f"records_{sub}")] = [getattr(r, sub) for r in value]
+            else:
+                out[key(f.name)] = str(value) if f.name in ("run_id", "node_id") else value
+        return out
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> TransportOffer:
+        """The offer a node received, every field checked (``MessageError`` names the first that is not)."""
+        get = _Reader("transport offer", config)
+        lists = {sub: get.list(key(f"records_{sub}")) for sub in RecordOffer._fields}
+        if len({len(v) for v in lists.values()}) != 1 or len(lists["record"]) > len(BLOCK_RECORDS):
+            raise MessageError(f"transport offer: records-* lists of lengths {[len(v) for v in lists.values()]}: "
+                               f"expected equal, at most {len(BLOCK_RECORDS)}")  # fmt: skip
+        records = tuple(
+            RecordOffer(
+                record=get.check("records-record", r, r in BLOCK_RECORDS, f"one of {', '.join(BLOCK_RECORDS)}"),
+                name=get.check("records-name", n, _record_name(n), "1-128 of A-Z a-z 0-9 _ . : / -"),
+                size=get.check("records-size", z, type(z) is int and 0 <= z <= MAX_SIZE, "a size in bytes"),
+                sha256=get.check("records-sha256", h, _hex64(h), "64 lowercase hex digits"),
+                token=get.check("records-token", t, _hex64(t), "64 lowercase hex digits", secret=True),
+            )
+            for r, n, z, h, t in zip(*lists.values())
+        )
+        if len({r.record for r in records}) != len(records):
+            raise MessageError("transport offer: records-record names a record twice")
+        offer = cls(
+            address=get.text("address", 1, 300),
+            run_id=get.id("run-id"),
+            node_id=get.id("node-id"),
+            server_round=get.int("server-round", 0, MAX_ID),
+            ca_pem=get.text("ca-pem", 0, MAX_CA_PEM),
+            insecure=get.bool("insecure"),
+            records=records,
+            upload_name=get.text("upload-name", 0, 128),
+            upload_token=get.text("upload-token", 0, 64, secret=True),
+            upload_max_size=get.int("upload-max-size", 0, MAX_SIZE),
+        )
+        if offer.upload_name and not (_record_name(offer.upload_name) and _hex64(offer.upload_token)):
+            raise MessageError("transport offer: upload-name or upload-token malformed: expected a record name "
+                               "and 64 lowercase hex digits")  # fmt: skip
+        if offer.insecure == bool(offer.ca_pem):
+            raise MessageError("transport offer: expected a CA certificate (ca-pem) or insecure, exactly one")
+        return offer
+
+
+@dataclass(frozen=True)
+class UpdateCommit:
+    """A reply's update, moved on the stream: its size and SHA-256 (hex). The server aggregates only the
+    uploaded bytes whose digest is this one, which Flower's node authentication vouches for."""
+
+    update_size: int
+    update_sha256: str
+
+    def to_config(self) -> dict[str, Any]:
+        return {key(f.name): getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> UpdateCommit:
+        get = _Reader("update commit", config)
+        name = key("update_sha256")
+        sha256 = get.text(name, 64, 64)
+        if not _hex64(sha256):
+            raise MessageError(f"update commit: {name}={sha256!r:.40} expected 64 lowercase hex digits")
+        return cls(update_size=get.int(key("update_size"), 0, MAX_SIZE), update_sha256=sha256)
+
+
+def _hex64(value: Any) -> bool:
+    return isinstance(value, str) and len(value) == 64 and set(value) <= _HEX64
+
+
+def _record_name(value: Any) -> bool:
+    allowed = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.:/-"
+    return isinstance(value, str) and 1 <= len(value) <= 128 and all(c in allowed for c in value)
+
+
+class _Reader:
+    """Strict reads of a config record a peer sent: each value of its type and range, or one
+    ``MessageError`` line naming the field (a capability's value is never echoed)."""
+
+    def __init__(self, where: str, config: Mapping[str, Any]):
+        self.where, self.config = where, config
+
+    def _get(self, name: str) -> Any:
+        if name not in self.config:
+            raise MessageError(f"{self.where}: {name} missing")
+        return self.config[name]
+
+    def check(self, name: str, value: Any, ok: bool, expected: str, secret: bool = False) -> Any:
+        if not ok:
+            shown = "(hidden)" if secret else f"{value!r:.40}"
+            raise MessageError(f"{self.where}: {name}={shown} expected {expected}")
+        return value
+
+    def text(self, name: str, low: int, high: int, secret: bool = False) -> str:
+        value = self._get(name)
+        return self.check(name, value, isinstance(value, str) and low <= len(value) <= high,
+                          f"a string of {low}-{high} characters", secret)  # fmt: skip
+
+    def int(self, name: str, low: int, high: int) -> int:
+        value = self._get(name)
+        return self.check(name, value, type(value) is int and low <= value <= high, f"an integer in [{low}, {high}]")
+
+    def id(self, name: str) -> int:
+        value = self._get(name)
+        ok = isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 20
+        return int(self.check(name, value, ok and int(value) <= MAX_ID, "a decimal id in [0, 2**64 - 1]"))
+
+    def bool(self, name: str) -> bool:
+        value = self._get(name)
+        return bool(self.check(name, value, type(value) in (bool, int) and value in (0, 1), "true or false"))
+
+    def list(self, name: str) -> list:
+        value = self._get(name)
+        return list(self.check(name, value, isinstance(value, list | tuple), "a list"))
+
+
 # ------------------------------------------------------------------ ClientApp <-> node worker
 @dataclass(frozen=True)
 class WorkerRequest:
@@ -341,6 +509,8 @@ class WorkerRequest:
     partition_id: int = 0
     num_partitions: int = 1
     node: dict = field(default_factory=dict)  # the node config's settings (``node_data.NodeSettings.as_header``)
+    stream_offer: dict = field(default_factory=dict)  # ``TransportOffer.to_config`` (transport = "direct"), or empty
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("stream_offer",)  # fields a header may leave out (empty)
 
     def to_header(self) -> dict[str, Any]:
         return {key(f.name): getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -358,6 +528,8 @@ class WorkerRequest:
             if f.name == "op":
                 continue
             if name not in header:
+                if f.name in cls.OPTIONAL:
+                    continue
                 raise MessageError(f"worker request: {name} missing")
             value, expected = header[name], {"dict": dict, "int": int}[f.type]
             if type(value) is not expected or (expected is int and value < 0):
@@ -404,13 +576,15 @@ class WorkerReply:
     state_intact: bool = False
     pid: int = 0  # a ping's answer ...
     run_id: int | None = None  # ... and the run the worker is in
+    stream_commit: dict = field(default_factory=dict)  # ``UpdateCommit.to_config``: the update went on the stream
 
     def to_header(self) -> dict[str, Any]:
         if self.error:  # state-intact travels only when it is so (a reply without it: not intact)
             return {"error": self.error, **({key("state_intact"): True} if self.state_intact else {})}
         if self.pid:
             return {"pid": self.pid, key("run_id"): self.run_id}
-        return {"metrics": self.metrics, "trace": self.trace}
+        commit = {key("stream_commit"): self.stream_commit} if self.stream_commit else {}
+        return {"metrics": self.metrics, "trace": self.trace, **commit}
 
     @classmethod
     def from_header(cls, header: Mapping[str, Any]) -> WorkerReply:
@@ -421,7 +595,7 @@ class WorkerReply:
             if type(pid) is not int or not (run_id is None or type(run_id) is int):
                 raise MessageError(f"worker reply: pid={pid!r:.40}, run-id={run_id!r:.40} expected integers")
             return cls(pid=pid, run_id=run_id)
-        metrics, trace = header.get("metrics"), header.get("trace", {})
-        if not isinstance(metrics, dict) or not isinstance(trace, dict):
-            raise MessageError("worker reply: expected metrics and trace mappings")
-        return cls(metrics=metrics, trace=trace)
+        metrics, trace, commit = header.get("metrics"), header.get("trace", {}), header.get(key("stream_commit"), {})
+        if not isinstance(metrics, dict) or not isinstance(trace, dict) or not isinstance(commit, dict):
+            raise MessageError("worker reply: expected metrics, trace and stream-commit mappings")
+        return cls(metrics=metrics, trace=trace, stream_commit=commit)

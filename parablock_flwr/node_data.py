@@ -9,6 +9,10 @@ else ``cuda`` when there is one, else ``cpu``). ``state-dir="/var/lib/parablock/
 node worker keeps its error-feedback residuals (the worker's own ``--state-dir``, else ``SOCKET.state``):
 the worker refuses a message naming another, since no peer chooses where it writes.
 
+``transport="flower"`` keeps this site's blocks on Flower's path when the run offers its stream
+(``transport = "direct"``, docs/transport.md); ``transport-address="10.0.0.5:9095"`` is the stream's address
+as this site reaches it, when it is not the one the run names.
+
 ``allow-models`` and ``allow-data`` (each a list separated by spaces) bound what a run config may make
 the node load: its ``model`` and, for a node without its own ``dataset``, its ``dataset``. An entry is
 a value as the run config writes it (``/models/llama-8b``, ``meta-llama/Llama-3.1-8B-Instruct``,
@@ -31,7 +35,8 @@ PARTITION_ID = "partition-id"  # the node's identity: its data partition (or its
 NUM_PARTITIONS = "num-partitions"
 WORKER_SOCKET = "worker-socket"  # deployment: the node worker's Unix socket (none: the round runs inline)
 WORKER_UID = "worker-uid"  # the node worker's user, when it is not the ClientApp's
-NODE_SETTINGS_KEYS = ("dataset", "heldout-dataset", "device", "state-dir", "allow-models", "allow-data")
+NODE_SETTINGS_KEYS = ("dataset", "heldout-dataset", "device", "state-dir", "allow-models", "allow-data", "transport",
+                      "transport-address")  # fmt: skip
 NODE_CONFIG_KEYS = (PARTITION_ID, NUM_PARTITIONS, WORKER_SOCKET, WORKER_UID, *NODE_SETTINGS_KEYS)
 # An error reply whose reason starts with this says the node's model state is intact (a refused message,
 # out of memory, a data error): the server keeps that node's sync state (``node.StateIntact``).
@@ -70,6 +75,8 @@ class NodeSettings:
     state_dir: str = ""  # where the node worker keeps what must outlive it (default: beside its socket)
     allow_models: str = ""  # the models a run config may name here (space-separated; empty: any)
     allow_data: str = ""  # the datasets this node may load (space-separated; empty: any)
+    transport: str = ""  # "flower": this site moves blocks on Flower's path even when the run offers the stream
+    transport_address: str = ""  # host:port this site dials for the run's stream (default: the one the run names)
 
     @property
     def local(self) -> bool:
@@ -123,9 +130,16 @@ def _kind_and_path(value: str) -> tuple[str, str]:
 
 
 def node_settings_problem(node_config: Mapping[str, object]) -> str | None:
-    """One line saying what is wrong with the node config's data or device settings, or None."""
+    """One line saying what is wrong with the node config's data, device or transport settings, or None."""
     if "device" in node_config and not device_valid(node_config["device"]):
         return f"node config device={node_config['device']!r}: expected cpu, cuda or cuda:<index>"
+    if node_config.get("transport", "flower") != "flower":
+        return (f"node config transport={node_config['transport']!r}: expected \"flower\" (this site keeps to Flower's "
+                f"path), or no key (the run's transport)")  # fmt: skip
+    address = node_config.get("transport-address", "x:0")
+    host, colon, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
+    if not (host and colon and port.isdigit() and int(port) <= 65535):
+        return f"node config transport-address={address!r}: expected host:port (the run's stream as this site dials it)"
     for key in ("dataset", "heldout-dataset"):
         if key not in node_config:
             continue

@@ -15,6 +15,8 @@ import math
 import numpy as np
 
 _FORMAT = np.lib.format
+MAX_HEADER = 10_000  # an npy header's dict, at most (numpy's own default bound)
+HEAD_BYTES = 12 + MAX_HEADER  # magic, version and header length (format 2.0: 12 bytes), then the header
 
 
 class NpyError(ValueError):
@@ -33,16 +35,17 @@ def npy_view(data: bytes, name: str) -> np.ndarray:
     """The array an npy payload holds (its own header, not what anything else declares about it), as a
     read-only view of ``data``: nothing copied. Raises ``NpyError`` for a payload that is not a plain
     C-order npy array of numbers, or whose length is not what its header says."""
-    stream = io.BytesIO(data)  # shares the bytes: only the header is read from it
+    data = memoryview(data).cast("B")
+    stream = io.BytesIO(data[:HEAD_BYTES].tobytes())  # the header only: a payload is never copied
     try:
         version = _FORMAT.read_magic(stream)
         read_header = _FORMAT.read_array_header_1_0 if version == (1, 0) else _FORMAT.read_array_header_2_0
-        shape, fortran_order, dtype = read_header(stream, max_header_size=10_000)
+        shape, fortran_order, dtype = read_header(stream, max_header_size=MAX_HEADER)
     except Exception as err:  # a payload that is not an npy array: say so, never raise anything else
         raise NpyError(f"unreadable array {name}: {type(err).__name__}") from None
     if dtype.hasobject or fortran_order:
         raise NpyError(f"array {name}: dtype {dtype}, fortran order {fortran_order}; expected plain C-order numbers")
     offset, count = stream.tell(), math.prod(shape)
-    if len(data) - offset != count * dtype.itemsize:
-        raise NpyError(f"array {name}: {len(data) - offset:,} payload bytes, expected {count * dtype.itemsize:,}")
+    if data.nbytes - offset != count * dtype.itemsize:
+        raise NpyError(f"array {name}: {data.nbytes - offset:,} payload bytes, expected {count * dtype.itemsize:,}")
     return np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape)

@@ -22,6 +22,19 @@ from parablock_flwr.config import ConfigError, RunConfig, check_num_clients
         ),
         ({"correction": "none", "snapshot-every": 4}, "snapshot-every=4: expected 0 with correction='none'"),
         ({"eval-cpus": "2-x"}, "eval-cpus='2-x': expected CPU ids like 1, 0,2 or 2-7"),
+        ({"transport": "tcp"}, "transport='tcp': expected one of flower, direct"),
+        ({"transport": "direct"}, "transport-address='': expected host:port"),
+        ({"transport": "direct", "transport-address": "server:http"}, "transport-address='server:http': expected"),
+        ({"transport": "direct", "transport-address": ":9095"}, "transport-address=':9095': expected host:port"),
+        ({"transport": "direct", "transport-address": "s:9095"}, "transport-certfile='': transport='direct' needs"),
+        (
+            {"transport": "direct", "transport-address": "s:1", "transport-certfile": "a", "transport-keyfile": "b"},
+            "transport-ca='': transport='direct' needs",
+        ),
+        (
+            {"transport": "direct", "transport-address": "s:1", "transport-insecure": True, "transport-ca": "ca.crt"},
+            "transport-ca='ca.crt' with transport-insecure=true: expected TLS files or insecure, not both",
+        ),
     ],
 )
 def test_invalid_values_name_key_value_and_expectation(overrides, message):
@@ -94,3 +107,11 @@ def test_one_table_of_transfer_dtypes():
         "float16",
         "int8",
     ]
+
+
+def test_a_direct_transport_with_tls_or_explicitly_insecure_is_valid():
+    tls = {"transport-certfile": "s.pem", "transport-keyfile": "s.key", "transport-ca": "ca.crt"}
+    direct = RunConfig.from_flower({"transport": "direct", "transport-address": "server.example:9095", **tls})
+    assert direct.transport_ca == "ca.crt"
+    assert RunConfig.from_flower({"transport": "direct", "transport-address": "[::1]:0", "transport-insecure": True})
+    assert RunConfig.from_flower({"transport-address": "ignored with flower"}).transport == "flower"

@@ -54,6 +54,8 @@ def _ok(run):
 
 
 def test_deployment_equals_simulation_bit_for_bit(deployed, tmp_path, tiny_model_dir):
+    """The same global steps in a deployment and a simulation; the simulation keeps to Flower's path
+    whatever its ``transport`` says."""
     sim = simulate(
         tmp_path,
         tiny_model_dir,
@@ -61,8 +63,13 @@ def test_deployment_equals_simulation_bit_for_bit(deployed, tmp_path, tiny_model
         num_server_rounds=ROUNDS,
         verify_invariant=True,
         schedule="ascending",
+        transport="direct",
+        transport_address="localhost:0",
+        transport_insecure=True,
     )
     _ok(deployed), _ok(sim)
+    assert "transport='direct' is for deployments" in sim.stdout
+    assert "direct_fallbacks" not in sim.records[1]
     for version in range(1, ROUNDS + 1):
         (bd, sd), (bs, ss) = deployed.step(version), sim.step(version)
         assert bd == bs
@@ -139,8 +146,10 @@ def test_killed_server_resumes_at_any_round_in_a_restarted_deployment_bit_for_bi
     x^{R-1} (a full sync) and its own Δ_i^R back, and computes round R+1 from x^{R-1} + Δ_i^R; with
     bf16 transfer each worker also reads its error-feedback residuals back from its `state-dir` as
     of round R (written durably each round; the killed workers may have answered round R+1
-    already): every later global step equals the uninterrupted run's, bit for bit. (fp32
-    resume at every stage of a round: tests/test_simulation.py.)"""
+    already): every later global step equals the uninterrupted run's, bit for bit. The resumed
+    deployments run with ``transport = "direct"`` (the first one on Flower's path): the full syncs
+    and hand-backs move on the stream, and no node falls back. (fp32 resume at every stage of a round:
+    tests/test_simulation.py.)"""
     same = dict(num_server_rounds=LONG_ROUNDS, verify_invariant=True, schedule="ascending", transfer_dtype="bf16")
     states = [f'state-dir="{tmp_path / "state" / f"node-{i}"}"' for i in range(2)]
     resume_from, runs = {}, []
@@ -156,7 +165,7 @@ def test_killed_server_resumes_at_any_round_in_a_restarted_deployment_bit_for_bi
         assert not (killed.run_dir / "global-steps" / f"v{after_round + 1:05d}.safetensors").exists()
         assert list((tmp_path / "state" / "node-0" / "partition-0").glob(f"r{after_round:05d}-b*.safetensors"))
         runs.append(killed)
-        resume_from = {"resume_from": str(killed.run_dir)}
+        resume_from = {"resume_from": str(killed.run_dir), "transport": "direct"}
     runs.append(_ok(deploy(tmp_path / "resumed", tiny_model_dir, node_settings=states, **same, **resume_from)))
 
     # Each resumed deployment took over after its predecessor's round R, and computed rounds R+1..:
@@ -174,6 +183,7 @@ def test_killed_server_resumes_at_any_round_in_a_restarted_deployment_bit_for_bi
     for server_round in range(2, LONG_ROUNDS + 1):
         record = records[server_round]
         assert record["num_accepted"] == 2 and record["invariant_checked"] == 2 and record["invariant_failed"] == 0
+        assert (record["direct_fallbacks"], record["direct_refusals"]) == (0, 0), record
 
 
 def test_crashed_worker_restarts_and_nodes_resynchronise_under_partial_participation(tmp_path, tiny_model_dir):
@@ -260,9 +270,13 @@ def test_on_receipt_applies_the_aggregate_at_a_step_boundary_of_the_running_comp
     assert losses[-1] < losses[0]
 
 
-def test_tls_and_node_authentication_admit_a_registered_node_and_refuse_a_stranger(tmp_path, tiny_model_dir):
-    """TLS on the SuperLink, SuperNode authentication, keys registered with `flwr supernode register`:
-    the registered node trains; a node with an unregistered key is refused by the SuperLink."""
+def test_tls_node_authentication_and_the_direct_transport_give_the_same_model(deployed, tmp_path, tiny_model_dir):
+    """TLS on the SuperLink, SuperNode authentication, keys registered with `flwr supernode register`,
+    and ``transport = "direct"``: the registered nodes train, their blocks on the run's stream (TLS,
+    the SuperLink's certificate and CA); node 1 dials a wrong address for it, so its updates come on
+    Flower's path and its records follow them there, each counted; the global model is the one
+    ``deployed`` (Flower's path, the same seed) reaches, bit for bit. A node with an unregistered key
+    is refused by the SuperLink."""
     stranger = {}
 
     def start_stranger(deployment):
@@ -286,18 +300,30 @@ def test_tls_and_node_authentication_admit_a_registered_node_and_refuse_a_strang
             tmp_path,
             tiny_model_dir,
             on_started=start_stranger,
-            num_supernodes=1,
             secure=True,
-            num_server_rounds=2,
-            generate_examples=0,
+            node_settings=("", f'transport-address="localhost:{free_port()}"'),  # nothing listens there
+            transport="direct",
+            num_server_rounds=ROUNDS,
+            verify_invariant=True,
+            schedule="ascending",
         )
         returncode = stranger["proc"].wait(timeout=120)
     finally:
         if "proc" in stranger:
             stop_process_group(stranger["proc"])
-    _ok(run)
-    assert "Uvicorn running on https://" in (tmp_path / "flower" / "superlink.log").read_text()
+    _ok(run), _ok(deployed)
+    flower = tmp_path / "flower"
+    assert "Uvicorn running on https://" in (flower / "superlink.log").read_text()
     assert returncode != 0 and "Failed to activate SuperNode" in stranger["log"].read_text()
-    for rec in run.records[1:]:  # only the registered node was ever asked, and it trained
-        assert rec["num_replies"] == 1 and rec["num_accepted"] == 1, rec
+    for version in range(1, ROUNDS + 1):
+        (bd, sd), (bs, ss) = run.step(version), deployed.step(version)
+        assert bd == bs and all(torch.equal(sd[n], ss[n]) for n in sd), f"global step {version} differs"
+    for rec in run.records[1:]:  # only the registered nodes were asked; node 1 fell back every round
+        assert rec["num_replies"] == 2 and rec["num_accepted"] == 2 and rec["invariant_failed"] == 0, rec
+        assert rec["direct_fallbacks"] == 1 and rec["direct_refusals"] == 0, rec
+        same = deployed.records[rec["round"]]  # the bytes per round, as on Flower's path
+        assert (rec["wire_bytes_up"], rec["wire_bytes_down"]) == (same["wire_bytes_up"], same["wire_bytes_down"])
+    on_stream, fell_back = (flower / "worker-0.log").read_text(), (flower / "worker-1.log").read_text()
+    assert "direct transport: fetched" in on_stream and "direct transport: uploaded" in on_stream
+    assert fell_back.count("direct transport: the update goes inline") == 1  # logged once
     assert run.records[-1]["heldout_loss"] < run.records[0]["heldout_loss"]

@@ -236,3 +236,59 @@ def test_the_scan_finds_a_key_spelled_in_a_module(tmp_path):
     module = tmp_path / "reader.py"
     module.write_text('"""Reads ``server-round``."""\n\ndef read(config):\n    return config["server-round"]\n')
     assert spelled(module, message_keys(), tmp_path) == ["reader.py:4 'server-round'"]
+
+
+# ------------------------------------------------------------------ transport = "direct"
+def offer() -> messages.TransportOffer:
+    ref = messages.RecordOffer(messages.GLOBAL_STEP, "r3/global-step/1", 1234, "ab" * 32, "cd" * 32)
+    return messages.TransportOffer("server.example:9095", 2**64 - 1, 2**63 + 5, 3, "-----BEGIN CERTIFICATE-----",
+                                   records=(ref,), upload_name="r3/update/5", upload_token="ef" * 32,
+                                   upload_max_size=10**6)  # fmt: skip
+
+
+def test_a_transport_offer_and_a_commit_read_back():
+    assert messages.TransportOffer.from_config(offer().to_config()) == offer()
+    commit = messages.UpdateCommit(12, "0f" * 32)
+    assert messages.UpdateCommit.from_config(commit.to_config()) == commit
+    request = WorkerRequest("train", 5, {}, full_round().to_config(), 2, 4, {}, offer().to_config())
+    assert WorkerRequest.from_header(request.to_header()) == request
+    legacy = {k: v for k, v in request.to_header().items() if k != messages.key("stream_offer")}  # none sent
+    assert WorkerRequest.from_header(legacy).stream_offer == {}
+    reply = WorkerReply(metrics={"a": 1}, stream_commit=commit.to_config())
+    assert WorkerReply.from_header(reply.to_header()) == reply
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        ({"run-id": 5}, "run-id=5 expected a decimal id"),
+        ({"node-id": str(2**64)}, "node-id='18446744073709551616' expected a decimal id"),
+        ({"records-record": ["update"]}, "records-record='update' expected one of global-step"),
+        ({"records-size": [-1]}, "records-size=-1 expected a size in bytes"),
+        ({"records-token": ["AB" * 32]}, "records-token=(hidden) expected 64 lowercase hex digits"),
+        ({"records-sha256": ["ab" * 32, "ab" * 32]}, "records-* lists of lengths [1, 1, 1, 2, 1]"),
+        ({"upload-token": "x"}, "upload-name or upload-token malformed"),
+        ({"insecure": True}, "expected a CA certificate (ca-pem) or insecure, exactly one"),
+        ({"address": ""}, "address='' expected a string of 1-300 characters"),
+    ],
+)
+def test_a_malformed_transport_offer_is_one_line_naming_the_field(change, reason):
+    with pytest.raises(MessageError) as err:
+        messages.TransportOffer.from_config({**offer().to_config(), **change})
+    assert reason in str(err.value) and "\n" not in str(err.value)
+    assert "cd" * 32 not in str(err.value) and "ef" * 32 not in str(err.value)  # a capability is never echoed
+
+
+offer_keys = st.sampled_from(list(offer().to_config()) + ["other"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(offer_keys, json_values), st.sets(offer_keys))
+def test_whatever_a_server_sends_as_an_offer_is_read_or_refused_in_one_line(changes, dropped):
+    config = {k: v for k, v in {**offer().to_config(), **changes}.items() if k not in dropped}
+    try:
+        got = messages.TransportOffer.from_config(config)
+    except MessageError as err:
+        assert "\n" not in str(err) and "cd" * 32 not in str(err)
+        return
+    assert all(len(r.token) == 64 for r in got.records) and 0 <= got.upload_max_size

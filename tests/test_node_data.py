@@ -59,6 +59,13 @@ def test_node_settings_are_checked_in_one_line():
         "node config device='gpu0': expected cpu, cuda or cuda:<index>"
     )
     assert unknown_node_config_key({"partition-id": 1, "dataset": "alpaca:/a.jsonl", "device": "cuda:1"}) is None
+    assert unknown_node_config_key({"transport": "direct"}).startswith(
+        "node config transport='direct': expected \"flower\""
+    )
+    assert unknown_node_config_key({"transport-address": "site-a"}) == (
+        "node config transport-address='site-a': expected host:port (the run's stream as this site dials it)"
+    )
+    assert unknown_node_config_key({"transport": "flower", "transport-address": "10.0.0.5:9095"}) is None
     with pytest.raises(ValueError, match=r"device='cuda:3': this machine has \d+ CUDA devices"):
         node.node_device("cuda:3" if not torch.cuda.is_available() else f"cuda:{torch.cuda.device_count()}")
 

@@ -24,9 +24,11 @@ from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode, SType
 
 from ..messages import (
+    COMMIT,
     EVALUATE,
     METRICS,
     NODE,
+    OFFER,
     PROTOCOL_KEY,
     ROUND,
     TRACE,
@@ -169,8 +171,13 @@ def relay_to_worker(msg: Message, context: Context, socket_path: str, op: str = 
         clientapp_cpu_s=time.process_time(),  # this process's CPU: imports, Flower's pull, the relay
         clientapp_imported_torch=int("torch" in sys.modules),
     )
-    # The worker's update is already packed (wire.pack): its arrays become the record as they are.
-    content = RecordDict({UPDATE: ArrayRecord(update_arrays(update)), METRICS: MetricRecord(metrics)})
+    # The worker's update is already packed (wire.pack): its arrays become the record as they are; or it
+    # moved on the run's stream (transport = "direct") and the reply commits it.
+    content = RecordDict({METRICS: MetricRecord(metrics)})
+    if reply.stream_commit:
+        content[COMMIT] = ConfigRecord(reply.stream_commit)
+    else:
+        content[UPDATE] = ArrayRecord(update_arrays(update))
     if reply.trace:
         content[TRACE] = ConfigRecord(reply.trace)
     return Message(content=content, reply_to=msg)
@@ -181,8 +188,9 @@ def worker_request(msg: Message, context: Context, op: str) -> WorkerRequest:
     partition, its own data and device)."""
     partition_id, num_partitions = partition_of(context.node_config)
     settings = NodeSettings.from_node_config(context.node_config).as_header()
+    offer = dict(msg.content[OFFER]) if OFFER in msg.content.config_records else {}  # transport = "direct"
     return WorkerRequest(op, context.run_id, dict(context.run_config), dict(msg.content[ROUND]), partition_id,
-                         num_partitions, settings)  # fmt: skip
+                         num_partitions, settings, offer)  # fmt: skip
 
 
 def relayed_arrays(msg: Message) -> dict:

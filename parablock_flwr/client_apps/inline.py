@@ -26,7 +26,19 @@ from flwr.common.constant import ErrorCode
 
 from .. import node
 from ..config import RunConfig
-from ..messages import BLOCK_RECORDS, EVALUATE, METRICS, ROUND, TRACE, TRAIN, UPDATE, metrics_to_record
+from ..messages import (
+    BLOCK_RECORDS,
+    EVALUATE,
+    METRICS,
+    OFFER,
+    ROUND,
+    STREAM_UNUSABLE,
+    TRACE,
+    TRAIN,
+    UPDATE,
+    key,
+    metrics_to_record,
+)
 from ..node_data import STATE_INTACT, NodeSettings, error_line, partition_of
 from ..node_state import NodeState, PendingStore, ResidualStore
 from ..records import to_record, to_tensors
@@ -83,8 +95,20 @@ def _handle(msg: Message, context: Context, op: str) -> Message:
     return Message(content=content, reply_to=msg)
 
 
+def offered_the_stream(msg: Message) -> bool:
+    """``transport = "direct"`` reaching a node that runs its rounds here, without a node worker: it moves
+    nothing on the stream. Records offered there make the round an error, state intact (the server then
+    sends this node its records inline); an update it may upload goes inline, counted as a fallback."""
+    if OFFER not in msg.content.config_records:
+        return False
+    if msg.content[OFFER].get(key("records_record")):
+        raise node.StateIntact(f"{STREAM_UNUSABLE}this node runs its rounds in its ClientApp, without a node worker")
+    return True
+
+
 def _run(msg: Message, context: Context, op: str) -> RecordDict:
     cfg = RunConfig.from_flower(context.run_config)
+    fell_back = offered_the_stream(msg)
     setup_torch(cfg)
     res = node.resources(cfg, context.run_id, NodeSettings.from_node_config(context.node_config))
     partition_id, num_partitions = partition_of(context.node_config)
@@ -117,7 +141,8 @@ def _run(msg: Message, context: Context, op: str) -> RecordDict:
             resumed = ResidualStore(resumed_node_folder(req, partition_id))
     done = runtime.train(res, cfg, req, fetch_step, store, resumed)
     store_state(context.state, folder, before, runtime.state, cfg.transfer_dtype)
-    metrics = dataclasses.replace(done.metrics, steps_from_log=len(from_log), process_id=os.getpid())
+    metrics = dataclasses.replace(done.metrics, steps_from_log=len(from_log), process_id=os.getpid(),
+                                  direct_fallbacks=1 if fell_back else None)  # fmt: skip
     content = RecordDict(
         {UPDATE: to_record(done.update, cfg.transfer_dtype), METRICS: MetricRecord(metrics_to_record(metrics))}
     )

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from flwr.app import ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
+from flwr.superlink.grid.inmemory_grid import InMemoryGrid
 
 from .. import core
 from ..checkpoint import Checkpoint, check_resumable
@@ -32,7 +33,9 @@ from ..node import node_device
 from ..run_status import EXIT_CODES, write_status
 from ..runtime import setup_torch
 from ..strategies import strategy_class
+from ..strategies.direct import DirectMessages
 from ..strategies.run import Run, TooFewReplies
+from ..transport import RunTransport, StreamSettings, TransportSetupError
 from .evaluator import ServerEvaluator
 
 log = logging.getLogger(__name__)
@@ -137,8 +140,36 @@ def load(grid: Grid, context: Context, run: dict) -> Loaded:
 
 
 def run_app(grid: Grid, context: Context, run: dict) -> None:
-    """Validate, load, train; fills ``run`` (its folder, the ``Run``) as it goes."""
+    """Validate, load, train; fills ``run`` (its folder, the ``Run``) as it goes. With the direct transport,
+    the run's stream serves from before the first message to after the last reply."""
     loaded = load(grid, context, run)
+    direct = open_stream(loaded.cfg, grid, context.run_id)
+    try:
+        train(grid, context, run, loaded, direct)
+    finally:
+        if direct is not None:
+            direct.transport.stop()
+
+
+def open_stream(cfg: RunConfig, grid: Grid, run_id: int) -> DirectMessages | None:
+    """``transport = "direct"`` in a deployment: the run's stream, serving; None on Flower's path (always in
+    a simulation, whose messages never leave the machine). A file or port it cannot use fails the run as
+    an invalid configuration, before any round."""
+    if cfg.transport != "direct":
+        return None
+    if isinstance(grid, InMemoryGrid):
+        log.info("transport='direct' is for deployments: this simulation moves blocks in Flower's messages")
+        return None
+    try:
+        transport = RunTransport(StreamSettings.from_run_config(cfg), run_id, ttl_s=cfg.round_timeout_s)
+        transport.start()
+    except (TransportSetupError, OSError, RuntimeError) as err:
+        raise RunFailed("invalid-config", f"Invalid configuration: {err}") from err
+    return DirectMessages(transport)
+
+
+def train(grid: Grid, context: Context, run: dict, loaded: Loaded, direct: DirectMessages | None) -> None:
+    """The run folder, the algorithm, the evaluator and the ``Run``; then the rounds."""
     cfg, partition = loaded.cfg, loaded.partition
     run_dir = run["dir"] = make_run_dir(cfg.output_path, cfg.algorithm, context.run_id)
     replace_file(run_dir / "config.json", json.dumps(cfg.as_run_config(), indent=2, sort_keys=True) + "\n")
@@ -158,7 +189,7 @@ def run_app(grid: Grid, context: Context, run: dict) -> None:
     evaluator = None
     if loaded.heldout is not None or cfg.save_every:
         evaluator = ServerEvaluator(loaded.tokenizer, loaded.heldout, cfg, run_dir)
-    this_run = Run(algorithm, evaluator)
+    this_run = Run(algorithm, evaluator, direct)
     try:  # Round 1 sends no step; a resumed run sends g^R in round R+1.
         first_step = this_run.resume(cfg.resume_path, loaded.checkpoint) if loaded.checkpoint else ArrayRecord()
     except ValueError as err:

@@ -38,11 +38,13 @@ from ..messages import EvaluateReply, RoundConfig, TrainMetrics
 from ..metrics import RunRecorder, round_line
 from ..records import to_record
 from ..replica import StepLog
+from ..transport.server_side import update_bound
 from . import client_evaluation
 from .reply_checks import Reply
 from .round_stats import array_bytes, critical_path_rows
 
 if TYPE_CHECKING:
+    from .direct import DirectMessages
     from .fedbcd.server import FedBCD, RoundOutcome
 
 log = logging.getLogger(__name__)
@@ -69,8 +71,9 @@ class Run:
     its own, beside the loop: the loop hands it each durable round and never waits for it.
     """
 
-    def __init__(self, algorithm: FedBCD, evaluator=None):
+    def __init__(self, algorithm: FedBCD, evaluator=None, direct: DirectMessages | None = None):
         self.algorithm = algorithm
+        self.direct = direct  # transport = "direct" in a deployment: block records on the run's stream
         self.config = algorithm.config
         self.run_dir = run_dir = algorithm.run_dir
         self.step_log = StepLog(run_dir)  # g^1..g^r: clients catch up from it, resume replays it
@@ -137,7 +140,8 @@ class Run:
                 self._counts = self._new_counts()
                 self.prune_step_log()  # before the messages: no node of this round reads what it drops
                 config = self.round_part(server_round, self.client_evaluation_request(server_round - 1))
-                sent = self.push(grid, self.algorithm.configure_train(server_round, arrays, config, grid))
+                messages = self.algorithm.configure_train(server_round, arrays, config, grid)
+                sent = self.push(grid, self.outgoing(server_round, messages))
                 self._times["pushed"] = time.time()
                 self._times.pop("first_reply_checked", None)
                 if due is not None:
@@ -145,7 +149,7 @@ class Run:
                     self._times["previous_finished"] = time.time()  # beside the message's way to the nodes
                 self.staged()
                 clear_staged_pending(self.run_dir)  # what an earlier, failed attempt staged
-                replies = self.replies_as_they_arrive(grid, sent)
+                replies = self.replies_as_they_arrive(grid, sent, server_round)
                 outcome = self.aggregate(server_round, replies, sent, grid, (arrays, config))
                 numbers = {k: v for k, v in outcome.record.items() if type(v) in (int, float)}
                 arrays = result.arrays = outcome.arrays
@@ -209,8 +213,10 @@ class Run:
             accepted, replies, sent = outcome.accepted, [], {}
             if len(accepted) < self.config.min_accepted_replies:  # (else: aggregate again, with none)
                 sent = self.retry(grid, outcome, message)
-                replies = self.replies_as_they_arrive(grid, sent)
+                replies = self.replies_as_they_arrive(grid, sent, server_round)
         self.log_step(server_round, outcome.block, outcome.step)
+        if self.direct is not None:  # the round's fallbacks and refusals; its capabilities and records forgotten
+            outcome.record.update(self.direct.end_round(server_round))
         reasons = {r.node: r.reason for r in outcome.rejected}
         self.note_participation(self.algorithm.round_nodes, {r.node for r in outcome.accepted}, reasons)
         self.collect_client_evaluation(server_round - 1, outcome.accepted)
@@ -234,7 +240,22 @@ class Run:
         log.warning("round %d: %d valid replies, fewer than min-accepted-replies=%d: re-sending to %d nodes "
                     "(retry %d of %d)", outcome.server_round, len(outcome.accepted), cfg.min_accepted_replies,
                     len(nodes), retries + 1, cfg.max_round_retries)  # fmt: skip
-        return self.push(grid, self.algorithm.train_messages(outcome.server_round, nodes, *message))
+        messages = self.algorithm.train_messages(outcome.server_round, nodes, *message)
+        return self.push(grid, self.outgoing(outcome.server_round, messages))
+
+    def outgoing(self, server_round: int, messages: Iterable[Message], update: bool = True) -> Iterator[Message]:
+        """``messages`` as they are pushed: with the direct transport, each one's block records moved onto
+        the run's stream (``DirectMessages.outgoing``), with a capability to upload the round's update
+        (``update``), bounded by its block's size."""
+        if self.direct is None:
+            yield from messages
+            return
+        bound = None
+        if update:
+            names = self.algorithm.partition.names(self.algorithm.block_for_round(server_round))
+            bound = update_bound(sum(self.algorithm.global_params[n].numel() for n in names), len(names))
+        for msg in messages:
+            yield self.direct.outgoing(msg, server_round, bound)
 
     def push(self, grid: Grid, messages: Iterable[Message]) -> dict[str, int]:
         """Push ``messages`` (each expires after ``round-timeout-s``); returns message id -> node
@@ -271,10 +292,11 @@ class Run:
                 self._counts["messages_not_pushed"] += 1
         return sent
 
-    def replies_as_they_arrive(self, grid: Grid, sent: dict[str, int]) -> Iterator[Message]:
+    def replies_as_they_arrive(self, grid: Grid, sent: dict[str, int], server_round: int = 0) -> Iterator[Message]:
         """Each reply as soon as it is pulled (every ``pull-interval-s``), until all have come or
         the deadline (``round-timeout-s`` after the push) passes: the aggregation checks each on
-        arrival.
+        arrival. With the direct transport, a reply's update committed on the stream is taken from it
+        first (``DirectMessages.incoming``): round ``server_round``'s upload, checked by its digest.
 
         Messages still unanswered at the deadline are abandoned: they expire on the SuperLink at
         the same time (their TTL), and a reply to one that still arrives later is pulled and
@@ -299,7 +321,7 @@ class Run:
                 node = waiting.pop(mid)
                 self._times["last_reply"] = self._arrivals[node] = time.time()
                 self._times.setdefault("first_reply_checked", self._times["last_reply"])  # checked on arrival
-                yield reply
+                yield reply if self.direct is None else self.direct.incoming(reply, server_round, node)
             if waiting:
                 time.sleep(self.pull_interval_s)
         now = time.monotonic()
@@ -414,9 +436,12 @@ class Run:
             return
         config = self.round_part(num_rounds + 1, self.client_evaluation_request(num_rounds), resumed=False)
         messages = self.algorithm.configure_evaluate(num_rounds + 1, arrays, config, grid)
-        replies = self.replies_as_they_arrive(grid, self.push(grid, messages))
+        sent = self.push(grid, self.outgoing(num_rounds + 1, messages, update=False))
+        replies = self.replies_as_they_arrive(grid, sent, num_rounds + 1)
         if rows := client_evaluation.valid_rows(replies, num_rounds):
             self.client_evaluations[num_rounds] = client_evaluation.aggregate(rows)
+        if self.direct is not None:
+            self.direct.end_round(num_rounds + 1)  # its capabilities and records forgotten
 
     def finish_round(self, server_round: int) -> None:
         """Round r's record and checkpoint made durable, then its evaluation handed on (r = 0: the

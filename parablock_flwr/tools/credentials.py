@@ -37,6 +37,11 @@ class TlsFiles:
     server_key: Path  # the SuperLink's --ssl-keyfile
 
 
+def tls_files(folder: Path) -> TlsFiles:
+    """Where ``make_tls`` writes its files in ``folder`` (a launcher names them before they exist)."""
+    return TlsFiles(Path(folder) / "ca.crt", Path(folder) / "server.pem", Path(folder) / "server.key")
+
+
 def make_tls(folder: Path, hosts: tuple[str, ...] = ("127.0.0.1", "localhost"), days: int = 7) -> TlsFiles:
     """A CA and a SuperLink certificate valid for ``hosts`` (IP addresses or DNS names)."""
     folder = Path(folder)
@@ -68,7 +73,7 @@ def make_tls(folder: Path, hosts: tuple[str, ...] = ("127.0.0.1", "localhost"), 
         .add_extension(x509.SubjectAlternativeName(names), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
-    files = TlsFiles(folder / "ca.crt", folder / "server.pem", folder / "server.key")
+    files = tls_files(folder)
     files.ca_cert.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
     files.server_cert.write_bytes(server_cert.public_bytes(serialization.Encoding.PEM))
     log.debug("TLS files for %s in %s", ", ".join(hosts), folder)

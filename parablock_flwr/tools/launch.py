@@ -31,7 +31,7 @@ from pathlib import Path
 
 from ..run_status import EXIT_CODES, read_status
 from .app_config import OverrideError, app_config, check_overrides, find_project_dir, toml_value
-from .credentials import TlsFiles, make_node_key, make_tls
+from .credentials import TlsFiles, make_node_key, make_tls, tls_files
 
 log = logging.getLogger(__name__)
 
@@ -611,14 +611,15 @@ def run_deployment(
     SuperNode i's ``--node-config`` (its own data and device, e.g. ``dataset="alpaca:/srv/a.jsonl"``).
     """
     app_dir = find_project_dir() if app_dir is None else Path(app_dir)
+    workdir = Path(workdir)
     run_config = {"min-available-nodes": num_supernodes, **run_config}  # start once every node is connected
+    run_config = {**direct_transport(run_config, tls_files(workdir / "credentials") if secure else None), **run_config}
     if (bad := check_run_config(run_config, app_dir)) is not None:
         return bad
-    workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    tls = make_tls(workdir / "credentials") if secure else None
     env = flower_env(workdir / "flwr-home")
     env["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] = "0.2"  # the only Flower poll that can be tuned
-    tls = make_tls(workdir / "credentials") if secure else None
     with contextlib.ExitStack() as stack:
         # Unix socket paths are limited to ~100 bytes: keep them short, under /tmp.
         sockets = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="parablock-")))
@@ -629,6 +630,21 @@ def run_deployment(
         if on_started is not None:
             on_started(LocalDeployment(workdir, superlink, env, workers, tls))
         return flwr_run(workdir, run_config, app_dir, timeout_s, capture)
+
+
+def direct_transport(run_config: Mapping[str, object], tls: TlsFiles | None) -> dict[str, object]:
+    """``transport = "direct"`` on loopback, where the run config leaves it open: the stream on any free port
+    of ``localhost`` (the ServerApp runs on the SuperLink's host), secured as the SuperLink is: its own
+    certificate and CA with ``secure``, else plaintext, as its ``--insecure``."""
+    if run_config.get("transport") != "direct":
+        return {}
+    out: dict[str, object] = {"transport-address": "localhost:0"}
+    keys = ("transport-certfile", "transport-keyfile", "transport-ca", "transport-insecure")
+    if any(key in run_config for key in keys):
+        return out  # the run config chose how the stream is secured
+    if tls is None:
+        return {**out, "transport-insecure": True}
+    return {**out, **dict(zip(keys, (str(tls.server_cert), str(tls.server_key), str(tls.ca_cert)), strict=False))}
 
 
 def _start_workers(

@@ -18,7 +18,12 @@ from parablock_flwr.transport.service import CHUNK_BYTES, DOWNLOAD, MESSAGE_LIMI
 
 
 class TransportError(Exception):
-    """The stream failed for a reason that is not a refusal (unreachable, broken): the caller falls back."""
+    """The stream failed for a reason that is not a refusal (unreachable, broken): the caller falls back.
+    ``code``: gRPC's status code name (``UNAVAILABLE``: the service could not be reached, TLS included)."""
+
+    def __init__(self, text: str, code: str = ""):
+        super().__init__(text)
+        self.code = code
 
 
 def _identity(b):
@@ -26,20 +31,33 @@ def _identity(b):
 
 
 class TransportClient:
-    """A channel to the stream service: TLS with the operator's CA file, or plaintext with ``insecure=True``."""
+    """A channel to the stream service: TLS with the operator's CA (a file, or its PEM bytes as a node gets
+    them in Flower's message), or plaintext with ``insecure=True``."""
 
     def __init__(
-        self, address: str, ca_file: Path | None = None, insecure: bool = False, timeout_s: float | None = None
+        self,
+        address: str,
+        ca_file: Path | None = None,
+        insecure: bool = False,
+        timeout_s: float | None = None,
+        ca_pem: bytes | None = None,
+        connect_timeout_s: float | None = None,
     ):
-        if insecure == (ca_file is not None):
-            raise ValueError(f"ca_file={ca_file!r}, insecure={insecure}; give the CA file for TLS, or insecure=True")
+        if insecure == (ca_file is not None or bool(ca_pem)) or (ca_file is not None and ca_pem):
+            raise ValueError(
+                f"ca_file={ca_file!r}, ca_pem given: {bool(ca_pem)}, insecure={insecure}; give one CA (file or PEM) "
+                f"for TLS, or insecure=True"
+            )
         options = [("grpc.max_receive_message_length", MESSAGE_LIMIT), ("grpc.max_send_message_length", MESSAGE_LIMIT)]
+        if connect_timeout_s is not None:  # gRPC's connection attempt lasts at least this (default 20 s)
+            options.append(("grpc.min_reconnect_backoff_ms", max(1, int(connect_timeout_s * 1000))))
         if insecure:
             self._channel = grpc.insecure_channel(address, options=options)
         else:
-            credentials = grpc.ssl_channel_credentials(root_certificates=Path(ca_file).read_bytes())
+            root = ca_pem if ca_pem else Path(ca_file).read_bytes()
+            credentials = grpc.ssl_channel_credentials(root_certificates=root)
             self._channel = grpc.secure_channel(address, credentials, options=options)
-        self._timeout = timeout_s
+        self.timeout_s = timeout_s  # each call's deadline (None: none)
         self._upload = self._channel.stream_unary(UPLOAD, request_serializer=_identity, response_deserializer=_identity)
         self._download = self._channel.unary_stream(
             DOWNLOAD, request_serializer=_identity, response_deserializer=_identity
@@ -68,7 +86,7 @@ class TransportClient:
             for start in range(0, view.nbytes, CHUNK_BYTES):
                 yield bytes(view[start : start + CHUNK_BYTES])
 
-        self._call(lambda: self._upload(messages(), timeout=self._timeout))
+        self._call(lambda: self._upload(messages(), timeout=self.timeout_s))
         return sha256
 
     def download(self, ticket: Ticket, size: int, sha256: str) -> bytearray:
@@ -78,7 +96,7 @@ class TransportClient:
 
         def receive() -> bytearray:
             data, digest, got = bytearray(size), hashlib.sha256(), 0
-            for chunk in self._download(encode_header(ticket), timeout=self._timeout):
+            for chunk in self._download(encode_header(ticket), timeout=self.timeout_s):
                 if got + len(chunk) > size:
                     raise TransportError(f"record {ticket.record!r}: more than the announced {size} bytes")
                 data[got : got + len(chunk)] = chunk
@@ -104,4 +122,4 @@ class TransportClient:
             kind = prefix.removeprefix("refused ")
             if prefix.startswith("refused ") and kind in RefusalKind.__members__.values():
                 raise Refused(RefusalKind(kind), rest) from None
-            raise TransportError(f"{error.code().name}: {details}") from None
+            raise TransportError(f"{error.code().name}: {details}", error.code().name) from None

@@ -144,23 +144,37 @@ class Inbox:
         with self._lock:
             self._records[_slot(ticket)] = (sha256, data)
 
-    def claim(self, run_id: int, node_id: int, round: int, record: str, sha256: str) -> bytearray | None:
-        """The uploaded bytes when their digest equals ``sha256`` (from the node's Flower reply), and
-        None when nothing was uploaded (the caller falls back). A different digest is refused, counted,
-        and leaves the inbox as it was."""
+    def claim(
+        self, run_id: int, node_id: int, round: int, record: str, sha256: str, size: int | None = None
+    ) -> bytearray | None:
+        """The uploaded bytes when their digest equals ``sha256`` (from the node's Flower reply) and their
+        length ``size`` (when given), and None when nothing was uploaded (the caller falls back). A different
+        digest or size is refused, counted, and leaves the inbox as it was."""
         with self._lock:
             held = self._records.get((run_id, node_id, round, record))
             if held is None:
                 return None
+            where = f"node {node_id} round {round} record {record!r}"
+            refused = None
             if not hmac.compare_digest(held[0], sha256):
+                refused = Refused(RefusalKind.DIGEST_MISMATCH, f"{where}: the reply's SHA-256 is not the uploaded one")
+            elif size is not None and size != len(held[1]):
                 refused = Refused(
-                    RefusalKind.DIGEST_MISMATCH,
-                    f"node {node_id} round {round} record {record!r}: the reply's SHA-256 is not the uploaded one",
+                    RefusalKind.SIZE_MISMATCH, f"{where}: {len(held[1])} bytes uploaded; the reply commits {size}"
                 )
+            if refused is not None:
                 self._refusals.add(refused)
                 raise refused
             del self._records[(run_id, node_id, round, record)]
             return held[1]
+
+    def drop_round(self, run_id: int, round: int) -> int:
+        """Forget a round's uploads no reply claimed (the round ended); how many were dropped."""
+        with self._lock:
+            slots = [slot for slot in self._records if slot[:1] + slot[2:3] == (run_id, round)]
+            for slot in slots:
+                del self._records[slot]
+            return len(slots)
 
     def __len__(self) -> int:
         with self._lock:

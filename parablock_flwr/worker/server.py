@@ -46,6 +46,7 @@ from ..runtime import setup_torch
 from ..wire import WireError, pack_pieces, unpack
 from .endpoint import MessageLimit, WorkerSocket
 from .protocol import ProtocolError, recv, send
+from .stream import WorkerStream
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,7 @@ class NodeWorker:
         self.last_reply_sent = 0.0
         self.last_request = time.time()  # for the optional idle exit
         self.message_limit = MessageLimit()  # the most array bytes a message may declare (serve sets it)
+        self.stream = WorkerStream()  # transport = "direct": the run's stream, its channels kept across rounds
 
     # ------------------------------------------------------------ requests
     def serve_request(self, header: dict, arrays: dict[str, np.ndarray]) -> tuple[dict, dict[str, list[np.ndarray]]]:
@@ -113,7 +115,8 @@ class NodeWorker:
         # A repeat is the same round with nothing that replaces the node's state: a round that carries a
         # full sync (or a hand-back) says the server dropped what it knew of the node, so it is computed
         # again from that state every time, never answered with a reply computed before.
-        replaces = config.sync_version is not None or any(relay_split(n)[0] == RESUME_PENDING for n in arrays)
+        replaces = config.sync_version is not None or config.resume_pending_block is not None
+        replaces = replaces or any(relay_split(n)[0] == RESUME_PENDING for n in arrays)
         key = (request.op, request.run_id, request.partition_id, config.server_round)
         with self.lock:
             if self.last is not None and self.last[0] == key and not replaces:
@@ -139,6 +142,9 @@ class NodeWorker:
         if (refused := settings.refusal(cfg.model, cfg.dataset)) is not None:
             raise node.Refused(refused)  # before admit: a run this node refuses does not take it from its run
         self.admit(request)
+        offer = self.stream.offer(request)  # transport = "direct": the records wait on the run's stream
+        if offer is not None:
+            arrays = {**arrays, **self.stream.fetch(offer, settings, cfg.round_timeout_s)}
         setup_torch(cfg)
         res = node.resources(cfg, request.run_id, settings)
         req = node.Request.parse(request.op, request.run_id, request.round, split_records(arrays),
@@ -155,7 +161,18 @@ class NodeWorker:
         pieces = pack_pieces(done.update, cfg.transfer_dtype)
         bytes_out = sum(p.nbytes for parts in pieces.values() for p in parts)
         log.info(round_line(metrics, sum(a.nbytes for a in arrays.values()), bytes_out))
-        return WorkerReply(metrics=metrics_to_record(metrics), trace=done.trace).to_header(), pieces
+        return self.train_reply(metrics, done.trace, pieces, offer, settings, cfg.round_timeout_s)
+
+    def train_reply(self, metrics: TrainMetrics, trace: dict, pieces: dict, offer, settings, timeout_s: float):
+        """The round's reply: with the direct transport, the update uploaded and the reply committing it, or
+        (the stream unusable) the update inline, counted as a fallback (``direct-fallbacks``)."""
+        if offer is not None and offer.upload_name:
+            commit = self.stream.upload(offer, settings, pieces, timeout_s)
+            if commit is not None:
+                reply = WorkerReply(metrics=metrics_to_record(metrics), trace=trace, stream_commit=commit.to_config())
+                return reply.to_header(), {}
+            metrics = dataclasses.replace(metrics, direct_fallbacks=1)
+        return WorkerReply(metrics=metrics_to_record(metrics), trace=trace).to_header(), pieces
 
     @staticmethod
     def steps_of(req: node.Request, res: node.NodeResources):

@@ -1,0 +1,111 @@
+"""``transport = "direct"`` in the ServerApp: each message's block records moved onto the run's stream before
+the push, and each reply's committed update taken from it after the pull, so that everything between (the
+algorithm's messages, the reply checks, ``wire.unpack``, the bytes counted per round) is what Flower's
+path gives (docs/transport.md).
+
+A node's records go on the stream until it shows it cannot use it: a reply that carries its update inline
+with ``direct-fallbacks`` (its upload failed, or its site keeps to Flower's path), or an error reply that
+says it could not fetch them (``messages.STREAM_UNUSABLE``). Its next messages then carry their records
+inline, with an upload capability still, and the first update it commits on the stream brings it back.
+Each such message is counted (``direct_fallbacks``) and logged once per node (``RunTransport.fell_back``).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message
+from flwr.common.constant import ErrorCode, SType
+
+from ..messages import (
+    BLOCK_RECORDS,
+    COMMIT,
+    METRICS,
+    OFFER,
+    STREAM_UNUSABLE,
+    UPDATE,
+    MessageError,
+    UpdateCommit,
+    key,
+)
+from ..npy import npy_view
+from ..transport import Refused, RunTransport
+
+log = logging.getLogger(__name__)
+FALLBACKS = key("direct_fallbacks")
+DIRECT = "direct transport:"  # what a reply rejected here says first
+
+
+class DirectMessages:
+    """The run's side of ``transport = "direct"`` around Flower's messages (the module's docstring)."""
+
+    def __init__(self, transport: RunTransport):
+        self.transport = transport
+        self.on_stream: dict[int, bool] = {}  # node -> whether its records go on the stream (default: yes)
+
+    def outgoing(self, msg: Message, server_round: int, upload_max_size: int | None) -> Message:
+        """``msg`` with its block records on the stream (unless its node is on Flower's path) and the offer
+        in their place; ``upload_max_size``: the bound on the node's update (None: the message asks for none)."""
+        node, content = msg.metadata.dst_node_id, msg.content
+        records = {name: content.array_records[name] for name in BLOCK_RECORDS if name in content.array_records}
+        if not self.on_stream.get(node, True):
+            records = {}  # they stay in the message: this node fetches nothing
+        offer = self.transport.offer(server_round, node, records, upload_max_size)
+        for name in records:
+            del content[name]
+        content[OFFER] = ConfigRecord(offer.to_config())
+        return msg
+
+    def incoming(self, reply: Message, server_round: int, node: int) -> Message:
+        """``reply`` with its committed update taken from the stream (as the ``update`` record Flower's path
+        carries), or an error reply in its place saying why it must be rejected (``rejected``). A reply on
+        Flower's path is returned as it is, its fallback noted."""
+        why = self._take(reply, server_round, node)
+        return reply if why is None else rejected(reply, why)
+
+    def _take(self, reply: Message, server_round: int, node: int) -> str | None:
+        if reply.has_error():
+            if STREAM_UNUSABLE in str(reply.error.reason):
+                self._fell_back(node, "it could not fetch the round's records from the stream")
+            return None
+        content = reply.content
+        if COMMIT not in content.config_records:
+            metrics = content.metric_records.get(METRICS)
+            if metrics is not None and type(metrics.get(FALLBACKS)) is int and metrics[FALLBACKS] > 0:
+                self._fell_back(node, "its update came inline")
+            return None
+        if UPDATE in content.array_records:
+            return "a reply with both an update and a commit of one on the stream: expected one"
+        try:
+            commit = UpdateCommit.from_config(dict(content.config_records[COMMIT]))
+            payloads = self.transport.claim(server_round, node, commit)
+        except (MessageError, Refused) as err:
+            return str(err) if isinstance(err, MessageError) else err.line()
+        if payloads is None:
+            return (f"its update ({commit.update_size} bytes) is committed but was not uploaded on the stream in round "
+                    f"{server_round}")  # fmt: skip
+        content[UPDATE] = ArrayRecord({name: _array(payload, name) for name, payload in payloads.items()})
+        del content[COMMIT]
+        self.on_stream[node] = True
+        return None
+
+    def _fell_back(self, node: int, why: str) -> None:
+        self.on_stream[node] = False
+        self.transport.fell_back(node, why)
+
+    def end_round(self, server_round: int) -> dict[str, int]:
+        """The round's counts for its record; its capabilities, records and unclaimed uploads forgotten."""
+        return self.transport.end_round(server_round)
+
+
+def rejected(reply: Message, why: str) -> Message:
+    """An error reply in place of ``reply`` (same sender, same message answered): the reply checks reject it
+    with ``why``, and its node, whose update the server could not take, gets a full sync next."""
+    return Message(error=Error(code=ErrorCode.UNKNOWN, reason=f"{DIRECT} {why}"), metadata=copy.copy(reply.metadata))
+
+
+def _array(payload: memoryview, name: str) -> Array:
+    """Flower's ``Array`` of an npy payload: the ``Array`` Flower's path would have delivered."""
+    view = npy_view(payload, name)  # checked by the claim already
+    return Array(dtype=str(view.dtype), shape=view.shape, stype=SType.NUMPY, data=payload.tobytes())

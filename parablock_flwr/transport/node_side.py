@@ -1,0 +1,135 @@
+"""The node side of the direct transport: a round's block records fetched, and its update uploaded, on the
+stream a ``messages.TransportOffer`` names.
+
+Each fetched record is checked against the size and SHA-256 in Flower's message before a byte is used
+(``TransportClient.download``), then read as the arrays Flower's path would have delivered
+(``framing``). When the stream cannot be used (the address does not answer, a TLS failure, a refusal),
+``StreamUnusable`` says why in one line and the caller falls back to Flower's path for that message. An
+address that did not answer is not dialled again for ``retry_after_s``: a site whose firewall drops the
+port pays the connection timeout once a minute, not once a message. No Flower and no torch here: the
+node worker imports it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Mapping
+
+import numpy as np
+
+from ..messages import TransportOffer, UpdateCommit, relay_name
+from ..npy import npy_view
+from .capabilities import Direction, Refused, Ticket
+from .client import TransportClient, TransportError
+from .framing import FramingError, frame, frame_pieces, unframe
+
+log = logging.getLogger(__name__)
+
+
+class StreamUnusable(Exception):
+    """The stream could not move a record; the message is one line (no token, no payload)."""
+
+
+class NodeTransport:
+    """One node's channels to the stream, kept across rounds (one per address and CA)."""
+
+    def __init__(
+        self,
+        address: str = "",
+        connect_timeout_s: float = 5.0,
+        timeout_s: float | None = None,
+        retry_after_s: float = 60.0,
+        clock=time.monotonic,
+    ):
+        self.address_override = address  # a site that reaches the server by another name (its node config)
+        self.connect_timeout_s, self.timeout_s, self.retry_after_s = connect_timeout_s, timeout_s, retry_after_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._clients: dict[tuple[str, str, bool], TransportClient] = {}
+        self._unreachable: dict[tuple[str, str, bool], tuple[float, str]] = {}  # key -> (until, why)
+
+    def address(self, offer: TransportOffer) -> str:
+        return self.address_override or offer.address
+
+    def fetch(self, offer: TransportOffer) -> dict[str, dict[str, memoryview]]:
+        """Each offered record's arrays (message record name -> array name -> npy payload), every record
+        checked against its size and SHA-256 from Flower's message. Raises ``StreamUnusable``."""
+        out = {}
+        for ref in offer.records:
+            ticket = self._ticket(offer, Direction.DOWNLOAD, ref.name, ref.token)
+            data = self._call(offer, lambda client, t=ticket, r=ref: client.download(t, r.size, r.sha256))
+            try:
+                out[ref.record] = unframe(data, ref.record)
+            except FramingError as err:
+                raise StreamUnusable(f"record {ref.record}: {err}") from None
+        return out
+
+    def fetch_arrays(self, offer: TransportOffer) -> dict[str, np.ndarray]:
+        """``fetch``'s records as the relay hands them to the node worker: ``record/array`` -> the array
+        (``messages.relay_name``), each a read-only view of the fetched bytes."""
+        return {
+            relay_name(record, name): npy_view(payload, relay_name(record, name))
+            for record, payloads in self.fetch(offer).items()
+            for name, payload in payloads.items()
+        }
+
+    def upload(self, offer: TransportOffer, payloads: Mapping[str, object]) -> UpdateCommit:
+        """Send the update (array name -> npy payload) under the offer's upload capability; the commit the
+        reply carries. Raises ``StreamUnusable`` (then the update goes in the reply, on Flower's path)."""
+        return self._upload(offer, frame(payloads))
+
+    def upload_pieces(self, offer: TransportOffer, pieces: Mapping[str, list[np.ndarray]]) -> UpdateCommit:
+        """``upload`` of the update as ``wire.pack_pieces`` returns it (each array as its 1-D pieces)."""
+        return self._upload(offer, frame_pieces(pieces))
+
+    def _upload(self, offer: TransportOffer, data: bytes) -> UpdateCommit:
+        if not offer.upload_name:
+            raise StreamUnusable("the message offers no upload capability")
+        if len(data) > offer.upload_max_size:
+            raise StreamUnusable(f"an update of {len(data)} bytes; the offer bounds it at {offer.upload_max_size}")
+        sha256 = hashlib.sha256(data).hexdigest()
+        ticket = self._ticket(offer, Direction.UPLOAD, offer.upload_name, offer.upload_token)
+        self._call(offer, lambda client: client.upload(ticket, data, sha256))
+        return UpdateCommit(update_size=len(data), update_sha256=sha256)
+
+    def close(self) -> None:
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            client.close()
+
+    @staticmethod
+    def _ticket(offer: TransportOffer, direction: Direction, name: str, token: str) -> Ticket:
+        return Ticket(bytes.fromhex(token), offer.run_id, offer.node_id, offer.server_round, direction, name)
+
+    def _call(self, offer: TransportOffer, fn):
+        """``fn(client)`` on the offer's channel; any failure as ``StreamUnusable``. An address that could not
+        be reached (``UNAVAILABLE``: no answer within ``connect_timeout_s``, refused, TLS failed) is not
+        dialled again for ``retry_after_s``."""
+        key = (self.address(offer), offer.ca_pem, offer.insecure)
+        with self._lock:
+            until, why = self._unreachable.get(key, (0.0, ""))
+            if self._clock() < until:
+                raise StreamUnusable(f"{why} (not dialled again for {until - self._clock():.0f} s)")
+            client = self._clients.get(key)
+            if client is None:
+                client = TransportClient(key[0], insecure=key[2], timeout_s=self.timeout_s,
+                                         ca_pem=None if key[2] else key[1].encode(),
+                                         connect_timeout_s=self.connect_timeout_s)  # fmt: skip
+                self._clients[key] = client
+        client.timeout_s = self.timeout_s
+        try:
+            return fn(client)
+        except Refused as refused:
+            raise StreamUnusable(f"the stream at {key[0]} {refused.line()}") from None
+        except TransportError as err:
+            why = f"the stream at {key[0]} failed: {err}"
+            if err.code == "UNAVAILABLE":
+                with self._lock:
+                    self._unreachable[key] = (self._clock() + self.retry_after_s, why)
+                    self._clients.pop(key, None)
+                client.close()
+            raise StreamUnusable(why) from None

@@ -1,0 +1,213 @@
+"""The server side of the direct transport for one run: the stream service in the ServerApp process, and
+what each round's messages say of it.
+
+Per round, for each node: the message's block records are published once (a record every node gets, the
+global step or the round's full sync, is one published record however many nodes fetch it), each with a
+download capability for that node; an upload capability bounds the node's update; the message then
+carries a ``messages.TransportOffer`` in place of the records. The node's reply carries an
+``UpdateCommit``: ``claim`` hands over the uploaded bytes only when their SHA-256 is the reply's, which
+Flower's node authentication vouches for. ``end_round`` forgets the round (capabilities, records,
+uploads never claimed) and returns its counts for the round's record.
+
+No Flower here: a record is any mapping of array names to npy payloads (bytes, or objects with ``.data``,
+as Flower's ``Array``), so the rules are tested without processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..messages import RecordOffer, TransportOffer, UpdateCommit
+from .capabilities import Direction, RefusalKind, Refused
+from .framing import frame, unframe
+from .service import Limits, TransportServer
+
+log = logging.getLogger(__name__)
+NPY_HEADER_BOUND = 4096  # an npy header of a 1-D array, at most (numpy pads them to 64 or 128 bytes)
+LAYOUT_BYTES_PER_TENSOR = 512  # a wire layout entry: the name and shape as JSON, with room for long names
+
+
+class TransportSetupError(ValueError):
+    """The service cannot start as configured; one line naming the key and the value."""
+
+
+@dataclass(frozen=True)
+class StreamSettings:
+    """The run config's ``transport-*`` keys (docs/configuration.md), as the ServerApp uses them."""
+
+    address: str  # host:port the nodes dial; the port is served on every interface
+    certfile: str = ""
+    keyfile: str = ""
+    ca: str = ""
+    insecure: bool = False
+
+    @classmethod
+    def from_run_config(cls, cfg) -> StreamSettings:
+        return cls(cfg.transport_address, cfg.transport_certfile, cfg.transport_keyfile, cfg.transport_ca,
+                   cfg.transport_insecure)  # fmt: skip
+
+    @property
+    def host(self) -> str:
+        return self.address.rpartition(":")[0]
+
+    @property
+    def port(self) -> int:
+        return int(self.address.rpartition(":")[2])
+
+    def read(self) -> tuple[Path | None, Path | None, str]:
+        """The certificate and key paths and the CA's PEM, each file checked before the run starts."""
+        if self.insecure:
+            return None, None, ""
+        for key, value in (("transport-certfile", self.certfile), ("transport-keyfile", self.keyfile),
+                           ("transport-ca", self.ca)):  # fmt: skip
+            if not Path(value).expanduser().is_file():
+                raise TransportSetupError(f"{key}={value!r}: no such file on the server; expected a PEM file")
+        ca_pem = Path(self.ca).expanduser().read_text()
+        if "-----BEGIN CERTIFICATE-----" not in ca_pem:
+            raise TransportSetupError(f"transport-ca={self.ca!r}: expected a PEM certificate")
+        return Path(self.certfile).expanduser(), Path(self.keyfile).expanduser(), ca_pem
+
+
+def update_bound(numel: int, num_tensors: int) -> int:
+    """The most bytes a node's framed update of a block may take: fp32 values (the widest transfer dtype;
+    int8's values and scales take less), the layout, the npy headers and the frame's index."""
+    return 4 * numel + LAYOUT_BYTES_PER_TENSOR * num_tensors + 3 * NPY_HEADER_BOUND + 64 * 1024
+
+
+class RunTransport:
+    """The stream service of one run and what each round's messages say of it (the module's docstring)."""
+
+    def __init__(self, settings: StreamSettings, run_id: int, ttl_s: float, limits: Limits | None = None):
+        certfile, keyfile, self.ca_pem = settings.read()
+        self.settings, self.run_id, self.ttl_s = settings, run_id, ttl_s
+        self.server = TransportServer(
+            address=f"[::]:{settings.port}", cert_file=certfile, key_file=keyfile, insecure=settings.insecure,
+            limits=limits or Limits(),
+        )  # fmt: skip
+        self.address = settings.address  # the port the nodes dial: the bound one once started
+        self._lock = threading.Lock()
+        self._published: dict[int, dict[int, tuple[object, str, int, str]]] = {}  # round -> id(source) -> record
+        self._names = 0
+        self._fallbacks = 0
+        self._fallen_back: set[int] = set()  # nodes whose fallback was logged (once each)
+        self._refusals_counted: dict[str, int] = {}
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> str:
+        """Serve; the address the nodes dial (with the bound port when the configured one is 0)."""
+        port = self.server.start()
+        self.address = f"{self.settings.host}:{port}"
+        log.info("direct transport: serving %s (%s) for run %s", self.address,
+                 "PLAINTEXT" if self.settings.insecure else "TLS", self.run_id)  # fmt: skip
+        return self.address
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    def __enter__(self) -> RunTransport:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------ a round's messages
+    def offer(
+        self, server_round: int, node: int, records: Mapping[str, Mapping[str, object]], upload_max_size: int | None
+    ) -> TransportOffer:
+        """What ``node``'s round-r message carries in place of ``records`` (message record name -> its arrays'
+        npy payloads): each non-empty record published once per round (by identity: the same mapping for
+        every node is one record) with a download capability for ``node``, and an upload capability bounded
+        by ``upload_max_size`` (None: the message asks for no update). Capabilities expire with ``ttl_s``."""
+        registry = self.server.registry
+        offers = []
+        for record, source in records.items():
+            if not len(source):
+                continue  # an empty record (round 1's global step): nothing to move
+            name, size, sha256 = self._publish(server_round, record, source)
+            ticket = registry.issue(self.run_id, node, server_round, Direction.DOWNLOAD, name, ttl_s=self.ttl_s)
+            offers.append(RecordOffer(record, name, size, sha256, ticket.token.hex()))
+        upload_name = upload_token = ""
+        if upload_max_size is not None:
+            upload_name = self.upload_name(server_round, node)
+            ticket = registry.issue(self.run_id, node, server_round, Direction.UPLOAD, upload_name, ttl_s=self.ttl_s,
+                                    max_size=upload_max_size)  # fmt: skip
+            upload_token = ticket.token.hex()
+        return TransportOffer(
+            address=self.address, run_id=self.run_id, node_id=node, server_round=server_round, ca_pem=self.ca_pem,
+            insecure=self.settings.insecure, records=tuple(offers), upload_name=upload_name,
+            upload_token=upload_token, upload_max_size=upload_max_size or 0,
+        )  # fmt: skip
+
+    @staticmethod
+    def upload_name(server_round: int, node: int) -> str:
+        """A node's update of a round on the service: one name per node and round, so that a retried
+        message's new capability and the first one's upload meet in the same slot."""
+        return f"r{server_round}/update/{node}"
+
+    def _publish(self, server_round: int, record: str, source: Mapping[str, object]) -> tuple[str, int, str]:
+        with self._lock:
+            published = self._published.setdefault(server_round, {})
+            if id(source) in published:
+                return published[id(source)][1:]
+            self._names += 1
+            name = f"r{server_round}/{record}/{self._names}"
+            out = self.server.outbox.publish(name, data=frame(source))
+            published[id(source)] = (source, name, out.size, out.sha256)  # the source held: its id stays its own
+            return name, out.size, out.sha256
+
+    # ------------------------------------------------------------ a node's reply
+    def claim(self, server_round: int, node: int, commit: UpdateCommit) -> dict[str, memoryview] | None:
+        """The npy payload of each array of ``node``'s uploaded update, when its SHA-256 and size are the
+        reply's ``commit``; None when nothing was uploaded under this round's name. A different digest or
+        size, or bytes that are not a framed record, raise ``Refused`` (counted; the reply is rejected)."""
+        name = self.upload_name(server_round, node)
+        try:
+            data = self.server.inbox.claim(
+                self.run_id, node, server_round, name, commit.update_sha256, commit.update_size
+            )
+        except Refused as refused:  # counted by the inbox
+            log.warning("transport %s", refused.line())
+            raise
+        if data is None:
+            return None
+        try:
+            return unframe(data, name)
+        except ValueError as err:
+            self._refuse(Refused(RefusalKind.BAD_HEADER, str(err)))
+
+    def _refuse(self, refused: Refused) -> None:
+        self.server.refusals.add(refused)
+        log.warning("transport %s", refused.line())
+        raise refused
+
+    def fell_back(self, node: int, reason: str) -> None:
+        """``node`` moved a message's bytes on Flower's path instead: counted, and logged once per node."""
+        with self._lock:
+            self._fallbacks += 1
+            first = node not in self._fallen_back
+            self._fallen_back.add(node)
+        if first:
+            log.warning("direct transport: node %d uses Flower's path (%s); counted in direct_fallbacks, logged "
+                        "once per node", node, reason)  # fmt: skip
+
+    def end_round(self, server_round: int) -> dict[str, int]:
+        """Forget round r (its capabilities, published records and unclaimed uploads); the round's counts
+        for its record: fallbacks, and refusals in all and by kind since the last ``end_round``."""
+        server = self.server
+        server.registry.drop_round(self.run_id, server_round)
+        with self._lock:
+            for _, name, _, _ in self._published.pop(server_round, {}).values():
+                server.outbox.retire(name)
+            fallbacks, self._fallbacks = self._fallbacks, 0
+        server.inbox.drop_round(self.run_id, server_round)
+        counts = server.refusals.counts()
+        new = {k: v - self._refusals_counted.get(k, 0) for k, v in counts.items()}
+        self._refusals_counted = counts
+        record = {"direct_fallbacks": fallbacks, "direct_refusals": sum(new.values())}
+        record.update({f"direct_refused_{kind}": n for kind, n in sorted(new.items()) if n})
+        return record

@@ -1,0 +1,406 @@
+"""The direct transport's two sides for a run (``transport.server_side.RunTransport``, the ServerApp's;
+``transport.node_side.NodeTransport``, the node worker's) against a real ``TransportServer`` with TLS on
+loopback, no Flower process: the records a round's message offers arrive as the very arrays Flower's
+path carries, an update comes back only under the digest its reply commits, each node moves only its
+own records, a round's end forgets it and counts its refusals and fallbacks, and a node that cannot use
+the stream says so in one line (its caller falls back)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import socket
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
+from flwr.common.constant import ErrorCode
+from flwr.supercore.task_identity import TaskIdentity
+
+from parablock_flwr.messages import (
+    CATCH_UP,
+    COMMIT,
+    GLOBAL_STEP,
+    METRICS,
+    OFFER,
+    STREAM_UNUSABLE,
+    SYNC_VALUES,
+    UPDATE,
+    TrainMetrics,
+    TransportOffer,
+    UpdateCommit,
+    metrics_to_record,
+    relay_name,
+    relay_split,
+)
+from parablock_flwr.npy import npy_view
+from parablock_flwr.records import pieces_record, record_arrays, to_record, to_tensors
+from parablock_flwr.strategies.direct import DirectMessages
+from parablock_flwr.strategies.reply_checks import Expected, parse_reply
+from parablock_flwr.strategies.round_stats import array_bytes
+from parablock_flwr.tools.credentials import make_tls
+from parablock_flwr.transport import (
+    Limits,
+    NodeTransport,
+    RefusalKind,
+    Refused,
+    RunTransport,
+    StreamSettings,
+    StreamUnusable,
+    TransportSetupError,
+    update_bound,
+)
+from parablock_flwr.transport.framing import FramingError, arrays, frame, unframe
+from parablock_flwr.wire import pack_pieces, unpack
+
+RUN, TTL = 41, 30.0
+LIMITS = Limits(idle_timeout_s=2.0, grace_s=1.0)
+
+
+def block(seed: int, dtype: str = "int8"):
+    """A block as it travels: a Flower ArrayRecord of its packed arrays (``records.to_record``)."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {"layers.0.w": torch.randn(64, 48, generator=gen), "layers.0.b": torch.randn(48, generator=gen)}
+    return to_record(tensors, dtype)
+
+
+def payloads(record) -> dict[str, bytes]:
+    return {name: bytes(array.data) for name, array in record.items()}
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory):
+    return make_tls(tmp_path_factory.mktemp("run-transport-tls"))
+
+
+def settings(tls, address: str = "localhost:0") -> StreamSettings:
+    return StreamSettings(address, str(tls.server_cert), str(tls.server_key), str(tls.ca_cert))
+
+
+@pytest.fixture
+def hub(tls):
+    with RunTransport(settings(tls), RUN, TTL, LIMITS) as run_transport:
+        yield run_transport
+
+
+@pytest.fixture
+def node():
+    side = NodeTransport(timeout_s=30)
+    yield side
+    side.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------- server -> node
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "int8"])
+def test_offered_records_arrive_as_the_arrays_flowers_path_carries(hub, node, dtype):
+    step, catch_up = block(1, dtype), block(2, dtype)
+    offer = hub.offer(3, node=7, records={GLOBAL_STEP: step, CATCH_UP: catch_up}, upload_max_size=None)
+    assert hub.address.startswith("localhost:") and not hub.address.endswith(":0")  # the bound port
+    fetched = node.fetch(offer)
+    for name, record in ((GLOBAL_STEP, step), (CATCH_UP, catch_up)):
+        assert {k: bytes(v) for k, v in fetched[name].items()} == payloads(record)
+        got = unpack(arrays(frame(fetched[name]), name))
+        assert all(torch.equal(got[k], v) for k, v in to_tensors(record).items())  # bit for bit
+    assert [r.size for r in offer.records] == [len(frame(step)), len(frame(catch_up))]
+
+
+def test_an_empty_record_is_not_offered(hub, node):
+    offer = hub.offer(1, node=7, records={GLOBAL_STEP: {}}, upload_max_size=10)
+    assert offer.records == () and node.fetch(offer) == {}
+
+
+def test_a_record_every_node_gets_is_published_once_and_each_node_moves_only_its_own(hub, node):
+    step = block(3)
+    a = hub.offer(2, node=7, records={GLOBAL_STEP: step}, upload_max_size=None)
+    b = hub.offer(2, node=8, records={GLOBAL_STEP: step, SYNC_VALUES: block(4)}, upload_max_size=None)
+    assert a.records[0].name == b.records[0].name  # one published record, one capability per node
+    assert a.records[0].token != b.records[0].token
+    # Node 7 presenting node 8's capability for node 8's full sync: refused, counted, nothing moved.
+    theirs = dataclasses.replace(a, records=(b.records[1]._replace(record=SYNC_VALUES),))
+    with pytest.raises(StreamUnusable, match="refused foreign_record"):
+        node.fetch(theirs)
+    assert node.fetch(b)[SYNC_VALUES]  # the refusal changed nothing for node 8
+    assert hub.end_round(2)["direct_refused_foreign_record"] == 1
+
+
+def test_a_record_altered_on_the_service_is_caught_by_the_node(hub, node):
+    offer = hub.offer(2, node=7, records={GLOBAL_STEP: block(5)}, upload_max_size=None)
+    ref = offer.records[0]
+    forged = dataclasses.replace(offer, records=(ref._replace(sha256="0" * 64),))
+    with pytest.raises(StreamUnusable, match="SHA-256 differs"):
+        node.fetch(forged)  # what Flower's message says wins over what the stream sends
+
+
+# ---------------------------------------------------------------- node -> server
+
+
+def test_an_update_is_claimed_only_under_the_digest_its_reply_commits(hub, node):
+    update = block(6)
+    offer = hub.offer(4, node=7, records={}, upload_max_size=update_bound(64 * 48 + 48, 2))
+    commit = node.upload(offer, payloads(update))
+    with pytest.raises(Refused) as refused:
+        hub.claim(4, 7, dataclasses.replace(commit, update_sha256="f" * 64))
+    assert refused.value.kind is RefusalKind.DIGEST_MISMATCH
+    with pytest.raises(Refused):
+        hub.claim(
+            4, 7, dataclasses.replace(commit, update_size=commit.update_size + 1)
+        )  # the digest matches, the size not
+    claimed = hub.claim(4, 7, commit)  # the refusals changed nothing
+    assert {k: bytes(v) for k, v in claimed.items()} == payloads(update)
+    assert hub.claim(4, 7, commit) is None  # claimed once
+    assert hub.claim(4, 8, commit) is None  # another node's reply cannot claim it
+    counts = hub.end_round(4)
+    assert counts["direct_refused_digest_mismatch"] == 1 and counts["direct_refused_size_mismatch"] == 1
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "int8"])
+def test_the_workers_forms_move_the_same_bytes_as_flowers_records(hub, node, dtype):
+    """The worker hands over the update as ``wire.pack_pieces``'s pieces and takes records as
+    ``record/array`` arrays: what the server claims is the ``Array`` payloads Flower's path would carry."""
+    gen = torch.Generator().manual_seed(11)
+    update = {"a": torch.randn(300, generator=gen), "b": torch.randn(4, 70, generator=gen)}
+    pieces = pack_pieces(update, dtype)
+    offer = hub.offer(4, node=7, records={SYNC_VALUES: block(12, dtype)}, upload_max_size=update_bound(580, 2))
+    commit = node.upload_pieces(offer, pieces)
+    claimed = hub.claim(4, 7, commit)
+    assert {k: bytes(v) for k, v in claimed.items()} == payloads(pieces_record(pieces))
+    fetched = node.fetch_arrays(offer)
+    assert sorted(fetched) == [relay_name(SYNC_VALUES, n) for n in sorted(block(12, dtype).keys())]
+    got = unpack({relay_split(k)[1]: v for k, v in fetched.items()})
+    assert all(torch.equal(got[k], v) for k, v in to_tensors(block(12, dtype)).items())
+
+
+def test_an_update_above_the_bound_is_not_sent(hub, node):
+    update = payloads(block(6))
+    offer = hub.offer(4, node=7, records={}, upload_max_size=100)
+    with pytest.raises(StreamUnusable, match="bounds it at 100"):
+        node.upload(offer, update)
+    assert hub.claim(4, 7, UpdateCommit(len(frame(update)), "0" * 64)) is None
+
+
+def test_a_retried_message_and_the_first_upload_meet_in_one_slot(hub, node):
+    first = hub.offer(5, node=7, records={}, upload_max_size=10**6)
+    commit = node.upload(first, payloads(block(7)))
+    retry = hub.offer(5, node=7, records={}, upload_max_size=10**6)  # the round re-sent: a new capability
+    assert retry.upload_token != first.upload_token and retry.upload_name == first.upload_name
+    assert hub.claim(5, 7, commit) is not None  # the node answers a repeat with the same reply
+
+
+def test_a_claimed_record_that_is_not_framed_is_refused(hub):
+    ticket = hub.server.registry.issue(RUN, 7, 6, "upload", hub.upload_name(6, 7), ttl_s=TTL, max_size=100)
+    hub.server.inbox.put(ticket, "a" * 64, bytearray(b"\x00\x00\x00\x05hello"))
+    with pytest.raises(Refused, match="not UTF-8 JSON"):
+        hub.claim(6, 7, UpdateCommit(9, "a" * 64))
+
+
+# ---------------------------------------------------------------- a round's end
+
+
+def test_a_rounds_end_forgets_it_and_counts_its_fallbacks_and_refusals(hub, node, caplog):
+    offer = hub.offer(8, node=7, records={GLOBAL_STEP: block(8)}, upload_max_size=10**6)
+    node.upload(offer, payloads(block(9)))  # never claimed: the reply did not come
+    with caplog.at_level(logging.WARNING, logger="parablock_flwr.transport.server_side"):
+        hub.fell_back(9, "the stream at x:1 did not connect within 5 s")
+        hub.fell_back(9, "again")
+    assert sum("node 9 uses Flower's path" in r.message for r in caplog.records) == 1  # logged once per node
+    assert hub.end_round(8) == {"direct_fallbacks": 2, "direct_refusals": 0}
+    assert hub.end_round(9) == {"direct_fallbacks": 0, "direct_refusals": 0}  # counts are per round
+    assert len(hub.server.inbox) == 0 and hub.server.outbox.get(offer.records[0].name) is None
+    with pytest.raises(StreamUnusable, match="refused bad_capability"):
+        node.fetch(offer)  # the round's capabilities are gone
+
+
+def test_a_capability_expires_with_the_rounds_timeout(tls, node):
+    with RunTransport(settings(tls), RUN, ttl_s=0.3, limits=LIMITS) as short:
+        offer = short.offer(1, node=7, records={GLOBAL_STEP: block(1)}, upload_max_size=None)
+        import time
+
+        time.sleep(0.4)
+        with pytest.raises(StreamUnusable, match="refused expired"):
+            node.fetch(offer)
+
+
+# ---------------------------------------------------------------- a node that cannot use the stream
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_an_address_that_does_not_answer_is_one_line_and_not_dialled_again_for_a_while(hub):
+    clock = Clock()
+    wrong = NodeTransport(address=f"localhost:{free_port()}", connect_timeout_s=0.5, retry_after_s=60, clock=clock)
+    offer = hub.offer(1, node=7, records={GLOBAL_STEP: block(1)}, upload_max_size=10**6)
+    with pytest.raises(StreamUnusable, match=r"failed: UNAVAILABLE") as err:
+        wrong.upload(offer, payloads(block(2)))
+    assert "\n" not in str(err.value) and offer.upload_token not in str(err.value)
+    clock.now = 59.0
+    with pytest.raises(StreamUnusable, match="not dialled again"):
+        wrong.fetch(offer)
+    clock.now = 61.0
+    wrong.address_override = ""  # the site fixed its address: dialled again, and it works
+    assert wrong.fetch(offer)[GLOBAL_STEP]
+    wrong.close()
+
+
+def test_a_node_trusts_only_the_ca_in_the_message(hub, tmp_path):
+    other = make_tls(tmp_path).ca_cert.read_text()
+    offer = hub.offer(1, node=7, records={GLOBAL_STEP: block(1)}, upload_max_size=None)
+    stranger = NodeTransport(connect_timeout_s=0.5)
+    with pytest.raises(StreamUnusable, match="UNAVAILABLE"):
+        stranger.fetch(dataclasses.replace(offer, ca_pem=other))
+    stranger.close()
+
+
+def test_plaintext_only_when_the_run_says_insecure(node):
+    with RunTransport(StreamSettings("localhost:0", insecure=True), RUN, TTL, LIMITS) as plain:
+        offer = plain.offer(1, node=7, records={GLOBAL_STEP: block(1)}, upload_max_size=None)
+        assert offer.insecure and offer.ca_pem == ""
+        assert node.fetch(offer)[GLOBAL_STEP]
+
+
+@pytest.mark.parametrize("key", ["certfile", "keyfile", "ca"])
+def test_a_missing_tls_file_stops_the_service_before_the_run_in_one_line(tls, key):
+    bad = dataclasses.replace(settings(tls), **{key: "/nonexistent/x.pem"})
+    with pytest.raises(TransportSetupError, match=f"transport-{key}='/nonexistent/x.pem': no such file"):
+        RunTransport(bad, RUN, TTL)
+
+
+# ---------------------------------------------------------------- the offer crosses Flower and the worker's frame
+
+
+def test_an_offer_reads_back_through_a_config_record_and_a_json_frame(hub):
+    offer = hub.offer(3, node=2**64 - 1, records={GLOBAL_STEP: block(1), CATCH_UP: block(2)}, upload_max_size=99)
+    assert TransportOffer.from_config(dict(ConfigRecord(offer.to_config()))) == offer
+    assert TransportOffer.from_config(json.loads(json.dumps(offer.to_config()))) == offer
+    commit = UpdateCommit(12, "ab" * 32)
+    assert UpdateCommit.from_config(json.loads(json.dumps(commit.to_config()))) == commit
+
+
+def test_framing_refuses_what_is_not_a_framed_record():
+    good = frame(payloads(block(1)))
+    assert unframe(good, "x").keys() == {"values", "layout", "scales"}
+    for bad, says in [
+        (b"\x00\x00", "shorter than its index"),
+        (b"\x00\x01\x00\x00" + b"x" * 10, "an index of 65536 bytes"),
+        (good + b"!", "its index accounts for"),
+        (b"\x00\x00\x00\x0c" + b'[["v",3]]   ' + b"abc", "unreadable array x/v"),
+        (b"\x00\x00\x00\x0b" + b'[["v",-1]]\x20', r"expected \[array name, bytes\]"),
+    ]:
+        with pytest.raises(FramingError, match=says):
+            unframe(bad, "x")
+    assert record_arrays(block(1)).keys() == arrays(good, "x").keys()
+
+
+# ---------------------------------------------------------------- the run's side around Flower's messages
+
+
+def flower_message(node_id: int, content: RecordDict) -> Message:
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = RUN, 5, 0
+    return Message(content=content, dst_node_id=node_id, message_type=MessageType.TRAIN)
+
+
+def reply_to(msg: Message, content: RecordDict | None = None, error: str = "") -> Message:
+    TaskIdentity.node_id = msg.metadata.dst_node_id
+    if error:
+        return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=error), reply_to=msg)
+    return Message(content=content, reply_to=msg)
+
+
+def round_message(node_id: int, step, sync=None) -> Message:
+    content = RecordDict({GLOBAL_STEP: step, "round": ConfigRecord({"x": 1})})
+    if sync is not None:
+        content[SYNC_VALUES] = sync
+    return flower_message(node_id, content)
+
+
+UPDATE_TENSORS = {"layers.0.w": (64, 48), "layers.0.b": (48,)}
+
+
+def update_metrics(**extra) -> MetricRecord:
+    metrics = TrainMetrics(server_round=4, block=0, partition_id=0, base_version=2, num_examples=8.0,
+                           train_loss=0.5, compute_s=1.0, **extra)  # fmt: skip
+    return MetricRecord(metrics_to_record(metrics))
+
+
+def test_a_message_and_its_reply_through_the_stream_are_what_flowers_path_carries(hub, node):
+    direct, step, sync = DirectMessages(hub), block(21, "bf16"), block(22, "bf16")
+    msg = round_message(7, step, sync)
+    before = array_bytes(msg.content)
+    direct.outgoing(msg, 4, upload_max_size=update_bound(64 * 48 + 48, 2))
+    assert array_bytes(msg.content) == 0 and set(msg.content.config_records) == {"round", OFFER}
+    offer = TransportOffer.from_config(dict(msg.content[OFFER]))
+    fetched = node.fetch_arrays(offer)
+    assert sum(len(p) for p in payloads(step).values()) + sum(len(p) for p in payloads(sync).values()) == before
+    for name, record in ((GLOBAL_STEP, step), (SYNC_VALUES, sync)):
+        for array, payload in payloads(record).items():
+            got, sent = fetched[relay_name(name, array)], npy_view(payload, array)
+            assert got.dtype == sent.dtype and np.array_equal(got, sent)
+    # The node trains and uploads; its reply commits the update.
+    update = to_record({n: torch.randn(s, generator=torch.Generator().manual_seed(3)) for n, s in
+                        UPDATE_TENSORS.items()}, "bf16")  # fmt: skip
+    commit = node.upload(offer, payloads(update))
+    reply = reply_to(msg, RecordDict({METRICS: update_metrics(), COMMIT: ConfigRecord(commit.to_config())}))
+    taken = direct.incoming(reply, 4, 7)
+    assert taken is reply and COMMIT not in reply.content.config_records
+    assert payloads(reply.content[UPDATE]) == payloads(update)  # the Array payloads Flower's path carries
+    expected = Expected(4, 0, UPDATE_TENSORS, 100.0, transfer_dtype="bf16")
+    checked = parse_reply(reply, expected, 7)  # the reply checks, unchanged
+    assert all(torch.equal(checked.update[n], t) for n, t in to_tensors(update).items())
+    assert direct.end_round(4) == {"direct_fallbacks": 0, "direct_refusals": 0}
+
+
+def test_a_reply_whose_commit_does_not_match_the_upload_is_rejected_with_the_refusal(hub, node):
+    direct = DirectMessages(hub)
+    msg = direct.outgoing(round_message(7, block(1)), 4, upload_max_size=10**6)
+    offer = TransportOffer.from_config(dict(msg.content[OFFER]))
+    commit = node.upload(offer, payloads(block(2)))
+    forged = ConfigRecord(dataclasses.replace(commit, update_sha256="e" * 64).to_config())
+    expected = Expected(4, 0, UPDATE_TENSORS, 100.0)
+
+    def rejection(content: RecordDict, server_round: int = 4) -> str:
+        """What the reply checks say of the reply ``incoming`` hands on."""
+        reply = direct.incoming(reply_to(msg, content), server_round, 7)
+        assert reply.metadata.reply_to_message_id == msg.metadata.message_id  # it answers the same message
+        return parse_reply(reply, expected, 7)
+
+    why = rejection(RecordDict({METRICS: update_metrics(), COMMIT: forged}))
+    assert why.startswith("client error: direct transport: refused digest_mismatch: node 7 round 4"), why
+    never = RecordDict({METRICS: update_metrics(), COMMIT: ConfigRecord(commit.to_config())})
+    assert rejection(never, 5).startswith("client error: direct transport: its update (")  # none in round 5
+    malformed = RecordDict({METRICS: update_metrics(), COMMIT: ConfigRecord({"update-size": -1})})
+    assert rejection(malformed).startswith("client error: direct transport: update commit: ")
+    assert direct.end_round(4)["direct_refused_digest_mismatch"] == 1
+
+
+def test_a_node_that_falls_back_gets_its_records_inline_until_it_commits_on_the_stream_again(hub, node):
+    direct, step = DirectMessages(hub), block(1)
+    first = direct.outgoing(round_message(7, step), 4, upload_max_size=10**6)
+    inline = RecordDict({METRICS: update_metrics(direct_fallbacks=1), UPDATE: block(2)})
+    assert direct.incoming(reply_to(first, inline), 4, 7).content[UPDATE] is inline[UPDATE]  # as it came
+    again = direct.outgoing(round_message(7, step), 5, upload_max_size=10**6)
+    assert GLOBAL_STEP in again.content.array_records  # inline now ...
+    offer = TransportOffer.from_config(dict(again.content[OFFER]))
+    assert offer.records == () and offer.upload_token  # ... with an upload capability still
+    commit = node.upload(offer, payloads(block(3)))
+    committed = RecordDict({METRICS: update_metrics(), COMMIT: ConfigRecord(commit.to_config())})
+    assert UPDATE in direct.incoming(reply_to(again, committed), 5, 7).content.array_records
+    assert GLOBAL_STEP not in direct.outgoing(round_message(7, step), 6, 10**6).content.array_records  # back
+    lost = direct.outgoing(round_message(8, step), 6, 10**6)
+    direct.incoming(reply_to(lost, error=f"state-intact: node worker failed: {STREAM_UNUSABLE}x"), 6, 8)
+    assert GLOBAL_STEP in direct.outgoing(round_message(8, step), 7, 10**6).content.array_records
+    assert direct.end_round(4)["direct_fallbacks"] == 2  # node 7 in round 4, node 8 in round 6

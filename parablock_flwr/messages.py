@@ -48,6 +48,9 @@ PROTOCOL_KEY = "protocol-version"  # in every round config and every worker fram
 TRAIN, EVALUATE, PING = "train", "evaluate", "ping"  # what a worker request asks (``WorkerRequest.op``)
 OFFER = "stream-offer"  # transport = "direct": where the message's block records wait (``TransportOffer``)
 COMMIT = "stream-commit"  # transport = "direct": the update a reply commits, moved on the stream (``UpdateCommit``)
+# An error reply whose reason starts with this says the node's model state is intact (a refused message,
+# out of memory, a data error): the server keeps that node's sync state (``node.StateIntact``).
+STATE_INTACT = "state-intact: "
 # In a node's error reply: it could not fetch the message's records from the stream (its state is intact);
 # the server sends that node's next messages with their records on Flower's path.
 STREAM_UNUSABLE = "the direct transport's stream is unusable here: "

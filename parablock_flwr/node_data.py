@@ -38,9 +38,6 @@ WORKER_UID = "worker-uid"  # the node worker's user, when it is not the ClientAp
 NODE_SETTINGS_KEYS = ("dataset", "heldout-dataset", "device", "state-dir", "allow-models", "allow-data", "transport",
                       "transport-address")  # fmt: skip
 NODE_CONFIG_KEYS = (PARTITION_ID, NUM_PARTITIONS, WORKER_SOCKET, WORKER_UID, *NODE_SETTINGS_KEYS)
-# An error reply whose reason starts with this says the node's model state is intact (a refused message,
-# out of memory, a data error): the server keeps that node's sync state (``node.StateIntact``).
-STATE_INTACT = "state-intact: "
 
 
 def user_id(value) -> int | None:

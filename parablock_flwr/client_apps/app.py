@@ -31,6 +31,7 @@ from ..messages import (
     OFFER,
     PROTOCOL_KEY,
     ROUND,
+    STATE_INTACT,
     TRACE,
     TRAIN,
     UPDATE,
@@ -43,7 +44,6 @@ from ..messages import (
 )
 from ..node_data import (
     NODE_CONFIG_KEYS,
-    STATE_INTACT,
     WORKER_SOCKET,
     WORKER_UID,
     NodeSettings,

@@ -32,6 +32,7 @@ from ..messages import (
     METRICS,
     OFFER,
     ROUND,
+    STATE_INTACT,
     STREAM_UNUSABLE,
     TRACE,
     TRAIN,
@@ -39,7 +40,7 @@ from ..messages import (
     key,
     metrics_to_record,
 )
-from ..node_data import STATE_INTACT, NodeSettings, error_line, partition_of
+from ..node_data import NodeSettings, error_line, partition_of
 from ..node_state import NodeState, PendingStore, ResidualStore
 from ..records import to_record, to_tensors
 from ..replica import StepLog

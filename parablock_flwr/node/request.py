@@ -17,7 +17,7 @@ from ..replica import Step, catch_up_steps, resumed_pending
 class StateIntact(Exception):
     """A request failed and the node's model state is as it was before it (or as consistent: the
     replica at an exact version, the pending update unchanged): the server may keep its sync state.
-    Its reply's reason starts with ``node_data.STATE_INTACT``."""
+    Its reply's reason starts with ``messages.STATE_INTACT``."""
 
 
 class Refused(StateIntact):

@@ -64,7 +64,7 @@ class NodeSync:
 
     def failed(self, node: int) -> None:
         """An error or a rejected reply: the node's state is unknown; it starts over from a full sync.
-        (An error reply that says its state is intact does not call this: ``reply_checks.STATE_INTACT``.)"""
+        (An error reply that says its state is intact does not call this: ``messages.STATE_INTACT``.)"""
         self.versions.pop(node, None)
         self.needs_full_sync.add(node)
 

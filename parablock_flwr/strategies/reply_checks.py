@@ -19,8 +19,7 @@ import torch
 from flwr.app import ArrayRecord, Message
 
 from .. import core
-from ..messages import METRICS, TRACE, UPDATE, TrainMetrics, metrics_from_record
-from ..node_data import STATE_INTACT  # an error from a node whose model state is intact
+from ..messages import METRICS, STATE_INTACT, TRACE, UPDATE, TrainMetrics, metrics_from_record
 from ..records import WireError, to_tensors
 from ..wire import payload_bytes
 

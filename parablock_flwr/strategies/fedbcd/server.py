@@ -421,7 +421,7 @@ class FedBCD:
     ) -> Checked:  # fmt: skip
         """``accepted`` plus the valid ones of ``replies``, and the others with their reasons; a rejected
         reply's node is resynchronised unless the reply says that its state is intact
-        (``reply_checks.STATE_INTACT``), and so is a node of ``sent_to`` that did not reply. A reply is
+        (``messages.STATE_INTACT``), and so is a node of ``sent_to`` that did not reply. A reply is
         the node's its message went to (a reply Flower makes itself for an unavailable node names the
         SuperLink as its sender)."""
         shapes = {n: tuple(self.global_params[n].shape) for n in self.partition.names(block)}

@@ -54,3 +54,33 @@ def test_a_bad_stream_throughput_is_refused_in_one_line_naming_it(value, error):
     with pytest.raises(ConfigError, match=error) as raised:
         RunConfig.from_flower({"stream-throughput-mbs": value})
     assert "\n" not in str(raised.value)
+
+
+def test_a_rounds_modeled_figures_use_the_runs_transport(tmp_path):
+    """The server's time model (``FedBCD.link``, which each round's record uses) is the run's transport's:
+    a 1 GB reply's ``comm_s_modeled`` is the stream's exchange with direct, Flower's with flower."""
+    import torch
+
+    from parablock_flwr.messages import TrainMetrics
+    from parablock_flwr.strategies import FedBCD
+    from parablock_flwr.strategies.reply_checks import Reply
+    from parablock_flwr.strategies.round_stats import RoundStats, round_record
+
+    costs = {"message-overhead-s": 5.0, "message-throughput-mbs": 60.0, "stream-throughput-mbs": 160.0}
+    partition = core.BlockPartition(blocks=(("w",),), labels=("w",))
+    metrics = TrainMetrics(server_round=1, block=0, partition_id=0, base_version=0, num_examples=8, train_loss=1.5,
+                           compute_s=0.25)  # fmt: skip
+    reply = Reply(node=7, metrics=metrics, update=None, payload_bytes=GB)
+    step = {"w": torch.zeros(1).expand(GB // 4)}  # 1 GB down in fp32 (numel only: no memory)
+    modeled = {}
+    for transport, extra in (("flower", {}), ("direct", DIRECT)):
+        cfg = RunConfig.from_flower({**costs, **extra})
+        strategy = FedBCD(global_params={"w": torch.zeros(2)}, partition=partition, schedule=[0], run_dir=tmp_path,
+                          config=cfg)  # fmt: skip
+        assert strategy.link.transport == transport
+        record = round_record(
+            RoundStats(1, nodes=[7], num_replies=1), "w", 0, step, [reply], [8.0], strategy.link, False
+        )
+        modeled[transport] = record["comm_s_modeled"]
+        assert record["comm_s_modeled"] == pytest.approx(strategy.link.comm_seconds(GB, GB), rel=1e-6)
+    assert modeled["flower"] - modeled["direct"] == pytest.approx(2 * GB / 60e6 - 2 * GB / 160e6 - 0.2, rel=1e-4)

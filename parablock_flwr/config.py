@@ -125,6 +125,7 @@ class RunConfig:
     latency_ms: float = 50.0
     message_overhead_s: float = 0.0
     message_throughput_mbs: float = 0.0
+    stream_throughput_mbs: float = 160.0
     round_timeout_s: float = 3600.0
     pull_interval_s: float = 0.1
     transport: str = "flower"
@@ -277,6 +278,7 @@ class RunConfig:
             "max-update-norm",
             "message-overhead-s",
             "message-throughput-mbs",
+            "stream-throughput-mbs",
             "max-correction-drift",
         ):
             value = getattr(self, key.replace("-", "_"))

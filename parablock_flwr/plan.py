@@ -514,11 +514,10 @@ def block_bytes(cfg: RunConfig, values: int) -> int:
     return round(values * transfer_bytes_per_value(cfg.transfer_dtype))
 
 
-def time_rows(cfg: RunConfig, shape: ModelShape, step_s: float | None) -> list[dict]:
+def time_rows(cfg: RunConfig, shape: ModelShape, step_s: float | None, link: core.LinkModel) -> list[dict]:
     """Each round's modeled time (``core.LinkModel``, ``core.modeled_round_seconds``): per block of
     the schedule, its bytes, the exchange's time, the compute of ``local-steps`` steps of ``step_s``,
     ParaBlock's round (the larger of the two) and sequential FedBCD's (their sum)."""
-    link = core.LinkModel.from_config(cfg)
     rows = []
     for b, values in enumerate(shape.blocks):
         nbytes = block_bytes(cfg, values)
@@ -535,11 +534,10 @@ def time_rows(cfg: RunConfig, shape: ModelShape, step_s: float | None) -> list[d
     return rows
 
 
-def balance(cfg: RunConfig, shape: ModelShape, step_s: float) -> tuple[int, int]:
+def balance(cfg: RunConfig, shape: ModelShape, step_s: float, link: core.LinkModel) -> tuple[int, int]:
     """(local-steps, layers-per-block) at which compute fills the largest block's window: the fewest
     steps whose compute covers it at this ``layers-per-block``, and the most layers per block whose
     window this ``local-steps`` covers (0: not even one layer's, the fixed cost alone exceeds it)."""
-    link = core.LinkModel.from_config(cfg)
     window = link.comm_seconds(block_bytes(cfg, max(shape.blocks)), block_bytes(cfg, max(shape.blocks)))
     steps = max(1, math.ceil(window / step_s))
     per_layer = shape.layer_params
@@ -562,25 +560,50 @@ def grouped(rows: list[dict]) -> list[tuple[str, dict]]:
     return [(f"{a}" if a == b else f"{a}-{b}", r) for a, b, r in out]
 
 
-def render_time(cfg: RunConfig, shape: ModelShape, step_s: float | None, step_source: str) -> list[str]:
-    """The time section: the link and fixed costs, a row per block, the run's total, the balance."""
-    link = core.LinkModel.from_config(cfg)
-    per_byte = f"{link.message_throughput_mbs:g} MB/s" if link.message_throughput_mbs else "not modeled"
-    lines = [
-        "",
+def mbs(value: float) -> str:
+    return f"{value:g} MB/s" if value else "not modeled"
+
+
+def time_header(cfg: RunConfig, link: core.LinkModel) -> str:
+    """The time section's first line: the link and the run's transport's fixed and per-byte costs."""
+    head = (
         f"time per round (core.LinkModel): uplink {link.uplink_mbps:g} Mbit/s, downlink {link.downlink_mbps:g} "
         f"Mbit/s, latency {link.latency_ms:g} ms, fixed cost per exchange (message-overhead-s) "
-        f"{link.message_overhead_s:g} s, framework per-byte cost (message-throughput-mbs) {per_byte}; "
-        f"transfer-dtype={cfg.transfer_dtype}",
-    ]
-    rows = time_rows(cfg, shape, step_s)
+        f"{link.message_overhead_s:g} s, "
+    )
+    if link.transport == "flower":
+        per_byte, dtype = mbs(link.message_throughput_mbs), cfg.transfer_dtype
+        return head + f"framework per-byte cost (message-throughput-mbs) {per_byte}; transfer-dtype={dtype}"
+    return head + (
+        f"per-byte cost on the run's stream (stream-throughput-mbs) {mbs(link.stream_throughput_mbs)} and a round "
+        f"trip per direction for its calls; transport=direct transfer-dtype={cfg.transfer_dtype}"
+    )
+
+
+def beside_header(link: core.LinkModel) -> str:
+    """The heading of the other transport's figures, so that an operator can choose; with Flower's
+    per-byte cost not modeled, the two cannot be compared yet, and it says so."""
+    measure = "" if link.message_throughput_mbs else ": measure it (python -m benchmarks.time_model) before comparing"
+    if link.transport == "direct":
+        flower = f"; Flower's per-byte cost (message-throughput-mbs) is not modeled{measure}" if measure else ""
+        return (
+            'beside it, transport="direct" (block records on the run\'s stream: the same fixed cost, per-byte '
+            f"cost (stream-throughput-mbs) {mbs(link.stream_throughput_mbs)} and a round trip per direction for "
+            f"its calls{flower}):"
+        )
+    return (
+        'beside it, transport="flower" (block records inside Flower\'s messages: the same fixed cost, per-byte '
+        f"cost (message-throughput-mbs) {mbs(link.message_throughput_mbs)}{measure}):"
+    )
+
+
+def time_table(cfg: RunConfig, shape: ModelShape, step_s: float | None, link: core.LinkModel) -> list[str]:
+    """A row per block on ``link``, then (with a step time) the run's total and the balance."""
+    rows = time_rows(cfg, shape, step_s, link)
     if step_s is None:
-        lines.append("compute not modeled: give --step-time-s S (one local step, measured) or --probe")
-        lines += ["| block | MB each way | exchange s |", "|---|---|---|"]
-        lines += [f"| {b} | {r['bytes'] / 1e6:,.1f} | {r['comm_s']:.2f} |" for b, r in grouped(rows)]
-        return lines
-    lines.append(f"one local step {step_s:.3g} s ({step_source}) x local-steps={cfg.local_steps}")
-    lines += [
+        lines = ["| block | MB each way | exchange s |", "|---|---|---|"]
+        return lines + [f"| {b} | {r['bytes'] / 1e6:,.1f} | {r['comm_s']:.2f} |" for b, r in grouped(rows)]
+    lines = [
         "| block | MB each way | exchange s | compute s | parablock round s | fedbcd round s |",
         "|---|---|---|---|---|---|",
     ]
@@ -593,7 +616,7 @@ def render_time(cfg: RunConfig, shape: ModelShape, step_s: float | None, step_so
     para = sum(rows[b]["parablock_s"] for b in schedule)
     seq = sum(rows[b]["fedbcd_s"] for b in schedule)
     lines.append(f"{cfg.num_server_rounds} rounds ({cfg.schedule}): parablock {para:,.1f} s, fedbcd {seq:,.1f} s")
-    steps, layers = balance(cfg, shape, step_s)
+    steps, layers = balance(cfg, shape, step_s, link)
     by_layers = (
         f"layers-per-block={layers} (with local-steps={cfg.local_steps})"
         if layers
@@ -604,6 +627,20 @@ def render_time(cfg: RunConfig, shape: ModelShape, step_s: float | None, step_so
         f"or at {by_layers}"
     )
     return lines
+
+
+def render_time(cfg: RunConfig, shape: ModelShape, step_s: float | None, step_source: str) -> list[str]:
+    """The time section: the link and the run's transport's costs, a row per block, the run's total,
+    the balance; then the same for the other transport."""
+    link = core.LinkModel.from_config(cfg)
+    lines = ["", time_header(cfg, link)]
+    if step_s is None:
+        lines.append("compute not modeled: give --step-time-s S (one local step, measured) or --probe")
+    else:
+        lines.append(f"one local step {step_s:.3g} s ({step_source}) x local-steps={cfg.local_steps}")
+    lines += time_table(cfg, shape, step_s, link)
+    other = core.LinkModel.from_config(cfg, transport="flower" if cfg.transport == "direct" else "direct")
+    return lines + ["", beside_header(other), *time_table(cfg, shape, step_s, other)]
 
 
 def probe_step_seconds(cfg: RunConfig, device: str = "", steps: int = 3) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -150,6 +151,60 @@ def test_plan_models_each_rounds_time_with_the_transports_fixed_and_per_byte_cos
     assert cli_main([*args, f"local-steps={steps}", "--step-time-s", "2"]) == 0
     mb, comm, compute, para, seq = _row(capsys.readouterr().out, "0-5")
     assert compute >= comm and para == compute  # the window is hidden
+
+
+def _section(out: str, transport: str) -> str:
+    """The time figures plan prints for ``transport``: the run's own section, or the one beside it."""
+    run, beside = out.split("\nbeside it, transport=")
+    return beside if beside.startswith(f'"{transport}"') else run.split("time per round (core.LinkModel)")[1]
+
+
+def test_plan_prints_both_transports_each_with_its_per_byte_cost_and_its_balance(capsys):
+    """The run's transport first, the other beside it: the same fixed cost, Flower's per-byte cost or
+    the stream's, so that direct's exchange of the 8B model's 2.2 GB block is shorter by the difference;
+    its own round times and compute-matching local-steps. A run that says direct prints the same two
+    sections the other way round, its header naming the transport."""
+    from parablock_flwr.core import LinkModel
+
+    link = ["uplink-mbps=1000.0", "downlink-mbps=1000.0", "latency-ms=20.0", "message-overhead-s=5.0"]
+    args = ["plan", str(LLAMA_8B), 'transfer-dtype="bf16"', "message-throughput-mbs=100.0", *link, "local-steps=3"]
+    assert cli_main([*args, "--step-time-s", "2"]) == 0
+    out = capsys.readouterr().out
+    nbytes = 5 * 218_112_000 * 2
+    flower, direct = _section(out, "flower"), _section(out, "direct")
+    assert direct.splitlines()[0] == (
+        '"direct" (block records on the run\'s stream: the same fixed cost, per-byte cost (stream-throughput-mbs) '
+        "160 MB/s and a round trip per direction for its calls):"
+    )
+    mb, comm, compute, para, seq = _row(direct, "0-5")
+    expected = LinkModel(1000.0, 1000.0, 20.0, 5.0, 100.0, "direct", 160.0).comm_seconds(nbytes, nbytes)
+    assert comm == pytest.approx(expected, abs=0.01)
+    assert _row(flower, "0-5")[1] - comm == pytest.approx(2 * nbytes / 100e6 - 2 * nbytes / 160e6 - 0.08, abs=0.02)
+    assert para == max(compute, comm) and seq == pytest.approx(compute + comm, abs=0.01)
+    steps = int(direct.split("compute matches the window at local-steps=")[1].split(" ")[0])
+    assert steps == math.ceil(expected / 2) < int(flower.split("at local-steps=")[1].split(" ")[0])
+    assert "parablock" in direct.split("rounds (descending): ")[1]
+
+    as_direct = [*args, 'transport="direct"', 'transport-address="10.0.0.1:9094"', "transport-insecure=true"]
+    assert cli_main([*as_direct, "--step-time-s", "2"]) == 0
+    swapped = capsys.readouterr().out
+    header = swapped.split("time per round (core.LinkModel): ")[1].splitlines()[0]
+    assert header.endswith("per-byte cost on the run's stream (stream-throughput-mbs) 160 MB/s and a round trip "
+                           "per direction for its calls; transport=direct transfer-dtype=bf16")  # fmt: skip
+    assert _row(_section(swapped, "direct"), "0-5") == _row(direct, "0-5")
+    assert _row(_section(swapped, "flower"), "0-5") == _row(flower, "0-5")
+    beside = _section(swapped, "flower").splitlines()[0]
+    assert beside == (
+        '"flower" (block records inside Flower\'s messages: the same fixed cost, per-byte cost '
+        "(message-throughput-mbs) 100 MB/s):"
+    )
+
+
+def test_plan_says_flowers_per_byte_cost_must_be_measured_before_the_transports_are_compared(capsys):
+    assert cli_main(["plan", str(LLAMA_8B)]) == 0
+    beside = capsys.readouterr().out.split("\nbeside it, transport=")[1].splitlines()[0]
+    assert beside.endswith("Flower's per-byte cost (message-throughput-mbs) is not modeled: measure it "
+                           "(python -m benchmarks.time_model) before comparing):")  # fmt: skip
 
 
 def test_plan_without_a_step_time_prints_the_exchange_and_says_what_is_missing(capsys):

@@ -8,37 +8,56 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config import TRANSPORTS  # the choices live with the other settings (no torch there)
+
 
 @dataclass(frozen=True)
 class LinkModel:
     """A client's link and the framework's cost of one exchange: rates in Mbit/s, one-way latency in
-    ms, the fixed cost of one exchange (``message_overhead_s``: delivery, process start, polls, the
-    server's aggregation) and the rate at which the framework's processes move a message's bytes
-    besides the link (``message_throughput_mbs``, MB/s; 0: not modeled): an exchange costs
-    ``overhead + bytes / throughput`` besides the link. ``python -m benchmarks.time_model`` fits both
-    to two runs of two message sizes."""
+    ms, the fixed cost of one exchange (``message_overhead_s``: Flower's delivery, process start, polls,
+    the server's aggregation: its control round trip, which every transport keeps) and the rate at which
+    the framework moves a block's bytes besides the link (MB/s; 0: not modeled): an exchange costs
+    ``overhead + bytes / throughput`` besides the link. The rate is the ``transport``'s: inside Flower's
+    messages (``"flower"``, ``message_throughput_mbs``), or on the run's own stream (``"direct"``,
+    ``stream_throughput_mbs``). ``python -m benchmarks.time_model`` fits Flower's two costs to two runs
+    of two message sizes."""
 
     uplink_mbps: float
     downlink_mbps: float
     latency_ms: float
     message_overhead_s: float = 0.0
     message_throughput_mbs: float = 0.0
+    transport: str = "flower"
+    stream_throughput_mbs: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport={self.transport!r}: expected one of {', '.join(TRANSPORTS)}")
 
     @classmethod
-    def from_config(cls, cfg) -> LinkModel:
-        """The time model of a ``config.RunConfig``."""
+    def from_config(cls, cfg, transport: str | None = None) -> LinkModel:
+        """The time model of a ``config.RunConfig``, for its own transport or the one named (``plan``
+        shows the other beside it)."""
         return cls(cfg.uplink_mbps, cfg.downlink_mbps, cfg.latency_ms, cfg.message_overhead_s,
-                   cfg.message_throughput_mbs)  # fmt: skip
+                   cfg.message_throughput_mbs, transport or cfg.transport, cfg.stream_throughput_mbs)  # fmt: skip
+
+    @property
+    def throughput_mbs(self) -> float:
+        """The MB/s at which this transport moves a block's bytes besides the link (0: not modeled)."""
+        return self.stream_throughput_mbs if self.transport == "direct" else self.message_throughput_mbs
 
     def comm_seconds(self, bytes_up: int, bytes_down: int) -> float:
         """Time from a reply leaving the client to the next message reaching it: the fixed cost, the
-        framework's per-byte cost and the link's, added (on one host they share the same CPUs)."""
-        throughput = self.message_throughput_mbs * 1e6
+        transport's per-byte cost and the link's, added (on one host they share the same CPUs). With
+        ``"direct"`` Flower's messages still go up and down, and the node's upload and download are two
+        calls on the stream, each a round trip of the link besides its bytes."""
+        throughput = self.throughput_mbs * 1e6
         framework = (bytes_up + bytes_down) / throughput if throughput else 0.0
+        round_trips = 1 + (2 if self.transport == "direct" else 0)
         return (
             self.message_overhead_s
             + framework
-            + 2 * self.latency_ms / 1e3
+            + round_trips * 2 * self.latency_ms / 1e3
             + 8 * bytes_up / (self.uplink_mbps * 1e6)
             + 8 * bytes_down / (self.downlink_mbps * 1e6)
         )

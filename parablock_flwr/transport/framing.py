@@ -31,29 +31,29 @@ class FramingError(ValueError):
 def frame(payloads: Mapping[str, object]) -> bytes:
     """One record's bytes: ``payloads`` maps each array's name to its npy payload (bytes-like, or an object
     with ``.data``, as Flower's ``Array``), copied once into the result."""
-    views = {name: memoryview(getattr(p, "data", p)).cast("B") for name, p in payloads.items()}
-    for name in views:
-        if not ARRAY_NAME.fullmatch(name):
-            raise FramingError(f"array name {name!r:.40}: expected 1-64 of A-Z a-z 0-9 _ . -")
-    index = json.dumps([[name, view.nbytes] for name, view in views.items()], separators=(",", ":")).encode()
-    return b"".join([len(index).to_bytes(4, "big"), index, *views.values()])
+    return _joined({name: [memoryview(getattr(p, "data", p)).cast("B")] for name, p in payloads.items()})
 
 
 def frame_pieces(pieces: Mapping[str, list[np.ndarray]]) -> bytes:
     """``frame`` of the arrays ``wire.pack_pieces`` returns as 1-D pieces (joined, each array is one npy
     payload): the pieces are copied once, into the result, never joined on their own first."""
-    parts, index = [], []
+    buffers = {}
     for name, array_pieces in pieces.items():
-        dtype, count = array_pieces[0].dtype, sum(p.size for p in array_pieces)
-        header = npy_header(dtype, (count,))
-        views = [memoryview(np.ascontiguousarray(p)).cast("B") for p in array_pieces]
-        index.append([name, len(header) + sum(v.nbytes for v in views)])
-        parts += [header, *views]
-    for name, _ in index:
+        header = npy_header(array_pieces[0].dtype, (sum(p.size for p in array_pieces),))
+        buffers[name] = [header, *(memoryview(np.ascontiguousarray(p)).cast("B") for p in array_pieces)]
+    return _joined(buffers)
+
+
+def _joined(buffers: Mapping[str, list]) -> bytes:
+    """The index of each array's name and size, then every array's buffers in order, in one copy."""
+    for name in buffers:
         if not ARRAY_NAME.fullmatch(name):
             raise FramingError(f"array name {name!r:.40}: expected 1-64 of A-Z a-z 0-9 _ . -")
+    index = [
+        [name, sum(len(b) if isinstance(b, bytes) else b.nbytes for b in parts)] for name, parts in buffers.items()
+    ]
     text = json.dumps(index, separators=(",", ":")).encode()
-    return b"".join([len(text).to_bytes(4, "big"), text, *parts])
+    return b"".join([len(text).to_bytes(4, "big"), text, *(b for parts in buffers.values() for b in parts)])
 
 
 def unframe(data: bytes | bytearray | memoryview, record: str) -> dict[str, memoryview]:

@@ -37,7 +37,8 @@ from ..messages import (
     TRACE,
     TRAIN,
     UPDATE,
-    key,
+    MessageError,
+    TransportOffer,
     metrics_to_record,
 )
 from ..node_data import NodeSettings, error_line, partition_of
@@ -102,7 +103,11 @@ def offered_the_stream(msg: Message) -> bool:
     sends this node its records inline); an update it may upload goes inline, counted as a fallback."""
     if OFFER not in msg.content.config_records:
         return False
-    if msg.content[OFFER].get(key("records_record")):
+    try:
+        offer = TransportOffer.from_config(dict(msg.content[OFFER]))
+    except MessageError as err:
+        raise node.StateIntact(str(err)) from None
+    if offer.records:
         raise node.StateIntact(f"{STREAM_UNUSABLE}this node runs its rounds in its ClientApp, without a node worker")
     return True
 

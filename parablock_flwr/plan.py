@@ -44,7 +44,9 @@ from .strategies.update_spill import IN_MEMORY
 from .tools.app_config import check_overrides
 
 GIB = 2**30
-RUNTIME_BYTES = 560 * 2**20  # Python with torch, transformers and datasets imported (measured: 490-600 MiB)
+# Python with torch, transformers and datasets imported; the libraries' resident share depends on the
+# page cache (more when their files were just written), so a process's RSS varies around this figure.
+RUNTIME_BYTES = 560 * 2**20
 CUDA_CONTEXT_BYTES = 600 * 2**20  # the CUDA context and allocator slack, outside max_memory_allocated
 # What the CUDA libraries add to a GPU worker's RSS: the tests' tiny model peaked at 1,550 MiB on an
 # H200 against the 560 MiB of RUNTIME_BYTES on a CPU (scripts/gpu-check.sh, 2026-12-01).

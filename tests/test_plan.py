@@ -99,8 +99,8 @@ def test_gpu_check_sizes_itself_to_the_gpus_it_finds(monkeypatch, capsys, tmp_pa
 def test_gpu_check_dry_run_on_the_cpu(tmp_path):
     """GPU_CHECK_DRY_RUN=1: the same steps on the CPU with a tiny Llama and a pretend GPU that holds
     two workers: both worker measurements (benchmarks/memory_check.py: two rounds of a real node worker
-    in a fresh process, its peak RSS within 15% of the plan's figure), a 2-SuperNode deployment, and
-    one PASS line at the end."""
+    in a fresh process, its peak RSS within 15% of the plan's terms beside its measured runtime), a
+    2-SuperNode deployment, and one PASS line at the end."""
     env = {**os.environ, "GPU_CHECK_DRY_RUN": "1", "OUT": str(tmp_path / "out"), "GPU_CHECK_WORK": str(tmp_path)}
     env["PYTHON"] = sys.executable
     proc = subprocess.run(

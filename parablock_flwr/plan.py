@@ -45,14 +45,14 @@ from .tools.app_config import check_overrides
 
 GIB = 2**30
 # Python with torch, transformers and datasets imported; the libraries' resident share depends on the
-# page cache (more when their files were just written), so a process's RSS varies around this figure.
+# page cache (more when their files were just written), so a process's RSS varies around this figure
+# (docs/deployment.md, "Measured memory against the plan").
 RUNTIME_BYTES = 560 * 2**20
 CUDA_CONTEXT_BYTES = 600 * 2**20  # the CUDA context and allocator slack, outside max_memory_allocated
-# What the CUDA libraries add to a GPU worker's RSS: the tests' tiny model peaked at 1,550 MiB on an
-# H200 against the 560 MiB of RUNTIME_BYTES on a CPU (scripts/gpu-check.sh, 2026-12-01).
+# What the CUDA libraries add to a GPU worker's RSS (docs/deployment.md, "Measured memory against the plan").
 CUDA_HOST_BYTES = 1024 * 2**20
 SERVER_RUNTIME_BYTES = 900 * 2**20  # the ServerApp process and the SuperLink beside it
-EVALUATOR_RUNTIME_BYTES = 600 * 2**20  # the evaluator process, its model aside (measured: 596 MiB RSS, tiny model)
+EVALUATOR_RUNTIME_BYTES = 600 * 2**20  # the evaluator process, its model aside
 # The run-config fields a model's partition (and so its ModelShape) depends on.
 SHAPE_KEYS = ("trainable", "layers_per_block", "non_layer_params", "one_block", "lora_rank", "lora_target_modules")
 

@@ -483,7 +483,7 @@ def load_spike_bytes(cfg: RunConfig, shape: ModelShape) -> int:
     return RUNTIME_BYTES + model + (shape.trainable * 4 if bf16 else 0)
 
 
-def site_disk_terms(cfg: RunConfig, shape: ModelShape, spec: str, num_rows: int | None = None) -> dict[str, int]:
+def site_disk_terms(cfg: RunConfig, shape: ModelShape, spec: str) -> dict[str, int]:
     """Bytes a site keeps on disk: the model's files, the residual store (``node_state.ResidualStore``:
     at most one fp32 residual per block plus ``KEEP_ROUNDS`` rounds', only with a rounded
     ``transfer-dtype``), and the datasets cache (``datasets`` copies a data file into Arrow once, about

@@ -19,9 +19,9 @@ import os
 import sys
 import time
 
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
-from flwr.common.constant import ErrorCode, SType
+from flwr.common.constant import SType
 
 from ..messages import (
     COMMIT,
@@ -54,6 +54,7 @@ from ..node_data import (
 from ..npy import NpyError, npy_header, npy_view
 from ..versions import mismatch
 from ..worker.protocol import ProtocolError, UntrustedWorker, request
+from . import error_reply
 
 
 def _process_start_time() -> float:
@@ -105,7 +106,7 @@ def trusted_worker_uids(node_config) -> frozenset[int]:
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     if (problem := message_problem(msg, context)) is not None:
-        return _error(msg, problem)
+        return error_reply(msg, problem)
     socket_path = context.node_config.get(WORKER_SOCKET)
     if not socket_path:
         from .inline import train_inline  # imports torch: only where the model lives in this process
@@ -119,7 +120,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     """``evaluation = "clients"``, after the last round: the held-out loss of ``x^R`` on this node's own
     held-out split (every earlier ``x^{r-1}`` is evaluated inside round r, see docs/architecture.md)."""
     if (problem := message_problem(msg, context)) is not None:
-        return _error(msg, problem)
+        return error_reply(msg, problem)
     socket_path = context.node_config.get(WORKER_SOCKET)
     if not socket_path:
         from .inline import evaluate_inline
@@ -144,7 +145,7 @@ def relay_to_worker(msg: Message, context: Context, socket_path: str, op: str = 
     try:
         arrays = relayed_arrays(msg)
     except NpyError as err:
-        return _error(msg, f"message from the server: {err}")
+        return error_reply(msg, f"message from the server: {err}")
     # A round cannot take longer than the server waits for it; a worker silent for longer is stuck.
     timeout_s = float(context.run_config.get("round-timeout-s", 3600.0))
 
@@ -158,9 +159,9 @@ def relay_to_worker(msg: Message, context: Context, socket_path: str, op: str = 
         answer, update = run_to_end(exchange)
         reply = WorkerReply.from_header(answer)
     except (UntrustedWorker, OSError, TimeoutError, ProtocolError, asyncio.IncompleteReadError, MessageError) as err:
-        return _error(msg, relay_failure(err, socket_path, timeout_s))
+        return error_reply(msg, relay_failure(err, socket_path, timeout_s))
     if reply.error:  # the worker says whether the node's state is intact (node.StateIntact)
-        return _error(msg, f"{STATE_INTACT if reply.state_intact else ''}node worker failed: {reply.error}")
+        return error_reply(msg, f"{STATE_INTACT if reply.state_intact else ''}node worker failed: {reply.error}")
     if op == EVALUATE:
         return Message(content=RecordDict({METRICS: MetricRecord(reply.metrics)}), reply_to=msg)
     metrics = stamped(
@@ -248,7 +249,3 @@ def update_arrays(payloads: dict[str, bytes]) -> dict[str, Array]:
         view = npy_view(payload, name)  # this process wrote the header: it holds
         arrays[name] = Array(dtype=str(view.dtype), shape=view.shape, stype=SType.NUMPY, data=payload)
     return arrays
-
-
-def _error(msg: Message, reason: str) -> Message:
-    return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=msg)

@@ -21,8 +21,7 @@ import logging
 import os
 from pathlib import Path
 
-from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
-from flwr.common.constant import ErrorCode
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from .. import node
 from ..config import RunConfig
@@ -46,6 +45,7 @@ from ..node_state import NodeState, PendingStore, ResidualStore
 from ..records import to_record, to_tensors
 from ..replica import StepLog
 from ..runtime import setup_torch
+from . import error_reply
 
 log = logging.getLogger(__name__)
 
@@ -90,10 +90,10 @@ def _handle(msg: Message, context: Context, op: str) -> Message:
         content = _run(msg, context, op)
     except node.StateIntact as err:
         log.warning("%s not done, state intact: %s", op, err)
-        return _error(msg, f"{STATE_INTACT}{err}")
+        return error_reply(msg, f"{STATE_INTACT}{err}")
     except Exception as err:
         log.exception("%s failed", op)
-        return _error(msg, error_line(err))
+        return error_reply(msg, error_line(err))
     return Message(content=content, reply_to=msg)
 
 
@@ -168,7 +168,3 @@ def resumed_node_folder(req: node.Request, partition_id: int) -> Path:
             f"(expected the residuals of the run resumed after round {req.resumed_after} there)"
         )
     return folder
-
-
-def _error(msg: Message, reason: str) -> Message:
-    return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=msg)

@@ -6,9 +6,10 @@ Steps, each run only where `parablock-flwr plan` says it fits, else skipped with
 2. one node worker, two rounds, bf16 weights on the first GPU: its peak memory against the plan;
 3. the same with fp32 weights (skipped when the plan says they do not fit);
 4. a local deployment (SuperLink, SuperNodes with their workers, `flwr run`), 3 rounds (2 in the dry
-   run), bf16 weights, int8 transfer (quantised on the GPU), client evaluation, every node accepted
-   and the invariant checked in every round: one SuperNode per GPU, or two on one GPU only when two
-   workers fit in it;
+   run), bf16 weights, int8 transfer (quantised on the GPU), client evaluation, TLS and node
+   authentication, the blocks on the run's stream (``transport = "direct"``); every node accepted,
+   the invariant checked and no byte off the stream (no fallback, no refusal) in every round: one
+   SuperNode per GPU, or two on one GPU only when two workers fit in it;
 5. at the sizes this project is for (on a GPU only, not in the dry run): one node worker of a 1B and
    of an 8B Llama (random bf16 weights built on the GPU from docs/model-configs: a GPU machine has
    no hub), two rounds with docs/deploy-8b.md's settings (``AT_SIZE_CASES``) on rows that fill
@@ -197,6 +198,7 @@ def deployment_step(model: str, nodes: list[str], args, out: Path, data: str) ->
         "layers-per-block": args.layers_per_block, "max-seq-len": args.max_seq_len, "output-dir": str(out / "runs"),
         "weights": "bf16", "evaluation": "clients", "micro-batch-size": 2, "gradient-checkpointing": True,
         "verify-invariant": True, "generate-examples": 0, "local-steps": 2, "transfer-dtype": "int8",
+        "transport": "direct",
     }  # fmt: skip
     script = (
         "import json, sys\n"
@@ -205,20 +207,22 @@ def deployment_step(model: str, nodes: list[str], args, out: Path, data: str) ->
         "from parablock_flwr.tools.launch import run_deployment\n"
         "config, nodes, work = json.loads(sys.argv[1]), json.loads(sys.argv[2]), Path(sys.argv[3])\n"
         "r = run_deployment(work, config, num_supernodes=len(nodes), timeout_s=float(sys.argv[4]),\n"
-        "                   node_settings=[f'device=\"{d}\"' for d in nodes])\n"
+        "                   node_settings=[f'device=\"{d}\"' for d in nodes], secure=True)\n"
         "print(r.summary()); print('run dir:', r.run_dir)\n"
         "bad = []\n"
         "for m in RunRecorder(r.run_dir).read() if r.run_dir else []:\n"
         "    print(json.dumps({k: m.get(k) for k in ('round', 'heldout_loss', 'train_loss', 'num_accepted',\n"
-        "          'invariant_checked', 'invariant_failed', 'round_wall_s')}))\n"
-        "    if m['round'] and (m.get('invariant_failed') or m.get('num_accepted') != len(nodes)):\n"
+        "          'invariant_checked', 'invariant_failed', 'round_wall_s', 'direct_fallbacks', 'direct_refusals')}))\n"
+        "    if m['round'] and (m.get('invariant_failed') or m.get('num_accepted') != len(nodes)\n"
+        "                       or m.get('direct_fallbacks') or m.get('direct_refusals')):\n"
         "        bad.append(m['round'])\n"
-        "print('rounds with a failed invariant or a missing node:', bad)\n"
+        "print('rounds with a failed invariant, a missing node, or bytes off the stream:', bad)\n"
         "sys.exit(r.returncode or (1 if bad else 0))\n"
     )
     timeout = args.step_timeout_s
     cmd = [sys.executable, "-c", script, json.dumps(config), json.dumps(nodes), str(out / "flower"), str(timeout)]
-    shown = f"run_deployment: {len(nodes)} SuperNodes on {', '.join(nodes)}, {args.rounds} rounds, bf16 weights, int8"
+    shown = f"run_deployment: {len(nodes)} SuperNodes on {', '.join(nodes)}, {args.rounds} rounds, bf16 weights, "
+    shown += "int8, TLS and node authentication, transport=direct"
     return run_step(f"deployment-{len(nodes)}-nodes", cmd, out, timeout + 60, shown)
 
 

@@ -57,6 +57,7 @@ from parablock_flwr.wire import pack_pieces, unpack
 
 RUN, TTL = 41, 30.0
 LIMITS = Limits(idle_timeout_s=2.0, grace_s=1.0)
+NOTHING_AHEAD = {"direct_updates_ahead": 0, "direct_steps_prefetched": 0, "direct_ahead_revoked": 0}
 
 
 def block(seed: int, dtype: str = "int8"):
@@ -213,8 +214,8 @@ def test_a_rounds_end_forgets_it_and_counts_its_fallbacks_and_refusals(hub, node
         hub.fell_back(9, "the stream at x:1 did not connect within 5 s")
         hub.fell_back(9, "again")
     assert sum("node 9 uses Flower's path" in r.message for r in caplog.records) == 1  # logged once per node
-    assert hub.end_round(8) == {"direct_fallbacks": 2, "direct_refusals": 0}
-    assert hub.end_round(9) == {"direct_fallbacks": 0, "direct_refusals": 0}  # counts are per round
+    assert hub.end_round(8) == {"direct_fallbacks": 2, "direct_refusals": 0, **NOTHING_AHEAD}
+    assert hub.end_round(9) == {"direct_fallbacks": 0, "direct_refusals": 0, **NOTHING_AHEAD}  # counts are per round
     assert len(hub.server.inbox) == 0 and hub.server.outbox.get(offer.records[0].name) is None
     with pytest.raises(StreamUnusable, match="refused bad_capability"):
         node.fetch(offer)  # the round's capabilities are gone
@@ -361,7 +362,7 @@ def test_a_message_and_its_reply_through_the_stream_are_what_flowers_path_carrie
     expected = Expected(4, 0, UPDATE_TENSORS, 100.0, transfer_dtype="bf16")
     checked = parse_reply(reply, expected, 7)  # the reply checks, unchanged
     assert all(torch.equal(checked.update[n], t) for n, t in to_tensors(update).items())
-    assert direct.end_round(4) == {"direct_fallbacks": 0, "direct_refusals": 0}
+    assert direct.end_round(4) == {"direct_fallbacks": 0, "direct_refusals": 0, **NOTHING_AHEAD}
 
 
 def test_a_reply_whose_commit_does_not_match_the_upload_is_rejected_with_the_refusal(hub, node):

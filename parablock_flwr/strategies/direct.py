@@ -100,9 +100,9 @@ class DirectMessages:
         return None
 
     def messaged(self, server_round: int, nodes: set[int]) -> None:
-        """Round r's messages are built and pushed to ``nodes``: capabilities issued ahead to any other node
-        for round r are revoked (``RunTransport.revoke_unmessaged``)."""
-        self.transport.revoke_unmessaged(server_round, nodes)
+        """Round r's messages are built for ``nodes``: capabilities issued ahead to any other node for round r are
+        revoked, and round r's step goes to the downloads waiting for it (``RunTransport.messaged``)."""
+        self.transport.messaged(server_round, nodes)
 
     def _fell_back(self, node: int, why: str) -> None:
         self.on_stream[node] = False

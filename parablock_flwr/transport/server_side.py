@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..messages import GLOBAL_STEP, RecordOffer, TransportOffer, UpdateCommit
-from .capabilities import Direction, RefusalKind, Refused
+from .capabilities import CapabilityRegistry, Direction, RefusalKind, Refused
 from .framing import frame, unframe
 from .service import Limits, TransportServer
 
@@ -82,12 +82,19 @@ def update_bound(numel: int, num_tensors: int) -> int:
 class RunTransport:
     """The stream service of one run and what each round's messages say of it (the module's docstring)."""
 
-    def __init__(self, settings: StreamSettings, run_id: int, ttl_s: float, limits: Limits | None = None):
+    def __init__(
+        self,
+        settings: StreamSettings,
+        run_id: int,
+        ttl_s: float,
+        limits: Limits | None = None,
+        registry: CapabilityRegistry | None = None,
+    ):
         certfile, keyfile, self.ca_pem = settings.read()
         self.settings, self.run_id, self.ttl_s = settings, run_id, ttl_s
         self.server = TransportServer(
-            address=f"[::]:{settings.port}", cert_file=certfile, key_file=keyfile, insecure=settings.insecure,
-            limits=limits or Limits(),
+            registry, address=f"[::]:{settings.port}", cert_file=certfile, key_file=keyfile,
+            insecure=settings.insecure, limits=limits or Limits(),
         )  # fmt: skip
         self.address = settings.address  # the port the nodes dial: the bound one once started
         self._lock = threading.Lock()
@@ -161,7 +168,7 @@ class RunTransport:
         global step under the name it will be published by (``step_name``), bounded by ``step_max_size`` and
         waiting for its publication. Both are bound to round r+1 and expire when it may end (rounds r and
         r+1's timeouts), single use like any other; a node not messaged in round r+1 loses them then
-        (``revoke_unmessaged``)."""
+        (``messaged``)."""
         registry, node, ahead_round = self.server.registry, offer.node_id, offer.server_round + 1
         up_name, step_name = self.upload_name(ahead_round, node), self.step_name(ahead_round)
         up = registry.issue(self.run_id, node, ahead_round, Direction.UPLOAD, up_name, ttl_s=2 * self.ttl_s,
@@ -175,18 +182,20 @@ class RunTransport:
             ahead_step_name=step_name, ahead_step_token=step.token.hex(), ahead_step_max_size=step_max_size,
         )  # fmt: skip
 
-    def revoke_unmessaged(self, server_round: int, messaged: set[int]) -> int:
-        """Round r's messages are built: the capabilities issued a round ahead to nodes not messaged in round r
-        (not sampled, excluded) are revoked, and their waiting downloads end. Counted
-        (``direct_ahead_revoked``, nodes), not refused: nothing was attempted against the rules."""
+    def messaged(self, server_round: int, nodes: set[int]) -> int:
+        """Round r's messages are built, for ``nodes``: capabilities issued a round ahead to any other node (not
+        sampled, excluded) are revoked, and its waiting download ends without the step; then round r's step
+        goes to the downloads waiting for it (published ``held`` until now, so that a revoked node never gets
+        it). Counted (``direct_ahead_revoked``, nodes), not refused: nothing was attempted against the rules."""
         with self._lock:
-            unmessaged = sorted(self._ahead_nodes.pop(server_round, set()) - set(messaged))
+            unmessaged = sorted(self._ahead_nodes.pop(server_round, set()) - set(nodes))
             self._ahead["direct_ahead_revoked"] += len(unmessaged)
         for node in unmessaged:
             self.server.registry.revoke(self.run_id, server_round, node)
         if unmessaged:
             log.info("direct transport: round %d's capabilities issued ahead to nodes %s revoked (not messaged in "
                      "round %d)", server_round, unmessaged, server_round)  # fmt: skip
+        self.server.outbox.release(self.step_name(server_round))
         return len(unmessaged)
 
     def moved_ahead(self, update: bool, step: bool) -> None:
@@ -213,10 +222,10 @@ class RunTransport:
             if id(source) in published:
                 return published[id(source)][1:]
             self._names += 1
-            name = f"r{server_round}/{record}/{self._names}"
+            name, held = f"r{server_round}/{record}/{self._names}", False
             if record == GLOBAL_STEP and all(n != self.step_name(server_round) for _, n, _, _ in published.values()):
-                name = self.step_name(server_round)  # the round's step, which downloads issued ahead wait for
-            out = self.server.outbox.publish(name, data=frame(source))
+                name, held = self.step_name(server_round), True  # the round's step: downloads issued ahead wait
+            out = self.server.outbox.publish(name, data=frame(source), held=held)
             published[id(source)] = (source, name, out.size, out.sha256)  # the source held: its id stays its own
             return name, out.size, out.sha256
 

@@ -103,9 +103,11 @@ class Outbox:
     def __init__(self) -> None:
         self._lock = threading.Condition()
         self._records: dict[str, Published] = {}
+        self._held: set[str] = set()  # published, but not yet to downloads waiting for them (``release``)
 
-    def publish(self, name: str, data: bytes | None = None, path: Path | None = None) -> Published:
-        """Publish ``data`` or the file at ``path`` under ``name``; its size and SHA-256 go into Flower's message."""
+    def publish(self, name: str, data: bytes | None = None, path: Path | None = None, held: bool = False) -> Published:
+        """Publish ``data`` or the file at ``path`` under ``name``; its size and SHA-256 go into Flower's message.
+        ``held``: downloads waiting for it (``wait_for``) get it only once it is ``release``d."""
         if (data is None) == (path is None):
             raise ValueError(
                 f"publish {name!r}: give either data or path, not {'both' if data is not None else 'neither'}"
@@ -121,8 +123,16 @@ class Outbox:
             if name in self._records:
                 raise ValueError(f"record {name!r} is already published; a record is published once")
             self._records[name] = record
+            if held:
+                self._held.add(name)
             self._lock.notify_all()
         return record
+
+    def release(self, name: str) -> None:
+        """A record published ``held`` goes to the downloads waiting for it."""
+        with self._lock:
+            self._held.discard(name)
+            self._lock.notify_all()
 
     def get(self, name: str) -> Published | None:
         with self._lock:
@@ -133,15 +143,17 @@ class Outbox:
         expired, was revoked or dropped with its round, the caller left, the service stops). ``alive`` is
         asked at least every ``poll_s``, since those ends do not notify."""
         with self._lock:
-            while (record := self._records.get(name)) is None:
-                if not alive():
-                    return None
+            while alive():  # asked first on every wake: a revocation before the release wins
+                record = self._records.get(name)
+                if record is not None and name not in self._held:
+                    return record
                 self._lock.wait(poll_s)
-            return record
+            return None
 
     def retire(self, name: str) -> None:
         with self._lock:
             self._records.pop(name, None)
+            self._held.discard(name)
 
 
 class Inbox:
@@ -179,6 +191,11 @@ class Inbox:
                 raise refused
             del self._records[(run_id, node_id, round, record)]
             return held[1]
+
+    def holds(self, run_id: int, node_id: int, round: int, record: str) -> bool:
+        """Whether an upload waits in this slot (for a reply to claim it)."""
+        with self._lock:
+            return (run_id, node_id, round, record) in self._records
 
     def drop_round(self, run_id: int, round: int) -> int:
         """Forget a round's uploads no reply claimed (the round ended); how many were dropped."""

@@ -335,6 +335,7 @@ async def serve(
                 log.info("no message for %.0f s: exiting", idle_exit_s)
                 break
     worker.compute_thread.shutdown(wait=False, cancel_futures=True)
+    worker.stream.close()
 
 
 def run_worker(

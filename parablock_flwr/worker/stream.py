@@ -90,6 +90,11 @@ class WorkerStream:
             update = self._ahead_pool.submit(self._upload_ahead, offer, transfer_dtype, early)
         self.ahead = AheadTransfers(run_id, offer.server_round + 1, offer.ahead_step_name, step, update)
 
+    def close(self) -> None:
+        """The channels closed (a download still waiting ends with them) and the transfers' threads let go."""
+        self.transport.close()
+        self._ahead_pool.shutdown(wait=False, cancel_futures=True)
+
     def take_ahead(self, run_id: int, server_round: int) -> AheadTransfers | None:
         """The transfers started for this round of this run, if any; any other is forgotten."""
         ahead, self.ahead = self.ahead, None

@@ -163,7 +163,7 @@ def run_rounds(tls, config: dict, run_id: int, ahead: bool, rounds: int = 3) -> 
     return replies
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "int8"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "int8"])
 def test_round_r_plus_1s_update_moves_before_its_message_and_its_reply_has_the_same_bits(tmp_path, tiny_model_dir,
                                                                                         dtype):  # fmt: skip
     """ParaBlock at-end on a node worker: with the capabilities issued a round ahead, rounds 2 and 3's updates

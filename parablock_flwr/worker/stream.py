@@ -59,11 +59,22 @@ class AheadTransfers:
         The fetch uses it only when its size and SHA-256 are the ones ``offer`` announces."""
         if self.step is None or all(ref.name != self.step_name for ref in offer.records):
             return None
-        return self.step.result()
+        return _outcome(self.step, "its step's download")
 
     def early_upload(self) -> EarlyUpload | None:
         """The upload ahead, waited for (the round commits nothing of it before it is done)."""
-        return None if self.update is None else self.update.result()
+        return None if self.update is None else _outcome(self.update, "its update's upload")
+
+
+def _outcome(future: Future, what: str):
+    """A transfer's result, or None when it failed in a way its thread did not expect: the round then
+    moves those bytes as usual, never fails for it."""
+    try:
+        return future.result()
+    except Exception as err:  # noqa: BLE001 - said, and the usual path takes over
+        log.warning("direct transport: %s ahead failed (%s: %s); moved with the message instead", what,
+                    type(err).__name__, err)  # fmt: skip
+        return None
 
 
 class WorkerStream:

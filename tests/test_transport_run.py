@@ -500,3 +500,26 @@ def test_a_prefetched_step_is_used_only_when_the_message_announces_its_size_and_
     again = hub.offer(4, 7, {GLOBAL_STEP: step}, upload_max_size=10**6)
     assert {k: bytes(v) for k, v in node.fetch(again, right)[GLOBAL_STEP].items()} == payloads(step)
     assert node.fetch(again)[GLOBAL_STEP]  # its capability was not used by the fetch above
+
+
+def test_around_flowers_messages_a_node_on_the_stream_moves_its_next_round_ahead_and_it_is_counted(hub, node):
+    """Round 4's messages carry round 5's capabilities to a node on the stream (none to a node on Flower's
+    path); the update uploaded ahead is claimed by round 5's reply, and the round's record counts it."""
+    direct = DirectMessages(hub)
+    direct.on_stream[8] = False  # node 8 fell back earlier
+    to7 = direct.outgoing(round_message(7, block(1)), 4, upload_max_size=10**6, ahead=(10**6, 10**6))
+    to8 = direct.outgoing(round_message(8, block(1)), 4, upload_max_size=10**6, ahead=(10**6, 10**6))
+    offer7, offer8 = (TransportOffer.from_config(dict(m.content[OFFER])) for m in (to7, to8))
+    assert offer7.ahead_upload_token and offer7.ahead_step_token and not offer8.ahead_upload_name
+    pieces = pack_pieces({n: torch.ones(s) for n, s in UPDATE_TENSORS.items()}, "int8")
+    commit = node.upload_ahead(offer7, pieces)
+    direct.end_round(4)
+    msg = direct.outgoing(round_message(7, block(2)), 5, upload_max_size=10**6)
+    direct.messaged(5, {7, 8})
+    metrics = update_metrics(direct_update_ahead=1, direct_step_prefetched=1)
+    reply = direct.incoming(reply_to(msg, RecordDict({METRICS: metrics, COMMIT: ConfigRecord(commit.to_config())})),
+                            5, 7)  # fmt: skip
+    assert payloads(reply.content[UPDATE]) == payloads(pieces_record(pieces))
+    record = direct.end_round(5)
+    assert (record["direct_updates_ahead"], record["direct_steps_prefetched"], record["direct_ahead_revoked"]) == (
+        1, 1, 0)  # fmt: skip

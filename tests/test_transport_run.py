@@ -523,3 +523,23 @@ def test_around_flowers_messages_a_node_on_the_stream_moves_its_next_round_ahead
     record = direct.end_round(5)
     assert (record["direct_updates_ahead"], record["direct_steps_prefetched"], record["direct_ahead_revoked"]) == (
         1, 1, 0)  # fmt: skip
+
+
+def test_a_transfer_ahead_that_finds_no_server_does_not_keep_the_next_message_off_the_stream(hub):
+    """A server killed while a node's download ahead waited, and resumed at the same address: the failure
+    ahead says nothing of the next run, so the next message's records are dialled for at once (only a
+    failure of a message's own transfer keeps the address off the stream for ``retry_after_s``)."""
+    wrong = f"localhost:{free_port()}"  # nothing answers there
+    offer = dataclasses.replace(ahead_offer(hub, 3, 7, {GLOBAL_STEP: block(24)}), address=wrong)
+    side = NodeTransport(connect_timeout_s=0.5, timeout_s=10)
+    try:
+        for moved_ahead in (lambda: side.prefetch(offer), lambda: side.upload_ahead(offer, {"w": [np.zeros(3)]})):
+            with pytest.raises(StreamUnusable, match="UNAVAILABLE"):
+                moved_ahead()
+        with pytest.raises(StreamUnusable) as first:
+            side.fetch(offer)  # dialled: the failures ahead did not mark the address
+        assert "not dialled again" not in str(first.value)
+        with pytest.raises(StreamUnusable, match="not dialled again"):
+            side.fetch(offer)  # the message's own failure did
+    finally:
+        side.close()

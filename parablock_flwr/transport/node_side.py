@@ -117,7 +117,9 @@ class NodeTransport:
             raise StreamUnusable("the message offers no download ahead")
         ticket = Ticket(bytes.fromhex(offer.ahead_step_token), offer.run_id, offer.node_id, offer.server_round + 1,
                         Direction.DOWNLOAD, offer.ahead_step_name)  # fmt: skip
-        data, sha256 = self._call(offer, lambda client: client.download_unannounced(ticket, offer.ahead_step_max_size))
+        data, sha256 = self._call(
+            offer, lambda client: client.download_unannounced(ticket, offer.ahead_step_max_size), ahead=True
+        )
         return Prefetched(offer.ahead_step_name, data, sha256)
 
     def _upload(
@@ -131,7 +133,7 @@ class NodeTransport:
             raise StreamUnusable(f"an update of {len(data)} bytes; the offer bounds it at {bound}")
         sha256 = hashlib.sha256(data).hexdigest()
         ticket = Ticket(bytes.fromhex(token), offer.run_id, offer.node_id, round, Direction.UPLOAD, name)
-        self._call(offer, lambda client: client.upload(ticket, data, sha256))
+        self._call(offer, lambda client: client.upload(ticket, data, sha256), ahead=round != offer.server_round)
         return UpdateCommit(update_size=len(data), update_sha256=sha256)
 
     def close(self) -> None:
@@ -144,10 +146,11 @@ class NodeTransport:
     def _ticket(offer: TransportOffer, direction: Direction, name: str, token: str) -> Ticket:
         return Ticket(bytes.fromhex(token), offer.run_id, offer.node_id, offer.server_round, direction, name)
 
-    def _call(self, offer: TransportOffer, fn):
+    def _call(self, offer: TransportOffer, fn, ahead: bool = False):
         """``fn(client)`` on the offer's channel; any failure as ``StreamUnusable``. An address that could not
         be reached (``UNAVAILABLE``: no answer within ``connect_timeout_s``, refused, TLS failed) is not
-        dialled again for ``retry_after_s``."""
+        dialled again for ``retry_after_s``, unless the call moved bytes ``ahead`` of their message: a server
+        stopped while it waited (a killed run, resumed at the same address) says nothing of the next run's."""
         key = (self.address(offer), offer.ca_pem, offer.insecure)
         with self._lock:
             until, why = self._unreachable.get(key, (0.0, ""))
@@ -166,7 +169,7 @@ class NodeTransport:
             raise StreamUnusable(f"the stream at {key[0]} {refused.line()}") from None
         except TransportError as err:
             why = f"the stream at {key[0]} failed: {err}"
-            if err.code == "UNAVAILABLE":
+            if err.code == "UNAVAILABLE" and not ahead:
                 with self._lock:
                     self._unreachable[key] = (self._clock() + self.retry_after_s, why)
                     self._clients.pop(key, None)

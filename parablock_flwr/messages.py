@@ -223,6 +223,10 @@ class TrainMetrics:
     process_id: int | None = _metric(COUNT)
     # transport = "direct": 1 when this update came on Flower's path because the node could not use the stream.
     direct_fallbacks: int | None = _metric(COUNT)
+    # ... 1 when this update moved on the stream before the round's message came (the reply commits it) ...
+    direct_update_ahead: int | None = _metric(FLAG)
+    # ... 1 when the round's global step was fetched before its message came (and matched the message's digest).
+    direct_step_prefetched: int | None = _metric(FLAG)
     evaluation: EvaluateMetrics | None = None  # of x^{r-1}, when round r asked (its fields travel flat)
 
     def check(self) -> str | None:
@@ -373,6 +377,15 @@ class TransportOffer:
     upload_name: str = ""  # "" when the message asks for no update (the final evaluation)
     upload_token: str = ""
     upload_max_size: int = 0
+    # One round ahead (``server_round + 1``), so that the bytes move before that round's message comes: a
+    # capability to upload the node's next update into that round's slot, and one to download that round's
+    # global step as soon as the server publishes it (its size and SHA-256 come in that round's offer).
+    ahead_upload_name: str = ""  # "" when none is offered (the last round, a node on Flower's path)
+    ahead_upload_token: str = ""
+    ahead_upload_max_size: int = 0
+    ahead_step_name: str = ""
+    ahead_step_token: str = ""
+    ahead_step_max_size: int = 0
 
     def to_config(self) -> dict[str, Any]:
         """The ``transport`` config record: the records as parallel lists (``records-name``, ...)."""
@@ -417,10 +430,19 @@ class TransportOffer:
             upload_name=get.text("upload-name", 0, 128),
             upload_token=get.text("upload-token", 0, 64, secret=True),
             upload_max_size=get.int("upload-max-size", 0, MAX_SIZE),
+            ahead_upload_name=get.text("ahead-upload-name", 0, 128),
+            ahead_upload_token=get.text("ahead-upload-token", 0, 64, secret=True),
+            ahead_upload_max_size=get.int("ahead-upload-max-size", 0, MAX_SIZE),
+            ahead_step_name=get.text("ahead-step-name", 0, 128),
+            ahead_step_token=get.text("ahead-step-token", 0, 64, secret=True),
+            ahead_step_max_size=get.int("ahead-step-max-size", 0, MAX_SIZE),
         )
-        if offer.upload_name and not (_record_name(offer.upload_name) and _hex64(offer.upload_token)):
-            raise MessageError("transport offer: upload-name or upload-token malformed: expected a record name "
-                               "and 64 lowercase hex digits")  # fmt: skip
+        for what, name, token in (("upload", offer.upload_name, offer.upload_token),
+                                  ("ahead-upload", offer.ahead_upload_name, offer.ahead_upload_token),
+                                  ("ahead-step", offer.ahead_step_name, offer.ahead_step_token)):  # fmt: skip
+            if name and not (_record_name(name) and _hex64(token)):
+                raise MessageError(f"transport offer: {what}-name or {what}-token malformed: expected a record "
+                                   f"name and 64 lowercase hex digits")  # fmt: skip
         if offer.insecure == bool(offer.ca_pem):
             raise MessageError("transport offer: expected a CA certificate (ca-pem) or insecure, exactly one")
         return offer

@@ -321,9 +321,14 @@ def test_tls_node_authentication_and_the_direct_transport_give_the_same_model(de
     for rec in run.records[1:]:  # only the registered nodes were asked; node 1 fell back every round
         assert rec["num_replies"] == 2 and rec["num_accepted"] == 2 and rec["invariant_failed"] == 0, rec
         assert rec["direct_fallbacks"] == 1 and rec["direct_refusals"] == 0, rec
+        # Node 0's bytes from round 2 on moved before their message came: its update, committed by the reply
+        # without a second upload, and its step, fetched as soon as it was published.
+        ahead = (rec["direct_updates_ahead"], rec["direct_steps_prefetched"], rec["direct_ahead_revoked"])
+        assert ahead == ((0, 0, 0) if rec["round"] == 1 else (1, 1, 0)), rec
         same = deployed.records[rec["round"]]  # the bytes per round, as on Flower's path
         assert (rec["wire_bytes_up"], rec["wire_bytes_down"]) == (same["wire_bytes_up"], same["wire_bytes_down"])
     on_stream, fell_back = (flower / "worker-0.log").read_text(), (flower / "worker-1.log").read_text()
     assert "direct transport: fetched" in on_stream and "direct transport: uploaded" in on_stream
+    assert on_stream.count("moved before the message: its update, its step") == ROUNDS - 1
     assert fell_back.count("direct transport: the update goes inline") == 1  # logged once
     assert run.records[-1]["heldout_loss"] < run.records[0]["heldout_loss"]

@@ -11,6 +11,8 @@ import dataclasses
 import json
 import logging
 import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -42,6 +44,7 @@ from parablock_flwr.strategies.reply_checks import Expected, parse_reply
 from parablock_flwr.strategies.round_stats import array_bytes
 from parablock_flwr.tools.credentials import make_tls
 from parablock_flwr.transport import (
+    CapabilityRegistry,
     Limits,
     NodeTransport,
     RefusalKind,
@@ -53,10 +56,12 @@ from parablock_flwr.transport import (
     update_bound,
 )
 from parablock_flwr.transport.framing import FramingError, arrays, frame, unframe
+from parablock_flwr.transport.node_side import Prefetched
 from parablock_flwr.wire import pack_pieces, unpack
 
 RUN, TTL = 41, 30.0
 LIMITS = Limits(idle_timeout_s=2.0, grace_s=1.0)
+NOTHING_AHEAD = {"direct_updates_ahead": 0, "direct_steps_prefetched": 0, "direct_ahead_revoked": 0}
 
 
 def block(seed: int, dtype: str = "int8"):
@@ -213,8 +218,8 @@ def test_a_rounds_end_forgets_it_and_counts_its_fallbacks_and_refusals(hub, node
         hub.fell_back(9, "the stream at x:1 did not connect within 5 s")
         hub.fell_back(9, "again")
     assert sum("node 9 uses Flower's path" in r.message for r in caplog.records) == 1  # logged once per node
-    assert hub.end_round(8) == {"direct_fallbacks": 2, "direct_refusals": 0}
-    assert hub.end_round(9) == {"direct_fallbacks": 0, "direct_refusals": 0}  # counts are per round
+    assert hub.end_round(8) == {"direct_fallbacks": 2, "direct_refusals": 0, **NOTHING_AHEAD}
+    assert hub.end_round(9) == {"direct_fallbacks": 0, "direct_refusals": 0, **NOTHING_AHEAD}  # counts are per round
     assert len(hub.server.inbox) == 0 and hub.server.outbox.get(offer.records[0].name) is None
     with pytest.raises(StreamUnusable, match="refused bad_capability"):
         node.fetch(offer)  # the round's capabilities are gone
@@ -361,7 +366,7 @@ def test_a_message_and_its_reply_through_the_stream_are_what_flowers_path_carrie
     expected = Expected(4, 0, UPDATE_TENSORS, 100.0, transfer_dtype="bf16")
     checked = parse_reply(reply, expected, 7)  # the reply checks, unchanged
     assert all(torch.equal(checked.update[n], t) for n, t in to_tensors(update).items())
-    assert direct.end_round(4) == {"direct_fallbacks": 0, "direct_refusals": 0}
+    assert direct.end_round(4) == {"direct_fallbacks": 0, "direct_refusals": 0, **NOTHING_AHEAD}
 
 
 def test_a_reply_whose_commit_does_not_match_the_upload_is_rejected_with_the_refusal(hub, node):
@@ -404,3 +409,137 @@ def test_a_node_that_falls_back_gets_its_records_inline_until_it_commits_on_the_
     direct.incoming(reply_to(lost, error=f"state-intact: node worker failed: {STREAM_UNUSABLE}x"), 6, 8)
     assert GLOBAL_STEP in direct.outgoing(round_message(8, step), 7, 10**6).content.array_records
     assert direct.end_round(4)["direct_fallbacks"] == 2  # node 7 in round 4, node 8 in round 6
+
+
+# ---------------------------------------------------------------- one round ahead
+
+
+def ahead_offer(hub, server_round: int, node: int, records=None):
+    """Round r's offer with round r+1's capabilities (an update of at most 10**6 bytes, a step of 10**6)."""
+    return hub.offer(server_round, node, records or {}, upload_max_size=10**6, ahead=(10**6, 10**6))
+
+
+def test_capabilities_issued_ahead_are_bound_to_the_next_round_its_slot_and_used_once(hub, node):
+    offer = ahead_offer(hub, 3, 7)
+    assert (offer.ahead_upload_name, offer.ahead_step_name) == (hub.upload_name(4, 7), hub.step_name(4))
+    update = payloads(block(20))
+    # Bound to round r+1: presented as round r's own upload capability, it is refused.
+    with pytest.raises(StreamUnusable, match="refused bad_capability"):
+        node.upload(dataclasses.replace(offer, upload_token=offer.ahead_upload_token), update)
+    # Bound to its node: node 8 presenting node 7's capability is refused.
+    with pytest.raises(StreamUnusable, match="refused foreign_record"):
+        node.upload_ahead(dataclasses.replace(offer, node_id=8), pack_pieces(to_tensors(block(20))))
+    # Bounded by round r+1's block: a larger declaration is refused before any byte is read.
+    with pytest.raises(StreamUnusable, match="refused oversized"):
+        node.upload_ahead(dataclasses.replace(offer, ahead_upload_max_size=2 * 10**6), {"w": [np.zeros(150_000)]})
+    pieces = pack_pieces(to_tensors(block(20)), "int8")
+    commit = node.upload_ahead(offer, pieces)
+    with pytest.raises(StreamUnusable, match="refused replayed"):  # single use
+        node.upload_ahead(offer, pieces)
+    assert hub.end_round(3)["direct_refusals"] == 4  # the refusals, counted in round r ...
+    # ... whose end keeps round r+1's upload: round r+1's reply claims it, from round r+1's own slot.
+    claimed = hub.claim(4, 7, commit)
+    assert {k: bytes(v) for k, v in claimed.items()} == payloads(pieces_record(pieces))
+
+
+def test_capabilities_issued_ahead_expire_when_the_next_round_may_end(tls, node):
+    now = [0.0]
+    registry = CapabilityRegistry(clock=lambda: now[0])
+    with RunTransport(settings(tls), RUN, TTL, LIMITS, registry=registry) as hub:
+        offer, late = ahead_offer(hub, 3, 7), ahead_offer(hub, 3, 8)
+        now[0] = 1.5 * TTL  # round r's own capabilities have expired; those for round r+1 hold
+        with pytest.raises(StreamUnusable, match="refused expired"):
+            node.upload(offer, payloads(block(21)))
+        assert node.upload_ahead(offer, pack_pieces(to_tensors(block(21)))).update_size > 0
+        now[0] = 2 * TTL  # round r+1's timeout after round r's: expired
+        with pytest.raises(StreamUnusable, match="refused expired"):
+            node.upload_ahead(late, pack_pieces(to_tensors(block(21))))
+        hub.end_round(4)  # round r+1 ended: forgotten
+        with pytest.raises(StreamUnusable, match="refused bad_capability"):
+            node.upload_ahead(late, pack_pieces(to_tensors(block(21))))
+
+
+def test_a_download_issued_ahead_waits_for_its_step_and_a_revocation_ends_it_uncounted(hub, node):
+    """Round 3's messages give nodes 7 and 8 round 4's step ahead; both wait. Round 4's messages are built for
+    node 7 only: the step is published with the first, node 8's capability is revoked when all are built and
+    its wait ends without the step, counted apart from the refusals; node 7 then gets the step, which is the
+    record round 4's offer announces."""
+    offers = {n: ahead_offer(hub, 3, n) for n in (7, 8)}
+    with ThreadPoolExecutor(2) as pool:
+        waiting = {n: pool.submit(node.prefetch, offer) for n, offer in offers.items()}
+        time.sleep(0.5)
+        assert not any(f.done() for f in waiting.values())  # nothing published yet: waiting, not refused
+        round4 = hub.offer(4, 7, {GLOBAL_STEP: block(22)}, upload_max_size=10**6)
+        time.sleep(0.5)
+        assert not any(f.done() for f in waiting.values())  # published, held until the round's messages are built
+        assert hub.messaged(4, {7}) == 1
+        with pytest.raises(StreamUnusable, match="not published before its capability ended"):
+            waiting[8].result(timeout=30)
+        prefetched = waiting[7].result(timeout=30)
+        assert round4.records[0].name == hub.step_name(4) and prefetched.matches(round4.records[0])
+    assert hub.server.waits_ended == 1
+    record = hub.end_round(4)
+    assert (record["direct_ahead_revoked"], record["direct_refusals"]) == (1, 0), record
+
+
+def test_a_prefetched_step_is_used_only_when_the_message_announces_its_size_and_sha256(hub, node):
+    prefetch = ahead_offer(hub, 3, 7)
+    step = block(23)
+    round4 = hub.offer(4, 7, {GLOBAL_STEP: step}, upload_max_size=10**6)
+    hub.messaged(4, {7})
+    right = node.prefetch(prefetch)
+    assert right.matches(round4.records[0])
+    wrong = Prefetched(right.name, bytearray(right.data), "0" * 64)  # bytes whose SHA-256 is not the message's
+    assert not wrong.matches(round4.records[0])
+    # The wrong one is not used: the record comes from the stream (its capability is spent) ...
+    fetched = node.fetch(round4, wrong)
+    assert {k: bytes(v) for k, v in fetched[GLOBAL_STEP].items()} == payloads(step)
+    with pytest.raises(StreamUnusable, match="refused replayed"):
+        node.fetch(round4)
+    # ... the right one is: round 4's capability stays unused.
+    again = hub.offer(4, 7, {GLOBAL_STEP: step}, upload_max_size=10**6)
+    assert {k: bytes(v) for k, v in node.fetch(again, right)[GLOBAL_STEP].items()} == payloads(step)
+    assert node.fetch(again)[GLOBAL_STEP]  # its capability was not used by the fetch above
+
+
+def test_around_flowers_messages_a_node_on_the_stream_moves_its_next_round_ahead_and_it_is_counted(hub, node):
+    """Round 4's messages carry round 5's capabilities to a node on the stream (none to a node on Flower's
+    path); the update uploaded ahead is claimed by round 5's reply, and the round's record counts it."""
+    direct = DirectMessages(hub)
+    direct.on_stream[8] = False  # node 8 fell back earlier
+    to7 = direct.outgoing(round_message(7, block(1)), 4, upload_max_size=10**6, ahead=(10**6, 10**6))
+    to8 = direct.outgoing(round_message(8, block(1)), 4, upload_max_size=10**6, ahead=(10**6, 10**6))
+    offer7, offer8 = (TransportOffer.from_config(dict(m.content[OFFER])) for m in (to7, to8))
+    assert offer7.ahead_upload_token and offer7.ahead_step_token and not offer8.ahead_upload_name
+    pieces = pack_pieces({n: torch.ones(s) for n, s in UPDATE_TENSORS.items()}, "int8")
+    commit = node.upload_ahead(offer7, pieces)
+    direct.end_round(4)
+    msg = direct.outgoing(round_message(7, block(2)), 5, upload_max_size=10**6)
+    direct.messaged(5, {7, 8})
+    metrics = update_metrics(direct_update_ahead=1, direct_step_prefetched=1)
+    reply = direct.incoming(reply_to(msg, RecordDict({METRICS: metrics, COMMIT: ConfigRecord(commit.to_config())})),
+                            5, 7)  # fmt: skip
+    assert payloads(reply.content[UPDATE]) == payloads(pieces_record(pieces))
+    record = direct.end_round(5)
+    assert (record["direct_updates_ahead"], record["direct_steps_prefetched"], record["direct_ahead_revoked"]) == (
+        1, 1, 0)  # fmt: skip
+
+
+def test_a_transfer_ahead_that_finds_no_server_does_not_keep_the_next_message_off_the_stream(hub):
+    """A server killed while a node's download ahead waited, and resumed at the same address: the failure
+    ahead says nothing of the next run, so the next message's records are dialled for at once (only a
+    failure of a message's own transfer keeps the address off the stream for ``retry_after_s``)."""
+    wrong = f"localhost:{free_port()}"  # nothing answers there
+    offer = dataclasses.replace(ahead_offer(hub, 3, 7, {GLOBAL_STEP: block(24)}), address=wrong)
+    side = NodeTransport(connect_timeout_s=0.5, timeout_s=10)
+    try:
+        for moved_ahead in (lambda: side.prefetch(offer), lambda: side.upload_ahead(offer, {"w": [np.zeros(3)]})):
+            with pytest.raises(StreamUnusable, match="UNAVAILABLE"):
+                moved_ahead()
+        with pytest.raises(StreamUnusable) as first:
+            side.fetch(offer)  # dialled: the failures ahead did not mark the address
+        assert "not dialled again" not in str(first.value)
+        with pytest.raises(StreamUnusable, match="not dialled again"):
+            side.fetch(offer)  # the message's own failure did
+    finally:
+        side.close()

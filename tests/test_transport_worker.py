@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import socket
+import time
 
 import pytest
 import torch
@@ -124,3 +125,57 @@ def test_a_node_without_a_worker_cannot_fetch_and_says_so_state_intact(tmp_path,
     reply = train_inline(msg, context)
     assert reply.has_error() and reply.error.reason.startswith(f"state-intact: {STREAM_UNUSABLE}"), reply.error
     assert len(context.state) == 0
+
+
+def run_rounds(tls, config: dict, run_id: int, ahead: bool, rounds: int = 3) -> list[dict]:
+    """``rounds`` rounds of one node worker against a run's stream, the server's part played here: round r's
+    step is half the update it claimed in round r-1. ``ahead``: each offer also carries round r+1's
+    capabilities, and round r's request is served only once its update is in the server's inbox (moved
+    before the message came). Each round's reply header, with the SHA-256 of the update claimed."""
+    settings = StreamSettings("localhost:0", str(tls.server_cert), str(tls.server_key), str(tls.ca_cert))
+    worker, replies, step = NodeWorker(), [], {}
+    try:
+        with RunTransport(settings, run_id, ttl_s=120) as stream:
+            for r in range(1, rounds + 1):
+                records = {GLOBAL_STEP: pieces_record(pack_pieces(step))} if step else {}
+                bounds = (10**7, 10**7) if ahead and r < rounds else None
+                offer = stream.offer(r, 0, records, upload_max_size=10**7, ahead=bounds)
+                stream.messaged(r, {0})  # the round's messages are built: its step goes to the waiting download
+                if ahead and r > 1:
+                    slot = (run_id, 0, r, stream.upload_name(r, 0))
+                    deadline = time.monotonic() + 120
+                    while not stream.server.inbox.holds(*slot) and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                    assert stream.server.inbox.holds(*slot), f"round {r}: its update is not in the inbox"
+                header = worker_request(config, run_id, r, block=(r - 1) % 2, next_block=r % 2 if r < rounds else -1,
+                                        num_partitions=2, **{"step-block": (r - 2) % 2})  # fmt: skip
+                header[key("stream_offer")] = offer.to_config()
+                reply, pieces = worker.serve_request(header, {})
+                assert "error" not in reply and pieces == {}, reply
+                commit = UpdateCommit.from_config(reply[key("stream_commit")])
+                update = unpack({n: npy_view(p, n) for n, p in stream.claim(r, 0, commit).items()})
+                step = {n: t * 0.5 for n, t in update.items()}
+                replies.append({**reply, "sha256": commit.update_sha256})
+                stream.end_round(r)
+    finally:
+        worker.compute_thread.shutdown(wait=True)
+        worker.stream.close()
+    return replies
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "int8"])
+def test_round_r_plus_1s_update_moves_before_its_message_and_its_reply_has_the_same_bits(tmp_path, tiny_model_dir,
+                                                                                        dtype):  # fmt: skip
+    """ParaBlock at-end on a node worker: with the capabilities issued a round ahead, rounds 2 and 3's updates
+    are in the server's inbox before their requests are served, and their steps were fetched before; every
+    round's update has the bits of the same rounds without them (int8: the error feedback's residuals too)."""
+    tls = make_tls(tmp_path / "tls")
+    config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 2, "transfer-dtype": dtype,
+                                                      "correction": "at-end"})  # fmt: skip
+    plain = run_rounds(tls, config, RUN + 1, ahead=False)
+    moved = run_rounds(tls, config, RUN, ahead=True)
+    assert [r["sha256"] for r in moved] == [r["sha256"] for r in plain]
+    flags = [(r["metrics"].get(key("direct_update_ahead")), r["metrics"].get(key("direct_step_prefetched")))
+             for r in moved]  # fmt: skip
+    assert flags == [(None, None), (1, 1), (1, 1)], flags
+    assert all(key("direct_update_ahead") not in r["metrics"] for r in plain)

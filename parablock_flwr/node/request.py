@@ -73,6 +73,7 @@ class Reply:
     metrics: TrainMetrics | EvaluateReply
     update: core.Tensors = field(default_factory=dict)
     trace: dict[str, str] = field(default_factory=dict)
+    used_early: bool = False  # the update is the one rounded ahead (``Node.early_update``), bit for bit
 
 
 def check_blocks(req: Request, num_blocks: int) -> None:

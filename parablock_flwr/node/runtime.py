@@ -61,6 +61,19 @@ class Ahead:
         return self.job.server_round
 
 
+@dataclass(frozen=True, eq=False)
+class EarlyUpdate:
+    """Round r+1's update rounded to ``transfer-dtype`` before its message came, as ``Node.feed_back`` would
+    round it: from the computation ``ahead`` and the residual ``residual_in`` of its block (the very object
+    the node held when it was made), to ``sent`` and the residual ``residual_out``. A pure value: it changes
+    no node state; ``Node.train`` commits it only when nothing it was computed from has changed since."""
+
+    ahead: Ahead
+    residual_in: core.Tensors | None
+    sent: core.Tensors
+    residual_out: core.Tensors | None
+
+
 def in_background(fn: Callable, *args) -> Callable[[], None]:
     """Start ``fn(*args)`` on a thread of its own; the function returned waits for it and raises its error.
 
@@ -139,9 +152,11 @@ class Node:
         fetch_step: FetchStep,
         store: ResidualStore | None = None,
         resumed_store: ResidualStore | None = None,
+        early: EarlyUpdate | None = None,
     ) -> Reply:
         """Round ``req.server_round``, the module's steps in order; ``resumed_store`` is where a resumed
-        run's residuals come from."""
+        run's residuals come from; ``early``: this round's update as ``early_update`` rounded it ahead, which
+        step 5 takes instead of rounding again when it still holds (the reply's ``used_early`` says so)."""
         self.check_order(req)  # 1
         check_blocks(req, res.partition.num_blocks)
         client = client_half(req.algorithm, cfg.correction_mode)
@@ -150,7 +165,8 @@ class Node:
         if store is not None and self.state.last_round == 0:  # this node's first message in this run
             self.begin_run(cfg, req, store, resumed_store)
         job, result, waited = self.round_update(res, cfg, req, client, ahead, fetch_step)  # 4
-        residual_written = self.feed_back(cfg, req, result, store)  # 5
+        early = early if early is not None and ahead is not None and early.ahead is ahead else None
+        residual_written, used_early = self.feed_back(cfg, req, result, store, early)  # 5
         try:
             kept = self.finish_round(res, req, client, job, result.delta, fetch_step)  # 6
             metrics = self.reply_metrics(res, cfg, req, client, job, result, kept, waited)  # 7
@@ -161,7 +177,7 @@ class Node:
             wait_for_write(residual_written, err)
             raise
         wait_for_write(residual_written)
-        return Reply(metrics, result.delta, trace)
+        return Reply(metrics, result.delta, trace, used_early=used_early)
 
     def evaluate(self, res: NodeResources, cfg: RunConfig, req: Request, fetch_step: FetchStep) -> Reply:
         """``evaluation = "clients"`` after the last round: the held-out loss of ``x^R``. Anything still
@@ -274,20 +290,47 @@ class Node:
                    slot=client.new_slot())  # fmt: skip
 
     def feed_back(
-        self, cfg: RunConfig, req: Request, result: TrainResult, store: ResidualStore | None
-    ) -> Callable[[], None] | None:
+        self, cfg: RunConfig, req: Request, result: TrainResult, store: ResidualStore | None,
+        early: EarlyUpdate | None = None,
+    ) -> tuple[Callable[[], None] | None, bool]:  # fmt: skip
         """Step 5: ``Δ_i^r`` rounded to ``transfer-dtype``; what rounding dropped goes into this block's
         next update (error feedback). The residual is durable before the reply leaves, written while
-        the next block starts (the function returned waits for the write)."""
+        the next block starts (the function returned waits for the write). ``early`` (this round's
+        computation, rounded ahead) is taken when it was rounded from the residual the node holds now, so
+        the update and residual are the very values its upload used; whether it was, second."""
+        residual = self.state.residuals.get(req.block)
+        used_early = early is not None and early.residual_in is residual
         if cfg.transfer_dtype == "fp32":
-            return None
-        result.delta, self.state.residuals[req.block] = core.round_with_feedback(
-            result.delta, self.state.residuals.get(req.block), cfg.transfer_dtype
-        )
+            return None, used_early
+        if used_early:
+            result.delta, self.state.residuals[req.block] = early.sent, early.residual_out
+        else:
+            result.delta, self.state.residuals[req.block] = core.round_with_feedback(
+                result.delta, residual, cfg.transfer_dtype
+            )
         if store is None:
-            return None
+            return None, used_early
         residual = {n: t.detach().cpu() for n, t in self.state.residuals[req.block].items()}
-        return in_background(store.save, req.server_round, req.block, residual)
+        return in_background(store.save, req.server_round, req.block, residual), used_early
+
+    def early_update(self, cfg: RunConfig, server_round: int) -> Callable[[], EarlyUpdate | None]:
+        """Round ``server_round``'s update rounded as soon as its computation running ahead is done, for a
+        driver that moves it before its message comes: what it rounds from is taken now (call it between
+        requests, when nothing changes the node), and the function returned waits for the computation and
+        rounds, changing nothing. None from it: there is no such computation, or its result depends on
+        when its message comes (``on-receipt``'s correction)."""
+        ahead = self.ahead
+        if ahead is None or ahead.server_round != server_round or ahead.job.slot is not None:
+            return lambda: None
+        residual_in, dtype = self.state.residuals.get(ahead.job.block), cfg.transfer_dtype
+
+        def rounded() -> EarlyUpdate:
+            delta = ahead.future.result().delta  # its failure is the round's to report, when its message comes
+            if dtype == "fp32":
+                return EarlyUpdate(ahead, residual_in, delta, residual_in)
+            return EarlyUpdate(ahead, residual_in, *core.round_with_feedback(delta, residual_in, dtype))
+
+        return rounded
 
     def finish_round(
         self, res: NodeResources, req: Request, client, job: Job, delta: core.Tensors, fetch_step: FetchStep

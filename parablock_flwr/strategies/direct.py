@@ -34,6 +34,7 @@ from ..transport import Refused, RunTransport
 
 log = logging.getLogger(__name__)
 FALLBACKS = key("direct_fallbacks")
+UPDATE_AHEAD, STEP_PREFETCHED = key("direct_update_ahead"), key("direct_step_prefetched")
 DIRECT = "direct transport:"  # what a reply rejected here says first
 
 
@@ -44,14 +45,18 @@ class DirectMessages:
         self.transport = transport
         self.on_stream: dict[int, bool] = {}  # node -> whether its records go on the stream (default: yes)
 
-    def outgoing(self, msg: Message, server_round: int, upload_max_size: int | None) -> Message:
+    def outgoing(
+        self, msg: Message, server_round: int, upload_max_size: int | None, ahead: tuple[int, int] | None = None
+    ) -> Message:
         """``msg`` with its block records on the stream (unless its node is on Flower's path) and the offer
-        in their place; ``upload_max_size``: the bound on the node's update (None: the message asks for none)."""
+        in their place; ``upload_max_size``: the bound on the node's update (None: the message asks for none);
+        ``ahead``: the bounds of round r+1's update and global step, whose capabilities a node on the stream
+        gets now (``RunTransport.ahead_offer``; None: none, the last round)."""
         node, content = msg.metadata.dst_node_id, msg.content
         records = {name: content.array_records[name] for name in BLOCK_RECORDS if name in content.array_records}
         if not self.on_stream.get(node, True):
-            records = {}  # they stay in the message: this node fetches nothing
-        offer = self.transport.offer(server_round, node, records, upload_max_size)
+            records, ahead = {}, None  # they stay in the message: this node fetches nothing, moves nothing ahead
+        offer = self.transport.offer(server_round, node, records, upload_max_size, ahead)
         for name in records:
             del content[name]
         content[OFFER] = ConfigRecord(offer.to_config())
@@ -70,8 +75,11 @@ class DirectMessages:
                 self._fell_back(node, "it could not fetch the round's records from the stream")
             return None
         content = reply.content
+        metrics = content.metric_records.get(METRICS)
+        flags = {k: metrics is not None and type(metrics.get(k)) is int and metrics[k] == 1
+                 for k in (UPDATE_AHEAD, STEP_PREFETCHED)}  # fmt: skip
+        self.transport.moved_ahead(update=False, step=flags[STEP_PREFETCHED])
         if COMMIT not in content.config_records:
-            metrics = content.metric_records.get(METRICS)
             if metrics is not None and type(metrics.get(FALLBACKS)) is int and metrics[FALLBACKS] > 0:
                 self._fell_back(node, "its update came inline")
             return None
@@ -88,7 +96,13 @@ class DirectMessages:
         content[UPDATE] = ArrayRecord({name: _array(payload, name) for name, payload in payloads.items()})
         del content[COMMIT]
         self.on_stream[node] = True
+        self.transport.moved_ahead(update=flags[UPDATE_AHEAD], step=False)  # a committed update, claimed
         return None
+
+    def messaged(self, server_round: int, nodes: set[int]) -> None:
+        """Round r's messages are built for ``nodes``: capabilities issued ahead to any other node for round r are
+        revoked, and round r's step goes to the downloads waiting for it (``RunTransport.messaged``)."""
+        self.transport.messaged(server_round, nodes)
 
     def _fell_back(self, node: int, why: str) -> None:
         self.on_stream[node] = False

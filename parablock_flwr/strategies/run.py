@@ -241,21 +241,34 @@ class Run:
                     "(retry %d of %d)", outcome.server_round, len(outcome.accepted), cfg.min_accepted_replies,
                     len(nodes), retries + 1, cfg.max_round_retries)  # fmt: skip
         messages = self.algorithm.train_messages(outcome.server_round, nodes, *message)
-        return self.push(grid, self.outgoing(outcome.server_round, messages))
+        return self.push(grid, self.outgoing(outcome.server_round, messages, first=False))
 
-    def outgoing(self, server_round: int, messages: Iterable[Message], update: bool = True) -> Iterator[Message]:
+    def outgoing(
+        self, server_round: int, messages: Iterable[Message], update: bool = True, first: bool = True
+    ) -> Iterator[Message]:
         """``messages`` as they are pushed: with the direct transport, each one's block records moved onto
         the run's stream (``DirectMessages.outgoing``), with a capability to upload the round's update
-        (``update``), bounded by its block's size."""
+        (``update``), bounded by its block's size, and round r+1's capabilities (but in the last round).
+        After the round's ``first`` push (not a retry's), nodes it did not message lose theirs for round r."""
         if self.direct is None:
             yield from messages
             return
-        bound = None
+        bound = ahead = None
         if update:
-            names = self.algorithm.partition.names(self.algorithm.block_for_round(server_round))
-            bound = update_bound(sum(self.algorithm.global_params[n].numel() for n in names), len(names))
+            bound = self.update_bound(server_round)
+            if server_round < self.num_rounds:  # round r+1's update and step (g^r: this round's block) ahead
+                ahead = (self.update_bound(server_round + 1), bound)
+        nodes = set()
         for msg in messages:
-            yield self.direct.outgoing(msg, server_round, bound)
+            nodes.add(msg.metadata.dst_node_id)
+            yield self.direct.outgoing(msg, server_round, bound, ahead)
+        if update and first:  # every node of the round is messaged: the others' capabilities issued ahead end
+            self.direct.messaged(server_round, nodes)
+
+    def update_bound(self, server_round: int) -> int:
+        """The most bytes a node's update of round r's block may take on the stream (``update_bound``)."""
+        names = self.algorithm.partition.names(self.algorithm.block_for_round(server_round))
+        return update_bound(sum(self.algorithm.global_params[n].numel() for n in names), len(names))
 
     def push(self, grid: Grid, messages: Iterable[Message]) -> dict[str, int]:
         """Push ``messages`` (each expires after ``round-timeout-s``); returns message id -> node

@@ -89,6 +89,7 @@ class _Grant:
     ticket: Ticket
     expires_at: float
     max_size: int | None
+    waits: bool = False  # a download that waits for its record's publication (issued a round ahead)
     state: str = field(default="issued")  # issued -> in_use -> used; a refusal sends in_use back
 
 
@@ -117,8 +118,11 @@ class CapabilityRegistry:
         record: str,
         ttl_s: float,
         max_size: int | None = None,
+        waits: bool = False,
     ) -> Ticket:
-        """A fresh capability; ``ttl_s`` is the round's timeout, ``max_size`` bounds an upload's declaration."""
+        """A fresh capability; ``ttl_s`` is the round's timeout, ``max_size`` bounds an upload's declaration.
+        ``waits``: a download of a record not published yet waits for it (a capability issued a round ahead,
+        whose record the server publishes when that round's messages are built) instead of being refused."""
         if ttl_s <= 0:
             raise ValueError(f"ttl_s={ttl_s!r}; expected a positive number of seconds (the round's timeout)")
         if Direction(direction) is Direction.UPLOAD and (max_size is None or max_size < 0):
@@ -126,7 +130,7 @@ class CapabilityRegistry:
         ticket = Ticket(secrets.token_bytes(TOKEN_BYTES), run_id, node_id, round, Direction(direction), record)
         with self._lock:
             self._prune()
-            self._grants[_key(ticket.token)] = _Grant(ticket, self._clock() + ttl_s, max_size)
+            self._grants[_key(ticket.token)] = _Grant(ticket, self._clock() + ttl_s, max_size, waits)
         return ticket
 
     def reserve(self, claim: Ticket, size: int | None = None) -> Ticket:
@@ -170,6 +174,29 @@ class CapabilityRegistry:
     def release(self, ticket: Ticket) -> None:
         """The transfer was refused or broke: the capability is as before it (until it expires)."""
         self._set(ticket, "issued")
+
+    def waits(self, ticket: Ticket) -> bool:
+        """Whether a download under ``ticket`` waits for its record's publication."""
+        with self._lock:
+            grant = self._grants.get(_key(ticket.token))
+            return grant is not None and grant.waits
+
+    def alive(self, ticket: Ticket) -> bool:
+        """Whether ``ticket``'s capability still holds: not expired, nor revoked, nor dropped with its round
+        (what ends a download waiting for its record)."""
+        with self._lock:
+            grant = self._grants.get(_key(ticket.token))
+            return grant is not None and self._clock() < grant.expires_at
+
+    def revoke(self, run_id: int, round: int, node_id: int) -> int:
+        """Forget ``node_id``'s capabilities of ``round`` (a node issued them a round ahead and not messaged
+        in that round); how many were dropped. A request under one is then refused as unknown."""
+        with self._lock:
+            keys = [k for k, g in self._grants.items()
+                    if (g.ticket.run_id, g.ticket.round, g.ticket.node_id) == (run_id, round, node_id)]  # fmt: skip
+            for k in keys:
+                del self._grants[k]
+            return len(keys)
 
     def drop_round(self, run_id: int, round: int) -> int:
         """Forget a round's capabilities (the round ended); how many were dropped."""

@@ -13,14 +13,16 @@ node worker imports it.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
 import threading
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 
-from ..messages import TransportOffer, UpdateCommit, relay_name
+from ..messages import RecordOffer, TransportOffer, UpdateCommit, relay_name
 from ..npy import npy_view
 from .capabilities import Direction, Refused, Ticket
 from .client import TransportClient, TransportError
@@ -31,6 +33,19 @@ log = logging.getLogger(__name__)
 
 class StreamUnusable(Exception):
     """The stream could not move a record; the message is one line (no token, no payload)."""
+
+
+@dataclass(frozen=True)
+class Prefetched:
+    """A record fetched before Flower's message announced it: used only if the message's size and SHA-256
+    for a record of that name are these bytes' (``matches``); anything else is fetched as usual."""
+
+    name: str
+    data: bytearray
+    sha256: str
+
+    def matches(self, ref: RecordOffer) -> bool:
+        return (ref.name, ref.size) == (self.name, len(self.data)) and hmac.compare_digest(ref.sha256, self.sha256)
 
 
 class NodeTransport:
@@ -54,25 +69,29 @@ class NodeTransport:
     def address(self, offer: TransportOffer) -> str:
         return self.address_override or offer.address
 
-    def fetch(self, offer: TransportOffer) -> dict[str, dict[str, memoryview]]:
+    def fetch(self, offer: TransportOffer, prefetched: Prefetched | None = None) -> dict[str, dict[str, memoryview]]:
         """Each offered record's arrays (message record name -> array name -> npy payload), every record
-        checked against its size and SHA-256 from Flower's message. Raises ``StreamUnusable``."""
+        checked against its size and SHA-256 from Flower's message; a record ``prefetched`` holds with that
+        very size and SHA-256 is taken from it instead of the stream. Raises ``StreamUnusable``."""
         out = {}
         for ref in offer.records:
-            ticket = self._ticket(offer, Direction.DOWNLOAD, ref.name, ref.token)
-            data = self._call(offer, lambda client, t=ticket, r=ref: client.download(t, r.size, r.sha256))
+            if prefetched is not None and prefetched.matches(ref):
+                data = prefetched.data
+            else:
+                ticket = self._ticket(offer, Direction.DOWNLOAD, ref.name, ref.token)
+                data = self._call(offer, lambda client, t=ticket, r=ref: client.download(t, r.size, r.sha256))
             try:
                 out[ref.record] = unframe(data, ref.record)
             except FramingError as err:
                 raise StreamUnusable(f"record {ref.record}: {err}") from None
         return out
 
-    def fetch_arrays(self, offer: TransportOffer) -> dict[str, np.ndarray]:
+    def fetch_arrays(self, offer: TransportOffer, prefetched: Prefetched | None = None) -> dict[str, np.ndarray]:
         """``fetch``'s records as the relay hands them to the node worker: ``record/array`` -> the array
         (``messages.relay_name``), each a read-only view of the fetched bytes."""
         return {
             relay_name(record, name): npy_view(payload, relay_name(record, name))
-            for record, payloads in self.fetch(offer).items()
+            for record, payloads in self.fetch(offer, prefetched).items()
             for name, payload in payloads.items()
         }
 
@@ -85,14 +104,36 @@ class NodeTransport:
         """``upload`` of the update as ``wire.pack_pieces`` returns it (each array as its 1-D pieces)."""
         return self._upload(offer, frame_pieces(pieces))
 
-    def _upload(self, offer: TransportOffer, data: bytes) -> UpdateCommit:
-        if not offer.upload_name:
+    def upload_ahead(self, offer: TransportOffer, pieces: Mapping[str, list[np.ndarray]]) -> UpdateCommit:
+        """``upload_pieces`` of round r+1's update under the capability round r's ``offer`` issued ahead, into
+        round r+1's own slot: the commit round r+1's reply carries."""
+        name, token, bound = offer.ahead_upload_name, offer.ahead_upload_token, offer.ahead_upload_max_size
+        return self._upload(offer, frame_pieces(pieces), name, token, bound, offer.server_round + 1)
+
+    def prefetch(self, offer: TransportOffer) -> Prefetched:
+        """Round r+1's global step under the capability round r's ``offer`` issued ahead, as soon as the server
+        publishes it (the call waits until then). Raises ``StreamUnusable``."""
+        if not offer.ahead_step_name:
+            raise StreamUnusable("the message offers no download ahead")
+        ticket = Ticket(bytes.fromhex(offer.ahead_step_token), offer.run_id, offer.node_id, offer.server_round + 1,
+                        Direction.DOWNLOAD, offer.ahead_step_name)  # fmt: skip
+        data, sha256 = self._call(
+            offer, lambda client: client.download_unannounced(ticket, offer.ahead_step_max_size), ahead=True
+        )
+        return Prefetched(offer.ahead_step_name, data, sha256)
+
+    def _upload(
+        self, offer: TransportOffer, data: bytes, name: str = "", token: str = "", bound: int = 0, round: int = 0
+    ) -> UpdateCommit:
+        name, token = name or offer.upload_name, token or offer.upload_token
+        bound, round = bound or offer.upload_max_size, round or offer.server_round
+        if not name:
             raise StreamUnusable("the message offers no upload capability")
-        if len(data) > offer.upload_max_size:
-            raise StreamUnusable(f"an update of {len(data)} bytes; the offer bounds it at {offer.upload_max_size}")
+        if len(data) > bound:
+            raise StreamUnusable(f"an update of {len(data)} bytes; the offer bounds it at {bound}")
         sha256 = hashlib.sha256(data).hexdigest()
-        ticket = self._ticket(offer, Direction.UPLOAD, offer.upload_name, offer.upload_token)
-        self._call(offer, lambda client: client.upload(ticket, data, sha256))
+        ticket = Ticket(bytes.fromhex(token), offer.run_id, offer.node_id, round, Direction.UPLOAD, name)
+        self._call(offer, lambda client: client.upload(ticket, data, sha256), ahead=round != offer.server_round)
         return UpdateCommit(update_size=len(data), update_sha256=sha256)
 
     def close(self) -> None:
@@ -105,10 +146,11 @@ class NodeTransport:
     def _ticket(offer: TransportOffer, direction: Direction, name: str, token: str) -> Ticket:
         return Ticket(bytes.fromhex(token), offer.run_id, offer.node_id, offer.server_round, direction, name)
 
-    def _call(self, offer: TransportOffer, fn):
+    def _call(self, offer: TransportOffer, fn, ahead: bool = False):
         """``fn(client)`` on the offer's channel; any failure as ``StreamUnusable``. An address that could not
         be reached (``UNAVAILABLE``: no answer within ``connect_timeout_s``, refused, TLS failed) is not
-        dialled again for ``retry_after_s``."""
+        dialled again for ``retry_after_s``, unless the call moved bytes ``ahead`` of their message: a server
+        stopped while it waited (a killed run, resumed at the same address) says nothing of the next run's."""
         key = (self.address(offer), offer.ca_pem, offer.insecure)
         with self._lock:
             until, why = self._unreachable.get(key, (0.0, ""))
@@ -127,7 +169,7 @@ class NodeTransport:
             raise StreamUnusable(f"the stream at {key[0]} {refused.line()}") from None
         except TransportError as err:
             why = f"the stream at {key[0]} failed: {err}"
-            if err.code == "UNAVAILABLE":
+            if err.code == "UNAVAILABLE" and not ahead:
                 with self._lock:
                     self._unreachable[key] = (self._clock() + self.retry_after_s, why)
                     self._clients.pop(key, None)

@@ -15,14 +15,15 @@ as Flower's ``Array``), so the rules are tested without processes.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..messages import RecordOffer, TransportOffer, UpdateCommit
-from .capabilities import Direction, RefusalKind, Refused
+from ..messages import GLOBAL_STEP, RecordOffer, TransportOffer, UpdateCommit
+from .capabilities import CapabilityRegistry, Direction, RefusalKind, Refused
 from .framing import frame, unframe
 from .service import Limits, TransportServer
 
@@ -81,12 +82,19 @@ def update_bound(numel: int, num_tensors: int) -> int:
 class RunTransport:
     """The stream service of one run and what each round's messages say of it (the module's docstring)."""
 
-    def __init__(self, settings: StreamSettings, run_id: int, ttl_s: float, limits: Limits | None = None):
+    def __init__(
+        self,
+        settings: StreamSettings,
+        run_id: int,
+        ttl_s: float,
+        limits: Limits | None = None,
+        registry: CapabilityRegistry | None = None,
+    ):
         certfile, keyfile, self.ca_pem = settings.read()
         self.settings, self.run_id, self.ttl_s = settings, run_id, ttl_s
         self.server = TransportServer(
-            address=f"[::]:{settings.port}", cert_file=certfile, key_file=keyfile, insecure=settings.insecure,
-            limits=limits or Limits(),
+            registry, address=f"[::]:{settings.port}", cert_file=certfile, key_file=keyfile,
+            insecure=settings.insecure, limits=limits or Limits(),
         )  # fmt: skip
         self.address = settings.address  # the port the nodes dial: the bound one once started
         self._lock = threading.Lock()
@@ -94,6 +102,8 @@ class RunTransport:
         self._names = 0
         self._fallbacks = 0
         self._fallen_back: set[int] = set()  # nodes whose fallback was logged (once each)
+        self._ahead_nodes: dict[int, set[int]] = {}  # round -> nodes issued capabilities for it a round ahead
+        self._ahead = {"direct_updates_ahead": 0, "direct_steps_prefetched": 0, "direct_ahead_revoked": 0}
         self._refusals_counted: dict[str, int] = {}
 
     # ------------------------------------------------------------ lifecycle
@@ -117,12 +127,20 @@ class RunTransport:
 
     # ------------------------------------------------------------ a round's messages
     def offer(
-        self, server_round: int, node: int, records: Mapping[str, Mapping[str, object]], upload_max_size: int | None
+        self,
+        server_round: int,
+        node: int,
+        records: Mapping[str, Mapping[str, object]],
+        upload_max_size: int | None,
+        ahead: tuple[int, int] | None = None,
     ) -> TransportOffer:
         """What ``node``'s round-r message carries in place of ``records`` (message record name -> its arrays'
         npy payloads): each non-empty record published once per round (by identity: the same mapping for
         every node is one record) with a download capability for ``node``, and an upload capability bounded
-        by ``upload_max_size`` (None: the message asks for no update). Capabilities expire with ``ttl_s``."""
+        by ``upload_max_size`` (None: the message asks for no update). Capabilities expire with ``ttl_s``.
+
+        ``ahead`` (the bounds of round r+1's update and global step; None: none) adds round r+1's capabilities
+        (``ahead_offer``), so that the node moves those bytes before round r+1's message comes."""
         registry = self.server.registry
         offers = []
         for record, source in records.items():
@@ -137,11 +155,60 @@ class RunTransport:
             ticket = registry.issue(self.run_id, node, server_round, Direction.UPLOAD, upload_name, ttl_s=self.ttl_s,
                                     max_size=upload_max_size)  # fmt: skip
             upload_token = ticket.token.hex()
-        return TransportOffer(
+        offer = TransportOffer(
             address=self.address, run_id=self.run_id, node_id=node, server_round=server_round, ca_pem=self.ca_pem,
             insecure=self.settings.insecure, records=tuple(offers), upload_name=upload_name,
             upload_token=upload_token, upload_max_size=upload_max_size or 0,
         )  # fmt: skip
+        return offer if ahead is None else self.ahead_offer(offer, *ahead)
+
+    def ahead_offer(self, offer: TransportOffer, update_max_size: int, step_max_size: int) -> TransportOffer:
+        """``offer`` (round r) with round r+1's capabilities for its node: an upload into round r+1's own slot
+        (``upload_name``), bounded by ``update_max_size`` (round r+1's block), and a download of round r+1's
+        global step under the name it will be published by (``step_name``), bounded by ``step_max_size`` and
+        waiting for its publication. Both are bound to round r+1 and expire when it may end (rounds r and
+        r+1's timeouts), single use like any other; a node not messaged in round r+1 loses them then
+        (``messaged``)."""
+        registry, node, ahead_round = self.server.registry, offer.node_id, offer.server_round + 1
+        up_name, step_name = self.upload_name(ahead_round, node), self.step_name(ahead_round)
+        up = registry.issue(self.run_id, node, ahead_round, Direction.UPLOAD, up_name, ttl_s=2 * self.ttl_s,
+                            max_size=update_max_size)  # fmt: skip
+        step = registry.issue(self.run_id, node, ahead_round, Direction.DOWNLOAD, step_name, ttl_s=2 * self.ttl_s,
+                              waits=True)  # fmt: skip
+        with self._lock:
+            self._ahead_nodes.setdefault(ahead_round, set()).add(node)
+        return dataclasses.replace(
+            offer, ahead_upload_name=up_name, ahead_upload_token=up.token.hex(), ahead_upload_max_size=update_max_size,
+            ahead_step_name=step_name, ahead_step_token=step.token.hex(), ahead_step_max_size=step_max_size,
+        )  # fmt: skip
+
+    def messaged(self, server_round: int, nodes: set[int]) -> int:
+        """Round r's messages are built, for ``nodes``: capabilities issued a round ahead to any other node (not
+        sampled, excluded) are revoked, and its waiting download ends without the step; then round r's step
+        goes to the downloads waiting for it (published ``held`` until now, so that a revoked node never gets
+        it). Counted (``direct_ahead_revoked``, nodes), not refused: nothing was attempted against the rules."""
+        with self._lock:
+            unmessaged = sorted(self._ahead_nodes.pop(server_round, set()) - set(nodes))
+            self._ahead["direct_ahead_revoked"] += len(unmessaged)
+        for node in unmessaged:
+            self.server.registry.revoke(self.run_id, server_round, node)
+        if unmessaged:
+            log.info("direct transport: round %d's capabilities issued ahead to nodes %s revoked (not messaged in "
+                     "round %d)", server_round, unmessaged, server_round)  # fmt: skip
+        self.server.outbox.release(self.step_name(server_round))
+        return len(unmessaged)
+
+    def moved_ahead(self, update: bool, step: bool) -> None:
+        """A reply says its update moved before its message came (``update``) and its global step was fetched
+        before it (``step``): counted for the round's record."""
+        with self._lock:
+            self._ahead["direct_updates_ahead"] += int(update)
+            self._ahead["direct_steps_prefetched"] += int(step)
+
+    @staticmethod
+    def step_name(server_round: int) -> str:
+        """The global step of round r on the service: a name both sides know a round ahead."""
+        return f"r{server_round}/{GLOBAL_STEP}"
 
     @staticmethod
     def upload_name(server_round: int, node: int) -> str:
@@ -155,8 +222,10 @@ class RunTransport:
             if id(source) in published:
                 return published[id(source)][1:]
             self._names += 1
-            name = f"r{server_round}/{record}/{self._names}"
-            out = self.server.outbox.publish(name, data=frame(source))
+            name, held = f"r{server_round}/{record}/{self._names}", False
+            if record == GLOBAL_STEP and all(n != self.step_name(server_round) for _, n, _, _ in published.values()):
+                name, held = self.step_name(server_round), True  # the round's step: downloads issued ahead wait
+            out = self.server.outbox.publish(name, data=frame(source), held=held)
             published[id(source)] = (source, name, out.size, out.sha256)  # the source held: its id stays its own
             return name, out.size, out.sha256
 
@@ -204,10 +273,13 @@ class RunTransport:
             for _, name, _, _ in self._published.pop(server_round, {}).values():
                 server.outbox.retire(name)
             fallbacks, self._fallbacks = self._fallbacks, 0
+            ahead = dict(self._ahead)
+            self._ahead = dict.fromkeys(ahead, 0)
+            self._ahead_nodes.pop(server_round, None)
         server.inbox.drop_round(self.run_id, server_round)
         counts = server.refusals.counts()
         new = {k: v - self._refusals_counted.get(k, 0) for k, v in counts.items()}
         self._refusals_counted = counts
-        record = {"direct_fallbacks": fallbacks, "direct_refusals": sum(new.values())}
+        record = {"direct_fallbacks": fallbacks, "direct_refusals": sum(new.values()), **ahead}
         record.update({f"direct_refused_{kind}": n for kind, n in sorted(new.items()) if n})
         return record

@@ -98,14 +98,16 @@ class Published:
 
 
 class Outbox:
-    """Records published for download, each once."""
+    """Records published for download, each once; a download issued a round ahead waits for its record."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._records: dict[str, Published] = {}
+        self._held: set[str] = set()  # published, but not yet to downloads waiting for them (``release``)
 
-    def publish(self, name: str, data: bytes | None = None, path: Path | None = None) -> Published:
-        """Publish ``data`` or the file at ``path`` under ``name``; its size and SHA-256 go into Flower's message."""
+    def publish(self, name: str, data: bytes | None = None, path: Path | None = None, held: bool = False) -> Published:
+        """Publish ``data`` or the file at ``path`` under ``name``; its size and SHA-256 go into Flower's message.
+        ``held``: downloads waiting for it (``wait_for``) get it only once it is ``release``d."""
         if (data is None) == (path is None):
             raise ValueError(
                 f"publish {name!r}: give either data or path, not {'both' if data is not None else 'neither'}"
@@ -121,15 +123,37 @@ class Outbox:
             if name in self._records:
                 raise ValueError(f"record {name!r} is already published; a record is published once")
             self._records[name] = record
+            if held:
+                self._held.add(name)
+            self._lock.notify_all()
         return record
+
+    def release(self, name: str) -> None:
+        """A record published ``held`` goes to the downloads waiting for it."""
+        with self._lock:
+            self._held.discard(name)
+            self._lock.notify_all()
 
     def get(self, name: str) -> Published | None:
         with self._lock:
             return self._records.get(name)
 
+    def wait_for(self, name: str, alive, poll_s: float = 0.25) -> Published | None:
+        """The record ``name`` once it is published; None when ``alive()`` turns false first (its capability
+        expired, was revoked or dropped with its round, the caller left, the service stops). ``alive`` is
+        asked at least every ``poll_s``, since those ends do not notify."""
+        with self._lock:
+            while alive():  # asked first on every wake: a revocation before the release wins
+                record = self._records.get(name)
+                if record is not None and name not in self._held:
+                    return record
+                self._lock.wait(poll_s)
+            return None
+
     def retire(self, name: str) -> None:
         with self._lock:
             self._records.pop(name, None)
+            self._held.discard(name)
 
 
 class Inbox:
@@ -167,6 +191,11 @@ class Inbox:
                 raise refused
             del self._records[(run_id, node_id, round, record)]
             return held[1]
+
+    def holds(self, run_id: int, node_id: int, round: int, record: str) -> bool:
+        """Whether an upload waits in this slot (for a reply to claim it)."""
+        with self._lock:
+            return (run_id, node_id, round, record) in self._records
 
     def drop_round(self, run_id: int, round: int) -> int:
         """Forget a round's uploads no reply claimed (the round ended); how many were dropped."""
@@ -247,6 +276,9 @@ class TransportServer:
         self.outbox = Outbox()
         self.inbox = Inbox(self.refusals)
         self.limits = limits
+        self._stopping = threading.Event()
+        self._waits_lock = threading.Lock()
+        self.waits_ended = 0  # downloads that waited for a record and ended without it (not refusals)
         self._address, self._insecure = address, insecure
         self._cert = Path(cert_file).read_bytes() if cert_file else None
         self._key = Path(key_file).read_bytes() if key_file else None
@@ -276,6 +308,7 @@ class TransportServer:
         return self.port
 
     def stop(self, grace_s: float = 1.0) -> None:
+        self._stopping.set()  # downloads waiting for a record end
         if self._server is not None:
             self._server.stop(grace_s).wait()
             self._server = None
@@ -341,18 +374,38 @@ class TransportServer:
             )
         return message
 
+    def _wait_for(self, ticket: Ticket, context: grpc.ServicerContext) -> Published:
+        """A record issued a round ahead, once published. Its capability's end (expiry, the round's end, a
+        revocation: the node is not messaged in that round) or the service's stop ends the wait: counted in
+        ``waits_ended``, not as a refusal (nothing was attempted against the rules)."""
+
+        def alive() -> bool:
+            return not self._stopping.is_set() and context.is_active() and self.registry.alive(ticket)
+
+        record = self.outbox.wait_for(ticket.record, alive)
+        if record is None:
+            self.registry.release(ticket)
+            with self._waits_lock:
+                self.waits_ended += 1
+            log.info("transport: record %r was not published before its capability ended", ticket.record)
+            context.abort(grpc.StatusCode.NOT_FOUND, f"record {ticket.record!r} was not published before its "
+                          f"capability ended")  # fmt: skip
+        return record
+
     def _download(self, request: bytes, context: grpc.ServicerContext):
-        ticket = None
+        ticket = record = None
         try:
             header = parse_header(request, Direction.DOWNLOAD)
             ticket = self.registry.reserve(header.claim)
             record = self.outbox.get(ticket.record)
-            if record is None:
+            if record is None and not self.registry.waits(ticket):
                 raise Refused(RefusalKind.UNKNOWN_RECORD, f"record {ticket.record!r} is not published")
         except Refused as refused:
             if ticket is not None:
                 self.registry.release(ticket)
             self._refuse(refused, context)
+        if record is None:
+            record = self._wait_for(ticket, context)
         done = False
         try:
             yield from record.chunks(self.limits.chunk_bytes)

@@ -37,6 +37,7 @@ from ..messages import (
     TrainMetrics,
     WorkerReply,
     WorkerRequest,
+    key,
     metrics_to_record,
     relay_split,
 )
@@ -46,7 +47,7 @@ from ..runtime import setup_torch
 from ..wire import WireError, pack_pieces, unpack
 from .endpoint import MessageLimit, WorkerSocket
 from .protocol import ProtocolError, recv, send
-from .stream import WorkerStream
+from .stream import EarlyUpload, WorkerStream
 
 log = logging.getLogger(__name__)
 
@@ -142,9 +143,13 @@ class NodeWorker:
         if (refused := settings.refusal(cfg.model, cfg.dataset)) is not None:
             raise node.Refused(refused)  # before admit: a run this node refuses does not take it from its run
         self.admit(request)
+        ahead = self.stream.take_ahead(request.run_id, request.server_round)  # what moved before this message
         offer = self.stream.offer(request)  # transport = "direct": the records wait on the run's stream
+        prefetched = None
         if offer is not None:
-            arrays = {**arrays, **self.stream.fetch(offer, settings, cfg.round_timeout_s)}
+            prefetched = ahead.step_for(offer) if ahead is not None else None
+            arrays = {**arrays, **self.stream.fetch(offer, settings, cfg.round_timeout_s, prefetched)}
+            prefetched = prefetched if prefetched is not None and any(map(prefetched.matches, offer.records)) else None
         setup_torch(cfg)
         res = node.resources(cfg, request.run_id, settings)
         req = node.Request.parse(request.op, request.run_id, request.round, split_records(arrays),
@@ -155,17 +160,36 @@ class NodeWorker:
                 metrics=self.node.evaluate(res, cfg, req, fetch_step).metrics.to_record()
             ).to_header(), {}
         store = self.residual_store(settings, req.partition_id) if cfg.transfer_dtype != "fp32" else None
-        done = self.node.train(res, cfg, req, fetch_step, store, store)
-        metrics = dataclasses.replace(done.metrics, request_received=received, prev_reply_sent=self.last_reply_sent)
+        early = ahead.early_upload() if ahead is not None else None  # an upload still in flight is waited for
+        done = self.node.train(res, cfg, req, fetch_step, store, store, early.early if early is not None else None)
+        metrics = dataclasses.replace(done.metrics, request_received=received, prev_reply_sent=self.last_reply_sent,
+                                      direct_step_prefetched=1 if prefetched is not None else None)  # fmt: skip
+        early = early if done.used_early else None  # the update is the one moved ahead, bit for bit
         # Each array as its pieces (one per tensor), written to the socket in turn: no joined copy of the block.
-        pieces = pack_pieces(done.update, cfg.transfer_dtype)
+        pieces = early.pieces if early is not None else pack_pieces(done.update, cfg.transfer_dtype)
         bytes_out = sum(p.nbytes for parts in pieces.values() for p in parts)
-        log.info(round_line(metrics, sum(a.nbytes for a in arrays.values()), bytes_out))
-        return self.train_reply(metrics, done.trace, pieces, offer, settings, cfg.round_timeout_s)
+        timeout_s = cfg.round_timeout_s
+        header, reply_pieces = self.train_reply(metrics, done.trace, pieces, offer, settings, timeout_s, early)
+        said = WorkerReply.from_header(header)
+        moved = [what for what, name in (("its update", "direct_update_ahead"), ("its step", "direct_step_prefetched"))
+                 if said.metrics.get(key(name)) == 1]  # fmt: skip
+        log.info(round_line(metrics, sum(a.nbytes for a in arrays.values()), bytes_out, moved))
+        if offer is not None and said.stream_commit:  # on the stream: round r+1's bytes move from now on
+            early_update = self.node.early_update(cfg, request.server_round + 1)
+            self.stream.start_ahead(offer, request.run_id, cfg.transfer_dtype, early_update)
+        return header, reply_pieces
 
-    def train_reply(self, metrics: TrainMetrics, trace: dict, pieces: dict, offer, settings, timeout_s: float):
+    def train_reply(
+        self, metrics: TrainMetrics, trace: dict, pieces: dict, offer, settings, timeout_s: float,
+        early: EarlyUpload | None = None,
+    ):  # fmt: skip
         """The round's reply: with the direct transport, the update uploaded and the reply committing it, or
-        (the stream unusable) the update inline, counted as a fallback (``direct-fallbacks``)."""
+        (the stream unusable) the update inline, counted as a fallback (``direct-fallbacks``). An update
+        ``early`` uploaded into this round's slot before the message came is committed without a second upload."""
+        if early is not None and early.commit is not None and offer is not None and early.name == offer.upload_name:
+            metrics = dataclasses.replace(metrics, direct_update_ahead=1)
+            reply = WorkerReply(metrics=metrics_to_record(metrics), trace=trace, stream_commit=early.commit.to_config())
+            return reply.to_header(), {}
         if offer is not None and offer.upload_name:
             commit = self.stream.upload(offer, settings, pieces, timeout_s)
             if commit is not None:
@@ -266,7 +290,7 @@ class NodeWorker:
             return False  # serve_request refuses it, in order, with the reason
 
 
-def round_line(metrics: TrainMetrics, bytes_in: int, bytes_out: int) -> str:
+def round_line(metrics: TrainMetrics, bytes_in: int, bytes_out: int, moved_ahead: list[str] = ()) -> str:
     """The one line a site's operator sees per round: the round, its block, the training loss, the
     compute time, the bytes in and out, and how long the node waited for the server between its last
     reply and this request (numbers only: nothing of the site's data)."""
@@ -276,6 +300,7 @@ def round_line(metrics: TrainMetrics, bytes_in: int, bytes_out: int) -> str:
         f"round {metrics.server_round} block {metrics.block}: train-loss {metrics.train_loss:.4f}, "
         f"compute {metrics.compute_s:.2f} s, in {bytes_in / 1e6:,.2f} MB, out {bytes_out / 1e6:,.2f} MB, "
         f"waited for the server {waited}"
+        + (f"; moved before the message: {', '.join(moved_ahead)}" if moved_ahead else "")
     )
 
 
@@ -310,6 +335,7 @@ async def serve(
                 log.info("no message for %.0f s: exiting", idle_exit_s)
                 break
     worker.compute_thread.shutdown(wait=False, cancel_futures=True)
+    worker.stream.close()
 
 
 def run_worker(

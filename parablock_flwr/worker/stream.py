@@ -13,16 +13,68 @@ next messages with their records inline. Each is logged once per address here, a
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 
 from .. import node
 from ..messages import STREAM_UNUSABLE, MessageError, TransportOffer, UpdateCommit, WorkerRequest
+from ..node.runtime import EarlyUpdate
 from ..node_data import NodeSettings
 from ..transport import NodeTransport, StreamUnusable
+from ..transport.node_side import Prefetched
+from ..wire import pack_pieces
 
 log = logging.getLogger(__name__)
 FLOWER_ONLY = "flower"  # a site's node config ``transport``: keep to Flower's path
+
+
+@dataclass(frozen=True)
+class EarlyUpload:
+    """Round r+1's update, rounded (``Node.early_update``), packed and uploaded before its message came:
+    ``commit`` None when the upload failed (the round then uploads as usual)."""
+
+    early: EarlyUpdate
+    pieces: dict[str, list[np.ndarray]]
+    commit: UpdateCommit | None
+    name: str  # the slot it went to: round r+1's own (``RunTransport.upload_name``)
+
+
+@dataclass(frozen=True)
+class AheadTransfers:
+    """What moves for round ``server_round`` of run ``run_id`` before its message comes: its global step's
+    download (a ``Prefetched`` or None) and its update's upload (an ``EarlyUpload`` or None)."""
+
+    run_id: int
+    server_round: int
+    step_name: str  # the name round r+1's step is published by (``RunTransport.step_name``)
+    step: Future | None
+    update: Future | None
+
+    def step_for(self, offer: TransportOffer) -> Prefetched | None:
+        """The prefetched step when ``offer`` names it (it is published then: what is left to wait for is
+        bytes on their way); else None at once (the records came inline: the download ends with the round).
+        The fetch uses it only when its size and SHA-256 are the ones ``offer`` announces."""
+        if self.step is None or all(ref.name != self.step_name for ref in offer.records):
+            return None
+        return _outcome(self.step, "its step's download")
+
+    def early_upload(self) -> EarlyUpload | None:
+        """The upload ahead, waited for (the round commits nothing of it before it is done)."""
+        return None if self.update is None else _outcome(self.update, "its update's upload")
+
+
+def _outcome(future: Future, what: str):
+    """A transfer's result, or None when it failed in a way its thread did not expect: the round then
+    moves those bytes as usual, never fails for it."""
+    try:
+        return future.result()
+    except Exception as err:  # noqa: BLE001 - said, and the usual path takes over
+        log.warning("direct transport: %s ahead failed (%s: %s); moved with the message instead", what,
+                    type(err).__name__, err)  # fmt: skip
+        return None
 
 
 class WorkerStream:
@@ -31,6 +83,56 @@ class WorkerStream:
     def __init__(self) -> None:
         self.transport = NodeTransport()
         self._said: set[tuple[str, str]] = set()  # (what, address) logged once
+        # Transfers a round ahead run here, beside the compute thread; a download that waits for a record
+        # the server never publishes to this node holds one until its capability ends with the round.
+        self._ahead_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="transport-ahead")
+        self.ahead: AheadTransfers | None = None
+
+    def start_ahead(
+        self, offer: TransportOffer, run_id: int, transfer_dtype: str, early: Callable[[], EarlyUpdate | None]
+    ) -> None:
+        """After round r's reply committed on the stream: round r+1's global step fetched as soon as the server
+        publishes it, and round r+1's update (``early``: its rounding, once the computation ahead is done)
+        uploaded, both under the capabilities round r's offer issued ahead, in the background."""
+        step = update = None
+        if offer.ahead_step_name:
+            step = self._ahead_pool.submit(self._prefetch, offer)
+        if offer.ahead_upload_name:
+            update = self._ahead_pool.submit(self._upload_ahead, offer, transfer_dtype, early)
+        self.ahead = AheadTransfers(run_id, offer.server_round + 1, offer.ahead_step_name, step, update)
+
+    def close(self) -> None:
+        """The channels closed (a download still waiting ends with them) and the transfers' threads let go."""
+        self.transport.close()
+        self._ahead_pool.shutdown(wait=False, cancel_futures=True)
+
+    def take_ahead(self, run_id: int, server_round: int) -> AheadTransfers | None:
+        """The transfers started for this round of this run, if any; any other is forgotten."""
+        ahead, self.ahead = self.ahead, None
+        return ahead if ahead is not None and (ahead.run_id, ahead.server_round) == (run_id, server_round) else None
+
+    def _prefetch(self, offer: TransportOffer) -> Prefetched | None:
+        try:
+            return self.transport.prefetch(offer)
+        except StreamUnusable as err:  # the round then fetches its step as usual
+            log.info("direct transport: round %d's global step not fetched ahead: %s", offer.server_round + 1, err)
+            return None
+
+    def _upload_ahead(self, offer: TransportOffer, transfer_dtype: str, early_update) -> EarlyUpload | None:
+        try:
+            early = early_update()
+        except Exception as err:  # noqa: BLE001 - the computation's failure is reported when its round comes
+            log.info("direct transport: round %d's update not moved ahead: %s", offer.server_round + 1, err)
+            return None
+        if early is None:
+            return None
+        pieces = pack_pieces(early.sent, transfer_dtype)
+        try:
+            commit = self.transport.upload_ahead(offer, pieces)
+        except StreamUnusable as err:  # the round then uploads as usual
+            log.info("direct transport: round %d's update not uploaded ahead: %s", offer.server_round + 1, err)
+            commit = None
+        return EarlyUpload(early, pieces, commit, offer.ahead_upload_name)
 
     def offer(self, request: WorkerRequest) -> TransportOffer | None:
         """The request's offer, read strictly (a malformed one refuses the round, state intact)."""
@@ -41,14 +143,17 @@ class WorkerStream:
         except MessageError as err:
             raise node.StateIntact(str(err)) from None
 
-    def fetch(self, offer: TransportOffer, settings: NodeSettings, timeout_s: float) -> dict[str, np.ndarray]:
-        """The offered records as the relay's ``record/array`` arrays, each checked against Flower's message;
-        ``node.StateIntact`` (``STREAM_UNUSABLE``) when they cannot be fetched."""
+    def fetch(
+        self, offer: TransportOffer, settings: NodeSettings, timeout_s: float, prefetched: Prefetched | None = None
+    ) -> dict[str, np.ndarray]:
+        """The offered records as the relay's ``record/array`` arrays, each checked against Flower's message
+        (a ``prefetched`` one used when it matches); ``node.StateIntact`` (``STREAM_UNUSABLE``) when they
+        cannot be fetched."""
         if not offer.records:
             return {}
         try:
             self._use(settings, timeout_s)
-            arrays = self.transport.fetch_arrays(offer)
+            arrays = self.transport.fetch_arrays(offer, prefetched)
         except StreamUnusable as err:
             self._once("unusable", offer, f"direct transport: cannot fetch the round's records: {err}", log.warning)
             raise node.StateIntact(f"{STREAM_UNUSABLE}{err}") from None

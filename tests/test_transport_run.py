@@ -442,6 +442,18 @@ def test_capabilities_issued_ahead_are_bound_to_the_next_round_its_slot_and_used
     assert {k: bytes(v) for k, v in claimed.items()} == payloads(pieces_record(pieces))
 
 
+def test_at_most_half_the_services_workers_wait_ahead_for_a_step_and_the_others_fetch_it_on_arrival(hub):
+    """A download issued ahead holds one of the service's workers until the step is out: past half of them
+    a node gets no step capability ahead (its upload ahead still), so that the round's own uploads and
+    fetches always find a worker; a retried message to a node that has one keeps it."""
+    half = hub.server.max_workers // 2
+    offers = [ahead_offer(hub, 3, n) for n in range(half + 2)]
+    assert [bool(o.ahead_step_name) for o in offers] == [True] * half + [False] * 2
+    assert all(o.ahead_upload_name == hub.upload_name(4, i) for i, o in enumerate(offers))
+    assert ahead_offer(hub, 3, 0).ahead_step_name == hub.step_name(4)  # a retry to a waiting node
+    assert all(ahead_offer(hub, 4, n).ahead_step_name for n in range(half))  # the next round's budget is its own
+
+
 def test_capabilities_issued_ahead_expire_when_the_next_round_may_end(tls, node):
     now = [0.0]
     registry = CapabilityRegistry(clock=lambda: now[0])

@@ -103,6 +103,7 @@ class RunTransport:
         self._fallbacks = 0
         self._fallen_back: set[int] = set()  # nodes whose fallback was logged (once each)
         self._ahead_nodes: dict[int, set[int]] = {}  # round -> nodes issued capabilities for it a round ahead
+        self._waiting_steps: dict[int, set[int]] = {}  # round -> nodes issued its step's download a round ahead
         self._ahead = {"direct_updates_ahead": 0, "direct_steps_prefetched": 0, "direct_ahead_revoked": 0}
         self._refusals_counted: dict[str, int] = {}
 
@@ -173,14 +174,26 @@ class RunTransport:
         up_name, step_name = self.upload_name(ahead_round, node), self.step_name(ahead_round)
         up = registry.issue(self.run_id, node, ahead_round, Direction.UPLOAD, up_name, ttl_s=2 * self.ttl_s,
                             max_size=update_max_size)  # fmt: skip
+        with self._lock:
+            nodes = self._ahead_nodes.setdefault(ahead_round, set())
+            nodes.add(node)
+            waiting = self._waiting_steps.setdefault(ahead_round, set())
+            # A waiting download holds one of the service's workers until the step is out: at most half of
+            # them wait, so that the round's uploads and fetches always find one; the others fetch the step
+            # when their message comes.
+            waits = node in waiting or len(waiting) < self.server.max_workers // 2
+            if waits:
+                waiting.add(node)
+        offer = dataclasses.replace(
+            offer, ahead_upload_name=up_name, ahead_upload_token=up.token.hex(), ahead_upload_max_size=update_max_size
+        )
+        if not waits:
+            return offer
         step = registry.issue(self.run_id, node, ahead_round, Direction.DOWNLOAD, step_name, ttl_s=2 * self.ttl_s,
                               waits=True)  # fmt: skip
-        with self._lock:
-            self._ahead_nodes.setdefault(ahead_round, set()).add(node)
         return dataclasses.replace(
-            offer, ahead_upload_name=up_name, ahead_upload_token=up.token.hex(), ahead_upload_max_size=update_max_size,
-            ahead_step_name=step_name, ahead_step_token=step.token.hex(), ahead_step_max_size=step_max_size,
-        )  # fmt: skip
+            offer, ahead_step_name=step_name, ahead_step_token=step.token.hex(), ahead_step_max_size=step_max_size
+        )
 
     def messaged(self, server_round: int, nodes: set[int]) -> int:
         """Round r's messages are built, for ``nodes``: capabilities issued a round ahead to any other node (not
@@ -276,6 +289,7 @@ class RunTransport:
             ahead = dict(self._ahead)
             self._ahead = dict.fromkeys(ahead, 0)
             self._ahead_nodes.pop(server_round, None)
+            self._waiting_steps.pop(server_round, None)
         server.inbox.drop_round(self.run_id, server_round)
         counts = server.refusals.counts()
         new = {k: v - self._refusals_counted.get(k, 0) for k, v in counts.items()}

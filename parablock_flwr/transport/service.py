@@ -282,7 +282,7 @@ class TransportServer:
         self._address, self._insecure = address, insecure
         self._cert = Path(cert_file).read_bytes() if cert_file else None
         self._key = Path(key_file).read_bytes() if key_file else None
-        self._max_workers = max_workers
+        self.max_workers = max_workers  # concurrent transfers, a download waiting ahead included
         self._server: grpc.Server | None = None
         self.port: int | None = None
 
@@ -290,7 +290,7 @@ class TransportServer:
         """Start serving; the bound port (``address`` may ask for port 0: any free one)."""
         options = [("grpc.max_receive_message_length", MESSAGE_LIMIT), ("grpc.max_send_message_length", MESSAGE_LIMIT)]
         # Each upload holds a worker and a feed thread; the pool bounds concurrent transfers.
-        self._server = grpc.server(futures.ThreadPoolExecutor(self._max_workers, "transport"), options=options)
+        self._server = grpc.server(futures.ThreadPoolExecutor(self.max_workers, "transport"), options=options)
         handlers = {
             "Upload": grpc.stream_unary_rpc_method_handler(self._upload),
             "Download": grpc.unary_stream_rpc_method_handler(self._download),

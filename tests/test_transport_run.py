@@ -168,6 +168,25 @@ def test_an_update_is_claimed_only_under_the_digest_its_reply_commits(hub, node)
     assert counts["direct_refused_digest_mismatch"] == 1 and counts["direct_refused_size_mismatch"] == 1
 
 
+def test_a_large_upload_waits_for_its_reply_in_a_file_not_memory_and_leaves_nothing_behind(tls, node, tmp_path):
+    """From ``spill_bytes`` on, an upload is received into a file of the spill folder, unlinked at once and
+    mapped: the claim reads the same bytes, the refusals still change nothing, and no file is left, whether
+    the upload is claimed, refused or dropped with its round."""
+    update = block(7)
+    with RunTransport(settings(tls), RUN, TTL, LIMITS, spill_dir=tmp_path / "spill") as hub:
+        hub.server.inbox.spill_bytes = 1024  # the test's block is far smaller than a real one
+        bound = update_bound(64 * 48 + 48, 2)
+        commit = node.upload(hub.offer(4, node=7, records={}, upload_max_size=bound), payloads(update))
+        dropped = node.upload(hub.offer(4, node=8, records={}, upload_max_size=bound), payloads(block(8)))
+        with pytest.raises(Refused):
+            hub.claim(4, 7, dataclasses.replace(commit, update_sha256="f" * 64))
+        assert hub.server.inbox.spilled == 2
+        claimed = hub.claim(4, 7, commit)
+        assert {k: bytes(v) for k, v in claimed.items()} == payloads(update)
+        assert dropped.update_size > 1024 and hub.end_round(4)["direct_refused_digest_mismatch"] == 1
+        assert list((tmp_path / "spill").iterdir()) == []  # unlinked when created: nothing to clean up
+
+
 @pytest.mark.parametrize("dtype", ["fp16", "int8"])
 def test_the_workers_forms_move_the_same_bytes_as_flowers_records(hub, node, dtype):
     """The worker hands over the update as ``wire.pack_pieces``'s pieces and takes records as

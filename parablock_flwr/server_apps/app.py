@@ -161,7 +161,9 @@ def open_stream(cfg: RunConfig, grid: Grid, run_id: int) -> DirectMessages | Non
         log.info("transport='direct' is for deployments: this simulation moves blocks in Flower's messages")
         return None
     try:
-        transport = RunTransport(StreamSettings.from_run_config(cfg), run_id, ttl_s=cfg.round_timeout_s)
+        settings = StreamSettings.from_run_config(cfg)
+        # Large uploads wait for their replies on the disk the operator chose for runs, not in memory.
+        transport = RunTransport(settings, run_id, ttl_s=cfg.round_timeout_s, spill_dir=cfg.output_path)
         transport.start()
     except (TransportSetupError, OSError, RuntimeError) as err:
         raise RunFailed("invalid-config", f"Invalid configuration: {err}") from err

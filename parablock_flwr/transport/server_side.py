@@ -89,12 +89,14 @@ class RunTransport:
         ttl_s: float,
         limits: Limits | None = None,
         registry: CapabilityRegistry | None = None,
+        spill_dir: Path | None = None,
     ):
+        """``spill_dir``: where large uploads wait for their replies (``service.Inbox``; None: in memory)."""
         certfile, keyfile, self.ca_pem = settings.read()
         self.settings, self.run_id, self.ttl_s = settings, run_id, ttl_s
         self.server = TransportServer(
             registry, address=f"[::]:{settings.port}", cert_file=certfile, key_file=keyfile,
-            insecure=settings.insecure, limits=limits or Limits(),
+            insecure=settings.insecure, limits=limits or Limits(), spill_dir=spill_dir,
         )  # fmt: skip
         self.address = settings.address  # the port the nodes dial: the bound one once started
         self._lock = threading.Lock()

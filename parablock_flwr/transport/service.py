@@ -16,7 +16,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import mmap
+import os
 import queue
+import tempfile
 import threading
 import time
 from concurrent import futures
@@ -156,21 +159,48 @@ class Outbox:
             self._held.discard(name)
 
 
+SPILL_BYTES = 64 * 2**20  # an upload this large is received into a file (``Inbox.buffer``), not memory
+
+
 class Inbox:
-    """Uploads whose bytes matched their declaration, waiting for the Flower reply that commits them."""
+    """Uploads whose bytes matched their declaration, waiting for the Flower reply that commits them.
 
-    def __init__(self, refusals: Refusals) -> None:
+    With ``spill_dir``, an upload of ``spill_bytes`` or more is received into a file there instead of
+    memory: the server holds a round's uploads and the next round's moved ahead until their replies claim
+    them, so held in memory they would grow the server's memory with the nodes and the block."""
+
+    def __init__(self, refusals: Refusals, spill_dir: Path | None = None, spill_bytes: int = SPILL_BYTES) -> None:
         self._lock = threading.Lock()
-        self._records: dict[tuple, tuple[str, bytearray]] = {}
+        self._records: dict[tuple, tuple[str, bytearray | mmap.mmap]] = {}
         self._refusals = refusals
+        self.spill_dir, self.spill_bytes = spill_dir, spill_bytes
+        self.spilled = 0  # uploads received into a file
 
-    def put(self, ticket: Ticket, sha256: str, data: bytearray) -> None:
+    def buffer(self, size: int) -> bytearray | mmap.mmap:
+        """Where an upload of ``size`` bytes is received: memory, or from ``spill_bytes`` on a file in
+        ``spill_dir`` mapped into memory, unlinked at once (nothing is left behind, whatever happens to the
+        upload or the process) and its space reserved first (a full disk is an error here, not a fault while
+        writing the mapping). The kernel writes its pages out and may evict them."""
+        if self.spill_dir is None or size < max(1, self.spill_bytes):
+            return bytearray(size)
+        self.spill_dir.mkdir(parents=True, exist_ok=True)
+        fd, path = tempfile.mkstemp(dir=self.spill_dir, prefix=".upload-")
+        try:
+            os.unlink(path)
+            os.posix_fallocate(fd, 0, size)
+            with self._lock:
+                self.spilled += 1
+            return mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+
+    def put(self, ticket: Ticket, sha256: str, data: bytearray | mmap.mmap) -> None:
         with self._lock:
             self._records[_slot(ticket)] = (sha256, data)
 
     def claim(
         self, run_id: int, node_id: int, round: int, record: str, sha256: str, size: int | None = None
-    ) -> bytearray | None:
+    ) -> bytearray | mmap.mmap | None:
         """The uploaded bytes when their digest equals ``sha256`` (from the node's Flower reply) and their
         length ``size`` (when given), and None when nothing was uploaded (the caller falls back). A different
         digest or size is refused, counted, and leaves the inbox as it was."""
@@ -264,6 +294,7 @@ class TransportServer:
         insecure: bool = False,
         limits: Limits = Limits(),
         max_workers: int = 16,
+        spill_dir: Path | None = None,
     ):
         if insecure and (cert_file or key_file):
             raise ValueError("insecure=True with a certificate; choose TLS (cert_file and key_file) or insecure")
@@ -274,7 +305,7 @@ class TransportServer:
         self.registry = registry or CapabilityRegistry()
         self.refusals = Refusals()
         self.outbox = Outbox()
-        self.inbox = Inbox(self.refusals)
+        self.inbox = Inbox(self.refusals, spill_dir)  # large uploads in files there (None: in memory)
         self.limits = limits
         self._stopping = threading.Event()
         self._waits_lock = threading.Lock()
@@ -339,9 +370,10 @@ class TransportServer:
             if ticket is not None and not done:
                 self.registry.release(ticket)
 
-    def _receive(self, feed: _Feed, header: Header) -> bytearray:
-        """The declared bytes, hashed as they arrive; any difference from the declaration is refused."""
-        data, digest, got, start = bytearray(header.size), hashlib.sha256(), 0, time.monotonic()
+    def _receive(self, feed: _Feed, header: Header) -> bytearray | mmap.mmap:
+        """The declared bytes, hashed as they arrive (into ``Inbox.buffer``); any difference from the
+        declaration is refused."""
+        data, digest, got, start = self.inbox.buffer(header.size), hashlib.sha256(), 0, time.monotonic()
         while (chunk := self._next(feed, start, got)) is not None:
             if got + len(chunk) > header.size:
                 raise Refused(RefusalKind.SIZE_MISMATCH, f"more than the declared {header.size} bytes")

@@ -132,7 +132,28 @@ def run_summary(records: list[dict]) -> str:
         parts.append(f"up to {dropped} data rows dropped, cut before their answer by max-seq-len")
     if malformed := max((r.get("malformed_examples", 0) for r in records), default=0):
         parts.append(f"up to {malformed} malformed data rows skipped (each site's log names the first one's row)")
+    parts += _direct_transport(records)
     return "; ".join(parts)
+
+
+def _direct_transport(records: list[dict]) -> list[str]:
+    """``transport = "direct"``: the messages whose blocks went on Flower's path instead, and what the stream
+    refused, by kind; each round's ``direct_*`` and the last round's ``final_direct_*`` (the final evaluation,
+    and refusals until the stream stopped) summed, so that neither is said only in the records."""
+
+    def total(name: str) -> int:
+        return sum(r.get(name, 0) + r.get(f"final_{name}", 0) for r in records)
+
+    parts = []
+    if fallbacks := total("direct_fallbacks"):
+        parts.append(f"{fallbacks} messages' blocks on Flower's path instead of the direct stream (direct_fallbacks)")
+    if refusals := total("direct_refusals"):
+        prefix = "direct_refused_"
+        kinds = sorted({k.removeprefix("final_").removeprefix(prefix) for r in records for k in r
+                        if k.removeprefix("final_").startswith(prefix)})  # fmt: skip
+        by_kind = ", ".join(f"{kind} {total(prefix + kind)}" for kind in kinds)
+        parts.append(f"{refusals} requests refused by the direct stream ({by_kind})")
+    return parts
 
 
 def _heldout(rec: dict) -> str:

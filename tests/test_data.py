@@ -282,6 +282,25 @@ def test_the_run_summary_says_what_the_run_left_out():
     assert run_summary([{"round": 0}, {"round": 1, "num_rejected": 0, "dropped_examples": 0}]) == ""
 
 
+def test_the_run_summary_counts_the_direct_streams_fallbacks_and_refusals_the_final_evaluations_included():
+    """``transport = "direct"``: fallbacks and refusals, by kind, are on the run's last line, the last round's
+    ``final_direct_*`` (the nodes' final evaluation, refusals until the stream stopped) included."""
+    from parablock_flwr.metrics import run_summary
+
+    records = [
+        {"round": 0},
+        {"round": 1, "direct_fallbacks": 1, "direct_refusals": 2, "direct_refused_bad_capability": 2},
+        {"round": 2, "direct_fallbacks": 1, "direct_refusals": 0, "final_direct_fallbacks": 1,
+         "final_direct_refusals": 1, "final_direct_refused_stalled": 1},
+    ]  # fmt: skip
+    assert run_summary(records) == (
+        "3 messages' blocks on Flower's path instead of the direct stream (direct_fallbacks); "
+        "3 requests refused by the direct stream (bad_capability 2, stalled 1)"
+    )
+    quiet = {"direct_fallbacks": 0, "direct_refusals": 0, "final_direct_fallbacks": 0, "final_direct_refusals": 0}
+    assert run_summary([{"round": 1, **quiet}]) == ""
+
+
 def test_the_default_datasets_rows_are_the_same_bits_in_every_process():
     """Deterministic mode promises the same bits in every run: the default dataset's rows must not depend
     on the process (Python randomises str hashes per process; a generator that iterates a set of letters

@@ -19,19 +19,31 @@ from pathlib import Path
 import pytest
 import torch
 from federation import InMemoryFederation
-from flwr.app import ArrayRecord, Error, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
 
 from parablock_flwr import core
 from parablock_flwr.checkpoint import load_checkpoint
 from parablock_flwr.config import RunConfig
 from parablock_flwr.data import tokenized_splits
 from parablock_flwr.evaluation import evaluate
-from parablock_flwr.metrics import RunRecorder
+from parablock_flwr.messages import COMMIT, OFFER, STREAM_UNUSABLE, TransportOffer
+from parablock_flwr.metrics import RunRecorder, run_summary
 from parablock_flwr.model import load_model, load_tokenizer
 from parablock_flwr.records import to_record
 from parablock_flwr.server_apps.evaluator import ServerEvaluator
 from parablock_flwr.strategies import FedBCD
+from parablock_flwr.strategies.direct import DirectMessages
 from parablock_flwr.strategies.run import Run
+from parablock_flwr.transport import (
+    Direction,
+    NodeTransport,
+    RefusalKind,
+    Refused,
+    RunTransport,
+    StreamSettings,
+    Ticket,
+    TransportClient,
+)
 
 # Flower's SuperLink state and Grid with node threads, some rounds waiting out a timeout: a minute in all.
 pytestmark = pytest.mark.e2e
@@ -218,6 +230,54 @@ def test_an_error_from_a_node_whose_state_is_intact_costs_no_full_sync(tmp_path,
     assert records[3]["full_syncs_sent"] == full_sync
     assert records[3]["catch_up_steps_sent"] == 1 - full_sync  # missed g^1 only: a catch-up suffices
     assert records[3]["num_accepted"] == 2
+
+
+def test_the_final_evaluations_fallbacks_and_refusals_on_the_direct_stream_are_recorded_and_said(
+    tmp_path, tiny_model_dir
+):
+    """``transport = "direct"`` with ``evaluation = "clients"``: what the stream counts after the last round's
+    record is written (a node that cannot fetch the final evaluation's records, an outsider's forged
+    capability meanwhile) completes that record (``final_direct_*``) and is on the run's last line, beside
+    each round's fallbacks (node 0's site keeps to Flower's path; node 1 uploads on the stream)."""
+    rounds = 2
+    run = make_run(tmp_path, tiny_model_dir, rounds, evaluation="clients")
+    transport = RunTransport(StreamSettings("localhost:0", insecure=True), run_id=1, ttl_s=60)
+    run.direct = DirectMessages(transport)
+    honest, node, outsider = honest_answer(run), NodeTransport(), {}
+
+    def answer(index: int, msg: Message):
+        content = honest(index, msg)
+        offer = TransportOffer.from_config(dict(msg.content.config_records[OFFER]))
+        if msg.metadata.message_type == MessageType.EVALUATE and index == 1:  # the final evaluation's records
+            forged = Ticket(os.urandom(32), 1, offer.node_id, offer.server_round, Direction.DOWNLOAD, "r3/x")
+            with TransportClient(offer.address, insecure=True) as client, pytest.raises(Refused) as refused:
+                client.download(forged, 1, "0" * 64)
+            outsider["refused"] = refused.value
+            return Error(code=0, reason=f"state-intact: node worker failed: {STREAM_UNUSABLE}no answer")
+        if msg.metadata.message_type != MessageType.TRAIN:
+            return content
+        if index == 0:  # its site keeps to Flower's path: the update inline, counted as a fallback
+            content["metrics"]["direct-fallbacks"] = 1
+            return content
+        commit = node.upload(offer, {name: bytes(a.data) for name, a in content.pop("update").items()})
+        content[COMMIT] = ConfigRecord(commit.to_config())
+        return content
+
+    transport.start()
+    try:
+        records = run_rounds(run, InMemoryFederation(2, answer))
+    finally:
+        transport.stop()
+        node.close()
+    assert outsider["refused"].kind is RefusalKind.BAD_CAPABILITY and "\n" not in outsider["refused"].line()
+    assert [(r["num_accepted"], r["direct_fallbacks"], r["direct_refusals"]) for r in records[1:]] == [(2, 1, 0)] * 2
+    final = {k: v for k, v in records[rounds].items() if k.startswith("final_")}
+    assert final == {"final_direct_fallbacks": 1, "final_direct_refusals": 1, "final_direct_refused_bad_capability": 1}
+    assert records[rounds]["heldout_loss"] == 2.0  # node 0's evaluation of x^R, the one that came
+    assert run_summary(records).endswith(
+        "3 messages' blocks on Flower's path instead of the direct stream (direct_fallbacks); "
+        "1 requests refused by the direct stream (bad_capability 1)"
+    )
 
 
 def test_a_node_with_its_own_data_is_bounded_like_any_other(tmp_path, tiny_model_dir):

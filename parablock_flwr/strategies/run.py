@@ -158,6 +158,7 @@ class Run:
             if due is not None:
                 self.make_durable(due)  # before the nodes' final evaluation, which may take round-timeout-s
             self.final_client_evaluation(grid, result.arrays)
+            self.close_stream(due if due is not None else self.num_rounds)
             if due is not None:
                 self.finish_round(due)
             self.prune_step_log()
@@ -453,8 +454,17 @@ class Run:
         replies = self.replies_as_they_arrive(grid, sent, num_rounds + 1)
         if rows := client_evaluation.valid_rows(replies, num_rounds):
             self.client_evaluations[num_rounds] = client_evaluation.aggregate(rows)
-        if self.direct is not None:
-            self.direct.end_round(num_rounds + 1)  # its capabilities and records forgotten
+
+    def close_stream(self, last_round: int) -> None:
+        """``transport = "direct"``: the stream stops once the last reply is in (the nodes' final evaluation
+        included), and what it counted after round ``last_round``'s record was written (the final evaluation's
+        fallbacks, anything it refused until it stopped) completes that record as ``final_direct_*``: no
+        fallback or refusal goes uncounted because no round was left to record it."""
+        if self.direct is None:
+            return
+        self.direct.transport.stop()
+        counts = self.direct.end_round(self.num_rounds + 1)  # the final evaluation's capabilities and records too
+        self.recorder.write({"round": last_round, **{f"final_{name}": n for name, n in counts.items()}})
 
     def finish_round(self, server_round: int) -> None:
         """Round r's record and checkpoint made durable, then its evaluation handed on (r = 0: the

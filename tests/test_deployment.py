@@ -10,13 +10,17 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
+from stream_probes import SocketTap, kinds, outsider
 
 from parablock_flwr.metrics import RunRecorder
 from parablock_flwr.tools.credentials import make_node_key
 from parablock_flwr.tools.launch import free_port, run_deployment, stop_process_group, supernode_command
+from parablock_flwr.transport import Refused
 
 from helpers import FinishedRun, finished, kill_server_after_round, simulate, simulate_in_process, tiny_config
 
@@ -187,13 +191,29 @@ def test_killed_server_resumes_at_any_round_in_a_restarted_deployment_bit_for_bi
 
 
 def test_crashed_worker_restarts_and_nodes_resynchronise_under_partial_participation(tmp_path, tiny_model_dir):
-    """4 nodes, half sampled per round, 5 rounds; node 0's worker is SIGKILLed after round 1 and
-    restarted after round 2. Its node replies errors meanwhile (rejected, counted); the server then
-    sends what it missed (steps or full values) and it trains again with the invariant intact."""
-    events = {}
+    """4 nodes, half sampled per round, 5 rounds, TLS with SuperNode authentication and ``transport =
+    "direct"``; node 0's worker is SIGKILLed after round 1 and restarted after round 2. Its node replies
+    errors meanwhile (rejected, counted); the server then sends what it missed (steps or full values, on the
+    stream) and it trains again with the invariant intact.
+
+    The same run's stream meets what can be attempted against it (tests/stream_probes.py): an outsider with
+    no capability (forged ones up and down, a first message that is no header, an upload that stalls, a
+    plaintext dial at the TLS port), and the site of node 1 or 2 misusing its own node's capabilities,
+    read from its ClientApp's request (an oversized declaration, another node's slot, another record, a
+    wrong SHA-256, a wrong length, a trickle; replays once its worker has used them). Each is refused with
+    one line that names no token, counted by kind in the records (``direct_refused_*``, the last round's
+    ``final_direct_refused_*``) and on the run's last line, and changes nothing: that node's reply of that
+    round is accepted, no node falls back, every accepted reply's invariant holds."""
+    events, outside, inside, once, taps, stalled = {}, {}, {}, threading.Lock(), [], threading.Event()
+    address = f"localhost:{free_port()}"
 
     def crash_and_restart(deployment):
         workers = deployment.workers
+        for i in (1, 2):  # their sites' own processes between ClientApp and worker
+            path = Path(workers[i].args[workers[i].args.index("--socket") + 1])
+            taps.append(SocketTap(path, i, once, inside, hold=stalled))  # the stall is refused within the run
+        events["outsider"] = threading.Thread(target=outsider, args=(address, deployment.tls.ca_cert, outside, stalled))
+        events["outsider"].start()
 
         def watch():
             metrics = tmp_path / "out"
@@ -222,6 +242,9 @@ def test_crashed_worker_restarts_and_nodes_resynchronise_under_partial_participa
             tiny_model_dir,
             on_started=crash_and_restart,
             num_supernodes=4,
+            secure=True,
+            transport="direct",
+            transport_address=address,
             num_server_rounds=5,
             fraction_train=0.5,
             verify_invariant=True,
@@ -232,6 +255,10 @@ def test_crashed_worker_restarts_and_nodes_resynchronise_under_partial_participa
         events["done"] = True
         if "restarted" in events:
             stop_process_group(events["restarted"])
+        for tap in taps:
+            tap.close()
+        if "outsider" in events:
+            events["outsider"].join(timeout=120)
     _ok(run)
     assert events["killed"] == 1 and "restarted" in events
     records = run.records[1:]
@@ -246,6 +273,45 @@ def test_crashed_worker_restarts_and_nodes_resynchronise_under_partial_participa
     final = run.final_model()
     assert all(torch.isfinite(t).all() for t in final.values())
     assert records[-1]["heldout_loss"] < run.records[0]["heldout_loss"]
+
+    # What the outsider and the misusing site met: each refused with its kind, in one line, no token in it.
+    assert kinds(outside) == {
+        "stalled": "stalled",
+        "forged upload": "bad_capability",
+        "forged download": "bad_capability",
+        "not a header": "bad_header",
+        "plaintext": "TransportError",
+    }, outside
+    offer, partition = inside.pop("offer"), inside.pop("partition")
+    assert kinds(inside) == {
+        "oversized": "oversized",
+        "another node's slot": "foreign_record",
+        "another record": "foreign_record",
+        "digest": "digest_mismatch",
+        "size": "size_mismatch",
+        "trickling": "trickling",
+        "replayed download": "replayed",
+        "replayed upload": "replayed",
+    }, inside
+    tokens = [offer.upload_token] + [r.token for r in offer.records]
+    for refused in [o for o in (*outside.values(), *inside.values()) if isinstance(o, Refused)]:
+        assert "\n" not in refused.line() and not any(t in refused.line() for t in tokens), refused.line()
+    # ...counted by kind, in the rounds' records and the last one's final_*, and said on the run's last line.
+    counted = Counter()
+    for record in run.records:
+        for name, n in record.items():
+            if name.removeprefix("final_").startswith("direct_refused_"):
+                counted[name.removeprefix("final_").removeprefix("direct_refused_")] += n
+    expected = Counter(bad_capability=2, bad_header=1, stalled=1, oversized=1, foreign_record=2, digest_mismatch=1,
+                       size_mismatch=1, trickling=1, replayed=2)  # fmt: skip
+    assert counted == expected, counted
+    assert sum(r["direct_refusals"] for r in records) + records[-1]["final_direct_refusals"] == 12
+    by_kind = ", ".join(f"{kind} {n}" for kind, n in sorted(expected.items()))
+    assert f"12 requests refused by the direct stream ({by_kind})" in run.stdout, run.stdout[-3000:]
+    # ...and changed nothing: the misused node's reply of that round was accepted, no node fell back.
+    misused = next(r for r in records if r["round"] == offer.server_round)
+    assert partition in {w["partition_id"] for w in misused["client_weights"]}, misused["client_weights"]
+    assert all(r["direct_fallbacks"] == 0 for r in records) and records[-1]["final_direct_fallbacks"] == 0
 
 
 def test_on_receipt_applies_the_aggregate_at_a_step_boundary_of_the_running_computation(tmp_path, tiny_model_dir):

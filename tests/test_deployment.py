@@ -150,9 +150,10 @@ def test_killed_server_resumes_at_any_round_in_a_restarted_deployment_bit_for_bi
     x^{R-1} (a full sync) and its own Δ_i^R back, and computes round R+1 from x^{R-1} + Δ_i^R; with
     bf16 transfer each worker also reads its error-feedback residuals back from its `state-dir` as
     of round R (written durably each round; the killed workers may have answered round R+1
-    already): every later global step equals the uninterrupted run's, bit for bit. The resumed
-    deployments run with ``transport = "direct"`` (the first one on Flower's path): the full syncs
-    and hand-backs move on the stream, and no node falls back. (fp32 resume at every stage of a round:
+    already): every later global step equals the uninterrupted run's, bit for bit. Every deployment runs
+    with TLS and SuperNode authentication (each its own CA and node keys), the resumed ones with
+    ``transport = "direct"`` (the first one on Flower's path): the full syncs and hand-backs move on the
+    stream over TLS, and no node falls back. (fp32 resume at every stage of a round:
     tests/test_simulation.py.)"""
     same = dict(num_server_rounds=LONG_ROUNDS, verify_invariant=True, schedule="ascending", transfer_dtype="bf16")
     states = [f'state-dir="{tmp_path / "state" / f"node-{i}"}"' for i in range(2)]
@@ -163,14 +164,18 @@ def test_killed_server_resumes_at_any_round_in_a_restarted_deployment_bit_for_bi
         def kill(deployment, out=workdir / "out", after_round=after_round):
             return kill_server_after_round(deployment.workdir / "flwr-home", out, after_round=after_round)
 
-        killed = deploy(workdir, tiny_model_dir, node_settings=states, on_started=kill, **same, **resume_from)
+        killed = deploy(
+            workdir, tiny_model_dir, node_settings=states, on_started=kill, secure=True, **same, **resume_from
+        )
         assert killed.run_dir is not None, killed.stdout[-4000:]
         assert (killed.run_dir / "checkpoint" / f"round-{after_round:05d}").exists()
         assert not (killed.run_dir / "global-steps" / f"v{after_round + 1:05d}.safetensors").exists()
         assert list((tmp_path / "state" / "node-0" / "partition-0").glob(f"r{after_round:05d}-b*.safetensors"))
         runs.append(killed)
         resume_from = {"resume_from": str(killed.run_dir), "transport": "direct"}
-    runs.append(_ok(deploy(tmp_path / "resumed", tiny_model_dir, node_settings=states, **same, **resume_from)))
+    runs.append(
+        _ok(deploy(tmp_path / "resumed", tiny_model_dir, node_settings=states, secure=True, **same, **resume_from))
+    )
 
     # Each resumed deployment took over after its predecessor's round R, and computed rounds R+1..:
     # the second one rounds 2-6 (then killed), the last one round 7.
@@ -188,6 +193,11 @@ def test_killed_server_resumes_at_any_round_in_a_restarted_deployment_bit_for_bi
         record = records[server_round]
         assert record["num_accepted"] == 2 and record["invariant_checked"] == 2 and record["invariant_failed"] == 0
         assert (record["direct_fallbacks"], record["direct_refusals"]) == (0, 0), record
+    assert (records[LONG_ROUNDS]["final_direct_fallbacks"], records[LONG_ROUNDS]["final_direct_refusals"]) == (0, 0)
+    for i in range(2):  # the stream carried the last deployment's records (its hand-back, full sync), over TLS
+        log = (tmp_path / "resumed" / "flower" / f"worker-{i}.log").read_text()
+        assert any("direct transport: fetched" in line and line.endswith("(TLS)") for line in
+                   log.splitlines()), log  # fmt: skip
 
 
 def test_crashed_worker_restarts_and_nodes_resynchronise_under_partial_participation(tmp_path, tiny_model_dir):
@@ -282,6 +292,7 @@ def test_crashed_worker_restarts_and_nodes_resynchronise_under_partial_participa
         "not a header": "bad_header",
         "plaintext": "TransportError",
     }, outside
+    assert outside["plaintext"].code == "UNAVAILABLE"  # its handshake failed: it reached no handler
     offer, partition = inside.pop("offer"), inside.pop("partition")
     assert kinds(inside) == {
         "oversized": "oversized",

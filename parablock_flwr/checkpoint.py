@@ -68,6 +68,7 @@ MAY_CHANGE_ON_RESUME = frozenset(
         "transport-keyfile",
         "transport-ca",
         "transport-insecure",
+        "transport-idle-timeout-s",
     }
 )
 

@@ -134,6 +134,7 @@ class RunConfig:
     transport_keyfile: str = ""
     transport_ca: str = ""
     transport_insecure: bool = False
+    transport_idle_timeout_s: float = 30.0
     max_update_norm: float = 0.0
     max_num_examples: int = 0
     max_correction_drift: float = 0.0
@@ -261,6 +262,7 @@ class RunConfig:
             "downlink-mbps",
             "round-timeout-s",
             "pull-interval-s",
+            "transport-idle-timeout-s",
             "max-grad-norm",
             "lora-alpha",
             "dirichlet-alpha",

@@ -16,6 +16,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -64,13 +65,13 @@ def forged(direction: Direction, record: str) -> Ticket:
     return Ticket(os.urandom(32), 1, 1, 1, direction, record)
 
 
-def outsider(address: str, ca_file: Path, found: dict[str, Outcome], stalled: threading.Event) -> None:
+def outsider(address: str, ca_pem: bytes, found: dict[str, Outcome], stalled: threading.Event) -> None:
     """Everything an outsider can attempt without a capability, into ``found``: forged capabilities up and
     down, a first message that is no header, an upload that stalls before its header (refused once the
     service's idle timeout passes, beside the rest; ``stalled`` is set then), and a plaintext dial at the
-    TLS port."""
+    TLS port. ``ca_pem``: the CA the service's certificate is signed by (public: Flower's messages carry it)."""
     wait_listening(address)
-    ca_pem, release = ca_file.read_bytes(), threading.Event()
+    release = threading.Event()
 
     def stalls():
         release.wait(120)  # connected, and never a byte
@@ -85,7 +86,7 @@ def outsider(address: str, ca_file: Path, found: dict[str, Outcome], stalled: th
 
     staller = threading.Thread(target=stall, daemon=True)
     staller.start()
-    with TransportClient(address, ca_file=ca_file, timeout_s=60) as client:
+    with TransportClient(address, ca_pem=ca_pem, timeout_s=60) as client:
         found["forged upload"] = refusal(lambda: client.upload(forged(Direction.UPLOAD, "r1/update/1"), b"x"))
         found["forged download"] = refusal(lambda: client.download(forged(Direction.DOWNLOAD, "r1/x/1"), 1, "0" * 64))
     found["not a header"] = raw_upload(address, ca_pem, iter([b"\x00garbage"]))
@@ -139,16 +140,16 @@ def misuse_after(offer: TransportOffer) -> dict[str, Outcome]:
 
 class SocketTap:
     """A site's own process between its ClientApp and its node worker: the worker's socket moved aside and
-    this one in its place, relaying each connection byte for byte. Once in all the taps sharing ``once``,
-    on the first request whose offer has records on the stream and an upload capability, it misuses that
-    offer's capabilities (``misuse_before`` before relaying the request, ``misuse_after`` once the worker's
-    reply is relayed); ``found`` then holds the offer (``"offer"``), the tapped node's partition
-    (``"partition"``) and every attempt's outcome. That request is relayed only once ``hold`` is set (what
-    must happen while the run is still on: the service refusing a stall after its idle timeout)."""
+    this one in its place, relaying each connection byte for byte. ``on_offer`` sees each request's stream
+    offer. Once in all the taps sharing ``once``, on the first request whose offer has records on the
+    stream and an upload capability, it misuses that offer's capabilities (``misuse_before`` before
+    relaying the request, ``misuse_after`` once the worker's reply is relayed); ``found`` then holds the
+    offer (``"offer"``), the tapped node's partition (``"partition"``) and every attempt's outcome. That
+    request is relayed only once ``hold`` is set (what must happen while the run is still on: the service
+    refusing a stall after its idle timeout)."""
 
-    def __init__(self, path: Path, partition: int, once: threading.Lock, found: dict, hold: threading.Event):
-        self.path, self.real, self.once, self.found = path, path.with_name(path.name + ".real"), once, found
-        self.partition, self.hold = partition, hold
+    def __init__(self, path: Path, partition: int, share: Shared):
+        self.path, self.real, self.partition, self.share = path, path.with_name(path.name + ".real"), partition, share
         os.rename(path, self.real)
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(str(path))
@@ -167,29 +168,37 @@ class SocketTap:
             threading.Thread(target=self._relay, args=(conn,), daemon=True).start()
 
     def _relay(self, conn: socket.socket) -> None:
+        share, misused = self.share, None
         with conn, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as worker:
             worker.connect(str(self.real))
             length = _exactly(conn, 8)
             header = _exactly(conn, struct.unpack(">Q", length)[0])
-            offer = self._offer_to_misuse(header)
-            if offer is not None:
-                self.found.update(misuse_before(offer))
-                self.hold.wait(timeout=120)
+            fields = json.loads(header).get("stream-offer") or {}
+            if fields:
+                offer = TransportOffer.from_config(fields)
+                share.on_offer(offer)
+                if offer.records and offer.upload_name and share.once.acquire(blocking=False):
+                    misused = offer
+                    share.found.update(misuse_before(offer), offer=offer, partition=self.partition)
+                    share.hold.wait(timeout=120)
             worker.sendall(length + header)
             forward = threading.Thread(target=_pump, args=(conn, worker), daemon=True)
             forward.start()
             _pump(worker, conn)  # the worker's reply, to the ClientApp
             forward.join(timeout=60)
-        if offer is not None:
-            self.found.update(misuse_after(offer))
+        if misused is not None:
+            share.found.update(misuse_after(misused))
 
-    def _offer_to_misuse(self, header: bytes) -> TransportOffer | None:
-        fields = json.loads(header).get("stream-offer") or {}
-        offer = TransportOffer.from_config(fields) if fields else None
-        if offer is None or not (offer.records and offer.upload_name) or not self.once.acquire(blocking=False):
-            return None
-        self.found.update(offer=offer, partition=self.partition)
-        return offer
+
+@dataclass
+class Shared:
+    """What the taps of one deployment share: the one misuse (``once``), its outcomes (``found``), what it
+    waits for (``hold``), and what each offer is shown to (``on_offer``)."""
+
+    on_offer: Callable[[TransportOffer], None]
+    hold: threading.Event = field(default_factory=threading.Event)
+    once: threading.Lock = field(default_factory=threading.Lock)
+    found: dict = field(default_factory=dict)
 
 
 def _exactly(conn: socket.socket, n: int) -> bytes:

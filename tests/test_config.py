@@ -35,6 +35,7 @@ from parablock_flwr.config import ConfigError, RunConfig, check_num_clients
             {"transport": "direct", "transport-address": "s:1", "transport-insecure": True, "transport-ca": "ca.crt"},
             "transport-ca='ca.crt' with transport-insecure=true: expected TLS files or insecure, not both",
         ),
+        ({"transport-idle-timeout-s": 0.0}, "transport-idle-timeout-s=0.0: expected a number > 0"),
     ],
 )
 def test_invalid_values_name_key_value_and_expectation(overrides, message):

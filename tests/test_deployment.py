@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from stream_probes import SocketTap, kinds, outsider
+from stream_probes import Shared, SocketTap, kinds, outsider
 
 from parablock_flwr.metrics import RunRecorder
 from parablock_flwr.tools.credentials import make_node_key
@@ -214,16 +214,23 @@ def test_crashed_worker_restarts_and_nodes_resynchronise_under_partial_participa
     one line that names no token, counted by kind in the records (``direct_refused_*``, the last round's
     ``final_direct_refused_*``) and on the run's last line, and changes nothing: that node's reply of that
     round is accepted, no node falls back, every accepted reply's invariant holds."""
-    events, outside, inside, once, taps, stalled = {}, {}, {}, threading.Lock(), [], threading.Event()
-    address = f"localhost:{free_port()}"
+    events, outside, taps, starting = {}, {}, [], threading.Lock()
+
+    def first_offer(offer):
+        """The outsider starts once the stream's address is known (a port scan would find it as well); the
+        site's misuse waits for the outsider's stall to be refused (``share.hold``), so that it is in the run."""
+        with starting:
+            if "outsider" not in events:
+                args = (offer.address, offer.ca_pem.encode(), outside, share.hold)
+                events["outsider"] = threading.Thread(target=outsider, args=args, daemon=True)
+                events["outsider"].start()
+
+    share = Shared(on_offer=first_offer)
 
     def crash_and_restart(deployment):
         workers = deployment.workers
         for i in (1, 2):  # their sites' own processes between ClientApp and worker
-            path = Path(workers[i].args[workers[i].args.index("--socket") + 1])
-            taps.append(SocketTap(path, i, once, inside, hold=stalled))  # the stall is refused within the run
-        events["outsider"] = threading.Thread(target=outsider, args=(address, deployment.tls.ca_cert, outside, stalled))
-        events["outsider"].start()
+            taps.append(SocketTap(Path(workers[i].args[workers[i].args.index("--socket") + 1]), i, share))
 
         def watch():
             metrics = tmp_path / "out"
@@ -254,7 +261,7 @@ def test_crashed_worker_restarts_and_nodes_resynchronise_under_partial_participa
             num_supernodes=4,
             secure=True,
             transport="direct",
-            transport_address=address,
+            transport_idle_timeout_s=5.0,  # the outsider's stall is refused within seconds
             num_server_rounds=5,
             fraction_train=0.5,
             verify_invariant=True,
@@ -293,6 +300,7 @@ def test_crashed_worker_restarts_and_nodes_resynchronise_under_partial_participa
         "plaintext": "TransportError",
     }, outside
     assert outside["plaintext"].code == "UNAVAILABLE"  # its handshake failed: it reached no handler
+    inside = dict(share.found)
     offer, partition = inside.pop("offer"), inside.pop("partition")
     assert kinds(inside) == {
         "oversized": "oversized",

@@ -35,7 +35,7 @@ from ..runtime import setup_torch
 from ..strategies import strategy_class
 from ..strategies.direct import DirectMessages
 from ..strategies.run import Run, TooFewReplies
-from ..transport import RunTransport, StreamSettings, TransportSetupError
+from ..transport import Limits, RunTransport, StreamSettings, TransportSetupError
 from .evaluator import ServerEvaluator
 
 log = logging.getLogger(__name__)
@@ -161,9 +161,9 @@ def open_stream(cfg: RunConfig, grid: Grid, run_id: int) -> DirectMessages | Non
         log.info("transport='direct' is for deployments: this simulation moves blocks in Flower's messages")
         return None
     try:
-        settings = StreamSettings.from_run_config(cfg)
+        settings, limits = StreamSettings.from_run_config(cfg), Limits(idle_timeout_s=cfg.transport_idle_timeout_s)
         # Large uploads wait for their replies on the disk the operator chose for runs, not in memory.
-        transport = RunTransport(settings, run_id, ttl_s=cfg.round_timeout_s, spill_dir=cfg.output_path)
+        transport = RunTransport(settings, run_id, ttl_s=cfg.round_timeout_s, limits=limits, spill_dir=cfg.output_path)
         transport.start()
     except (TransportSetupError, OSError, RuntimeError) as err:
         raise RunFailed("invalid-config", f"Invalid configuration: {err}") from err

@@ -26,16 +26,17 @@ from parablock_flwr.transport import Direction, Refused, Ticket, TransportClient
 from parablock_flwr.transport.headers import encode_header
 from parablock_flwr.transport.service import UPLOAD
 
-Outcome = Refused | TransportError
+Outcome = Refused | TransportError | AssertionError
 
 
 def refusal(call: Callable[[], object]) -> Outcome:
-    """What ``call`` raised: a refusal, or a transport error; the stream accepting it fails the test."""
+    """What ``call`` raised: a refusal, or a transport error; an ``AssertionError`` when the stream accepted it
+    (returned, not raised: the attempts after it still run, and the test names it)."""
     try:
         call()
     except (Refused, TransportError) as outcome:
         return outcome
-    raise AssertionError("the stream accepted what it should have refused")
+    return AssertionError("the stream accepted what it should have refused")
 
 
 def raw_upload(address: str, ca_pem: bytes, messages) -> Outcome:
@@ -179,7 +180,8 @@ class SocketTap:
                 share.on_offer(offer)
                 if offer.records and offer.upload_name and share.once.acquire(blocking=False):
                     misused = offer
-                    share.found.update(misuse_before(offer), offer=offer, partition=self.partition)
+                    share.found.update(offer=offer, partition=self.partition)
+                    _attempt(share.found, misuse_before, offer)
                     share.hold.wait(timeout=120)
             worker.sendall(length + header)
             forward = threading.Thread(target=_pump, args=(conn, worker), daemon=True)
@@ -187,7 +189,7 @@ class SocketTap:
             _pump(worker, conn)  # the worker's reply, to the ClientApp
             forward.join(timeout=60)
         if misused is not None:
-            share.found.update(misuse_after(misused))
+            _attempt(share.found, misuse_after, misused)
 
 
 @dataclass
@@ -199,6 +201,15 @@ class Shared:
     hold: threading.Event = field(default_factory=threading.Event)
     once: threading.Lock = field(default_factory=threading.Lock)
     found: dict = field(default_factory=dict)
+
+
+def _attempt(found: dict, misuse: Callable[[TransportOffer], dict], offer: TransportOffer) -> None:
+    """``misuse``'s outcomes into ``found``; an attempt that fails (the stream accepted it) goes there too, so
+    that the test names it and the node's request is still relayed (else its round would wait out its timeout)."""
+    try:
+        found.update(misuse(offer))
+    except Exception as err:
+        found[misuse.__name__] = err
 
 
 def _exactly(conn: socket.socket, n: int) -> bytes:
@@ -225,9 +236,6 @@ def _pump(source: socket.socket, sink: socket.socket) -> None:
 
 
 def kinds(outcomes: dict[str, object]) -> dict[str, str]:
-    """Each attempt's refusal kind (or the error's class for what was not a refusal)."""
-    return {
-        name: str(o.kind) if isinstance(o, Refused) else type(o).__name__
-        for name, o in outcomes.items()
-        if isinstance(o, Refused | TransportError)
-    }
+    """Each attempt's refusal kind, else the class of what it gave (``TransportError`` for what the service
+    never saw, an ``AssertionError`` for what it accepted)."""
+    return {name: str(o.kind) if isinstance(o, Refused) else type(o).__name__ for name, o in outcomes.items()}

@@ -126,17 +126,26 @@ def misuse_before(offer: TransportOffer) -> dict[str, Outcome]:
     return found
 
 
-def misuse_after(offer: TransportOffer) -> dict[str, Outcome]:
-    """A site presenting again the capabilities its node worker has used: both refused as replayed."""
-    ca_pem, node, rnd = offer.ca_pem.encode(), offer.node_id, offer.server_round
-    up = Ticket(bytes.fromhex(offer.upload_token), offer.run_id, node, rnd, Direction.UPLOAD, offer.upload_name)
-    ref = offer.records[0]
-    down = Ticket(bytes.fromhex(ref.token), offer.run_id, node, rnd, Direction.DOWNLOAD, ref.name)
+def misuse_after(offer: TransportOffer) -> dict[str, Outcome | None]:
+    """A site presenting a record's download capability twice once its node worker has answered the round.
+    The first use is refused as replayed when the worker used it, and is the site's own (the same bytes,
+    harmless; ``None``) when the worker took that record another way (a step prefetched a round ahead); the
+    second is refused as replayed either way. (Its upload capability is not replayed: when the worker's update
+    went ahead, that capability is unused and an upload under it would replace the update before the reply
+    claims it, the site's own update only; the fast tier covers an upload replayed.)"""
+    ca_pem, ref, rnd = offer.ca_pem.encode(), offer.records[0], offer.server_round
+    down = Ticket(bytes.fromhex(ref.token), offer.run_id, offer.node_id, rnd, Direction.DOWNLOAD, ref.name)
     with TransportClient(offer.address, ca_pem=ca_pem, timeout_s=60) as client:
-        return {
-            "replayed download": refusal(lambda: client.download(down, ref.size, ref.sha256)),
-            "replayed upload": refusal(lambda: client.upload(up, b"z")),
-        }
+
+        def fetch() -> None:
+            client.download(down, ref.size, ref.sha256)
+
+        try:
+            fetch()
+            first = None
+        except (Refused, TransportError) as outcome:
+            first = outcome
+        return {"download again": first, "replayed download": refusal(fetch)}
 
 
 class SocketTap:

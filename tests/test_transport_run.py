@@ -513,6 +513,28 @@ def test_a_download_issued_ahead_waits_for_its_step_and_a_revocation_ends_it_unc
     assert (record["direct_ahead_revoked"], record["direct_refusals"]) == (1, 0), record
 
 
+def test_an_update_computed_ahead_under_a_revoked_capability_is_turned_away_uncounted(hub, node):
+    """Round 3's messages give nodes 7 and 8 round 4's upload ahead; round 4's messages are built for node 7
+    only, so node 8's capabilities are revoked. Its worker, which trains round 4 ahead all the same, then
+    uploads: turned away in one line that says why, counted as the revocation (``direct_ahead_revoked``)
+    and not as a refusal (nothing was attempted against the rules, as a partial participation does every
+    round), its capability staying revoked; nothing lands in round 4's slot. A forged capability for the
+    same slot is still refused as before."""
+    offers = {n: ahead_offer(hub, 3, n) for n in (7, 8)}
+    hub.offer(4, 7, {GLOBAL_STEP: block(22)}, upload_max_size=10**6)
+    assert hub.messaged(4, {7}) == 1
+    pieces = pack_pieces(to_tensors(block(21)))
+    for _ in range(2):
+        with pytest.raises(StreamUnusable, match=r"NOT_FOUND: .*round 4.* revoked") as turned_away:
+            node.upload_ahead(offers[8], pieces)
+        assert "\n" not in str(turned_away.value) and offers[8].ahead_upload_token not in str(turned_away.value)
+    assert hub.server.revoked_used == 2 and len(hub.server.inbox) == 0
+    with pytest.raises(StreamUnusable, match="refused bad_capability"):
+        node.upload_ahead(dataclasses.replace(offers[8], ahead_upload_token="ab" * 32), pieces)
+    record = hub.end_round(4)
+    assert (record["direct_ahead_revoked"], record["direct_refusals"]) == (1, 1), record
+
+
 def test_a_prefetched_step_is_used_only_when_the_message_announces_its_size_and_sha256(hub, node):
     prefetch = ahead_offer(hub, 3, 7)
     step = block(23)

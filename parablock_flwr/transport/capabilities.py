@@ -56,6 +56,12 @@ class Refused(Exception):
         return f"refused {self.kind}: {self.text}"
 
 
+class Revoked(Exception):
+    """A request under a capability the server revoked: issued a round ahead to a node that round's messages
+    then left out (not sampled, excluded). Not a refusal: nothing was attempted against the rules (a worker
+    that trained ahead uploads as soon as it can); one line, counted apart from the refusals."""
+
+
 class Refusals:
     """Refusals counted by kind (what the round's record will carry), thread-safe."""
 
@@ -90,7 +96,7 @@ class _Grant:
     expires_at: float
     max_size: int | None
     waits: bool = False  # a download that waits for its record's publication (issued a round ahead)
-    state: str = field(default="issued")  # issued -> in_use -> used; a refusal sends in_use back
+    state: str = field(default="issued")  # issued -> in_use -> used; a refusal sends in_use back; or revoked
 
 
 def _key(token: bytes) -> bytes:
@@ -153,6 +159,9 @@ class CapabilityRegistry:
                     f"node {claim.node_id} asks for record {claim.record!r}; the capability names "
                     f"node {mine.node_id}'s record {mine.record!r}",
                 )
+            if grant.state == "revoked":
+                raise Revoked(f"node {mine.node_id}'s capability for round {mine.round} was revoked: the round's "
+                              f"messages left the node out")  # fmt: skip
             if self._clock() >= grant.expires_at:
                 raise Refused(RefusalKind.EXPIRED, f"the capability for round {mine.round} expired")
             if grant.state != "issued":
@@ -186,17 +195,18 @@ class CapabilityRegistry:
         (what ends a download waiting for its record)."""
         with self._lock:
             grant = self._grants.get(_key(ticket.token))
-            return grant is not None and self._clock() < grant.expires_at
+            return grant is not None and grant.state != "revoked" and self._clock() < grant.expires_at
 
     def revoke(self, run_id: int, round: int, node_id: int) -> int:
-        """Forget ``node_id``'s capabilities of ``round`` (a node issued them a round ahead and not messaged
-        in that round); how many were dropped. A request under one is then refused as unknown."""
+        """Revoke ``node_id``'s capabilities of ``round`` (a node issued them a round ahead and not messaged
+        in that round); how many. A request under one is then turned away as ``Revoked``, not refused, until
+        the round's end forgets it."""
         with self._lock:
-            keys = [k for k, g in self._grants.items()
-                    if (g.ticket.run_id, g.ticket.round, g.ticket.node_id) == (run_id, round, node_id)]  # fmt: skip
-            for k in keys:
-                del self._grants[k]
-            return len(keys)
+            grants = [g for g in self._grants.values()
+                      if (g.ticket.run_id, g.ticket.round, g.ticket.node_id) == (run_id, round, node_id)]  # fmt: skip
+            for grant in grants:
+                grant.state = "revoked"
+            return len(grants)
 
     def drop_round(self, run_id: int, round: int) -> int:
         """Forget a round's capabilities (the round ended); how many were dropped."""
@@ -209,7 +219,7 @@ class CapabilityRegistry:
     def _set(self, ticket: Ticket, state: str) -> None:
         with self._lock:
             grant = self._grants.get(_key(ticket.token))
-            if grant is not None:
+            if grant is not None and grant.state != "revoked":  # a transfer under way when revoked stays revoked
                 grant.state = state
 
     def _prune(self) -> None:

@@ -34,6 +34,7 @@ from parablock_flwr.transport.capabilities import (
     RefusalKind,
     Refusals,
     Refused,
+    Revoked,
     Ticket,
 )
 from parablock_flwr.transport.headers import Header, parse_header
@@ -310,6 +311,7 @@ class TransportServer:
         self._stopping = threading.Event()
         self._waits_lock = threading.Lock()
         self.waits_ended = 0  # downloads that waited for a record and ended without it (not refusals)
+        self.revoked_used = 0  # requests under a revoked capability, turned away (not refusals)
         self._address, self._insecure = address, insecure
         self._cert = Path(cert_file).read_bytes() if cert_file else None
         self._key = Path(key_file).read_bytes() if key_file else None
@@ -349,6 +351,14 @@ class TransportServer:
         log.warning("transport %s", refused.line())
         context.abort(STATUS[refused.kind], refused.line())
 
+    def _turn_away(self, revoked: Revoked, context: grpc.ServicerContext) -> None:
+        """A request under a revoked capability: one line to the caller and the log, counted apart from the
+        refusals (``revoked_used``); it changes nothing."""
+        with self._waits_lock:
+            self.revoked_used += 1
+        log.info("transport: %s", revoked)
+        context.abort(grpc.StatusCode.NOT_FOUND, str(revoked))
+
     def _upload(self, requests, context: grpc.ServicerContext) -> bytes:
         feed, ticket, done = _Feed(requests), None, False
         try:
@@ -364,6 +374,8 @@ class TransportServer:
             return b"accepted"
         except Refused as refused:
             self._refuse(refused, context)
+        except Revoked as revoked:
+            self._turn_away(revoked, context)
         finally:
             feed.stop()
             # Anything but acceptance (a refusal, a broken stream, an error) leaves the capability as it was.
@@ -436,6 +448,8 @@ class TransportServer:
             if ticket is not None:
                 self.registry.release(ticket)
             self._refuse(refused, context)
+        except Revoked as revoked:
+            self._turn_away(revoked, context)
         if record is None:
             record = self._wait_for(ticket, context)
         done = False

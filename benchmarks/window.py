@@ -21,7 +21,8 @@ floor + bytes / 300 MB/s. For each kind and leg the benchmark fits ``fixed + byt
 the reply up plus the message down), and checks the time model (``core.LinkModel``): calibrated on two
 sizes on Flower's path, it predicts the round time of a third.
 
-    .venv/bin/python -m benchmarks.window                      # 14, 70, 212 MB and 1 GB, all four kinds (~45 min)
+    .venv/bin/python -m benchmarks.window --rounds 4 --dtypes fp16,bf16,int8   # docs/results/window.md (~40 min)
+    .venv/bin/python -m benchmarks.window                      # 14, 70, 212 MB and 1 GB, all four kinds, 3 rounds
     .venv/bin/python -m benchmarks.window --sizes 14,70 --kinds empty,direct --no-docs
     .venv/bin/python -m benchmarks.window --fast               # tiny model, 0.6 and 14 MB: a smoke run (no docs)
     .venv/bin/python -m benchmarks.window --report runs/window-.../window.json   # the tables again, no run

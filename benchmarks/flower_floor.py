@@ -39,7 +39,10 @@ client = ClientApp()
 
 
 def payload(nbytes: int, arrays: int, seed: int) -> list[np.ndarray]:
-    """``arrays`` float32 arrays of ``nbytes`` in all, random (no two chunks alike)."""
+    """``arrays`` float32 arrays of ``nbytes`` in all, random (no two chunks alike); none for 0 bytes, so that
+    the messages carry Flower's control data alone (its floor)."""
+    if nbytes <= 0:
+        return []
     rng = np.random.default_rng(seed)
     per = max(1, nbytes // 4 // arrays)
     return [rng.random(per, dtype=np.float32) for _ in range(arrays)]

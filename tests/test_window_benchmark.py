@@ -1,0 +1,71 @@
+"""benchmarks.window's reading of a run: the window from computation to computation (so that the direct
+transport's upload and download are in it), issue 32's target, and the flower-against-direct comparison of
+two real run folders (records and step logs written by the project's own writers)."""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks import window
+from parablock_flwr.metrics import RunRecorder
+from parablock_flwr.replica import StepLog
+
+
+def record(server_round: int, compute: tuple[float, float], received: float, sent: float, up: int, down: int):
+    """A round's record as the server writes it for one node (only the keys the benchmark reads)."""
+    return {"round": server_round, "wire_bytes_up": up, "wire_bytes_down": down, "measured_comm_s": received - sent,
+            "round_wall_s": 10.0, "compute_s_mean": compute[1] - compute[0],
+            "timeline": [{"compute_start": compute[0], "compute_end": compute[1], "request_received": received,
+                          "prev_reply_sent": sent}]}  # fmt: skip
+
+
+def test_the_apps_window_runs_from_one_computation_to_the_next_and_its_legs_add_up():
+    # Round 1 computes 100-104; its reply leaves at 105 (after the upload); round 2's message reaches the
+    # worker at 111, whose records arrive by 113 (the download), when round 2's computation starts.
+    prev = record(1, (100.0, 104.0), 99.0, 0.0, up=7_000, down=5_000)
+    rec = record(2, (113.0, 117.0), 111.0, 105.0, up=7_000, down=6_000)
+    point = window.app_point(prev, rec)
+    assert point["window_s"] == 113.0 - 104.0  # the stream's legs inside the window
+    assert (point["upload"], point["comm_s"], point["fetch"]) == (1.0, 6.0, 2.0)
+    assert point["upload"] + point["comm_s"] + point["fetch"] == point["window_s"]
+    assert point["bytes"] == 7_000 + 6_000  # round 1's reply up, round 2's message down
+    window.add_directions(point)
+    assert point["up"] == 1.0 and point["down"] == 2.0  # no Flower legs in these records: the worker's only
+
+
+def test_the_target_is_the_control_floor_measured_beside_it_plus_the_bytes_at_300_mbs():
+    def run(kind: str, windows: list[float], nbytes: int) -> dict:
+        return {"kind": kind, "size": "70", "points": [{"window_s": w, "bytes": nbytes} for w in windows]}
+
+    nbytes = 2 * window.SIZES["70"][1]  # 141.6 MB: 0.472 s at 300 MB/s
+    results = {"runs": [run("empty", [5.0, 5.2], 0), run("direct", [5.5, 5.6], nbytes)]}
+    (row,) = window.targets(results)
+    assert abs(row["target_s"] - (5.1 + nbytes / 300e6)) < 1e-9
+    assert row["met"] and row["met_within"] and abs(row["over_floor_s"] - 0.45) < 1e-9
+    results["runs"][1] = run("direct", [5.5, 5.8], nbytes)  # 5.65 > 5.572: over the target, within 1 s
+    (row,) = window.targets(results)
+    assert not row["met"] and row["met_within"]
+    assert "**no**" in window.target_table([row])[2]
+
+
+def run_folder(path, steps: dict[int, dict[str, torch.Tensor]], bytes_up: int):
+    """A run folder as the server leaves it: records and a step log."""
+    recorder, log = RunRecorder(path), StepLog(path)
+    for version, step in steps.items():
+        recorder.write({"round": version, "wire_bytes_up": bytes_up, "wire_bytes_down": 10})
+        log.write(version, 0, step)
+    return str(path)
+
+
+def test_flower_and_direct_runs_are_compared_by_their_bytes_and_every_global_step_bit_for_bit(tmp_path):
+    step = {"w": torch.arange(6, dtype=torch.float32)}
+    nudged = {"w": step["w"].clone()}
+    nudged["w"][3] = torch.nextafter(nudged["w"][3], torch.tensor(10.0))  # one ulp apart
+    flower = run_folder(tmp_path / "flower", {1: step, 2: step}, 40)
+    same = run_folder(tmp_path / "direct", {1: step, 2: step}, 40)
+    assert window.same_model({"flower": {"run_dir": flower}, "direct": {"run_dir": same}}) == {
+        "rounds": 2, "same_bytes": True, "steps": 2, "same_steps": 2}  # fmt: skip
+    differs = run_folder(tmp_path / "direct-2", {1: step, 2: nudged}, 44)
+    compared = window.same_model({"flower": {"run_dir": flower}, "direct": {"run_dir": differs}})
+    assert compared == {"rounds": 2, "same_bytes": False, "steps": 2, "same_steps": 1}
+    assert window.same_model({"flower": {"run_dir": flower}, "direct": {"error": "failed"}}) is None

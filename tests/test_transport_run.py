@@ -513,6 +513,22 @@ def test_a_download_issued_ahead_waits_for_its_step_and_a_revocation_ends_it_unc
     assert (record["direct_ahead_revoked"], record["direct_refusals"]) == (1, 0), record
 
 
+def test_a_download_issued_ahead_that_starts_after_its_step_is_published_still_waits_for_the_release(hub, node):
+    """Between the step's publication (round 4's first message) and the release (all of round 4's messages
+    built), a node issued the step ahead that starts its download only then (its reply of round 3 was
+    late) waits like the others: revoked, it never gets the step; a round-4 download capability does."""
+    offers = {n: ahead_offer(hub, 3, n) for n in (7, 8)}
+    round4 = hub.offer(4, 7, {GLOBAL_STEP: block(22)}, upload_max_size=10**6)  # published, held
+    with ThreadPoolExecutor(1) as pool:
+        late = pool.submit(node.prefetch, offers[8])
+        time.sleep(0.5)
+        assert not late.done()
+        hub.messaged(4, {7})
+        with pytest.raises(StreamUnusable, match="not published before its capability ended"):
+            late.result(timeout=30)
+    assert len(node.fetch(round4)[GLOBAL_STEP]) > 0  # the round's own capability: no hold for it
+
+
 def test_an_update_computed_ahead_under_a_revoked_capability_is_turned_away_uncounted(hub, node):
     """Round 3's messages give nodes 7 and 8 round 4's upload ahead; round 4's messages are built for node 7
     only, so node 8's capabilities are revoked. Its worker, which trains round 4 ahead all the same, then

@@ -138,8 +138,12 @@ class Outbox:
             self._held.discard(name)
             self._lock.notify_all()
 
-    def get(self, name: str) -> Published | None:
+    def get(self, name: str, held_too: bool = True) -> Published | None:
+        """The record ``name``; with ``held_too=False`` None while it is held (what a download issued ahead
+        sees: a held record is not yet its node's)."""
         with self._lock:
+            if not held_too and name in self._held:
+                return None
             return self._records.get(name)
 
     def wait_for(self, name: str, alive, poll_s: float = 0.25) -> Published | None:
@@ -441,8 +445,9 @@ class TransportServer:
         try:
             header = parse_header(request, Direction.DOWNLOAD)
             ticket = self.registry.reserve(header.claim)
-            record = self.outbox.get(ticket.record)
-            if record is None and not self.registry.waits(ticket):
+            waits = self.registry.waits(ticket)
+            record = self.outbox.get(ticket.record, held_too=not waits)
+            if record is None and not waits:
                 raise Refused(RefusalKind.UNKNOWN_RECORD, f"record {ticket.record!r} is not published")
         except Refused as refused:
             if ticket is not None:

@@ -61,7 +61,8 @@ from parablock_flwr.wire import pack_pieces, unpack
 
 RUN, TTL = 41, 30.0
 LIMITS = Limits(idle_timeout_s=2.0, grace_s=1.0)
-NOTHING_AHEAD = {"direct_updates_ahead": 0, "direct_steps_prefetched": 0, "direct_ahead_revoked": 0}
+NOTHING_AHEAD = {"direct_updates_ahead": 0, "direct_steps_prefetched": 0, "direct_ahead_revoked": 0,
+                 "direct_revoked_used": 0, "direct_waits_ended": 0, "direct_uploads_spilled": 0}
 
 
 def block(seed: int, dtype: str = "int8"):
@@ -548,7 +549,12 @@ def test_an_update_computed_ahead_under_a_revoked_capability_is_turned_away_unco
     with pytest.raises(StreamUnusable, match="refused bad_capability"):
         node.upload_ahead(dataclasses.replace(offers[8], ahead_upload_token="ab" * 32), pieces)
     record = hub.end_round(4)
-    assert (record["direct_ahead_revoked"], record["direct_refusals"]) == (1, 1), record
+    assert (record["direct_ahead_revoked"], record["direct_refusals"], record["direct_revoked_used"]) == (1, 1, 2)
+    # A worker that finishes its computation ahead after round 4 ended: still turned away, not refused.
+    with pytest.raises(StreamUnusable, match=r"NOT_FOUND: .*round 4.* revoked"):
+        node.upload_ahead(offers[8], pieces)
+    record = hub.end_round(5)
+    assert (record["direct_refusals"], record["direct_revoked_used"]) == (0, 1), record
 
 
 def test_a_prefetched_step_is_used_only_when_the_message_announces_its_size_and_sha256(hub, node):

@@ -200,7 +200,7 @@ class CapabilityRegistry:
     def revoke(self, run_id: int, round: int, node_id: int) -> int:
         """Revoke ``node_id``'s capabilities of ``round`` (a node issued them a round ahead and not messaged
         in that round); how many. A request under one is then turned away as ``Revoked``, not refused, until
-        the round's end forgets it."""
+        it is pruned, after its expiry."""
         with self._lock:
             grants = [g for g in self._grants.values()
                       if (g.ticket.run_id, g.ticket.round, g.ticket.node_id) == (run_id, round, node_id)]  # fmt: skip
@@ -209,9 +209,12 @@ class CapabilityRegistry:
             return len(grants)
 
     def drop_round(self, run_id: int, round: int) -> int:
-        """Forget a round's capabilities (the round ended); how many were dropped."""
+        """Forget a round's capabilities (the round ended); how many were dropped. Revoked ones stay until
+        they are pruned: a left-out node's worker may finish its computation ahead after the round, and its
+        upload is then turned away as revoked, not refused as unknown."""
         with self._lock:
-            keys = [k for k, g in self._grants.items() if (g.ticket.run_id, g.ticket.round) == (run_id, round)]
+            keys = [k for k, g in self._grants.items()
+                    if (g.ticket.run_id, g.ticket.round) == (run_id, round) and g.state != "revoked"]  # fmt: skip
             for k in keys:
                 del self._grants[k]
             return len(keys)

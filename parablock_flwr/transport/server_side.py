@@ -105,6 +105,7 @@ class RunTransport:
         self._fallbacks = 0
         self._fallen_back: set[int] = set()  # nodes whose fallback was logged (once each)
         self._ahead_nodes: dict[int, set[int]] = {}  # round -> nodes issued capabilities for it a round ahead
+        self._service_counted: dict[str, int] = {}  # the service's own counts at the last ``end_round``
         self._waiting_steps: dict[int, set[int]] = {}  # round -> nodes issued its step's download a round ahead
         self._ahead = {"direct_updates_ahead": 0, "direct_steps_prefetched": 0, "direct_ahead_revoked": 0}
         self._refusals_counted: dict[str, int] = {}
@@ -296,6 +297,16 @@ class RunTransport:
         counts = server.refusals.counts()
         new = {k: v - self._refusals_counted.get(k, 0) for k, v in counts.items()}
         self._refusals_counted = counts
-        record = {"direct_fallbacks": fallbacks, "direct_refusals": sum(new.values()), **ahead}
+        record = {"direct_fallbacks": fallbacks, "direct_refusals": sum(new.values()), **ahead, **self._turned_away()}
         record.update({f"direct_refused_{kind}": n for kind, n in sorted(new.items()) if n})
         return record
+
+    def _turned_away(self) -> dict[str, int]:
+        """What the service did apart from refusals since the last ``end_round``: requests under a revoked
+        capability turned away, downloads whose wait ended without their record, uploads received into a
+        file instead of memory."""
+        now = {"direct_revoked_used": self.server.revoked_used, "direct_waits_ended": self.server.waits_ended,
+               "direct_uploads_spilled": self.server.inbox.spilled}  # fmt: skip
+        new = {k: v - self._service_counted.get(k, 0) for k, v in now.items()}
+        self._service_counted = now
+        return new

@@ -61,8 +61,14 @@ from parablock_flwr.wire import pack_pieces, unpack
 
 RUN, TTL = 41, 30.0
 LIMITS = Limits(idle_timeout_s=2.0, grace_s=1.0)
-NOTHING_AHEAD = {"direct_updates_ahead": 0, "direct_steps_prefetched": 0, "direct_ahead_revoked": 0,
-                 "direct_revoked_used": 0, "direct_waits_ended": 0, "direct_uploads_spilled": 0}
+NOTHING_AHEAD = {
+    "direct_updates_ahead": 0,
+    "direct_steps_prefetched": 0,
+    "direct_ahead_revoked": 0,
+    "direct_revoked_used": 0,
+    "direct_waits_ended": 0,
+    "direct_uploads_spilled": 0,
+}
 
 
 def block(seed: int, dtype: str = "int8"):
@@ -170,9 +176,9 @@ def test_an_update_is_claimed_only_under_the_digest_its_reply_commits(hub, node)
 
 
 def test_a_large_upload_waits_for_its_reply_in_a_file_not_memory_and_leaves_nothing_behind(tls, node, tmp_path):
-    """From ``spill_bytes`` on, an upload is received into a file of the spill folder, unlinked at once and
-    mapped: the claim reads the same bytes, the refusals still change nothing, and no file is left, whether
-    the upload is claimed, refused or dropped with its round."""
+    """From ``spill_bytes`` on, or past the inbox's memory budget, an upload is received into a file of the
+    spill folder, unlinked at once and mapped: the claim reads the same bytes, the refusals still change
+    nothing, and no file is left, whether the upload is claimed, refused or dropped with its round."""
     update = block(7)
     with RunTransport(settings(tls), RUN, TTL, LIMITS, spill_dir=tmp_path / "spill") as hub:
         hub.server.inbox.spill_bytes = 1024  # the test's block is far smaller than a real one
@@ -186,6 +192,12 @@ def test_a_large_upload_waits_for_its_reply_in_a_file_not_memory_and_leaves_noth
         assert {k: bytes(v) for k, v in claimed.items()} == payloads(update)
         assert dropped.update_size > 1024 and hub.end_round(4)["direct_refused_digest_mismatch"] == 1
         assert list((tmp_path / "spill").iterdir()) == []  # unlinked when created: nothing to clean up
+        # Small uploads too, once those held in memory would pass the inbox's budget.
+        hub.server.inbox.spill_bytes, hub.server.inbox.memory_bytes = 10**9, commit.update_size + 1
+        node.upload(hub.offer(5, node=7, records={}, upload_max_size=bound), payloads(update))
+        assert hub.server.inbox.spilled == 2  # the first fits the budget
+        node.upload(hub.offer(5, node=8, records={}, upload_max_size=bound), payloads(update))
+        assert hub.server.inbox.spilled == 3 and hub.end_round(5)["direct_uploads_spilled"] == 1
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "int8"])
@@ -465,12 +477,14 @@ def test_capabilities_issued_ahead_are_bound_to_the_next_round_its_slot_and_used
 def test_at_most_half_the_services_workers_wait_ahead_for_a_step_and_the_others_fetch_it_on_arrival(hub):
     """A download issued ahead holds one of the service's workers until the step is out: past half of them
     a node gets no step capability ahead (its upload ahead still), so that the round's own uploads and
-    fetches always find a worker; a retried message to a node that has one keeps it."""
+    fetches always find a worker; a retried message gets no second one (a node that never replies would
+    hold more workers with each retry)."""
     half = hub.server.max_workers // 2
     offers = [ahead_offer(hub, 3, n) for n in range(half + 2)]
     assert [bool(o.ahead_step_name) for o in offers] == [True] * half + [False] * 2
     assert all(o.ahead_upload_name == hub.upload_name(4, i) for i, o in enumerate(offers))
-    assert ahead_offer(hub, 3, 0).ahead_step_name == hub.step_name(4)  # a retry to a waiting node
+    retried = ahead_offer(hub, 3, 0)
+    assert retried.ahead_step_name == "" and retried.ahead_upload_name == hub.upload_name(4, 0)
     assert all(ahead_offer(hub, 4, n).ahead_step_name for n in range(half))  # the next round's budget is its own
 
 

@@ -184,7 +184,8 @@ class RunTransport:
             # A waiting download holds one of the service's workers until the step is out: at most half of
             # them wait, so that the round's uploads and fetches always find one; the others fetch the step
             # when their message comes.
-            waits = node in waiting or len(waiting) < self.server.max_workers // 2
+            # A retried message issues no second one (a node that never replies would hold more).
+            waits = node not in waiting and len(waiting) < self.server.max_workers // 2
             if waits:
                 waiting.add(node)
         offer = dataclasses.replace(

@@ -165,39 +165,57 @@ class Outbox:
 
 
 SPILL_BYTES = 64 * 2**20  # an upload this large is received into a file (``Inbox.buffer``), not memory
+INBOX_MEMORY_BYTES = 512 * 2**20  # and any upload once those held in memory would pass this
 
 
 class Inbox:
     """Uploads whose bytes matched their declaration, waiting for the Flower reply that commits them.
 
-    With ``spill_dir``, an upload of ``spill_bytes`` or more is received into a file there instead of
-    memory: the server holds a round's uploads and the next round's moved ahead until their replies claim
-    them, so held in memory they would grow the server's memory with the nodes and the block."""
+    With ``spill_dir``, an upload of ``spill_bytes`` or more, or one that would take the uploads held in
+    memory past ``memory_bytes``, is received into a file there instead: the server holds a round's uploads
+    and the next round's moved ahead until their replies claim them, so held in memory they would grow the
+    server's memory with the nodes and the block."""
 
-    def __init__(self, refusals: Refusals, spill_dir: Path | None = None, spill_bytes: int = SPILL_BYTES) -> None:
+    def __init__(
+        self,
+        refusals: Refusals,
+        spill_dir: Path | None = None,
+        spill_bytes: int = SPILL_BYTES,
+        memory_bytes: int = INBOX_MEMORY_BYTES,
+    ) -> None:
         self._lock = threading.Lock()
         self._records: dict[tuple, tuple[str, bytearray | mmap.mmap]] = {}
         self._refusals = refusals
-        self.spill_dir, self.spill_bytes = spill_dir, spill_bytes
+        self.spill_dir, self.spill_bytes, self.memory_bytes = spill_dir, spill_bytes, memory_bytes
         self.spilled = 0  # uploads received into a file
 
     def buffer(self, size: int) -> bytearray | mmap.mmap:
-        """Where an upload of ``size`` bytes is received: memory, or from ``spill_bytes`` on a file in
+        """Where an upload of ``size`` bytes is received: memory, or (the class's docstring) a file in
         ``spill_dir`` mapped into memory, unlinked at once (nothing is left behind, whatever happens to the
         upload or the process) and its space reserved first (a full disk is an error here, not a fault while
         writing the mapping). The kernel writes its pages out and may evict them."""
-        if self.spill_dir is None or size < max(1, self.spill_bytes):
+        with self._lock:
+            in_memory = sum(len(data) for _, data in self._records.values() if isinstance(data, bytearray))
+        if self.spill_dir is None or size == 0 or (size < self.spill_bytes and in_memory + size <= self.memory_bytes):
             return bytearray(size)
-        self.spill_dir.mkdir(parents=True, exist_ok=True)
-        fd, path = tempfile.mkstemp(dir=self.spill_dir, prefix=".upload-")
+        try:
+            self.spill_dir.mkdir(parents=True, exist_ok=True)
+            fd, path = tempfile.mkstemp(dir=self.spill_dir, prefix=".upload-")
+        except OSError as err:
+            log.warning("transport: an upload of %d bytes is received in memory: %s", size, err)
+            return bytearray(size)
         try:
             os.unlink(path)
             os.posix_fallocate(fd, 0, size)
-            with self._lock:
-                self.spilled += 1
-            return mmap.mmap(fd, size)
+            data = mmap.mmap(fd, size)
+        except OSError as err:  # a full disk, a file system without fallocate: memory, said
+            log.warning("transport: an upload of %d bytes is received in memory: %s in %s", size, err, self.spill_dir)
+            return bytearray(size)
         finally:
             os.close(fd)
+        with self._lock:
+            self.spilled += 1
+        return data
 
     def put(self, ticket: Ticket, sha256: str, data: bytearray | mmap.mmap) -> None:
         with self._lock:

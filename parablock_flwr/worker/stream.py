@@ -13,6 +13,7 @@ next messages with their records inline. Each is logged once per address here, a
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -87,6 +88,7 @@ class WorkerStream:
         # the server never publishes to this node holds one until its capability ends with the round.
         self._ahead_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="transport-ahead")
         self.ahead: AheadTransfers | None = None
+        self._closed = threading.Event()  # the worker exits: a transfer ahead not yet started does not start
 
     def start_ahead(
         self, offer: TransportOffer, run_id: int, transfer_dtype: str, early: Callable[[], EarlyUpdate | None]
@@ -103,6 +105,7 @@ class WorkerStream:
 
     def close(self) -> None:
         """The channels closed (a download still waiting ends with them) and the transfers' threads let go."""
+        self._closed.set()
         self.transport.close()
         self._ahead_pool.shutdown(wait=False, cancel_futures=True)
 
@@ -124,7 +127,7 @@ class WorkerStream:
         except Exception as err:  # noqa: BLE001 - the computation's failure is reported when its round comes
             log.info("direct transport: round %d's update not moved ahead: %s", offer.server_round + 1, err)
             return None
-        if early is None:
+        if early is None or self._closed.is_set():  # (it waited for the computation; the worker may be exiting)
             return None
         pieces = pack_pieces(early.sent, transfer_dtype)
         try:

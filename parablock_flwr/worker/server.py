@@ -21,6 +21,7 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -35,15 +36,16 @@ from ..messages import (
     MessageError,
     RoundConfig,
     TrainMetrics,
+    UpdateCommit,
     WorkerReply,
     WorkerRequest,
-    key,
     metrics_to_record,
     relay_split,
 )
 from ..node_data import NodeSettings, error_line
 from ..node_state import NodeState, ResidualStore
 from ..runtime import setup_torch
+from ..transport.node_side import Prefetched
 from ..wire import WireError, pack_pieces, unpack
 from .endpoint import MessageLimit, WorkerSocket
 from .protocol import ProtocolError, recv, send
@@ -66,6 +68,23 @@ def split_records(arrays: dict[str, np.ndarray]) -> dict[str, core.Tensors]:
         except WireError as err:
             raise node.StateIntact(f"record {record!r:.40}: {err}") from None
     return records
+
+
+@dataclass(frozen=True)
+class TrainReply:
+    """A train round's reply: its header and pieces for the socket, and the metrics it says."""
+
+    header: dict
+    pieces: dict[str, list[np.ndarray]]
+    metrics: TrainMetrics
+    committed: bool  # the update is on the stream (the reply commits it)
+
+    @classmethod
+    def of(cls, metrics: TrainMetrics, trace: dict, commit: UpdateCommit | None, pieces=None) -> TrainReply:
+        """With ``commit`` the reply commits the update on the stream; else it carries ``pieces`` inline."""
+        stream_commit = commit.to_config() if commit is not None else {}
+        reply = WorkerReply(metrics=metrics_to_record(metrics), trace=trace, stream_commit=stream_commit)
+        return cls(reply.to_header(), pieces or {}, metrics, commit is not None)
 
 
 class NodeWorker:
@@ -145,11 +164,7 @@ class NodeWorker:
         self.admit(request)
         ahead = self.stream.take_ahead(request.run_id, request.server_round)  # what moved before this message
         offer = self.stream.offer(request)  # transport = "direct": the records wait on the run's stream
-        prefetched = None
-        if offer is not None:
-            prefetched = ahead.step_for(offer) if ahead is not None else None
-            arrays = {**arrays, **self.stream.fetch(offer, settings, cfg.round_timeout_s, prefetched)}
-            prefetched = prefetched if prefetched is not None and any(map(prefetched.matches, offer.records)) else None
+        arrays, prefetched = self.stream_records(offer, ahead, arrays, settings, cfg.round_timeout_s)
         setup_torch(cfg)
         res = node.resources(cfg, request.run_id, settings)
         req = node.Request.parse(request.op, request.run_id, request.round, split_records(arrays),
@@ -168,16 +183,27 @@ class NodeWorker:
         # Each array as its pieces (one per tensor), written to the socket in turn: no joined copy of the block.
         pieces = early.pieces if early is not None else pack_pieces(done.update, cfg.transfer_dtype)
         bytes_out = sum(p.nbytes for parts in pieces.values() for p in parts)
-        timeout_s = cfg.round_timeout_s
-        header, reply_pieces = self.train_reply(metrics, done.trace, pieces, offer, settings, timeout_s, early)
-        said = WorkerReply.from_header(header)
-        moved = [what for what, name in (("its update", "direct_update_ahead"), ("its step", "direct_step_prefetched"))
-                 if said.metrics.get(key(name)) == 1]  # fmt: skip
+        reply = self.train_reply(metrics, done.trace, pieces, offer, settings, cfg.round_timeout_s, early)
+        metrics = reply.metrics
+        moved = [what for what, flag in (("its update", metrics.direct_update_ahead),
+                                         ("its step", metrics.direct_step_prefetched)) if flag == 1]  # fmt: skip
         log.info(round_line(metrics, sum(a.nbytes for a in arrays.values()), bytes_out, moved))
-        if offer is not None and said.stream_commit:  # on the stream: round r+1's bytes move from now on
+        if offer is not None and reply.committed:  # on the stream: round r+1's bytes move from now on
             early_update = self.node.early_update(cfg, request.server_round + 1)
             self.stream.start_ahead(offer, request.run_id, cfg.transfer_dtype, early_update)
-        return header, reply_pieces
+        return reply.header, reply.pieces
+
+    def stream_records(
+        self, offer, ahead, arrays: dict[str, np.ndarray], settings: NodeSettings, timeout_s: float
+    ) -> tuple[dict[str, np.ndarray], Prefetched | None]:
+        """``arrays`` with the records the offer keeps on the stream (none without an offer), and the step
+        fetched ahead when the fetch used it (it matched the offer's size and SHA-256)."""
+        if offer is None:
+            return arrays, None
+        prefetched = ahead.step_for(offer) if ahead is not None else None
+        arrays = {**arrays, **self.stream.fetch(offer, settings, timeout_s, prefetched)}
+        used = prefetched is not None and any(map(prefetched.matches, offer.records))
+        return arrays, prefetched if used else None
 
     def train_reply(
         self, metrics: TrainMetrics, trace: dict, pieces: dict, offer, settings, timeout_s: float,
@@ -187,16 +213,13 @@ class NodeWorker:
         (the stream unusable) the update inline, counted as a fallback (``direct-fallbacks``). An update
         ``early`` uploaded into this round's slot before the message came is committed without a second upload."""
         if early is not None and early.commit is not None and offer is not None and early.name == offer.upload_name:
-            metrics = dataclasses.replace(metrics, direct_update_ahead=1)
-            reply = WorkerReply(metrics=metrics_to_record(metrics), trace=trace, stream_commit=early.commit.to_config())
-            return reply.to_header(), {}
+            return TrainReply.of(dataclasses.replace(metrics, direct_update_ahead=1), trace, early.commit)
         if offer is not None and offer.upload_name:
             commit = self.stream.upload(offer, settings, pieces, timeout_s)
             if commit is not None:
-                reply = WorkerReply(metrics=metrics_to_record(metrics), trace=trace, stream_commit=commit.to_config())
-                return reply.to_header(), {}
+                return TrainReply.of(metrics, trace, commit)
             metrics = dataclasses.replace(metrics, direct_fallbacks=1)
-        return WorkerReply(metrics=metrics_to_record(metrics), trace=trace).to_header(), pieces
+        return TrainReply.of(metrics, trace, None, pieces)
 
     @staticmethod
     def steps_of(req: node.Request, res: node.NodeResources):

@@ -54,7 +54,7 @@ def starts_flower(func, depth: int = 3, seen: set | None = None) -> bool:
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items):
     """Mark `e2e` every test that starts Flower processes (its function or one of its fixtures calls a
-    function of helpers.STARTS_FLOWER): the fast tier (`-m "not e2e and not netns"`) then cannot
+    function of helpers.STARTS_FLOWER): the fast tier (`-m "not e2e and not netns and not slow"`) then cannot
     start one by mistake, also in files that mix unit tests and `flwr run` tests."""
     for item in items:
         if item.get_closest_marker("e2e") is not None or not hasattr(item, "function"):

@@ -519,7 +519,8 @@ def block_bytes(cfg: RunConfig, values: int) -> int:
 def time_rows(cfg: RunConfig, shape: ModelShape, step_s: float | None, link: core.LinkModel) -> list[dict]:
     """Each round's modeled time (``core.LinkModel``, ``core.modeled_round_seconds``): per block of
     the schedule, its bytes, the exchange's time, the compute of ``local-steps`` steps of ``step_s``,
-    ParaBlock's round (the larger of the two) and sequential FedBCD's (their sum)."""
+    ParaBlock's round (the larger of the two; on the stream with correction at-end the update's upload
+    follows the compute) and sequential FedBCD's (their sum)."""
     rows = []
     for b, values in enumerate(shape.blocks):
         nbytes = block_bytes(cfg, values)
@@ -527,26 +528,40 @@ def time_rows(cfg: RunConfig, shape: ModelShape, step_s: float | None, link: cor
         row = {"block": b, "bytes": nbytes, "comm_s": comm}
         if step_s is not None:
             compute = cfg.local_steps * step_s
+            ahead = ahead_seconds(cfg, link, nbytes)
             row |= {
                 "compute_s": compute,
-                "parablock_s": core.modeled_round_seconds([compute], [comm], overlapped=True),
+                "parablock_s": core.modeled_round_seconds([compute], [comm], overlapped=True, ahead_s=[ahead]),
                 "fedbcd_s": core.modeled_round_seconds([compute], [comm], overlapped=False),
             }
         rows.append(row)
     return rows
 
 
+def ahead_seconds(cfg: RunConfig, link: core.LinkModel, nbytes: int) -> float:
+    """What ParaBlock's update takes out of the exchange by leaving as soon as it is computed (on the stream,
+    correction at-end: ``LinkModel.ahead_seconds``); 0 otherwise."""
+    return link.ahead_seconds(nbytes) if cfg.correction_mode == "at-end" else 0.0
+
+
+def window_seconds(cfg: RunConfig, link: core.LinkModel, nbytes: int) -> float:
+    """The compute that fills ParaBlock's window for a block of ``nbytes`` each way: the exchange, less the
+    upload that moves ahead, which follows the compute instead (``max(c + a, m - a)`` balances at
+    ``c = m - 2a``)."""
+    return link.comm_seconds(nbytes, nbytes) - 2 * ahead_seconds(cfg, link, nbytes)
+
+
 def balance(cfg: RunConfig, shape: ModelShape, step_s: float, link: core.LinkModel) -> tuple[int, int]:
     """(local-steps, layers-per-block) at which compute fills the largest block's window: the fewest
     steps whose compute covers it at this ``layers-per-block``, and the most layers per block whose
     window this ``local-steps`` covers (0: not even one layer's, the fixed cost alone exceeds it)."""
-    window = link.comm_seconds(block_bytes(cfg, max(shape.blocks)), block_bytes(cfg, max(shape.blocks)))
+    window = window_seconds(cfg, link, block_bytes(cfg, max(shape.blocks)))
     steps = max(1, math.ceil(window / step_s))
     per_layer = shape.layer_params
     layers = 0
     for n in range(1, shape.num_layers + 1):
         nbytes = block_bytes(cfg, n * per_layer)
-        if link.comm_seconds(nbytes, nbytes) <= cfg.local_steps * step_s:
+        if window_seconds(cfg, link, nbytes) <= cfg.local_steps * step_s:
             layers = n
     return steps, layers
 

@@ -27,6 +27,9 @@ from helpers import FinishedRun, finished, kill_server_after_round, simulate, si
 pytestmark = pytest.mark.e2e  # every test here starts a SuperLink, SuperNodes and workers
 
 ROUNDS = 3
+# The module's deployment and every run compared with it; int8 so that the direct transport is held to
+# Flower's path bit for bit in a rounded dtype (fp32 and bf16 runs on the stream: the tests below).
+COMPARED = dict(num_server_rounds=ROUNDS, verify_invariant=True, schedule="ascending", transfer_dtype="int8")
 
 
 def deploy(
@@ -43,13 +46,7 @@ def deploy(
 
 @pytest.fixture(scope="module")
 def deployed(tmp_path_factory, tiny_model_dir):
-    return deploy(
-        tmp_path_factory.mktemp("deploy"),
-        tiny_model_dir,
-        num_server_rounds=ROUNDS,
-        verify_invariant=True,
-        schedule="ascending",
-    )
+    return deploy(tmp_path_factory.mktemp("deploy"), tiny_model_dir, **COMPARED)
 
 
 def _ok(run):
@@ -64,9 +61,7 @@ def test_deployment_equals_simulation_bit_for_bit(deployed, tmp_path, tiny_model
         tmp_path,
         tiny_model_dir,
         num_supernodes=2,
-        num_server_rounds=ROUNDS,
-        verify_invariant=True,
-        schedule="ascending",
+        **COMPARED,
         transport="direct",
         transport_address="localhost:0",
         transport_insecure=True,
@@ -364,8 +359,8 @@ def test_tls_node_authentication_and_the_direct_transport_give_the_same_model(de
     and ``transport = "direct"``: the registered nodes train, their blocks on the run's stream (TLS,
     the SuperLink's certificate and CA); node 1 dials a wrong address for it, so its updates come on
     Flower's path and its records follow them there, each counted; the global model is the one
-    ``deployed`` (Flower's path, the same seed) reaches, bit for bit. A node with an unregistered key
-    is refused by the SuperLink."""
+    ``deployed`` (Flower's path, the same seed, int8 transfer) reaches, bit for bit, with the same bytes.
+    A node with an unregistered key is refused by the SuperLink."""
     stranger = {}
 
     def start_stranger(deployment):
@@ -392,9 +387,7 @@ def test_tls_node_authentication_and_the_direct_transport_give_the_same_model(de
             secure=True,
             node_settings=("", f'transport-address="localhost:{free_port()}"'),  # nothing listens there
             transport="direct",
-            num_server_rounds=ROUNDS,
-            verify_invariant=True,
-            schedule="ascending",
+            **COMPARED,
         )
         returncode = stranger["proc"].wait(timeout=120)
     finally:

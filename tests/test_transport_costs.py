@@ -84,3 +84,48 @@ def test_a_rounds_modeled_figures_use_the_runs_transport(tmp_path):
         modeled[transport] = record["comm_s_modeled"]
         assert record["comm_s_modeled"] == pytest.approx(strategy.link.comm_seconds(GB, GB), rel=1e-6)
     assert modeled["flower"] - modeled["direct"] == pytest.approx(2 * GB / 60e6 - 2 * GB / 160e6 - 0.2, rel=1e-4)
+
+
+def test_an_update_that_moves_ahead_takes_its_upload_out_of_the_window_and_behind_the_compute():
+    """On the stream, ParaBlock's update leaves as soon as it is computed (docs/transport.md, "One round
+    ahead"): its upload follows the compute and the rest of the exchange runs beside both, so an
+    overlapped round costs max(compute + upload, exchange - upload). Sequential rounds and Flower's
+    path are unchanged."""
+    direct = core.LinkModel(1000.0, 1000.0, 30.0, 5.0, 60.0, "direct", 160.0)
+    upload = direct.ahead_seconds(GB)
+    assert upload == pytest.approx(GB / 160e6 + 0.06 + 8.0)
+    assert replace(direct, transport="flower").ahead_seconds(GB) == 0.0
+    comm = direct.comm_seconds(GB, GB)
+    assert core.modeled_round_seconds([1.0], [comm], True, ahead_s=[upload]) == pytest.approx(comm - upload)
+    assert core.modeled_round_seconds([30.0], [comm], True, ahead_s=[upload]) == pytest.approx(30.0 + upload)
+    assert core.modeled_round_seconds([1.0], [comm], False, ahead_s=[upload]) == pytest.approx(1.0 + comm)
+    assert core.modeled_round_seconds([1.0], [comm], True) == pytest.approx(comm)
+
+
+def test_a_rounds_modeled_time_follows_each_replys_path(tmp_path):
+    """A round's record models each accepted reply on the path its bytes took: an update that moved ahead
+    on the stream with its upload behind the compute, a node that fell back on Flower's path."""
+    import torch
+
+    from parablock_flwr.messages import TrainMetrics
+    from parablock_flwr.strategies.reply_checks import Reply
+    from parablock_flwr.strategies.round_stats import RoundStats, round_record
+
+    cfg = RunConfig.from_flower({"message-overhead-s": 5.0, "message-throughput-mbs": 60.0, **DIRECT})
+    link = core.LinkModel.from_config(cfg)
+    step = {"w": torch.zeros(1).expand(GB // 4)}
+
+    def record(**metrics):
+        values = TrainMetrics(server_round=2, block=0, partition_id=0, base_version=1, num_examples=8,
+                              train_loss=1.5, compute_s=2.0, **metrics)  # fmt: skip
+        reply = Reply(node=7, metrics=values, update=None, payload_bytes=GB)
+        return round_record(RoundStats(2, nodes=[7], num_replies=1), "w", 0, step, [reply], [8.0], link, True)
+
+    on_stream, ahead = record(), record(direct_update_ahead=1)
+    comm, upload = link.comm_seconds(GB, GB), link.ahead_seconds(GB)
+    assert on_stream["modeled_round_s"] == pytest.approx(comm)
+    assert ahead["modeled_round_s"] == pytest.approx(max(2.0 + upload, comm - upload))
+    assert ahead["modeled_round_s"] < comm - 1
+    assert ahead["modeled_round_s_sequential"] == on_stream["modeled_round_s_sequential"] == pytest.approx(2.0 + comm)
+    fell_back = record(direct_fallbacks=1)
+    assert fell_back["comm_s_modeled"] == pytest.approx(replace(link, transport="flower").comm_seconds(GB, GB))

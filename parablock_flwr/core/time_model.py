@@ -62,13 +62,32 @@ class LinkModel:
             + 8 * bytes_down / (self.downlink_mbps * 1e6)
         )
 
+    def ahead_seconds(self, bytes_up: int) -> float:
+        """The part of ``comm_seconds`` an update takes with it when it moves a round ahead on the direct
+        stream (ParaBlock, correction ``at-end``): its upload, a call with its round trip, its bytes at the
+        stream's rate and the uplink's. It then runs after the computation, beside Flower's control round
+        trip (docs/transport.md, "One round ahead"); 0 on Flower's path."""
+        if self.transport != "direct":
+            return 0.0
+        throughput = self.stream_throughput_mbs * 1e6
+        stream = bytes_up / throughput if throughput else 0.0
+        return stream + 2 * self.latency_ms / 1e3 + 8 * bytes_up / (self.uplink_mbps * 1e6)
 
-def modeled_round_seconds(compute_s: list[float], comm_s: list[float], overlapped: bool) -> float:
+
+def modeled_round_seconds(
+    compute_s: list[float], comm_s: list[float], overlapped: bool, ahead_s: list[float] | None = None
+) -> float:
     """Round time of the slowest client: compute + comm, or their max.
 
     ParaBlock hides the exchange of round r-1 behind the compute of round r,
     so an overlapped round costs ``max(compute, comm)``; sequential BCD
-    waits for both, ``compute + comm``.
+    waits for both, ``compute + comm``. An update that moves a round ahead
+    (``ahead_s``, ``LinkModel.ahead_seconds``) leaves as soon as it is
+    computed: its upload follows the compute instead of the reply, so an
+    overlapped round costs ``max(compute + ahead, comm - ahead)``.
     """
-    per_client = [max(c, m) if overlapped else c + m for c, m in zip(compute_s, comm_s)]
+    ahead_s = ahead_s or [0.0] * len(compute_s)
+    per_client = [
+        max(c + a, m - a) if overlapped else c + m for c, m, a in zip(compute_s, comm_s, ahead_s, strict=True)
+    ]
     return max(per_client, default=0.0)

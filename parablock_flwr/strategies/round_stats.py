@@ -9,7 +9,7 @@ deployment timeline).
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from .. import core
 from ..messages import TrainMetrics
@@ -64,6 +64,12 @@ def dropped_for_length(accepted: list[Reply], count: str = "dropped_examples") -
     return own + max(shared, default=0)
 
 
+def reply_link(link: core.LinkModel, reply: Reply) -> core.LinkModel:
+    """The time model of the path a reply's bytes took: a node that fell back to Flower's path is modeled
+    on it, whatever the run's transport."""
+    return replace(link, transport="flower") if reply.metrics.direct_fallbacks else link
+
+
 def round_record(
     stats: RoundStats,
     block_label: str,
@@ -80,10 +86,13 @@ def round_record(
     bytes_down = payload_bytes(step, transfer_dtype)  # g^r goes down next round
     ups = [r.payload_bytes for r in accepted]
     compute = [float(r.metrics.compute_s) for r in accepted]
-    comm = [link.comm_seconds(u, bytes_down) for u in ups]
+    links = [reply_link(link, r) for r in accepted]
+    comm = [node_link.comm_seconds(u, bytes_down) for node_link, u in zip(links, ups)]
+    ahead = [node_link.ahead_seconds(u) if r.metrics.direct_update_ahead else 0.0
+             for node_link, u, r in zip(links, ups, accepted)]  # fmt: skip
     sequential = core.modeled_round_seconds(compute, comm, overlapped=False)
     # Round 1 has nothing to overlap with yet.
-    overlapped_s = core.modeled_round_seconds(compute, comm, overlapped=stats.server_round > 1)
+    overlapped_s = core.modeled_round_seconds(compute, comm, overlapped=stats.server_round > 1, ahead_s=ahead)
     weights = [r.num_examples for r in accepted]
     losses = [float(r.metrics.train_loss) for r in accepted]
     return {

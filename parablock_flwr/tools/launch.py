@@ -26,6 +26,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -190,17 +191,24 @@ def supernode_command(
     ]
 
 
-def register_supernode(public_key: Path, env: dict[str, str]) -> None:
-    """`flwr supernode register PUBLIC_KEY local`: admit a SuperNode to an authenticated SuperLink."""
-    proc = subprocess.run(
-        [_bin("flwr"), "supernode", "register", str(public_key), "local"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    if proc.returncode != 0 or "registered successfully" not in proc.stdout:
-        raise RuntimeError(f"flwr supernode register {public_key} failed: {proc.stdout[-500:]}{proc.stderr[-500:]}")
+def register_supernodes(public_keys: Sequence[Path], env: dict[str, str]) -> None:
+    """`flwr supernode register PUBLIC_KEY local` for each key, side by side: admit SuperNodes to an
+    authenticated SuperLink."""
+    cmds = [[_bin("flwr"), "supernode", "register", str(key), "local"] for key in public_keys]
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for cmd in cmds]
+    outputs = [_communicate(proc, timeout_s=120) for proc in procs]  # every one ends before any is judged
+    for key, proc, (stdout, stderr) in zip(public_keys, procs, outputs, strict=True):
+        if proc.returncode != 0 or "registered successfully" not in stdout:
+            raise RuntimeError(f"flwr supernode register {key} failed: {stdout[-500:]}{stderr[-500:]}")
+
+
+def _communicate(proc: subprocess.Popen, timeout_s: float) -> tuple[str, str]:
+    """A process's output, killing it past ``timeout_s``."""
+    try:
+        return proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.communicate()
 
 
 def worker_command(socket_path: Path, idle_exit_s: int = 0, compute_cpus: str = "", state_dir: str = "") -> list[str]:
@@ -272,6 +280,13 @@ def stop_process_tree(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
     stop_process_group(proc, grace_s)
+
+
+def stop_side_by_side(procs: Sequence[subprocess.Popen]) -> None:
+    """``stop_process_tree`` for each process at once: a deployment's nodes and workers each take a few
+    seconds to exit, and wait for none of the others."""
+    with ThreadPoolExecutor(max_workers=max(1, len(procs))) as pool:
+        list(pool.map(stop_process_tree, procs))
 
 
 def descendants(pid: int) -> list[int]:
@@ -625,8 +640,8 @@ def run_deployment(
         sockets = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="parablock-")))
         superlink = stack.enter_context(local_superlink(workdir, simulation=False, tls=tls, node_auth=secure))
         workers = _start_workers(stack, workdir, sockets, env, num_supernodes, node_settings)
-        for i in range(num_supernodes):
-            _start_node(stack, workdir, sockets, env, superlink, tls, i, num_supernodes, node_settings)
+        nodes = _start_nodes(stack, workdir, sockets, env, superlink, tls, num_supernodes, node_settings)
+        stack.callback(stop_side_by_side, [*nodes, *workers])  # first, then the SuperLink
         if on_started is not None:
             on_started(LocalDeployment(workdir, superlink, env, workers, tls))
         return flwr_run(workdir, run_config, app_dir, timeout_s, capture)
@@ -669,36 +684,35 @@ def _start_workers(
     return workers
 
 
-def _start_node(
+def _start_nodes(
     stack: contextlib.ExitStack,
     workdir: Path,
     sockets: Path,
     env: dict[str, str],
     superlink: str,
     tls: TlsFiles | None,
-    i: int,
     num_supernodes: int,
     node_settings: Sequence[str],
-) -> None:
-    """SuperNode ``i``, pointed at its worker's socket with its own node config; with TLS, its key is
-    registered with the SuperLink before it starts, since the SuperLink admits only registered nodes."""
-    auth_key = None
+) -> list[subprocess.Popen]:
+    """Every SuperNode, each pointed at its worker's socket with its own node config; with TLS, every key
+    is registered with the SuperLink first, since it admits only registered nodes. Each is a Python
+    process importing Flower: they start side by side, so a deployment waits for the slowest, not the sum."""
+    auth_keys: list[Path | None] = [None] * num_supernodes
     if tls is not None:
-        auth_key, public_key = make_node_key(workdir / "credentials", f"supernode-{i}")
-        register_supernode(public_key, env)
-    config = node_config(i, num_supernodes, sockets / f"worker-{i}.sock")
-    if i < len(node_settings) and node_settings[i]:
-        config = f"{config} {node_settings[i]}"
-    _start_supernode(
-        stack,
-        workdir / f"supernode-{i}.log",
-        env,
-        lambda port: supernode_command(
-            superlink,
-            port,
-            free_port(),
-            config,
-            root_certificates=tls.ca_cert if tls else None,
-            auth_key=auth_key,
-        ),
-    )
+        keys = [make_node_key(workdir / "credentials", f"supernode-{i}") for i in range(num_supernodes)]
+        register_supernodes([public for _, public in keys], env)
+        auth_keys = [key for key, _ in keys]
+
+    def start(i: int) -> subprocess.Popen:
+        config = node_config(i, num_supernodes, sockets / f"worker-{i}.sock")
+        if i < len(node_settings) and node_settings[i]:
+            config = f"{config} {node_settings[i]}"
+        ca, key = (tls.ca_cert if tls else None), auth_keys[i]
+
+        def command(port: int) -> list[str]:
+            return supernode_command(superlink, port, free_port(), config, root_certificates=ca, auth_key=key)
+
+        return _start_supernode(stack, workdir / f"supernode-{i}.log", env, command)
+
+    with ThreadPoolExecutor(max_workers=num_supernodes) as pool:
+        return list(pool.map(start, range(num_supernodes)))  # re-raises the first failure, once all have ended

@@ -1,4 +1,6 @@
-"""The baselines and LoRA through `flwr run` on the simulation engine; export to plain HF/PEFT folders.
+"""The baselines and LoRA through the real ServerApp and ClientApp (``simulate_in_process``: Flower's
+in-memory grid, without Ray, whose start-up the Ray tests of tests/test_simulation.py pay); export to
+plain HF/PEFT folders.
 
 Each run's final model is rebuilt independently (``x^0`` from the config,
 then every logged global step replayed) and compared with what the run
@@ -17,9 +19,9 @@ from parablock_flwr import core
 from parablock_flwr.config import RunConfig
 from parablock_flwr.model import load_for_training
 
-from helpers import simulate
+from helpers import simulate_in_process
 
-pytestmark = pytest.mark.e2e  # every test here runs `flwr run`
+pytestmark = pytest.mark.e2e  # every test here runs the ServerApp and its nodes
 
 
 def _ok(run):
@@ -44,7 +46,7 @@ def _nbytes(names, params) -> int:
 
 def test_fedavg_lora_sends_every_adapter_and_exports_a_peft_folder(tmp_path, tiny_model_dir, capsys):
     run = _ok(
-        simulate(
+        simulate_in_process(
             tmp_path,
             tiny_model_dir,
             algorithm="fedavg-lora",
@@ -90,7 +92,7 @@ def test_fedavg_lora_sends_every_adapter_and_exports_a_peft_folder(tmp_path, tin
 
 def test_fedavg_full_sends_every_weight_and_exports_a_plain_folder(tmp_path, tiny_model_dir):
     run = _ok(
-        simulate(
+        simulate_in_process(
             tmp_path,
             tiny_model_dir,
             algorithm="fedavg-full",
@@ -115,7 +117,7 @@ def test_fedavg_full_sends_every_weight_and_exports_a_plain_folder(tmp_path, tin
 def test_parablock_over_lora_blocks_keeps_the_invariant(tmp_path, tiny_model_dir):
     """train="lora": a block is the adapters of its layers; the ParaBlock invariant holds to the bit."""
     run = _ok(
-        simulate(
+        simulate_in_process(
             tmp_path,
             tiny_model_dir,
             algorithm="parablock",

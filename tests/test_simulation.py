@@ -43,8 +43,9 @@ def parablock_run(tmp_path_factory, tiny_model_dir):
 @pytest.fixture(scope="module")
 def parablock_int8_run(tmp_path_factory, tiny_model_dir):
     """`parablock_run` with `transfer-dtype = "int8"` (error feedback: each node's residuals). int8 rather than
-    bf16: the same error feedback and residual store, and the one with scales (bf16: tests/test_wire.py)."""
-    return simulate(
+    bf16: the same error feedback and residual store, and the one with scales (bf16: tests/test_wire.py).
+    Without Ray (``simulate_in_process``): the same ServerApp and ClientApp, the same bits."""
+    return simulate_in_process(
         tmp_path_factory.mktemp("parablock-int8"),
         tiny_model_dir,
         algorithm="parablock",
@@ -214,9 +215,10 @@ def test_report_and_evaluate_commands_on_the_run(parablock_run, capsys):
 
 
 def test_partial_participation_resynchronises_returning_clients(tmp_path, tiny_model_dir):
-    """4 clients, half sampled each round: a client back from a skipped round trains from x^{r-1}."""
+    """4 clients, half sampled each round: a client back from a skipped round trains from x^{r-1}. Without Ray
+    (Flower's in-memory grid samples the same way)."""
     run = _ok(
-        simulate(
+        simulate_in_process(
             tmp_path, tiny_model_dir, num_supernodes=4, fraction_train=0.5, num_server_rounds=6, verify_invariant=True
         )
     )
@@ -229,8 +231,9 @@ def test_partial_participation_resynchronises_returning_clients(tmp_path, tiny_m
 
 
 def test_too_few_valid_replies_are_retried_then_stop_the_run(tmp_path, tiny_model_dir):
-    """Every update breaks a tiny norm bound: the round is re-sent once, then the run stops with one line."""
-    run = simulate(
+    """Every update breaks a tiny norm bound: the round is re-sent once, then the run stops with one line.
+    Without Ray."""
+    run = simulate_in_process(
         tmp_path, tiny_model_dir, num_supernodes=2, num_server_rounds=2, max_update_norm=1e-9, max_round_retries=1
     )
     out = run.stdout + run.stderr

@@ -489,6 +489,31 @@ def test_more_or_fewer_bytes_than_declared_are_refused(server, tls):
     )
 
 
+def test_a_digest_that_follows_the_bytes_is_checked_like_a_declared_one(server, tls, client):
+    """A client that hashes while it sends declares no SHA-256 in its header and sends it after the bytes;
+    the size is still bounded by the header before any byte is read, and a wrong, missing or malformed
+    trailer, or anything after it, is refused, counted, and changes nothing."""
+    t, data = upload_ticket(server, 100), b"0123456789"
+    head = encode_header(t, len(data), "")
+
+    def upload(*messages):
+        return lambda: raw_upload(server, tls, iter([head, *messages]))
+
+    expect_refusal(server, "digest_mismatch", upload(data, sha(b"x").encode()))
+    expect_refusal(server, "bad_header", upload(data))  # no trailer
+    expect_refusal(server, "bad_header", upload(data, b"Z" * 64))
+    expect_refusal(server, "size_mismatch", upload(data, sha(data).encode() + b"0"))  # more than the digest
+    expect_refusal(server, "size_mismatch", upload(data, sha(data).encode(), b"more"))
+    expect_refusal(server, "size_mismatch", upload(data + b"0", sha(data + b"0").encode()))
+    oversized = encode_header(t, 2**62, "")
+    expect_refusal(server, "oversized", lambda: raw_upload(server, tls, iter([oversized, b"x" * 100])))
+    assert raw_upload(server, tls, iter([head, data[:4], data[4:], sha(data).encode()])) == "accepted"
+    assert server.inbox.claim(1, 2, 7, t.record, sha(data), len(data)) == data
+    t = upload_ticket(server, 100)
+    assert client.upload(t, data) == sha(data)  # the client's own: the digest follows the bytes
+    assert server.inbox.claim(1, 2, 7, t.record, sha(data), len(data)) == data
+
+
 def test_a_header_that_is_not_one_is_refused(server, tls):
     expect_refusal(server, "bad_header", lambda: raw_upload(server, tls, iter([b"\x00garbage"])))
 

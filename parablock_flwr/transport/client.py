@@ -75,19 +75,25 @@ class TransportClient:
 
     def upload(self, ticket: Ticket, data: Buffers | bytes | bytearray | memoryview, sha256: str | None = None) -> str:
         """Send ``data`` under ``ticket`` (``Buffers``: its chunks cut from the parts, never joined); its SHA-256
-        (hex: what the Flower reply will carry). ``sha256`` skips hashing when the caller has it already."""
+        (hex: what the Flower reply will carry). Without ``sha256`` the bytes are hashed as they are sent and
+        the digest follows them (the header declares none), so that the first chunk leaves at once; with it,
+        the header declares it."""
         if ticket.direction is not Direction.UPLOAD:
             raise ValueError(f"a {ticket.direction} ticket for upload; expected an upload ticket")
         data = data if isinstance(data, Buffers) else Buffers([data])
-        sha256 = sha256 or data.sha256()
-        header = encode_header(ticket, len(data), sha256)
+        digest = hashlib.sha256()
 
         def messages():
-            yield header
-            yield from data.chunks(CHUNK_BYTES)
+            yield encode_header(ticket, len(data), sha256 or "")
+            for chunk in data.chunks(CHUNK_BYTES):
+                if not sha256:
+                    digest.update(chunk)
+                yield chunk
+            if not sha256:
+                yield digest.hexdigest().encode()
 
         self._call(lambda: self._upload(messages(), timeout=self.timeout_s))
-        return sha256
+        return sha256 or digest.hexdigest()
 
     def download(self, ticket: Ticket, size: int, sha256: str) -> bytearray:
         """The record ``ticket`` names, checked against ``size`` and ``sha256`` from Flower's message."""

@@ -130,9 +130,9 @@ class NodeTransport:
             raise StreamUnusable("the message offers no upload capability")
         if len(data) > bound:
             raise StreamUnusable(f"an update of {len(data)} bytes; the offer bounds it at {bound}")
-        sha256 = data.sha256()
         ticket = Ticket(bytes.fromhex(token), offer.run_id, offer.node_id, round, Direction.UPLOAD, name)
-        self._call(offer, lambda client: client.upload(ticket, data, sha256), ahead=round != offer.server_round)
+        # Hashed as it is sent (the digest follows the bytes): the server receives while the node hashes.
+        sha256 = self._call(offer, lambda client: client.upload(ticket, data), ahead=round != offer.server_round)
         return UpdateCommit(update_size=len(data), update_sha256=sha256)
 
     def close(self) -> None:

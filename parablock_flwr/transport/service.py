@@ -38,7 +38,7 @@ from parablock_flwr.transport.capabilities import (
     Ticket,
 )
 from parablock_flwr.transport.framing import Buffers
-from parablock_flwr.transport.headers import Header, parse_header
+from parablock_flwr.transport.headers import HEX64, Header, parse_header
 
 log = logging.getLogger(__name__)
 
@@ -434,8 +434,8 @@ class TransportServer:
                 raise Refused(RefusalKind.BAD_HEADER, "the stream ended before its header")
             header = parse_header(first, Direction.UPLOAD)
             ticket = self.registry.reserve(header.claim, header.size)
-            data = self._receive(feed, header)
-            self.inbox.put(ticket, header.sha256, data)
+            data, sha256 = self._receive(feed, header)
+            self.inbox.put(ticket, sha256, data)
             self.registry.finish(ticket)
             done = True
             return b"accepted"
@@ -449,11 +449,12 @@ class TransportServer:
             if ticket is not None and not done:
                 self.registry.release(ticket)
 
-    def _receive(self, feed: _Feed, header: Header) -> Buffers | mmap.mmap:
+    def _receive(self, feed: _Feed, header: Header) -> tuple[Buffers | mmap.mmap, str]:
         """The declared bytes, hashed as they arrive (kept as they come, or written into a file:
-        ``Inbox.buffer``); any difference from the declaration is refused."""
+        ``Inbox.buffer``), and their SHA-256; any difference from the declaration is refused. A header without
+        a SHA-256 declares that it follows the bytes (``_trailer``): the client hashed while it sent."""
         data, digest, got, start = self.inbox.buffer(header.size), hashlib.sha256(), 0, time.monotonic()
-        while (chunk := self._next(feed, start, got)) is not None:
+        while got < header.size and (chunk := self._next(feed, start, got)) is not None:
             if got + len(chunk) > header.size:
                 raise Refused(RefusalKind.SIZE_MISMATCH, f"more than the declared {header.size} bytes")
             if isinstance(data, Buffers):
@@ -464,11 +465,27 @@ class TransportServer:
             got += len(chunk)
         if got != header.size:
             raise Refused(RefusalKind.SIZE_MISMATCH, f"{got} bytes; declared {header.size}")
-        if not hmac.compare_digest(digest.hexdigest(), header.sha256):
+        declared = header.sha256 or self._trailer(feed, start, got)
+        if self._next(feed, start, got) is not None:
+            raise Refused(RefusalKind.SIZE_MISMATCH, f"more than the declared {header.size} bytes")
+        if not hmac.compare_digest(digest.hexdigest(), declared):
             raise Refused(
                 RefusalKind.DIGEST_MISMATCH, f"record {header.claim.record!r}: SHA-256 differs from the declared one"
             )
-        return data
+        return data, declared
+
+    def _trailer(self, feed: _Feed, start: float, got: int) -> str:
+        """The SHA-256 a client sends after the declared bytes: 64 lowercase hex digits as one message. A longer
+        message is more bytes than declared."""
+        trailer = self._next(feed, start, got)
+        if trailer is None:
+            raise Refused(RefusalKind.BAD_HEADER, f"no SHA-256 after the declared {got} bytes; the header has none")
+        if len(trailer) != 64:
+            raise Refused(RefusalKind.SIZE_MISMATCH, f"more than the declared {got} bytes")
+        text = bytes(trailer).decode("ascii", "replace")
+        if not HEX64.fullmatch(text):
+            raise Refused(RefusalKind.BAD_HEADER, "the SHA-256 after the bytes: expected 64 lowercase hex digits")
+        return text
 
     def _next(self, feed: _Feed, start: float, got: int):
         """The next message, refusing a stall (nothing for the idle timeout) or a trickle (below the

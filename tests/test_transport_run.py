@@ -11,6 +11,7 @@ import dataclasses
 import io
 import json
 import logging
+import os
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -196,6 +197,7 @@ def test_a_large_upload_waits_for_its_reply_in_a_file_not_memory_and_leaves_noth
         assert hub.claim(3, 7, commit) == large and hub.end_round(3)["direct_uploads_spilled"] == 0
         size = len(frame(payloads(block(7))))
         inbox.memory_bytes = size + 1  # the test's blocks are far smaller than a real one: one fits, two do not
+        fds = len(os.listdir("/proc/self/fd"))
 
         def upload(node_id: int, seed: int):
             return node.upload(hub.offer(4, node=node_id, records={}, upload_max_size=bound), payloads(block(seed)))
@@ -214,6 +216,7 @@ def test_a_large_upload_waits_for_its_reply_in_a_file_not_memory_and_leaves_noth
         counts = hub.end_round(4)
         assert counts["direct_refused_digest_mismatch"] == 1 and counts["direct_uploads_spilled"] == 2
         assert list((tmp_path / "spill").iterdir()) == []  # unlinked when created: nothing to clean up
+        assert len(os.listdir("/proc/self/fd")) == fds  # each file closed once claimed or dropped
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "int8"])

@@ -133,10 +133,11 @@ def unframe(data: bytes | bytearray | memoryview, record: str) -> dict[str, memo
     return _checked({name: view[start:stop] for name, start, stop in entries}, record)
 
 
-def payloads(data: Buffers | bytes | bytearray | memoryview, record: str) -> dict[str, bytes]:
+def payloads(data, record: str) -> dict[str, bytes]:
     """``unframe``'s payloads as bytes of their own (what Flower's ``Array.data`` holds), each copied once from
-    ``data``, which may be in parts (an upload as it was received). Raises ``FramingError`` naming ``record``."""
-    if not isinstance(data, Buffers):
+    ``data``: bytes-like, or anything with ``len`` and ``read(start, stop)`` as ``Buffers`` (an upload as it was
+    received, in memory or in a file). Raises ``FramingError`` naming ``record``."""
+    if isinstance(data, bytes | bytearray | memoryview):
         data = Buffers([data])
     entries = _entries(len(data), data.read, record)
     return _checked({name: data.read(start, stop) for name, start, stop in entries}, record)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import mmap
 import os
 import queue
 import tempfile
@@ -172,6 +171,47 @@ class Outbox:
 INBOX_MEMORY_BYTES = 512 * 2**20  # uploads held in memory, at most; past it they are received into a file
 
 
+class SpillFile:
+    """An upload received into a file (``Inbox.buffer``): unlinked when created, so nothing is left behind
+    whatever happens to the upload or the process; written as its chunks come and read back by range when
+    claimed (the ``Buffers`` reading ``framing.payloads`` uses), with plain writes and reads: a mapping of the
+    file would fault once per page."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd: int | None = fd
+        self._size = 0
+
+    def append(self, chunk) -> None:
+        view = memoryview(chunk).cast("B")
+        while view.nbytes:
+            view = view[os.write(self._fd, view) :]
+        self._size += len(chunk)
+
+    def __len__(self) -> int:
+        return self._size
+
+    def read(self, start: int, stop: int) -> bytes:
+        parts, at = [], start
+        while at < stop:
+            part = os.pread(self._fd, min(stop - at, 2**30), at)
+            if not part:
+                raise OSError(f"the spilled upload ends at {at} bytes; {stop} expected")
+            parts.append(part)
+            at += len(part)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def tobytes(self) -> bytes:
+        return self.read(0, len(self))
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def __del__(self) -> None:
+        self.close()
+
+
 @dataclass
 class _Upload:
     """An accepted upload waiting for its claim: its declared digest and size, and either its decoding,
@@ -180,12 +220,12 @@ class _Upload:
     sha256: str
     size: int
     decoding: futures.Future | None = None
-    spilled: mmap.mmap | None = None
+    spilled: SpillFile | None = None
 
 
-def contiguous(data: Buffers | bytearray | mmap.mmap, record: str) -> bytes | bytearray | mmap.mmap:
+def contiguous(data: Buffers | SpillFile | bytearray, record: str) -> bytes | bytearray:
     """An upload's bytes in one buffer: the inbox's ``decode`` when the service knows nothing of records."""
-    return data.tobytes() if isinstance(data, Buffers) else data
+    return data.tobytes() if isinstance(data, Buffers | SpillFile) else data
 
 
 class Inbox:
@@ -215,11 +255,10 @@ class Inbox:
         # One thread: decodings are memory copies under the GIL, so more would not go faster.
         self._decoder = futures.ThreadPoolExecutor(1, "transport-decode")
 
-    def buffer(self, size: int) -> Buffers | mmap.mmap:
+    def buffer(self, size: int) -> Buffers | SpillFile:
         """Where an upload of ``size`` bytes is received: memory (the chunks as they come), or (the class's
-        docstring) a file in ``spill_dir`` mapped into memory, unlinked at once (nothing is left behind,
-        whatever happens to the upload or the process) and its space reserved first (a full disk is an error
-        here, not a fault while writing the mapping). The kernel writes its pages out and may evict them."""
+        docstring) a ``SpillFile`` in ``spill_dir``, its space reserved first (a full disk is an error here,
+        not a failed write halfway). The kernel writes its pages out and may evict them."""
         with self._lock:
             in_memory = sum(upload.size for upload in self._records.values() if upload.spilled is None)
         if self.spill_dir is None or size == 0 or in_memory + size <= self.memory_bytes:
@@ -233,27 +272,25 @@ class Inbox:
         try:
             os.unlink(path)
             os.posix_fallocate(fd, 0, size)
-            data = mmap.mmap(fd, size)
         except OSError as err:  # a full disk, a file system without fallocate: memory, said
+            os.close(fd)
             log.warning("transport: an upload of %d bytes is received in memory: %s in %s", size, err, self.spill_dir)
             return Buffers()
-        finally:
-            os.close(fd)
         with self._lock:
             self.spilled += 1
-        return data
+        return SpillFile(fd)
 
-    def put(self, ticket: Ticket, sha256: str, data: Buffers | bytearray | mmap.mmap) -> None:
+    def put(self, ticket: Ticket, sha256: str, data: Buffers | SpillFile | bytearray) -> None:
         """Hold an accepted upload for its claim; one in memory starts decoding now (the class's docstring)."""
-        if isinstance(data, mmap.mmap):
+        if isinstance(data, SpillFile):
             upload = _Upload(sha256, len(data), spilled=data)
         else:
             upload = _Upload(sha256, len(data), decoding=self._decoder.submit(self.decode, data, ticket.record))
         with self._lock:
             old = self._records.get(_slot(ticket))
             self._records[_slot(ticket)] = upload
-        if old is not None and old.decoding is not None:
-            old.decoding.cancel()
+        if old is not None:
+            _forget(old)
 
     def claim(self, run_id: int, node_id: int, round: int, record: str, sha256: str, size: int | None = None):
         """The upload, decoded (``decode``), when its digest equals ``sha256`` (from the node's Flower reply) and
@@ -278,7 +315,10 @@ class Inbox:
             del self._records[(run_id, node_id, round, record)]
         if held.decoding is not None:
             return held.decoding.result()
-        return self.decode(held.spilled, record)
+        try:
+            return self.decode(held.spilled, record)
+        finally:
+            held.spilled.close()
 
     def holds(self, run_id: int, node_id: int, round: int, record: str) -> bool:
         """Whether an upload waits in this slot (for a reply to claim it)."""
@@ -291,8 +331,7 @@ class Inbox:
             slots = [slot for slot in self._records if slot[:1] + slot[2:3] == (run_id, round)]
             dropped = [self._records.pop(slot) for slot in slots]
         for upload in dropped:
-            if upload.decoding is not None:
-                upload.decoding.cancel()
+            _forget(upload)
         return len(dropped)
 
     def close(self) -> None:
@@ -302,6 +341,14 @@ class Inbox:
     def __len__(self) -> int:
         with self._lock:
             return len(self._records)
+
+
+def _forget(upload: _Upload) -> None:
+    """An upload no claim will take: its decoding cancelled if not started, its file closed."""
+    if upload.decoding is not None:
+        upload.decoding.cancel()
+    if upload.spilled is not None:
+        upload.spilled.close()
 
 
 def _slot(t: Ticket) -> tuple:
@@ -449,7 +496,7 @@ class TransportServer:
             if ticket is not None and not done:
                 self.registry.release(ticket)
 
-    def _receive(self, feed: _Feed, header: Header) -> tuple[Buffers | mmap.mmap, str]:
+    def _receive(self, feed: _Feed, header: Header) -> tuple[Buffers | SpillFile, str]:
         """The declared bytes, hashed as they arrive (kept as they come, or written into a file:
         ``Inbox.buffer``), and their SHA-256; any difference from the declaration is refused. A header without
         a SHA-256 declares that it follows the bytes (``_trailer``): the client hashed while it sent."""
@@ -457,10 +504,7 @@ class TransportServer:
         while got < header.size and (chunk := self._next(feed, start, got)) is not None:
             if got + len(chunk) > header.size:
                 raise Refused(RefusalKind.SIZE_MISMATCH, f"more than the declared {header.size} bytes")
-            if isinstance(data, Buffers):
-                data.append(chunk)
-            else:
-                data[got : got + len(chunk)] = chunk
+            data.append(chunk)
             digest.update(chunk)
             got += len(chunk)
         if got != header.size:

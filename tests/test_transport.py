@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 import os
 import threading
 import time
 
 import grpc
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -31,8 +33,9 @@ from parablock_flwr.transport import (
     TransportServer,
 )
 from parablock_flwr.transport.capabilities import Refusals
+from parablock_flwr.transport.framing import Buffers, FramingError, frame, payloads, unframe
 from parablock_flwr.transport.headers import MAX_HEADER_BYTES, encode_header, parse_header
-from parablock_flwr.transport.service import UPLOAD, Inbox, Outbox
+from parablock_flwr.transport.service import UPLOAD, Inbox, Outbox, contiguous
 
 UP, DOWN = Direction.UPLOAD, Direction.DOWNLOAD
 
@@ -152,6 +155,46 @@ def test_inbox_commits_bytes_only_under_the_replys_digest():
     assert refusals.counts() == {"digest_mismatch": 1} and len(inbox) == 1  # counted, nothing changed
     assert inbox.claim(1, 2, 3, "update/2", sha(b"abc")) == b"abc"
     assert inbox.claim(1, 2, 3, "update/2", sha(b"abc")) is None  # claimed once; None: fall back
+
+
+def npy_bytes(values: bytes) -> bytes:
+    """An npy payload of ``values`` as uint8 (what framing carries)."""
+    out = io.BytesIO()
+    np.save(out, np.frombuffer(values, np.uint8))
+    return out.getvalue()
+
+
+def cut(data: bytes, points: list[int]) -> Buffers:
+    """``data`` as the parts a stream may deliver it in, cut at ``points``."""
+    edges = sorted({min(p, len(data)) for p in points} | {0, len(data)})
+    return Buffers(data[a:b] for a, b in zip(edges, edges[1:]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.one_of(
+        st.binary(max_size=300),  # anything a client may upload
+        st.lists(st.binary(max_size=80), max_size=4).map(  # a framed record, any payloads
+            lambda vs: frame({f"a{i}": npy_bytes(v) for i, v in enumerate(vs)})
+        ),
+    ),
+    st.lists(st.integers(0, 400), max_size=8),
+)
+def test_a_record_read_in_the_parts_it_arrived_in_is_the_record_read_whole(data, points):
+    """The server reads an upload as the chunks it came in (``framing.payloads`` of ``Buffers``): any bytes,
+    cut anywhere, give the payloads of the same bytes read whole (``unframe``), or the same one-line refusal."""
+    parts = cut(data, points)
+    assert len(parts) == len(data) and parts.tobytes() == data and parts.sha256() == sha(data)
+    assert b"".join(parts.chunks(7)) == data and all(len(c) == 7 for c in list(parts.chunks(7))[:-1])
+    try:
+        whole = {name: bytes(p) for name, p in unframe(data, "r1/update/2").items()}
+    except FramingError as err:
+        with pytest.raises(FramingError) as refused:
+            payloads(parts, "r1/update/2")
+        assert str(refused.value) == str(err) and "\n" not in str(err)
+        return
+    got = payloads(parts, "r1/update/2")
+    assert got == whole and all(type(p) is bytes for p in got.values())
 
 
 def test_a_record_is_published_once_from_bytes_or_a_file(tmp_path):
@@ -306,6 +349,48 @@ def test_random_bytes_round_trip_over_tls(server, client):
     assert client.download(down, record.size, record.sha256) == data
 
 
+def test_an_upload_is_decoded_as_it_arrives_and_handed_over_only_under_the_replys_digest_and_size(tls):
+    """The server reads an upload (``decode``) as soon as it is accepted, before any reply claims it, so that
+    the claim finds it ready; the claim still hands it over only under the reply's digest and size (a
+    mismatch is refused and counted, and changes nothing), once, and a decoding's failure only then."""
+    decoded = threading.Event()
+
+    def decode(data, record):
+        out = contiguous(data, record)
+        if out.startswith(b"not framed"):
+            raise FramingError(f"record {record}: not framed")
+        decoded.set()
+        return out
+
+    srv = TransportServer(address="127.0.0.1:0", cert_file=tls.server_cert, key_file=tls.server_key, decode=decode)
+    srv.start()
+    try:
+        with TransportClient(f"localhost:{srv.port}", ca_file=tls.ca_cert, timeout_s=30) as client:
+            data = os.urandom(9 * 2**20 + 5)
+            t = srv.registry.issue(1, 2, 7, UP, "update/2", ttl_s=30, max_size=len(data))
+            digest = client.upload(t, data)
+            assert decoded.wait(10)  # before any claim
+            size = len(data)
+
+            def claim(sha256, size=size):
+                return lambda: srv.inbox.claim(1, 2, 7, "update/2", sha256, size)
+
+            assert refused_kind(claim(sha(b"other"))) is RefusalKind.DIGEST_MISMATCH
+            assert refused_kind(claim(digest, len(data) + 1)) is RefusalKind.SIZE_MISMATCH
+            assert srv.refusals.counts() == {"digest_mismatch": 1, "size_mismatch": 1} and len(srv.inbox) == 1
+            assert claim(digest)() == data
+            assert claim(digest)() is None  # claimed once
+            bad = b"not framed, whatever it is"
+            t = srv.registry.issue(1, 2, 8, UP, "update/2", ttl_s=30, max_size=len(bad))
+            client.upload(t, bad)  # accepted: the digest is the declared one
+            with pytest.raises(Refused):  # a reply with another digest: refused as ever, not decoded
+                srv.inbox.claim(1, 2, 8, "update/2", sha(b"x"), len(bad))
+            with pytest.raises(FramingError, match="not framed"):  # the reply's own digest: the decoding's error
+                srv.inbox.claim(1, 2, 8, "update/2", sha(bad), len(bad))
+    finally:
+        srv.stop()
+
+
 def test_a_record_published_from_a_file_downloads(server, client, tmp_path):
     data = os.urandom(5 * 2**20)
     (tmp_path / "block.bin").write_bytes(data)
@@ -402,6 +487,31 @@ def test_more_or_fewer_bytes_than_declared_are_refused(server, tls):
     expect_refusal(
         server, "size_mismatch", lambda: raw_upload(server, tls, iter([encode_header(t, 10, sha(b"0" * 10)), b"0" * 9]))
     )
+
+
+def test_a_digest_that_follows_the_bytes_is_checked_like_a_declared_one(server, tls, client):
+    """A client that hashes while it sends declares no SHA-256 in its header and sends it after the bytes;
+    the size is still bounded by the header before any byte is read, and a wrong, missing or malformed
+    trailer, or anything after it, is refused, counted, and changes nothing."""
+    t, data = upload_ticket(server, 100), b"0123456789"
+    head = encode_header(t, len(data), "")
+
+    def upload(*messages):
+        return lambda: raw_upload(server, tls, iter([head, *messages]))
+
+    expect_refusal(server, "digest_mismatch", upload(data, sha(b"x").encode()))
+    expect_refusal(server, "bad_header", upload(data))  # no trailer
+    expect_refusal(server, "bad_header", upload(data, b"Z" * 64))
+    expect_refusal(server, "size_mismatch", upload(data, sha(data).encode() + b"0"))  # more than the digest
+    expect_refusal(server, "size_mismatch", upload(data, sha(data).encode(), b"more"))
+    expect_refusal(server, "size_mismatch", upload(data + b"0", sha(data + b"0").encode()))
+    oversized = encode_header(t, 2**62, "")
+    expect_refusal(server, "oversized", lambda: raw_upload(server, tls, iter([oversized, b"x" * 100])))
+    assert raw_upload(server, tls, iter([head, data[:4], data[4:], sha(data).encode()])) == "accepted"
+    assert server.inbox.claim(1, 2, 7, t.record, sha(data), len(data)) == data
+    t = upload_ticket(server, 100)
+    assert client.upload(t, data) == sha(data)  # the client's own: the digest follows the bytes
+    assert server.inbox.claim(1, 2, 7, t.record, sha(data), len(data)) == data
 
 
 def test_a_header_that_is_not_one_is_refused(server, tls):

@@ -8,8 +8,10 @@ the stream says so in one line (its caller falls back)."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import logging
+import os
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -76,6 +78,12 @@ def block(seed: int, dtype: str = "int8"):
     gen = torch.Generator().manual_seed(seed)
     tensors = {"layers.0.w": torch.randn(64, 48, generator=gen), "layers.0.b": torch.randn(48, generator=gen)}
     return to_record(tensors, dtype)
+
+
+def npy_bytes(array: np.ndarray) -> bytes:
+    out = io.BytesIO()
+    np.save(out, array)
+    return out.getvalue()
 
 
 def payloads(record) -> dict[str, bytes]:
@@ -176,28 +184,39 @@ def test_an_update_is_claimed_only_under_the_digest_its_reply_commits(hub, node)
 
 
 def test_a_large_upload_waits_for_its_reply_in_a_file_not_memory_and_leaves_nothing_behind(tls, node, tmp_path):
-    """From ``spill_bytes`` on, or past the inbox's memory budget, an upload is received into a file of the
-    spill folder, unlinked at once and mapped: the claim reads the same bytes, the refusals still change
-    nothing, and no file is left, whether the upload is claimed, refused or dropped with its round."""
-    update = block(7)
+    """Uploads stay in memory while those held there fit the inbox's budget; one that would pass it is
+    received into a file of the spill folder, unlinked at once and mapped: the claim reads the same bytes,
+    the refusals still change nothing, and no file is left, whether the upload is claimed, refused or
+    dropped with its round."""
     with RunTransport(settings(tls), RUN, TTL, LIMITS, spill_dir=tmp_path / "spill") as hub:
-        hub.server.inbox.spill_bytes = 1024  # the test's block is far smaller than a real one
-        bound = update_bound(64 * 48 + 48, 2)
-        commit = node.upload(hub.offer(4, node=7, records={}, upload_max_size=bound), payloads(update))
-        dropped = node.upload(hub.offer(4, node=8, records={}, upload_max_size=bound), payloads(block(8)))
+        bound, inbox = update_bound(64 * 48 + 48, 2), hub.server.inbox
+        large = {"values": npy_bytes(np.zeros(65 * 2**20, np.uint8))}  # a block of 65 MiB, under the budget:
+        large_offer = hub.offer(3, node=7, records={}, upload_max_size=70 * 2**20)
+        commit = node.upload(large_offer, large)
+        assert inbox.spilled == 0  # in memory, not written to disk and read back on the critical path
+        assert hub.claim(3, 7, commit) == large and hub.end_round(3)["direct_uploads_spilled"] == 0
+        size = len(frame(payloads(block(7))))
+        inbox.memory_bytes = size + 1  # the test's blocks are far smaller than a real one: one fits, two do not
+        fds = len(os.listdir("/proc/self/fd"))
+
+        def upload(node_id: int, seed: int):
+            return node.upload(hub.offer(4, node=node_id, records={}, upload_max_size=bound), payloads(block(seed)))
+
+        in_memory = upload(7, 7)
+        assert inbox.spilled == 0  # under the budget: no file
+        upload(8, 8)  # past it: a file (dropped with its round)
+        assert inbox.spilled == 1
+        inbox.memory_bytes = 1024  # every upload from now on
+        spilled = upload(9, 9)
+        assert inbox.spilled == 2
         with pytest.raises(Refused):
-            hub.claim(4, 7, dataclasses.replace(commit, update_sha256="f" * 64))
-        assert hub.server.inbox.spilled == 2
-        claimed = hub.claim(4, 7, commit)
-        assert {k: bytes(v) for k, v in claimed.items()} == payloads(update)
-        assert dropped.update_size > 1024 and hub.end_round(4)["direct_refused_digest_mismatch"] == 1
+            hub.claim(4, 9, dataclasses.replace(spilled, update_sha256="f" * 64))
+        assert {k: bytes(v) for k, v in hub.claim(4, 9, spilled).items()} == payloads(block(9))
+        assert {k: bytes(v) for k, v in hub.claim(4, 7, in_memory).items()} == payloads(block(7))
+        counts = hub.end_round(4)
+        assert counts["direct_refused_digest_mismatch"] == 1 and counts["direct_uploads_spilled"] == 2
         assert list((tmp_path / "spill").iterdir()) == []  # unlinked when created: nothing to clean up
-        # Small uploads too, once those held in memory would pass the inbox's budget.
-        hub.server.inbox.spill_bytes, hub.server.inbox.memory_bytes = 10**9, commit.update_size + 1
-        node.upload(hub.offer(5, node=7, records={}, upload_max_size=bound), payloads(update))
-        assert hub.server.inbox.spilled == 2  # the first fits the budget
-        node.upload(hub.offer(5, node=8, records={}, upload_max_size=bound), payloads(update))
-        assert hub.server.inbox.spilled == 3 and hub.end_round(5)["direct_uploads_spilled"] == 1
+        assert len(os.listdir("/proc/self/fd")) == fds  # each file closed once claimed or dropped
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "int8"])
@@ -234,10 +253,16 @@ def test_a_retried_message_and_the_first_upload_meet_in_one_slot(hub, node):
 
 
 def test_a_claimed_record_that_is_not_framed_is_refused(hub):
+    """Read as it arrived, but refused only when a reply claims it under its own digest and size."""
     ticket = hub.server.registry.issue(RUN, 7, 6, "upload", hub.upload_name(6, 7), ttl_s=TTL, max_size=100)
     hub.server.inbox.put(ticket, "a" * 64, bytearray(b"\x00\x00\x00\x05hello"))
-    with pytest.raises(Refused, match="not UTF-8 JSON"):
+    with pytest.raises(Refused) as other:
+        hub.claim(6, 7, UpdateCommit(9, "b" * 64))
+    assert other.value.kind is RefusalKind.DIGEST_MISMATCH
+    with pytest.raises(Refused, match="not UTF-8 JSON") as refused:
         hub.claim(6, 7, UpdateCommit(9, "a" * 64))
+    assert refused.value.kind is RefusalKind.BAD_HEADER
+    assert hub.end_round(6)["direct_refused_bad_header"] == 1
 
 
 # ---------------------------------------------------------------- a round's end

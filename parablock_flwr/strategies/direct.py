@@ -119,7 +119,8 @@ def rejected(reply: Message, why: str) -> Message:
     return Message(error=Error(code=ErrorCode.UNKNOWN, reason=f"{DIRECT} {why}"), metadata=copy.copy(reply.metadata))
 
 
-def _array(payload: memoryview, name: str) -> Array:
-    """Flower's ``Array`` of an npy payload: the ``Array`` Flower's path would have delivered."""
+def _array(payload: bytes, name: str) -> Array:
+    """Flower's ``Array`` of an npy payload (bytes of its own, read from the upload as it arrived): the
+    ``Array`` Flower's path would have delivered."""
     view = npy_view(payload, name)  # checked by the claim already
-    return Array(dtype=str(view.dtype), shape=view.shape, stype=SType.NUMPY, data=payload.tobytes())
+    return Array(dtype=str(view.dtype), shape=view.shape, stype=SType.NUMPY, data=payload)

@@ -13,6 +13,7 @@ from pathlib import Path
 import grpc
 
 from parablock_flwr.transport.capabilities import Direction, RefusalKind, Refused, Ticket
+from parablock_flwr.transport.framing import Buffers
 from parablock_flwr.transport.headers import encode_header
 from parablock_flwr.transport.service import CHUNK_BYTES, DOWNLOAD, MESSAGE_LIMIT, UPLOAD
 
@@ -72,22 +73,27 @@ class TransportClient:
     def __exit__(self, *exc):
         self.close()
 
-    def upload(self, ticket: Ticket, data: bytes | bytearray | memoryview, sha256: str | None = None) -> str:
-        """Send ``data`` under ``ticket``; its SHA-256 (hex: what the Flower reply will carry).
-        ``sha256`` skips hashing when the caller has it already."""
+    def upload(self, ticket: Ticket, data: Buffers | bytes | bytearray | memoryview, sha256: str | None = None) -> str:
+        """Send ``data`` under ``ticket`` (``Buffers``: its chunks cut from the parts, never joined); its SHA-256
+        (hex: what the Flower reply will carry). Without ``sha256`` the bytes are hashed as they are sent and
+        the digest follows them (the header declares none), so that the first chunk leaves at once; with it,
+        the header declares it."""
         if ticket.direction is not Direction.UPLOAD:
             raise ValueError(f"a {ticket.direction} ticket for upload; expected an upload ticket")
-        view = memoryview(data).cast("B")
-        sha256 = sha256 or hashlib.sha256(view).hexdigest()
-        header = encode_header(ticket, view.nbytes, sha256)
+        data = data if isinstance(data, Buffers) else Buffers([data])
+        digest = hashlib.sha256()
 
         def messages():
-            yield header
-            for start in range(0, view.nbytes, CHUNK_BYTES):
-                yield bytes(view[start : start + CHUNK_BYTES])
+            yield encode_header(ticket, len(data), sha256 or "")
+            for chunk in data.chunks(CHUNK_BYTES):
+                if not sha256:
+                    digest.update(chunk)
+                yield chunk
+            if not sha256:
+                yield digest.hexdigest().encode()
 
         self._call(lambda: self._upload(messages(), timeout=self.timeout_s))
-        return sha256
+        return sha256 or digest.hexdigest()
 
     def download(self, ticket: Ticket, size: int, sha256: str) -> bytearray:
         """The record ``ticket`` names, checked against ``size`` and ``sha256`` from Flower's message."""

@@ -8,13 +8,19 @@ The receiver has checked the bytes' SHA-256 against the one in Flower's authenti
 reads them here; the index is still read strictly (bounded, names and sizes checked, each payload a plain
 npy array), since nothing read off a network is trusted to be well formed. numpy only: the node worker
 and the server read it, and neither Flower nor torch is needed.
+
+A record is framed as ``Buffers``, its parts in order (the index, then each payload's npy header and
+values), never joined: the sender hashes them and cuts the stream's chunks from them, and the server
+holds an upload as the chunks gRPC delivered, so that neither side copies a whole record on its way.
 """
 
 from __future__ import annotations
 
+import bisect
+import hashlib
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import numpy as np
 
@@ -28,15 +34,80 @@ class FramingError(ValueError):
     """Bytes that are not a framed record; the message is one line naming what is wrong."""
 
 
+class Buffers:
+    """A record's bytes as buffers in order (the module's docstring): their length, their SHA-256, the
+    stream's chunks and any range, each read without joining the whole."""
+
+    def __init__(self, parts: Iterable = ()) -> None:
+        self.parts: list[memoryview] = []
+        self._ends: list[int] = []  # each part's end offset, for ``read``
+        for part in parts:
+            self.append(part)
+
+    def append(self, part) -> None:
+        view = memoryview(part).cast("B")
+        if view.nbytes:
+            self.parts.append(view)
+            self._ends.append(len(self) + view.nbytes)
+
+    def __len__(self) -> int:
+        return self._ends[-1] if self._ends else 0
+
+    def sha256(self) -> str:
+        digest = hashlib.sha256()
+        for part in self.parts:
+            digest.update(part)
+        return digest.hexdigest()
+
+    def chunks(self, size: int) -> Iterator[bytes]:
+        """The bytes in chunks of ``size`` (the last one shorter), each copied once from the parts."""
+        for start in range(0, len(self), size):
+            yield self.read(start, min(start + size, len(self)))
+
+    def read(self, start: int, stop: int) -> bytes:
+        """Bytes ``start:stop`` (within the record) as new bytes: one copy, across parts where they span several."""
+        first = bisect.bisect_right(self._ends, start)
+        if start >= stop:
+            return b""
+        pieces, at = [], start
+        for i in range(first, len(self.parts)):
+            if at >= stop:
+                break
+            begin = self._ends[i] - self.parts[i].nbytes
+            pieces.append(self.parts[i][at - begin : min(stop, self._ends[i]) - begin])
+            at = min(stop, self._ends[i])
+        return pieces[0].tobytes() if len(pieces) == 1 else b"".join(pieces)
+
+    def tobytes(self) -> bytes:
+        return b"".join(self.parts)
+
+
 def frame(payloads: Mapping[str, object]) -> bytes:
     """One record's bytes: ``payloads`` maps each array's name to its npy payload (bytes-like, or an object
     with ``.data``, as Flower's ``Array``), copied once into the result."""
-    return _joined({name: [memoryview(getattr(p, "data", p)).cast("B")] for name, p in payloads.items()})
+    return framed(payloads).tobytes()
+
+
+def framed(payloads: Mapping[str, object]) -> Buffers:
+    """``frame``'s bytes as ``Buffers`` of the payloads themselves: nothing copied. A payload that is not
+    ``bytes`` (a mutable buffer) is copied first, so that what is hashed is what is sent."""
+
+    def owned(p):
+        data = getattr(p, "data", p)
+        return data if isinstance(data, bytes) else bytes(memoryview(data).cast("B"))
+
+    return _joined({name: [owned(p)] for name, p in payloads.items()})
 
 
 def frame_pieces(pieces: Mapping[str, list[np.ndarray]]) -> bytes:
     """``frame`` of the arrays ``wire.pack_pieces`` returns as 1-D pieces (joined, each array is one npy
-    payload): the pieces are copied once, into the result, never joined on their own first."""
+    payload)."""
+    return framed_pieces(pieces).tobytes()
+
+
+def framed_pieces(pieces: Mapping[str, list[np.ndarray]]) -> Buffers:
+    """``frame_pieces``'s bytes as ``Buffers`` of the pieces' own memory: nothing copied (the sender cuts its
+    chunks from them, ``Buffers.chunks``)."""
     buffers = {}
     for name, array_pieces in pieces.items():
         header = npy_header(array_pieces[0].dtype, (sum(p.size for p in array_pieces),))
@@ -44,36 +115,55 @@ def frame_pieces(pieces: Mapping[str, list[np.ndarray]]) -> bytes:
     return _joined(buffers)
 
 
-def _joined(buffers: Mapping[str, list]) -> bytes:
-    """The index of each array's name and size, then every array's buffers in order, in one copy."""
+def _joined(buffers: Mapping[str, list]) -> Buffers:
+    """The index of each array's name and size, then every array's buffers in order."""
     for name in buffers:
         if not ARRAY_NAME.fullmatch(name):
             raise FramingError(f"array name {name!r:.40}: expected 1-64 of A-Z a-z 0-9 _ . -")
-    index = [
-        [name, sum(len(b) if isinstance(b, bytes) else b.nbytes for b in parts)] for name, parts in buffers.items()
-    ]
+    index = [[name, sum(memoryview(b).nbytes for b in parts)] for name, parts in buffers.items()]
     text = json.dumps(index, separators=(",", ":")).encode()
-    return b"".join([len(text).to_bytes(4, "big"), text, *(b for parts in buffers.values() for b in parts)])
+    return Buffers([len(text).to_bytes(4, "big") + text, *(b for parts in buffers.values() for b in parts)])
 
 
 def unframe(data: bytes | bytearray | memoryview, record: str) -> dict[str, memoryview]:
     """The npy payload of each array of a framed record (views of ``data``: nothing copied), each checked to
     be a plain npy array of the length its header says. Raises ``FramingError`` naming ``record``."""
     view = memoryview(data).cast("B")
-    if view.nbytes < 4:
-        raise FramingError(f"record {record}: {view.nbytes} bytes, shorter than its index length")
-    length = int.from_bytes(view[:4], "big")
-    if length > min(MAX_INDEX_BYTES, view.nbytes - 4):
+    entries = _entries(view.nbytes, lambda start, stop: bytes(view[start:stop]), record)
+    return _checked({name: view[start:stop] for name, start, stop in entries}, record)
+
+
+def payloads(data, record: str) -> dict[str, bytes]:
+    """``unframe``'s payloads as bytes of their own (what Flower's ``Array.data`` holds), each copied once from
+    ``data``: bytes-like, or anything with ``len`` and ``read(start, stop)`` as ``Buffers`` (an upload as it was
+    received, in memory or in a file). Raises ``FramingError`` naming ``record``."""
+    if isinstance(data, bytes | bytearray | memoryview):
+        data = Buffers([data])
+    entries = _entries(len(data), data.read, record)
+    return _checked({name: data.read(start, stop) for name, start, stop in entries}, record)
+
+
+def _entries(nbytes: int, read, record: str) -> list[tuple[str, int, int]]:
+    """Each array's name and the offsets of its payload, from the index ``read(start, stop)`` gives; the
+    payloads must fill the record exactly."""
+    if nbytes < 4:
+        raise FramingError(f"record {record}: {nbytes} bytes, shorter than its index length")
+    length = int.from_bytes(read(0, 4), "big")
+    if length > min(MAX_INDEX_BYTES, nbytes - 4):
         raise FramingError(f"record {record}: an index of {length} bytes; at most {MAX_INDEX_BYTES} and the record's")
-    entries = _index(bytes(view[4 : 4 + length]), record)
-    offset, out = 4 + length, {}
-    for name, size in entries:
-        if name in out:
+    offset, out, seen = 4 + length, [], set()
+    for name, size in _index(read(4, 4 + length), record):
+        if name in seen:
             raise FramingError(f"record {record}: array {name} twice")
-        out[name] = view[offset : offset + size]
+        seen.add(name)
+        out.append((name, offset, offset + size))
         offset += size
-    if offset != view.nbytes:
-        raise FramingError(f"record {record}: {view.nbytes} bytes; its index accounts for {offset}")
+    if offset != nbytes:
+        raise FramingError(f"record {record}: {nbytes} bytes; its index accounts for {offset}")
+    return out
+
+
+def _checked(out: dict, record: str) -> dict:
     for name, payload in out.items():
         try:
             npy_view(payload, f"{record}/{name}")

@@ -18,11 +18,13 @@ MAX_ID = 2**64 - 1  # Flower's run and node ids are uint64
 MAX_SIZE = 2**63 - 1
 RECORD_NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,128}")
 HEX64 = re.compile(r"[0-9a-f]{64}")
+DIGEST = re.compile(r"(?:[0-9a-f]{64})?")  # an upload's declared SHA-256, or empty: it follows the bytes
 
 
 @dataclass(frozen=True)
 class Header:
-    """A request: the capability presented, and for an upload the declared size and SHA-256 (hex)."""
+    """A request: the capability presented, and for an upload the declared size and SHA-256 (hex; empty when
+    the client sends it after the bytes, as the stream's last message: it hashes while it sends)."""
 
     claim: Ticket
     size: int | None = None
@@ -30,7 +32,7 @@ class Header:
 
 
 def encode_header(ticket: Ticket, size: int | None = None, sha256: str | None = None) -> bytes:
-    """The header a client sends (upload: with ``size`` and ``sha256``)."""
+    """The header a client sends (upload: with ``size`` and ``sha256``, "" when it follows the bytes)."""
     fields = {
         "token": ticket.token.hex(),
         "run_id": ticket.run_id,
@@ -74,7 +76,8 @@ def parse_header(data: bytes, direction: Direction) -> Header:
     )
     if direction is Direction.DOWNLOAD:
         return Header(claim)
-    return Header(claim, _int(fields, "size", MAX_SIZE), _text(fields, "sha256", HEX64, "64 lowercase hex digits"))
+    digest = _text(fields, "sha256", DIGEST, "64 lowercase hex digits, or empty (it follows the bytes)")
+    return Header(claim, _int(fields, "size", MAX_SIZE), digest)
 
 
 def _int(fields: dict, name: str, high: int) -> int:

@@ -12,7 +12,6 @@ node worker imports it.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import logging
 import threading
@@ -26,7 +25,7 @@ from ..messages import RecordOffer, TransportOffer, UpdateCommit, relay_name
 from ..npy import npy_view
 from .capabilities import Direction, Refused, Ticket
 from .client import TransportClient, TransportError
-from .framing import FramingError, frame, frame_pieces, unframe
+from .framing import Buffers, FramingError, framed, framed_pieces, unframe
 
 log = logging.getLogger(__name__)
 
@@ -98,17 +97,17 @@ class NodeTransport:
     def upload(self, offer: TransportOffer, payloads: Mapping[str, object]) -> UpdateCommit:
         """Send the update (array name -> npy payload) under the offer's upload capability; the commit the
         reply carries. Raises ``StreamUnusable`` (then the update goes in the reply, on Flower's path)."""
-        return self._upload(offer, frame(payloads))
+        return self._upload(offer, framed(payloads))
 
     def upload_pieces(self, offer: TransportOffer, pieces: Mapping[str, list[np.ndarray]]) -> UpdateCommit:
         """``upload`` of the update as ``wire.pack_pieces`` returns it (each array as its 1-D pieces)."""
-        return self._upload(offer, frame_pieces(pieces))
+        return self._upload(offer, framed_pieces(pieces))
 
     def upload_ahead(self, offer: TransportOffer, pieces: Mapping[str, list[np.ndarray]]) -> UpdateCommit:
         """``upload_pieces`` of round r+1's update under the capability round r's ``offer`` issued ahead, into
         round r+1's own slot: the commit round r+1's reply carries."""
         name, token, bound = offer.ahead_upload_name, offer.ahead_upload_token, offer.ahead_upload_max_size
-        return self._upload(offer, frame_pieces(pieces), name, token, bound, offer.server_round + 1)
+        return self._upload(offer, framed_pieces(pieces), name, token, bound, offer.server_round + 1)
 
     def prefetch(self, offer: TransportOffer) -> Prefetched:
         """Round r+1's global step under the capability round r's ``offer`` issued ahead, as soon as the server
@@ -123,7 +122,7 @@ class NodeTransport:
         return Prefetched(offer.ahead_step_name, data, sha256)
 
     def _upload(
-        self, offer: TransportOffer, data: bytes, name: str = "", token: str = "", bound: int = 0, round: int = 0
+        self, offer: TransportOffer, data: Buffers, name: str = "", token: str = "", bound: int = 0, round: int = 0
     ) -> UpdateCommit:
         name, token = name or offer.upload_name, token or offer.upload_token
         bound, round = bound or offer.upload_max_size, round or offer.server_round
@@ -131,9 +130,9 @@ class NodeTransport:
             raise StreamUnusable("the message offers no upload capability")
         if len(data) > bound:
             raise StreamUnusable(f"an update of {len(data)} bytes; the offer bounds it at {bound}")
-        sha256 = hashlib.sha256(data).hexdigest()
         ticket = Ticket(bytes.fromhex(token), offer.run_id, offer.node_id, round, Direction.UPLOAD, name)
-        self._call(offer, lambda client: client.upload(ticket, data, sha256), ahead=round != offer.server_round)
+        # Hashed as it is sent (the digest follows the bytes): the server receives while the node hashes.
+        sha256 = self._call(offer, lambda client: client.upload(ticket, data), ahead=round != offer.server_round)
         return UpdateCommit(update_size=len(data), update_sha256=sha256)
 
     def close(self) -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from ..messages import GLOBAL_STEP, RecordOffer, TransportOffer, UpdateCommit
 from .capabilities import CapabilityRegistry, Direction, RefusalKind, Refused
-from .framing import frame, unframe
+from .framing import FramingError, framed, payloads
 from .service import Limits, TransportServer
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ class RunTransport:
         self.settings, self.run_id, self.ttl_s = settings, run_id, ttl_s
         self.server = TransportServer(
             registry, address=f"[::]:{settings.port}", cert_file=certfile, key_file=keyfile,
-            insecure=settings.insecure, limits=limits or Limits(), spill_dir=spill_dir,
+            insecure=settings.insecure, limits=limits or Limits(), spill_dir=spill_dir, decode=payloads,
         )  # fmt: skip
         self.address = settings.address  # the port the nodes dial: the bound one once started
         self._lock = threading.Lock()
@@ -242,28 +242,25 @@ class RunTransport:
             name, held = f"r{server_round}/{record}/{self._names}", False
             if record == GLOBAL_STEP and all(n != self.step_name(server_round) for _, n, _, _ in published.values()):
                 name, held = self.step_name(server_round), True  # the round's step: downloads issued ahead wait
-            out = self.server.outbox.publish(name, data=frame(source), held=held)
+            out = self.server.outbox.publish(name, data=framed(source), held=held)  # the payloads, not a copy
             published[id(source)] = (source, name, out.size, out.sha256)  # the source held: its id stays its own
             return name, out.size, out.sha256
 
     # ------------------------------------------------------------ a node's reply
-    def claim(self, server_round: int, node: int, commit: UpdateCommit) -> dict[str, memoryview] | None:
+    def claim(self, server_round: int, node: int, commit: UpdateCommit) -> dict[str, bytes] | None:
         """The npy payload of each array of ``node``'s uploaded update, when its SHA-256 and size are the
         reply's ``commit``; None when nothing was uploaded under this round's name. A different digest or
-        size, or bytes that are not a framed record, raise ``Refused`` (counted; the reply is rejected)."""
+        size, or bytes that are not a framed record, raise ``Refused`` (counted; the reply is rejected).
+        The payloads were read from the upload as it arrived (``service.Inbox``); only this hands them over."""
         name = self.upload_name(server_round, node)
         try:
-            data = self.server.inbox.claim(
+            return self.server.inbox.claim(
                 self.run_id, node, server_round, name, commit.update_sha256, commit.update_size
             )
         except Refused as refused:  # counted by the inbox
             log.warning("transport %s", refused.line())
             raise
-        if data is None:
-            return None
-        try:
-            return unframe(data, name)
-        except ValueError as err:
+        except FramingError as err:
             self._refuse(Refused(RefusalKind.BAD_HEADER, str(err)))
 
     def _refuse(self, refused: Refused) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import mmap
 import os
 import queue
 import tempfile
@@ -37,7 +36,8 @@ from parablock_flwr.transport.capabilities import (
     Revoked,
     Ticket,
 )
-from parablock_flwr.transport.headers import Header, parse_header
+from parablock_flwr.transport.framing import Buffers
+from parablock_flwr.transport.headers import HEX64, Header, parse_header
 
 log = logging.getLogger(__name__)
 
@@ -82,19 +82,18 @@ class Limits:
 
 @dataclass(frozen=True)
 class Published:
-    """A record the server publishes once: its bytes in memory or a file, with size and SHA-256 (hex)."""
+    """A record the server publishes once: its bytes in memory (``Buffers``: the parts it was framed from, never
+    joined) or a file, with size and SHA-256 (hex)."""
 
     name: str
     size: int
     sha256: str
-    data: bytes | None = None
+    data: Buffers | None = None
     path: Path | None = None
 
     def chunks(self, chunk_bytes: int):
         if self.data is not None:
-            view = memoryview(self.data)
-            for start in range(0, self.size, chunk_bytes):
-                yield bytes(view[start : start + chunk_bytes])
+            yield from self.data.chunks(chunk_bytes)
             return
         with open(self.path, "rb") as f:
             while chunk := f.read(chunk_bytes):
@@ -109,15 +108,20 @@ class Outbox:
         self._records: dict[str, Published] = {}
         self._held: set[str] = set()  # published, but not yet to downloads waiting for them (``release``)
 
-    def publish(self, name: str, data: bytes | None = None, path: Path | None = None, held: bool = False) -> Published:
+    def publish(
+        self, name: str, data: Buffers | bytes | None = None, path: Path | None = None, held: bool = False
+    ) -> Published:
         """Publish ``data`` or the file at ``path`` under ``name``; its size and SHA-256 go into Flower's message.
-        ``held``: downloads waiting for it (``wait_for``) get it only once it is ``release``d."""
+        ``Buffers`` are served as they are (their parts must not change: ``framing.framed`` gives immutable
+        ones); other bytes-like data is copied first. ``held``: downloads waiting for it (``wait_for``) get it
+        only once it is ``release``d."""
         if (data is None) == (path is None):
             raise ValueError(
                 f"publish {name!r}: give either data or path, not {'both' if data is not None else 'neither'}"
             )
         if data is not None:
-            record = Published(name, len(data), hashlib.sha256(data).hexdigest(), data=bytes(data))
+            data = data if isinstance(data, Buffers) else Buffers([bytes(data)])
+            record = Published(name, len(data), data.sha256(), data=data)
         else:
             path = Path(path)
             with open(path, "rb") as f:
@@ -164,86 +168,157 @@ class Outbox:
             self._held.discard(name)
 
 
-SPILL_BYTES = 64 * 2**20  # an upload this large is received into a file (``Inbox.buffer``), not memory
-INBOX_MEMORY_BYTES = 512 * 2**20  # and any upload once those held in memory would pass this
+INBOX_MEMORY_BYTES = 512 * 2**20  # uploads held in memory, at most; past it they are received into a file
+
+
+class SpillFile:
+    """An upload received into a file (``Inbox.buffer``): unlinked when created, so nothing is left behind
+    whatever happens to the upload or the process; written as its chunks come and read back by range when
+    claimed (the ``Buffers`` reading ``framing.payloads`` uses), with plain writes and reads: a mapping of the
+    file would fault once per page."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd: int | None = fd
+        self._size = 0
+
+    def append(self, chunk) -> None:
+        view = memoryview(chunk).cast("B")
+        while view.nbytes:
+            view = view[os.write(self._fd, view) :]
+        self._size += len(chunk)
+
+    def __len__(self) -> int:
+        return self._size
+
+    def read(self, start: int, stop: int) -> bytes:
+        parts, at = [], start
+        while at < stop:
+            part = os.pread(self._fd, min(stop - at, 2**30), at)
+            if not part:
+                raise OSError(f"the spilled upload ends at {at} bytes; {stop} expected")
+            parts.append(part)
+            at += len(part)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def tobytes(self) -> bytes:
+        return self.read(0, len(self))
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def __del__(self) -> None:
+        self.close()
+
+
+@dataclass
+class _Upload:
+    """An accepted upload waiting for its claim: its declared digest and size, and either its decoding,
+    started on arrival (``decoding``), or its bytes in a file, decoded when claimed (``spilled``)."""
+
+    sha256: str
+    size: int
+    decoding: futures.Future | None = None
+    spilled: SpillFile | None = None
+
+
+def contiguous(data: Buffers | SpillFile | bytearray, record: str) -> bytes | bytearray:
+    """An upload's bytes in one buffer: the inbox's ``decode`` when the service knows nothing of records."""
+    return data.tobytes() if isinstance(data, Buffers | SpillFile) else data
 
 
 class Inbox:
     """Uploads whose bytes matched their declaration, waiting for the Flower reply that commits them.
 
-    With ``spill_dir``, an upload of ``spill_bytes`` or more, or one that would take the uploads held in
-    memory past ``memory_bytes``, is received into a file there instead: the server holds a round's uploads
-    and the next round's moved ahead until their replies claim them, so held in memory they would grow the
+    An upload is received in memory as the chunks gRPC delivered (``framing.Buffers``: not copied) and
+    decoded at once, in a thread of its own, by ``decode(data, record)`` (the run's side reads the framed
+    record into the arrays' payloads), so that the reply that claims it finds it ready; a claim still hands
+    it over only under the declared digest and size, and a decoding that failed is raised then, never before.
+    With ``spill_dir``, an upload that would take the uploads held in memory past ``memory_bytes`` is
+    received into a file there instead, and decoded when claimed: the server holds a round's uploads and the
+    next round's moved ahead until their replies claim them, so held in memory they would grow the
     server's memory with the nodes and the block."""
 
     def __init__(
         self,
         refusals: Refusals,
         spill_dir: Path | None = None,
-        spill_bytes: int = SPILL_BYTES,
         memory_bytes: int = INBOX_MEMORY_BYTES,
+        decode=contiguous,
     ) -> None:
         self._lock = threading.Lock()
-        self._records: dict[tuple, tuple[str, bytearray | mmap.mmap]] = {}
+        self._records: dict[tuple, _Upload] = {}
         self._refusals = refusals
-        self.spill_dir, self.spill_bytes, self.memory_bytes = spill_dir, spill_bytes, memory_bytes
+        self.spill_dir, self.memory_bytes, self.decode = spill_dir, memory_bytes, decode
         self.spilled = 0  # uploads received into a file
+        # One thread: decodings are memory copies under the GIL, so more would not go faster.
+        self._decoder = futures.ThreadPoolExecutor(1, "transport-decode")
 
-    def buffer(self, size: int) -> bytearray | mmap.mmap:
-        """Where an upload of ``size`` bytes is received: memory, or (the class's docstring) a file in
-        ``spill_dir`` mapped into memory, unlinked at once (nothing is left behind, whatever happens to the
-        upload or the process) and its space reserved first (a full disk is an error here, not a fault while
-        writing the mapping). The kernel writes its pages out and may evict them."""
+    def buffer(self, size: int) -> Buffers | SpillFile:
+        """Where an upload of ``size`` bytes is received: memory (the chunks as they come), or (the class's
+        docstring) a ``SpillFile`` in ``spill_dir``, its space reserved first (a full disk is an error here,
+        not a failed write halfway). The kernel writes its pages out and may evict them."""
         with self._lock:
-            in_memory = sum(len(data) for _, data in self._records.values() if isinstance(data, bytearray))
-        if self.spill_dir is None or size == 0 or (size < self.spill_bytes and in_memory + size <= self.memory_bytes):
-            return bytearray(size)
+            in_memory = sum(upload.size for upload in self._records.values() if upload.spilled is None)
+        if self.spill_dir is None or size == 0 or in_memory + size <= self.memory_bytes:
+            return Buffers()
         try:
             self.spill_dir.mkdir(parents=True, exist_ok=True)
             fd, path = tempfile.mkstemp(dir=self.spill_dir, prefix=".upload-")
         except OSError as err:
             log.warning("transport: an upload of %d bytes is received in memory: %s", size, err)
-            return bytearray(size)
+            return Buffers()
         try:
             os.unlink(path)
             os.posix_fallocate(fd, 0, size)
-            data = mmap.mmap(fd, size)
         except OSError as err:  # a full disk, a file system without fallocate: memory, said
-            log.warning("transport: an upload of %d bytes is received in memory: %s in %s", size, err, self.spill_dir)
-            return bytearray(size)
-        finally:
             os.close(fd)
+            log.warning("transport: an upload of %d bytes is received in memory: %s in %s", size, err, self.spill_dir)
+            return Buffers()
         with self._lock:
             self.spilled += 1
-        return data
+        return SpillFile(fd)
 
-    def put(self, ticket: Ticket, sha256: str, data: bytearray | mmap.mmap) -> None:
+    def put(self, ticket: Ticket, sha256: str, data: Buffers | SpillFile | bytearray) -> None:
+        """Hold an accepted upload for its claim; one in memory starts decoding now (the class's docstring)."""
+        if isinstance(data, SpillFile):
+            upload = _Upload(sha256, len(data), spilled=data)
+        else:
+            upload = _Upload(sha256, len(data), decoding=self._decoder.submit(self.decode, data, ticket.record))
         with self._lock:
-            self._records[_slot(ticket)] = (sha256, data)
+            old = self._records.get(_slot(ticket))
+            self._records[_slot(ticket)] = upload
+        if old is not None:
+            _forget(old)
 
-    def claim(
-        self, run_id: int, node_id: int, round: int, record: str, sha256: str, size: int | None = None
-    ) -> bytearray | mmap.mmap | None:
-        """The uploaded bytes when their digest equals ``sha256`` (from the node's Flower reply) and their
-        length ``size`` (when given), and None when nothing was uploaded (the caller falls back). A different
-        digest or size is refused, counted, and leaves the inbox as it was."""
+    def claim(self, run_id: int, node_id: int, round: int, record: str, sha256: str, size: int | None = None):
+        """The upload, decoded (``decode``), when its digest equals ``sha256`` (from the node's Flower reply) and
+        its length ``size`` (when given), and None when nothing was uploaded (the caller falls back). A different
+        digest or size is refused, counted, and leaves the inbox as it was; an upload that ``decode`` refused
+        raises its error here, once the digest and size are the reply's."""
         with self._lock:
             held = self._records.get((run_id, node_id, round, record))
             if held is None:
                 return None
             where = f"node {node_id} round {round} record {record!r}"
             refused = None
-            if not hmac.compare_digest(held[0], sha256):
+            if not hmac.compare_digest(held.sha256, sha256):
                 refused = Refused(RefusalKind.DIGEST_MISMATCH, f"{where}: the reply's SHA-256 is not the uploaded one")
-            elif size is not None and size != len(held[1]):
+            elif size is not None and size != held.size:
                 refused = Refused(
-                    RefusalKind.SIZE_MISMATCH, f"{where}: {len(held[1])} bytes uploaded; the reply commits {size}"
+                    RefusalKind.SIZE_MISMATCH, f"{where}: {held.size} bytes uploaded; the reply commits {size}"
                 )
             if refused is not None:
                 self._refusals.add(refused)
                 raise refused
             del self._records[(run_id, node_id, round, record)]
-            return held[1]
+        if held.decoding is not None:
+            return held.decoding.result()
+        try:
+            return self.decode(held.spilled, record)
+        finally:
+            held.spilled.close()
 
     def holds(self, run_id: int, node_id: int, round: int, record: str) -> bool:
         """Whether an upload waits in this slot (for a reply to claim it)."""
@@ -254,13 +329,26 @@ class Inbox:
         """Forget a round's uploads no reply claimed (the round ended); how many were dropped."""
         with self._lock:
             slots = [slot for slot in self._records if slot[:1] + slot[2:3] == (run_id, round)]
-            for slot in slots:
-                del self._records[slot]
-            return len(slots)
+            dropped = [self._records.pop(slot) for slot in slots]
+        for upload in dropped:
+            _forget(upload)
+        return len(dropped)
+
+    def close(self) -> None:
+        """Decodings not yet started are cancelled; the decoding thread ends after the one it runs."""
+        self._decoder.shutdown(wait=False, cancel_futures=True)
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._records)
+
+
+def _forget(upload: _Upload) -> None:
+    """An upload no claim will take: its decoding cancelled if not started, its file closed."""
+    if upload.decoding is not None:
+        upload.decoding.cancel()
+    if upload.spilled is not None:
+        upload.spilled.close()
 
 
 def _slot(t: Ticket) -> tuple:
@@ -318,7 +406,10 @@ class TransportServer:
         limits: Limits = Limits(),
         max_workers: int = 16,
         spill_dir: Path | None = None,
+        decode=contiguous,
     ):
+        """``decode``: how an upload is read for its claim (``Inbox``); ``spill_dir``: where large uploads wait
+        in files (None: in memory)."""
         if insecure and (cert_file or key_file):
             raise ValueError("insecure=True with a certificate; choose TLS (cert_file and key_file) or insecure")
         if not insecure and not (cert_file and key_file):
@@ -328,7 +419,7 @@ class TransportServer:
         self.registry = registry or CapabilityRegistry()
         self.refusals = Refusals()
         self.outbox = Outbox()
-        self.inbox = Inbox(self.refusals, spill_dir)  # large uploads in files there (None: in memory)
+        self.inbox = Inbox(self.refusals, spill_dir, decode=decode)
         self.limits = limits
         self._stopping = threading.Event()
         self._waits_lock = threading.Lock()
@@ -367,6 +458,7 @@ class TransportServer:
         if self._server is not None:
             self._server.stop(grace_s).wait()
             self._server = None
+        self.inbox.close()
 
     def _refuse(self, refused: Refused, context: grpc.ServicerContext) -> None:
         self.refusals.add(refused)
@@ -389,8 +481,8 @@ class TransportServer:
                 raise Refused(RefusalKind.BAD_HEADER, "the stream ended before its header")
             header = parse_header(first, Direction.UPLOAD)
             ticket = self.registry.reserve(header.claim, header.size)
-            data = self._receive(feed, header)
-            self.inbox.put(ticket, header.sha256, data)
+            data, sha256 = self._receive(feed, header)
+            self.inbox.put(ticket, sha256, data)
             self.registry.finish(ticket)
             done = True
             return b"accepted"
@@ -404,23 +496,40 @@ class TransportServer:
             if ticket is not None and not done:
                 self.registry.release(ticket)
 
-    def _receive(self, feed: _Feed, header: Header) -> bytearray | mmap.mmap:
-        """The declared bytes, hashed as they arrive (into ``Inbox.buffer``); any difference from the
-        declaration is refused."""
+    def _receive(self, feed: _Feed, header: Header) -> tuple[Buffers | SpillFile, str]:
+        """The declared bytes, hashed as they arrive (kept as they come, or written into a file:
+        ``Inbox.buffer``), and their SHA-256; any difference from the declaration is refused. A header without
+        a SHA-256 declares that it follows the bytes (``_trailer``): the client hashed while it sent."""
         data, digest, got, start = self.inbox.buffer(header.size), hashlib.sha256(), 0, time.monotonic()
-        while (chunk := self._next(feed, start, got)) is not None:
+        while got < header.size and (chunk := self._next(feed, start, got)) is not None:
             if got + len(chunk) > header.size:
                 raise Refused(RefusalKind.SIZE_MISMATCH, f"more than the declared {header.size} bytes")
-            data[got : got + len(chunk)] = chunk
+            data.append(chunk)
             digest.update(chunk)
             got += len(chunk)
         if got != header.size:
             raise Refused(RefusalKind.SIZE_MISMATCH, f"{got} bytes; declared {header.size}")
-        if not hmac.compare_digest(digest.hexdigest(), header.sha256):
+        declared = header.sha256 or self._trailer(feed, start, got)
+        if self._next(feed, start, got) is not None:
+            raise Refused(RefusalKind.SIZE_MISMATCH, f"more than the declared {header.size} bytes")
+        if not hmac.compare_digest(digest.hexdigest(), declared):
             raise Refused(
                 RefusalKind.DIGEST_MISMATCH, f"record {header.claim.record!r}: SHA-256 differs from the declared one"
             )
-        return data
+        return data, declared
+
+    def _trailer(self, feed: _Feed, start: float, got: int) -> str:
+        """The SHA-256 a client sends after the declared bytes: 64 lowercase hex digits as one message. A longer
+        message is more bytes than declared."""
+        trailer = self._next(feed, start, got)
+        if trailer is None:
+            raise Refused(RefusalKind.BAD_HEADER, f"no SHA-256 after the declared {got} bytes; the header has none")
+        if len(trailer) != 64:
+            raise Refused(RefusalKind.SIZE_MISMATCH, f"more than the declared {got} bytes")
+        text = bytes(trailer).decode("ascii", "replace")
+        if not HEX64.fullmatch(text):
+            raise Refused(RefusalKind.BAD_HEADER, "the SHA-256 after the bytes: expected 64 lowercase hex digits")
+        return text
 
     def _next(self, feed: _Feed, start: float, got: int):
         """The next message, refusing a stall (nothing for the idle timeout) or a trickle (below the

@@ -11,6 +11,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import threading
 import time
 
@@ -155,6 +156,37 @@ def test_inbox_commits_bytes_only_under_the_replys_digest():
     assert refusals.counts() == {"digest_mismatch": 1} and len(inbox) == 1  # counted, nothing changed
     assert inbox.claim(1, 2, 3, "update/2", sha(b"abc")) == b"abc"
     assert inbox.claim(1, 2, 3, "update/2", sha(b"abc")) is None  # claimed once; None: fall back
+
+
+def test_uploads_still_arriving_count_toward_the_inboxs_memory_budget(tmp_path):
+    """Uploads that arrive together cannot pass the in-memory budget together: one still being received in
+    memory counts from its ``buffer`` on, so the next one that would pass the budget goes to a file; a
+    buffer given back (``discard``: its upload refused or broken off) frees its share."""
+    from parablock_flwr.transport.service import SpillFile
+
+    inbox = Inbox(Refusals(), spill_dir=tmp_path, memory_bytes=1000)
+    first = inbox.buffer(600)
+    assert isinstance(first, Buffers)
+    second = inbox.buffer(600)  # the first is still arriving: 1200 bytes would pass 1000
+    assert isinstance(second, SpillFile) and inbox.spilled == 1
+    inbox.discard(second)
+    inbox.discard(first)
+    assert isinstance(inbox.buffer(600), Buffers)
+    assert list(tmp_path.iterdir()) == []  # the spilled one was unlinked when created
+
+
+def test_a_closed_inbox_still_hands_over_what_it_holds_and_what_arrives_late():
+    """The service stops (``Inbox.close``) with uploads held and one still arriving: a claim still gets each,
+    decoded (the late one decoded as it is put), never a cancelled decoding."""
+    inbox = Inbox(Refusals())
+    tickets = [Ticket(os.urandom(32), 1, 2, 3, UP, f"update/{i}") for i in range(2)]
+    inbox.put(tickets[0], sha(b"abc"), Buffers([b"abc"]))
+    late = inbox.buffer(3)
+    inbox.close()
+    late.append(b"xyz")
+    inbox.put(tickets[1], sha(b"xyz"), late)
+    assert inbox.claim(1, 2, 3, "update/0", sha(b"abc")) == b"abc"
+    assert inbox.claim(1, 2, 3, "update/1", sha(b"xyz")) == b"xyz"
 
 
 def npy_bytes(values: bytes) -> bytes:
@@ -502,7 +534,8 @@ def test_a_digest_that_follows_the_bytes_is_checked_like_a_declared_one(server, 
     expect_refusal(server, "digest_mismatch", upload(data, sha(b"x").encode()))
     expect_refusal(server, "bad_header", upload(data))  # no trailer
     expect_refusal(server, "bad_header", upload(data, b"Z" * 64))
-    expect_refusal(server, "size_mismatch", upload(data, sha(data).encode() + b"0"))  # more than the digest
+    expect_refusal(server, "bad_header", upload(data, sha(data).encode() + b"0"))  # not a SHA-256 either
+    expect_refusal(server, "bad_header", upload(data, sha(data).encode()[:63]))
     expect_refusal(server, "size_mismatch", upload(data, sha(data).encode(), b"more"))
     expect_refusal(server, "size_mismatch", upload(data + b"0", sha(data + b"0").encode()))
     oversized = encode_header(t, 2**62, "")
@@ -512,6 +545,24 @@ def test_a_digest_that_follows_the_bytes_is_checked_like_a_declared_one(server, 
     t = upload_ticket(server, 100)
     assert client.upload(t, data) == sha(data)  # the client's own: the digest follows the bytes
     assert server.inbox.claim(1, 2, 7, t.record, sha(data), len(data)) == data
+
+
+@settings(max_examples=40, deadline=None)
+@given(trailer=st.one_of(st.binary(max_size=80), st.text("0123456789abcdefABCDEF", min_size=60, max_size=68).map(
+    str.encode)))  # fmt: skip
+def test_any_bytes_after_an_uploads_bytes_are_its_sha256_or_one_refusal(server, tls, trailer):
+    """Whatever message follows the bytes of an upload whose header declares no SHA-256, it is accepted only
+    when it is their SHA-256; anything else is one refusal, ``bad_header`` (not 64 lowercase hex digits) or
+    ``digest_mismatch``, counted, with nothing held and the capability free for a retry."""
+    data = b"0123456789"
+    t = upload_ticket(server, 100)
+    head = encode_header(t, len(data), "")
+    if trailer == sha(data).encode():
+        assert raw_upload(server, tls, iter([head, data, trailer])) == "accepted"
+        return
+    kind = "digest_mismatch" if re.fullmatch(rb"[0-9a-f]{64}", trailer) else "bad_header"
+    expect_refusal(server, kind, lambda: raw_upload(server, tls, iter([head, data, trailer])))
+    assert raw_upload(server, tls, iter([head, data, sha(data).encode()])) == "accepted"  # the retry
 
 
 def test_a_header_that_is_not_one_is_refused(server, tls):

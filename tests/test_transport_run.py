@@ -185,7 +185,7 @@ def test_an_update_is_claimed_only_under_the_digest_its_reply_commits(hub, node)
 
 def test_a_large_upload_waits_for_its_reply_in_a_file_not_memory_and_leaves_nothing_behind(tls, node, tmp_path):
     """Uploads stay in memory while those held there fit the inbox's budget; one that would pass it is
-    received into a file of the spill folder, unlinked at once and mapped: the claim reads the same bytes,
+    received into a file of the spill folder, unlinked at once: the claim reads the same bytes,
     the refusals still change nothing, and no file is left, whether the upload is claimed, refused or
     dropped with its round."""
     with RunTransport(settings(tls), RUN, TTL, LIMITS, spill_dir=tmp_path / "spill") as hub:

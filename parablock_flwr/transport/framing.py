@@ -99,15 +99,10 @@ def framed(payloads: Mapping[str, object]) -> Buffers:
     return _joined({name: [owned(p)] for name, p in payloads.items()})
 
 
-def frame_pieces(pieces: Mapping[str, list[np.ndarray]]) -> bytes:
-    """``frame`` of the arrays ``wire.pack_pieces`` returns as 1-D pieces (joined, each array is one npy
-    payload)."""
-    return framed_pieces(pieces).tobytes()
-
-
 def framed_pieces(pieces: Mapping[str, list[np.ndarray]]) -> Buffers:
-    """``frame_pieces``'s bytes as ``Buffers`` of the pieces' own memory: nothing copied (the sender cuts its
-    chunks from them, ``Buffers.chunks``)."""
+    """The record of the arrays ``wire.pack_pieces`` returns as 1-D pieces, as ``Buffers`` of the pieces' own
+    memory: nothing copied (the sender cuts its chunks from them, ``Buffers.chunks``). The pieces must not
+    change until the upload returns: they are hashed as they are sent."""
     buffers = {}
     for name, array_pieces in pieces.items():
         header = npy_header(array_pieces[0].dtype, (sum(p.size for p in array_pieces),))

@@ -18,7 +18,7 @@ MAX_ID = 2**64 - 1  # Flower's run and node ids are uint64
 MAX_SIZE = 2**63 - 1
 RECORD_NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,128}")
 HEX64 = re.compile(r"[0-9a-f]{64}")
-DIGEST = re.compile(r"(?:[0-9a-f]{64})?")  # an upload's declared SHA-256, or empty: it follows the bytes
+DIGEST = re.compile(f"(?:{HEX64.pattern})?")  # an upload's declared SHA-256, or empty: it follows the bytes
 
 
 @dataclass(frozen=True)

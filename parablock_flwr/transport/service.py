@@ -45,6 +45,8 @@ SERVICE = "parablock.transport.Transport"
 UPLOAD = f"/{SERVICE}/Upload"
 DOWNLOAD = f"/{SERVICE}/Download"
 CHUNK_BYTES = 4 * 2**20
+COALESCE_BYTES = 2**20  # an upload's messages below this are joined before they are held (``_receive``)
+TRAILER_BYTES = 64  # an upload's SHA-256 sent after its bytes: hex digits
 MESSAGE_LIMIT = CHUNK_BYTES + 2**20  # a chunk plus room for framing; larger messages are refused by grpc
 
 STATUS = {
@@ -183,9 +185,9 @@ class SpillFile:
 
     def append(self, chunk) -> None:
         view = memoryview(chunk).cast("B")
+        self._size += view.nbytes
         while view.nbytes:
             view = view[os.write(self._fd, view) :]
-        self._size += len(chunk)
 
     def __len__(self) -> int:
         return self._size
@@ -252,17 +254,22 @@ class Inbox:
         self._refusals = refusals
         self.spill_dir, self.memory_bytes, self.decode = spill_dir, memory_bytes, decode
         self.spilled = 0  # uploads received into a file
+        self._receiving: dict[int, int] = {}  # id(buffer) -> size: uploads in memory still being received
         # One thread: decodings are memory copies under the GIL, so more would not go faster.
         self._decoder = futures.ThreadPoolExecutor(1, "transport-decode")
 
     def buffer(self, size: int) -> Buffers | SpillFile:
         """Where an upload of ``size`` bytes is received: memory (the chunks as they come), or (the class's
         docstring) a ``SpillFile`` in ``spill_dir``, its space reserved first (a full disk is an error here,
-        not a failed write halfway). The kernel writes its pages out and may evict them."""
+        not a failed write halfway). An upload received in memory counts toward ``memory_bytes`` from here on,
+        not from its ``put``, so that uploads arriving together cannot pass the budget together; ``discard``
+        gives back what was not ``put``."""
         with self._lock:
-            in_memory = sum(upload.size for upload in self._records.values() if upload.spilled is None)
-        if self.spill_dir is None or size == 0 or in_memory + size <= self.memory_bytes:
-            return Buffers()
+            in_memory = sum(u.size for u in self._records.values() if u.spilled is None) + sum(self._receiving.values())
+            if self.spill_dir is None or size == 0 or in_memory + size <= self.memory_bytes:
+                buffers = Buffers()
+                self._receiving[id(buffers)] = size
+                return buffers
         try:
             self.spill_dir.mkdir(parents=True, exist_ok=True)
             fd, path = tempfile.mkstemp(dir=self.spill_dir, prefix=".upload-")
@@ -281,16 +288,37 @@ class Inbox:
         return SpillFile(fd)
 
     def put(self, ticket: Ticket, sha256: str, data: Buffers | SpillFile | bytearray) -> None:
-        """Hold an accepted upload for its claim; one in memory starts decoding now (the class's docstring)."""
+        """Hold an accepted upload for its claim; one in memory starts decoding now (the class's docstring), or
+        here once the inbox is closed (the service stopping)."""
         if isinstance(data, SpillFile):
             upload = _Upload(sha256, len(data), spilled=data)
         else:
-            upload = _Upload(sha256, len(data), decoding=self._decoder.submit(self.decode, data, ticket.record))
+            upload = _Upload(sha256, len(data), decoding=self._decode_soon(data, ticket.record))
         with self._lock:
+            self._receiving.pop(id(data), None)
             old = self._records.get(_slot(ticket))
             self._records[_slot(ticket)] = upload
         if old is not None:
             _forget(old)
+
+    def _decode_soon(self, data, record: str) -> futures.Future:
+        try:
+            return self._decoder.submit(self.decode, data, record)
+        except RuntimeError:  # closed: decoded here, so that a claim still finds it
+            done: futures.Future = futures.Future()
+            try:
+                done.set_result(self.decode(data, record))
+            except Exception as err:  # raised at the claim, as from the thread
+                done.set_exception(err)
+            return done
+
+    def discard(self, data: Buffers | SpillFile | None) -> None:
+        """An upload's buffer that will not be ``put`` (refused, broken off): its share of the memory budget
+        given back, its file closed."""
+        with self._lock:
+            self._receiving.pop(id(data), None)
+        if isinstance(data, SpillFile):
+            data.close()
 
     def claim(self, run_id: int, node_id: int, round: int, record: str, sha256: str, size: int | None = None):
         """The upload, decoded (``decode``), when its digest equals ``sha256`` (from the node's Flower reply) and
@@ -335,8 +363,9 @@ class Inbox:
         return len(dropped)
 
     def close(self) -> None:
-        """Decodings not yet started are cancelled; the decoding thread ends after the one it runs."""
-        self._decoder.shutdown(wait=False, cancel_futures=True)
+        """The decoding thread ends once the decodings it holds are done (a claim may still take them); a later
+        upload is decoded in ``put`` itself."""
+        self._decoder.shutdown(wait=False)
 
     def __len__(self) -> int:
         with self._lock:
@@ -474,14 +503,15 @@ class TransportServer:
         context.abort(grpc.StatusCode.NOT_FOUND, str(revoked))
 
     def _upload(self, requests, context: grpc.ServicerContext) -> bytes:
-        feed, ticket, done = _Feed(requests), None, False
+        feed, ticket, data, done = _Feed(requests), None, None, False
         try:
             first = self._next(feed, time.monotonic(), 0)
             if first is None:
                 raise Refused(RefusalKind.BAD_HEADER, "the stream ended before its header")
             header = parse_header(first, Direction.UPLOAD)
             ticket = self.registry.reserve(header.claim, header.size)
-            data, sha256 = self._receive(feed, header)
+            data = self.inbox.buffer(header.size)
+            sha256 = self._receive(feed, header, data)
             self.inbox.put(ticket, sha256, data)
             self.registry.finish(ticket)
             done = True
@@ -495,18 +525,28 @@ class TransportServer:
             # Anything but acceptance (a refusal, a broken stream, an error) leaves the capability as it was.
             if ticket is not None and not done:
                 self.registry.release(ticket)
+                self.inbox.discard(data)
 
-    def _receive(self, feed: _Feed, header: Header) -> tuple[Buffers | SpillFile, str]:
-        """The declared bytes, hashed as they arrive (kept as they come, or written into a file:
-        ``Inbox.buffer``), and their SHA-256; any difference from the declaration is refused. A header without
-        a SHA-256 declares that it follows the bytes (``_trailer``): the client hashed while it sent."""
-        data, digest, got, start = self.inbox.buffer(header.size), hashlib.sha256(), 0, time.monotonic()
+    def _receive(self, feed: _Feed, header: Header, data: Buffers | SpillFile) -> str:
+        """The declared bytes into ``data`` (``Inbox.buffer``), hashed as they arrive, and their SHA-256; any
+        difference from the declaration is refused. A header without a SHA-256 declares that it follows the
+        bytes (``_trailer``): the client hashed while it sent. Messages under ``COALESCE_BYTES`` are joined
+        before they are kept, so that many small ones cost what their bytes cost."""
+        digest, got, start, small = hashlib.sha256(), 0, time.monotonic(), bytearray()
         while got < header.size and (chunk := self._next(feed, start, got)) is not None:
             if got + len(chunk) > header.size:
                 raise Refused(RefusalKind.SIZE_MISMATCH, f"more than the declared {header.size} bytes")
-            data.append(chunk)
             digest.update(chunk)
             got += len(chunk)
+            if len(chunk) >= COALESCE_BYTES and not small:
+                data.append(chunk)
+                continue
+            small += chunk
+            if len(small) >= COALESCE_BYTES:
+                data.append(bytes(small))
+                small = bytearray()
+        if small:
+            data.append(bytes(small))
         if got != header.size:
             raise Refused(RefusalKind.SIZE_MISMATCH, f"{got} bytes; declared {header.size}")
         declared = header.sha256 or self._trailer(feed, start, got)
@@ -516,19 +556,19 @@ class TransportServer:
             raise Refused(
                 RefusalKind.DIGEST_MISMATCH, f"record {header.claim.record!r}: SHA-256 differs from the declared one"
             )
-        return data, declared
+        return declared
 
     def _trailer(self, feed: _Feed, start: float, got: int) -> str:
-        """The SHA-256 a client sends after the declared bytes: 64 lowercase hex digits as one message. A longer
-        message is more bytes than declared."""
+        """The SHA-256 a client sends after the declared bytes: 64 lowercase hex digits as one message."""
         trailer = self._next(feed, start, got)
         if trailer is None:
             raise Refused(RefusalKind.BAD_HEADER, f"no SHA-256 after the declared {got} bytes; the header has none")
-        if len(trailer) != 64:
-            raise Refused(RefusalKind.SIZE_MISMATCH, f"more than the declared {got} bytes")
-        text = bytes(trailer).decode("ascii", "replace")
-        if not HEX64.fullmatch(text):
-            raise Refused(RefusalKind.BAD_HEADER, "the SHA-256 after the bytes: expected 64 lowercase hex digits")
+        text = bytes(trailer[: TRAILER_BYTES + 1]).decode("ascii", "replace")
+        if len(trailer) != TRAILER_BYTES or not HEX64.fullmatch(text):
+            raise Refused(
+                RefusalKind.BAD_HEADER,
+                f"the SHA-256 after the bytes: {len(trailer)} bytes; expected {TRAILER_BYTES} lowercase hex digits",
+            )
         return text
 
     def _next(self, feed: _Feed, start: float, got: int):

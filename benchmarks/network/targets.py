@@ -37,12 +37,12 @@ def avg(rows: list[dict], key: str) -> float | None:
 
 def link_seconds(run: dict) -> float | None:
     """The link's own time of a window, mean over rounds 2..R: round r-1's reply up and round r's message
-    down at the run's rate, and its latency each way."""
+    down (g^{r-1}, which round r-1's record counts) at the run's rate, and its latency each way."""
     rounds = run.get("rounds", [])
     link = core.LinkModel(run["rate_mbps"], run["rate_mbps"], run["latency_ms"])
-    times = [link.comm_seconds(prev["bytes_up_per_client"], r["bytes_down_per_client"])
-             for prev, r in zip(rounds, rounds[1:])
-             if prev.get("bytes_up_per_client") is not None and r.get("bytes_down_per_client") is not None]  # fmt: skip
+    keys = ("bytes_up_per_client", "bytes_down_per_client")
+    times = [link.comm_seconds(*(prev[k] for k in keys)) for prev in rounds[:-1]
+             if all(prev.get(k) is not None for k in keys)]  # fmt: skip
     return mean(times) if times else None
 
 

@@ -71,5 +71,6 @@ def write_direct_docs(results: dict, pngs: list[Path]) -> Path:
         + "The control floor: benchmarks/flower_floor.py's app (no model, no payload) over the same links and "
         "processes. On a shared 2-core machine the seconds are noisy; the load is given per floor run."
     )
-    text = describe(results) + "\n\n" + setup + "\n\n" + results.get("targets", "") + "\n\n" + "\n\n".join(links)
+    text = setup + "\n\n" + results.get("targets", "") + "\n\nEvery round:\n\n" + describe(results)
+    text += "\n\n" + "\n\n".join(links)
     return write_report("network-direct", DIRECT_TITLE, text, how=results["command"])

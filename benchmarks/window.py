@@ -245,18 +245,29 @@ def run_floor(size: str, kind: str, args) -> dict:
     with environment(FLOWER_TRANSFER_SETTINGS):
         run_deployment(workdir, config, 1, args.timeout_s, app_dir=floor_app(args.out / "floor-app"),
                        on_started=pin_workers)  # fmt: skip
-    found = sorted((workdir / "out").glob("floor-*/floor.json"))
-    if not found:
+    points = floor_points(workdir / "out")
+    if points is None:
         return {"kind": kind, "size": size, "error": f"no floor.json; see {workdir}"}
+    return {"kind": kind, "size": size, "load_1min": load, "points": points}
+
+
+def floor_points(out: Path) -> list[dict] | None:
+    """The Flower-only app's rounds 2..R from its floor.json under ``out`` (its output-dir): each round's legs
+    and its window, their sum; None when it wrote none. benchmarks.network reads its runs with it too."""
+    found = sorted(out.glob("floor-*/floor.json"))
+    if not found:
+        return None
+    floor = json.loads(found[-1].read_text())
     points = []
-    for r in json.loads(found[-1].read_text())["rounds"][1:]:
+    for r in floor["rounds"][1:]:
         legs = {"dispatch": r["pushed"] - r["push_start"], "delivery": r["clientapp_start"] - r["pushed"],
                 "clientapp_relay": r["handler_start"] - r["clientapp_start"],
                 "reply_to_server": r["pulled"] - r["handler_end"]}  # fmt: skip
         cpu = {key: r.get(key) for key in CPU_KEYS}
-        points.append({"round": r["round"], "bytes": 2 * nbytes, "window_s": sum(legs.values()), **legs, **cpu,
-                       "clientapp_pull": legs["clientapp_relay"]})  # its relay leg is all Flower's pull  # fmt: skip
-    return {"kind": kind, "size": size, "load_1min": load, "points": points}
+        # Its relay leg is all Flower's pull.
+        points.append({"round": r["round"], "bytes": 2 * floor["payload_bytes"], "window_s": sum(legs.values()),
+                       **legs, **cpu, "clientapp_pull": legs["clientapp_relay"]})  # fmt: skip
+    return points
 
 
 def memory_refusal(size: str) -> str | None:

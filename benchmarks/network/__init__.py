@@ -27,6 +27,15 @@ the window against the rate per transfer dtype, and the time model calibrated on
     .venv/bin/python -m benchmarks.network --rates 10,25,100     # a sweep of link rates
     .venv/bin/python -m benchmarks.network --fast                # tiny model, a short smoke run (no docs)
     .venv/bin/python -m benchmarks.network --probe               # 1 round: the rate at which link time = compute
+    .venv/bin/python -m benchmarks.network --clients 1 --separate-cores --rates 1000,200 --latency-ms 30 \
+        --algorithms parablock,fedbcd --transports flower,direct --floor   # issue 32's targets: network-direct.md
+
+With ``--transports flower,direct`` each algorithm runs on both transports, side by side: on ``direct``
+the ServerApp serves the run's stream on port 9097 of the link's namespace, and each node's namespace
+has a second latency proxy at 127.0.0.1:9097 to its link's far end, the address the run config (and so
+the offer in Flower's messages) names; plaintext like the SuperLink (``--insecure``). Every proxy
+counts the bytes it moved. ``targets`` compares the windows with the link's own time plus Flower's
+control floor (``--floor``) and ParaBlock's rounds with sequential BCD's.
 
 Writes into --out: results.json, loss-vs-wall.png, round-times.png, the run
 folders and every process's log; without --fast (or with --docs) also
@@ -51,6 +60,7 @@ process start-up) dominate the communication window anyway.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import time
 from pathlib import Path
@@ -61,8 +71,9 @@ from benchmarks.network.analysis import probe_report, tables
 from benchmarks.network.cli import parse_args
 from benchmarks.network.netlab import build_network, check_machine, shape, stop_on_sigterm
 from benchmarks.network.plots import plots
-from benchmarks.network.report import write_docs
-from benchmarks.network.runs import run_dtype_sweep, run_one, save
+from benchmarks.network.report import write_direct_docs, write_docs
+from benchmarks.network.runs import run_dtype_sweep, run_floor, run_one, save
+from benchmarks.network.targets import report as targets_report
 
 __all__ = ["main", "run_one"]
 
@@ -70,6 +81,8 @@ __all__ = ["main", "run_one"]
 def main(argv: list[str] | None = None) -> int:
     """Parse, build the network, run every rate x algorithm (or the dtype sweep), then report."""
     args = parse_args(argv)
+    if args.report:
+        return finish(json.loads(args.report.read_text()), args)
     check_machine()
     stop_on_sigterm()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -80,7 +93,10 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(),
         "network_prefix": prefix,
         "runs": [],
+        "floors": [],
     }
+    if args.separate_cores:  # every process started from here on: CPU 0 (the workers' compute threads: CPU 1)
+        os.sched_setaffinity(0, {0})
     with contextlib.ExitStack() as stack:
         model = args.model or "embedded:smollm2-135m-instruct"
         if args.tiny:
@@ -98,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             "rates_mbps": args.rates,
             "latency_ms": args.latency_ms,
             "algorithms": args.algorithms,
+            "transports": args.transports,
+            "separate_cores": args.separate_cores,
             "torch_threads": 1,
         }
         net = build_network(stack, prefix, args.clients)
@@ -105,30 +123,49 @@ def main(argv: list[str] | None = None) -> int:
             return dtype_sweep_main(net, args, model, results)
         for rate in args.rates:
             shape(net, rate, args.latency_ms)
+            if args.floor:
+                print(f"[{time.strftime('%H:%M:%S')}] control floor over {rate:g} Mbit/s ...", flush=True)
+                results["floors"].append(run_floor(net, rate, args, args.out))
+                floor = results["floors"][-1]
+                print(f"    {floor.get('error') or [round(p['window_s'], 2) for p in floor['points']]}", flush=True)
             for algorithm in args.algorithms:
-                print(
-                    f"[{time.strftime('%H:%M:%S')}] {algorithm} over {rate:g} Mbit/s, {args.latency_ms:g} ms ...",
-                    flush=True,
-                )
-                run = run_one(net, algorithm, rate, args, model, args.out)
-                results["runs"].append(run)
-                print(
-                    f"    {'ok' if 'rounds' in run else run['error']}: {run['total_wall_s']:.0f} s (start-up "
-                    f"{run['startup_s']:.0f} s), then {run['stop_s']:.1f} s to stop",
-                    flush=True,
-                )
-                save(results, args.out)
+                for transport in args.transports:
+                    print(
+                        f"[{time.strftime('%H:%M:%S')}] {algorithm} ({transport}) over {rate:g} Mbit/s, "
+                        f"{args.latency_ms:g} ms ...",
+                        flush=True,
+                    )
+                    run = run_one(net, algorithm, rate, args, model, args.out, transport)
+                    results["runs"].append(run)
+                    print(
+                        f"    {'ok' if 'rounds' in run else run['error']}: {run['total_wall_s']:.0f} s (start-up "
+                        f"{run['startup_s']:.0f} s), then {run['stop_s']:.1f} s to stop",
+                        flush=True,
+                    )
+                    save(results, args.out)
+    return finish(results, args)
+
+
+def finish(results: dict, args) -> int:
+    """Tables, plots and (unless told not to) docs of the runs in ``results``; also for ``--report``."""
     results["tables"] = tables(results["runs"])
     results["plots"] = [str(p) for p in plots(results["runs"], args.out)]
+    direct = "direct" in results.get("settings", {}).get("transports", [])
+    if direct or results.get("floors"):
+        results["targets"] = targets_report(results["runs"], results.get("floors", []))
     save(results, args.out)
     print(results["tables"])
-    if args.probe and "rounds" in results["runs"][0]:
+    print(results.get("targets", ""))
+    if args.probe and results["runs"] and "rounds" in results["runs"][0]:
         print(probe_report(results["runs"][0]))
-    if args.write_docs:
+    if args.write_docs and direct:
+        print(f"wrote {write_direct_docs(results, [Path(p) for p in results['plots']])}")
+    elif args.write_docs:
         write_docs(results, [Path(p) for p in results["plots"]])
         print("wrote docs/results/network.md and docs/img/network-*.png")
     print(f"results: {args.out / 'results.json'}")
-    return 0 if all("rounds" in r for r in results["runs"]) else 1
+    runs_ok = all("rounds" in r for r in results["runs"]) and all("points" in f for f in results.get("floors", []))
+    return 0 if runs_ok else 1
 
 
 def dtype_sweep_main(net, args, model: str, results: dict) -> int:

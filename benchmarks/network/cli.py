@@ -67,6 +67,16 @@ def _transfer_dtypes(text: str) -> list[str]:
     return names
 
 
+def _transports(text: str) -> list[str]:
+    from parablock_flwr.config import TRANSPORTS
+
+    names = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+    for name in names or [text]:
+        if name not in TRANSPORTS:
+            raise argparse.ArgumentTypeError(f"{name!r}: expected a comma list of {', '.join(TRANSPORTS)}")
+    return names
+
+
 def _non_negative(text: str) -> float:
     try:
         value = float(text)
@@ -122,8 +132,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a sweep of every rate x these dtypes (e.g. fp32,bf16,int8) over one set of processes: the window "
         "against the rate for each dtype, and the time model calibrated on two points, checked on the rest",
     )
+    p.add_argument(
+        "--transports",
+        type=_transports,
+        help="comma list of how a block's bytes travel (default flower): each algorithm runs on each, side by "
+        "side; direct: the run's own stream (plaintext, as the SuperLink), through a second latency proxy per "
+        "node; with direct, writes docs/results/network-direct.md with issue 32's targets",
+    )
+    p.add_argument(
+        "--floor",
+        action="store_true",
+        help="also run Flower's control floor at each rate (the Flower-only app, no payload), for the targets",
+    )
+    p.add_argument(
+        "--separate-cores",
+        action="store_true",
+        help="the workers' compute threads on CPU 1, every other process on CPU 0, and the server evaluating at "
+        "rounds 0 and R only (benchmarks.window's set-up: with one client, what overlap can gain on 2 cores)",
+    )
+    p.add_argument("--report", type=Path, help="run nothing: the tables and docs again from this results.json")
     p.add_argument("--timeout-s", type=_positive(float), default=7200.0, help="limit for each `flwr run`")
     args = p.parse_args(argv)
+    if args.transfer_dtypes and args.transports and args.transports != ["flower"]:
+        p.error(f"--transports={','.join(args.transports)} with --transfer-dtypes: expected the sweep on flower only")
     if args.rate is not None and args.rates is not None:
         p.error(f"--rate={args.rate:g} and --rates={','.join(f'{r:g}' for r in args.rates)}: expected only one")
     if args.clients is not None and args.clients > 250:
@@ -144,6 +175,10 @@ def _defaults(args: argparse.Namespace) -> None:
     args.local_steps = args.local_steps or 3
     args.rounds = args.rounds or (1 if args.probe else 3)
     args.algorithms = args.algorithms or list(algorithm_names())
+    args.transports = args.transports or ["flower"]
+    if args.separate_cores:
+        args.compute_cpus = "1"
+        args.extra_config = {"eval-every": args.rounds, "generate-examples": 0}
     if args.probe:
         args.algorithms = args.algorithms[:1]
     args.write_docs = not args.no_docs and not args.probe and (args.docs or not fast)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from benchmarks.network.analysis import label as run_label
+
 
 def plots(runs: list[dict], folder: Path) -> list[Path]:
     """Held-out loss against wall clock; per-round compute / communication / idle bars."""
@@ -16,13 +18,13 @@ def plots(runs: list[dict], folder: Path) -> list[Path]:
     if not done:
         return []
     rates = sorted({r["rate_mbps"] for r in done})
-    algorithms = list(dict.fromkeys(r["algorithm"] for r in done))
+    algorithms = list(dict.fromkeys(run_label(r) for r in done))  # an algorithm on each transport: one column each
     fig, axes = plt.subplots(1, len(rates), figsize=(6 * len(rates), 4), squeeze=False)
     for ax, rate in zip(axes[0], rates):
         for run in (r for r in done if r["rate_mbps"] == rate):
             points = [(run["initial_elapsed_s"], run["heldout_loss_initial"])]
             points += [(r["elapsed_s"], r["heldout_loss"]) for r in run["rounds"]]
-            ax.plot(*zip(*points), marker="o", label=run["algorithm"])
+            ax.plot(*zip(*points), marker="o", label=run_label(run))
         ax.set(
             title=f"{rate:g} Mbit/s, {runs[0]['latency_ms']:g} ms one way",
             xlabel="wall clock since the strategy started, s (first point: before training)",
@@ -38,7 +40,7 @@ def plots(runs: list[dict], folder: Path) -> list[Path]:
     fig, axes = plt.subplots(len(rates), len(algorithms), figsize=(4 * len(algorithms), height), squeeze=False)
     for row, rate in zip(axes, rates):
         for ax, algorithm in zip(row, algorithms):
-            run = next((r for r in done if r["rate_mbps"] == rate and r["algorithm"] == algorithm), None)
+            run = next((r for r in done if r["rate_mbps"] == rate and run_label(r) == algorithm), None)
             if run is None:
                 ax.set_visible(False)
                 continue

@@ -41,3 +41,36 @@ def describe(results: dict) -> str:
         "perfect overlap; wire MB = bytes that crossed each node's veth during the whole run (all rounds and "
         "Flower's polls).\n\n" + results["tables"]
     )
+
+
+DIRECT_TITLE = "The direct transport on a shaped link: issue 32's targets, Flower's path beside the stream"
+
+
+def write_direct_docs(results: dict, pngs: list[Path]) -> Path:
+    """docs/results/network-direct.md (``--transports`` with direct): the set-up, issue 32's targets, every
+    round; the plots under docs/img/ (network-direct-*.png). docs/results/network.md stays as it is."""
+    img = PROJECT_DIR / "docs" / "img"
+    img.mkdir(parents=True, exist_ok=True)
+    links = []
+    for png in pngs:
+        shutil.copy(png, img / f"network-direct-{png.name}")
+        links.append(f"![{png.stem}](../img/network-direct-{png.name})")
+    s = results["settings"]
+    setup = (
+        f"Transports side by side: {', '.join(s['transports'])}. On `direct` the block records move on the run's "
+        "own gRPC stream, plaintext like the benchmark's SuperLink (`--insecure`; no TLS in this benchmark): "
+        "the ServerApp serves it on port 9097 of the link's namespace, and each node reaches it through a "
+        "second latency proxy in its namespace, at the address the run config names (127.0.0.1:9097), over "
+        "the same shaped link as its Flower traffic. "
+        + (
+            "Separated cores: the worker's compute thread on CPU 1, every other process (the worker's "
+            "stream and socket threads included) on CPU 0; the server evaluates at rounds 0 and R only. "
+            if s.get("separate_cores")
+            else ""
+        )
+        + "The control floor: benchmarks/flower_floor.py's app (no model, no payload) over the same links and "
+        "processes. On a shared 2-core machine the seconds are noisy; the load is given per floor run."
+    )
+    text = setup + "\n\n" + results.get("targets", "") + "\n\nEvery round:\n\n" + describe(results)
+    text += "\n\n" + "\n\n".join(links)
+    return write_report("network-direct", DIRECT_TITLE, text, how=results["command"])

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from benchmarks.common import GSM_AS_MEASURED, PROJECT_DIR, read_records
 from benchmarks.network.analysis import mean, round_row
+from benchmarks.network.latency_proxy import moved_bytes
 from benchmarks.network.netlab import (
     Network,
     descendants,
@@ -41,21 +42,36 @@ from parablock_flwr.tools.launch import (
 # Ports inside the namespaces: every namespace is fresh, so fixed ports are free.
 SUPERLINK_PORT, SUPERLINK_HEALTH_PORT = 9093, 9094
 PROXY_PORT, CLIENTAPPIO_PORT, SUPERNODE_HEALTH_PORT = 9092, 9095, 9096
+# transport = "direct": the ServerApp serves the run's stream on this port of every interface in the link's
+# namespace, and each node's namespace has a second latency proxy on 127.0.0.1 at the same port, to that node's
+# link address. So the one address the offer names, 127.0.0.1:STREAM_PORT, reaches the stream from every node
+# over its own shaped link, as the SuperNode reaches the SuperLink through its proxy.
+STREAM_PORT = 9097
+STREAM_ADDRESS = f"127.0.0.1:{STREAM_PORT}"
 
 # The tiny model's run (as benchmarks/local_deployment.py --tiny): seconds per round.
 TINY_CONFIG = {"num-examples": 64, "heldout-examples": 8, "max-seq-len": 128, "learning-rate": 3e-3}
 
 
-def run_one(net: Network, algorithm: str, rate: float, args: argparse.Namespace, model: str, out: Path) -> dict:
+def run_one(
+    net: Network,
+    algorithm: str,
+    rate: float,
+    args: argparse.Namespace,
+    model: str,
+    out: Path,
+    transport: str = "flower",
+) -> dict:
     """SuperLink, workers, proxies and SuperNodes in their namespaces, `flwr run`, then stop them all."""
-    workdir = out / "runs" / f"{rate:g}mbps-{algorithm}"
+    workdir = out / "runs" / f"{rate:g}mbps-{algorithm}{'' if transport == 'flower' else '-' + transport}"
     flwr_home = workdir / "flwr-home"
     flwr_home.mkdir(parents=True, exist_ok=True)
     write_connection(flwr_home, f"127.0.0.1:{SUPERLINK_PORT}")
-    run_config = make_run_config(algorithm, rate, args, model, workdir / "out")
+    run_config = {**make_run_config(algorithm, rate, args, model, workdir / "out"), **transport_config(transport)}
     wire_before = [wire_bytes(node) for node in net.nodes]
     result: dict = {
         "algorithm": algorithm,
+        "transport": transport,
         "rate_mbps": rate,
         "latency_ms": args.latency_ms,
         "pids": [],
@@ -72,6 +88,7 @@ def run_one(net: Network, algorithm: str, rate: float, args: argparse.Namespace,
                 flower_env_for(flwr_home),
                 result["pids"],
                 getattr(args, "compute_cpus", ""),
+                stream=transport == "direct",
             )
             result["startup_s"] = time.perf_counter() - began
             proc = flwr_run(workdir, run_config, PROJECT_DIR, args.timeout_s, prefix=in_netns(net.link_ns))
@@ -88,6 +105,7 @@ def run_one(net: Network, algorithm: str, rate: float, args: argparse.Namespace,
     wire_after = [wire_bytes(node) for node in net.nodes]
     result["wire_bytes_up_per_client"] = mean([a[0] - b[0] for a, b in zip(wire_after, wire_before)])
     result["wire_bytes_down_per_client"] = mean([a[1] - b[1] for a, b in zip(wire_after, wire_before)])
+    result.update(proxy_bytes(workdir, len(net.nodes)))
     result.update(read_run(workdir / "out") if result["returncode"] == 0 else {})
     if "rounds" not in result:
         result["error"] = f"the run ended with {result['returncode']}; see {workdir}/flwr-run.log"
@@ -180,12 +198,14 @@ def start_processes(
     env: dict[str, str],
     pids: list[int],
     compute_cpus: str = "",
+    stream: bool = False,
 ) -> list[subprocess.Popen]:
     """Every process of one run, each in its namespace, each appended to ``pids``; returns the workers
-    (their compute thread pinned to ``compute_cpus`` when given).
+    (their compute thread pinned to ``compute_cpus`` when given). With ``stream``, each node also gets the
+    stream's proxy (``STREAM_PORT``): its worker dials the run's stream through it.
 
     A SuperNode starts only once its worker listens (its first message needs it)
-    and its proxy accepts connections.
+    and its proxies accept connections.
     """
 
     def start(ns: str, cmd: list[str], log: str) -> subprocess.Popen:
@@ -202,25 +222,25 @@ def start_processes(
     for node in net.nodes:
         worker = worker_command(sockets / f"w{node.index}.sock", compute_cpus=compute_cpus)
         workers.append(start(node.ns, worker, f"worker-{node.index}.log"))
-        proxies.append(
-            start(
-                node.ns,
-                proxy_command(f"127.0.0.1:{PROXY_PORT}", f"{node.link_ip}:{SUPERLINK_PORT}", latency_ms),
-                f"proxy-{node.index}.log",
-            )
+        paths = [(PROXY_PORT, SUPERLINK_PORT, "proxy")] + (
+            [(STREAM_PORT, STREAM_PORT, "stream-proxy")] if stream else []
         )
+        for port, target_port, name in paths:
+            cmd = proxy_command(f"127.0.0.1:{port}", f"{node.link_ip}:{target_port}", latency_ms)
+            proxies.append((node.ns, port, start(node.ns, cmd, f"{name}-{node.index}.log"), f"{name}-{node.index}.log"))
     wait_for(lambda: listens_in(net.link_ns, SUPERLINK_PORT), superlink, workdir / "superlink.log")
-    for node, worker, proxy in zip(net.nodes, workers, proxies):
-        sock = sockets / f"w{node.index}.sock"
-        wait_for(sock.exists, worker, workdir / f"worker-{node.index}.log")
-        wait_for(lambda ns=node.ns: listens_in(ns, PROXY_PORT), proxy, workdir / f"proxy-{node.index}.log")
+    for node, worker in zip(net.nodes, workers):
+        wait_for((sockets / f"w{node.index}.sock").exists, worker, workdir / f"worker-{node.index}.log")
+    for ns, port, proxy, log in proxies:
+        wait_for(lambda ns=ns, port=port: listens_in(ns, port), proxy, workdir / log)
+    for node in net.nodes:
         start(
             node.ns,
             supernode_command(
                 f"127.0.0.1:{PROXY_PORT}",
                 CLIENTAPPIO_PORT,
                 SUPERNODE_HEALTH_PORT,
-                node_config(node.index, len(net.nodes), sock),
+                node_config(node.index, len(net.nodes), sockets / f"w{node.index}.sock"),
             ),
             f"supernode-{node.index}.log",
         )
@@ -237,7 +257,7 @@ def read_run(out: Path) -> dict:
         "run_dir": str(run_dirs[-1]),
         "heldout_loss_initial": records[0].get("heldout_loss"),
         "initial_elapsed_s": records[0].get("elapsed_s"),
-        "rounds": [round_row(rec) for rec in records[1:]],
+        "rounds": [round_row(rec, prev) for prev, rec in zip(records, records[1:])],
     }
 
 
@@ -261,6 +281,62 @@ def make_run_config(algorithm: str, rate: float, args: argparse.Namespace, model
         config.update(TINY_CONFIG)
     config.update(getattr(args, "extra_config", {}))
     return config
+
+
+def transport_config(transport: str) -> dict:
+    """The run config of ``transport``: on the stream, the address every node dials (its own proxy, see
+    ``STREAM_PORT``), plaintext as the benchmark's SuperLink (`--insecure`)."""
+    if transport == "flower":
+        return {}
+    return {"transport": transport, "transport-address": STREAM_ADDRESS, "transport-insecure": True}
+
+
+def proxy_bytes(workdir: Path, num_nodes: int) -> dict:
+    """The bytes each node's proxies moved (from their logs, once stopped), means per node: towards the
+    SuperLink and back, and on the stream where it ran. A proxy that did not say is left out."""
+    out = {}
+    for name, key in (("proxy", "superlink_proxy"), ("stream-proxy", "stream_proxy")):
+        found = []
+        for i in range(num_nodes):
+            log = workdir / f"{name}-{i}.log"
+            if log.exists() and (moved := moved_bytes(log.read_text(errors="replace"))) is not None:
+                found.append(moved)
+        if found:
+            out[f"{key}_bytes_up_per_client"] = mean([up for up, _ in found])
+            out[f"{key}_bytes_down_per_client"] = mean([down for _, down in found])
+    return out
+
+
+def run_floor(net: Network, rate: float, args: argparse.Namespace, out: Path) -> dict:
+    """Flower's control floor over the same links: benchmarks.flower_floor's app (no model, no payload) on
+    the same processes as a run, its windows (rounds 2..R) from benchmarks.window's reading of them."""
+    from benchmarks.window import floor_app, floor_points
+
+    workdir = out / "runs" / f"{rate:g}mbps-floor"
+    flwr_home = workdir / "flwr-home"
+    flwr_home.mkdir(parents=True, exist_ok=True)
+    write_connection(flwr_home, f"127.0.0.1:{SUPERLINK_PORT}")
+    config = {"rounds": args.rounds, "payload-bytes": 0, "arrays": 1, "output-dir": str(workdir / "out"),
+              "min-available-nodes": len(net.nodes)}  # fmt: skip
+    result: dict = {"kind": "floor", "rate_mbps": rate, "latency_ms": args.latency_ms, "pids": [],
+                    "workdir": str(workdir), "load_1min": os.getloadavg()[0]}  # fmt: skip
+    began = time.perf_counter()
+    with contextlib.ExitStack() as procs:
+        try:
+            start_processes(procs, net, args.latency_ms, workdir, flower_env_for(flwr_home), result["pids"])
+            proc = flwr_run(workdir, config, floor_app(out / "floor-app"), args.timeout_s,
+                            prefix=in_netns(net.link_ns))  # fmt: skip
+            (workdir / "flwr-run.log").write_text(proc.stdout + proc.stderr + "\n")
+        finally:
+            terminate(result["pids"])
+    result["killed_pids"] = kill_survivors(result["pids"])
+    result["total_wall_s"] = time.perf_counter() - began
+    points = floor_points(workdir / "out")
+    if points is None:
+        result["error"] = f"the Flower-only app wrote no floor.json; see {workdir}/flwr-run.log"
+    else:
+        result["points"] = points
+    return result
 
 
 def save(results: dict, out: Path) -> None:

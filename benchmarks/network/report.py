@@ -12,13 +12,19 @@ TITLE = "Shaped links: every algorithm over rate-limited, delayed links"
 
 def write_docs(results: dict, pngs: list[Path]) -> Path:
     """docs/results/network.md, whole, and the plots under docs/img/ (network-*.png)."""
+    links = copy_plots(pngs, "network")
+    return write_report("network", TITLE, describe(results) + "\n\n" + "\n\n".join(links), how=results["command"])
+
+
+def copy_plots(pngs: list[Path], prefix: str) -> list[str]:
+    """The plots copied under docs/img/ as ``PREFIX-NAME.png``; their Markdown links from docs/results/."""
     img = PROJECT_DIR / "docs" / "img"
     img.mkdir(parents=True, exist_ok=True)
     links = []
     for png in pngs:
-        shutil.copy(png, img / f"network-{png.name}")
-        links.append(f"![{png.stem}](../img/network-{png.name})")
-    return write_report("network", TITLE, describe(results) + "\n\n" + "\n\n".join(links), how=results["command"])
+        shutil.copy(png, img / f"{prefix}-{png.name}")
+        links.append(f"![{png.stem}](../img/{prefix}-{png.name})")
+    return links
 
 
 def describe(results: dict) -> str:
@@ -49,12 +55,7 @@ DIRECT_TITLE = "The direct transport on a shaped link: issue 32's targets, Flowe
 def write_direct_docs(results: dict, pngs: list[Path]) -> Path:
     """docs/results/network-direct.md (``--transports`` with direct): the set-up, issue 32's targets, every
     round; the plots under docs/img/ (network-direct-*.png). docs/results/network.md stays as it is."""
-    img = PROJECT_DIR / "docs" / "img"
-    img.mkdir(parents=True, exist_ok=True)
-    links = []
-    for png in pngs:
-        shutil.copy(png, img / f"network-direct-{png.name}")
-        links.append(f"![{png.stem}](../img/network-direct-{png.name})")
+    links = copy_plots(pngs, "network-direct")
     s = results["settings"]
     setup = (
         f"Transports side by side: {', '.join(s['transports'])}. On `direct` the block records move on the run's "

@@ -323,7 +323,7 @@ reply_specs = st.lists(
 )
 
 
-@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     specs=reply_specs,
     algorithm=st.sampled_from([FedBCD, ParaBlock]),

@@ -49,32 +49,24 @@ def algorithm_names() -> tuple[str, ...]:
     return ALGORITHMS
 
 
-def _algorithms(text: str) -> list[str]:
-    names = list(dict.fromkeys(a.strip() for a in text.split(",") if a.strip()))
-    for name in names or [text]:
-        if name not in algorithm_names():
-            raise argparse.ArgumentTypeError(f"{name!r}: expected a comma list of {', '.join(algorithm_names())}")
-    return names
+def _comma_list(choices_name: str):
+    """An argparse type: a comma list of names from ``parablock_flwr.config.<choices_name>`` (read when parsing:
+    the config imports torch), each once, in order."""
+
+    def parse(text: str) -> list[str]:
+        import parablock_flwr.config as config
+
+        choices = getattr(config, choices_name)
+        names = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+        for name in names or [text]:
+            if name not in choices:
+                raise argparse.ArgumentTypeError(f"{name!r}: expected a comma list of {', '.join(choices)}")
+        return names
+
+    return parse
 
 
-def _transfer_dtypes(text: str) -> list[str]:
-    from parablock_flwr.config import TRANSFER_DTYPES
-
-    names = list(dict.fromkeys(d.strip() for d in text.split(",") if d.strip()))
-    for name in names or [text]:
-        if name not in TRANSFER_DTYPES:
-            raise argparse.ArgumentTypeError(f"{name!r}: expected a comma list of {', '.join(TRANSFER_DTYPES)}")
-    return names
-
-
-def _transports(text: str) -> list[str]:
-    from parablock_flwr.config import TRANSPORTS
-
-    names = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
-    for name in names or [text]:
-        if name not in TRANSPORTS:
-            raise argparse.ArgumentTypeError(f"{name!r}: expected a comma list of {', '.join(TRANSPORTS)}")
-    return names
+_algorithms, _transfer_dtypes, _transports = map(_comma_list, ("ALGORITHMS", "TRANSFER_DTYPES", "TRANSPORTS"))
 
 
 def _non_negative(text: str) -> float:

@@ -72,12 +72,16 @@ SIZES = {
 }
 DEFAULT_SIZES = ("14", "70", "212", "1g")
 # What runs for each size, in this order, side by side: the Flower-only app with an empty payload (Flower's
-# control floor), the Flower-only app with the size's payload, and the app on each transport.
-KINDS = ("empty", "floor", "flower", "direct")
+# control floor), the same with each message pushed a round ahead (Flower's cycle per message: the least a
+# round costs while it sends each node one Flower message), the Flower-only app with the size's payload, and
+# the app on each transport.
+KINDS = ("empty", "ahead", "floor", "flower", "direct")
 APP_KINDS = ("flower", "direct")
-FLOOR_KINDS = ("empty", "floor")
-LABELS = {"empty": "Flower only, empty payload (control floor)", "floor": "Flower only, the payload",
-          "flower": 'app, transport="flower"', "direct": 'app, transport="direct"'}  # fmt: skip
+FLOOR_KINDS = ("empty", "ahead", "floor")
+LABELS = {"empty": "Flower only, empty payload (control floor)",
+          "ahead": "Flower only, empty payload, messages a round ahead (Flower's cycle)",
+          "floor": "Flower only, the payload", "flower": 'app, transport="flower"',
+          "direct": 'app, transport="direct"'}  # fmt: skip
 APP_LEGS = ("aggregate", "dispatch", "delivery", "clientapp_relay", *CLIENTAPP_RELAY_PARTS, "reply_relay",
             "reply_to_server")  # fmt: skip
 # The worker's own legs of an app's window, from the records' timeline: ``upload`` (its computation's end to its
@@ -222,6 +226,7 @@ rounds = 3
 payload-bytes = 1000
 arrays = 1
 pull-interval-s = 0.1
+messages-ahead = 0
 min-available-nodes = 1
 output-dir = "floor-out"
 """
@@ -236,11 +241,12 @@ def floor_app(folder: Path) -> Path:
 
 
 def run_floor(size: str, kind: str, args) -> dict:
-    """The Flower-only app, one packed array of the size's payload (``floor``) or no array at all (``empty``):
-    each round's legs, rounds 2..R."""
+    """The Flower-only app, one packed array of the size's payload (``floor``) or no array at all (``empty``;
+    ``ahead``: each message pushed before the previous round's reply is pulled): each round's legs, rounds 2..R."""
     workdir = args.out / f"{kind}-{size}"
     nbytes = SIZES[size][1] if kind == "floor" else 0
-    config = {"rounds": args.rounds, "payload-bytes": nbytes, "arrays": 1, "output-dir": str(workdir / "out")}
+    config = {"rounds": args.rounds, "payload-bytes": nbytes, "arrays": 1, "output-dir": str(workdir / "out"),
+              "messages-ahead": int(kind == "ahead")}  # fmt: skip
     load = os.getloadavg()[0]
     with environment(FLOWER_TRANSFER_SETTINGS):
         run_deployment(workdir, config, 1, args.timeout_s, app_dir=floor_app(args.out / "floor-app"),
@@ -253,19 +259,22 @@ def run_floor(size: str, kind: str, args) -> dict:
 
 def floor_points(out: Path) -> list[dict] | None:
     """The Flower-only app's rounds 2..R from its floor.json under ``out`` (its output-dir): each round's legs
-    and its window, their sum; None when it wrote none. benchmarks.network reads its runs with it too."""
+    and its window, their sum (with messages pushed a round ahead the legs overlap, and the window is the time
+    from the previous round's reply pulled to this one's); None when it wrote none. benchmarks.network reads
+    its runs with it too."""
     found = sorted(out.glob("floor-*/floor.json"))
     if not found:
         return None
     floor = json.loads(found[-1].read_text())
-    points = []
-    for r in floor["rounds"][1:]:
+    points, ahead = [], floor.get("messages_ahead", 0) > 0
+    for previous, r in zip(floor["rounds"], floor["rounds"][1:]):
         legs = {"dispatch": r["pushed"] - r["push_start"], "delivery": r["clientapp_start"] - r["pushed"],
                 "clientapp_relay": r["handler_start"] - r["clientapp_start"],
                 "reply_to_server": r["pulled"] - r["handler_end"]}  # fmt: skip
         cpu = {key: r.get(key) for key in CPU_KEYS}
         # Its relay leg is all Flower's pull.
-        points.append({"round": r["round"], "bytes": 2 * floor["payload_bytes"], "window_s": sum(legs.values()),
+        window = r["pulled"] - previous["pulled"] if ahead else sum(legs.values())
+        points.append({"round": r["round"], "bytes": 2 * floor["payload_bytes"], "window_s": window,
                        **legs, **cpu, "clientapp_pull": legs["clientapp_relay"]})  # fmt: skip
     return points
 
@@ -357,7 +366,7 @@ def targets(results: dict) -> list[dict]:
         nbytes = mean(runs.get("direct"), "bytes") or 2 * SIZES[size][1]
         row = {"size": size, "mb_each_way": nbytes / 2e6, "floor_s": floor, "direct_s": direct,
                "bytes_s": nbytes / (TARGET_MBS * 1e6), "floor": mean(runs.get("floor")),
-               "flower": mean(runs.get("flower"))}  # fmt: skip
+               "flower": mean(runs.get("flower")), "cycle_s": mean(runs.get("ahead"))}  # fmt: skip
         if floor is not None and direct is not None:
             row["target_s"] = floor + row["bytes_s"]
             row["over_floor_s"] = direct - floor
@@ -402,8 +411,9 @@ def _ratio(a: float | None, b: float | None) -> str:
 def target_table(rows: list[dict]) -> list[str]:
     """The sizes against the target, and the kinds' windows as ratios side by side."""
     lines = [f"| payload MB each way | control floor s | direct s | direct - floor s | bytes / {TARGET_MBS:.0f} MB/s s "
-             "| target s | met | Flower only s | flower s | direct / flower | flower / Flower only |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| target s | met | Flower only s | flower s | direct / flower | flower / Flower only "
+             "| Flower's cycle s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         met = "-" if "met" not in r else ("yes" if r["met"] else "**no**")
         if "within_s" in r:
@@ -411,7 +421,7 @@ def target_table(rows: list[dict]) -> list[str]:
         lines.append(f"| {r['mb_each_way']:.1f} | {_f(r['floor_s'], 2)} | {_f(r['direct_s'], 2)} | "
                      f"{_f(r.get('over_floor_s'), 2)} | {r['bytes_s']:.2f} | {_f(r.get('target_s'), 2)} | {met} | "
                      f"{_f(r['floor'], 2)} | {_f(r['flower'], 2)} | {_ratio(r['direct_s'], r['flower'])} | "
-                     f"{_ratio(r['flower'], r['floor'])} |")  # fmt: skip
+                     f"{_ratio(r['flower'], r['floor'])} | {_f(r.get('cycle_s'), 2)} |")  # fmt: skip
     return lines
 
 
@@ -508,10 +518,11 @@ def plot(results: dict, path: Path) -> Path | None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     grid = np.geomspace(10e6, 2.2e9, 100)
-    markers = {"empty": "s", "floor": "^", "flower": "o", "direct": "D"}
+    markers = {"empty": "s", "ahead": "v", "floor": "^", "flower": "o", "direct": "D"}
     for color, kind in enumerate(KINDS):
         color = f"C{color}"
-        points = [(p["bytes"] if kind != "empty" else 2 * SIZES[r["size"]][1], p["window_s"]) for r in results["runs"]
+        points = [(p["bytes"] if kind not in ("empty", "ahead") else 2 * SIZES[r["size"]][1], p["window_s"])
+                  for r in results["runs"]
                   if r["kind"] == kind for p in r.get("points", []) if p["window_s"] is not None]  # fmt: skip
         if not points:
             continue

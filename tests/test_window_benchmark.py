@@ -69,3 +69,26 @@ def test_flower_and_direct_runs_are_compared_by_their_bytes_and_every_global_ste
     compared = window.same_model({"flower": {"run_dir": flower}, "direct": {"run_dir": differs}})
     assert compared == {"rounds": 2, "same_bytes": False, "steps": 2, "same_steps": 1}
     assert window.same_model({"flower": {"run_dir": flower}, "direct": {"error": "failed"}}) is None
+
+
+def test_the_flower_only_apps_window_is_its_legs_summed_or_with_messages_ahead_the_time_between_replies(tmp_path):
+    import json
+
+    def floor_json(ahead: int) -> None:
+        # Round 2's message was pushed (at 10.0) before round 1's reply was pulled (at 12.0): its legs overlap
+        # round 1's, and the server holds its reply 3.0 s after round 1's.
+        rounds = [{"round": 1, "push_start": 0.0, "pushed": 0.5, "clientapp_start": 4.0, "handler_start": 6.0,
+                   "handler_end": 6.1, "pulled": 12.0},
+                  {"round": 2, "push_start": 10.0, "pushed": 10.5, "clientapp_start": 12.5, "handler_start": 14.5,
+                   "handler_end": 14.6, "pulled": 15.0}]  # fmt: skip
+        folder = tmp_path / f"ahead{ahead}" / "floor-1"
+        folder.mkdir(parents=True)
+        (folder / "floor.json").write_text(json.dumps({"payload_bytes": 0, "messages_ahead": ahead, "rounds": rounds}))
+
+    floor_json(0)
+    floor_json(1)
+    (summed,) = window.floor_points(tmp_path / "ahead0")
+    (ahead,) = window.floor_points(tmp_path / "ahead1")
+    assert summed["window_s"] == 0.5 + 2.0 + 2.0 + 0.4  # dispatch, delivery, relay, reply: round 2 alone
+    assert ahead["window_s"] == 15.0 - 12.0
+    assert ahead["delivery"] == summed["delivery"]  # the legs themselves are read alike

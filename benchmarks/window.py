@@ -15,14 +15,16 @@ Every run with ``launch.FLOWER_TRANSFER_SETTINGS`` and one packed array per reco
 
 The app's window of round r is the records' timeline from the worker's computation of round r-1 ending
 to that of round r starting: its reply packed (and on the stream uploaded), Flower's legs (the records'
-``critical_path_*_s``), the message's records fetched (on the stream). Rounds 2..R each give one window
-(the repeats; their spread is shown). Issue 32's target: with ``direct``, a window at most the control
-floor + bytes / 300 MB/s. For each kind and leg the benchmark fits ``fixed + bytes / throughput`` (bytes:
+``critical_path_*_s``), the message's records fetched (on the stream). Rounds 3..R (Flower's own app: 2..R)
+each give one window (round 3 is the first whose message ``direct`` pushes a round ahead; ``built``: the same
+with ``transport-messages-ahead = false``, each message pushed once built): the repeats, their spread
+shown. Issue 32's target: with ``direct``, a window at most the control floor + bytes / 300 MB/s. For each
+kind and leg the benchmark fits ``fixed + bytes / throughput`` (bytes:
 the reply up plus the message down), and checks the time model (``core.LinkModel``): calibrated on two
 sizes on Flower's path, it predicts the round time of a third.
 
     .venv/bin/python -m benchmarks.window --rounds 4 --dtypes fp16,bf16,int8   # docs/results/window.md (~40 min)
-    .venv/bin/python -m benchmarks.window                      # 14, 70, 212 MB and 1 GB, all four kinds, 3 rounds
+    .venv/bin/python -m benchmarks.window                      # 14, 70, 212 MB and 1 GB, every kind, 4 rounds
     .venv/bin/python -m benchmarks.window --sizes 14,70 --kinds empty,direct --no-docs
     .venv/bin/python -m benchmarks.window --fast               # tiny model, 0.6 and 14 MB: a smoke run (no docs)
     .venv/bin/python -m benchmarks.window --report runs/window-.../window.json   # the tables again, no run
@@ -75,13 +77,17 @@ DEFAULT_SIZES = ("14", "70", "212", "1g")
 # control floor), the same with each message pushed a round ahead (Flower's cycle per message: the least a
 # round costs while it sends each node one Flower message), the Flower-only app with the size's payload, and
 # the app on each transport.
-KINDS = ("empty", "ahead", "floor", "flower", "direct")
-APP_KINDS = ("flower", "direct")
+KINDS = ("empty", "ahead", "floor", "flower", "built", "direct")
+APP_KINDS = ("flower", "direct")  # compared bit for bit (``same_model``); ``built`` is ``direct`` less one option
 FLOOR_KINDS = ("empty", "ahead", "floor")
 LABELS = {"empty": "Flower only, empty payload (control floor)",
           "ahead": "Flower only, empty payload, messages a round ahead (Flower's cycle)",
           "floor": "Flower only, the payload", "flower": 'app, transport="flower"',
+          "built": 'app, transport="direct", each message pushed once built',
           "direct": 'app, transport="direct"'}  # fmt: skip
+# The app's repeats: rounds 3..R, the first whose message can be pushed a round ahead on the stream (round 1's
+# reply is a node's first commit there); Flower's own app: rounds 2..R.
+APP_FIRST_ROUND = 3
 APP_LEGS = ("aggregate", "dispatch", "delivery", "clientapp_relay", *CLIENTAPP_RELAY_PARTS, "reply_relay",
             "reply_to_server")  # fmt: skip
 # The worker's own legs of an app's window, from the records' timeline: ``upload`` (its computation's end to its
@@ -158,8 +164,9 @@ def app_config(size: str, kind: str, args, out: Path, dtype: str = "") -> dict:
     config.update(SIZES[size][0])
     if config["model"] == SYNTHETIC:
         config["model"] = args.synthetic_model
-    if kind == "direct":  # the blocks on the run's own stream (plaintext on loopback, as the SuperLink)
+    if kind in ("direct", "built"):  # the blocks on the run's own stream (plaintext on loopback, as the SuperLink)
         config["transport"] = "direct"
+        config["transport-messages-ahead"] = kind == "direct"
     if dtype:
         config["transfer-dtype"] = dtype
     if args.fast and size != "1g":
@@ -193,7 +200,7 @@ def app_point(prev: dict, rec: dict) -> dict:
 
 def run_app(size: str, kind: str, args, dtype: str = "") -> dict:
     """One deployment of the app on ``kind``'s transport (and ``transfer-dtype = dtype`` when given): its
-    records' windows and legs, rounds 2..R."""
+    records' windows and legs, rounds ``APP_FIRST_ROUND``..R."""
     workdir = args.out / f"{kind}-{size}{'-' + dtype if dtype else ''}"
     load = os.getloadavg()[0]
     config = app_config(size, kind, args, workdir / "out", dtype)
@@ -202,7 +209,7 @@ def run_app(size: str, kind: str, args, dtype: str = "") -> dict:
     if result.run_dir is None or result.kind not in ("completed", "completed-with-exclusions"):
         return {"kind": kind, "size": size, "error": result.summary("window.py")}
     records = [r for r in read_records(result.run_dir) if r["round"] >= 1]
-    points = [app_point(prev, rec) for prev, rec in zip(records, records[1:])]
+    points = [app_point(prev, rec) for prev, rec in zip(records, records[1:]) if rec["round"] >= APP_FIRST_ROUND]
     return {"kind": kind, "size": size, "load_1min": load, "points": points, "run_dir": str(result.run_dir)}
 
 
@@ -366,7 +373,8 @@ def targets(results: dict) -> list[dict]:
         nbytes = mean(runs.get("direct"), "bytes") or 2 * SIZES[size][1]
         row = {"size": size, "mb_each_way": nbytes / 2e6, "floor_s": floor, "direct_s": direct,
                "bytes_s": nbytes / (TARGET_MBS * 1e6), "floor": mean(runs.get("floor")),
-               "flower": mean(runs.get("flower")), "cycle_s": mean(runs.get("ahead"))}  # fmt: skip
+               "flower": mean(runs.get("flower")), "cycle_s": mean(runs.get("ahead")),
+               "built": mean(runs.get("built"))}  # fmt: skip
         if floor is not None and direct is not None:
             row["target_s"] = floor + row["bytes_s"]
             row["over_floor_s"] = direct - floor
@@ -412,8 +420,8 @@ def target_table(rows: list[dict]) -> list[str]:
     """The sizes against the target, and the kinds' windows as ratios side by side."""
     lines = [f"| payload MB each way | control floor s | direct s | direct - floor s | bytes / {TARGET_MBS:.0f} MB/s s "
              "| target s | met | Flower only s | flower s | direct / flower | flower / Flower only "
-             "| Flower's cycle s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| Flower's cycle s | direct, messages once built s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         met = "-" if "met" not in r else ("yes" if r["met"] else "**no**")
         if "within_s" in r:
@@ -421,7 +429,8 @@ def target_table(rows: list[dict]) -> list[str]:
         lines.append(f"| {r['mb_each_way']:.1f} | {_f(r['floor_s'], 2)} | {_f(r['direct_s'], 2)} | "
                      f"{_f(r.get('over_floor_s'), 2)} | {r['bytes_s']:.2f} | {_f(r.get('target_s'), 2)} | {met} | "
                      f"{_f(r['floor'], 2)} | {_f(r['flower'], 2)} | {_ratio(r['direct_s'], r['flower'])} | "
-                     f"{_ratio(r['flower'], r['floor'])} | {_f(r.get('cycle_s'), 2)} |")  # fmt: skip
+                     f"{_ratio(r['flower'], r['floor'])} | {_f(r.get('cycle_s'), 2)} | "
+                     f"{_f(r.get('built'), 2)} |")  # fmt: skip
     return lines
 
 
@@ -445,8 +454,9 @@ def tables(results: dict) -> str:
     """The target table, every run's window with its spread and load, where the time goes, the fits and the
     time model's check."""
     results["targets"] = targets(results)
-    lines = ["Issue 32's target for the direct transport, and the four windows side by side (means of rounds "
-             f"2-{results['rounds']}, s):", "", *target_table(results["targets"]), "",
+    last = results["rounds"]
+    lines = ["Issue 32's target for the direct transport, and the windows side by side (means of the app's rounds "
+             f"{APP_FIRST_ROUND}-{last} and Flower's 2-{last}, s):", "", *target_table(results["targets"]), "",
              "Every run: its window, mean (min-max) over the repeats, the 1-minute load average when it started, "
              "and on the stream its fallbacks and refusals (summed over the repeats):", "",
              "| payload MB each way | run | load | window s | records' comm_s | round s | compute s | "
@@ -459,7 +469,7 @@ def tables(results: dict) -> str:
                 lines.append(f"| {SIZES[size][1] / 1e6:.1f} | {kind} | | failed: {r['error'][:100]} | | | | | | |")
                 continue
             pts = r["points"]
-            summed = {k: sum(p.get(k) or 0 for p in pts) if kind == "direct" else None
+            summed = {k: sum(p.get(k) or 0 for p in pts) if kind in ("direct", "built") else None
                       for k in ("direct_fallbacks", "direct_refusals")}  # fmt: skip
             cells = [spread([p.get(k) for p in pts]) for k in ("window_s", "comm_s", "round_wall_s", "compute_s")]
             lines.append(f"| {SIZES[size][1] / 1e6:.1f} | {kind} | {r['load_1min']:.1f} | {' | '.join(cells)} | "
@@ -518,7 +528,7 @@ def plot(results: dict, path: Path) -> Path | None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     grid = np.geomspace(10e6, 2.2e9, 100)
-    markers = {"empty": "s", "ahead": "v", "floor": "^", "flower": "o", "direct": "D"}
+    markers = {"empty": "s", "ahead": "v", "floor": "^", "flower": "o", "built": "x", "direct": "D"}
     for color, kind in enumerate(KINDS):
         color = f"C{color}"
         points = [(p["bytes"] if kind not in ("empty", "ahead") else 2 * SIZES[r["size"]][1], p["window_s"])
@@ -558,7 +568,9 @@ def write_docs(results: dict, png: Path | None) -> None:
         "the other: the Flower-only app (benchmarks/flower_floor.py) with an empty payload (Flower's control "
         "floor) and with the payload as one packed array, then the app, sequential BCD (fedbcd) with 1 local "
         'step of batch 1, with `transport = "flower"` and with `transport = "direct"` (plaintext on loopback, '
-        f"as the SuperLink). {results['rounds']} rounds each: rounds 2..R give the repeats. The app's window: "
+        f"as the SuperLink). {results['rounds']} rounds each: the app's rounds 3..R and Flower's 2..R give the repeats "
+        "(round 3 is the first whose message `direct` pushes a round ahead; `built` is `direct` with "
+        "`transport-messages-ahead = false`). The app's window: "
         "from the worker's computation of round r-1 ending to that of round r starting (the records' timeline: "
         "its reply packed and, on the stream, uploaded; Flower's legs; on the stream the download), so that the "
         "stream's time is in it; `comm_s` is the records' `measured_comm_s` (the reply leaving the worker to the "
@@ -586,7 +598,8 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--dtypes", default="", help="also run the app on both transports with each of these "
                    "transfer dtypes at the first size, and compare their bytes and global steps (e.g. "
                    "fp32,fp16,bf16,int8)")  # fmt: skip
-    p.add_argument("--rounds", type=int, default=3, help="rounds per run (2..R are the repeats; default 3)")
+    p.add_argument("--rounds", type=int, default=4, help="rounds per run (the app's rounds 3..R and Flower's "
+                   "2..R are the repeats; default 4)")  # fmt: skip
     p.add_argument("--fast", action="store_true", help="the tiny model for SmolLM2's sizes: a smoke run (no docs)")
     p.add_argument("--report", type=Path, help="run nothing: the tables, figure and docs from this window.json")
     p.add_argument("--no-docs", action="store_true", help="leave docs/ alone (a partial run: its tables only)")
@@ -602,8 +615,9 @@ def parse_args(argv: list[str] | None):
         p.error(f"--kinds {bad[0]!r}: expected one of {', '.join(KINDS)}")
     if bad := [d for d in args.dtypes if d not in ("fp32", "fp16", "bf16", "int8")]:
         p.error(f"--dtypes {bad[0]!r}: expected fp32, fp16, bf16 or int8")
-    if args.rounds < 3:
-        p.error(f"--rounds {args.rounds}: expected at least 3 (rounds 2..R are the repeats)")
+    if args.rounds < APP_FIRST_ROUND + 1:
+        p.error(f"--rounds {args.rounds}: expected at least {APP_FIRST_ROUND + 1} (the app's rounds "
+                f"{APP_FIRST_ROUND}..R are the repeats)")  # fmt: skip
     args.out = (args.out or PROJECT_DIR / "runs" / f"window-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     return args
 

@@ -69,6 +69,7 @@ MAY_CHANGE_ON_RESUME = frozenset(
         "transport-ca",
         "transport-insecure",
         "transport-idle-timeout-s",
+        "transport-messages-ahead",
     }
 )
 

@@ -54,6 +54,13 @@ STATE_INTACT = "state-intact: "
 # In a node's error reply: it could not fetch the message's records from the stream (its state is intact);
 # the server sends that node's next messages with their records on Flower's path.
 STREAM_UNUSABLE = "the direct transport's stream is unusable here: "
+# transport = "direct": a message pushed a round ahead, whose content the node's ClientApp downloads from the
+# stream once the server has built it (its offer's ``message_*``; ``message_content``, ``content_from_bytes``).
+MESSAGE_AHEAD = "stream-message-ahead"
+# In the error reply to a message pushed ahead that the server then withdrew (its node not messaged in that
+# round, or messaged on Flower's path): the server drops it uncounted.
+WITHDRAWN = "withdrawn by the server: "
+MAX_MESSAGE_CONTENT = 1 << 20  # a message's content on the stream: config records only (no tensors), at most
 
 
 class MessageError(ValueError):
@@ -386,6 +393,12 @@ class TransportOffer:
     ahead_step_name: str = ""
     ahead_step_token: str = ""
     ahead_step_max_size: int = 0
+    # A message pushed a round ahead (``MESSAGE_AHEAD``): its content waits on the stream under this name until
+    # the server has built it (``message_content``), so that Flower delivers the message and starts the node's
+    # ClientApp while the previous round is still being aggregated.
+    message_name: str = ""
+    message_token: str = ""
+    message_max_size: int = 0
 
     def to_config(self) -> dict[str, Any]:
         """The ``transport`` config record: the records as parallel lists (``records-name``, ...)."""
@@ -436,10 +449,14 @@ class TransportOffer:
             ahead_step_name=get.text("ahead-step-name", 0, 128),
             ahead_step_token=get.text("ahead-step-token", 0, 64, secret=True),
             ahead_step_max_size=get.int("ahead-step-max-size", 0, MAX_SIZE),
+            message_name=get.text("message-name", 0, 128),
+            message_token=get.text("message-token", 0, 64, secret=True),
+            message_max_size=get.int("message-max-size", 0, MAX_MESSAGE_CONTENT),
         )
         for what, name, token in (("upload", offer.upload_name, offer.upload_token),
                                   ("ahead-upload", offer.ahead_upload_name, offer.ahead_upload_token),
-                                  ("ahead-step", offer.ahead_step_name, offer.ahead_step_token)):  # fmt: skip
+                                  ("ahead-step", offer.ahead_step_name, offer.ahead_step_token),
+                                  ("message", offer.message_name, offer.message_token)):  # fmt: skip
             if name and not (_record_name(name) and _hex64(token)):
                 raise MessageError(f"transport offer: {what}-name or {what}-token malformed: expected a record "
                                    f"name and 64 lowercase hex digits")  # fmt: skip

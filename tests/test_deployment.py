@@ -347,9 +347,10 @@ def test_on_receipt_applies_the_aggregate_at_a_step_boundary_of_the_running_comp
 def test_tls_node_authentication_and_the_direct_transport_give_the_same_model(deployed, tmp_path, tiny_model_dir):
     """TLS on the SuperLink, SuperNode authentication, keys registered with `flwr supernode register`,
     and ``transport = "direct"``: the registered nodes train, their blocks on the run's stream (TLS,
-    the SuperLink's certificate and CA); node 1 dials a wrong address for it, so its updates come on
-    Flower's path and its records follow them there, each counted; the global model is the one
-    ``deployed`` (Flower's path, the same seed, int8 transfer) reaches, bit for bit, with the same bytes.
+    the SuperLink's certificate and CA), node 0's last message pushed a round ahead; node 1 dials a wrong
+    address for it, so its updates come on Flower's path and its records follow them there, each counted;
+    the global model is the one ``deployed`` (Flower's path, the same seed, int8 transfer) reaches, bit for
+    bit, with the same bytes.
     A node with an unregistered key is refused by the SuperLink."""
     stranger = {}
 
@@ -397,6 +398,10 @@ def test_tls_node_authentication_and_the_direct_transport_give_the_same_model(de
         # without a second upload, and its step, fetched as soon as it was published.
         ahead = (rec["direct_updates_ahead"], rec["direct_steps_prefetched"], rec["direct_ahead_revoked"])
         assert ahead == ((0, 0, 0) if rec["round"] == 1 else (1, 1, 0)), rec
+        # Its message of round 3 was pushed while round 2 was in flight (its round-1 reply had committed on the
+        # stream), and its ClientApp took the content from the stream once the server had built it.
+        moved = (rec["direct_messages_ahead"], rec["direct_messages_withdrawn"])
+        assert moved == ((1, 0) if rec["round"] == 3 else (0, 0)), rec
         same = deployed.records[rec["round"]]  # the bytes per round, as on Flower's path
         assert (rec["wire_bytes_up"], rec["wire_bytes_down"]) == (same["wire_bytes_up"], same["wire_bytes_down"])
     on_stream, fell_back = (flower / "worker-0.log").read_text(), (flower / "worker-1.log").read_text()

@@ -8,6 +8,7 @@ import dataclasses
 import inspect
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -245,7 +246,8 @@ def offer() -> messages.TransportOffer:
                                    records=(ref,), upload_name="r3/update/5", upload_token="ef" * 32,
                                    upload_max_size=10**6, ahead_upload_name="r4/update/5", ahead_upload_token="ab" * 32,
                                    ahead_upload_max_size=10**6, ahead_step_name="r4/global-step",
-                                   ahead_step_token="ba" * 32, ahead_step_max_size=10**6)  # fmt: skip
+                                   ahead_step_token="ba" * 32, ahead_step_max_size=10**6, message_name="r3/message/5",
+                                   message_token="dc" * 32, message_max_size=2**20)  # fmt: skip
 
 
 def test_a_transport_offer_and_a_commit_read_back():
@@ -273,6 +275,8 @@ def test_a_transport_offer_and_a_commit_read_back():
         ({"ahead-upload-token": "AB" * 32}, "ahead-upload-name or ahead-upload-token malformed"),
         ({"ahead-step-name": "r4 step"}, "ahead-step-name or ahead-step-token malformed"),
         ({"ahead-step-max-size": -1}, "ahead-step-max-size=-1 expected an integer"),
+        ({"message-token": "DC" * 32}, "message-name or message-token malformed"),
+        ({"message-max-size": 2**21}, "message-max-size=2097152 expected an integer"),
         ({"insecure": True}, "expected a CA certificate (ca-pem) or insecure, exactly one"),
         ({"address": ""}, "address='' expected a string of 1-300 characters"),
     ],
@@ -281,7 +285,7 @@ def test_a_malformed_transport_offer_is_one_line_naming_the_field(change, reason
     with pytest.raises(MessageError) as err:
         messages.TransportOffer.from_config({**offer().to_config(), **change})
     assert reason in str(err.value) and "\n" not in str(err.value)
-    assert not any(t * 32 in str(err.value) for t in ("cd", "ef", "ab", "ba", "AB"))  # a capability is never echoed
+    assert not any(t * 32 in str(err.value) for t in ("cd", "ef", "ab", "ba", "dc", "AB", "DC"))  # never echoed
 
 
 offer_keys = st.sampled_from(list(offer().to_config()) + ["other"])
@@ -294,8 +298,41 @@ def test_whatever_a_server_sends_as_an_offer_is_read_or_refused_in_one_line(chan
     try:
         got = messages.TransportOffer.from_config(config)
     except MessageError as err:
-        assert "\n" not in str(err) and not any(t * 32 in str(err) for t in ("cd", "ef", "ab", "ba"))
+        assert "\n" not in str(err) and not any(t * 32 in str(err) for t in ("cd", "ef", "ab", "ba", "dc"))
         return
     assert all(len(r.token) == 64 for r in got.records) and 0 <= got.upload_max_size
-    for name, token in ((got.ahead_upload_name, got.ahead_upload_token), (got.ahead_step_name, got.ahead_step_token)):
+    for name, token in ((got.ahead_upload_name, got.ahead_upload_token), (got.ahead_step_name, got.ahead_step_token),
+                        (got.message_name, got.message_token)):  # fmt: skip
         assert not name or len(token) == 64  # a capability ahead is whole or absent
+    assert 0 <= got.message_max_size <= messages.MAX_MESSAGE_CONTENT
+
+
+# ------------------------------------------------------------------ a message's content on the stream
+def test_a_messages_config_records_read_back_from_their_bytes_and_tensors_never_travel_that_way():
+    from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+
+    from parablock_flwr.message_bytes import content_from_bytes, content_to_bytes
+
+    content = RecordDict({messages.ROUND: ConfigRecord(full_round().to_config()),
+                          messages.OFFER: ConfigRecord(offer().to_config())})  # fmt: skip
+    back = content_from_bytes(content_to_bytes(content))
+    assert {k: dict(v) for k, v in back.items()} == {k: dict(v) for k, v in content.items()}
+    assert content_to_bytes(RecordDict({"a": ArrayRecord({"x": Array(np.zeros(3, np.float32))})})) is None
+    assert content_to_bytes(RecordDict({"m": MetricRecord({"x": 1.0})})) is None
+    big = RecordDict({"c": ConfigRecord({"x": "y" * (messages.MAX_MESSAGE_CONTENT + 1)})})
+    assert content_to_bytes(big) is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=512) | st.sampled_from([b"\n\x03abc", b"\x0a\x00"]))
+def test_any_bytes_on_the_stream_as_a_messages_content_are_config_records_or_one_refusal(data):
+    from flwr.app import ConfigRecord
+
+    from parablock_flwr.message_bytes import content_from_bytes
+
+    try:
+        content = content_from_bytes(data)
+    except MessageError as err:
+        assert "\n" not in str(err) and str(err).startswith("message content on the stream:")
+        return
+    assert all(isinstance(record, ConfigRecord) for record in content.values())

@@ -651,3 +651,70 @@ def test_rounds_a_stopped_run_had_not_evaluated_are_counted_as_skipped_when_it_r
     records = RunRecorder(tmp_path / "resumed").read()
     assert [r["round"] for r in records if r.get("evaluation_skipped")] == [0, 1, 2]
     assert [r["round"] for r in records if "heldout_loss" in r] == [3, 4]  # the checkpoint's round, then on
+
+
+def run_with_messages_ahead(folder: Path, model_dir: Path, num_nodes: int, ahead: bool, **config):
+    """A run of 4 rounds on the direct stream, each node a thread answering its messages in order (as its
+    SuperNode does), uploading its update and committing it; a message pushed a round ahead is answered once
+    its content has come from the stream (as the ClientApp does), or with ``WITHDRAWN``. Returns the
+    records, the (node, round) of each message whose content came from the stream, and the step log."""
+    from parablock_flwr.message_bytes import content_from_bytes
+    from parablock_flwr.messages import MESSAGE_AHEAD, WITHDRAWN
+    from parablock_flwr.replica import StepLog
+
+    run = make_run(folder, model_dir, 4, transport_messages_ahead=ahead, **config)
+    transport = RunTransport(StreamSettings("localhost:0", insecure=True), run_id=1, ttl_s=60)
+    run.direct = DirectMessages(transport)
+    honest, node, from_stream = honest_answer(run), NodeTransport(), []
+
+    def answer(index: int, msg: Message):
+        if MESSAGE_AHEAD in msg.content.config_records:
+            offer = TransportOffer.from_config(dict(msg.content[MESSAGE_AHEAD]))
+            if (data := node.message_content(offer)) is None:
+                return Error(code=0, reason=f"{WITHDRAWN}round {offer.server_round}")
+            msg.content = content_from_bytes(data)
+            from_stream.append((index, offer.server_round))
+        content = honest(index, msg)
+        if msg.metadata.message_type != MessageType.TRAIN:  # the sampling's query of the node's partition
+            return content
+        offer = TransportOffer.from_config(dict(msg.content.config_records[OFFER]))
+        commit = node.upload(offer, {name: bytes(a.data) for name, a in content.pop("update").items()})
+        content[COMMIT] = ConfigRecord(commit.to_config())
+        return content
+
+    transport.start()
+    try:
+        records = run_rounds(run, InMemoryFederation(num_nodes, answer))
+    finally:
+        transport.stop()
+        node.close()
+    return records, from_stream, StepLog(folder)
+
+
+def test_messages_pushed_a_round_ahead_take_their_content_from_the_stream_and_change_no_bit(tmp_path, tiny_model_dir):
+    """``transport-messages-ahead``: once a node's reply has committed its update on the stream (round 1),
+    its next message is pushed while the round before is in flight (round 3's during round 2, round 4's
+    during round 3), and the node, answering its messages in order, waits on the stream for the content the
+    server publishes once it has built it. Every global step is the one of the same run with each message
+    pushed when built, and nothing is missing, late or rejected."""
+    with_ahead, from_stream, log = run_with_messages_ahead(tmp_path / "ahead", tiny_model_dir, 2, ahead=True)
+    without, none, reference = run_with_messages_ahead(tmp_path / "built", tiny_model_dir, 2, ahead=False)
+    assert none == [] and sorted(from_stream) == [(0, 3), (0, 4), (1, 3), (1, 4)]
+    assert [r.get("direct_messages_ahead") for r in with_ahead[1:]] == [0, 0, 2, 2]
+    for records in (with_ahead, without):
+        assert [r["num_accepted"] for r in records[1:]] == [2] * 4
+        assert all(r["replies_missing"] == r["late_replies_dropped"] == r["direct_refusals"] == 0 for r in records[1:])
+    for version in range(1, 5):
+        (block_a, step_a), (block_b, step_b) = log.read(version), reference.read(version)
+        assert block_a == block_b and all(torch.equal(step_a[n], step_b[n]) for n in step_a)
+
+
+def test_a_message_pushed_ahead_to_a_node_not_sampled_is_withdrawn_and_its_reply_dropped(tmp_path, tiny_model_dir):
+    """Under partial participation (2 of 3 nodes a round, fraction-train 0.5) a message pushed ahead to a node that the next round
+    does not sample is withdrawn (its capability revoked while it waits): the node answers that it was, the
+    server drops that reply uncounted, and every round still aggregates the nodes it sampled."""
+    records, from_stream, _ = run_with_messages_ahead(tmp_path, tiny_model_dir, 3, ahead=True, fraction_train=0.5)
+    assert [r["num_accepted"] for r in records[1:]] == [2] * 4
+    assert all(r["replies_missing"] == r["late_replies_dropped"] == r["direct_refusals"] == 0 for r in records[1:])
+    assert sum(r["direct_messages_ahead"] for r in records[1:]) == len(from_stream) > 0
+    assert sum(r["direct_ahead_revoked"] + r["direct_messages_withdrawn"] for r in records[1:]) > 0

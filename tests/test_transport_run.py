@@ -67,6 +67,8 @@ NOTHING_AHEAD = {
     "direct_updates_ahead": 0,
     "direct_steps_prefetched": 0,
     "direct_ahead_revoked": 0,
+    "direct_messages_ahead": 0,
+    "direct_messages_withdrawn": 0,
     "direct_revoked_used": 0,
     "direct_waits_ended": 0,
     "direct_uploads_spilled": 0,

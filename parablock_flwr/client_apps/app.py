@@ -26,17 +26,21 @@ from flwr.common.constant import SType
 from ..messages import (
     COMMIT,
     EVALUATE,
+    MESSAGE_AHEAD,
     METRICS,
     NODE,
     OFFER,
     PROTOCOL_KEY,
     ROUND,
     STATE_INTACT,
+    STREAM_UNUSABLE,
     TRACE,
     TRAIN,
     UPDATE,
+    WITHDRAWN,
     MessageError,
     PartitionAnswer,
+    TransportOffer,
     WorkerReply,
     WorkerRequest,
     relay_name,
@@ -96,6 +100,40 @@ def message_problem(msg: Message, context: Context) -> str | None:
     return mismatch(msg.content[ROUND], PROTOCOL_KEY, "the server", "this node")
 
 
+def content_from_stream(msg: Message, context: Context) -> str | None:
+    """A message pushed a round ahead (``MESSAGE_AHEAD``, ``transport = "direct"``): its content, downloaded
+    from the run's stream once the server has built it (this waits), put in ``msg``; or why not, in one line
+    (``WITHDRAWN``: the server withdrew it and drops the reply; ``STREAM_UNUSABLE``: the stream cannot be
+    used here, nothing was applied, and the server sends this node's next messages on Flower's path)."""
+    from ..message_bytes import content_from_bytes  # the stream's client, only where a message uses it
+    from ..transport.node_side import NodeTransport, StreamUnusable
+
+    settings = NodeSettings.from_node_config(context.node_config)
+    if settings.transport == "flower":
+        return f"{STATE_INTACT}{STREAM_UNUSABLE}this site keeps to Flower's path (node config transport)"
+    try:
+        offer = TransportOffer.from_config(dict(msg.content[MESSAGE_AHEAD]))
+        if (offer.run_id, offer.node_id) != (context.run_id, context.node_id):
+            raise MessageError(f"message pushed ahead: for run {offer.run_id} node {offer.node_id}; expected run "
+                               f"{context.run_id} node {context.node_id}")  # fmt: skip
+        timeout_s = 2 * float(context.run_config.get("round-timeout-s", 3600.0))  # the capability's lifetime
+        data = NodeTransport(address=settings.transport_address, timeout_s=timeout_s).message_content(offer)
+        if data is None:
+            return f"{WITHDRAWN}round {offer.server_round}'s message went to this node on Flower's path, or none"
+        content = content_from_bytes(data)
+        sent = TransportOffer.from_config(dict(content[OFFER])) if OFFER in content.config_records else None
+        if sent is None or (sent.run_id, sent.node_id, sent.server_round) != (
+            offer.run_id, offer.node_id, offer.server_round
+        ):  # fmt: skip
+            raise MessageError("message content on the stream: its offer is not for this run, node and round")
+    except MessageError as err:
+        return f"message from the server: {err}"
+    except StreamUnusable as err:
+        return f"{STATE_INTACT}{STREAM_UNUSABLE}{err}"
+    msg.content = content
+    return None
+
+
 def trusted_worker_uids(node_config) -> frozenset[int]:
     """Whom the relay sends a round to: a worker of this process's own user or root, or of the node
     config's ``worker-uid`` (a worker run as another user, with ``--allow-uid`` for this one)."""
@@ -107,12 +145,19 @@ def trusted_worker_uids(node_config) -> frozenset[int]:
 def train(msg: Message, context: Context) -> Message:
     if (problem := message_problem(msg, context)) is not None:
         return error_reply(msg, problem)
+    started = _PROCESS_STARTED
+    if MESSAGE_AHEAD in msg.content.config_records:
+        if (problem := content_from_stream(msg, context)) is not None:
+            return error_reply(msg, problem)
+        if (problem := message_problem(msg, context)) is not None:
+            return error_reply(msg, problem)
+        started = time.time()  # the round's timeline starts with its content: the process started off its path
     socket_path = context.node_config.get(WORKER_SOCKET)
     if not socket_path:
         from .inline import train_inline  # imports torch: only where the model lives in this process
 
         return train_inline(msg, context)
-    return relay_to_worker(msg, context, str(socket_path))
+    return relay_to_worker(msg, context, str(socket_path), started=started)
 
 
 @app.evaluate()
@@ -137,9 +182,12 @@ def identify(msg: Message, context: Context) -> Message:
     return Message(content=RecordDict({NODE: MetricRecord(answer.to_record())}), reply_to=msg)
 
 
-def relay_to_worker(msg: Message, context: Context, socket_path: str, op: str = TRAIN) -> Message:
+def relay_to_worker(
+    msg: Message, context: Context, socket_path: str, op: str = TRAIN, started: float = _PROCESS_STARTED
+) -> Message:
     """Hand ``g^{r-1}`` and the round's blocks to the node worker; reply its ``Δ_i^r`` (``op="train"``),
-    or its evaluation of ``x^R`` (``op="evaluate"``)."""
+    or its evaluation of ``x^R`` (``op="evaluate"``). ``started``: the reply's ``clientapp_start``, this
+    process's start, or for a message pushed ahead when its content came."""
     # The handler starts once Flower has pulled and deserialised the message: what comes before is Flower's.
     stamps = {"clientapp_handler_start": time.time(), "clientapp_pull_cpu_s": time.process_time()}
     try:
@@ -167,7 +215,7 @@ def relay_to_worker(msg: Message, context: Context, socket_path: str, op: str = 
     metrics = stamped(
         reply.metrics,
         **stamps,
-        clientapp_start=_PROCESS_STARTED,
+        clientapp_start=started,
         clientapp_reply=time.time(),
         clientapp_cpu_s=time.process_time(),  # this process's CPU: imports, Flower's pull, the relay
         clientapp_imported_torch=int("torch" in sys.modules),

@@ -8,6 +8,11 @@ with ``direct-fallbacks`` (its upload failed, or its site keeps to Flower's path
 says it could not fetch them (``messages.STREAM_UNUSABLE``). Its next messages then carry their records
 inline, with an upload capability still, and the first update it commits on the stream brings it back.
 Each such message is counted (``direct_fallbacks``) and logged once per node (``RunTransport.fell_back``).
+
+A node whose last reply committed its update on the stream gets its next round's message pushed a round
+ahead (``message_ahead``): Flower delivers it and starts the node's ClientApp while this round is still
+being aggregated, and the ClientApp waits on the stream for the content ``deliver`` publishes once the
+algorithm has built it. Flower's delivery and the ClientApp's start leave the critical path.
 """
 
 from __future__ import annotations
@@ -15,14 +20,18 @@ from __future__ import annotations
 import copy
 import logging
 
-from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message
+from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, RecordDict
 from flwr.common.constant import ErrorCode, SType
 
+from ..message_bytes import content_to_bytes
 from ..messages import (
     BLOCK_RECORDS,
     COMMIT,
+    MESSAGE_AHEAD,
     METRICS,
     OFFER,
+    PROTOCOL_KEY,
+    ROUND,
     STREAM_UNUSABLE,
     UPDATE,
     MessageError,
@@ -31,6 +40,7 @@ from ..messages import (
 )
 from ..npy import npy_view
 from ..transport import Refused, RunTransport
+from ..versions import PROTOCOL_VERSION
 
 log = logging.getLogger(__name__)
 FALLBACKS = key("direct_fallbacks")
@@ -44,6 +54,8 @@ class DirectMessages:
     def __init__(self, transport: RunTransport):
         self.transport = transport
         self.on_stream: dict[int, bool] = {}  # node -> whether its records go on the stream (default: yes)
+        self.committed: set[int] = set()  # nodes whose last reply committed its update on the stream
+        self.pushed_ahead: dict[int, dict[int, str]] = {}  # round -> node -> its message pushed a round ahead
 
     def outgoing(
         self, msg: Message, server_round: int, upload_max_size: int | None, ahead: tuple[int, int] | None = None
@@ -61,6 +73,45 @@ class DirectMessages:
             del content[name]
         content[OFFER] = ConfigRecord(offer.to_config())
         return msg
+
+    def message_ahead(self, server_round: int, node: int) -> Message | None:
+        """``node``'s round-r message to push before round r-1 is aggregated, or None: only to a node whose
+        last reply committed its update on the stream (a node on Flower's path, or not known to reach the
+        stream, gets its message when it is built), while the service has a worker to wait with."""
+        if node not in self.committed or not self.on_stream.get(node, True):
+            return None
+        offer = self.transport.message_ahead_offer(server_round, node)
+        if offer is None:
+            return None
+        round_config = ConfigRecord({PROTOCOL_KEY: PROTOCOL_VERSION, key("server_round"): server_round})
+        content = RecordDict({ROUND: round_config, MESSAGE_AHEAD: ConfigRecord(offer.to_config())})
+        return Message(content, dst_node_id=node, message_type=MessageType.TRAIN)
+
+    def deliver(self, msg: Message, server_round: int) -> str | None:
+        """The id of the message pushed ahead to ``msg``'s node for round r, once ``msg``'s content (built by
+        the algorithm, its records on the stream) is published for it; None when it has none, or when
+        ``msg`` must go on Flower's path (tensors inline: a node that fell back), in which case the message
+        pushed ahead is withdrawn."""
+        node = msg.metadata.dst_node_id
+        ahead = self.pushed_ahead.get(server_round, {}).pop(node, None)
+        if ahead is None:
+            return None
+        content = content_to_bytes(msg.content)
+        self.transport.publish_message(server_round, node, content or b"")
+        return ahead if content else None
+
+    def withdraw(self, server_round: int, nodes: set[int] | None = None) -> dict[str, int]:
+        """Round r's messages pushed ahead that no message took (their nodes not messaged), or those to
+        ``nodes`` (round r-1 is re-sent to them: their SuperNodes would otherwise take the message pushed
+        ahead first, and wait on it for round r-1 to end): message id -> node, whose replies (``WITHDRAWN``)
+        the run drops. Their capabilities were revoked (``messaged``) or their content is withdrawn now."""
+        pushed = self.pushed_ahead.get(server_round, {})
+        left = {n: pushed.pop(n) for n in list(pushed) if nodes is None or n in nodes}
+        if nodes is None:
+            self.pushed_ahead.pop(server_round, None)
+        for node in left:
+            self.transport.publish_message(server_round, node, b"")
+        return {mid: node for node, mid in left.items()}
 
     def incoming(self, reply: Message, server_round: int, node: int) -> Message:
         """``reply`` with its committed update taken from the stream (as the ``update`` record Flower's path
@@ -82,6 +133,7 @@ class DirectMessages:
         if COMMIT not in content.config_records:
             if metrics is not None and type(metrics.get(FALLBACKS)) is int and metrics[FALLBACKS] > 0:
                 self._fell_back(node, "its update came inline")
+            self.committed.discard(node)
             return None
         if UPDATE in content.array_records:
             return "a reply with both an update and a commit of one on the stream: expected one"
@@ -96,6 +148,7 @@ class DirectMessages:
         content[UPDATE] = ArrayRecord({name: _array(payload, name) for name, payload in payloads.items()})
         del content[COMMIT]
         self.on_stream[node] = True
+        self.committed.add(node)
         self.transport.moved_ahead(update=flags[UPDATE_AHEAD], step=False)  # a committed update, claimed
         return None
 
@@ -106,6 +159,7 @@ class DirectMessages:
 
     def _fell_back(self, node: int, why: str) -> None:
         self.on_stream[node] = False
+        self.committed.discard(node)
         self.transport.fell_back(node, why)
 
     def end_round(self, server_round: int) -> dict[str, int]:

@@ -107,6 +107,7 @@ class Run:
         self.unevaluated_round: int | None = None  # resumed after a round whose evaluation was lost
         self._deadline = 0.0  # time.monotonic() at which the round's outstanding replies are abandoned
         self._abandoned: dict[str, tuple[int, float]] = {}  # message id -> (node, when it expires)
+        self._withdrawn: dict[str, tuple[int, float]] = {}  # messages pushed ahead, withdrawn: the same
         self._participation: dict[int, dict] = {}  # node -> rounds asked, aggregated, not in a row
         self._rounds_noted = 0  # rounds whose participation was noted, since round 1 (a resume goes on counting)
         # A resumed run's rows from before the restart, by partition ("partition 3") where it was known,
@@ -141,8 +142,9 @@ class Run:
                 self.prune_step_log()  # before the messages: no node of this round reads what it drops
                 config = self.round_part(server_round, self.client_evaluation_request(server_round - 1))
                 messages = self.algorithm.configure_train(server_round, arrays, config, grid)
-                sent = self.push(grid, self.outgoing(server_round, messages))
+                sent = self.push(grid, self.outgoing(server_round, messages), ahead_round=server_round)
                 self._times["pushed"] = time.time()
+                self.push_ahead(grid, server_round + 1, set(sent.values()))
                 self._times.pop("first_reply_checked", None)
                 if due is not None:
                     self.finish_round(due)
@@ -241,8 +243,15 @@ class Run:
         log.warning("round %d: %d valid replies, fewer than min-accepted-replies=%d: re-sending to %d nodes "
                     "(retry %d of %d)", outcome.server_round, len(outcome.accepted), cfg.min_accepted_replies,
                     len(nodes), retries + 1, cfg.max_round_retries)  # fmt: skip
+        if self.direct is not None:  # their messages of the next round, pushed ahead, would come first
+            self.note_withdrawn(self.direct.withdraw(outcome.server_round + 1, set(nodes)))
         messages = self.algorithm.train_messages(outcome.server_round, nodes, *message)
         return self.push(grid, self.outgoing(outcome.server_round, messages, first=False))
+
+    def note_withdrawn(self, withdrawn: dict[str, int]) -> None:
+        """Messages pushed ahead and withdrawn (message id -> node): their replies are pulled and dropped."""
+        expiry = time.monotonic() + 2 * self.round_timeout_s
+        self._withdrawn.update({mid: (node, expiry) for mid, node in withdrawn.items()})
 
     def outgoing(
         self, server_round: int, messages: Iterable[Message], update: bool = True, first: bool = True
@@ -271,9 +280,12 @@ class Run:
         names = self.algorithm.partition.names(self.algorithm.block_for_round(server_round))
         return update_bound(sum(self.algorithm.global_params[n].numel() for n in names), len(names))
 
-    def push(self, grid: Grid, messages: Iterable[Message]) -> dict[str, int]:
+    def push(self, grid: Grid, messages: Iterable[Message], ahead_round: int | None = None) -> dict[str, int]:
         """Push ``messages`` (each expires after ``round-timeout-s``); returns message id -> node
-        for those the Grid took, with the round's deadline counted from now.
+        for those the Grid took, with the round's deadline counted from now. ``ahead_round``: round r's
+        first push, whose message to a node that has one pushed a round ahead (``push_ahead``) is not
+        pushed but published on the stream for it (``DirectMessages.deliver``: that message's id stands for
+        it); those no message took are withdrawn.
 
         ``messages`` may be a generator: they are built and pushed in batches of at most one
         model's worth of arrays, so catch-ups for many nodes never sit in memory together. A
@@ -283,6 +295,10 @@ class Run:
         batch: list[Message] = []
         batch_bytes, limit = 0, self._batch_limit
         for msg in messages:
+            if ahead_round is not None and self.direct is not None:
+                if (mid := self.direct.deliver(msg, ahead_round)) is not None:
+                    sent[mid] = msg.metadata.dst_node_id
+                    continue
             msg.metadata.ttl = self.round_timeout_s
             batch.append(msg)
             batch_bytes += array_bytes(msg.content)
@@ -290,8 +306,26 @@ class Run:
                 sent.update(self._push_batch(grid, batch))
                 batch, batch_bytes = [], 0
         sent.update(self._push_batch(grid, batch))
+        if ahead_round is not None and self.direct is not None:
+            self.note_withdrawn(self.direct.withdraw(ahead_round))
         self._deadline = time.monotonic() + self.round_timeout_s
         return sent
+
+    def push_ahead(self, grid: Grid, server_round: int, nodes: set[int]) -> None:
+        """Round r's messages pushed now, while round r-1 is in flight, to those of ``nodes`` whose last reply
+        committed its update on the stream (``DirectMessages.message_ahead``; ``transport-messages-ahead``):
+        Flower delivers each as soon as its SuperNode has pushed round r-1's reply, and its ClientApp waits
+        on the stream for the content round r's push publishes. They live until round r may end."""
+        if self.direct is None or not self.config.transport_messages_ahead or server_round > self.num_rounds:
+            return
+        messages = [m for n in sorted(nodes) if (m := self.direct.message_ahead(server_round, n)) is not None]
+        for msg in messages:
+            msg.metadata.ttl = 2 * self.round_timeout_s
+        taken = {mid for mid in grid.push_messages(messages) if mid} if messages else set()
+        pushed = self.direct.pushed_ahead.setdefault(server_round, {})
+        for msg in messages:
+            if msg.metadata.message_id in taken:
+                pushed[msg.metadata.dst_node_id] = msg.metadata.message_id
 
     def _push_batch(self, grid: Grid, batch: list[Message]) -> dict[str, int]:
         if not batch:
@@ -321,7 +355,7 @@ class Run:
         # may have outlasted the deadline, and replies that came in time are waiting on the SuperLink.
         while waiting and (first_pull or time.monotonic() < self._deadline):
             first_pull = False
-            pulled = list(grid.pull_messages(set(waiting) | set(self._abandoned)))[::-1]
+            pulled = list(grid.pull_messages(set(waiting) | set(self._abandoned) | set(self._withdrawn)))[::-1]
             while pulled:  # each reply leaves the list as it is checked: the pull holds none of them after
                 reply = pulled.pop()
                 mid = reply.metadata.reply_to_message_id
@@ -329,6 +363,9 @@ class Run:
                     node, _ = self._abandoned.pop(mid)
                     self._counts["late_replies_dropped"] += 1
                     log.warning("dropped a late reply of node %d (its round had ended)", node)
+                    continue
+                if mid in self._withdrawn:  # a message pushed ahead that the server withdrew: counted then
+                    self._withdrawn.pop(mid)
                     continue
                 if mid not in waiting:
                     continue  # not a message of ours: nothing to check it against
@@ -340,6 +377,7 @@ class Run:
                 time.sleep(self.pull_interval_s)
         now = time.monotonic()
         self._abandoned = {m: v for m, v in self._abandoned.items() if v[1] > now}  # expired on the SuperLink
+        self._withdrawn = {m: v for m, v in self._withdrawn.items() if v[1] > now}
         for mid, node in waiting.items():
             log.warning("node %d did not answer within round-timeout-s=%g", node, self.round_timeout_s)
             self._counts["replies_missing"] += 1

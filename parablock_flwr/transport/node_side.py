@@ -141,6 +141,25 @@ class NodeTransport:
         for client in clients:
             client.close()
 
+    def message_content(self, offer: TransportOffer) -> bytearray | None:
+        """The content of a message pushed a round ahead (the offer's ``message_*``), which the server
+        publishes once it has built it (the call waits until then); None when the server withdrew it (its
+        capability revoked while it waited, or an empty record). Raises ``StreamUnusable``."""
+        if not offer.message_name:
+            raise StreamUnusable("the message names no content on the stream")
+        ticket = self._ticket(offer, Direction.DOWNLOAD, offer.message_name, offer.message_token)
+
+        def fetch(client: TransportClient) -> bytearray | None:
+            try:
+                data, _ = client.download_unannounced(ticket, offer.message_max_size)
+            except TransportError as err:
+                if err.code == "NOT_FOUND":  # revoked while it waited: not messaged in this round after all
+                    return None
+                raise
+            return data or None
+
+        return self._call(offer, fetch, ahead=True)
+
     @staticmethod
     def _ticket(offer: TransportOffer, direction: Direction, name: str, token: str) -> Ticket:
         return Ticket(bytes.fromhex(token), offer.run_id, offer.node_id, offer.server_round, direction, name)

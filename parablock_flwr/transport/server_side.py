@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..messages import GLOBAL_STEP, RecordOffer, TransportOffer, UpdateCommit
+from ..messages import GLOBAL_STEP, MAX_MESSAGE_CONTENT, RecordOffer, TransportOffer, UpdateCommit
 from .capabilities import CapabilityRegistry, Direction, RefusalKind, Refused
 from .framing import FramingError, framed, payloads
 from .service import Limits, TransportServer
@@ -107,7 +107,9 @@ class RunTransport:
         self._ahead_nodes: dict[int, set[int]] = {}  # round -> nodes issued capabilities for it a round ahead
         self._service_counted: dict[str, int] = {}  # the service's own counts at the last ``end_round``
         self._waiting_steps: dict[int, set[int]] = {}  # round -> nodes issued its step's download a round ahead
-        self._ahead = {"direct_updates_ahead": 0, "direct_steps_prefetched": 0, "direct_ahead_revoked": 0}
+        self._waiting_messages: dict[int, set[int]] = {}  # round -> nodes pushed its message a round ahead
+        self._ahead = {"direct_updates_ahead": 0, "direct_steps_prefetched": 0, "direct_ahead_revoked": 0,
+                       "direct_messages_ahead": 0, "direct_messages_withdrawn": 0}  # fmt: skip
         self._refusals_counted: dict[str, int] = {}
 
     # ------------------------------------------------------------ lifecycle
@@ -185,7 +187,7 @@ class RunTransport:
             # them wait, so that the round's uploads and fetches always find one; the others fetch the step
             # when their message comes.
             # A retried message issues no second one (a node that never replies would hold more).
-            waits = node not in waiting and len(waiting) < self.server.max_workers // 2
+            waits = node not in waiting and self._waits(ahead_round) < self.server.max_workers // 2
             if waits:
                 waiting.add(node)
         offer = dataclasses.replace(
@@ -198,6 +200,46 @@ class RunTransport:
         return dataclasses.replace(
             offer, ahead_step_name=step_name, ahead_step_token=step.token.hex(), ahead_step_max_size=step_max_size
         )
+
+    def _waits(self, server_round: int) -> int:
+        """Downloads of round r's records that may wait on the service (under the lock)."""
+        return len(self._waiting_steps.get(server_round, ())) + len(self._waiting_messages.get(server_round, ()))
+
+    def message_ahead_offer(self, server_round: int, node: int) -> TransportOffer | None:
+        """What ``node``'s message of round r carries when it is pushed a round ahead: a capability to download
+        the message's content (``message_name``), which waits on the service until the content is published
+        (``publish_message``) or the node is found not to be messaged in round r (``messaged`` revokes it).
+        Bound to run, node and round r, single use, living as long as round r may (rounds r-1 and r's timeouts).
+        None when the service's workers that may wait are all taken (the message then goes on Flower's path)."""
+        with self._lock:
+            waiting = self._waiting_messages.setdefault(server_round, set())
+            if node in waiting or self._waits(server_round) >= self.server.max_workers // 2:
+                return None
+            waiting.add(node)
+            self._ahead_nodes.setdefault(server_round, set()).add(node)
+        name = self.message_name(server_round, node)
+        ticket = self.server.registry.issue(self.run_id, node, server_round, Direction.DOWNLOAD, name,
+                                            ttl_s=2 * self.ttl_s, waits=True)  # fmt: skip
+        return TransportOffer(
+            address=self.address, run_id=self.run_id, node_id=node, server_round=server_round, ca_pem=self.ca_pem,
+            insecure=self.settings.insecure, message_name=name, message_token=ticket.token.hex(),
+            message_max_size=MAX_MESSAGE_CONTENT,
+        )  # fmt: skip
+
+    def publish_message(self, server_round: int, node: int, content: bytes) -> None:
+        """``node``'s round-r message content, for its download waiting under ``message_ahead_offer``'s
+        capability; ``b""`` withdraws the message (the node was messaged on Flower's path instead): its
+        ClientApp replies that it was withdrawn, and the server drops that reply."""
+        name = self.message_name(server_round, node)
+        self.server.outbox.publish(name, data=content)
+        with self._lock:
+            self._published.setdefault(server_round, {})[id(content)] = (content, name, len(content), "")
+            self._ahead["direct_messages_ahead" if content else "direct_messages_withdrawn"] += 1
+
+    @staticmethod
+    def message_name(server_round: int, node: int) -> str:
+        """A node's message content of a round on the service."""
+        return f"r{server_round}/message/{node}"
 
     def messaged(self, server_round: int, nodes: set[int]) -> int:
         """Round r's messages are built, for ``nodes``: capabilities issued a round ahead to any other node (not
@@ -291,6 +333,7 @@ class RunTransport:
             self._ahead = dict.fromkeys(ahead, 0)
             self._ahead_nodes.pop(server_round, None)
             self._waiting_steps.pop(server_round, None)
+            self._waiting_messages.pop(server_round, None)
         server.inbox.drop_round(self.run_id, server_round)
         counts = server.refusals.counts()
         new = {k: v - self._refusals_counted.get(k, 0) for k, v in counts.items()}

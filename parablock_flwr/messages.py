@@ -399,6 +399,7 @@ class TransportOffer:
     message_name: str = ""
     message_token: str = ""
     message_max_size: int = 0
+    message_key: str = ""  # 64 hex: the content comes with its HMAC-SHA256 under this key (``message_bytes``)
 
     def to_config(self) -> dict[str, Any]:
         """The ``transport`` config record: the records as parallel lists (``records-name``, ...)."""
@@ -452,6 +453,7 @@ class TransportOffer:
             message_name=get.text("message-name", 0, 128),
             message_token=get.text("message-token", 0, 64, secret=True),
             message_max_size=get.int("message-max-size", 0, MAX_MESSAGE_CONTENT),
+            message_key=get.text("message-key", 0, 64, secret=True),
         )
         for what, name, token in (("upload", offer.upload_name, offer.upload_token),
                                   ("ahead-upload", offer.ahead_upload_name, offer.ahead_upload_token),
@@ -460,6 +462,8 @@ class TransportOffer:
             if name and not (_record_name(name) and _hex64(token)):
                 raise MessageError(f"transport offer: {what}-name or {what}-token malformed: expected a record "
                                    f"name and 64 lowercase hex digits")  # fmt: skip
+        if offer.message_name and not _hex64(offer.message_key):
+            raise MessageError("transport offer: message-key malformed: expected 64 lowercase hex digits")
         if offer.insecure == bool(offer.ca_pem):
             raise MessageError("transport offer: expected a CA certificate (ca-pem) or insecure, exactly one")
         return offer

@@ -247,7 +247,8 @@ def offer() -> messages.TransportOffer:
                                    upload_max_size=10**6, ahead_upload_name="r4/update/5", ahead_upload_token="ab" * 32,
                                    ahead_upload_max_size=10**6, ahead_step_name="r4/global-step",
                                    ahead_step_token="ba" * 32, ahead_step_max_size=10**6, message_name="r3/message/5",
-                                   message_token="dc" * 32, message_max_size=2**20)  # fmt: skip
+                                   message_token="dc" * 32, message_max_size=2**20,
+                                   message_key="ed" * 32)  # fmt: skip
 
 
 def test_a_transport_offer_and_a_commit_read_back():
@@ -277,6 +278,7 @@ def test_a_transport_offer_and_a_commit_read_back():
         ({"ahead-step-max-size": -1}, "ahead-step-max-size=-1 expected an integer"),
         ({"message-token": "DC" * 32}, "message-name or message-token malformed"),
         ({"message-max-size": 2**21}, "message-max-size=2097152 expected an integer"),
+        ({"message-key": "ED" * 32}, "message-key malformed"),
         ({"insecure": True}, "expected a CA certificate (ca-pem) or insecure, exactly one"),
         ({"address": ""}, "address='' expected a string of 1-300 characters"),
     ],
@@ -285,7 +287,7 @@ def test_a_malformed_transport_offer_is_one_line_naming_the_field(change, reason
     with pytest.raises(MessageError) as err:
         messages.TransportOffer.from_config({**offer().to_config(), **change})
     assert reason in str(err.value) and "\n" not in str(err.value)
-    assert not any(t * 32 in str(err.value) for t in ("cd", "ef", "ab", "ba", "dc", "AB", "DC"))  # never echoed
+    assert not any(t * 32 in str(err.value) for t in ("cd", "ef", "ab", "ba", "dc", "ed", "AB", "DC", "ED"))
 
 
 offer_keys = st.sampled_from(list(offer().to_config()) + ["other"])
@@ -298,12 +300,13 @@ def test_whatever_a_server_sends_as_an_offer_is_read_or_refused_in_one_line(chan
     try:
         got = messages.TransportOffer.from_config(config)
     except MessageError as err:
-        assert "\n" not in str(err) and not any(t * 32 in str(err) for t in ("cd", "ef", "ab", "ba", "dc"))
+        assert "\n" not in str(err) and not any(t * 32 in str(err) for t in ("cd", "ef", "ab", "ba", "dc", "ed"))
         return
     assert all(len(r.token) == 64 for r in got.records) and 0 <= got.upload_max_size
     for name, token in ((got.ahead_upload_name, got.ahead_upload_token), (got.ahead_step_name, got.ahead_step_token),
                         (got.message_name, got.message_token)):  # fmt: skip
         assert not name or len(token) == 64  # a capability ahead is whole or absent
+    assert not got.message_name or len(got.message_key) == 64
     assert 0 <= got.message_max_size <= messages.MAX_MESSAGE_CONTENT
 
 

@@ -653,30 +653,35 @@ def test_rounds_a_stopped_run_had_not_evaluated_are_counted_as_skipped_when_it_r
     assert [r["round"] for r in records if "heldout_loss" in r] == [3, 4]  # the checkpoint's round, then on
 
 
-def run_with_messages_ahead(folder: Path, model_dir: Path, num_nodes: int, ahead: bool, **config):
+def run_with_messages_ahead(folder: Path, model_dir: Path, num_nodes: int, ahead: bool, fail=(), **config):
     """A run of 4 rounds on the direct stream, each node a thread answering its messages in order (as its
     SuperNode does), uploading its update and committing it; a message pushed a round ahead is answered once
-    its content has come from the stream (as the ClientApp does), or with ``WITHDRAWN``. Returns the
-    records, the (node, round) of each message whose content came from the stream, and the step log."""
-    from parablock_flwr.message_bytes import content_from_bytes
+    its content has come from the stream (as the ClientApp does), or with ``WITHDRAWN``; ``fail``: the (node,
+    round) whose first message is answered with an error. Returns the records, the (node, round) of each
+    message whose content came from the stream, and the step log."""
+    from parablock_flwr.message_bytes import content_from_bytes, unseal
     from parablock_flwr.messages import MESSAGE_AHEAD, WITHDRAWN
     from parablock_flwr.replica import StepLog
 
     run = make_run(folder, model_dir, 4, transport_messages_ahead=ahead, **config)
     transport = RunTransport(StreamSettings("localhost:0", insecure=True), run_id=1, ttl_s=60)
     run.direct = DirectMessages(transport)
-    honest, node, from_stream = honest_answer(run), NodeTransport(), []
+    honest, node, from_stream, failed = honest_answer(run), NodeTransport(), [], set()
 
     def answer(index: int, msg: Message):
         if MESSAGE_AHEAD in msg.content.config_records:
             offer = TransportOffer.from_config(dict(msg.content[MESSAGE_AHEAD]))
             if (data := node.message_content(offer)) is None:
                 return Error(code=0, reason=f"{WITHDRAWN}round {offer.server_round}")
-            msg.content = content_from_bytes(data)
+            msg.content = content_from_bytes(unseal(bytes.fromhex(offer.message_key), data))
             from_stream.append((index, offer.server_round))
         content = honest(index, msg)
         if msg.metadata.message_type != MessageType.TRAIN:  # the sampling's query of the node's partition
             return content
+        at = (index, int(msg.content.config_records["round"]["server-round"]))
+        if at in fail and at not in failed:
+            failed.add(at)
+            return Error(code=0, reason="state-intact: node worker failed: out of memory")
         offer = TransportOffer.from_config(dict(msg.content.config_records[OFFER]))
         commit = node.upload(offer, {name: bytes(a.data) for name, a in content.pop("update").items()})
         content[COMMIT] = ConfigRecord(commit.to_config())
@@ -710,11 +715,24 @@ def test_messages_pushed_a_round_ahead_take_their_content_from_the_stream_and_ch
 
 
 def test_a_message_pushed_ahead_to_a_node_not_sampled_is_withdrawn_and_its_reply_dropped(tmp_path, tiny_model_dir):
-    """Under partial participation (2 of 3 nodes a round, fraction-train 0.5) a message pushed ahead to a node that the next round
-    does not sample is withdrawn (its capability revoked while it waits): the node answers that it was, the
-    server drops that reply uncounted, and every round still aggregates the nodes it sampled."""
+    """Under partial participation (2 of 3 nodes a round, fraction-train 0.5) a message pushed ahead to a node
+    that the next round does not sample is withdrawn (its capability revoked while it waits): the node
+    answers that it was, the server drops that reply uncounted, and every round still aggregates the nodes
+    it sampled."""
     records, from_stream, _ = run_with_messages_ahead(tmp_path, tiny_model_dir, 3, ahead=True, fraction_train=0.5)
     assert [r["num_accepted"] for r in records[1:]] == [2] * 4
     assert all(r["replies_missing"] == r["late_replies_dropped"] == r["direct_refusals"] == 0 for r in records[1:])
     assert sum(r["direct_messages_ahead"] for r in records[1:]) == len(from_stream) > 0
     assert sum(r["direct_ahead_revoked"] + r["direct_messages_withdrawn"] for r in records[1:]) > 0
+
+
+def test_a_round_re_sent_to_a_node_withdraws_its_next_message_pushed_ahead_first(tmp_path, tiny_model_dir):
+    """Round 3 needs both nodes' replies (``min-accepted-replies = 2``) and node 1's first one is an error, so
+    round 3 is re-sent to it. Its round-4 message, pushed ahead while round 3 was in flight, is ahead of the
+    re-sent one in its queue: it is withdrawn first, so that the node answers it (``WITHDRAWN``, dropped) and
+    then the re-sent round, instead of waiting on it for round 3 to end. Every round aggregates both nodes."""
+    records, from_stream, _ = run_with_messages_ahead(tmp_path, tiny_model_dir, 2, ahead=True, fail={(1, 3)},
+                                                      min_accepted_replies=2)  # fmt: skip
+    assert [r["num_accepted"] for r in records[1:]] == [2] * 4
+    assert records[3]["round_retries"] == 1 and records[3]["direct_messages_withdrawn"] == 1  # counted when done
+    assert (1, 4) not in from_stream and (0, 4) in from_stream

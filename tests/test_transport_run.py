@@ -659,3 +659,42 @@ def test_a_transfer_ahead_that_finds_no_server_does_not_keep_the_next_message_of
             side.fetch(offer)  # the message's own failure did
     finally:
         side.close()
+
+
+def test_a_message_pushed_ahead_carries_its_content_sealed_and_is_withdrawn_when_it_cannot_be_used(hub, node):
+    """Round 4's messages pushed ahead to nodes 7, 8 and 9 (each waiting on the stream for its content): node
+    7's message is built and published, sealed with the key its message pushed ahead gave it (an altered byte,
+    or another key, is refused); node 8's was pushed ahead so long ago (round 3 ran long) that it would expire
+    before round 4 may end, and node 9's message carries its tensors inline (it fell back): both go on
+    Flower's path, their messages pushed ahead are withdrawn and their ids handed to the run, whose replies it
+    drops; each count is in the round's record."""
+    from parablock_flwr.message_bytes import content_from_bytes, unseal
+    from parablock_flwr.messages import MESSAGE_AHEAD, MessageError
+
+    flower_message(0, RecordDict())  # Flower's task identity, as in a ServerApp
+    direct = DirectMessages(hub)
+    direct.committed.update({7, 8, 9})
+    ahead = {n: direct.message_ahead(4, n) for n in (7, 8, 9)}
+    offers = {n: TransportOffer.from_config(dict(m.content[MESSAGE_AHEAD])) for n, m in ahead.items()}
+    for n in ahead:
+        direct.pushed(4, n, f"m{n}")
+    direct.pushed_ahead[4][8] = ("m8", time.monotonic() + 0.5 * hub.ttl_s)
+    built = {n: flower_message(n, RecordDict({"round": ConfigRecord({"server-round": 4, "n": n})})) for n in (7, 8, 9)}
+    built[9].content[GLOBAL_STEP] = to_record({"w": torch.ones(3)})
+    with ThreadPoolExecutor(3) as pool:
+        waits = {n: pool.submit(node.message_content, offer) for n, offer in offers.items()}
+        time.sleep(0.3)
+        assert not any(w.done() for w in waits.values())  # waiting for the content, not refused
+        assert [direct.deliver(built[n], 4) for n in (7, 8, 9)] == ["m7", None, None]
+        assert direct.withdraw(4) == {"m8": 8, "m9": 9}
+        sealed = waits[7].result(timeout=30)
+        assert [waits[n].result(timeout=30) for n in (8, 9)] == [None, None]
+    content = content_from_bytes(unseal(bytes.fromhex(offers[7].message_key), sealed))
+    assert dict(content["round"]) == {"server-round": 4, "n": 7}
+    for key, data in ((offers[7].message_key, sealed[:-1] + bytes([sealed[-1] ^ 1])), (offers[8].message_key, sealed)):
+        with pytest.raises(MessageError, match="its HMAC is not the one the message's key gives"):
+            unseal(bytes.fromhex(key), data)
+    record = hub.end_round(4)
+    counts = (record["direct_messages_ahead"], record["direct_messages_withdrawn"], record["direct_refusals"])
+    assert counts == (1, 2, 0)
+    assert not any(hub.server.outbox.get(hub.message_name(4, n)) for n in (7, 8, 9))  # forgotten with the round

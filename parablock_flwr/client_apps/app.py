@@ -46,6 +46,7 @@ from ..messages import (
     relay_name,
     stamped,
 )
+from ..messages import key as field_key
 from ..node_data import (
     NODE_CONFIG_KEYS,
     WORKER_SOCKET,
@@ -105,7 +106,7 @@ def content_from_stream(msg: Message, context: Context) -> str | None:
     from the run's stream once the server has built it (this waits), put in ``msg``; or why not, in one line
     (``WITHDRAWN``: the server withdrew it and drops the reply; ``STREAM_UNUSABLE``: the stream cannot be
     used here, nothing was applied, and the server sends this node's next messages on Flower's path)."""
-    from ..message_bytes import content_from_bytes  # the stream's client, only where a message uses it
+    from ..message_bytes import content_from_bytes, unseal  # the stream's client, only where a message uses it
     from ..transport.node_side import NodeTransport, StreamUnusable
 
     settings = NodeSettings.from_node_config(context.node_config)
@@ -117,15 +118,20 @@ def content_from_stream(msg: Message, context: Context) -> str | None:
             raise MessageError(f"message pushed ahead: for run {offer.run_id} node {offer.node_id}; expected run "
                                f"{context.run_id} node {context.node_id}")  # fmt: skip
         timeout_s = 2 * float(context.run_config.get("round-timeout-s", 3600.0))  # the capability's lifetime
-        data = NodeTransport(address=settings.transport_address, timeout_s=timeout_s).message_content(offer)
+        stream = NodeTransport(address=settings.transport_address, timeout_s=timeout_s)
+        try:
+            data = stream.message_content(offer)
+        finally:
+            stream.close()
         if data is None:
             return f"{WITHDRAWN}round {offer.server_round}'s message went to this node on Flower's path, or none"
-        content = content_from_bytes(data)
+        content = content_from_bytes(unseal(bytes.fromhex(offer.message_key), data))
         sent = TransportOffer.from_config(dict(content[OFFER])) if OFFER in content.config_records else None
-        if sent is None or (sent.run_id, sent.node_id, sent.server_round) != (
-            offer.run_id, offer.node_id, offer.server_round
+        round_of = content[ROUND].get(field_key("server_round")) if ROUND in content.config_records else None
+        if sent is None or (sent.run_id, sent.node_id, sent.server_round, round_of) != (
+            offer.run_id, offer.node_id, offer.server_round, offer.server_round
         ):  # fmt: skip
-            raise MessageError("message content on the stream: its offer is not for this run, node and round")
+            raise MessageError("message content on the stream: not for this run, node and round")
     except MessageError as err:
         return f"message from the server: {err}"
     except StreamUnusable as err:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, RecordDict
 from flwr.common.constant import ErrorCode, SType
@@ -55,7 +56,9 @@ class DirectMessages:
         self.transport = transport
         self.on_stream: dict[int, bool] = {}  # node -> whether its records go on the stream (default: yes)
         self.committed: set[int] = set()  # nodes whose last reply committed its update on the stream
-        self.pushed_ahead: dict[int, dict[int, str]] = {}  # round -> node -> its message pushed a round ahead
+        # round -> node -> (the id of its message pushed a round ahead, when that message expires)
+        self.pushed_ahead: dict[int, dict[int, tuple[str, float]]] = {}
+        self._withdrawn: dict[str, int] = {}  # message id -> node: withdrawn by ``deliver``, for ``withdraw``
 
     def outgoing(
         self, msg: Message, server_round: int, upload_max_size: int | None, ahead: tuple[int, int] | None = None
@@ -85,7 +88,12 @@ class DirectMessages:
             return None
         round_config = ConfigRecord({PROTOCOL_KEY: PROTOCOL_VERSION, key("server_round"): server_round})
         content = RecordDict({ROUND: round_config, MESSAGE_AHEAD: ConfigRecord(offer.to_config())})
-        return Message(content, dst_node_id=node, message_type=MessageType.TRAIN)
+        return Message(content, dst_node_id=node, message_type=MessageType.TRAIN, ttl=2 * self.transport.ttl_s)
+
+    def pushed(self, server_round: int, node: int, message_id: str) -> None:
+        """``message_ahead``'s message to ``node`` was taken by the SuperLink (its TTL counts from now)."""
+        expires = time.monotonic() + 2 * self.transport.ttl_s
+        self.pushed_ahead.setdefault(server_round, {})[node] = (message_id, expires)
 
     def deliver(self, msg: Message, server_round: int) -> str | None:
         """The id of the message pushed ahead to ``msg``'s node for round r, once ``msg``'s content (built by
@@ -96,9 +104,15 @@ class DirectMessages:
         ahead = self.pushed_ahead.get(server_round, {}).pop(node, None)
         if ahead is None:
             return None
-        content = content_to_bytes(msg.content)
+        message_id, expires = ahead
+        # A round r-1 that ran long (a retry, a straggler) leaves the message pushed ahead (and its capability)
+        # less than a round's time to live: the round's own message goes instead.
+        content = content_to_bytes(msg.content) if expires - time.monotonic() > self.transport.ttl_s else None
         self.transport.publish_message(server_round, node, content or b"")
-        return ahead if content else None
+        if content is None:
+            self._withdrawn[message_id] = node
+            return None
+        return message_id
 
     def withdraw(self, server_round: int, nodes: set[int] | None = None) -> dict[str, int]:
         """Round r's messages pushed ahead that no message took (their nodes not messaged), or those to
@@ -106,12 +120,13 @@ class DirectMessages:
         ahead first, and wait on it for round r-1 to end): message id -> node, whose replies (``WITHDRAWN``)
         the run drops. Their capabilities were revoked (``messaged``) or their content is withdrawn now."""
         pushed = self.pushed_ahead.get(server_round, {})
-        left = {n: pushed.pop(n) for n in list(pushed) if nodes is None or n in nodes}
+        left = {n: pushed.pop(n)[0] for n in list(pushed) if nodes is None or n in nodes}
         if nodes is None:
             self.pushed_ahead.pop(server_round, None)
         for node in left:
             self.transport.publish_message(server_round, node, b"")
-        return {mid: node for node, mid in left.items()}
+        withdrawn, self._withdrawn = {**self._withdrawn, **{mid: node for node, mid in left.items()}}, {}
+        return withdrawn
 
     def incoming(self, reply: Message, server_round: int, node: int) -> Message:
         """``reply`` with its committed update taken from the stream (as the ``update`` record Flower's path

@@ -319,13 +319,10 @@ class Run:
         if self.direct is None or not self.config.transport_messages_ahead or server_round > self.num_rounds:
             return
         messages = [m for n in sorted(nodes) if (m := self.direct.message_ahead(server_round, n)) is not None]
-        for msg in messages:
-            msg.metadata.ttl = 2 * self.round_timeout_s
         taken = {mid for mid in grid.push_messages(messages) if mid} if messages else set()
-        pushed = self.direct.pushed_ahead.setdefault(server_round, {})
         for msg in messages:
             if msg.metadata.message_id in taken:
-                pushed[msg.metadata.dst_node_id] = msg.metadata.message_id
+                self.direct.pushed(server_round, msg.metadata.dst_node_id, msg.metadata.message_id)
 
     def _push_batch(self, grid: Grid, batch: list[Message]) -> dict[str, int]:
         if not batch:

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import secrets
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..message_bytes import seal
 from ..messages import GLOBAL_STEP, MAX_MESSAGE_CONTENT, RecordOffer, TransportOffer, UpdateCommit
 from .capabilities import CapabilityRegistry, Direction, RefusalKind, Refused
 from .framing import FramingError, framed, payloads
@@ -108,6 +110,7 @@ class RunTransport:
         self._service_counted: dict[str, int] = {}  # the service's own counts at the last ``end_round``
         self._waiting_steps: dict[int, set[int]] = {}  # round -> nodes issued its step's download a round ahead
         self._waiting_messages: dict[int, set[int]] = {}  # round -> nodes pushed its message a round ahead
+        self._message_keys: dict[tuple[int, int], bytes] = {}  # (round, node) -> its content's HMAC key
         self._ahead = {"direct_updates_ahead": 0, "direct_steps_prefetched": 0, "direct_ahead_revoked": 0,
                        "direct_messages_ahead": 0, "direct_messages_withdrawn": 0}  # fmt: skip
         self._refusals_counted: dict[str, int] = {}
@@ -217,23 +220,29 @@ class RunTransport:
                 return None
             waiting.add(node)
             self._ahead_nodes.setdefault(server_round, set()).add(node)
-        name = self.message_name(server_round, node)
+        name, key = self.message_name(server_round, node), secrets.token_bytes(32)
         ticket = self.server.registry.issue(self.run_id, node, server_round, Direction.DOWNLOAD, name,
                                             ttl_s=2 * self.ttl_s, waits=True)  # fmt: skip
+        with self._lock:
+            self._message_keys[(server_round, node)] = key
         return TransportOffer(
             address=self.address, run_id=self.run_id, node_id=node, server_round=server_round, ca_pem=self.ca_pem,
             insecure=self.settings.insecure, message_name=name, message_token=ticket.token.hex(),
-            message_max_size=MAX_MESSAGE_CONTENT,
+            message_max_size=MAX_MESSAGE_CONTENT, message_key=key.hex(),
         )  # fmt: skip
 
     def publish_message(self, server_round: int, node: int, content: bytes) -> None:
         """``node``'s round-r message content, for its download waiting under ``message_ahead_offer``'s
-        capability; ``b""`` withdraws the message (the node was messaged on Flower's path instead): its
-        ClientApp replies that it was withdrawn, and the server drops that reply."""
+        capability, behind its HMAC under the key that offer gave the node (``message_bytes.seal``);
+        ``b""`` withdraws the message (the node was messaged on Flower's path instead): its ClientApp
+        replies that it was withdrawn, and the server drops that reply."""
         name = self.message_name(server_round, node)
-        self.server.outbox.publish(name, data=content)
         with self._lock:
-            self._published.setdefault(server_round, {})[id(content)] = (content, name, len(content), "")
+            key = self._message_keys.pop((server_round, node))
+        data = seal(key, content) if content else b""
+        self.server.outbox.publish(name, data=data)
+        with self._lock:
+            self._published.setdefault(server_round, {})[name] = (data, name, len(data), "")  # by name: b"" is shared
             self._ahead["direct_messages_ahead" if content else "direct_messages_withdrawn"] += 1
 
     @staticmethod
@@ -334,6 +343,7 @@ class RunTransport:
             self._ahead_nodes.pop(server_round, None)
             self._waiting_steps.pop(server_round, None)
             self._waiting_messages.pop(server_round, None)
+            self._message_keys = {k: v for k, v in self._message_keys.items() if k[0] > server_round}
         server.inbox.drop_round(self.run_id, server_round)
         counts = server.refusals.counts()
         new = {k: v - self._refusals_counted.get(k, 0) for k, v in counts.items()}

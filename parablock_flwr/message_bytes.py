@@ -10,39 +10,22 @@ anything else is refused in one line, before the node acts on it.
 
 from __future__ import annotations
 
-import hmac
-
 from flwr.app import ConfigRecord, RecordDict
 from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
 from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict
 
 from .messages import MAX_MESSAGE_CONTENT, MessageError
-
-TAG_BYTES = 32  # HMAC-SHA256
+from .transport.framing import TAG_BYTES
 
 
 def content_to_bytes(content: RecordDict) -> bytes | None:
     """``content`` in Flower's protobuf schema; None when it holds anything but config records (tensors
     inline: such a message is pushed on Flower's path) or would be larger than ``MAX_MESSAGE_CONTENT``
-    sealed (``seal``)."""
+    sealed (``transport.framing.seal``)."""
     if content.array_records or content.metric_records:
         return None
     data = recorddict_to_proto(content).SerializeToString()
     return data if len(data) <= MAX_MESSAGE_CONTENT - TAG_BYTES else None  # sealed, at most the bound
-
-
-def seal(key: bytes, content: bytes) -> bytes:
-    """``content`` behind its HMAC-SHA256 under ``key``, which reached the node in Flower's authenticated
-    message: the content is then as authentic as that message, over TLS or not."""
-    return hmac.digest(key, content, "sha256") + content
-
-
-def unseal(key: bytes, data: bytes | bytearray) -> bytes:
-    """The content ``seal`` wrote under ``key``; ``MessageError`` when its HMAC is not the key's."""
-    tag, content = bytes(data[:TAG_BYTES]), bytes(data[TAG_BYTES:])
-    if len(data) < TAG_BYTES or not hmac.compare_digest(tag, hmac.digest(key, content, "sha256")):
-        raise MessageError("message content on the stream: its HMAC is not the one the message's key gives")
-    return content
 
 
 def content_from_bytes(data: bytes | bytearray) -> RecordDict:

@@ -406,7 +406,7 @@ def test_a_bounded_step_log_is_pruned_only_between_rounds_never_while_a_rounds_n
     real_prune, real_push = StepLog.prune, Run.push
     monkeypatch.setattr(StepLog, "prune", lambda log, *keep: (events.append("prune"), real_prune(log, *keep))[1])
     monkeypatch.setattr(
-        Run, "push", lambda run, grid, messages: (events.append("push"), real_push(run, grid, messages))[1]
+        Run, "push", lambda run, grid, messages, **kw: (events.append("push"), real_push(run, grid, messages, **kw))[1]
     )
     run = make_run(tmp_path, tiny_model_dir, 5, snapshot_every=2)
     real_aggregate = run.algorithm.aggregate_train
@@ -659,9 +659,10 @@ def run_with_messages_ahead(folder: Path, model_dir: Path, num_nodes: int, ahead
     its content has come from the stream (as the ClientApp does), or with ``WITHDRAWN``; ``fail``: the (node,
     round) whose first message is answered with an error. Returns the records, the (node, round) of each
     message whose content came from the stream, and the step log."""
-    from parablock_flwr.message_bytes import content_from_bytes, unseal
+    from parablock_flwr.message_bytes import content_from_bytes
     from parablock_flwr.messages import MESSAGE_AHEAD, WITHDRAWN
     from parablock_flwr.replica import StepLog
+    from parablock_flwr.transport.framing import unseal
 
     run = make_run(folder, model_dir, 4, transport_messages_ahead=ahead, **config)
     transport = RunTransport(StreamSettings("localhost:0", insecure=True), run_id=1, ttl_s=60)

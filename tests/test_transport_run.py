@@ -668,8 +668,9 @@ def test_a_message_pushed_ahead_carries_its_content_sealed_and_is_withdrawn_when
     before round 4 may end, and node 9's message carries its tensors inline (it fell back): both go on
     Flower's path, their messages pushed ahead are withdrawn and their ids handed to the run, whose replies it
     drops; each count is in the round's record."""
-    from parablock_flwr.message_bytes import content_from_bytes, unseal
+    from parablock_flwr.message_bytes import content_from_bytes
     from parablock_flwr.messages import MESSAGE_AHEAD, MessageError
+    from parablock_flwr.transport.framing import unseal
 
     flower_message(0, RecordDict())  # Flower's task identity, as in a ServerApp
     direct = DirectMessages(hub)

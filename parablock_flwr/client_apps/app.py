@@ -106,7 +106,8 @@ def content_from_stream(msg: Message, context: Context) -> str | None:
     from the run's stream once the server has built it (this waits), put in ``msg``; or why not, in one line
     (``WITHDRAWN``: the server withdrew it and drops the reply; ``STREAM_UNUSABLE``: the stream cannot be
     used here, nothing was applied, and the server sends this node's next messages on Flower's path)."""
-    from ..message_bytes import content_from_bytes, unseal  # the stream's client, only where a message uses it
+    from ..message_bytes import content_from_bytes  # the stream's client, only where a message uses it
+    from ..transport.framing import unseal
     from ..transport.node_side import NodeTransport, StreamUnusable
 
     settings = NodeSettings.from_node_config(context.node_config)

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import hmac
 import json
 import re
 from collections.abc import Iterable, Iterator, Mapping
 
 import numpy as np
 
+from ..messages import MessageError
 from ..npy import NpyError, npy_header, npy_view
 
 MAX_INDEX_BYTES = 64 * 1024
@@ -184,3 +186,21 @@ def _index(text: bytes, record: str) -> list[tuple[str, int]]:
         if not (ok and ARRAY_NAME.fullmatch(entry[0]) and type(entry[1]) is int and entry[1] >= 0):
             raise FramingError(f"record {record}: index entry {entry!r:.40}; expected [array name, bytes]")
     return [(name, size) for name, size in entries]
+
+
+# ------------------------------------------------------------------ a message's content, sealed
+TAG_BYTES = 32  # HMAC-SHA256
+
+
+def seal(key: bytes, content: bytes) -> bytes:
+    """``content`` behind its HMAC-SHA256 under ``key``, which reached the node in Flower's authenticated
+    message: the content is then as authentic as that message, over TLS or not."""
+    return hmac.digest(key, content, "sha256") + content
+
+
+def unseal(key: bytes, data: bytes | bytearray) -> bytes:
+    """The content ``seal`` wrote under ``key``; ``MessageError`` when its HMAC is not the key's."""
+    tag, content = bytes(data[:TAG_BYTES]), bytes(data[TAG_BYTES:])
+    if len(data) < TAG_BYTES or not hmac.compare_digest(tag, hmac.digest(key, content, "sha256")):
+        raise MessageError("message content on the stream: its HMAC is not the one the message's key gives")
+    return content

@@ -23,10 +23,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..message_bytes import seal
 from ..messages import GLOBAL_STEP, MAX_MESSAGE_CONTENT, RecordOffer, TransportOffer, UpdateCommit
 from .capabilities import CapabilityRegistry, Direction, RefusalKind, Refused
-from .framing import FramingError, framed, payloads
+from .framing import FramingError, framed, payloads, seal
 from .service import Limits, TransportServer
 
 log = logging.getLogger(__name__)
@@ -233,7 +232,7 @@ class RunTransport:
 
     def publish_message(self, server_round: int, node: int, content: bytes) -> None:
         """``node``'s round-r message content, for its download waiting under ``message_ahead_offer``'s
-        capability, behind its HMAC under the key that offer gave the node (``message_bytes.seal``);
+        capability, behind its HMAC under the key that offer gave the node (``framing.seal``);
         ``b""`` withdraws the message (the node was messaged on Flower's path instead): its ClientApp
         replies that it was withdrawn, and the server drops that reply."""
         name = self.message_name(server_round, node)

@@ -124,13 +124,27 @@ def test_bytes_written_per_round_do_not_grow_over_200_rounds(tmp_path, tiny_mode
     assert max(per_round[r] for r in range(150, 200)) <= per_round[10] * 1.05 + 256
 
 
-def test_messages_expire_with_the_round_and_a_stalled_node_is_left_behind(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("notice_before_deadline", [False, True])
+def test_messages_expire_with_the_round_and_a_stalled_node_is_left_behind(
+    tmp_path, tiny_model_dir, notice_before_deadline
+):
     """Every message's TTL is ``round-timeout-s``; a node that stalls past it in round 2 is counted
-    missing, its message expires on the SuperLink and what comes back for it later is dropped;
-    the node recovers in round 3 and is aggregated again."""
+    missing, its message expires on the SuperLink, which refuses its reply; the node recovers in
+    round 3 and is aggregated again. The SuperLink's notice that the message expired unanswered is
+    no reply, whether the server pulls it after its deadline or just before (the TTL counts from the
+    message's creation, a moment before the push: here the deadline is moved a second later)."""
     ttls, stalled = set(), {}
     run = make_run(tmp_path, tiny_model_dir, 4, round_timeout_s=1.5)
     honest = honest_answer(run)
+    if notice_before_deadline:
+        push = run.push
+
+        def push_with_a_later_deadline(*args, **kw):
+            sent = push(*args, **kw)
+            run._deadline += 1.0
+            return sent
+
+        run.push = push_with_a_later_deadline
 
     def answer(index, msg):
         ttls.add(msg.metadata.ttl)
@@ -143,9 +157,11 @@ def test_messages_expire_with_the_round_and_a_stalled_node_is_left_behind(tmp_pa
     assert ttls == {1.5}
     by_round = {r["round"]: r for r in records}
     assert by_round[2]["replies_missing"] == 1 and by_round[2]["num_accepted"] == 2
+    assert by_round[2]["num_rejected"] == 0, by_round[2]["rejected"]
     assert by_round[3]["num_accepted"] == 3 and by_round[4]["num_accepted"] == 3
     assert by_round[3]["full_syncs_sent"] == 1  # it may have answered after all: resynchronised (test below)
-    assert sum(r.get("late_replies_dropped", 0) for r in records) == 1  # its expired message, pulled and dropped
+    assert sum(r["late_replies_dropped"] for r in records[1:]) == 0  # the SuperLink refused its reply
+    assert sum(r["replies_missing"] for r in records[1:]) == 1
 
 
 def test_a_late_reply_leaves_the_node_where_a_rejected_one_would(tmp_path, tiny_model_dir):

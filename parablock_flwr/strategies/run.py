@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
@@ -62,6 +63,15 @@ class TooFewReplies(RuntimeError):
     def __init__(self, message: str, kind: str = "too-few-replies"):
         super().__init__(message)
         self.kind = kind
+
+
+def expired_unanswered(reply: Message) -> bool:
+    """The SuperLink's own reply to a message that expired (its TTL) before its node answered."""
+    return (
+        reply.metadata.src_node_id == SUPERLINK_NODE_ID
+        and reply.has_error()
+        and reply.error.code in (ErrorCode.MESSAGE_UNAVAILABLE, ErrorCode.REPLY_MESSAGE_UNAVAILABLE)
+    )
 
 
 class Run:
@@ -346,7 +356,10 @@ class Run:
         Messages still unanswered at the deadline are abandoned: they expire on the SuperLink at
         the same time (their TTL), and a reply to one that still arrives later is pulled and
         dropped, counted in the round that pulls it (``late_replies_dropped``). (The algorithm gives
-        its node a full sync next, as after a rejected reply: it is in ``sent`` and did not reply.)"""
+        its node a full sync next, as after a rejected reply: it is in ``sent`` and did not reply.)
+        The SuperLink's notice that a message expired unanswered is no reply: its node is missing,
+        whether the notice comes just before the deadline (the TTL counts from the message's
+        creation, a moment before the push) or after it."""
         waiting, first_pull = dict(sent), True
         # At least one pull: what ran since the push (the previous round's record and checkpoint)
         # may have outlasted the deadline, and replies that came in time are waiting on the SuperLink.
@@ -356,6 +369,12 @@ class Run:
             while pulled:  # each reply leaves the list as it is checked: the pull holds none of them after
                 reply = pulled.pop()
                 mid = reply.metadata.reply_to_message_id
+                if expired_unanswered(reply):
+                    self._abandoned.pop(mid, None)
+                    self._withdrawn.pop(mid, None)
+                    if mid in waiting:
+                        self.count_missing(waiting.pop(mid))
+                    continue
                 if mid in self._abandoned:
                     node, _ = self._abandoned.pop(mid)
                     self._counts["late_replies_dropped"] += 1
@@ -376,9 +395,12 @@ class Run:
         self._abandoned = {m: v for m, v in self._abandoned.items() if v[1] > now}  # expired on the SuperLink
         self._withdrawn = {m: v for m, v in self._withdrawn.items() if v[1] > now}
         for mid, node in waiting.items():
-            log.warning("node %d did not answer within round-timeout-s=%g", node, self.round_timeout_s)
-            self._counts["replies_missing"] += 1
+            self.count_missing(node)
             self._abandoned[mid] = (node, now + self.round_timeout_s)
+
+    def count_missing(self, node: int) -> None:
+        log.warning("node %d did not answer within round-timeout-s=%g", node, self.round_timeout_s)
+        self._counts["replies_missing"] += 1
 
     def round_clock(self, accepted_metrics: dict[int, TrainMetrics]) -> dict:
         """Called once round r is aggregated (``accepted_metrics``: node -> its reply's metrics):

@@ -106,12 +106,15 @@ def unpack(
     arrays: Mapping[str, np.ndarray],
     expected: Mapping[str, tuple[int, ...]] | None = None,
     transfer_dtype: str | None = None,
+    read_only: bool = False,
 ) -> Tensors:
     """The fp32 tensors a packed record stands for, in ``expected``'s order when given (else the layout's).
 
     ``expected``: the names and shapes the receiver knows the record must hold; ``transfer_dtype``: the
     payload dtype it must travel in. Raises ``WireError`` for a record refused. No arrays at all stand for
-    no tensors (the server's first global step is an empty record)."""
+    no tensors (the server's first global step is an empty record). ``read_only``: fp32 values may be
+    views of a read-only payload, which the caller only reads (the server's checks of a reply: its values
+    are decoded once, when they are combined)."""
     if not arrays:
         check_layout({}, expected or {})
         return {}
@@ -133,7 +136,7 @@ def unpack(
     sizes = [math.prod(shape) for shape in layout.values()]
     if values.size != sum(sizes):
         raise WireError(f"values: {values.size:,} numbers, expected {sum(sizes):,} ({len(sizes)} tensors' shapes)")
-    parts = _decode_values(values, dtype, sizes, arrays.get(SCALES))
+    parts = _decode_values(values, dtype, sizes, arrays.get(SCALES), read_only)
     out = {name: t.view(shape) for (name, shape), t in zip(layout.items(), parts)}
     return out if expected is None else {name: out[name] for name in expected}
 
@@ -169,9 +172,12 @@ def check_layout(layout: Mapping[str, tuple[int, ...]], expected: Mapping[str, t
             raise WireError(f"wrong shape for {name}: {layout[name]}, expected {tuple(shape)}")
 
 
-def _decode_values(values: np.ndarray, dtype: str, sizes: list[int], scales) -> list[torch.Tensor]:
+def _decode_values(
+    values: np.ndarray, dtype: str, sizes: list[int], scales, read_only: bool = False
+) -> list[torch.Tensor]:
     """Each tensor's flat fp32 values, in new memory of its own (a read-only payload, from a socket or a
-    Flower ``Array``, is read once; a writable fp32 payload is shared). One allocation per tensor, not one
+    Flower ``Array``, is read once; a writable fp32 payload is shared, and so is a read-only one when the
+    caller only reads, ``read_only``). One allocation per tensor, not one
     block-sized buffer: the allocator reuses tensor-sized memory, a fresh block-sized buffer costs page faults
     that on a busy machine take longer than the copy itself."""
     with warnings.catch_warnings():
@@ -184,7 +190,7 @@ def _decode_values(values: np.ndarray, dtype: str, sizes: list[int], scales) -> 
     if scales is not None:
         raise WireError(f"scales with transfer-dtype={dtype}: expected them with int8 only")
     if dtype == "fp32":
-        return list(parts) if values.flags.writeable else [p.clone() for p in parts]
+        return list(parts) if values.flags.writeable or read_only else [p.clone() for p in parts]
     return [p.view(torch.bfloat16).float() if dtype == "bf16" else p.float() for p in parts]
 
 

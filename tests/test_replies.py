@@ -252,3 +252,26 @@ def test_the_model_digest_is_sha256_of_the_tensors_bytes_in_order():
         expected.update(name.encode())
         expected.update(params[name].contiguous().numpy().tobytes())
     assert core.digest(params, ["b", "w", "s", "e"]) == expected.hexdigest()
+
+
+@pytest.mark.parametrize("transfer_dtype", ["fp32", "bf16"])
+def test_a_replys_update_is_checked_where_it_arrived_and_copied_once_when_it_is_combined(transfer_dtype):
+    """The server's checks read an fp32 update in the reply's own payload (no copy on the critical path:
+    1 GB of fp32 cost a clone there); what it combines is decoded from the record into memory of its own."""
+    from parablock_flwr.records import record_arrays
+    from parablock_flwr.strategies.reply_checks import read_update
+
+    update = {"a": torch.randn(64, 32), "b": torch.randn(1000)}
+    shapes = {n: tuple(t.shape) for n, t in update.items()}
+    record = to_record(core.round_with_feedback(update, None, transfer_dtype)[0], transfer_dtype)
+    payload = record_arrays(record)["values"]
+    start = payload.__array_interface__["data"][0]
+    inside = {
+        n: start <= t.data_ptr() < start + payload.nbytes
+        for n, t in read_update(record, shapes, transfer_dtype).items()
+    }
+    assert inside == {n: transfer_dtype == "fp32" for n in update}  # bf16 is widened to fp32: new memory anyway
+    combined = to_tensors(record, shapes, transfer_dtype)
+    assert not any(start <= t.data_ptr() < start + payload.nbytes for t in combined.values())
+    combined["a"].add_(1.0)  # its own: writable, and the payload is unchanged
+    assert torch.equal(read_update(record, shapes, transfer_dtype)["a"] + 1.0, combined["a"])

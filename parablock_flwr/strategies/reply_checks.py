@@ -107,9 +107,11 @@ def read_update(
     arrays: ArrayRecord, shapes: dict[str, tuple[int, ...]], transfer_dtype: str = "fp32"
 ) -> core.Tensors | str:
     """Deserialise the packed record once and check the payload itself (``wire.unpack``: names, shapes,
-    dtype, size, int8's scales), then finiteness. The update comes back in fp32, in ``shapes``' order."""
+    dtype, size, int8's scales), then finiteness. The update comes back in fp32, in ``shapes``' order; in
+    fp32 as views of the record's payload, to be read only (checked, not copied: the strategy decodes the
+    update it combines from the record itself)."""
     try:
-        update = to_tensors(arrays, shapes, transfer_dtype)
+        update = to_tensors(arrays, shapes, transfer_dtype, read_only=True)
     except WireError as err:
         return str(err)
     for name, tensor in update.items():

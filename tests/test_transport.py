@@ -616,3 +616,80 @@ def test_a_client_checks_what_it_downloads_against_flowers_message(server, clien
     t = server.registry.issue(1, 2, 7, DOWN, record.name, ttl_s=30)
     with pytest.raises(TransportError, match="SHA-256 differs"):
         client.download(t, 3, sha(b"abd"))
+
+
+class SilentProxy:
+    """A TCP relay to ``port`` on loopback that can go silent (``silent.set()``): it stops forwarding either
+    way and keeps both connections open, as a NAT or firewall that drops a connection without a reset."""
+
+    def __init__(self, port: int) -> None:
+        import socket
+
+        self._socket, self.port, self.silent, self._open = socket, 0, threading.Event(), []
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._target = port
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                near, _ = self._listener.accept()
+            except OSError:
+                return
+            far = self._socket.create_connection(("127.0.0.1", self._target))
+            self._open += [near, far]
+            for src, dst in ((near, far), (far, near)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    def _pump(self, src, dst) -> None:
+        while True:
+            try:
+                data = src.recv(65536)
+                if not data:
+                    return
+                if not self.silent.is_set():  # silent: read and dropped (a keepalive ping never arrives)
+                    dst.sendall(data)
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self._listener.close()
+        for sock in self._open:
+            sock.close()
+
+
+def test_a_connection_dropped_silently_ends_a_waiting_download_on_both_sides(tls):
+    """A node waiting a round ahead moves no bytes: keepalive pings, answered while the connection lives,
+    end the wait on both sides once it is dropped without a reset (the node's call fails as unavailable, the
+    service's worker is freed and the wait counted as ended), long before the capability's own end."""
+    srv = TransportServer(address="127.0.0.1:0", cert_file=tls.server_cert, key_file=tls.server_key, keepalive_s=1.0)
+    srv.start()
+    proxy = SilentProxy(srv.port)
+    ticket = srv.registry.issue(1, 2, 7, DOWN, "step/ahead", ttl_s=300, waits=True)
+    failed = {}
+    try:
+        with TransportClient(f"localhost:{proxy.port}", ca_file=tls.ca_cert, keepalive_s=1.0) as client:
+
+            def wait() -> None:
+                try:
+                    client.download_unannounced(ticket, 1024)
+                except TransportError as err:
+                    failed["error"] = err
+
+            waiting = threading.Thread(target=wait)
+            waiting.start()
+            time.sleep(3.0)  # pinged about three times each way, and answered
+            assert waiting.is_alive() and srv.waits_ended == 0, failed
+            proxy.silent.set()
+            dropped = time.monotonic()
+            waiting.join(60)
+            assert not waiting.is_alive(), "the node still waits on a dropped connection"
+            assert failed["error"].code == "UNAVAILABLE", failed
+            while srv.waits_ended == 0 and time.monotonic() - dropped < 60:
+                time.sleep(0.1)
+            assert srv.waits_ended == 1 and time.monotonic() - dropped < 20
+            assert sum(srv.refusals.counts().values()) == 0  # a lost connection, not an attempt against the rules
+    finally:
+        proxy.close()
+        srv.stop()

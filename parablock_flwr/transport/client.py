@@ -15,7 +15,7 @@ import grpc
 from parablock_flwr.transport.capabilities import Direction, RefusalKind, Refused, Ticket
 from parablock_flwr.transport.framing import Buffers
 from parablock_flwr.transport.headers import encode_header
-from parablock_flwr.transport.service import CHUNK_BYTES, DOWNLOAD, MESSAGE_LIMIT, UPLOAD
+from parablock_flwr.transport.service import CHUNK_BYTES, DOWNLOAD, KEEPALIVE_S, UPLOAD, channel_options
 
 
 class TransportError(Exception):
@@ -33,7 +33,8 @@ def _identity(b):
 
 class TransportClient:
     """A channel to the stream service: TLS with the operator's CA (a file, or its PEM bytes as a node gets
-    them in Flower's message), or plaintext with ``insecure=True``."""
+    them in Flower's message), or plaintext with ``insecure=True``; a call that moves no bytes is pinged
+    every ``keepalive_s`` and ends when the service does not answer (``service.channel_options``)."""
 
     def __init__(
         self,
@@ -43,13 +44,14 @@ class TransportClient:
         timeout_s: float | None = None,
         ca_pem: bytes | None = None,
         connect_timeout_s: float | None = None,
+        keepalive_s: float = KEEPALIVE_S,
     ):
         if insecure == (ca_file is not None or bool(ca_pem)) or (ca_file is not None and ca_pem):
             raise ValueError(
                 f"ca_file={ca_file!r}, ca_pem given: {bool(ca_pem)}, insecure={insecure}; give one CA (file or PEM) "
                 f"for TLS, or insecure=True"
             )
-        options = [("grpc.max_receive_message_length", MESSAGE_LIMIT), ("grpc.max_send_message_length", MESSAGE_LIMIT)]
+        options = channel_options(keepalive_s)
         if connect_timeout_s is not None:  # gRPC's connection attempt lasts at least this (default 20 s)
             options.append(("grpc.min_reconnect_backoff_ms", max(1, int(connect_timeout_s * 1000))))
         if insecure:

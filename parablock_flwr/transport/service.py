@@ -48,6 +48,36 @@ CHUNK_BYTES = 4 * 2**20
 COALESCE_BYTES = 2**20  # an upload's messages below this are joined before they are held (``_receive``)
 TRAILER_BYTES = 64  # an upload's SHA-256 sent after its bytes: hex digits
 MESSAGE_LIMIT = CHUNK_BYTES + 2**20  # a chunk plus room for framing; larger messages are refused by grpc
+# A call that moves no bytes for this long (a download waiting a round ahead) is pinged, each way; no answer
+# within KEEPALIVE_TIMEOUT_S ends it. A connection a NAT or firewall dropped silently then fails in under a
+# minute instead of holding the node's SuperNode, or one of the service's workers, until its capability ends;
+# and the pings keep an idle NAT mapping alive.
+KEEPALIVE_S = 30.0
+KEEPALIVE_TIMEOUT_S = 20.0
+
+
+def channel_options(keepalive_s: float = KEEPALIVE_S, server: bool = False) -> list[tuple[str, int]]:
+    """gRPC's options on both ends: the message limit, and keepalive pings after ``keepalive_s`` without
+    data, answered within ``KEEPALIVE_TIMEOUT_S`` (or ``keepalive_s``, if shorter); a server accepts a
+    client's pings at that pace (gRPC's default policy would close a connection pinged more often than
+    every 5 minutes)."""
+    every_ms, timeout_ms = int(keepalive_s * 1000), int(min(KEEPALIVE_TIMEOUT_S, keepalive_s) * 1000)
+    options = [
+        ("grpc.max_receive_message_length", MESSAGE_LIMIT),
+        ("grpc.max_send_message_length", MESSAGE_LIMIT),
+        ("grpc.keepalive_time_ms", every_ms),
+        ("grpc.keepalive_timeout_ms", timeout_ms),
+        (
+            "grpc.http2.ping_timeout_ms",
+            timeout_ms,
+        ),  # what times a keepalive ping out in grpcio 1.85 (the default: 60 s)
+        ("grpc.http2.max_pings_without_data", 0),  # a wait sends no data: ping throughout it
+    ]
+    if server:
+        options += [("grpc.http2.min_recv_ping_interval_without_data_ms", every_ms // 2),
+                    ("grpc.http2.max_ping_strikes", 0)]  # fmt: skip
+    return options
+
 
 STATUS = {
     RefusalKind.BAD_HEADER: grpc.StatusCode.INVALID_ARGUMENT,
@@ -436,9 +466,10 @@ class TransportServer:
         max_workers: int = 16,
         spill_dir: Path | None = None,
         decode=contiguous,
+        keepalive_s: float = KEEPALIVE_S,
     ):
         """``decode``: how an upload is read for its claim (``Inbox``); ``spill_dir``: where large uploads wait
-        in files (None: in memory)."""
+        in files (None: in memory); ``keepalive_s``: ``channel_options``."""
         if insecure and (cert_file or key_file):
             raise ValueError("insecure=True with a certificate; choose TLS (cert_file and key_file) or insecure")
         if not insecure and not (cert_file and key_file):
@@ -458,12 +489,13 @@ class TransportServer:
         self._cert = Path(cert_file).read_bytes() if cert_file else None
         self._key = Path(key_file).read_bytes() if key_file else None
         self.max_workers = max_workers  # concurrent transfers, a download waiting ahead included
+        self.keepalive_s = keepalive_s
         self._server: grpc.Server | None = None
         self.port: int | None = None
 
     def start(self) -> int:
         """Start serving; the bound port (``address`` may ask for port 0: any free one)."""
-        options = [("grpc.max_receive_message_length", MESSAGE_LIMIT), ("grpc.max_send_message_length", MESSAGE_LIMIT)]
+        options = channel_options(self.keepalive_s, server=True)
         # Each upload holds a worker and a feed thread; the pool bounds concurrent transfers.
         self._server = grpc.server(futures.ThreadPoolExecutor(self.max_workers, "transport"), options=options)
         handlers = {

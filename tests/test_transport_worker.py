@@ -127,13 +127,17 @@ def test_a_node_without_a_worker_cannot_fetch_and_says_so_state_intact(tmp_path,
     assert len(context.state) == 0
 
 
-def run_rounds(tls, config: dict, run_id: int, ahead: bool, rounds: int = 3) -> list[dict]:
+def run_rounds(
+    tls, config: dict, run_id: int, ahead: bool, rounds: int = 3, worker: NodeWorker | None = None,
+    wait_for_update: bool = True,
+) -> list[dict]:  # fmt: skip
     """``rounds`` rounds of one node worker against a run's stream, the server's part played here: round r's
     step is half the update it claimed in round r-1. ``ahead``: each offer also carries round r+1's
     capabilities, and round r's request is served only once its update is in the server's inbox (moved
-    before the message came). Each round's reply header, with the SHA-256 of the update claimed."""
+    before the message came; not waited for without ``wait_for_update``). Each round's reply header, with
+    the SHA-256 of the update claimed."""
     settings = StreamSettings("localhost:0", str(tls.server_cert), str(tls.server_key), str(tls.ca_cert))
-    worker, replies, step = NodeWorker(), [], {}
+    worker, replies, step = worker or NodeWorker(), [], {}
     try:
         with RunTransport(settings, run_id, ttl_s=120) as stream:
             for r in range(1, rounds + 1):
@@ -141,7 +145,7 @@ def run_rounds(tls, config: dict, run_id: int, ahead: bool, rounds: int = 3) -> 
                 bounds = (10**7, 10**7) if ahead and r < rounds else None
                 offer = stream.offer(r, 0, records, upload_max_size=10**7, ahead=bounds)
                 stream.messaged(r, {0})  # the round's messages are built: its step goes to the waiting download
-                if ahead and r > 1:
+                if ahead and r > 1 and wait_for_update:
                     slot = (run_id, 0, r, stream.upload_name(r, 0))
                     deadline = time.monotonic() + 120
                     while not stream.server.inbox.holds(*slot) and time.monotonic() < deadline:
@@ -179,3 +183,31 @@ def test_round_r_plus_1s_update_moves_before_its_message_and_its_reply_has_the_s
              for r in moved]  # fmt: skip
     assert flags == [(None, None), (1, 1), (1, 1)], flags
     assert all(key("direct_update_ahead") not in r["metrics"] for r in plain)
+
+
+def test_the_next_computation_starts_while_the_update_moving_ahead_is_still_on_its_way(tmp_path, tiny_model_dir):
+    """Round r's message comes while its update, computed ahead, is still uploading (a slow link, played by
+    holding the upload's bytes back): the round's training takes the update as it was rounded and starts round
+    r+1's computation at once, before the upload ends; the reply waits for the upload and commits it, with the
+    bits of the same rounds without anything ahead."""
+    tls = make_tls(tmp_path / "tls")
+    config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 2, "correction": "at-end"})
+    worker, overlapped = NodeWorker(), []
+    upload_ahead = worker.stream.transport.upload_ahead
+
+    def slow_upload(offer, pieces):
+        deadline = time.monotonic() + 20  # the bytes are held until the next computation runs (or 20 s)
+        while offer.server_round + 2 <= 4 and time.monotonic() < deadline:  # round 4 starts none
+            running = worker.node.ahead
+            if running is not None and running.server_round == offer.server_round + 2:
+                overlapped.append(offer.server_round + 1)
+                break
+            time.sleep(0.01)
+        return upload_ahead(offer, pieces)
+
+    worker.stream.transport.upload_ahead = slow_upload
+    moved = run_rounds(tls, config, RUN, ahead=True, rounds=4, worker=worker, wait_for_update=False)
+    plain = run_rounds(tls, config, RUN + 1, ahead=False, rounds=4)
+    assert overlapped == [2, 3], "round r+1's computation waited for round r's update to be uploaded"
+    assert [r["metrics"].get(key("direct_update_ahead")) for r in moved] == [None, 1, 1, 1]
+    assert [r["sha256"] for r in moved] == [r["sha256"] for r in plain]

@@ -175,10 +175,13 @@ class NodeWorker:
                 metrics=self.node.evaluate(res, cfg, req, fetch_step).metrics.to_record()
             ).to_header(), {}
         store = self.residual_store(settings, req.partition_id) if cfg.transfer_dtype != "fp32" else None
-        early = ahead.early_upload() if ahead is not None else None  # an upload still in flight is waited for
-        done = self.node.train(res, cfg, req, fetch_step, store, store, early.early if early is not None else None)
+        # The update moving ahead as it was rounded: the round's training (and the next round's computation,
+        # which it starts) goes on while its upload is still in flight, and the reply waits for that upload.
+        rounded = ahead.early_update() if ahead is not None else None
+        done = self.node.train(res, cfg, req, fetch_step, store, store, rounded)
         metrics = dataclasses.replace(done.metrics, request_received=received, prev_reply_sent=self.last_reply_sent,
                                       direct_step_prefetched=1 if prefetched is not None else None)  # fmt: skip
+        early = ahead.early_upload() if ahead is not None else None  # an upload still in flight is waited for
         early = early if done.used_early else None  # the update is the one moved ahead, bit for bit
         # Each array as its pieces (one per tensor), written to the socket in turn: no joined copy of the block.
         pieces = early.pieces if early is not None else pack_pieces(done.update, cfg.transfer_dtype)

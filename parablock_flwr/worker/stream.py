@@ -53,6 +53,7 @@ class AheadTransfers:
     step_name: str  # the name round r+1's step is published by (``RunTransport.step_name``)
     step: Future | None
     update: Future | None
+    rounded: Future | None = None  # the update's rounding (an ``EarlyUpdate`` or None), before its upload
 
     def step_for(self, offer: TransportOffer) -> Prefetched | None:
         """The prefetched step when ``offer`` names it (it is published then: what is left to wait for is
@@ -61,6 +62,11 @@ class AheadTransfers:
         if self.step is None or all(ref.name != self.step_name for ref in offer.records):
             return None
         return _outcome(self.step, "its step's download")
+
+    def early_update(self) -> EarlyUpdate | None:
+        """The update moving ahead as it was rounded, once its computation is done: what the round's
+        training takes, so that the next computation starts while the bytes are still on their way."""
+        return None if self.rounded is None else _outcome(self.rounded, "its update's rounding")
 
     def early_upload(self) -> EarlyUpload | None:
         """The upload ahead, waited for (the round commits nothing of it before it is done)."""
@@ -96,12 +102,13 @@ class WorkerStream:
         """After round r's reply committed on the stream: round r+1's global step fetched as soon as the server
         publishes it, and round r+1's update (``early``: its rounding, once the computation ahead is done)
         uploaded, both under the capabilities round r's offer issued ahead, in the background."""
-        step = update = None
+        step = update = rounded = None
         if offer.ahead_step_name:
             step = self._ahead_pool.submit(self._prefetch, offer)
         if offer.ahead_upload_name:
-            update = self._ahead_pool.submit(self._upload_ahead, offer, transfer_dtype, early)
-        self.ahead = AheadTransfers(run_id, offer.server_round + 1, offer.ahead_step_name, step, update)
+            rounded = Future()
+            update = self._ahead_pool.submit(self._upload_ahead, offer, transfer_dtype, early, rounded)
+        self.ahead = AheadTransfers(run_id, offer.server_round + 1, offer.ahead_step_name, step, update, rounded)
 
     def close(self) -> None:
         """The channels closed (a download still waiting ends with them) and the transfers' threads let go."""
@@ -121,14 +128,21 @@ class WorkerStream:
             log.info("direct transport: round %d's global step not fetched ahead: %s", offer.server_round + 1, err)
             return None
 
-    def _upload_ahead(self, offer: TransportOffer, transfer_dtype: str, early_update) -> EarlyUpload | None:
+    def _upload_ahead(
+        self, offer: TransportOffer, transfer_dtype: str, early_update, rounded: Future
+    ) -> EarlyUpload | None:
+        """``early_update()`` (it waits for the computation), handed to ``rounded`` at once, then uploaded. The
+        round's training reads the same tensors meanwhile, and changes none of them."""
         try:
             early = early_update()
         except Exception as err:  # noqa: BLE001 - the computation's failure is reported when its round comes
             log.info("direct transport: round %d's update not moved ahead: %s", offer.server_round + 1, err)
+            rounded.set_result(None)
             return None
         if early is None or self._closed.is_set():  # (it waited for the computation; the worker may be exiting)
+            rounded.set_result(None)
             return None
+        rounded.set_result(early)
         pieces = pack_pieces(early.sent, transfer_dtype)
         try:
             commit = self.transport.upload_ahead(offer, pieces)

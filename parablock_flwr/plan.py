@@ -520,7 +520,7 @@ def time_rows(cfg: RunConfig, shape: ModelShape, step_s: float | None, link: cor
     """Each round's modeled time (``core.LinkModel``, ``core.modeled_round_seconds``): per block of
     the schedule, its bytes, the exchange's time, the compute of ``local-steps`` steps of ``step_s``,
     ParaBlock's round (the larger of the two; on the stream with correction at-end the update's upload
-    follows the compute) and sequential FedBCD's (their sum)."""
+    leaves beside the next computation) and sequential FedBCD's (their sum)."""
     rows = []
     for b, values in enumerate(shape.blocks):
         nbytes = block_bytes(cfg, values)
@@ -544,24 +544,18 @@ def ahead_seconds(cfg: RunConfig, link: core.LinkModel, nbytes: int) -> float:
     return link.ahead_seconds(nbytes) if cfg.correction_mode == "at-end" else 0.0
 
 
-def window_seconds(cfg: RunConfig, link: core.LinkModel, nbytes: int) -> float:
-    """The compute that fills ParaBlock's window for a block of ``nbytes`` each way: the exchange, less the
-    upload that moves ahead, which follows the compute instead (``max(c + a, m - a)`` balances at
-    ``c = m - 2a``)."""
-    return link.comm_seconds(nbytes, nbytes) - 2 * ahead_seconds(cfg, link, nbytes)
-
-
 def balance(cfg: RunConfig, shape: ModelShape, step_s: float, link: core.LinkModel) -> tuple[int, int]:
     """(local-steps, layers-per-block) at which compute fills the largest block's window: the fewest
     steps whose compute covers it at this ``layers-per-block``, and the most layers per block whose
     window this ``local-steps`` covers (0: not even one layer's, the fixed cost alone exceeds it)."""
-    window = window_seconds(cfg, link, block_bytes(cfg, max(shape.blocks)))
+    largest = block_bytes(cfg, max(shape.blocks))
+    window = link.comm_seconds(largest, largest)  # ahead or not: the compute covers the exchange
     steps = max(1, math.ceil(window / step_s))
     per_layer = shape.layer_params
     layers = 0
     for n in range(1, shape.num_layers + 1):
         nbytes = block_bytes(cfg, n * per_layer)
-        if window_seconds(cfg, link, nbytes) <= cfg.local_steps * step_s:
+        if link.comm_seconds(nbytes, nbytes) <= cfg.local_steps * step_s:
             layers = n
     return steps, layers
 

@@ -86,25 +86,42 @@ def test_a_rounds_modeled_figures_use_the_runs_transport(tmp_path):
     assert modeled["flower"] - modeled["direct"] == pytest.approx(2 * GB / 60e6 - 2 * GB / 160e6 - 0.2, rel=1e-4)
 
 
-def test_an_update_that_moves_ahead_takes_its_upload_out_of_the_window_and_behind_the_compute():
-    """On the stream, ParaBlock's update leaves as soon as it is computed (docs/transport.md, "One round
-    ahead"): its upload follows the compute and the rest of the exchange runs beside both, so an
-    overlapped round costs max(compute + upload, exchange - upload). Sequential rounds and Flower's
-    path are unchanged."""
+def node_loop_period(compute: float, upload: float, rest: float, rounds: int = 200) -> float:
+    """The steady round time of a node worker's loop with its update moving ahead, event by event: round r's
+    message comes ``rest`` after round r-1's reply; the computation of round r+1 starts when round r's
+    message has come and round r's computation is done; round r's upload starts when its computation is
+    done, and round r's reply when both its message has come and its upload is done."""
+    message, computed, starts = 0.0, compute, []
+    for _ in range(rounds):
+        start = max(message, computed)  # round r+1's computation starts
+        reply = max(start, computed + upload)
+        message, computed = reply + rest, start + compute
+        starts.append(start)
+    return (starts[-1] - starts[-51]) / 50
+
+
+@pytest.mark.parametrize("compute", [1.0, 8.0, 12.0, 13.5, 30.0])
+def test_an_update_that_moves_ahead_leaves_beside_the_next_computation(compute):
+    """On the stream, ParaBlock's update leaves as soon as it is computed, beside the next computation
+    (docs/transport.md, "One round ahead"): an overlapped round costs the node loop's steady period,
+    max(compute, exchange - upload, (compute + exchange) / 2): the compute once it covers the exchange,
+    the exchange less the upload when the compute is short. Sequential rounds and Flower's path are
+    unchanged."""
     direct = core.LinkModel(1000.0, 1000.0, 30.0, 5.0, 60.0, "direct", 160.0)
     upload = direct.ahead_seconds(GB)
     assert upload == pytest.approx(GB / 160e6 + 0.06 + 8.0)
     assert replace(direct, transport="flower").ahead_seconds(GB) == 0.0
-    comm = direct.comm_seconds(GB, GB)
-    assert core.modeled_round_seconds([1.0], [comm], True, ahead_s=[upload]) == pytest.approx(comm - upload)
-    assert core.modeled_round_seconds([30.0], [comm], True, ahead_s=[upload]) == pytest.approx(30.0 + upload)
-    assert core.modeled_round_seconds([1.0], [comm], False, ahead_s=[upload]) == pytest.approx(1.0 + comm)
-    assert core.modeled_round_seconds([1.0], [comm], True) == pytest.approx(comm)
+    comm = direct.comm_seconds(GB, GB)  # 26.6 s, of which the upload 14.3 s
+    modeled = core.modeled_round_seconds([compute], [comm], True, ahead_s=[upload])
+    assert modeled == pytest.approx(node_loop_period(compute, upload, comm - upload), rel=1e-6)
+    assert modeled <= max(compute, comm)
+    assert core.modeled_round_seconds([compute], [comm], False, ahead_s=[upload]) == pytest.approx(compute + comm)
+    assert core.modeled_round_seconds([compute], [comm], True) == pytest.approx(max(compute, comm))
 
 
 def test_a_rounds_modeled_time_follows_each_replys_path(tmp_path):
     """A round's record models each accepted reply on the path its bytes took: an update that moved ahead
-    on the stream with its upload behind the compute, a node that fell back on Flower's path."""
+    on the stream with its upload beside the next computation, a node that fell back on Flower's path."""
     import torch
 
     from parablock_flwr.messages import TrainMetrics
@@ -124,7 +141,7 @@ def test_a_rounds_modeled_time_follows_each_replys_path(tmp_path):
     on_stream, ahead = record(), record(direct_update_ahead=1)
     comm, upload = link.comm_seconds(GB, GB), link.ahead_seconds(GB)
     assert on_stream["modeled_round_s"] == pytest.approx(comm)
-    assert ahead["modeled_round_s"] == pytest.approx(max(2.0 + upload, comm - upload))
+    assert ahead["modeled_round_s"] == pytest.approx(max(2.0, comm - upload, (2.0 + comm) / 2))
     assert ahead["modeled_round_s"] < comm - 1
     assert ahead["modeled_round_s_sequential"] == on_stream["modeled_round_s_sequential"] == pytest.approx(2.0 + comm)
     fell_back = record(direct_fallbacks=1)

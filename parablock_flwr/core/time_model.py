@@ -65,8 +65,8 @@ class LinkModel:
     def ahead_seconds(self, bytes_up: int) -> float:
         """The part of ``comm_seconds`` an update takes with it when it moves a round ahead on the direct
         stream (ParaBlock, correction ``at-end``): its upload, a call with its round trip, its bytes at the
-        stream's rate and the uplink's. It then runs after the computation, beside Flower's control round
-        trip (docs/transport.md, "One round ahead"); 0 on Flower's path."""
+        stream's rate and the uplink's. It then runs as soon as the update is computed, beside the next
+        computation (docs/transport.md, "One round ahead"); 0 on Flower's path."""
         if self.transport != "direct":
             return 0.0
         throughput = self.stream_throughput_mbs * 1e6
@@ -83,11 +83,15 @@ def modeled_round_seconds(
     so an overlapped round costs ``max(compute, comm)``; sequential BCD
     waits for both, ``compute + comm``. An update that moves a round ahead
     (``ahead_s``, ``LinkModel.ahead_seconds``) leaves as soon as it is
-    computed: its upload follows the compute instead of the reply, so an
-    overlapped round costs ``max(compute + ahead, comm - ahead)``.
+    computed, beside the next computation, and the round's reply waits for
+    it: the node's loop settles at ``max(compute, comm - ahead, (compute +
+    comm) / 2)``, the compute once it covers the exchange, the exchange less
+    the upload once the upload is done before the message comes (the middle
+    term is where the reply waits for part of it). Without one (``ahead``
+    0) that is ``max(compute, comm)``.
     """
     ahead_s = ahead_s or [0.0] * len(compute_s)
     per_client = [
-        max(c + a, m - a) if overlapped else c + m for c, m, a in zip(compute_s, comm_s, ahead_s, strict=True)
+        max(c, m - a, (c + m) / 2) if overlapped else c + m for c, m, a in zip(compute_s, comm_s, ahead_s, strict=True)
     ]
     return max(per_client, default=0.0)

@@ -211,3 +211,18 @@ def test_the_next_computation_starts_while_the_update_moving_ahead_is_still_on_i
     assert overlapped == [2, 3], "round r+1's computation waited for round r's update to be uploaded"
     assert [r["metrics"].get(key("direct_update_ahead")) for r in moved] == [None, 1, 1, 1]
     assert [r["sha256"] for r in moved] == [r["sha256"] for r in plain]
+
+
+def test_an_upload_ahead_cancelled_before_it_ran_leaves_the_round_nothing_to_wait_for():
+    """A worker that closes cancels the transfers not yet started: their rounding never comes, and the
+    round takes the usual path at once instead of waiting for it."""
+    from concurrent.futures import Future
+
+    from parablock_flwr.worker.stream import AheadTransfers
+
+    cancelled = Future()
+    assert cancelled.cancel()
+    ahead = AheadTransfers(RUN, 2, "r2/global-step", None, cancelled, Future())
+    started = time.monotonic()
+    assert ahead.early_update() is None and ahead.early_upload() is None
+    assert time.monotonic() - started < 1

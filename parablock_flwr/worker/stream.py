@@ -55,6 +55,16 @@ class AheadTransfers:
     update: Future | None
     rounded: Future | None = None  # the update's rounding (an ``EarlyUpdate`` or None), before its upload
 
+    def __post_init__(self) -> None:
+        if self.update is not None and self.rounded is not None:
+            self.update.add_done_callback(self._never_rounded)
+
+    def _never_rounded(self, update: Future) -> None:
+        """The upload's task ended (it rounds first, so this is one cancelled before it ran, as a closing
+        worker does): nothing is rounded, and nobody waits for it."""
+        if not self.rounded.done():
+            self.rounded.set_result(None)
+
     def step_for(self, offer: TransportOffer) -> Prefetched | None:
         """The prefetched step when ``offer`` names it (it is published then: what is left to wait for is
         bytes on their way); else None at once (the records came inline: the download ends with the round).

@@ -359,7 +359,9 @@ class Run:
         its node a full sync next, as after a rejected reply: it is in ``sent`` and did not reply.)
         The SuperLink's notice that a message expired unanswered is no reply: its node is missing,
         whether the notice comes just before the deadline (the TTL counts from the message's
-        creation, a moment before the push) or after it."""
+        creation, a moment before the push) or after it. (Flower 1.42's SuperLink sends that notice
+        for an expired message even when a reply came in time: a first pull later than
+        ``round-timeout-s``, after a previous round's slow record, finds the round's nodes missing.)"""
         waiting, first_pull = dict(sent), True
         # At least one pull: what ran since the push (the previous round's record and checkpoint)
         # may have outlasted the deadline, and replies that came in time are waiting on the SuperLink.
@@ -373,7 +375,7 @@ class Run:
                     self._abandoned.pop(mid, None)
                     self._withdrawn.pop(mid, None)
                     if mid in waiting:
-                        self.count_missing(waiting.pop(mid))
+                        self.count_missing(waiting.pop(mid), "its message expired on the SuperLink before a reply")
                     continue
                 if mid in self._abandoned:
                     node, _ = self._abandoned.pop(mid)
@@ -395,11 +397,11 @@ class Run:
         self._abandoned = {m: v for m, v in self._abandoned.items() if v[1] > now}  # expired on the SuperLink
         self._withdrawn = {m: v for m, v in self._withdrawn.items() if v[1] > now}
         for mid, node in waiting.items():
-            self.count_missing(node)
+            self.count_missing(node, "it did not answer")
             self._abandoned[mid] = (node, now + self.round_timeout_s)
 
-    def count_missing(self, node: int) -> None:
-        log.warning("node %d did not answer within round-timeout-s=%g", node, self.round_timeout_s)
+    def count_missing(self, node: int, why: str) -> None:
+        log.warning("node %d: %s within round-timeout-s=%g", node, why, self.round_timeout_s)
         self._counts["replies_missing"] += 1
 
     def round_clock(self, accepted_metrics: dict[int, TrainMetrics]) -> dict:

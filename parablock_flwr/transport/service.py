@@ -67,10 +67,8 @@ def channel_options(keepalive_s: float = KEEPALIVE_S, server: bool = False) -> l
         ("grpc.max_send_message_length", MESSAGE_LIMIT),
         ("grpc.keepalive_time_ms", every_ms),
         ("grpc.keepalive_timeout_ms", timeout_ms),
-        (
-            "grpc.http2.ping_timeout_ms",
-            timeout_ms,
-        ),  # what times a keepalive ping out in grpcio 1.85 (the default: 60 s)
+        # What times a keepalive ping out in grpcio 1.85 (its default: 60 s), not the option above.
+        ("grpc.http2.ping_timeout_ms", timeout_ms),
         ("grpc.http2.max_pings_without_data", 0),  # a wait sends no data: ping throughout it
     ]
     if server:

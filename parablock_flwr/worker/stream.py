@@ -60,8 +60,8 @@ class AheadTransfers:
             self.update.add_done_callback(self._never_rounded)
 
     def _never_rounded(self, update: Future) -> None:
-        """The upload's task ended (it rounds first, so this is one cancelled before it ran, as a closing
-        worker does): nothing is rounded, and nobody waits for it."""
+        """The upload's task ended without handing over a rounding (its computation failed or left nothing
+        to send, or a closing worker cancelled it before it ran): nobody waits for one."""
         if not self.rounded.done():
             self.rounded.set_result(None)
 
@@ -147,10 +147,8 @@ class WorkerStream:
             early = early_update()
         except Exception as err:  # noqa: BLE001 - the computation's failure is reported when its round comes
             log.info("direct transport: round %d's update not moved ahead: %s", offer.server_round + 1, err)
-            rounded.set_result(None)
-            return None
+            return None  # ``rounded`` gets None when this task ends (``AheadTransfers._never_rounded``)
         if early is None or self._closed.is_set():  # (it waited for the computation; the worker may be exiting)
-            rounded.set_result(None)
             return None
         rounded.set_result(early)
         pieces = pack_pieces(early.sent, transfer_dtype)

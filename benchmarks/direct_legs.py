@@ -35,6 +35,7 @@ from parablock_flwr.messages import COMMIT, GLOBAL_STEP, METRICS, OFFER, TrainMe
 from parablock_flwr.records import to_record
 from parablock_flwr.strategies.direct import DirectMessages
 from parablock_flwr.strategies.reply_checks import Expected, parse_reply
+from parablock_flwr.strategies.update_spill import IN_MEMORY
 from parablock_flwr.transport import NodeTransport, RunTransport, StreamSettings, update_bound
 from parablock_flwr.wire import pack_pieces
 
@@ -124,7 +125,13 @@ def main(argv=None) -> None:
         best: dict[str, float] = {}
         cpu: dict[str, float] = {}
         with tempfile.TemporaryDirectory() as spill:
-            run = RunTransport(StreamSettings("localhost:0", insecure=True), RUN, 600.0, spill_dir=Path(spill))
+            run = RunTransport(
+                StreamSettings("localhost:0", insecure=True),
+                RUN,
+                600.0,
+                spill_dir=Path(spill),
+                memory_uploads=IN_MEMORY,
+            )
             with run:
                 direct, node, ahead = DirectMessages(run), NodeTransport(timeout_s=600), None
                 for r in range(1, args.repeats + 2):

@@ -160,14 +160,14 @@ def test_inbox_commits_bytes_only_under_the_replys_digest():
 
 def test_uploads_still_arriving_count_toward_the_inboxs_memory_budget(tmp_path):
     """Uploads that arrive together cannot pass the in-memory budget together: one still being received in
-    memory counts from its ``buffer`` on, so the next one that would pass the budget goes to a file; a
-    buffer given back (``discard``: its upload refused or broken off) frees its share."""
+    memory counts from its ``buffer`` on, so the next one past the budget goes to a file, however small; a
+    buffer given back (``discard``: its upload refused or broken off) frees its place."""
     from parablock_flwr.transport.service import SpillFile
 
-    inbox = Inbox(Refusals(), spill_dir=tmp_path, memory_bytes=1000)
+    inbox = Inbox(Refusals(), spill_dir=tmp_path, memory_uploads=1)
     first = inbox.buffer(600)
     assert isinstance(first, Buffers)
-    second = inbox.buffer(600)  # the first is still arriving: 1200 bytes would pass 1000
+    second = inbox.buffer(6)  # the first is still arriving: a second would pass one upload in memory
     assert isinstance(second, SpillFile) and inbox.spilled == 1
     inbox.discard(second)
     inbox.discard(first)

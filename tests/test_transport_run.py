@@ -185,36 +185,35 @@ def test_an_update_is_claimed_only_under_the_digest_its_reply_commits(hub, node)
     assert counts["direct_refused_digest_mismatch"] == 1 and counts["direct_refused_size_mismatch"] == 1
 
 
-def test_a_large_upload_waits_for_its_reply_in_a_file_not_memory_and_leaves_nothing_behind(tls, node, tmp_path):
-    """Uploads stay in memory while those held there fit the inbox's budget; one that would pass it is
-    received into a file of the spill folder, unlinked at once: the claim reads the same bytes,
-    the refusals still change nothing, and no file is left, whether the upload is claimed, refused or
-    dropped with its round."""
-    with RunTransport(settings(tls), RUN, TTL, LIMITS, spill_dir=tmp_path / "spill") as hub:
+def test_uploads_past_the_inboxs_budget_wait_for_their_replies_in_files_and_leave_nothing_behind(tls, node, tmp_path):
+    """The inbox holds in memory as many uploads as a round's aggregation holds updates
+    (``update_spill.IN_MEMORY``), however large (a block of 1 GB is not written to disk and read back on the
+    critical path); one more is received into a file of the spill folder, unlinked at once: the claim reads the
+    same bytes, the refusals still change nothing, and no file is left, whether the upload is claimed, refused
+    or dropped with its round."""
+    with RunTransport(settings(tls), RUN, TTL, LIMITS, spill_dir=tmp_path / "spill", memory_uploads=2) as hub:
         bound, inbox = update_bound(64 * 48 + 48, 2), hub.server.inbox
-        large = {"values": npy_bytes(np.zeros(65 * 2**20, np.uint8))}  # a block of 65 MiB, under the budget:
+        large = {"values": npy_bytes(np.zeros(65 * 2**20, np.uint8))}
         large_offer = hub.offer(3, node=7, records={}, upload_max_size=70 * 2**20)
         commit = node.upload(large_offer, large)
         assert inbox.spilled == 0  # in memory, not written to disk and read back on the critical path
         assert hub.claim(3, 7, commit) == large and hub.end_round(3)["direct_uploads_spilled"] == 0
-        size = len(frame(payloads(block(7))))
-        inbox.memory_bytes = size + 1  # the test's blocks are far smaller than a real one: one fits, two do not
         fds = len(os.listdir("/proc/self/fd"))
 
         def upload(node_id: int, seed: int):
             return node.upload(hub.offer(4, node=node_id, records={}, upload_max_size=bound), payloads(block(seed)))
 
-        in_memory = upload(7, 7)
-        assert inbox.spilled == 0  # under the budget: no file
-        upload(8, 8)  # past it: a file (dropped with its round)
-        assert inbox.spilled == 1
-        inbox.memory_bytes = 1024  # every upload from now on
+        in_memory = [upload(7, 7), upload(8, 8)]
+        assert inbox.spilled == 0  # two in memory: the budget
+        upload(10, 10)  # past it: a file (dropped with its round)
         spilled = upload(9, 9)
         assert inbox.spilled == 2
         with pytest.raises(Refused):
             hub.claim(4, 9, dataclasses.replace(spilled, update_sha256="f" * 64))
         assert {k: bytes(v) for k, v in hub.claim(4, 9, spilled).items()} == payloads(block(9))
-        assert {k: bytes(v) for k, v in hub.claim(4, 7, in_memory).items()} == payloads(block(7))
+        assert {k: bytes(v) for k, v in hub.claim(4, 7, in_memory[0]).items()} == payloads(block(7))
+        upload(11, 11)  # node 7's claim freed a place in memory
+        assert inbox.spilled == 2
         counts = hub.end_round(4)
         assert counts["direct_refused_digest_mismatch"] == 1 and counts["direct_uploads_spilled"] == 2
         assert list((tmp_path / "spill").iterdir()) == []  # unlinked when created: nothing to clean up

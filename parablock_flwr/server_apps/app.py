@@ -35,6 +35,7 @@ from ..runtime import setup_torch
 from ..strategies import strategy_class
 from ..strategies.direct import DirectMessages
 from ..strategies.run import Run, TooFewReplies
+from ..strategies.update_spill import IN_MEMORY
 from ..transport import Limits, RunTransport, StreamSettings, TransportSetupError
 from .evaluator import ServerEvaluator
 
@@ -162,8 +163,10 @@ def open_stream(cfg: RunConfig, grid: Grid, run_id: int) -> DirectMessages | Non
         return None
     try:
         settings, limits = StreamSettings.from_run_config(cfg), Limits(idle_timeout_s=cfg.transport_idle_timeout_s)
-        # Large uploads wait for their replies on the disk the operator chose for runs, not in memory.
-        transport = RunTransport(settings, run_id, ttl_s=cfg.round_timeout_s, limits=limits, spill_dir=cfg.output_path)
+        # Uploads past the blocks a round's aggregation holds in memory wait for their replies on the disk
+        # the operator chose for runs.
+        transport = RunTransport(settings, run_id, ttl_s=cfg.round_timeout_s, limits=limits, spill_dir=cfg.output_path,
+                                 memory_uploads=IN_MEMORY)  # fmt: skip
         transport.start()
     except (TransportSetupError, OSError, RuntimeError) as err:
         raise RunFailed("invalid-config", f"Invalid configuration: {err}") from err

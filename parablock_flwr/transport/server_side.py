@@ -91,13 +91,16 @@ class RunTransport:
         limits: Limits | None = None,
         registry: CapabilityRegistry | None = None,
         spill_dir: Path | None = None,
+        memory_uploads: int = 0,
     ):
-        """``spill_dir``: where large uploads wait for their replies (``service.Inbox``; None: in memory)."""
+        """``spill_dir``: where uploads past the first ``memory_uploads`` in memory wait for their replies
+        (``service.Inbox``; None: all in memory)."""
         certfile, keyfile, self.ca_pem = settings.read()
         self.settings, self.run_id, self.ttl_s = settings, run_id, ttl_s
         self.server = TransportServer(
             registry, address=f"[::]:{settings.port}", cert_file=certfile, key_file=keyfile,
-            insecure=settings.insecure, limits=limits or Limits(), spill_dir=spill_dir, decode=payloads,
+            insecure=settings.insecure, limits=limits or Limits(), spill_dir=spill_dir,
+            memory_uploads=memory_uploads, decode=payloads,
         )  # fmt: skip
         self.address = settings.address  # the port the nodes dial: the bound one once started
         self._lock = threading.Lock()

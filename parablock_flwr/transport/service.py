@@ -198,9 +198,6 @@ class Outbox:
             self._held.discard(name)
 
 
-INBOX_MEMORY_BYTES = 512 * 2**20  # uploads held in memory, at most; past it they are received into a file
-
-
 class SpillFile:
     """An upload received into a file (``Inbox.buffer``): unlinked when created, so nothing is left behind
     whatever happens to the upload or the process; written as its chunks come and read back by range when
@@ -265,22 +262,25 @@ class Inbox:
     decoded at once, in a thread of its own, by ``decode(data, record)`` (the run's side reads the framed
     record into the arrays' payloads), so that the reply that claims it finds it ready; a claim still hands
     it over only under the declared digest and size, and a decoding that failed is raised then, never before.
-    With ``spill_dir``, an upload that would take the uploads held in memory past ``memory_bytes`` is
+    With ``spill_dir``, an upload that finds ``memory_uploads`` uploads in memory (held or still arriving) is
     received into a file there instead, and decoded when claimed: the server holds a round's uploads and the
     next round's moved ahead until their replies claim them, so held in memory they would grow the
-    server's memory with the nodes and the block."""
+    server's memory with the nodes. Counted in uploads, as the round's aggregation counts the updates it
+    holds (``strategies/update_spill.py``): each is bounded by its capability, so the inbox holds at most
+    ``memory_uploads`` blocks, and a deployment of a few sites never writes a block to disk and reads it
+    back on the critical path, however large the block."""
 
     def __init__(
         self,
         refusals: Refusals,
         spill_dir: Path | None = None,
-        memory_bytes: int = INBOX_MEMORY_BYTES,
+        memory_uploads: int = 0,
         decode=contiguous,
     ) -> None:
         self._lock = threading.Lock()
         self._records: dict[tuple, _Upload] = {}
         self._refusals = refusals
-        self.spill_dir, self.memory_bytes, self.decode = spill_dir, memory_bytes, decode
+        self.spill_dir, self.memory_uploads, self.decode = spill_dir, memory_uploads, decode
         self.spilled = 0  # uploads received into a file
         self._receiving: dict[int, int] = {}  # id(buffer) -> size: uploads in memory still being received
         # One thread: decodings are memory copies under the GIL, so more would not go faster.
@@ -289,12 +289,12 @@ class Inbox:
     def buffer(self, size: int) -> Buffers | SpillFile:
         """Where an upload of ``size`` bytes is received: memory (the chunks as they come), or (the class's
         docstring) a ``SpillFile`` in ``spill_dir``, its space reserved first (a full disk is an error here,
-        not a failed write halfway). An upload received in memory counts toward ``memory_bytes`` from here on,
+        not a failed write halfway). An upload received in memory counts toward ``memory_uploads`` from here on,
         not from its ``put``, so that uploads arriving together cannot pass the budget together; ``discard``
         gives back what was not ``put``."""
         with self._lock:
-            in_memory = sum(u.size for u in self._records.values() if u.spilled is None) + sum(self._receiving.values())
-            if self.spill_dir is None or size == 0 or in_memory + size <= self.memory_bytes:
+            in_memory = sum(u.spilled is None for u in self._records.values()) + len(self._receiving)
+            if self.spill_dir is None or size == 0 or in_memory < self.memory_uploads:
                 buffers = Buffers()
                 self._receiving[id(buffers)] = size
                 return buffers
@@ -463,11 +463,13 @@ class TransportServer:
         limits: Limits = Limits(),
         max_workers: int = 16,
         spill_dir: Path | None = None,
+        memory_uploads: int = 0,
         decode=contiguous,
         keepalive_s: float = KEEPALIVE_S,
     ):
-        """``decode``: how an upload is read for its claim (``Inbox``); ``spill_dir``: where large uploads wait
-        in files (None: in memory); ``keepalive_s``: ``channel_options``."""
+        """``decode``: how an upload is read for its claim (``Inbox``); ``spill_dir``: where uploads past the
+        first ``memory_uploads`` in memory wait in files (None: all in memory); ``keepalive_s``:
+        ``channel_options``."""
         if insecure and (cert_file or key_file):
             raise ValueError("insecure=True with a certificate; choose TLS (cert_file and key_file) or insecure")
         if not insecure and not (cert_file and key_file):
@@ -477,7 +479,7 @@ class TransportServer:
         self.registry = registry or CapabilityRegistry()
         self.refusals = Refusals()
         self.outbox = Outbox()
-        self.inbox = Inbox(self.refusals, spill_dir, decode=decode)
+        self.inbox = Inbox(self.refusals, spill_dir, memory_uploads, decode=decode)
         self.limits = limits
         self._stopping = threading.Event()
         self._waits_lock = threading.Lock()

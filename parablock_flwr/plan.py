@@ -299,22 +299,27 @@ def transfer_bytes_per_value(transfer_dtype: str) -> float:
 def server_terms(cfg: RunConfig, shape: ModelShape, num_nodes: int) -> dict[str, int]:
     """Bytes the ServerApp holds: the model in fp32, a round's replies and step, evaluation."""
     largest = max(shape.blocks)
+    sent = round(largest * transfer_bytes_per_value(cfg.transfer_dtype))  # a block as it travels
     terms = {
         "runtime": SERVER_RUNTIME_BYTES,
         "model_fp32": shape.parameters * 4,
         # The updates a round holds as they came (update_spill.IN_MEMORY; the rest spilled), one decoded
         # at a time, their mean, the step.
-        "replies_and_step": min(num_nodes, IN_MEMORY) * round(largest * transfer_bytes_per_value(cfg.transfer_dtype))
-        + largest * 4 * 3,
+        "replies_and_step": min(num_nodes, IN_MEMORY) * sent + largest * 4 * 3,
         # A round with a full sync (a resumed run's first round, a node back after missing more steps
         # than there are blocks): one copy of every trainable tensor, shared by its messages, until
         # the round's step.
         "full_sync": shape.trainable * 4,
         # The SuperLink (on this machine) holds each message until its node confirms it, each reply until
         # the ServerApp does: the round's step (one copy for every node), a full sync, N replies.
-        "superlink_messages": round((num_nodes + 1) * largest * transfer_bytes_per_value(cfg.transfer_dtype))
-        + shape.trainable * 4,
+        "superlink_messages": (num_nodes + 1) * sent + shape.trainable * 4,
     }
+    if cfg.transport == "direct":
+        # The blocks move on the stream (a node that falls back excepted): the SuperLink holds control data,
+        # and the stream's inbox holds the uploads waiting for their replies, this round's and the next's
+        # moved ahead, as many in memory as the round holds updates (the rest in files under output-dir).
+        del terms["superlink_messages"]
+        terms["stream_uploads"] = min(num_nodes, IN_MEMORY) * sent
     if cfg.evaluation == "server":
         tokens = cfg.eval_batch_size * cfg.max_seq_len
         terms["evaluation"] = tokens * shape.vocab * 4 * 2 + tokens * shape.hidden * 4 * 4

@@ -35,6 +35,36 @@ def test_plan_prints_its_table_for_a_llama3_8b_config(capsys):
     assert "plan: weights='fp16': expected one of fp32, bf16" in capsys.readouterr().err
 
 
+def test_the_servers_memory_follows_the_transport_blocks_in_the_superlink_or_in_the_streams_inbox(capsys):
+    """On Flower's path the SuperLink holds a round's blocks; on the stream it holds control data and the
+    inbox holds the uploads waiting for their replies, as many in memory as the round holds updates."""
+    from parablock_flwr.strategies.update_spill import IN_MEMORY
+
+    rows = {}
+    for transport in ("flower", "direct"):
+        assert (
+            cli_main(
+                [
+                    "plan",
+                    str(LLAMA_8B),
+                    f'transport="{transport}"',
+                    'transport-address="server:9094"',
+                    "transport-insecure=true",
+                    "--num-nodes",
+                    "12",
+                ]
+            )
+            == 0
+        )
+        rows[transport] = capsys.readouterr().out.split("| server (ServerApp) | ")[1].split("\n")[0]
+    assert "superlink_messages" in rows["flower"] and "stream_uploads" not in rows["flower"]
+    assert "superlink_messages" not in rows["direct"] and "stream_uploads" in rows["direct"]
+    uploads = float(rows["direct"].split("stream_uploads ")[1].split(",")[0].split(" ")[0])
+    replies = float(rows["direct"].split("replies_and_step ")[1].split(",")[0].split(" ")[0])
+    # In fp32: the round's updates, IN_MEMORY of the 12 nodes' blocks, and three fp32 copies of the block.
+    assert uploads == pytest.approx(replies * IN_MEMORY / (IN_MEMORY + 3), rel=0.01) and IN_MEMORY < 12
+
+
 def test_the_plan_says_what_the_step_log_costs_on_the_servers_disk_and_how_to_bound_it(capsys):
     """500 rounds of Llama-3.1-8B in 7 blocks (5 layers each, the last 2): one fp32 step of the largest
     block a round, 4.1 GiB, about 2 TiB in all; `snapshot-every` bounds it at 3 snapshots of every

@@ -269,8 +269,10 @@ def _worker(args) -> int:
     except SocketRefused as err:
         sys.exit(f"parablock-flwr worker: {err}")
     try:
+        from .runtime import keep_freed_memory
         from .worker.server import run_worker  # torch and transformers: seconds
 
+        keep_freed_memory()  # before the worker's threads: its rounds reuse the pages the last one freed
         device, limit = args.device or "", args.max_message_bytes or 0
         run_worker(endpoint, args.idle_exit_s, args.compute_cpus, device, limit, args.state_dir)
     finally:

@@ -14,6 +14,7 @@ from ..data import client_partition, local_rows_limit, node_splits, tokenized_ro
 from ..model import load_for_training, load_tokenizer
 from ..node_data import NodeSettings
 from ..replica import ModelReplica
+from ..runtime import release_freed_memory
 from .request import Refused
 
 
@@ -86,10 +87,12 @@ def _load(key: tuple[int, RunConfig, NodeSettings]) -> NodeResources:
     if not settings.local and settings.heldout_dataset:
         limit = local_rows_limit(settings.heldout_dataset, cfg.num_examples)
         heldout_rows = tokenized_rows(settings.heldout_dataset, limit, cfg.seed, tokenizer, cfg.max_seq_len)
-    return NodeResources(
+    resources = NodeResources(
         key, replica, partition, train_rows, tokenizer.pad_token_id, heldout_rows, tokenizer, settings,
         split.dropped_for_length, split.malformed,
     )  # fmt: skip
+    release_freed_memory()  # the load's transient copies (runtime.keep_freed_memory would keep them)
+    return resources
 
 
 def loaded() -> NodeResources | None:

@@ -31,7 +31,7 @@ from ..metrics import RunRecorder, run_summary
 from ..model import load_for_training, load_tokenizer, save_model
 from ..node import node_device
 from ..run_status import EXIT_CODES, write_status
-from ..runtime import setup_torch
+from ..runtime import keep_freed_memory, release_freed_memory, setup_torch
 from ..strategies import strategy_class
 from ..strategies.direct import DirectMessages
 from ..strategies.run import Run, TooFewReplies
@@ -132,6 +132,7 @@ def load(grid: Grid, context: Context, run: dict) -> Loaded:
             _, loaded.heldout = tokenized_splits(cfg.dataset, cfg.num_examples, cfg.heldout_examples, cfg.seed,
                                                  loaded.tokenizer, cfg.max_seq_len)  # fmt: skip
         loaded.checkpoint = check_resumable(cfg.resume_path, cfg.as_run_config()) if cfg.resume_path else None
+        release_freed_memory()  # the load's transient copies
         if cfg.num_examples - cfg.heldout_examples < loaded.num_clients:
             needed, clients = cfg.heldout_examples + loaded.num_clients, loaded.num_clients
             raise ConfigError(f"num-examples={cfg.num_examples}: expected at least {needed} for {clients} clients")
@@ -144,6 +145,8 @@ def run_app(grid: Grid, context: Context, run: dict) -> None:
     """Validate, load, train; fills ``run`` (its folder, the ``Run``) as it goes. With the direct transport,
     the run's stream serves from before the first message to after the last reply."""
     loaded = load(grid, context, run)
+    if not isinstance(grid, InMemoryGrid):  # a deployment's ServerApp has its process to itself (a simulation's
+        keep_freed_memory()  # and the tests' share theirs): each round reuses the pages the last one freed
     direct = open_stream(loaded.cfg, grid, context.run_id)
     try:
         train(grid, context, run, loaded, direct)

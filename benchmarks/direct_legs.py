@@ -18,11 +18,18 @@ leg's seconds are its CPU work plus the other side's where they overlap; the spa
 largest, ``benchmarks.window`` measures the window. Best of ``--repeats`` rounds per size.
 
     .venv/bin/python -m benchmarks.direct_legs --sizes-mb 70.8 212.4 --repeats 3
+    .venv/bin/python -m benchmarks.direct_legs --sizes-mb 973 --allocators default,keep   # side by side
+
+``--allocators``: each size in a fresh process per allocator, in turn: ``default`` (glibc maps each large
+buffer afresh and unmaps it when freed), ``keep`` (``runtime.keep_freed_memory``, as the node worker and a
+deployment's ServerApp run: a round reuses the pages the last one freed).
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -33,6 +40,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from parablock_flwr.messages import COMMIT, GLOBAL_STEP, METRICS, OFFER, TrainMetrics, TransportOffer, metrics_to_record
 from parablock_flwr.records import to_record
+from parablock_flwr.runtime import keep_freed_memory
 from parablock_flwr.strategies.direct import DirectMessages
 from parablock_flwr.strategies.reply_checks import Expected, parse_reply
 from parablock_flwr.strategies.update_spill import IN_MEMORY
@@ -118,7 +126,20 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes-mb", type=float, nargs="+", default=[70.8, 212.4])
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--allocators", default="", help="comma-separated, of default, keep: each in its own process")
+    p.add_argument("--keep-freed-memory", action="store_true", help=argparse.SUPPRESS)  # one process of --allocators
     args = p.parse_args(argv)
+    if args.allocators:
+        for size in args.sizes_mb:
+            for allocator in args.allocators.split(","):
+                print(f"\n[{allocator}]", flush=True)
+                flags = ["--keep-freed-memory"] if allocator == "keep" else []
+                cmd = [sys.executable, "-m", "benchmarks.direct_legs", "--sizes-mb", str(size), "--repeats",
+                       str(args.repeats), *flags]  # fmt: skip
+                subprocess.run(cmd, check=True)
+        return
+    if args.keep_freed_memory and not keep_freed_memory():
+        sys.exit("direct_legs: --allocators keep needs glibc")
     for size in args.sizes_mb:
         layers = max(1, round(size * 1e6 / LAYER_BYTES))
         tensors, update = block(layers, 1), block(layers, 2)

@@ -175,3 +175,48 @@ def test_the_worker_logs_one_line_per_round(tmp_path, tiny_model_dir, caplog):
     assert mb_in == pytest.approx(sum(a.nbytes for a in arrays.values()) / 1e6, abs=0.01) and mb_in > 0
     assert mb_out == pytest.approx(sum(p.nbytes for ps in update2.values() for p in ps) / 1e6, abs=0.01)
     assert 2.0 <= waited < 60
+
+
+KEEP_FREED_MEMORY = """
+import json
+from parablock_flwr.runtime import keep_freed_memory, release_freed_memory
+
+def rss_mib():
+    return int(next(line for line in open("/proc/self/status") if line.startswith("VmRSS")).split()[1]) // 1024
+
+def round_buffer():  # a block's buffer, written through, then freed, as a round does
+    buffer = bytearray(256 * 2**20)
+    buffer[:: 4096] = b"x" * (len(buffer) // 4096)
+    del buffer
+
+out = {"start": rss_mib()}
+round_buffer()
+out["default_after_free"] = rss_mib()
+out["kept"] = keep_freed_memory()
+round_buffer()
+out["keep_after_free"] = rss_mib()
+round_buffer()
+round_buffer()
+out["keep_after_three"] = rss_mib()
+release_freed_memory()
+out["released"] = rss_mib()
+print(json.dumps(out))
+"""
+
+
+def test_a_process_that_keeps_freed_memory_reuses_it_each_round_and_gives_it_back_when_released():
+    """``runtime.keep_freed_memory`` (the worker's ``main`` calls it, and a deployment's ServerApp): a round's
+    256 MiB buffer, freed, stays in the process (glibc would unmap it, and the next round would fault every page
+    in again), the next rounds reuse it instead of growing, and ``release_freed_memory`` (after a load) gives
+    it back. In a fresh process: the setting is the whole process's."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", KEEP_FREED_MEMORY], capture_output=True, text=True, check=True)
+    rss = json.loads(done.stdout)
+    assert rss["kept"] is True  # glibc here
+    assert rss["default_after_free"] < rss["start"] + 64  # by default a freed buffer is unmapped at once
+    assert rss["keep_after_free"] > rss["start"] + 200  # kept for the next round
+    assert rss["keep_after_three"] < rss["keep_after_free"] + 64  # reused: no growth with rounds
+    assert rss["released"] < rss["start"] + 64

@@ -146,13 +146,8 @@ def main(argv=None) -> None:
         best: dict[str, float] = {}
         cpu: dict[str, float] = {}
         with tempfile.TemporaryDirectory() as spill:
-            run = RunTransport(
-                StreamSettings("localhost:0", insecure=True),
-                RUN,
-                600.0,
-                spill_dir=Path(spill),
-                memory_uploads=IN_MEMORY,
-            )
+            run = RunTransport(StreamSettings("localhost:0", insecure=True), RUN, 600.0, spill_dir=Path(spill),
+                               memory_uploads=IN_MEMORY)  # fmt: skip
             with run:
                 direct, node, ahead = DirectMessages(run), NodeTransport(timeout_s=600), None
                 for r in range(1, args.repeats + 2):

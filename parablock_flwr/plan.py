@@ -315,11 +315,12 @@ def server_terms(cfg: RunConfig, shape: ModelShape, num_nodes: int) -> dict[str,
         "superlink_messages": (num_nodes + 1) * sent + shape.trainable * 4,
     }
     if cfg.transport == "direct":
-        # The blocks move on the stream (a node that falls back excepted): the SuperLink holds control data,
-        # and the stream's inbox holds the uploads waiting for their replies, this round's and the next's
-        # moved ahead, as many in memory as the round holds updates (the rest in files under output-dir).
+        # The blocks move on the stream (a node that falls back excepted): the SuperLink holds control data;
+        # the stream holds the round's published step (the record's own bytes, as sent) and its inbox the
+        # uploads waiting for their replies, this round's and the next's moved ahead, as many in memory as
+        # the round holds updates (the rest in files under output-dir).
         del terms["superlink_messages"]
-        terms["stream_uploads"] = min(num_nodes, IN_MEMORY) * sent
+        terms["stream_records"] = (min(num_nodes, IN_MEMORY) + 1) * sent
     if cfg.evaluation == "server":
         tokens = cfg.eval_batch_size * cfg.max_seq_len
         terms["evaluation"] = tokens * shape.vocab * 4 * 2 + tokens * shape.hidden * 4 * 4

@@ -4,7 +4,7 @@ memory it frees."""
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import os
 
 import torch
@@ -30,13 +30,17 @@ def round_seed(cfg: RunConfig, server_round: int, partition_id: int) -> int:
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
 
 
+@functools.cache
 def _glibc():
     """The C library when it is glibc (``mallopt`` and ``malloc_trim``); None elsewhere (macOS, musl)."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+        libc = ctypes.CDLL(None)  # the process's own symbols: the C library it runs on
     except OSError:
         return None
+    if not (hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim")):
+        return None
+    libc.mallopt.argtypes, libc.malloc_trim.argtypes = [ctypes.c_int, ctypes.c_int], [ctypes.c_size_t]
+    return libc
 
 
 def keep_freed_memory() -> bool:
@@ -44,23 +48,25 @@ def keep_freed_memory() -> bool:
 
     Every round allocates and frees buffers of a block's size: the update, its rounding, the step, their
     bytes on the wire. glibc maps each buffer above 32 MiB afresh and unmaps it when freed, so the kernel
-    touches every page of it again each round (zeroed, faulted in: on the project's VM 0.5-1.3 s per GB,
-    against 0.1 s per GB into pages already touched; ``benchmarks/direct_legs.py`` measures both). With
-    mappings off, one arena (so that threads' buffers come from the same heap) and the heap kept, a round
-    reuses the pages the last one freed. The process's memory then stays at its peak, which ``plan``
-    counts anyway; a transient peak (loading a model) is given back by ``release_freed_memory``.
-    Call before the process starts threads that allocate. False (nothing changed) where the C library is
-    not glibc."""
+    faults in and zeroes every page of it again each round (on the project's VM 0.5-1.3 s per GB, against
+    0.1-0.2 s per GB into pages already touched: ``python -m benchmarks.direct_legs --allocators
+    default,keep``). With no mappings, no trimming and one arena, a round reuses the pages the last one
+    freed. The process's memory then stays at its peak, which ``plan`` counts; a transient peak (a model's
+    load, a full sync) is given back by ``release_freed_memory``.
+
+    Call it first: a thread that allocated before it keeps its own arena, and a later thread may be given
+    that arena (whose large buffers are still mapped afresh). False (nothing changed) where the C library
+    is not glibc."""
     libc = _glibc()
     if libc is None:
         return False
-    settings = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 2**31 - 1))
-    return all(libc.mallopt(param, value) == 1 for param, value in settings)
+    settings = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, -1))  # -1: never trim (man mallopt)
+    return all([libc.mallopt(param, value) == 1 for param, value in settings])  # each applied, not stopping
 
 
 def release_freed_memory() -> None:
-    """Give the system back what this process freed (``malloc_trim``): after loading a model, whose
-    transient copies ``keep_freed_memory`` would otherwise keep."""
+    """Give the system back what this process has freed (``malloc_trim``): after a model's load or a full
+    sync, whose copies ``keep_freed_memory`` would otherwise keep."""
     libc = _glibc()
     if libc is not None:
         libc.malloc_trim(0)

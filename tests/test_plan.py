@@ -36,8 +36,9 @@ def test_plan_prints_its_table_for_a_llama3_8b_config(capsys):
 
 
 def test_the_servers_memory_follows_the_transport_blocks_in_the_superlink_or_in_the_streams_inbox(capsys):
-    """On Flower's path the SuperLink holds a round's blocks; on the stream it holds control data and the
-    inbox holds the uploads waiting for their replies, as many in memory as the round holds updates."""
+    """On Flower's path the SuperLink holds a round's blocks; on the stream it holds control data, and the
+    stream the published step and the uploads waiting for their replies, as many in memory as the round holds
+    updates."""
     from parablock_flwr.strategies.update_spill import IN_MEMORY
 
     rows = {}
@@ -57,12 +58,13 @@ def test_the_servers_memory_follows_the_transport_blocks_in_the_superlink_or_in_
             == 0
         )
         rows[transport] = capsys.readouterr().out.split("| server (ServerApp) | ")[1].split("\n")[0]
-    assert "superlink_messages" in rows["flower"] and "stream_uploads" not in rows["flower"]
-    assert "superlink_messages" not in rows["direct"] and "stream_uploads" in rows["direct"]
-    uploads = float(rows["direct"].split("stream_uploads ")[1].split(",")[0].split(" ")[0])
+    assert "superlink_messages" in rows["flower"] and "stream_records" not in rows["flower"]
+    assert "superlink_messages" not in rows["direct"] and "stream_records" in rows["direct"]
+    stream = float(rows["direct"].split("stream_records ")[1].split(",")[0].split(" ")[0])
     replies = float(rows["direct"].split("replies_and_step ")[1].split(",")[0].split(" ")[0])
-    # In fp32: the round's updates, IN_MEMORY of the 12 nodes' blocks, and three fp32 copies of the block.
-    assert uploads == pytest.approx(replies * IN_MEMORY / (IN_MEMORY + 3), rel=0.01) and IN_MEMORY < 12
+    # In fp32 the round's updates are IN_MEMORY of the 12 nodes' blocks and three fp32 copies of the block; the
+    # stream holds IN_MEMORY uploads and the step.
+    assert stream == pytest.approx(replies * (IN_MEMORY + 1) / (IN_MEMORY + 3), rel=0.01) and IN_MEMORY < 12
 
 
 def test_the_plan_says_what_the_step_log_costs_on_the_servers_disk_and_how_to_bound_it(capsys):

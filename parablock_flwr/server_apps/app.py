@@ -144,9 +144,12 @@ def load(grid: Grid, context: Context, run: dict) -> Loaded:
 def run_app(grid: Grid, context: Context, run: dict) -> None:
     """Validate, load, train; fills ``run`` (its folder, the ``Run``) as it goes. With the direct transport,
     the run's stream serves from before the first message to after the last reply."""
+    # Each round reuses the pages the last one freed, in a deployment's ServerApp, which has its process to
+    # itself (a simulation's and the tests' share theirs); first, before the load's threads.
+    if not isinstance(grid, InMemoryGrid):
+        kept = keep_freed_memory()
+        log.info("freed memory kept for the next round: %s", "yes" if kept else "no (not glibc)")
     loaded = load(grid, context, run)
-    if not isinstance(grid, InMemoryGrid):  # a deployment's ServerApp has its process to itself (a simulation's
-        keep_freed_memory()  # and the tests' share theirs): each round reuses the pages the last one freed
     direct = open_stream(loaded.cfg, grid, context.run_id)
     try:
         train(grid, context, run, loaded, direct)

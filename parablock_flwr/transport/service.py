@@ -280,6 +280,8 @@ class Inbox:
         self._lock = threading.Lock()
         self._records: dict[tuple, _Upload] = {}
         self._refusals = refusals
+        if spill_dir is not None and memory_uploads < 1:
+            raise ValueError(f"memory_uploads={memory_uploads} with a spill folder: expected at least 1")
         self.spill_dir, self.memory_uploads, self.decode = spill_dir, memory_uploads, decode
         self.spilled = 0  # uploads received into a file
         self._receiving: dict[int, int] = {}  # id(buffer) -> size: uploads in memory still being received

@@ -44,7 +44,7 @@ from ..messages import (
 )
 from ..node_data import NodeSettings, error_line
 from ..node_state import NodeState, ResidualStore
-from ..runtime import setup_torch
+from ..runtime import release_freed_memory, setup_torch
 from ..transport.node_side import Prefetched
 from ..wire import WireError, pack_pieces, unpack
 from .endpoint import MessageLimit, WorkerSocket
@@ -118,6 +118,7 @@ class NodeWorker:
         self.last_request = time.time()  # for the optional idle exit
         self.message_limit = MessageLimit()  # the most array bytes a message may declare (serve sets it)
         self.stream = WorkerStream()  # transport = "direct": the run's stream, its channels kept across rounds
+        self.release_due = False  # a request replaced the node's state: give back its copies after the reply
 
     # ------------------------------------------------------------ requests
     def serve_request(self, header: dict, arrays: dict[str, np.ndarray]) -> tuple[dict, dict[str, list[np.ndarray]]]:
@@ -151,6 +152,7 @@ class NodeWorker:
                 log.exception("round failed")
                 return WorkerReply(error=error_line(err)).to_header(), {}
             self.last = (key, reply)
+            self.release_due = self.release_due or replaces
             return reply
 
     def handle_request(self, request: WorkerRequest, arrays: dict[str, np.ndarray], received: float):
@@ -304,6 +306,10 @@ class NodeWorker:
             await send(writer, reply, reply_arrays)
             if not WorkerReply.from_header(reply).error:
                 self.last_reply_sent = time.time()
+            if self.release_due:  # a full sync or a hand-back: its copies given back, once the reply is out
+                self.release_due = False
+                del arrays, reply_arrays
+                await asyncio.get_running_loop().run_in_executor(None, release_freed_memory)
         finally:
             writer.close()
 

@@ -123,7 +123,7 @@ def one_round(direct: DirectMessages, node: NodeTransport, tensors, update, r: i
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes-mb", type=float, nargs="+", default=[70.8, 212.4])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--allocators", default="", help="comma-separated, of default, keep: each in its own process")

@@ -272,8 +272,7 @@ def _worker(args) -> int:
         from .runtime import keep_freed_memory
         from .worker.server import run_worker  # torch and transformers: seconds
 
-        kept = keep_freed_memory()  # before the worker's threads: its rounds reuse the pages the last one freed
-        log.info("freed memory kept for the next round: %s", "yes" if kept else "no (not glibc)")
+        keep_freed_memory()  # before the worker's threads: its rounds reuse the pages the last one freed
         device, limit = args.device or "", args.max_message_bytes or 0
         run_worker(endpoint, args.idle_exit_s, args.compute_cpus, device, limit, args.state_dir)
     finally:

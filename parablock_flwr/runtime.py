@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import os
 
 import torch
 
 from .config import RunConfig
+
+log = logging.getLogger(__name__)
 
 
 def setup_torch(cfg: RunConfig) -> None:
@@ -55,13 +58,13 @@ def keep_freed_memory() -> bool:
     load, a full sync) is given back by ``release_freed_memory``.
 
     Call it first: a thread that allocated before it keeps its own arena, and a later thread may be given
-    that arena (whose large buffers are still mapped afresh). False (nothing changed) where the C library
-    is not glibc."""
+    that arena (whose large buffers are still mapped afresh). Logs one line saying whether it does, for the
+    operator; False (nothing changed) where the C library is not glibc."""
     libc = _glibc()
-    if libc is None:
-        return False
     settings = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, -1))  # -1: never trim (man mallopt)
-    return all([libc.mallopt(param, value) == 1 for param, value in settings])  # each applied, not stopping
+    kept = libc is not None and all([libc.mallopt(param, value) == 1 for param, value in settings])
+    log.info("freed memory kept for the next round: %s", "yes" if kept else "no (not glibc)")
+    return kept
 
 
 def release_freed_memory() -> None:

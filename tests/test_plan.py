@@ -41,22 +41,9 @@ def test_the_servers_memory_follows_the_transport_blocks_in_the_superlink_or_in_
     updates."""
     from parablock_flwr.strategies.update_spill import IN_MEMORY
 
-    rows = {}
+    rows, stream = {}, ['transport-address="server:9094"', "transport-insecure=true", "--num-nodes", "12"]
     for transport in ("flower", "direct"):
-        assert (
-            cli_main(
-                [
-                    "plan",
-                    str(LLAMA_8B),
-                    f'transport="{transport}"',
-                    'transport-address="server:9094"',
-                    "transport-insecure=true",
-                    "--num-nodes",
-                    "12",
-                ]
-            )
-            == 0
-        )
+        assert cli_main(["plan", str(LLAMA_8B), f'transport="{transport}"', *stream]) == 0
         rows[transport] = capsys.readouterr().out.split("| server (ServerApp) | ")[1].split("\n")[0]
     assert "superlink_messages" in rows["flower"] and "stream_records" not in rows["flower"]
     assert "superlink_messages" not in rows["direct"] and "stream_records" in rows["direct"]

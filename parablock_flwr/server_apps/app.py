@@ -147,8 +147,7 @@ def run_app(grid: Grid, context: Context, run: dict) -> None:
     # Each round reuses the pages the last one freed, in a deployment's ServerApp, which has its process to
     # itself (a simulation's and the tests' share theirs); first, before the load's threads.
     if not isinstance(grid, InMemoryGrid):
-        kept = keep_freed_memory()
-        log.info("freed memory kept for the next round: %s", "yes" if kept else "no (not glibc)")
+        keep_freed_memory()
     loaded = load(grid, context, run)
     direct = open_stream(loaded.cfg, grid, context.run_id)
     try:

@@ -284,7 +284,7 @@ class Inbox:
             raise ValueError(f"memory_uploads={memory_uploads} with a spill folder: expected at least 1")
         self.spill_dir, self.memory_uploads, self.decode = spill_dir, memory_uploads, decode
         self.spilled = 0  # uploads received into a file
-        self._receiving: dict[int, int] = {}  # id(buffer) -> size: uploads in memory still being received
+        self._receiving: set[int] = set()  # id(buffer): uploads in memory still being received
         # One thread: decodings are memory copies under the GIL, so more would not go faster.
         self._decoder = futures.ThreadPoolExecutor(1, "transport-decode")
 
@@ -298,7 +298,7 @@ class Inbox:
             in_memory = sum(u.spilled is None for u in self._records.values()) + len(self._receiving)
             if self.spill_dir is None or size == 0 or in_memory < self.memory_uploads:
                 buffers = Buffers()
-                self._receiving[id(buffers)] = size
+                self._receiving.add(id(buffers))
                 return buffers
         try:
             self.spill_dir.mkdir(parents=True, exist_ok=True)
@@ -325,7 +325,7 @@ class Inbox:
         else:
             upload = _Upload(sha256, len(data), decoding=self._decode_soon(data, ticket.record))
         with self._lock:
-            self._receiving.pop(id(data), None)
+            self._receiving.discard(id(data))
             old = self._records.get(_slot(ticket))
             self._records[_slot(ticket)] = upload
         if old is not None:
@@ -346,7 +346,7 @@ class Inbox:
         """An upload's buffer that will not be ``put`` (refused, broken off): its share of the memory budget
         given back, its file closed."""
         with self._lock:
-            self._receiving.pop(id(data), None)
+            self._receiving.discard(id(data))
         if isinstance(data, SpillFile):
             data.close()
 

@@ -118,7 +118,9 @@ class NodeWorker:
         self.last_request = time.time()  # for the optional idle exit
         self.message_limit = MessageLimit()  # the most array bytes a message may declare (serve sets it)
         self.stream = WorkerStream()  # transport = "direct": the run's stream, its channels kept across rounds
-        self.release_due = False  # a request replaced the node's state: give back its copies after the reply
+        # A request replaced the node's state: its copies are given back after the reply. Set under ``lock``;
+        # read and cleared by the event loop (``handle``), which sends the replies one at a time.
+        self.release_due = False
 
     # ------------------------------------------------------------ requests
     def serve_request(self, header: dict, arrays: dict[str, np.ndarray]) -> tuple[dict, dict[str, list[np.ndarray]]]:

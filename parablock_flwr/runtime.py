@@ -51,11 +51,11 @@ def keep_freed_memory() -> bool:
 
     Every round allocates and frees buffers of a block's size: the update, its rounding, the step, their
     bytes on the wire. glibc maps each buffer above 32 MiB afresh and unmaps it when freed, so the kernel
-    faults in and zeroes every page of it again each round (on the project's VM 0.5-1.3 s per GB, against
-    0.1-0.2 s per GB into pages already touched: ``python -m benchmarks.direct_legs --allocators
-    default,keep``). With no mappings, no trimming and one arena, a round reuses the pages the last one
-    freed. The process's memory then stays at its peak, which ``plan`` counts; a transient peak (a model's
-    load, a full sync) is given back by ``release_freed_memory``.
+    faults in and zeroes every page of it again each round (on the project's VM, joining a 977 MB step took
+    0.59-0.67 s into fresh pages, 0.17-0.18 s into pages already touched: ``python -m benchmarks.direct_legs
+    --sizes-mb 973 --allocators default,keep``). With no mappings, no trimming and one arena, a round reuses
+    the pages the last one freed. The process's memory then stays at its peak, which ``plan`` counts; a
+    transient peak (a model's load, a full sync) is given back by ``release_freed_memory``.
 
     Call it first: a thread that allocated before it keeps its own arena, and a later thread may be given
     that arena (whose large buffers are still mapped afresh). Logs one line saying whether it does, for the

@@ -3,7 +3,8 @@
 The server pushes round r+1's message to a node on the stream before round r is aggregated, with only a
 capability in it; once it has built the round's real content (its config records: the round's control
 data and the offer of its block records, which are on the stream already), it publishes that content on
-the stream, and the node's ClientApp, started by Flower in the meantime, downloads it. Flower's own
+the stream, and the node's worker (or, without one, its ClientApp, started by Flower in the meantime)
+downloads it. Flower's own
 protobuf schema (``flwr.common.serde``) carries it: no format of ours. Only config records travel this way;
 anything else is refused in one line, before the node acts on it.
 """
@@ -14,8 +15,9 @@ from flwr.app import ConfigRecord, RecordDict
 from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
 from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict
 
-from .messages import MAX_MESSAGE_CONTENT, MessageError
-from .transport.framing import TAG_BYTES
+from .messages import MAX_MESSAGE_CONTENT, OFFER, PROTOCOL_KEY, ROUND, MessageError, TransportOffer, key
+from .transport.framing import TAG_BYTES, unseal
+from .versions import mismatch
 
 
 def content_to_bytes(content: RecordDict) -> bytes | None:
@@ -46,4 +48,21 @@ def content_from_bytes(data: bytes | bytearray) -> RecordDict:
         raise MessageError(f"message content on the stream: not a record dict ({type(err).__name__})") from None
     if not all(isinstance(record, ConfigRecord) for record in content.values()):
         raise MessageError("message content on the stream: expected config records only")
+    return content
+
+
+def content_ahead(offer: TransportOffer, data: bytes | bytearray) -> RecordDict:
+    """The content of ``offer``'s message pushed ahead (its ``message_*``), as downloaded: its HMAC checked under
+    the offer's key, read strictly, and for the offer's run, node and round, of this protocol version, with an
+    offer of its records; else ``MessageError`` in one line."""
+    content = content_from_bytes(unseal(bytes.fromhex(offer.message_key), data))
+    sent = TransportOffer.from_config(dict(content[OFFER])) if OFFER in content.config_records else None
+    round_config = content[ROUND] if ROUND in content.config_records else None
+    round_of = round_config.get(key("server_round")) if round_config is not None else None
+    if sent is None or (sent.run_id, sent.node_id, sent.server_round, round_of) != (
+        offer.run_id, offer.node_id, offer.server_round, offer.server_round
+    ):  # fmt: skip
+        raise MessageError("message content on the stream: not for this run, node and round")
+    if (problem := mismatch(round_config, PROTOCOL_KEY, "the server", "this node")) is not None:
+        raise MessageError(problem)
     return content

@@ -234,6 +234,8 @@ class TrainMetrics:
     direct_update_ahead: int | None = _metric(FLAG)
     # ... 1 when the round's global step was fetched before its message came (and matched the message's digest).
     direct_step_prefetched: int | None = _metric(FLAG)
+    # ... 1 when the worker took the round's content from the stream itself and started the round with it.
+    direct_content_fetched: int | None = _metric(FLAG)
     evaluation: EvaluateMetrics | None = None  # of x^{r-1}, when round r asked (its fields travel flat)
 
     def check(self) -> str | None:
@@ -393,6 +395,12 @@ class TransportOffer:
     ahead_step_name: str = ""
     ahead_step_token: str = ""
     ahead_step_max_size: int = 0
+    # And one to download that round's message content (as ``message_*`` name it, below) as soon as the server
+    # has built it, so that the node's worker starts that round from the stream itself: Flower's delivery and
+    # the ClientApp's start leave the critical path (the message pushed ahead still brings the reply's way back).
+    ahead_message_name: str = ""
+    ahead_message_token: str = ""
+    ahead_message_key: str = ""
     # A message pushed a round ahead (``MESSAGE_AHEAD``): its content waits on the stream under this name until
     # the server has built it (``message_content``), so that Flower delivers the message and starts the node's
     # ClientApp while the previous round is still being aggregated.
@@ -450,6 +458,9 @@ class TransportOffer:
             ahead_step_name=get.text("ahead-step-name", 0, 128),
             ahead_step_token=get.text("ahead-step-token", 0, 64, secret=True),
             ahead_step_max_size=get.int("ahead-step-max-size", 0, MAX_SIZE),
+            ahead_message_name=get.text("ahead-message-name", 0, 128),
+            ahead_message_token=get.text("ahead-message-token", 0, 64, secret=True),
+            ahead_message_key=get.text("ahead-message-key", 0, 64, secret=True),
             message_name=get.text("message-name", 0, 128),
             message_token=get.text("message-token", 0, 64, secret=True),
             message_max_size=get.int("message-max-size", 0, MAX_MESSAGE_CONTENT),
@@ -458,12 +469,15 @@ class TransportOffer:
         for what, name, token in (("upload", offer.upload_name, offer.upload_token),
                                   ("ahead-upload", offer.ahead_upload_name, offer.ahead_upload_token),
                                   ("ahead-step", offer.ahead_step_name, offer.ahead_step_token),
+                                  ("ahead-message", offer.ahead_message_name, offer.ahead_message_token),
                                   ("message", offer.message_name, offer.message_token)):  # fmt: skip
             if name and not (_record_name(name) and _hex64(token)):
                 raise MessageError(f"transport offer: {what}-name or {what}-token malformed: expected a record "
                                    f"name and 64 lowercase hex digits")  # fmt: skip
-        if offer.message_name and not _hex64(offer.message_key):
-            raise MessageError("transport offer: message-key malformed: expected 64 lowercase hex digits")
+        for what, name, secret in (("message", offer.message_name, offer.message_key),
+                                   ("ahead-message", offer.ahead_message_name, offer.ahead_message_key)):  # fmt: skip
+            if name and not _hex64(secret):
+                raise MessageError(f"transport offer: {what}-key malformed: expected 64 lowercase hex digits")
         if offer.insecure == bool(offer.ca_pem):
             raise MessageError("transport offer: expected a CA certificate (ca-pem) or insecure, exactly one")
         return offer

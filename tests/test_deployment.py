@@ -399,14 +399,16 @@ def test_tls_node_authentication_and_the_direct_transport_give_the_same_model(de
         ahead = (rec["direct_updates_ahead"], rec["direct_steps_prefetched"], rec["direct_ahead_revoked"])
         assert ahead == ((0, 0, 0) if rec["round"] == 1 else (1, 1, 0)), rec
         # Its message of round 3 was pushed while round 2 was in flight (its round-1 reply had committed on the
-        # stream), and its ClientApp took the content from the stream once the server had built it.
-        moved = (rec["direct_messages_ahead"], rec["direct_messages_withdrawn"])
-        assert moved == ((1, 0) if rec["round"] == 3 else (0, 0)), rec
+        # stream), and its worker took the content from the stream once the server had built it, and started
+        # round 3 with it (round 2's offer gave it the capability).
+        moved = (rec["direct_messages_ahead"], rec["direct_messages_withdrawn"], rec["direct_contents_fetched"])
+        assert moved == ((1, 0, 1) if rec["round"] == 3 else (0, 0, 0)), rec
         same = deployed.records[rec["round"]]  # the bytes per round, as on Flower's path
         assert (rec["wire_bytes_up"], rec["wire_bytes_down"]) == (same["wire_bytes_up"], same["wire_bytes_down"])
     on_stream, fell_back = (flower / "worker-0.log").read_text(), (flower / "worker-1.log").read_text()
     assert "direct transport: fetched" in on_stream and "direct transport: uploaded" in on_stream
     assert "freed memory kept for the next round: yes" in on_stream  # runtime.keep_freed_memory, at its start
     assert on_stream.count("moved before the message: its update, its step") == ROUNDS - 1
+    assert on_stream.count("its content came on the stream; started before its message") == 1
     assert fell_back.count("direct transport: the update goes inline") == 1  # logged once
     assert run.records[-1]["heldout_loss"] < run.records[0]["heldout_loss"]

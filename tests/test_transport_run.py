@@ -68,6 +68,7 @@ NOTHING_AHEAD = {
     "direct_steps_prefetched": 0,
     "direct_ahead_revoked": 0,
     "direct_messages_ahead": 0,
+    "direct_contents_fetched": 0,
     "direct_messages_withdrawn": 0,
     "direct_revoked_used": 0,
     "direct_waits_ended": 0,
@@ -698,3 +699,47 @@ def test_a_message_pushed_ahead_carries_its_content_sealed_and_is_withdrawn_when
     counts = (record["direct_messages_ahead"], record["direct_messages_withdrawn"], record["direct_refusals"])
     assert counts == (1, 2, 0)
     assert not any(hub.server.outbox.get(hub.message_name(4, n)) for n in (7, 8, 9))  # forgotten with the round
+
+
+def test_a_workers_capability_for_the_next_rounds_content_shares_its_messages_slot_and_key_and_ends_with_it(hub, node):
+    """Round 3's message to a node whose last reply committed on the stream gives its worker a capability for
+    round 4's content (none to a node that has not committed yet), bound to round 4 and that node's content,
+    waiting until it is published. Round 4's message pushed ahead names the same content under the same key,
+    in the same waiting slot. When the content is published both read it, once each; a node whose round-4
+    message goes on Flower's path after all has its worker's wait ended with nothing."""
+    from parablock_flwr.message_bytes import content_ahead
+    from parablock_flwr.messages import MESSAGE_AHEAD, PROTOCOL_KEY
+    from parablock_flwr.versions import PROTOCOL_VERSION
+
+    flower_message(0, RecordDict())  # Flower's task identity, as in a ServerApp
+    direct = DirectMessages(hub)
+    direct.committed.update({7, 8})
+    offers = {}
+    for n in (7, 8, 10):
+        msg = direct.outgoing(flower_message(n, RecordDict()), 3, 10**6, ahead=(10**6, 10**6), messages_ahead=True)
+        offers[n] = TransportOffer.from_config(dict(msg.content[OFFER]))
+    assert [offers[n].ahead_message_name for n in (7, 8, 10)] == [hub.message_name(4, 7), hub.message_name(4, 8), ""]
+    views = {n: dataclasses.replace(offers[n], server_round=4, message_name=offers[n].ahead_message_name,
+                                    message_token=offers[n].ahead_message_token, message_max_size=2**20,
+                                    message_key=offers[n].ahead_message_key) for n in (7, 8)}  # fmt: skip
+    waiting = len(hub._waiting_messages[4])
+    pushed = TransportOffer.from_config(dict(direct.message_ahead(4, 7).content[MESSAGE_AHEAD]))
+    assert (pushed.message_name, pushed.message_key) == (views[7].message_name, views[7].message_key)
+    assert pushed.message_token != views[7].message_token and len(hub._waiting_messages[4]) == waiting == 2
+    direct.pushed(4, 7, "m7")  # node 8's message pushed ahead was not taken: its round-4 message goes on Flower's
+    round_config = ConfigRecord({PROTOCOL_KEY: PROTOCOL_VERSION, "server-round": 4})
+    with ThreadPoolExecutor(2) as pool:
+        waits = {n: pool.submit(node.message_content, view) for n, view in views.items()}
+        time.sleep(0.3)
+        assert not any(w.done() for w in waits.values())  # waiting for the content, not refused
+        for n in (7, 8):
+            offer = hub.offer(4, n, {}, 10**6)
+            built = flower_message(n, RecordDict({"round": round_config, OFFER: ConfigRecord(offer.to_config())}))
+            assert direct.deliver(built, 4) == ("m7" if n == 7 else None)
+        sealed, nothing = waits[7].result(timeout=30), waits[8].result(timeout=30)
+    assert nothing is None
+    assert dict(content_ahead(views[7], sealed)["round"]) == dict(round_config)
+    assert node.message_content(pushed) == sealed  # the message's own capability reads the same content
+    with pytest.raises(StreamUnusable, match="replayed"):
+        node.message_content(views[7])  # each capability once
+    assert hub.end_round(4)["direct_messages_withdrawn"] == 1

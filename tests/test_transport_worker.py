@@ -18,11 +18,13 @@ from flwr.supercore.task_identity import TaskIdentity
 from parablock_flwr import core, node
 from parablock_flwr.client_apps.inline import train_inline
 from parablock_flwr.config import RunConfig
-from parablock_flwr.messages import GLOBAL_STEP, OFFER, ROUND, STREAM_UNUSABLE, UpdateCommit, key
+from parablock_flwr.message_bytes import content_to_bytes
+from parablock_flwr.messages import GLOBAL_STEP, OFFER, PROTOCOL_KEY, ROUND, STREAM_UNUSABLE, UpdateCommit, key
 from parablock_flwr.npy import npy_view
 from parablock_flwr.records import pieces_record
 from parablock_flwr.tools.credentials import make_tls
 from parablock_flwr.transport import RunTransport, StreamSettings
+from parablock_flwr.versions import PROTOCOL_VERSION
 from parablock_flwr.wire import join_pieces, pack_pieces, unpack
 from parablock_flwr.worker.server import NodeWorker
 
@@ -129,13 +131,15 @@ def test_a_node_without_a_worker_cannot_fetch_and_says_so_state_intact(tmp_path,
 
 def run_rounds(
     tls, config: dict, run_id: int, ahead: bool, rounds: int = 3, worker: NodeWorker | None = None,
-    wait_for_update: bool = True,
+    wait_for_update: bool = True, content: bool = False,
 ) -> list[dict]:  # fmt: skip
     """``rounds`` rounds of one node worker against a run's stream, the server's part played here: round r's
     step is half the update it claimed in round r-1. ``ahead``: each offer also carries round r+1's
     capabilities, and round r's request is served only once its update is in the server's inbox (moved
-    before the message came; not waited for without ``wait_for_update``). Each round's reply header, with
-    the SHA-256 of the update claimed."""
+    before the message came; not waited for without ``wait_for_update``). ``content``: from round 2 on, each
+    round's content is published on the stream (as a message pushed ahead is), the worker must have answered
+    the round before its request comes, and the request is the message pushed ahead, as its ClientApp relays
+    it. Each round's reply header, with the SHA-256 of the update claimed."""
     settings = StreamSettings("localhost:0", str(tls.server_cert), str(tls.server_key), str(tls.ca_cert))
     worker, replies, step = worker or NodeWorker(), [], {}
     try:
@@ -143,7 +147,8 @@ def run_rounds(
             for r in range(1, rounds + 1):
                 records = {GLOBAL_STEP: pieces_record(pack_pieces(step))} if step else {}
                 bounds = (10**7, 10**7) if ahead and r < rounds else None
-                offer = stream.offer(r, 0, records, upload_max_size=10**7, ahead=bounds)
+                offer = stream.offer(r, 0, records, upload_max_size=10**7, ahead=bounds, content_ahead=content)
+                message_ahead = stream.message_ahead_offer(r, 0) if content and r > 1 else None
                 stream.messaged(r, {0})  # the round's messages are built: its step goes to the waiting download
                 if ahead and r > 1 and wait_for_update:
                     slot = (run_id, 0, r, stream.upload_name(r, 0))
@@ -154,6 +159,16 @@ def run_rounds(
                 header = worker_request(config, run_id, r, block=(r - 1) % 2, next_block=r % 2 if r < rounds else -1,
                                         num_partitions=2, **{"step-block": (r - 2) % 2})  # fmt: skip
                 header[key("stream_offer")] = offer.to_config()
+                if message_ahead is not None:  # the content published, the worker starts the round by itself
+                    round_config = ConfigRecord({PROTOCOL_KEY: PROTOCOL_VERSION, **header[key("round")]})
+                    body = RecordDict({ROUND: round_config, OFFER: ConfigRecord(offer.to_config())})
+                    stream.publish_message(r, 0, content_to_bytes(body))
+                    deadline = time.monotonic() + 120
+                    while (worker.last is None or worker.last[0][3] != r) and time.monotonic() < deadline:
+                        time.sleep(0.02)
+                    assert worker.last[0][3] == r, f"round {r} did not start from its content on the stream"
+                    header[key("round")] = {PROTOCOL_KEY: PROTOCOL_VERSION, key("server_round"): r}
+                    header[key("stream_offer")] = message_ahead.to_config()
                 reply, pieces = worker.serve_request(header, {})
                 assert "error" not in reply and pieces == {}, reply
                 commit = UpdateCommit.from_config(reply[key("stream_commit")])
@@ -183,6 +198,23 @@ def test_round_r_plus_1s_update_moves_before_its_message_and_its_reply_has_the_s
              for r in moved]  # fmt: skip
     assert flags == [(None, None), (1, 1), (1, 1)], flags
     assert all(key("direct_update_ahead") not in r["metrics"] for r in plain)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "int8"])
+def test_a_worker_starts_a_round_when_its_content_comes_on_the_stream_and_its_message_gets_that_answer(
+    tmp_path, tiny_model_dir, dtype
+):
+    """Round r's offer gives the worker a capability for round r+1's content: once the server publishes it, the
+    worker starts round r+1 by itself, before any request; the message pushed ahead, relayed when Flower
+    delivers it, gets that round's answer, not a second computation; every round has the bits of the same
+    rounds without it (int8: the error feedback's residuals too)."""
+    tls = make_tls(tmp_path / "tls")
+    config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 2, "transfer-dtype": dtype,
+                                                      "correction": "at-end"})  # fmt: skip
+    plain = run_rounds(tls, config, RUN + 1, ahead=False)
+    started = run_rounds(tls, config, RUN, ahead=True, wait_for_update=False, content=True)
+    assert [r["sha256"] for r in started] == [r["sha256"] for r in plain]
+    assert [r["metrics"].get(key("direct_content_fetched")) for r in started] == [None, 1, 1]
 
 
 def test_the_next_computation_starts_while_the_update_moving_ahead_is_still_on_its_way(tmp_path, tiny_model_dir):

@@ -46,7 +46,6 @@ from ..messages import (
     relay_name,
     stamped,
 )
-from ..messages import key as field_key
 from ..node_data import (
     NODE_CONFIG_KEYS,
     WORKER_SOCKET,
@@ -102,22 +101,21 @@ def message_problem(msg: Message, context: Context) -> str | None:
 
 
 def content_from_stream(msg: Message, context: Context) -> str | None:
-    """A message pushed a round ahead (``MESSAGE_AHEAD``, ``transport = "direct"``): its content, downloaded
+    """A message pushed a round ahead (``MESSAGE_AHEAD``, ``transport = "direct"``) to a node without a worker
+    (a worker takes the content itself: ``relay_to_worker`` hands it the message as it came): its content, downloaded
     from the run's stream once the server has built it (this waits), put in ``msg``; or why not, in one line
     (``WITHDRAWN``: the server withdrew it and drops the reply; ``STREAM_UNUSABLE``: the stream cannot be
     used here, nothing was applied, and the server sends this node's next messages on Flower's path)."""
-    from ..message_bytes import content_from_bytes  # the stream's client, only where a message uses it
-    from ..transport.framing import unseal
+    from ..message_bytes import content_ahead  # the stream's client, only where a message uses it
     from ..transport.node_side import NodeTransport, StreamUnusable
 
     settings = NodeSettings.from_node_config(context.node_config)
     if settings.transport == "flower":
         return f"{STATE_INTACT}{STREAM_UNUSABLE}this site keeps to Flower's path (node config transport)"
+    if (problem := ahead_offer_problem(msg, context)) is not None:
+        return problem
     try:
         offer = TransportOffer.from_config(dict(msg.content[MESSAGE_AHEAD]))
-        if (offer.run_id, offer.node_id) != (context.run_id, context.node_id):
-            raise MessageError(f"message pushed ahead: for run {offer.run_id} node {offer.node_id}; expected run "
-                               f"{context.run_id} node {context.node_id}")  # fmt: skip
         timeout_s = 2 * float(context.run_config.get("round-timeout-s", 3600.0))  # the capability's lifetime
         stream = NodeTransport(address=settings.transport_address, timeout_s=timeout_s)
         try:
@@ -126,18 +124,24 @@ def content_from_stream(msg: Message, context: Context) -> str | None:
             stream.close()
         if data is None:
             return f"{WITHDRAWN}round {offer.server_round}'s message went to this node on Flower's path, or none"
-        content = content_from_bytes(unseal(bytes.fromhex(offer.message_key), data))
-        sent = TransportOffer.from_config(dict(content[OFFER])) if OFFER in content.config_records else None
-        round_of = content[ROUND].get(field_key("server_round")) if ROUND in content.config_records else None
-        if sent is None or (sent.run_id, sent.node_id, sent.server_round, round_of) != (
-            offer.run_id, offer.node_id, offer.server_round, offer.server_round
-        ):  # fmt: skip
-            raise MessageError("message content on the stream: not for this run, node and round")
+        content = content_ahead(offer, data)
     except MessageError as err:
         return f"message from the server: {err}"
     except StreamUnusable as err:
         return f"{STATE_INTACT}{STREAM_UNUSABLE}{err}"
     msg.content = content
+    return None
+
+
+def ahead_offer_problem(msg: Message, context: Context) -> str | None:
+    """Why a message pushed a round ahead must not be acted on: its offer malformed, or for another run or node."""
+    try:
+        offer = TransportOffer.from_config(dict(msg.content[MESSAGE_AHEAD]))
+    except MessageError as err:
+        return f"message from the server: {err}"
+    if (offer.run_id, offer.node_id) != (context.run_id, context.node_id):
+        return (f"message from the server: message pushed ahead: for run {offer.run_id} node {offer.node_id}; "
+                f"expected run {context.run_id} node {context.node_id}")  # fmt: skip
     return None
 
 
@@ -152,14 +156,16 @@ def trusted_worker_uids(node_config) -> frozenset[int]:
 def train(msg: Message, context: Context) -> Message:
     if (problem := message_problem(msg, context)) is not None:
         return error_reply(msg, problem)
-    started = _PROCESS_STARTED
+    started, socket_path = _PROCESS_STARTED, context.node_config.get(WORKER_SOCKET)
     if MESSAGE_AHEAD in msg.content.config_records:
+        if socket_path:  # the worker takes the content from the stream (it may have taken it already)
+            problem = ahead_offer_problem(msg, context)
+            return error_reply(msg, problem) if problem else relay_to_worker(msg, context, str(socket_path))
         if (problem := content_from_stream(msg, context)) is not None:
             return error_reply(msg, problem)
         if (problem := message_problem(msg, context)) is not None:
             return error_reply(msg, problem)
         started = time.time()  # the round's timeline starts with its content: the process started off its path
-    socket_path = context.node_config.get(WORKER_SOCKET)
     if not socket_path:
         from .inline import train_inline  # imports torch: only where the model lives in this process
 
@@ -201,8 +207,10 @@ def relay_to_worker(
         arrays = relayed_arrays(msg)
     except NpyError as err:
         return error_reply(msg, f"message from the server: {err}")
-    # A round cannot take longer than the server waits for it; a worker silent for longer is stuck.
+    # A round cannot take longer than the server waits for it; a worker silent for longer is stuck. A message
+    # pushed ahead lives as long as the round before it and its own (the worker waits for its content first).
     timeout_s = float(context.run_config.get("round-timeout-s", 3600.0))
+    timeout_s *= 2 if MESSAGE_AHEAD in msg.content.config_records else 1
 
     def sent() -> None:  # the request's last byte is in the worker's socket
         stamps["clientapp_sent"] = time.time()
@@ -244,7 +252,9 @@ def worker_request(msg: Message, context: Context, op: str) -> WorkerRequest:
     partition, its own data and device)."""
     partition_id, num_partitions = partition_of(context.node_config)
     settings = NodeSettings.from_node_config(context.node_config).as_header()
-    offer = dict(msg.content[OFFER]) if OFFER in msg.content.config_records else {}  # transport = "direct"
+    # transport = "direct": the offer of the message's records, or of its content when it was pushed ahead
+    offer = next((dict(msg.content[name]) for name in (OFFER, MESSAGE_AHEAD) if name in msg.content.config_records),
+                 {})  # fmt: skip
     return WorkerRequest(op, context.run_id, dict(context.run_config), dict(msg.content[ROUND]), partition_id,
                          num_partitions, settings, offer)  # fmt: skip
 

@@ -46,6 +46,7 @@ from ..versions import PROTOCOL_VERSION
 log = logging.getLogger(__name__)
 FALLBACKS = key("direct_fallbacks")
 UPDATE_AHEAD, STEP_PREFETCHED = key("direct_update_ahead"), key("direct_step_prefetched")
+CONTENT_FETCHED = key("direct_content_fetched")
 DIRECT = "direct transport:"  # what a reply rejected here says first
 
 
@@ -61,17 +62,22 @@ class DirectMessages:
         self._withdrawn: dict[str, int] = {}  # message id -> node: withdrawn by ``deliver``, for ``withdraw``
 
     def outgoing(
-        self, msg: Message, server_round: int, upload_max_size: int | None, ahead: tuple[int, int] | None = None
-    ) -> Message:
+        self, msg: Message, server_round: int, upload_max_size: int | None, ahead: tuple[int, int] | None = None,
+        messages_ahead: bool = False,
+    ) -> Message:  # fmt: skip
         """``msg`` with its block records on the stream (unless its node is on Flower's path) and the offer
         in their place; ``upload_max_size``: the bound on the node's update (None: the message asks for none);
         ``ahead``: the bounds of round r+1's update and global step, whose capabilities a node on the stream
-        gets now (``RunTransport.ahead_offer``; None: none, the last round)."""
+        gets now (``RunTransport.ahead_offer``; None: none, the last round). ``messages_ahead``: round r+1's
+        message is pushed a round ahead to a node that gets one (``message_ahead``), and that node's worker gets a
+        capability to take its content from the stream itself (``RunTransport.content_ahead``)."""
         node, content = msg.metadata.dst_node_id, msg.content
         records = {name: content.array_records[name] for name in BLOCK_RECORDS if name in content.array_records}
         if not self.on_stream.get(node, True):
             records, ahead = {}, None  # they stay in the message: this node fetches nothing, moves nothing ahead
-        offer = self.transport.offer(server_round, node, records, upload_max_size, ahead)
+        # The same test as ``message_ahead``'s for round r+1: no reply is taken between this push and that one.
+        content_ahead = ahead is not None and messages_ahead and node in self.committed
+        offer = self.transport.offer(server_round, node, records, upload_max_size, ahead, content_ahead)
         for name in records:
             del content[name]
         content[OFFER] = ConfigRecord(offer.to_config())
@@ -103,6 +109,8 @@ class DirectMessages:
         node = msg.metadata.dst_node_id
         ahead = self.pushed_ahead.get(server_round, {}).pop(node, None)
         if ahead is None:
+            if self.transport.content_awaited(server_round, node):  # its worker waits, its message goes on Flower's
+                self.transport.publish_message(server_round, node, b"")
             return None
         message_id, expires = ahead
         # A round r-1 that ran long (a retry, a straggler) leaves the message pushed ahead (and its capability)
@@ -143,8 +151,8 @@ class DirectMessages:
         content = reply.content
         metrics = content.metric_records.get(METRICS)
         flags = {k: metrics is not None and type(metrics.get(k)) is int and metrics[k] == 1
-                 for k in (UPDATE_AHEAD, STEP_PREFETCHED)}  # fmt: skip
-        self.transport.moved_ahead(update=False, step=flags[STEP_PREFETCHED])
+                 for k in (UPDATE_AHEAD, STEP_PREFETCHED, CONTENT_FETCHED)}  # fmt: skip
+        self.transport.moved_ahead(update=False, step=flags[STEP_PREFETCHED], content=flags[CONTENT_FETCHED])
         if COMMIT not in content.config_records:
             if metrics is not None and type(metrics.get(FALLBACKS)) is int and metrics[FALLBACKS] > 0:
                 self._fell_back(node, "its update came inline")

@@ -218,16 +218,19 @@ def critical_path_rows(accepted_metrics: dict[int, TrainMetrics], previous: dict
         arrived, returned = previous["arrivals"].get(node), previous["clientapp_reply"].get(node)
         if None in (arrived, returned, m.clientapp_start, m.request_received, m.prev_reply_sent):
             continue
+        # A worker that started the round from its content on the stream held it before its ClientApp relayed
+        # anything: the way down is the content's delivery on the stream alone.
+        started = m.request_received if m.direct_content_fetched else m.clientapp_start
         values = {
             "aggregate": previous["aggregated"] - previous["last_reply"],
             "dispatch": pushed - previous["aggregated"],
-            "delivery": m.clientapp_start - pushed,
-            "clientapp_relay": m.request_received - m.clientapp_start,
+            "delivery": started - pushed,
+            "clientapp_relay": m.request_received - started,
             "reply_relay": returned - m.prev_reply_sent,
             "reply_to_server": arrived - returned,
             "wait_for_others": previous["last_reply"] - arrived,
         }
-        if m.clientapp_handler_start is not None and m.clientapp_sent is not None:
+        if m.clientapp_handler_start is not None and m.clientapp_sent is not None and not m.direct_content_fetched:
             values["clientapp_pull"] = m.clientapp_handler_start - m.clientapp_start
             values["relay_send"] = m.clientapp_sent - m.clientapp_handler_start
             values["worker_read"] = m.request_received - m.clientapp_sent

@@ -281,7 +281,7 @@ class Run:
         nodes = set()
         for msg in messages:
             nodes.add(msg.metadata.dst_node_id)
-            yield self.direct.outgoing(msg, server_round, bound, ahead)
+            yield self.direct.outgoing(msg, server_round, bound, ahead, self.config.transport_messages_ahead)
         if update and first:  # every node of the round is messaged: the others' capabilities issued ahead end
             self.direct.messaged(server_round, nodes)
 

@@ -113,8 +113,10 @@ class RunTransport:
         self._waiting_steps: dict[int, set[int]] = {}  # round -> nodes issued its step's download a round ahead
         self._waiting_messages: dict[int, set[int]] = {}  # round -> nodes pushed its message a round ahead
         self._message_keys: dict[tuple[int, int], bytes] = {}  # (round, node) -> its content's HMAC key
+        self._messages_ahead: set[tuple[int, int]] = set()  # (round, node) pushed its message a round ahead
         self._ahead = {"direct_updates_ahead": 0, "direct_steps_prefetched": 0, "direct_ahead_revoked": 0,
-                       "direct_messages_ahead": 0, "direct_messages_withdrawn": 0}  # fmt: skip
+                       "direct_messages_ahead": 0, "direct_messages_withdrawn": 0,
+                       "direct_contents_fetched": 0}  # fmt: skip
         self._refusals_counted: dict[str, int] = {}
 
     # ------------------------------------------------------------ lifecycle
@@ -144,6 +146,7 @@ class RunTransport:
         records: Mapping[str, Mapping[str, object]],
         upload_max_size: int | None,
         ahead: tuple[int, int] | None = None,
+        content_ahead: bool = False,
     ) -> TransportOffer:
         """What ``node``'s round-r message carries in place of ``records`` (message record name -> its arrays'
         npy payloads): each non-empty record published once per round (by identity: the same mapping for
@@ -151,7 +154,8 @@ class RunTransport:
         by ``upload_max_size`` (None: the message asks for no update). Capabilities expire with ``ttl_s``.
 
         ``ahead`` (the bounds of round r+1's update and global step; None: none) adds round r+1's capabilities
-        (``ahead_offer``), so that the node moves those bytes before round r+1's message comes."""
+        (``ahead_offer``), so that the node moves those bytes before round r+1's message comes, and with
+        ``content_ahead`` its worker takes round r+1's content too (``content_ahead``)."""
         registry = self.server.registry
         offers = []
         for record, source in records.items():
@@ -171,15 +175,18 @@ class RunTransport:
             insecure=self.settings.insecure, records=tuple(offers), upload_name=upload_name,
             upload_token=upload_token, upload_max_size=upload_max_size or 0,
         )  # fmt: skip
-        return offer if ahead is None else self.ahead_offer(offer, *ahead)
+        return offer if ahead is None else self.ahead_offer(offer, *ahead, message=content_ahead)
 
-    def ahead_offer(self, offer: TransportOffer, update_max_size: int, step_max_size: int) -> TransportOffer:
+    def ahead_offer(
+        self, offer: TransportOffer, update_max_size: int, step_max_size: int, message: bool = False
+    ) -> TransportOffer:
         """``offer`` (round r) with round r+1's capabilities for its node: an upload into round r+1's own slot
         (``upload_name``), bounded by ``update_max_size`` (round r+1's block), and a download of round r+1's
         global step under the name it will be published by (``step_name``), bounded by ``step_max_size`` and
         waiting for its publication. Both are bound to round r+1 and expire when it may end (rounds r and
         r+1's timeouts), single use like any other; a node not messaged in round r+1 loses them then
-        (``messaged``)."""
+        (``messaged``). ``message``: round r+1's message will be pushed ahead to this node (``message_ahead_offer``),
+        and its worker gets a capability to download that message's content itself (``content_ahead``)."""
         registry, node, ahead_round = self.server.registry, offer.node_id, offer.server_round + 1
         up_name, step_name = self.upload_name(ahead_round, node), self.step_name(ahead_round)
         up = registry.issue(self.run_id, node, ahead_round, Direction.UPLOAD, up_name, ttl_s=2 * self.ttl_s,
@@ -198,12 +205,34 @@ class RunTransport:
         offer = dataclasses.replace(
             offer, ahead_upload_name=up_name, ahead_upload_token=up.token.hex(), ahead_upload_max_size=update_max_size
         )
-        if not waits:
-            return offer
-        step = registry.issue(self.run_id, node, ahead_round, Direction.DOWNLOAD, step_name, ttl_s=2 * self.ttl_s,
-                              waits=True)  # fmt: skip
+        if waits:
+            step = registry.issue(self.run_id, node, ahead_round, Direction.DOWNLOAD, step_name, ttl_s=2 * self.ttl_s,
+                                  waits=True)  # fmt: skip
+            offer = dataclasses.replace(
+                offer, ahead_step_name=step_name, ahead_step_token=step.token.hex(), ahead_step_max_size=step_max_size
+            )
+        return self.content_ahead(offer) if message else offer
+
+    def content_ahead(self, offer: TransportOffer) -> TransportOffer:
+        """``offer`` (round r) with a capability for its node's worker to download round r+1's message content
+        (``message_name``) as soon as the server publishes it, under the key round r+1's message pushed ahead
+        will name too: the worker starts round r+1 then, not when Flower delivers that message and starts a
+        ClientApp. It takes the slot that message's own capability would (one download of the content waits
+        per node: the ClientApp hands its capability to the worker, which uses it only without its own). Not
+        issued when the service's workers that may wait are taken, nor again to a retried message."""
+        node, ahead_round = offer.node_id, offer.server_round + 1
+        with self._lock:
+            waiting = self._waiting_messages.setdefault(ahead_round, set())
+            if node in waiting or self._waits(ahead_round) >= self.server.max_workers // 2:
+                return offer
+            waiting.add(node)
+            self._ahead_nodes.setdefault(ahead_round, set()).add(node)
+            key = self._message_keys[(ahead_round, node)] = secrets.token_bytes(32)
+        name = self.message_name(ahead_round, node)
+        ticket = self.server.registry.issue(self.run_id, node, ahead_round, Direction.DOWNLOAD, name,
+                                            ttl_s=2 * self.ttl_s, waits=True)  # fmt: skip
         return dataclasses.replace(
-            offer, ahead_step_name=step_name, ahead_step_token=step.token.hex(), ahead_step_max_size=step_max_size
+            offer, ahead_message_name=name, ahead_message_token=ticket.token.hex(), ahead_message_key=key.hex()
         )
 
     def _waits(self, server_round: int) -> int:
@@ -215,18 +244,24 @@ class RunTransport:
         the message's content (``message_name``), which waits on the service until the content is published
         (``publish_message``) or the node is found not to be messaged in round r (``messaged`` revokes it).
         Bound to run, node and round r, single use, living as long as round r may (rounds r-1 and r's timeouts).
-        None when the service's workers that may wait are all taken (the message then goes on Flower's path)."""
+        None when the service's workers that may wait are all taken (the message then goes on Flower's path).
+        A node whose worker was given a capability for the same content (``content_ahead``) gets a second one
+        under the same key, in the slot already taken: its ClientApp hands it to the worker."""
         with self._lock:
             waiting = self._waiting_messages.setdefault(server_round, set())
-            if node in waiting or self._waits(server_round) >= self.server.max_workers // 2:
+            key = self._message_keys.get((server_round, node))
+            if (server_round, node) in self._messages_ahead:
                 return None
-            waiting.add(node)
-            self._ahead_nodes.setdefault(server_round, set()).add(node)
-        name, key = self.message_name(server_round, node), secrets.token_bytes(32)
+            if key is None:
+                if node in waiting or self._waits(server_round) >= self.server.max_workers // 2:
+                    return None
+                waiting.add(node)
+                self._ahead_nodes.setdefault(server_round, set()).add(node)
+                key = self._message_keys[(server_round, node)] = secrets.token_bytes(32)
+            self._messages_ahead.add((server_round, node))
+        name = self.message_name(server_round, node)
         ticket = self.server.registry.issue(self.run_id, node, server_round, Direction.DOWNLOAD, name,
                                             ttl_s=2 * self.ttl_s, waits=True)  # fmt: skip
-        with self._lock:
-            self._message_keys[(server_round, node)] = key
         return TransportOffer(
             address=self.address, run_id=self.run_id, node_id=node, server_round=server_round, ca_pem=self.ca_pem,
             insecure=self.settings.insecure, message_name=name, message_token=ticket.token.hex(),
@@ -246,6 +281,13 @@ class RunTransport:
         with self._lock:
             self._published.setdefault(server_round, {})[name] = (data, name, len(data), "")  # by name: b"" is shared
             self._ahead["direct_messages_ahead" if content else "direct_messages_withdrawn"] += 1
+
+    def content_awaited(self, server_round: int, node: int) -> bool:
+        """Whether a download of ``node``'s round-r message content may be waiting (a capability for it was
+        issued, and nothing is published yet): ``publish_message`` must then end it, with the content or
+        ``b""``."""
+        with self._lock:
+            return (server_round, node) in self._message_keys
 
     @staticmethod
     def message_name(server_round: int, node: int) -> str:
@@ -268,12 +310,14 @@ class RunTransport:
         self.server.outbox.release(self.step_name(server_round))
         return len(unmessaged)
 
-    def moved_ahead(self, update: bool, step: bool) -> None:
-        """A reply says its update moved before its message came (``update``) and its global step was fetched
-        before it (``step``): counted for the round's record."""
+    def moved_ahead(self, update: bool, step: bool, content: bool = False) -> None:
+        """A reply says its update moved before its message came (``update``), its global step was fetched
+        before it (``step``), and its worker started the round from its content on the stream (``content``):
+        counted for the round's record."""
         with self._lock:
             self._ahead["direct_updates_ahead"] += int(update)
             self._ahead["direct_steps_prefetched"] += int(step)
+            self._ahead["direct_contents_fetched"] += int(content)
 
     @staticmethod
     def step_name(server_round: int) -> str:
@@ -346,6 +390,7 @@ class RunTransport:
             self._waiting_steps.pop(server_round, None)
             self._waiting_messages.pop(server_round, None)
             self._message_keys = {k: v for k, v in self._message_keys.items() if k[0] > server_round}
+            self._messages_ahead = {k for k in self._messages_ahead if k[0] > server_round}
         server.inbox.drop_round(self.run_id, server_round)
         counts = server.refusals.counts()
         new = {k: v - self._refusals_counted.get(k, 0) for k, v in counts.items()}

@@ -33,6 +33,7 @@ from ..messages import (
     GLOBAL_STEP,
     PING,
     RESUME_PENDING,
+    WITHDRAWN,
     MessageError,
     RoundConfig,
     TrainMetrics,
@@ -42,6 +43,7 @@ from ..messages import (
     metrics_to_record,
     relay_split,
 )
+from ..messages import key as field_key
 from ..node_data import NodeSettings, error_line
 from ..node_state import NodeState, ResidualStore
 from ..runtime import release_freed_memory, setup_torch
@@ -123,17 +125,25 @@ class NodeWorker:
         self.release_due = False
 
     # ------------------------------------------------------------ requests
-    def serve_request(self, header: dict, arrays: dict[str, np.ndarray]) -> tuple[dict, dict[str, list[np.ndarray]]]:
+    def serve_request(
+        self, header: dict, arrays: dict[str, np.ndarray], from_stream: bool = False
+    ) -> tuple[dict, dict[str, list[np.ndarray]]]:
         """One ``train`` or ``evaluate`` request (a ``WorkerRequest``'s header), in order: its reply's
         header (``WorkerReply``; a header that is no request is refused in one line, state intact) and
-        the update's arrays as their pieces (``wire.pack_pieces``; ``wire.join_pieces`` joins them)."""
+        the update's arrays as their pieces (``wire.pack_pieces``; ``wire.join_pieces`` joins them).
+        A message pushed ahead is first made the request its content makes (``content_request``);
+        ``from_stream``: the request is this worker's own, made from a content it took ahead
+        (``start_from_stream``), and whatever it answers is the round's answer."""
         received = time.time()
         try:
             request = WorkerRequest.from_header(header)
-            config = RoundConfig.from_config(request.round)
             if request.op == PING:
                 raise MessageError("worker request: op='ping' expected train or evaluate here")
-        except MessageError as err:
+            if request.stream_offer.get(field_key("message_name")):  # pushed ahead: its content on the stream
+                request = self.content_request(request)
+                received = time.time()
+            config = RoundConfig.from_config(request.round)
+        except (MessageError, node.StateIntact) as err:
             return WorkerReply(error=str(err), state_intact=True).to_header(), {}
         # A repeat is the same round with nothing that replaces the node's state: a round that carries a
         # full sync (or a hand-back) says the server dropped what it knew of the node, so it is computed
@@ -143,21 +153,67 @@ class NodeWorker:
         key = (request.op, request.run_id, request.partition_id, config.server_round)
         with self.lock:
             if self.last is not None and self.last[0] == key and not replaces:
-                log.info("round %d again: the same reply, not a second computation", config.server_round)
+                log.info("round %d again (or started from its content on the stream): the same reply, not a second "
+                         "computation", config.server_round)  # fmt: skip
                 return self.last[1]
+            failure = None
             try:
-                reply = self.handle_request(request, arrays, received)
+                reply = self.handle_request(request, arrays, received, from_stream)
             except node.StateIntact as err:
                 log.warning("round %d not done, state intact: %s", config.server_round, err)
-                return WorkerReply(error=str(err), state_intact=True).to_header(), {}
+                failure = WorkerReply(error=str(err), state_intact=True)
             except Exception as err:  # reported to the ClientApp, which replies an error to the server
                 log.exception("round failed")
-                return WorkerReply(error=error_line(err)).to_header(), {}
-            self.last = (key, reply)
-            self.release_due = self.release_due or replaces
+                failure = WorkerReply(error=error_line(err))
+            if failure is not None:
+                reply = failure.to_header(), {}
+            if failure is None or from_stream:  # a round started from its content: its message gets this answer
+                self.last = (key, reply)
+            self.release_due = self.release_due or (replaces and failure is None)
             return reply
 
-    def handle_request(self, request: WorkerRequest, arrays: dict[str, np.ndarray], received: float):
+    def content_request(self, request: WorkerRequest) -> WorkerRequest:
+        """A message pushed a round ahead, as its ClientApp relayed it (its offer names the content on the
+        stream): the request its content makes, from the download this worker started when it answered the
+        round before (and may have started the round with), else downloaded now under the message's own
+        capability. ``node.StateIntact`` when the server withdrew it or it cannot be fetched."""
+        offer = self.stream.offer(request)
+        if offer.run_id != request.run_id:
+            raise node.Refused(f"message pushed ahead: for run {offer.run_id}; expected run {request.run_id}")
+        timeout_s = request.run_config.get("round-timeout-s", 3600.0)
+        timeout_s = 2 * float(timeout_s) if type(timeout_s) in (int, float) and timeout_s > 0 else 7200.0
+        content = self.stream.message_content(offer, request.run_id, self.node_settings(request.node), timeout_s)
+        if content is None:
+            raise node.StateIntact(f"{WITHDRAWN}round {offer.server_round}'s message went to this node on "
+                                   f"Flower's path, or none")  # fmt: skip
+        return dataclasses.replace(request, round=content[0], stream_offer=content[1])
+
+    def start_from_stream(self, request: WorkerRequest) -> None:
+        """After round r's reply: round r+1 starts as soon as its content comes on the stream (``WorkerStream``
+        downloads it under the capability round r's offer issued ahead), with the request it makes; the
+        ClientApp's request for that round, when Flower delivers it, gets that round's answer. A round that
+        replaces the node's state (a full sync, a hand-back) is left to its request."""
+        pending = self.stream.content_for(request.run_id, request.server_round + 1)
+        if pending is not None:
+            pending.add_done_callback(lambda done: self.stream.submit(self.serve_from_stream, request, done))
+
+    def serve_from_stream(self, base: WorkerRequest, content) -> None:
+        """``base`` (round r's request) made round r+1's with the content that came (``start_from_stream``)."""
+        try:
+            taken = content.result()
+            config = RoundConfig.from_config(taken[0]) if taken is not None else None
+        except Exception:  # noqa: BLE001 - withdrawn, failed or malformed: the ClientApp's request says why
+            return
+        if config is None or config.sync_version is not None or config.resume_pending_block is not None:
+            return
+        self.last_request = time.time()
+        log.info("round %d: its content came on the stream; started before its message", config.server_round)
+        header = dataclasses.replace(base, round=taken[0], stream_offer=taken[1]).to_header()
+        self.serve_request(header, {}, from_stream=True)
+
+    def handle_request(
+        self, request: WorkerRequest, arrays: dict[str, np.ndarray], received: float, from_stream: bool = False
+    ):  # fmt: skip
         try:
             cfg = RunConfig.from_flower(request.run_config)
         except ConfigError as err:  # read before anything changes: the node is as it was
@@ -184,7 +240,8 @@ class NodeWorker:
         rounded = ahead.early_update() if ahead is not None else None
         done = self.node.train(res, cfg, req, fetch_step, store, store, rounded)
         metrics = dataclasses.replace(done.metrics, request_received=received, prev_reply_sent=self.last_reply_sent,
-                                      direct_step_prefetched=1 if prefetched is not None else None)  # fmt: skip
+                                      direct_step_prefetched=1 if prefetched is not None else None,
+                                      direct_content_fetched=1 if from_stream else None)  # fmt: skip
         early = ahead.early_upload() if ahead is not None else None  # an upload still in flight is waited for
         early = early if done.used_early else None  # the update is the one moved ahead, bit for bit
         # Each array as its pieces (one per tensor), written to the socket in turn: no joined copy of the block.
@@ -193,11 +250,13 @@ class NodeWorker:
         reply = self.train_reply(metrics, done.trace, pieces, offer, settings, cfg.round_timeout_s, early)
         metrics = reply.metrics
         moved = [what for what, flag in (("its update", metrics.direct_update_ahead),
-                                         ("its step", metrics.direct_step_prefetched)) if flag == 1]  # fmt: skip
+                                         ("its step", metrics.direct_step_prefetched),
+                                         ("its content", metrics.direct_content_fetched)) if flag == 1]  # fmt: skip
         log.info(round_line(metrics, sum(a.nbytes for a in arrays.values()), bytes_out, moved))
         if offer is not None and reply.committed:  # on the stream: round r+1's bytes move from now on
             early_update = self.node.early_update(cfg, request.server_round + 1)
             self.stream.start_ahead(offer, request.run_id, cfg.transfer_dtype, early_update)
+            self.start_from_stream(request)
         return reply.header, reply.pieces
 
     def stream_records(

@@ -12,6 +12,8 @@ next messages with their records inline. Each is logged once per address here, a
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable
@@ -21,7 +23,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import node
-from ..messages import STREAM_UNUSABLE, MessageError, TransportOffer, UpdateCommit, WorkerRequest
+from ..messages import (
+    MAX_MESSAGE_CONTENT,
+    OFFER,
+    ROUND,
+    STREAM_UNUSABLE,
+    MessageError,
+    TransportOffer,
+    UpdateCommit,
+    WorkerRequest,
+)
 from ..node.runtime import EarlyUpdate
 from ..node_data import NodeSettings
 from ..transport import NodeTransport, StreamUnusable
@@ -102,8 +113,11 @@ class WorkerStream:
         self._said: set[tuple[str, str]] = set()  # (what, address) logged once
         # Transfers a round ahead run here, beside the compute thread; a download that waits for a record
         # the server never publishes to this node holds one until its capability ends with the round.
-        self._ahead_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="transport-ahead")
+        self._ahead_pool = ThreadPoolExecutor(max_workers=6, thread_name_prefix="transport-ahead")
         self.ahead: AheadTransfers | None = None
+        # Round r+1's content, downloading since round r's reply (run, round, its future): the round it makes
+        # starts when it comes, and the ClientApp's request for that round (pushed ahead) waits for it.
+        self.content: tuple[int, int, Future] | None = None
         self._closed = threading.Event()  # the worker exits: a transfer ahead not yet started does not start
 
     def start_ahead(
@@ -119,6 +133,58 @@ class WorkerStream:
             rounded = Future()
             update = self._ahead_pool.submit(self._upload_ahead, offer, transfer_dtype, early, rounded)
         self.ahead = AheadTransfers(run_id, offer.server_round + 1, offer.ahead_step_name, step, update, rounded)
+        self.content = None
+        if offer.ahead_message_name:
+            view = dataclasses.replace(
+                offer, server_round=offer.server_round + 1, message_name=offer.ahead_message_name,
+                message_token=offer.ahead_message_token, message_max_size=MAX_MESSAGE_CONTENT,
+                message_key=offer.ahead_message_key,
+            )  # fmt: skip
+            self.content = (run_id, view.server_round, self._ahead_pool.submit(self._download_content, view))
+
+    def submit(self, fn, *args) -> None:
+        """``fn(*args)`` in a thread beside the compute (a round started from its content), unless closing."""
+        if not self._closed.is_set():
+            with contextlib.suppress(RuntimeError):  # shut down meanwhile
+                self._ahead_pool.submit(fn, *args)
+
+    def content_for(self, run_id: int, server_round: int) -> Future | None:
+        """The download of this round's content started a round ahead, if any (its result: ``content``'s)."""
+        content = self.content
+        return content[2] if content is not None and content[:2] == (run_id, server_round) else None
+
+    def message_content(
+        self, offer: TransportOffer, run_id: int, settings: NodeSettings, timeout_s: float
+    ) -> tuple[dict, dict] | None:
+        """A message pushed ahead (``offer``'s ``message_*``): its content's round config and offer, from the
+        download this worker started a round ahead, else downloaded now under ``offer``'s capability (this
+        waits until the server has built it); None when the server withdrew it. ``node.StateIntact`` when the
+        stream cannot be used (``STREAM_UNUSABLE``) or the content is not the message's."""
+        own = self.content_for(run_id, offer.server_round)
+        if own is not None:
+            try:
+                return own.result()
+            except Exception as err:  # noqa: BLE001 - said; the message's own capability is tried next
+                log.info("direct transport: round %d's content not taken ahead (%s: %s)", offer.server_round,
+                         type(err).__name__, err)  # fmt: skip
+        try:
+            self._use(settings, timeout_s)
+            return self._download_content(offer)
+        except StreamUnusable as err:
+            raise node.StateIntact(f"{STREAM_UNUSABLE}{err}") from None
+        except MessageError as err:
+            raise node.StateIntact(f"message from the server: {err}") from None
+
+    def _download_content(self, offer: TransportOffer) -> tuple[dict, dict] | None:
+        """``offer``'s message content (its round config and offer), once the server publishes it; None when it
+        withdrew it. Raises ``StreamUnusable`` or ``MessageError`` (the content is not the message's)."""
+        from ..message_bytes import content_ahead  # Flower's schema: only where a message is pushed ahead
+
+        data = self.transport.message_content(offer)
+        if data is None:
+            return None
+        content = content_ahead(offer, data)
+        return dict(content[ROUND]), dict(content[OFFER])
 
     def close(self) -> None:
         """The channels closed (a download still waiting ends with them) and the transfers' threads let go."""

@@ -54,8 +54,9 @@ STATE_INTACT = "state-intact: "
 # In a node's error reply: it could not fetch the message's records from the stream (its state is intact);
 # the server sends that node's next messages with their records on Flower's path.
 STREAM_UNUSABLE = "the direct transport's stream is unusable here: "
-# transport = "direct": a message pushed a round ahead, whose content the node's ClientApp downloads from the
-# stream once the server has built it (its offer's ``message_*``; ``message_content``, ``content_from_bytes``).
+# transport = "direct": a message pushed a round ahead, whose content the node's worker (or, without one, its
+# ClientApp) downloads from the stream once the server has built it (its offer's ``message_*``;
+# ``message_content``, ``message_bytes.content_ahead``).
 MESSAGE_AHEAD = "stream-message-ahead"
 # In the error reply to a message pushed ahead that the server then withdrew (its node not messaged in that
 # round, or messaged on Flower's path): the server drops it uncounted.

@@ -409,6 +409,6 @@ def test_tls_node_authentication_and_the_direct_transport_give_the_same_model(de
     assert "direct transport: fetched" in on_stream and "direct transport: uploaded" in on_stream
     assert "freed memory kept for the next round: yes" in on_stream  # runtime.keep_freed_memory, at its start
     assert on_stream.count("moved before the message: its update, its step") == ROUNDS - 1
-    assert on_stream.count("its content came on the stream; started before its message") == 1
+    assert on_stream.count("moved before the message: its update, its step, its content") == 1  # round 3
     assert fell_back.count("direct transport: the update goes inline") == 1  # logged once
     assert run.records[-1]["heldout_loss"] < run.records[0]["heldout_loss"]

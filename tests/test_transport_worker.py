@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -131,7 +132,7 @@ def test_a_node_without_a_worker_cannot_fetch_and_says_so_state_intact(tmp_path,
 
 def run_rounds(
     tls, config: dict, run_id: int, ahead: bool, rounds: int = 3, worker: NodeWorker | None = None,
-    wait_for_update: bool = True, content: bool = False,
+    wait_for_update: bool = True, content: bool = False, message_first: bool = False,
 ) -> list[dict]:  # fmt: skip
     """``rounds`` rounds of one node worker against a run's stream, the server's part played here: round r's
     step is half the update it claimed in round r-1. ``ahead``: each offer also carries round r+1's
@@ -139,7 +140,8 @@ def run_rounds(
     before the message came; not waited for without ``wait_for_update``). ``content``: from round 2 on, each
     round's content is published on the stream (as a message pushed ahead is), the worker must have answered
     the round before its request comes, and the request is the message pushed ahead, as its ClientApp relays
-    it. Each round's reply header, with the SHA-256 of the update claimed."""
+    it (``message_first``: that request comes before the content is published, and waits for it). Each round's
+    reply header, with the SHA-256 of the update claimed."""
     settings = StreamSettings("localhost:0", str(tls.server_cert), str(tls.server_key), str(tls.ca_cert))
     worker, replies, step = worker or NodeWorker(), [], {}
     try:
@@ -162,14 +164,22 @@ def run_rounds(
                 if message_ahead is not None:  # the content published, the worker starts the round by itself
                     round_config = ConfigRecord({PROTOCOL_KEY: PROTOCOL_VERSION, **header[key("round")]})
                     body = RecordDict({ROUND: round_config, OFFER: ConfigRecord(offer.to_config())})
-                    stream.publish_message(r, 0, content_to_bytes(body))
-                    deadline = time.monotonic() + 120
-                    while (worker.last is None or worker.last[0][3] != r) and time.monotonic() < deadline:
-                        time.sleep(0.02)
-                    assert worker.last[0][3] == r, f"round {r} did not start from its content on the stream"
                     header[key("round")] = {PROTOCOL_KEY: PROTOCOL_VERSION, key("server_round"): r}
                     header[key("stream_offer")] = message_ahead.to_config()
-                reply, pieces = worker.serve_request(header, {})
+                    with ThreadPoolExecutor(1) as clientapp:
+                        if message_first:
+                            answer = clientapp.submit(worker.serve_request, header, {})
+                            time.sleep(0.3)
+                        stream.publish_message(r, 0, content_to_bytes(body))
+                        if not message_first:
+                            deadline = time.monotonic() + 120
+                            while (worker.last is None or worker.last[0][3] != r) and time.monotonic() < deadline:
+                                time.sleep(0.02)
+                            assert worker.last[0][3] == r, f"round {r} did not start from its content on the stream"
+                            answer = clientapp.submit(worker.serve_request, header, {})
+                        reply, pieces = answer.result(timeout=120)
+                else:
+                    reply, pieces = worker.serve_request(header, {})
                 assert "error" not in reply and pieces == {}, reply
                 commit = UpdateCommit.from_config(reply[key("stream_commit")])
                 update = unpack({n: npy_view(p, n) for n, p in stream.claim(r, 0, commit).items()})
@@ -215,6 +225,74 @@ def test_a_worker_starts_a_round_when_its_content_comes_on_the_stream_and_its_me
     started = run_rounds(tls, config, RUN, ahead=True, wait_for_update=False, content=True)
     assert [r["sha256"] for r in started] == [r["sha256"] for r in plain]
     assert [r["metrics"].get(key("direct_content_fetched")) for r in started] == [None, 1, 1]
+
+
+def test_a_message_pushed_ahead_that_waits_for_its_content_gets_the_round_computed_once(tmp_path, tiny_model_dir):
+    """The ClientApp's request for a message pushed ahead comes before the content is published, and waits for
+    the worker's own download of it: whichever takes the round first (that request, or the round started from
+    the content), the round is computed once, with the bits of the same rounds without anything ahead."""
+    tls = make_tls(tmp_path / "tls")
+    config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 2, "correction": "at-end"})
+    worker, computed = NodeWorker(), []
+    handle = worker.handle_request
+
+    def counted(request, *args):
+        computed.append(request.server_round)
+        return handle(request, *args)
+
+    worker.handle_request = counted
+    plain = run_rounds(tls, config, RUN + 1, ahead=False)
+    started = run_rounds(tls, config, RUN, ahead=True, worker=worker, wait_for_update=False, content=True,
+                         message_first=True)  # fmt: skip
+    assert computed == [1, 2, 3]
+    assert [r["sha256"] for r in started] == [r["sha256"] for r in plain]
+    assert [r["metrics"].get(key("direct_content_fetched")) for r in started] == [None, 1, 1]
+
+
+def test_a_round_that_failed_from_its_content_answers_its_message_once_and_its_retry_is_computed(
+    tmp_path, tiny_model_dir, stream
+):
+    """Round 2's content names its step with a wrong SHA-256: the round, tried once (by its message pushed
+    ahead, which waits for the content, or by the worker when the content comes), fails with the node's state
+    intact, and the message pushed ahead gets that failure. The server's retry of round 2, its step's digest
+    right, is computed, not answered with the failure."""
+    config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 2, "correction": "at-end"})
+    worker, computed = NodeWorker(), []
+    handle = worker.handle_request
+
+    def counted(request, *args):
+        computed.append(request.server_round)
+        return handle(request, *args)
+
+    worker.handle_request = counted
+    try:
+        offer = stream.offer(1, 0, {}, upload_max_size=10**7, ahead=(10**7, 10**7), content_ahead=True)
+        stream.messaged(1, {0})
+        reply, _ = worker.serve_request(request(config, 1, offer), {})
+        commit = UpdateCommit.from_config(reply[key("stream_commit")])
+        update = unpack({n: npy_view(p, n) for n, p in stream.claim(1, 0, commit).items()})
+        step = {GLOBAL_STEP: pieces_record(pack_pieces({n: t * 0.5 for n, t in update.items()}))}
+        message_ahead = stream.message_ahead_offer(2, 0)
+        offer = stream.offer(2, 0, step, upload_max_size=10**7)
+        stream.messaged(2, {0})
+        forged = dataclasses.replace(offer, records=(offer.records[0]._replace(sha256="0" * 64),))
+        header = request(config, 2, forged)
+        body = RecordDict({ROUND: ConfigRecord({PROTOCOL_KEY: PROTOCOL_VERSION, **header[key("round")]}),
+                           OFFER: ConfigRecord(forged.to_config())})  # fmt: skip
+        ahead = {**header, key("round"): {PROTOCOL_KEY: PROTOCOL_VERSION, key("server_round"): 2},
+                 key("stream_offer"): message_ahead.to_config()}  # fmt: skip
+        with ThreadPoolExecutor(1) as clientapp:
+            answer = clientapp.submit(worker.serve_request, ahead, {})
+            time.sleep(0.3)
+            stream.publish_message(2, 0, content_to_bytes(body))
+            failed, _ = answer.result(timeout=120)
+        time.sleep(0.5)  # the round started from its content, had it come second, would have run by now
+        assert STREAM_UNUSABLE in failed["error"] and computed == [1, 2], (failed, computed)
+        retried, _ = worker.serve_request(request(config, 2, stream.offer(2, 0, step, upload_max_size=10**7)), {})
+        assert "error" not in retried and computed == [1, 2, 2], retried
+    finally:
+        worker.compute_thread.shutdown(wait=True)
+        worker.stream.close()
 
 
 def test_the_next_computation_starts_while_the_update_moving_ahead_is_still_on_its_way(tmp_path, tiny_model_dir):

@@ -11,8 +11,10 @@ Each such message is counted (``direct_fallbacks``) and logged once per node (``
 
 A node whose last reply committed its update on the stream gets its next round's message pushed a round
 ahead (``message_ahead``): Flower delivers it and starts the node's ClientApp while this round is still
-being aggregated, and the ClientApp waits on the stream for the content ``deliver`` publishes once the
-algorithm has built it. Flower's delivery and the ClientApp's start leave the critical path.
+being aggregated. The node's worker (its capability came in this round's offer, ``outgoing``) waits on the
+stream for the content ``deliver`` publishes once the algorithm has built it, and starts that round with it;
+the ClientApp gets the round's answer from the worker (a node without a worker: its ClientApp waits for the
+content). Flower's delivery and the ClientApp's start leave the critical path.
 """
 
 from __future__ import annotations
@@ -110,7 +112,7 @@ class DirectMessages:
         ahead = self.pushed_ahead.get(server_round, {}).pop(node, None)
         if ahead is None:
             if self.transport.content_awaited(server_round, node):  # its worker waits, its message goes on Flower's
-                self.transport.publish_message(server_round, node, b"")
+                self.transport.publish_message(server_round, node, b"", pushed=False)
             return None
         message_id, expires = ahead
         # A round r-1 that ran long (a retry, a straggler) leaves the message pushed ahead (and its capability)

@@ -324,8 +324,9 @@ class Run:
     def push_ahead(self, grid: Grid, server_round: int, nodes: set[int]) -> None:
         """Round r's messages pushed now, while round r-1 is in flight, to those of ``nodes`` whose last reply
         committed its update on the stream (``DirectMessages.message_ahead``; ``transport-messages-ahead``):
-        Flower delivers each as soon as its SuperNode has pushed round r-1's reply, and its ClientApp waits
-        on the stream for the content round r's push publishes. They live until round r may end."""
+        Flower delivers each as soon as its SuperNode has pushed round r-1's reply, and its ClientApp gets the
+        round from the node's worker, which waits on the stream for the content round r's push publishes (and
+        starts the round with it). They live until round r may end."""
         if self.direct is None or not self.config.transport_messages_ahead or server_round > self.num_rounds:
             return
         messages = [m for n in sorted(nodes) if (m := self.direct.message_ahead(server_round, n)) is not None]

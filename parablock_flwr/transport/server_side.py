@@ -268,11 +268,12 @@ class RunTransport:
             message_max_size=MAX_MESSAGE_CONTENT, message_key=key.hex(),
         )  # fmt: skip
 
-    def publish_message(self, server_round: int, node: int, content: bytes) -> None:
+    def publish_message(self, server_round: int, node: int, content: bytes, pushed: bool = True) -> None:
         """``node``'s round-r message content, for its download waiting under ``message_ahead_offer``'s
         capability, behind its HMAC under the key that offer gave the node (``framing.seal``);
         ``b""`` withdraws the message (the node was messaged on Flower's path instead): its ClientApp
-        replies that it was withdrawn, and the server drops that reply."""
+        replies that it was withdrawn, and the server drops that reply. ``pushed``: a message was pushed ahead
+        for this content (counted, published or withdrawn); else ``b""`` only ends the wait of its node's worker."""
         name = self.message_name(server_round, node)
         with self._lock:
             key = self._message_keys.pop((server_round, node))
@@ -280,7 +281,8 @@ class RunTransport:
         self.server.outbox.publish(name, data=data)
         with self._lock:
             self._published.setdefault(server_round, {})[name] = (data, name, len(data), "")  # by name: b"" is shared
-            self._ahead["direct_messages_ahead" if content else "direct_messages_withdrawn"] += 1
+            if pushed:
+                self._ahead["direct_messages_ahead" if content else "direct_messages_withdrawn"] += 1
 
     def content_awaited(self, server_round: int, node: int) -> bool:
         """Whether a download of ``node``'s round-r message content may be waiting (a capability for it was

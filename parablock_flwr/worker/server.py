@@ -21,6 +21,7 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,6 +117,8 @@ class NodeWorker:
         self.left_runs: set[int] = set()  # runs replaced by a newer one on this worker
         self.partition_id: int | None = None  # pinned by the first request
         self.last: tuple[tuple, tuple[dict, dict[str, np.ndarray]]] | None = None  # (request key, its reply)
+        self.last_failed = False  # ``last`` is the failure of a round started from its content (``answered``)
+        self.tried: tuple | None = None  # the last request key computed (or tried), under ``lock``
         self.last_reply_sent = 0.0
         self.last_request = time.time()  # for the optional idle exit
         self.message_limit = MessageLimit()  # the most array bytes a message may declare (serve sets it)
@@ -131,16 +134,20 @@ class NodeWorker:
         """One ``train`` or ``evaluate`` request (a ``WorkerRequest``'s header), in order: its reply's
         header (``WorkerReply``; a header that is no request is refused in one line, state intact) and
         the update's arrays as their pieces (``wire.pack_pieces``; ``wire.join_pieces`` joins them).
-        A message pushed ahead is first made the request its content makes (``content_request``);
-        ``from_stream``: the request is this worker's own, made from a content it took ahead
-        (``start_from_stream``), and whatever it answers is the round's answer."""
+        A message pushed ahead is first made the request its content makes (``content_request``), unless
+        its round was answered already. ``from_stream``: the request is this worker's own, made from a content
+        it took ahead (``start_from_stream``); it runs only if no request tried that round first, and what it
+        answers is its message's answer."""
         received = time.time()
         try:
             request = WorkerRequest.from_header(header)
             if request.op == PING:
                 raise MessageError("worker request: op='ping' expected train or evaluate here")
-            if request.stream_offer.get(field_key("message_name")):  # pushed ahead: its content on the stream
-                request = self.content_request(request)
+            pushed_ahead = bool(request.stream_offer.get(field_key("message_name")))
+            if pushed_ahead:  # its content on the stream
+                request, answered = self.content_request(request)
+                if answered is not None:
+                    return answered
                 received = time.time()
             config = RoundConfig.from_config(request.round)
         except (MessageError, node.StateIntact) as err:
@@ -152,13 +159,16 @@ class NodeWorker:
         replaces = replaces or any(relay_split(n)[0] == RESUME_PENDING for n in arrays)
         key = (request.op, request.run_id, request.partition_id, config.server_round)
         with self.lock:
-            if self.last is not None and self.last[0] == key and not replaces:
-                log.info("round %d again (or started from its content on the stream): the same reply, not a second "
-                         "computation", config.server_round)  # fmt: skip
-                return self.last[1]
+            if from_stream and self.tried == key:  # its message came first: that was the round's one try
+                return WorkerReply(error="round tried already", state_intact=True).to_header(), {}
+            if not replaces and (answered := self.answered(key, pushed_ahead)) is not None:
+                return answered
+            self.tried = key
+            if from_stream:
+                log.info("round %d: its content came on the stream; started before its message", config.server_round)
             failure = None
             try:
-                reply = self.handle_request(request, arrays, received, from_stream)
+                reply = self.handle_request(request, arrays, received, from_stream or pushed_ahead)
             except node.StateIntact as err:
                 log.warning("round %d not done, state intact: %s", config.server_round, err)
                 failure = WorkerReply(error=str(err), state_intact=True)
@@ -168,25 +178,49 @@ class NodeWorker:
             if failure is not None:
                 reply = failure.to_header(), {}
             if failure is None or from_stream:  # a round started from its content: its message gets this answer
-                self.last = (key, reply)
+                self.last, self.last_failed = (key, reply), failure is not None
             self.release_due = self.release_due or (replaces and failure is None)
             return reply
 
-    def content_request(self, request: WorkerRequest) -> WorkerRequest:
+    def answered(self, key: tuple, pushed_ahead: bool):
+        """The reply already made for ``key``'s round (under ``lock``), or None: a repeat gets the same reply,
+        never a second computation. A round started from its content that failed answers its message pushed
+        ahead only, once: a retry of that round (its records inline, say) is computed."""
+        if self.last is None or self.last[0] != key:
+            return None
+        reply = self.last[1]
+        if self.last_failed:
+            if not pushed_ahead:
+                return None
+            self.last, self.last_failed = None, False
+            return reply
+        log.info("round %d again (or started from its content on the stream): the same reply, not a second "
+                 "computation", key[3])  # fmt: skip
+        return reply
+
+    def content_request(self, request: WorkerRequest):
         """A message pushed a round ahead, as its ClientApp relayed it (its offer names the content on the
-        stream): the request its content makes, from the download this worker started when it answered the
-        round before (and may have started the round with), else downloaded now under the message's own
-        capability. ``node.StateIntact`` when the server withdrew it or it cannot be fetched."""
+        stream): the request its content makes and None, or (the round was answered already: started from its
+        content, this worker's own download of it) the request and that answer. The content comes from that
+        download, else under the message's own capability (a restarted worker). ``node.StateIntact`` when the
+        server withdrew it or it cannot be fetched."""
         offer = self.stream.offer(request)
         if offer.run_id != request.run_id:
             raise node.Refused(f"message pushed ahead: for run {offer.run_id}; expected run {request.run_id}")
+        own = self.stream.content_for(request.run_id, offer.server_round)
+        if own is not None:
+            futures_wait([own])  # the content comes; the round may start from it (``serve_from_stream``)
+        with self.lock:  # a round started from its content holds the lock until it has answered
+            answered = self.answered((request.op, request.run_id, request.partition_id, offer.server_round), True)
+        if answered is not None:
+            return request, answered
         timeout_s = request.run_config.get("round-timeout-s", 3600.0)
         timeout_s = 2 * float(timeout_s) if type(timeout_s) in (int, float) and timeout_s > 0 else 7200.0
         content = self.stream.message_content(offer, request.run_id, self.node_settings(request.node), timeout_s)
         if content is None:
             raise node.StateIntact(f"{WITHDRAWN}round {offer.server_round}'s message went to this node on "
                                    f"Flower's path, or none")  # fmt: skip
-        return dataclasses.replace(request, round=content[0], stream_offer=content[1])
+        return dataclasses.replace(request, round=content[0], stream_offer=content[1]), None
 
     def start_from_stream(self, request: WorkerRequest) -> None:
         """After round r's reply: round r+1 starts as soon as its content comes on the stream (``WorkerStream``
@@ -207,12 +241,11 @@ class NodeWorker:
         if config is None or config.sync_version is not None or config.resume_pending_block is not None:
             return
         self.last_request = time.time()
-        log.info("round %d: its content came on the stream; started before its message", config.server_round)
         header = dataclasses.replace(base, round=taken[0], stream_offer=taken[1]).to_header()
         self.serve_request(header, {}, from_stream=True)
 
     def handle_request(
-        self, request: WorkerRequest, arrays: dict[str, np.ndarray], received: float, from_stream: bool = False
+        self, request: WorkerRequest, arrays: dict[str, np.ndarray], received: float, content_fetched: bool = False
     ):  # fmt: skip
         try:
             cfg = RunConfig.from_flower(request.run_config)
@@ -241,7 +274,7 @@ class NodeWorker:
         done = self.node.train(res, cfg, req, fetch_step, store, store, rounded)
         metrics = dataclasses.replace(done.metrics, request_received=received, prev_reply_sent=self.last_reply_sent,
                                       direct_step_prefetched=1 if prefetched is not None else None,
-                                      direct_content_fetched=1 if from_stream else None)  # fmt: skip
+                                      direct_content_fetched=1 if content_fetched else None)  # fmt: skip
         early = ahead.early_upload() if ahead is not None else None  # an upload still in flight is waited for
         early = early if done.used_early else None  # the update is the one moved ahead, bit for bit
         # Each array as its pieces (one per tensor), written to the socket in turn: no joined copy of the block.
@@ -324,6 +357,7 @@ class NodeWorker:
             self.left_runs.add(self.run_id)
         self.node.drop_ahead()
         self.node.state, self.run_id, self.last, self.last_reply_sent = NodeState(), run_id, None, 0.0
+        self.last_failed = False
         log.info("new run %s", run_id)
 
     def residual_store(self, settings: NodeSettings, partition_id: int) -> ResidualStore | None:

@@ -275,7 +275,7 @@ def test_a_repeat_is_answered_from_the_cache_but_a_retry_that_syncs_the_node_is_
     computed from that state (before: the rejected reply came back from the cache, every retry)."""
     worker = NodeWorker(state_dir=tmp_path)
     calls = []
-    worker.handle_request = lambda header, arrays, received: calls.append(header) or ({"metrics": {}}, {})
+    worker.handle_request = lambda header, arrays, *_: calls.append(header) or ({"metrics": {}}, {})
     header = worker_request({}, 7, 3, block=0, next_block=-1)
     assert worker.serve_request(header, {}) == worker.serve_request(header, {}) and len(calls) == 1
     synced = worker_request({}, 7, 3, block=0, next_block=-1, **{"sync-version": 1})
@@ -445,7 +445,7 @@ def test_a_retry_carrying_a_full_sync_is_always_computed_never_answered_from_the
     the node computed before (before: the second came back from the cache, keyed like the first)."""
     worker = NodeWorker(state_dir=tmp_path)
     calls = []
-    worker.handle_request = lambda header, arrays, received: calls.append(header) or ({"metrics": {}}, {})
+    worker.handle_request = lambda header, arrays, *_: calls.append(header) or ({"metrics": {}}, {})
     synced = worker_request({}, 7, 3, block=0, next_block=-1, **{"sync-version": 1})
     worker.serve_request(synced, {})
     worker.serve_request(synced, {})

@@ -40,7 +40,7 @@ def test_any_header_reaches_the_node_read_through_the_schema_or_is_refused_in_on
         header.pop("node", None)
     worker = NodeWorker()
     handled = []
-    worker.handle_request = lambda request, arrays, received: handled.append(request) or ({"metrics": {}}, {})
+    worker.handle_request = lambda request, arrays, *_: handled.append(request) or ({"metrics": {}}, {})
     before = (worker.run_id, worker.partition_id, worker.last, worker.node.state)
     try:
         reply, arrays = worker.serve_request(header, {})

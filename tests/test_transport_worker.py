@@ -227,20 +227,26 @@ def test_a_worker_starts_a_round_when_its_content_comes_on_the_stream_and_its_me
     assert [r["metrics"].get(key("direct_content_fetched")) for r in started] == [None, 1, 1]
 
 
-def test_a_message_pushed_ahead_that_waits_for_its_content_gets_the_round_computed_once(tmp_path, tiny_model_dir):
-    """The ClientApp's request for a message pushed ahead comes before the content is published, and waits for
-    the worker's own download of it: whichever takes the round first (that request, or the round started from
-    the content), the round is computed once, with the bits of the same rounds without anything ahead."""
-    tls = make_tls(tmp_path / "tls")
-    config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 2, "correction": "at-end"})
-    worker, computed = NodeWorker(), []
-    handle = worker.handle_request
+def count_computations(worker: NodeWorker) -> list[int]:
+    """The rounds ``worker`` computes (or tries), in order: each call of its ``handle_request``."""
+    computed, handle = [], worker.handle_request
 
     def counted(request, *args):
         computed.append(request.server_round)
         return handle(request, *args)
 
     worker.handle_request = counted
+    return computed
+
+
+def test_a_message_pushed_ahead_that_waits_for_its_content_gets_the_round_computed_once(tmp_path, tiny_model_dir):
+    """The ClientApp's request for a message pushed ahead comes before the content is published, and waits for
+    the worker's own download of it: whichever takes the round first (that request, or the round started from
+    the content), the round is computed once, with the bits of the same rounds without anything ahead."""
+    tls = make_tls(tmp_path / "tls")
+    config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 2, "correction": "at-end"})
+    worker = NodeWorker()
+    computed = count_computations(worker)
     plain = run_rounds(tls, config, RUN + 1, ahead=False)
     started = run_rounds(tls, config, RUN, ahead=True, worker=worker, wait_for_update=False, content=True,
                          message_first=True)  # fmt: skip
@@ -257,14 +263,8 @@ def test_a_round_that_failed_from_its_content_answers_its_message_once_and_its_r
     intact, and the message pushed ahead gets that failure. The server's retry of round 2, its step's digest
     right, is computed, not answered with the failure."""
     config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 2, "correction": "at-end"})
-    worker, computed = NodeWorker(), []
-    handle = worker.handle_request
-
-    def counted(request, *args):
-        computed.append(request.server_round)
-        return handle(request, *args)
-
-    worker.handle_request = counted
+    worker = NodeWorker()
+    computed = count_computations(worker)
     try:
         offer = stream.offer(1, 0, {}, upload_max_size=10**7, ahead=(10**7, 10**7), content_ahead=True)
         stream.messaged(1, {0})

@@ -112,10 +112,8 @@ def content_from_stream(msg: Message, context: Context) -> str | None:
     settings = NodeSettings.from_node_config(context.node_config)
     if settings.transport == "flower":
         return f"{STATE_INTACT}{STREAM_UNUSABLE}this site keeps to Flower's path (node config transport)"
-    if (problem := ahead_offer_problem(msg, context)) is not None:
-        return problem
     try:
-        offer = TransportOffer.from_config(dict(msg.content[MESSAGE_AHEAD]))
+        offer = ahead_offer(msg, context)
         timeout_s = 2 * float(context.run_config.get("round-timeout-s", 3600.0))  # the capability's lifetime
         stream = NodeTransport(address=settings.transport_address, timeout_s=timeout_s)
         try:
@@ -133,16 +131,14 @@ def content_from_stream(msg: Message, context: Context) -> str | None:
     return None
 
 
-def ahead_offer_problem(msg: Message, context: Context) -> str | None:
-    """Why a message pushed a round ahead must not be acted on: its offer malformed, or for another run or node."""
-    try:
-        offer = TransportOffer.from_config(dict(msg.content[MESSAGE_AHEAD]))
-    except MessageError as err:
-        return f"message from the server: {err}"
+def ahead_offer(msg: Message, context: Context) -> TransportOffer:
+    """The offer of a message pushed a round ahead, read strictly; ``MessageError`` when it is malformed or for
+    another run or node."""
+    offer = TransportOffer.from_config(dict(msg.content[MESSAGE_AHEAD]))
     if (offer.run_id, offer.node_id) != (context.run_id, context.node_id):
-        return (f"message from the server: message pushed ahead: for run {offer.run_id} node {offer.node_id}; "
-                f"expected run {context.run_id} node {context.node_id}")  # fmt: skip
-    return None
+        raise MessageError(f"message pushed ahead: for run {offer.run_id} node {offer.node_id}; expected run "
+                           f"{context.run_id} node {context.node_id}")  # fmt: skip
+    return offer
 
 
 def trusted_worker_uids(node_config) -> frozenset[int]:
@@ -159,8 +155,11 @@ def train(msg: Message, context: Context) -> Message:
     started, socket_path = _PROCESS_STARTED, context.node_config.get(WORKER_SOCKET)
     if MESSAGE_AHEAD in msg.content.config_records:
         if socket_path:  # the worker takes the content from the stream (it may have taken it already)
-            problem = ahead_offer_problem(msg, context)
-            return error_reply(msg, problem) if problem else relay_to_worker(msg, context, str(socket_path))
+            try:
+                ahead_offer(msg, context)
+            except MessageError as err:
+                return error_reply(msg, f"message from the server: {err}")
+            return relay_to_worker(msg, context, str(socket_path))
         if (problem := content_from_stream(msg, context)) is not None:
             return error_reply(msg, problem)
         if (problem := message_problem(msg, context)) is not None:

@@ -222,18 +222,34 @@ class RunTransport:
         issued when the service's workers that may wait are taken, nor again to a retried message."""
         node, ahead_round = offer.node_id, offer.server_round + 1
         with self._lock:
-            waiting = self._waiting_messages.setdefault(ahead_round, set())
-            if node in waiting or self._waits(ahead_round) >= self.server.max_workers // 2:
-                return offer
-            waiting.add(node)
-            self._ahead_nodes.setdefault(ahead_round, set()).add(node)
-            key = self._message_keys[(ahead_round, node)] = secrets.token_bytes(32)
-        name = self.message_name(ahead_round, node)
-        ticket = self.server.registry.issue(self.run_id, node, ahead_round, Direction.DOWNLOAD, name,
-                                            ttl_s=2 * self.ttl_s, waits=True)  # fmt: skip
+            reserved = self._reserve_content(ahead_round, node)
+        if reserved is None or not reserved[1]:
+            return offer
+        name, token = self._content_capability(ahead_round, node)
         return dataclasses.replace(
-            offer, ahead_message_name=name, ahead_message_token=ticket.token.hex(), ahead_message_key=key.hex()
+            offer, ahead_message_name=name, ahead_message_token=token, ahead_message_key=reserved[0].hex()
         )
+
+    def _reserve_content(self, server_round: int, node: int) -> tuple[bytes, bool] | None:
+        """(Under the lock.) ``node``'s round-r content: its HMAC key and whether it was reserved just now (a
+        waiting slot taken); None when the service's workers that may wait are taken."""
+        if (key := self._message_keys.get((server_round, node))) is not None:
+            return key, False
+        waiting = self._waiting_messages.setdefault(server_round, set())
+        if node in waiting or self._waits(server_round) >= self.server.max_workers // 2:
+            return None
+        waiting.add(node)
+        self._ahead_nodes.setdefault(server_round, set()).add(node)
+        key = self._message_keys[(server_round, node)] = secrets.token_bytes(32)
+        return key, True
+
+    def _content_capability(self, server_round: int, node: int) -> tuple[str, str]:
+        """A download capability for ``node``'s round-r content, waiting until it is published: its name and
+        token (hex), living as long as round r may (rounds r-1 and r's timeouts)."""
+        name = self.message_name(server_round, node)
+        ticket = self.server.registry.issue(self.run_id, node, server_round, Direction.DOWNLOAD, name,
+                                            ttl_s=2 * self.ttl_s, waits=True)  # fmt: skip
+        return name, ticket.token.hex()
 
     def _waits(self, server_round: int) -> int:
         """Downloads of round r's records that may wait on the service (under the lock)."""
@@ -248,24 +264,16 @@ class RunTransport:
         A node whose worker was given a capability for the same content (``content_ahead``) gets a second one
         under the same key, in the slot already taken: its ClientApp hands it to the worker."""
         with self._lock:
-            waiting = self._waiting_messages.setdefault(server_round, set())
-            key = self._message_keys.get((server_round, node))
             if (server_round, node) in self._messages_ahead:
                 return None
-            if key is None:
-                if node in waiting or self._waits(server_round) >= self.server.max_workers // 2:
-                    return None
-                waiting.add(node)
-                self._ahead_nodes.setdefault(server_round, set()).add(node)
-                key = self._message_keys[(server_round, node)] = secrets.token_bytes(32)
+            if (reserved := self._reserve_content(server_round, node)) is None:
+                return None
             self._messages_ahead.add((server_round, node))
-        name = self.message_name(server_round, node)
-        ticket = self.server.registry.issue(self.run_id, node, server_round, Direction.DOWNLOAD, name,
-                                            ttl_s=2 * self.ttl_s, waits=True)  # fmt: skip
+        name, token = self._content_capability(server_round, node)
         return TransportOffer(
             address=self.address, run_id=self.run_id, node_id=node, server_round=server_round, ca_pem=self.ca_pem,
-            insecure=self.settings.insecure, message_name=name, message_token=ticket.token.hex(),
-            message_max_size=MAX_MESSAGE_CONTENT, message_key=key.hex(),
+            insecure=self.settings.insecure, message_name=name, message_token=token,
+            message_max_size=MAX_MESSAGE_CONTENT, message_key=reserved[0].hex(),
         )  # fmt: skip
 
     def publish_message(self, server_round: int, node: int, content: bytes, pushed: bool = True) -> None:

@@ -214,8 +214,10 @@ class NodeWorker:
             answered = self.answered((request.op, request.run_id, request.partition_id, offer.server_round), True)
         if answered is not None:
             return request, answered
-        timeout_s = request.run_config.get("round-timeout-s", 3600.0)
-        timeout_s = 2 * float(timeout_s) if type(timeout_s) in (int, float) and timeout_s > 0 else 7200.0
+        try:
+            timeout_s = 2 * RunConfig.from_flower(request.run_config).round_timeout_s  # the capability's lifetime
+        except ConfigError as err:
+            raise node.Refused(f"run config refused: {err}") from None
         content = self.stream.message_content(offer, request.run_id, self.node_settings(request.node), timeout_s)
         if content is None:
             raise node.StateIntact(f"{WITHDRAWN}round {offer.server_round}'s message went to this node on "

@@ -16,8 +16,9 @@ Every run with ``launch.FLOWER_TRANSFER_SETTINGS`` and one packed array per reco
 The app's window of round r is the records' timeline from the worker's computation of round r-1 ending
 to that of round r starting: its reply packed (and on the stream uploaded), Flower's legs (the records'
 ``critical_path_*_s``), the message's records fetched (on the stream). Rounds 3..R (Flower's own app: 2..R)
-each give one window (round 3 is the first whose message ``direct`` pushes a round ahead; ``built``: the same
-with ``transport-messages-ahead = false``, each message pushed once built): the repeats, their spread
+each give one window (round 3 is the first whose message ``direct`` pushes a round ahead; ``relayed``: the same
+with ``transport-replies-on-stream = false``, each reply through Flower; ``built``: that with
+``transport-messages-ahead = false`` too, each message pushed once built): the repeats, their spread
 shown. Issue 32's target: with ``direct``, a window at most the control floor + bytes / 300 MB/s. For each
 kind and leg the benchmark fits ``fixed + bytes / throughput`` (bytes:
 the reply up plus the message down), and checks the time model (``core.LinkModel``): calibrated on two
@@ -77,13 +78,15 @@ DEFAULT_SIZES = ("14", "70", "212", "1g")
 # control floor), the same with each message pushed a round ahead (Flower's cycle per message: the least a
 # round costs while it sends each node one Flower message), the Flower-only app with the size's payload, and
 # the app on each transport.
-KINDS = ("empty", "ahead", "floor", "flower", "built", "direct")
-APP_KINDS = ("flower", "direct")  # compared bit for bit (``same_model``); ``built`` is ``direct`` less one option
+KINDS = ("empty", "ahead", "floor", "flower", "built", "relayed", "direct")
+STREAM_KINDS = ("built", "relayed", "direct")  # the app with transport = "direct", less an option or none
+APP_KINDS = ("flower", "direct")  # compared bit for bit (``same_model``)
 FLOOR_KINDS = ("empty", "ahead", "floor")
 LABELS = {"empty": "Flower only, empty payload (control floor)",
           "ahead": "Flower only, empty payload, messages a round ahead (Flower's cycle)",
           "floor": "Flower only, the payload", "flower": 'app, transport="flower"',
           "built": 'app, transport="direct", each message pushed once built',
+          "relayed": 'app, transport="direct", each reply through Flower',
           "direct": 'app, transport="direct"'}  # fmt: skip
 # The app's repeats: rounds 3..R, the first whose message can be pushed a round ahead on the stream (round 1's
 # reply is a node's first commit there); Flower's own app: rounds 2..R.
@@ -164,9 +167,10 @@ def app_config(size: str, kind: str, args, out: Path, dtype: str = "") -> dict:
     config.update(SIZES[size][0])
     if config["model"] == SYNTHETIC:
         config["model"] = args.synthetic_model
-    if kind in ("direct", "built"):  # the blocks on the run's own stream (plaintext on loopback, as the SuperLink)
+    if kind in STREAM_KINDS:  # the blocks on the run's own stream (plaintext on loopback, as the SuperLink)
         config["transport"] = "direct"
-        config["transport-messages-ahead"] = kind == "direct"
+        config["transport-messages-ahead"] = kind != "built"
+        config["transport-replies-on-stream"] = kind == "direct"
     if dtype:
         config["transfer-dtype"] = dtype
     if args.fast and size != "1g":
@@ -374,7 +378,7 @@ def targets(results: dict) -> list[dict]:
         row = {"size": size, "mb_each_way": nbytes / 2e6, "floor_s": floor, "direct_s": direct,
                "bytes_s": nbytes / (TARGET_MBS * 1e6), "floor": mean(runs.get("floor")),
                "flower": mean(runs.get("flower")), "cycle_s": mean(runs.get("ahead")),
-               "built": mean(runs.get("built"))}  # fmt: skip
+               "built": mean(runs.get("built")), "relayed": mean(runs.get("relayed"))}  # fmt: skip
         if floor is not None and direct is not None:
             row["target_s"] = floor + row["bytes_s"]
             row["over_floor_s"] = direct - floor
@@ -420,8 +424,8 @@ def target_table(rows: list[dict]) -> list[str]:
     """The sizes against the target, and the kinds' windows as ratios side by side."""
     lines = [f"| payload MB each way | control floor s | direct s | direct - floor s | bytes / {TARGET_MBS:.0f} MB/s s "
              "| target s | met | Flower only s | flower s | direct / flower | flower / Flower only "
-             "| Flower's cycle s | direct, messages once built s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| Flower's cycle s | direct, messages once built s | direct, replies through Flower s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         met = "-" if "met" not in r else ("yes" if r["met"] else "**no**")
         if "within_s" in r:
@@ -430,7 +434,7 @@ def target_table(rows: list[dict]) -> list[str]:
                      f"{_f(r.get('over_floor_s'), 2)} | {r['bytes_s']:.2f} | {_f(r.get('target_s'), 2)} | {met} | "
                      f"{_f(r['floor'], 2)} | {_f(r['flower'], 2)} | {_ratio(r['direct_s'], r['flower'])} | "
                      f"{_ratio(r['flower'], r['floor'])} | {_f(r.get('cycle_s'), 2)} | "
-                     f"{_f(r.get('built'), 2)} |")  # fmt: skip
+                     f"{_f(r.get('built'), 2)} | {_f(r.get('relayed'), 2)} |")  # fmt: skip
     return lines
 
 
@@ -469,7 +473,7 @@ def tables(results: dict) -> str:
                 lines.append(f"| {SIZES[size][1] / 1e6:.1f} | {kind} | | failed: {r['error'][:100]} | | | | | | |")
                 continue
             pts = r["points"]
-            summed = {k: sum(p.get(k) or 0 for p in pts) if kind in ("direct", "built") else None
+            summed = {k: sum(p.get(k) or 0 for p in pts) if kind in STREAM_KINDS else None
                       for k in ("direct_fallbacks", "direct_refusals")}  # fmt: skip
             cells = [spread([p.get(k) for p in pts]) for k in ("window_s", "comm_s", "round_wall_s", "compute_s")]
             lines.append(f"| {SIZES[size][1] / 1e6:.1f} | {kind} | {r['load_1min']:.1f} | {' | '.join(cells)} | "
@@ -528,7 +532,7 @@ def plot(results: dict, path: Path) -> Path | None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     grid = np.geomspace(10e6, 2.2e9, 100)
-    markers = {"empty": "s", "ahead": "v", "floor": "^", "flower": "o", "built": "x", "direct": "D"}
+    markers = {"empty": "s", "ahead": "v", "floor": "^", "flower": "o", "built": "x", "relayed": "+", "direct": "D"}
     for color, kind in enumerate(KINDS):
         color = f"C{color}"
         points = [(p["bytes"] if kind not in ("empty", "ahead") else 2 * SIZES[r["size"]][1], p["window_s"])
@@ -569,8 +573,9 @@ def write_docs(results: dict, png: Path | None) -> None:
         "floor) and with the payload as one packed array, then the app, sequential BCD (fedbcd) with 1 local "
         'step of batch 1, with `transport = "flower"` and with `transport = "direct"` (plaintext on loopback, '
         f"as the SuperLink). {results['rounds']} rounds each: the app's rounds 3..R and Flower's 2..R give the repeats "
-        "(round 3 is the first whose message `direct` pushes a round ahead; `built` is `direct` with "
-        "`transport-messages-ahead = false`). The app's window: "
+        "(round 3 is the first whose message `direct` pushes a round ahead; `relayed` is `direct` with "
+        "`transport-replies-on-stream = false`, each reply through Flower, and `built` that with "
+        "`transport-messages-ahead = false` too). The app's window: "
         "from the worker's computation of round r-1 ending to that of round r starting (the records' timeline: "
         "its reply packed and, on the stream, uploaded; Flower's legs; on the stream the download), so that the "
         "stream's time is in it; `comm_s` is the records' `measured_comm_s` (the reply leaving the worker to the "

@@ -70,6 +70,7 @@ MAY_CHANGE_ON_RESUME = frozenset(
         "transport-insecure",
         "transport-idle-timeout-s",
         "transport-messages-ahead",
+        "transport-replies-on-stream",
     }
 )
 

@@ -136,6 +136,7 @@ class RunConfig:
     transport_insecure: bool = False
     transport_idle_timeout_s: float = 30.0
     transport_messages_ahead: bool = True
+    transport_replies_on_stream: bool = True
     max_update_norm: float = 0.0
     max_num_examples: int = 0
     max_correction_drift: float = 0.0

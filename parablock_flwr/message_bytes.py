@@ -1,4 +1,5 @@
-"""A message's content as bytes, for a message pushed a round ahead on the direct transport (docs/transport.md).
+"""A message's content as bytes, for a message pushed a round ahead on the direct transport, and a train reply's
+content as bytes, for a reply uploaded on the stream (docs/transport.md).
 
 The server pushes round r+1's message to a node on the stream before round r is aggregated, with only a
 capability in it; once it has built the round's real content (its config records: the round's control
@@ -7,16 +8,32 @@ the stream, and the node's worker (or, without one, its ClientApp, started by Fl
 downloads it. Flower's own
 protobuf schema (``flwr.common.serde``) carries it: no format of ours. Only config records travel this way;
 anything else is refused in one line, before the node acts on it.
+
+A node's worker uploads its train reply's content (metrics, trace, the commit of its update, which went up
+first) under the capability its round's offer gave (``reply_*``): the server aggregates it as soon as it is in,
+and the same content in Flower's reply, when it comes, is its audit. Only config and metric records travel
+this way, at most ``MAX_REPLY_CONTENT`` bytes.
 """
 
 from __future__ import annotations
 
-from flwr.app import ConfigRecord, RecordDict
+from flwr.app import ConfigRecord, MetricRecord, RecordDict
 from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
 from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict
 
-from .messages import MAX_MESSAGE_CONTENT, OFFER, PROTOCOL_KEY, ROUND, MessageError, TransportOffer, key
-from .transport.framing import TAG_BYTES, unseal
+from .messages import (
+    COMMIT,
+    MAX_MESSAGE_CONTENT,
+    MAX_REPLY_CONTENT,
+    METRICS,
+    OFFER,
+    PROTOCOL_KEY,
+    ROUND,
+    TRACE,
+    MessageError,
+    TransportOffer,
+    key,
+)
 from .versions import mismatch
 
 
@@ -24,6 +41,8 @@ def content_to_bytes(content: RecordDict) -> bytes | None:
     """``content`` in Flower's protobuf schema; None when it holds anything but config records (tensors
     inline: such a message is pushed on Flower's path) or would be larger than ``MAX_MESSAGE_CONTENT``
     sealed (``transport.framing.seal``)."""
+    from .transport.framing import TAG_BYTES  # (the stream's package, grpc with it: not where a ClientApp starts)
+
     if content.array_records or content.metric_records:
         return None
     data = recorddict_to_proto(content).SerializeToString()
@@ -33,21 +52,57 @@ def content_to_bytes(content: RecordDict) -> bytes | None:
 def content_from_bytes(data: bytes | bytearray) -> RecordDict:
     """The content ``content_to_bytes`` wrote; anything else (not Flower's schema, a record other than a
     config record) raises ``MessageError`` in one line that names no value."""
-    if len(data) > MAX_MESSAGE_CONTENT:
-        raise MessageError(f"message content on the stream: {len(data)} bytes; expected at most {MAX_MESSAGE_CONTENT}")
+    return _records_from_bytes(data, "message content", MAX_MESSAGE_CONTENT, {"config_record": ConfigRecord})
+
+
+def reply_content(metrics: dict, trace: dict, commit: dict) -> RecordDict:
+    """A train reply's content but its update: its metrics (``metrics_to_record``'s entries), its trace and,
+    when the update went on the stream, the commit of it (``UpdateCommit.to_config``). The ClientApp's reply and
+    the worker's reply on the stream are built here alike."""
+    content = RecordDict({METRICS: MetricRecord(metrics)})
+    if commit:
+        content[COMMIT] = ConfigRecord(commit)
+    if trace:
+        content[TRACE] = ConfigRecord(trace)
+    return content
+
+
+def reply_to_bytes(content: RecordDict) -> bytes:
+    """``reply_content``'s record dict in Flower's protobuf schema, for its upload on the stream; ``MessageError``
+    when it is larger than ``MAX_REPLY_CONTENT`` (the reply then goes on Flower's path alone)."""
+    data = recorddict_to_proto(content).SerializeToString()
+    if len(data) > MAX_REPLY_CONTENT:
+        raise MessageError(f"reply content: {len(data)} bytes; expected at most {MAX_REPLY_CONTENT}")
+    return data
+
+
+def reply_from_bytes(data: bytes | bytearray) -> RecordDict:
+    """A reply's content as a node uploaded it on the stream: Flower's schema, config and metric records only,
+    with its metrics and the commit of its update (an update inline has no place here); else ``MessageError``
+    in one line that names no value. The reply checks then read it as they read Flower's reply."""
+    kinds = {"config_record": ConfigRecord, "metric_record": MetricRecord}
+    content = _records_from_bytes(data, "reply content", MAX_REPLY_CONTENT, kinds)
+    if METRICS not in content.metric_records or COMMIT not in content.config_records:
+        raise MessageError(f"reply content on the stream: expected its {METRICS} and {COMMIT} records")
+    return content
+
+
+def _records_from_bytes(data: bytes | bytearray, what: str, limit: int, kinds: dict[str, type]) -> RecordDict:
+    if len(data) > limit:
+        raise MessageError(f"{what} on the stream: {len(data)} bytes; expected at most {limit}")
     try:
         proto = ProtoRecordDict.FromString(bytes(data))
-        kinds = {item.WhichOneof("value") for item in proto.items}
-        if kinds - {"config_record"}:
-            raise MessageError(f"message content on the stream: records of kind {sorted(kinds - {'config_record'})}; "
-                               "expected config records only")  # fmt: skip
+        found = {item.WhichOneof("value") for item in proto.items}
+        if found - set(kinds):
+            raise MessageError(f"{what} on the stream: records of kind {sorted(found - set(kinds))}; expected "
+                               f"{' or '.join(sorted(kinds))} only")  # fmt: skip
         content = recorddict_from_proto(proto)
     except MessageError:
         raise
     except Exception as err:  # protobuf's DecodeError, or a value Flower's records refuse
-        raise MessageError(f"message content on the stream: not a record dict ({type(err).__name__})") from None
-    if not all(isinstance(record, ConfigRecord) for record in content.values()):
-        raise MessageError("message content on the stream: expected config records only")
+        raise MessageError(f"{what} on the stream: not a record dict ({type(err).__name__})") from None
+    if not all(isinstance(record, tuple(kinds.values())) for record in content.values()):
+        raise MessageError(f"{what} on the stream: expected {' or '.join(sorted(kinds))} only")
     return content
 
 
@@ -55,6 +110,8 @@ def content_ahead(offer: TransportOffer, data: bytes | bytearray) -> RecordDict:
     """The content of ``offer``'s message pushed ahead (its ``message_*``), as downloaded: its HMAC checked under
     the offer's key, read strictly, and for the offer's run, node and round, of this protocol version, with an
     offer of its records; else ``MessageError`` in one line."""
+    from .transport.framing import unseal
+
     content = content_from_bytes(unseal(bytes.fromhex(offer.message_key), data))
     sent = TransportOffer.from_config(dict(content[OFFER])) if OFFER in content.config_records else None
     round_config = content[ROUND] if ROUND in content.config_records else None

@@ -61,6 +61,7 @@ MESSAGE_AHEAD = "stream-message-ahead"
 # In the error reply to a message pushed ahead that the server then withdrew (its node not messaged in that
 # round, or messaged on Flower's path): the server drops it uncounted.
 WITHDRAWN = "withdrawn by the server: "
+MAX_REPLY_CONTENT = 1 << 18  # a train reply's content on the stream (its metrics, trace and commit), at most
 MAX_MESSAGE_CONTENT = 1 << 20  # a message's content on the stream: config records only (no tensors), at most
 
 
@@ -387,6 +388,11 @@ class TransportOffer:
     upload_name: str = ""  # "" when the message asks for no update (the final evaluation)
     upload_token: str = ""
     upload_max_size: int = 0
+    # A capability to upload the round's reply itself (its content: metrics, trace and the update's commit) once
+    # the update is up, so that the server aggregates it without waiting for Flower's reply, which then trails
+    # as its audit (``transport-replies-on-stream``; "" when not offered).
+    reply_name: str = ""
+    reply_token: str = ""
     # One round ahead (``server_round + 1``), so that the bytes move before that round's message comes: a
     # capability to upload the node's next update into that round's slot, and one to download that round's
     # global step as soon as the server publishes it (its size and SHA-256 come in that round's offer).
@@ -453,6 +459,8 @@ class TransportOffer:
             upload_name=get.text("upload-name", 0, 128),
             upload_token=get.text("upload-token", 0, 64, secret=True),
             upload_max_size=get.int("upload-max-size", 0, MAX_SIZE),
+            reply_name=get.text("reply-name", 0, 128),
+            reply_token=get.text("reply-token", 0, 64, secret=True),
             ahead_upload_name=get.text("ahead-upload-name", 0, 128),
             ahead_upload_token=get.text("ahead-upload-token", 0, 64, secret=True),
             ahead_upload_max_size=get.int("ahead-upload-max-size", 0, MAX_SIZE),
@@ -467,21 +475,27 @@ class TransportOffer:
             message_max_size=get.int("message-max-size", 0, MAX_MESSAGE_CONTENT),
             message_key=get.text("message-key", 0, 64, secret=True),
         )
-        for what, name, token in (("upload", offer.upload_name, offer.upload_token),
-                                  ("ahead-upload", offer.ahead_upload_name, offer.ahead_upload_token),
-                                  ("ahead-step", offer.ahead_step_name, offer.ahead_step_token),
-                                  ("ahead-message", offer.ahead_message_name, offer.ahead_message_token),
-                                  ("message", offer.message_name, offer.message_token)):  # fmt: skip
+        offer._check_pairs()
+        return offer
+
+    def _check_pairs(self) -> None:
+        """Each capability named with a well-formed token (and a message's key), and exactly one of a CA or
+        insecure; ``MessageError`` names the first that is not."""
+        for what, name, token in (("upload", self.upload_name, self.upload_token),
+                                  ("reply", self.reply_name, self.reply_token),
+                                  ("ahead-upload", self.ahead_upload_name, self.ahead_upload_token),
+                                  ("ahead-step", self.ahead_step_name, self.ahead_step_token),
+                                  ("ahead-message", self.ahead_message_name, self.ahead_message_token),
+                                  ("message", self.message_name, self.message_token)):  # fmt: skip
             if name and not (_record_name(name) and _hex64(token)):
                 raise MessageError(f"transport offer: {what}-name or {what}-token malformed: expected a record "
                                    f"name and 64 lowercase hex digits")  # fmt: skip
-        for what, name, secret in (("message", offer.message_name, offer.message_key),
-                                   ("ahead-message", offer.ahead_message_name, offer.ahead_message_key)):  # fmt: skip
+        for what, name, secret in (("message", self.message_name, self.message_key),
+                                   ("ahead-message", self.ahead_message_name, self.ahead_message_key)):  # fmt: skip
             if name and not _hex64(secret):
                 raise MessageError(f"transport offer: {what}-key malformed: expected 64 lowercase hex digits")
-        if offer.insecure == bool(offer.ca_pem):
+        if self.insecure == bool(self.ca_pem):
             raise MessageError("transport offer: expected a CA certificate (ca-pem) or insecure, exactly one")
-        return offer
 
 
 @dataclass(frozen=True)

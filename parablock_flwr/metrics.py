@@ -137,8 +137,9 @@ def run_summary(records: list[dict]) -> str:
 
 
 def _direct_transport(records: list[dict]) -> list[str]:
-    """``transport = "direct"``: the messages whose blocks went on Flower's path instead, and what the stream
-    refused, by kind; each round's ``direct_*`` and the last round's ``final_direct_*`` (the final evaluation,
+    """``transport = "direct"``: the messages whose blocks went on Flower's path instead, what the stream
+    refused, by kind, and replies taken from the stream that their Flower reply contradicted or never audited;
+    each round's ``direct_*`` and the last round's ``final_direct_*`` (the final evaluation,
     and refusals until the stream stopped) summed, so that neither is said only in the records."""
 
     def total(name: str) -> int:
@@ -153,6 +154,12 @@ def _direct_transport(records: list[dict]) -> list[str]:
                         if k.removeprefix("final_").startswith(prefix)})  # fmt: skip
         by_kind = ", ".join(f"{kind} {total(prefix + kind)}" for kind in kinds)
         parts.append(f"{refusals} requests refused by the direct stream ({by_kind})")
+    if contradicted := total("direct_replies_contradicted"):
+        parts.append(f"{contradicted} replies taken from the direct stream contradicted by their Flower reply "
+                     "(direct_replies_contradicted)")  # fmt: skip
+    if unaudited := total("direct_replies_unaudited"):
+        parts.append(f"{unaudited} replies taken from the direct stream without their Flower reply to audit them "
+                     "(direct_replies_unaudited)")  # fmt: skip
     return parts
 
 

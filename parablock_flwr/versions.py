@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 def mismatch(header: Mapping[str, object], key: str, peer: str, here: str) -> str | None:

@@ -339,3 +339,47 @@ def test_any_bytes_on_the_stream_as_a_messages_content_are_config_records_or_one
         assert "\n" not in str(err) and str(err).startswith("message content on the stream:")
         return
     assert all(isinstance(record, ConfigRecord) for record in content.values())
+
+
+def test_a_replys_content_reads_back_from_its_bytes_and_nothing_else_passes_for_one():
+    """A reply's content on the stream (``transport-replies-on-stream``): its metrics, trace and commit read back
+    as they were; an update inline, a reply without its commit, or one past ``MAX_REPLY_CONTENT`` is refused."""
+    from flwr.app import Array, ArrayRecord, ConfigRecord
+
+    from parablock_flwr.message_bytes import reply_content, reply_from_bytes, reply_to_bytes
+
+    commit = messages.UpdateCommit(update_size=12, update_sha256="ab" * 32).to_config()
+    content = reply_content({"server-round": 3, "train-loss": 1.5}, {"digest": "x"}, commit)
+    back = reply_from_bytes(reply_to_bytes(content))
+    assert {k: dict(v) for k, v in back.items()} == {k: dict(v) for k, v in content.items()}
+    inline = reply_content({"server-round": 3}, {}, commit)
+    inline["update"] = ArrayRecord({"x": Array(np.zeros(3, np.float32))})
+    uncommitted = reply_content({"server-round": 3}, {}, {})
+    for refused in (inline, uncommitted):
+        with pytest.raises(MessageError, match="^reply content on the stream: .*expected"):
+            reply_from_bytes(reply_to_bytes(refused))
+    with pytest.raises(MessageError, match="^reply content: .* expected at most"):
+        reply_to_bytes(reply_content({}, {"t": "y" * messages.MAX_REPLY_CONTENT}, commit))
+    big = reply_content({}, {}, commit)
+    big["c"] = ConfigRecord({"x": "y" * messages.MAX_REPLY_CONTENT})
+    with pytest.raises(MessageError, match="^reply content on the stream: .* expected at most"):
+        reply_from_bytes(recorddict_bytes(big))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=512) | st.sampled_from([b"\n\x03abc", b"\x0a\x00"]))
+def test_any_bytes_on_the_stream_as_a_replys_content_are_a_reply_or_one_refusal(data):
+    from parablock_flwr.message_bytes import reply_from_bytes
+
+    try:
+        content = reply_from_bytes(data)
+    except MessageError as err:
+        assert "\n" not in str(err) and str(err).startswith("reply content on the stream:")
+        return
+    assert messages.METRICS in content.metric_records and messages.COMMIT in content.config_records
+
+
+def recorddict_bytes(content) -> bytes:
+    from flwr.common.serde import recorddict_to_proto
+
+    return recorddict_to_proto(content).SerializeToString()

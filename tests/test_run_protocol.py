@@ -672,20 +672,25 @@ def test_rounds_a_stopped_run_had_not_evaluated_are_counted_as_skipped_when_it_r
     assert [r["round"] for r in records if "heldout_loss" in r] == [3, 4]  # the checkpoint's round, then on
 
 
-def run_with_messages_ahead(folder: Path, model_dir: Path, num_nodes: int, ahead: bool, fail=(), **config):
+def run_with_messages_ahead(
+    folder: Path, model_dir: Path, num_nodes: int, ahead: bool, fail=(), replies: dict | None = None, **config
+):  # fmt: skip
     """A run of 4 rounds on the direct stream, each node a thread answering its messages in order (as its
     SuperNode does), uploading its update and committing it; a message pushed a round ahead is answered once
     its content has come from the stream (as the ClientApp does), or with ``WITHDRAWN``; ``fail``: the (node,
-    round) whose first message is answered with an error. Returns the records, the (node, round) of each
-    message whose content came from the stream, and the step log."""
-    from parablock_flwr.message_bytes import content_from_bytes
+    round) whose first message is answered with an error. ``replies`` (``transport-replies-on-stream``): each
+    node uploads its reply's content on the stream too, and its Flower reply follows 0.2 s later, as Flower's
+    relay would; (node, round) -> ``"malformed"`` (bytes that are no reply's uploaded instead; 0.6 s) or
+    ``"contradicted"`` (the Flower reply commits another update). Returns the records, the (node, round) of
+    each message whose content came from the stream, and the step log."""
+    from parablock_flwr.message_bytes import content_from_bytes, reply_to_bytes
     from parablock_flwr.messages import MESSAGE_AHEAD, WITHDRAWN
     from parablock_flwr.replica import StepLog
     from parablock_flwr.transport.framing import unseal
 
     run = make_run(folder, model_dir, 4, transport_messages_ahead=ahead, **config)
     transport = RunTransport(StreamSettings("localhost:0", insecure=True), run_id=1, ttl_s=60)
-    run.direct = DirectMessages(transport)
+    run.direct = DirectMessages(transport, replies_on_stream=replies is not None)
     honest, node, from_stream, failed = honest_answer(run), NodeTransport(), [], set()
 
     def answer(index: int, msg: Message):
@@ -705,6 +710,12 @@ def run_with_messages_ahead(folder: Path, model_dir: Path, num_nodes: int, ahead
         offer = TransportOffer.from_config(dict(msg.content.config_records[OFFER]))
         commit = node.upload(offer, {name: bytes(a.data) for name, a in content.pop("update").items()})
         content[COMMIT] = ConfigRecord(commit.to_config())
+        if replies is not None and offer.reply_name:
+            how = replies.get(at)
+            node.upload_reply(offer, b"no reply's content" if how == "malformed" else reply_to_bytes(content))
+            time.sleep(0.6 if how == "malformed" else 0.2)  # the round waits for it: other audits come first
+            if how == "contradicted":
+                content[COMMIT] = ConfigRecord({**commit.to_config(), "update-sha256": "0" * 64})
         return content
 
     transport.start()
@@ -729,6 +740,48 @@ def test_messages_pushed_a_round_ahead_take_their_content_from_the_stream_and_ch
     for records in (with_ahead, without):
         assert [r["num_accepted"] for r in records[1:]] == [2] * 4
         assert all(r["replies_missing"] == r["late_replies_dropped"] == r["direct_refusals"] == 0 for r in records[1:])
+    for version in range(1, 5):
+        (block_a, step_a), (block_b, step_b) = log.read(version), reference.read(version)
+        assert block_a == block_b and all(torch.equal(step_a[n], step_b[n]) for n in step_a)
+
+
+def test_replies_on_the_stream_are_aggregated_on_arrival_audited_by_flowers_and_change_no_bit(tmp_path, tiny_model_dir):
+    """``transport-replies-on-stream``: each node uploads its reply's content on the stream after its update, and
+    the server takes it as the node's reply at once (0.2 s before Flower's). Every reply of every round comes so;
+    Flower's replies trail as their audits, all of them matching (the last round's before the run ends, in the
+    final record); every global step is the one of the same run without."""
+    on_stream, _, log = run_with_messages_ahead(tmp_path / "stream", tiny_model_dir, 2, ahead=True, replies={})
+    _, _, reference = run_with_messages_ahead(tmp_path / "flower", tiny_model_dir, 2, ahead=True)
+    rounds, final = on_stream[1:5], on_stream[-1]
+    assert [r["num_accepted"] for r in rounds] == [2] * 4 and [r["direct_replies_on_stream"] for r in rounds] == [2] * 4
+    assert sum(r["direct_replies_audited"] for r in rounds) + final["final_direct_replies_audited"] == 8
+    assert all(r["direct_replies_contradicted"] == r["direct_replies_unaudited"] == 0 for r in rounds)
+    assert final["final_direct_replies_unaudited"] == 0
+    assert all(r["replies_missing"] == r["late_replies_dropped"] == r["direct_refusals"] == 0 for r in rounds)
+    for version in range(1, 5):
+        (block_a, step_a), (block_b, step_b) = log.read(version), reference.read(version)
+        assert block_a == block_b and all(torch.equal(step_a[n], step_b[n]) for n in step_a)
+
+
+def test_a_reply_on_the_stream_that_is_malformed_or_contradicted_by_flowers_is_counted_and_changes_no_bit(
+    tmp_path, tiny_model_dir
+):  # fmt: skip
+    """Node 1's round-2 content on the stream is no reply's: refused (``direct_refused_bad_reply``), changing
+    nothing, and its Flower reply is the one taken. Node 0's round-2 Flower reply commits another update than its
+    reply on the stream: counted (``direct_replies_contradicted``), and its replies go on Flower's path from then
+    on. Every global step is the one of the same run without replies on the stream."""
+    replies = {(1, 2): "malformed", (0, 2): "contradicted"}
+    records, _, log = run_with_messages_ahead(tmp_path / "stream", tiny_model_dir, 2, ahead=True, replies=replies)
+    _, _, reference = run_with_messages_ahead(tmp_path / "flower", tiny_model_dir, 2, ahead=True)
+    rounds = records[1:5]
+    assert [r["num_accepted"] for r in rounds] == [2] * 4
+    assert rounds[1]["direct_refused_bad_reply"] == rounds[1]["direct_refusals"] == 1
+    assert [r["direct_replies_on_stream"] for r in rounds] == [2, 1, 1, 1]  # node 0 off the stream from round 3
+    assert sum(r["direct_replies_contradicted"] for r in rounds) == 1
+    assert run_summary(records).endswith(
+        "1 requests refused by the direct stream (bad_reply 1); "
+        "1 replies taken from the direct stream contradicted by their Flower reply (direct_replies_contradicted)"
+    )
     for version in range(1, 5):
         (block_a, step_a), (block_b, step_b) = log.read(version), reference.read(version)
         assert block_a == block_b and all(torch.equal(step_a[n], step_b[n]) for n in step_a)

@@ -73,6 +73,10 @@ NOTHING_AHEAD = {
     "direct_revoked_used": 0,
     "direct_waits_ended": 0,
     "direct_uploads_spilled": 0,
+    "direct_replies_on_stream": 0,
+    "direct_replies_audited": 0,
+    "direct_replies_contradicted": 0,
+    "direct_replies_unaudited": 0,
 }
 
 

@@ -19,8 +19,18 @@ from flwr.supercore.task_identity import TaskIdentity
 from parablock_flwr import core, node
 from parablock_flwr.client_apps.inline import train_inline
 from parablock_flwr.config import RunConfig
-from parablock_flwr.message_bytes import content_to_bytes
-from parablock_flwr.messages import GLOBAL_STEP, OFFER, PROTOCOL_KEY, ROUND, STREAM_UNUSABLE, UpdateCommit, key
+from parablock_flwr.message_bytes import content_to_bytes, reply_from_bytes
+from parablock_flwr.messages import (
+    COMMIT,
+    GLOBAL_STEP,
+    METRICS,
+    OFFER,
+    PROTOCOL_KEY,
+    ROUND,
+    STREAM_UNUSABLE,
+    UpdateCommit,
+    key,
+)
 from parablock_flwr.npy import npy_view
 from parablock_flwr.records import pieces_record
 from parablock_flwr.tools.credentials import make_tls
@@ -72,13 +82,19 @@ def test_a_round_on_the_stream_and_its_two_fallbacks(tmp_path, tiny_model_dir, s
         names = {n: tuple(t.shape) for n, t in update.items()}
         assert update and all(torch.isfinite(t).all() for t in update.values())
 
-        # Round 2: the global step waits on the stream; the worker fetches it, checked, and applies it.
+        assert stream.take_reply(1, 0) is None  # the offer gave no capability for the reply's own content
+
+        # Round 2: the global step waits on the stream; the worker fetches it, checked, and applies it. The offer
+        # gives a capability for the reply's content too: the worker uploads it after the update, as the reply.
         step = pieces_record(pack_pieces({n: t * 0.5 for n, t in update.items()}))
-        offer = stream.offer(2, 0, {GLOBAL_STEP: step}, upload_max_size=10**7)
+        offer = stream.offer(2, 0, {GLOBAL_STEP: step}, upload_max_size=10**7, reply=True)
         reply, pieces = worker.serve_request(request(config, 2, offer), {})
         assert "error" not in reply and pieces == {} and key("stream_commit") in reply, reply
         assert node.resources(RunConfig.from_flower(config), RUN).replica.version == 1
         commit = UpdateCommit.from_config(reply[key("stream_commit")])
+        on_stream = reply_from_bytes(stream.take_reply(2, 0))
+        assert UpdateCommit.from_config(dict(on_stream[COMMIT])) == commit
+        assert dict(on_stream[METRICS]) == reply["metrics"] and worker.reply_on_stream == 2
         update2 = unpack({n: npy_view(p, n) for n, p in stream.claim(2, 0, commit).items()})
 
         # Round 3 at an address that does not answer: the records cannot be fetched, the state is intact ...

@@ -19,12 +19,12 @@ import os
 import sys
 import time
 
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import SType
 
+from ..message_bytes import reply_content
 from ..messages import (
-    COMMIT,
     EVALUATE,
     MESSAGE_AHEAD,
     METRICS,
@@ -34,7 +34,6 @@ from ..messages import (
     ROUND,
     STATE_INTACT,
     STREAM_UNUSABLE,
-    TRACE,
     TRAIN,
     UPDATE,
     WITHDRAWN,
@@ -236,13 +235,9 @@ def relay_to_worker(
     )
     # The worker's update is already packed (wire.pack): its arrays become the record as they are; or it
     # moved on the run's stream (transport = "direct") and the reply commits it.
-    content = RecordDict({METRICS: MetricRecord(metrics)})
-    if reply.stream_commit:
-        content[COMMIT] = ConfigRecord(reply.stream_commit)
-    else:
+    content = reply_content(metrics, reply.trace, reply.stream_commit)
+    if not reply.stream_commit:
         content[UPDATE] = ArrayRecord(update_arrays(update))
-    if reply.trace:
-        content[TRACE] = ConfigRecord(reply.trace)
     return Message(content=content, reply_to=msg)
 
 

@@ -175,7 +175,7 @@ def open_stream(cfg: RunConfig, grid: Grid, run_id: int) -> DirectMessages | Non
         transport.start()
     except (TransportSetupError, OSError, RuntimeError) as err:
         raise RunFailed("invalid-config", f"Invalid configuration: {err}") from err
-    return DirectMessages(transport)
+    return DirectMessages(transport, replies_on_stream=cfg.transport_replies_on_stream)
 
 
 def train(grid: Grid, context: Context, run: dict, loaded: Loaded, direct: DirectMessages | None) -> None:

@@ -15,6 +15,15 @@ being aggregated. The node's worker (its capability came in this round's offer, 
 stream for the content ``deliver`` publishes once the algorithm has built it, and starts that round with it;
 the ClientApp gets the round's answer from the worker (a node without a worker: its ClientApp waits for the
 content). Flower's delivery and the ClientApp's start leave the critical path.
+
+With ``transport-replies-on-stream``, a node's worker also uploads its reply's content (metrics, trace and the
+commit of its update, once the update is up) under a capability its round's offer gave: ``replies_on_stream``
+hands it to the run as that node's reply as soon as it is in, and it is checked and aggregated as Flower's
+would be. Flower's reply still comes, relayed by the node's ClientApp, and trails as the audit of the reply
+taken (``audit``): the same commit, counted (``direct_replies_audited``); another, counted, said, and the node's
+replies go on Flower's path from then on (``direct_replies_contradicted``); none before the message expires, or
+an error, counted (``direct_replies_unaudited``). Flower's round trip leaves the critical path; the trust that
+aggregation rests on is then the capability's (docs/transport.md, "Trust model").
 """
 
 from __future__ import annotations
@@ -23,10 +32,10 @@ import copy
 import logging
 import time
 
-from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, Metadata, RecordDict
 from flwr.common.constant import ErrorCode, SType
 
-from ..message_bytes import content_to_bytes
+from ..message_bytes import content_to_bytes, reply_from_bytes
 from ..messages import (
     BLOCK_RECORDS,
     COMMIT,
@@ -43,6 +52,7 @@ from ..messages import (
 )
 from ..npy import npy_view
 from ..transport import Refused, RunTransport
+from ..transport.capabilities import RefusalKind
 from ..versions import PROTOCOL_VERSION
 
 log = logging.getLogger(__name__)
@@ -55,8 +65,13 @@ DIRECT = "direct transport:"  # what a reply rejected here says first
 class DirectMessages:
     """The run's side of ``transport = "direct"`` around Flower's messages (the module's docstring)."""
 
-    def __init__(self, transport: RunTransport):
+    def __init__(self, transport: RunTransport, replies_on_stream: bool = False):
         self.transport = transport
+        self.replies_on_stream = replies_on_stream  # the run config's ``transport-replies-on-stream``
+        # Flower's replies awaited as the audit of a reply taken from the stream: message id -> (node, the
+        # commit's SHA-256, when its message expires); and nodes whose audit contradicted them.
+        self.audits: dict[str, tuple[int, str, float]] = {}
+        self.replies_distrusted: set[int] = set()
         self.on_stream: dict[int, bool] = {}  # node -> whether its records go on the stream (default: yes)
         self.committed: set[int] = set()  # nodes whose last reply committed its update on the stream
         # round -> node -> (the id of its message pushed a round ahead, when that message expires)
@@ -79,7 +94,8 @@ class DirectMessages:
             records, ahead = {}, None  # they stay in the message: this node fetches nothing, moves nothing ahead
         # The same test as ``message_ahead``'s for round r+1: no reply is taken between this push and that one.
         content_ahead = ahead is not None and messages_ahead and node in self.committed
-        offer = self.transport.offer(server_round, node, records, upload_max_size, ahead, content_ahead)
+        reply = self.replies_on_stream and self.on_stream.get(node, True) and node not in self.replies_distrusted
+        offer = self.transport.offer(server_round, node, records, upload_max_size, ahead, content_ahead, reply)
         for name in records:
             del content[name]
         content[OFFER] = ConfigRecord(offer.to_config())
@@ -144,6 +160,66 @@ class DirectMessages:
         Flower's path is returned as it is, its fallback noted."""
         why = self._take(reply, server_round, node)
         return reply if why is None else rejected(reply, why)
+
+    def replies_from_stream(self, server_round: int, waiting: dict[str, int]) -> list[Message]:
+        """The replies of ``waiting``'s nodes (message id -> node) whose content came on the stream
+        (``RunTransport.take_reply``), each as the reply Flower would deliver to that message (``incoming`` takes
+        its update next); Flower's reply to that message is then awaited as its audit. A content that is not a
+        reply's is refused (counted, said) and changes nothing: the node's reply on Flower's path is awaited."""
+        replies = []
+        for message_id, node in waiting.items():
+            if (data := self.transport.take_reply(server_round, node)) is None:
+                continue
+            try:
+                content = reply_from_bytes(data)
+                sha256 = UpdateCommit.from_config(dict(content[COMMIT])).update_sha256
+            except MessageError as err:
+                refused = Refused(RefusalKind.BAD_REPLY, f"node {node} round {server_round}: {err}")
+                self.transport.server.refusals.add(refused)
+                log.warning("transport %s; its reply on Flower's path is awaited", refused.line())
+                continue
+            metadata = Metadata(run_id=self.transport.run_id, message_id="", src_node_id=node, dst_node_id=0,
+                                reply_to_message_id=message_id, group_id=str(server_round), created_at=time.time(),
+                                ttl=self.transport.ttl_s, message_type=MessageType.TRAIN)  # fmt: skip
+            replies.append(Message(content=content, metadata=metadata))
+            self.audits[message_id] = (node, sha256, time.monotonic() + 2 * self.transport.ttl_s)
+            self.transport.count("direct_replies_on_stream")
+        return replies
+
+    def audit(self, reply: Message) -> bool:
+        """Whether ``reply`` is Flower's reply to a message whose reply came on the stream (the run then drops
+        it): the audit of that reply, counted as the class's docstring says."""
+        entry = self.audits.pop(reply.metadata.reply_to_message_id, None)
+        if entry is None:
+            return False
+        node, sha256 = entry[:2]
+        try:
+            commit = None if reply.has_error() else UpdateCommit.from_config(dict(reply.content[COMMIT]))
+        except (KeyError, MessageError):
+            commit = None
+        if commit is None:
+            self._unaudited(node, "its reply on Flower's path is an error or commits no update")
+        elif commit.update_sha256 == sha256:
+            self.transport.count("direct_replies_audited")
+        else:
+            self.transport.count("direct_replies_contradicted")
+            self.replies_distrusted.add(node)
+            log.warning("direct transport: node %d's reply on Flower's path commits another update than its reply on "
+                        "the stream, which the round aggregated; counted in direct_replies_contradicted; its replies "
+                        "go on Flower's path from now on", node)  # fmt: skip
+        return True
+
+    def expire_audits(self, every: bool = False) -> None:
+        """Audits awaited past their message's life (``every``: all, the run ends): their replies stay unaudited
+        (counted, said)."""
+        now = time.monotonic()
+        for message_id in [m for m, (_, _, expires) in self.audits.items() if every or expires <= now]:
+            self._unaudited(self.audits.pop(message_id)[0], "no reply on Flower's path before its message expired")
+
+    def _unaudited(self, node: int, why: str) -> None:
+        self.transport.count("direct_replies_unaudited")
+        log.warning("direct transport: node %d's reply taken from the stream is not audited: %s; counted in "
+                    "direct_replies_unaudited", node, why)  # fmt: skip
 
     def _take(self, reply: Message, server_round: int, node: int) -> str | None:
         if reply.has_error():

@@ -205,8 +205,9 @@ def critical_path_rows(accepted_metrics: dict[int, TrainMetrics], previous: dict
     down: ``aggregate`` (server: last reply of r-1 to its aggregate), ``dispatch`` (aggregate to
     round r's messages pushed), ``delivery`` (pushed to the ClientApp process starting: SuperLink,
     SuperNode, process start), ``clientapp_relay`` (ClientApp start to the worker holding F_r);
-    up: ``reply_relay`` (worker reply of r-1 to its ClientApp returning it), ``reply_to_server``
-    (ClientApp to the server pulling it: SuperNode, SuperLink, the pull interval),
+    up: ``reply_relay`` (worker reply of r-1 to its ClientApp returning it; 0 for a reply on the stream),
+    ``reply_to_server`` (ClientApp, or the worker's upload on the stream, to the server taking it: SuperNode,
+    SuperLink, the pull interval),
     ``wait_for_others`` (its arrival to the round's last reply). Where the ClientApp reports its
     handler's start and its last byte sent, ``clientapp_relay`` is also given in its parts
     (``CLIENTAPP_RELAY_PARTS``).
@@ -215,12 +216,13 @@ def critical_path_rows(accepted_metrics: dict[int, TrainMetrics], previous: dict
         return {}
     legs: dict[str, list[float]] = {leg: [] for leg in CRITICAL_PATH_LEGS}
     for node, m in accepted_metrics.items():
-        arrived, returned = previous["arrivals"].get(node), previous["clientapp_reply"].get(node)
-        if None in (arrived, returned, m.clientapp_start, m.request_received, m.prev_reply_sent):
-            continue
+        # A reply of round r-1 that came on the stream left the worker for the server directly: no relay.
+        arrived, returned = previous["arrivals"].get(node), previous["clientapp_reply"].get(node, m.prev_reply_sent)
         # A worker that started the round from its content on the stream held it before its ClientApp relayed
         # anything: the way down is the content's delivery on the stream alone.
         started = m.request_received if m.direct_content_fetched else m.clientapp_start
+        if None in (arrived, returned, started, m.request_received, m.prev_reply_sent):
+            continue
         values = {
             "aggregate": previous["aggregated"] - previous["last_reply"],
             "dispatch": pushed - previous["aggregated"],

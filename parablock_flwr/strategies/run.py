@@ -54,6 +54,9 @@ log = logging.getLogger(__name__)
 MAX_STAGING = 2
 
 
+AUDIT_GRACE_S = 30.0  # the run's end waits this long, at most, for Flower's replies that audit the last ones
+
+
 class TooFewReplies(RuntimeError):
     """A round kept fewer valid replies than ``min-accepted-replies``: the run stops.
 
@@ -170,7 +173,7 @@ class Run:
             if due is not None:
                 self.make_durable(due)  # before the nodes' final evaluation, which may take round-timeout-s
             self.final_client_evaluation(grid, result.arrays)
-            self.close_stream(due if due is not None else self.num_rounds)
+            self.close_stream(grid, due if due is not None else self.num_rounds)
             if due is not None:
                 self.finish_round(due)
             self.prune_step_log()
@@ -352,7 +355,9 @@ class Run:
         """Each reply as soon as it is pulled (every ``pull-interval-s``), until all have come or
         the deadline (``round-timeout-s`` after the push) passes: the aggregation checks each on
         arrival. With the direct transport, a reply's update committed on the stream is taken from it
-        first (``DirectMessages.incoming``): round ``server_round``'s upload, checked by its digest.
+        first (``DirectMessages.incoming``): round ``server_round``'s upload, checked by its digest; and a
+        reply whose content came on the stream is taken as soon as it is in (woken by its upload), its Flower
+        reply pulled later as its audit (``DirectMessages.replies_from_stream``, ``audit``).
 
         Messages still unanswered at the deadline are abandoned: they expire on the SuperLink at
         the same time (their TTL), and a reply to one that still arrives later is pulled and
@@ -363,43 +368,63 @@ class Run:
         creation, a moment before the push) or after it. (Flower 1.42's SuperLink sends that notice
         for an expired message even when a reply came in time: a first pull later than
         ``round-timeout-s``, after a previous round's slow record, finds the round's nodes missing.)"""
-        waiting, first_pull = dict(sent), True
+        waiting, first_pull, direct = dict(sent), True, self.direct
         # At least one pull: what ran since the push (the previous round's record and checkpoint)
         # may have outlasted the deadline, and replies that came in time are waiting on the SuperLink.
         while waiting and (first_pull or time.monotonic() < self._deadline):
             first_pull = False
-            pulled = list(grid.pull_messages(set(waiting) | set(self._abandoned) | set(self._withdrawn)))[::-1]
+            for reply in direct.replies_from_stream(server_round, waiting) if direct is not None else ():
+                node = waiting.pop(reply.metadata.reply_to_message_id)
+                self._arrived(node)
+                yield direct.incoming(reply, server_round, node)
+            audits = set(direct.audits) if direct is not None else set()
+            ids = set(waiting) | set(self._abandoned) | set(self._withdrawn) | audits
+            pulled = list(grid.pull_messages(ids))[::-1] if waiting or audits else []
             while pulled:  # each reply leaves the list as it is checked: the pull holds none of them after
                 reply = pulled.pop()
-                mid = reply.metadata.reply_to_message_id
-                if expired_unanswered(reply):
-                    self._abandoned.pop(mid, None)
-                    self._withdrawn.pop(mid, None)
-                    if mid in waiting:
-                        self.count_missing(waiting.pop(mid), "its message expired on the SuperLink before a reply")
-                    continue
-                if mid in self._abandoned:
-                    node, _ = self._abandoned.pop(mid)
-                    self._counts["late_replies_dropped"] += 1
-                    log.warning("dropped a late reply of node %d (its round had ended)", node)
-                    continue
-                if mid in self._withdrawn:  # a message pushed ahead that the server withdrew: counted then
-                    self._withdrawn.pop(mid)
-                    continue
-                if mid not in waiting:
-                    continue  # not a message of ours: nothing to check it against
-                node = waiting.pop(mid)
-                self._times["last_reply"] = self._arrivals[node] = time.time()
-                self._times.setdefault("first_reply_checked", self._times["last_reply"])  # checked on arrival
-                yield reply if self.direct is None else self.direct.incoming(reply, server_round, node)
-            if waiting:
+                if (node := self._round_reply(reply, waiting)) is not None:
+                    self._arrived(node)
+                    yield reply if direct is None else direct.incoming(reply, server_round, node)
+            if waiting and direct is not None and direct.replies_on_stream:
+                direct.transport.wait_for_upload(self.pull_interval_s)  # a reply on the stream ends it
+            elif waiting:
                 time.sleep(self.pull_interval_s)
+        if direct is not None:
+            direct.expire_audits()
         now = time.monotonic()
         self._abandoned = {m: v for m, v in self._abandoned.items() if v[1] > now}  # expired on the SuperLink
         self._withdrawn = {m: v for m, v in self._withdrawn.items() if v[1] > now}
         for mid, node in waiting.items():
             self.count_missing(node, "it did not answer")
             self._abandoned[mid] = (node, now + self.round_timeout_s)
+
+    def _round_reply(self, reply: Message, waiting: dict[str, int]) -> int | None:
+        """The node of a pulled reply to check now (its message leaves ``waiting``), or None for one dealt with
+        here: an audit of a reply taken from the stream, a notice that a message expired, a late reply, the
+        reply to a message withdrawn, or one to a message not ours."""
+        mid = reply.metadata.reply_to_message_id
+        if self.direct is not None and self.direct.audit(reply):
+            return None
+        if expired_unanswered(reply):
+            self._abandoned.pop(mid, None)
+            self._withdrawn.pop(mid, None)
+            if mid in waiting:
+                self.count_missing(waiting.pop(mid), "its message expired on the SuperLink before a reply")
+            return None
+        if mid in self._abandoned:
+            node, _ = self._abandoned.pop(mid)
+            self._counts["late_replies_dropped"] += 1
+            log.warning("dropped a late reply of node %d (its round had ended)", node)
+            return None
+        if mid in self._withdrawn:  # a message pushed ahead that the server withdrew: counted then
+            self._withdrawn.pop(mid)
+            return None
+        return waiting.pop(mid, None)  # None: not a message of ours, nothing to check it against
+
+    def _arrived(self, node: int) -> None:
+        """``node``'s reply is in, to be checked now."""
+        self._times["last_reply"] = self._arrivals[node] = time.time()
+        self._times.setdefault("first_reply_checked", self._times["last_reply"])  # checked on arrival
 
     def count_missing(self, node: int, why: str) -> None:
         log.warning("node %d: %s within round-timeout-s=%g", node, why, self.round_timeout_s)
@@ -515,13 +540,21 @@ class Run:
         if rows := client_evaluation.valid_rows(replies, num_rounds):
             self.client_evaluations[num_rounds] = client_evaluation.aggregate(rows)
 
-    def close_stream(self, last_round: int) -> None:
+    def close_stream(self, grid: Grid, last_round: int) -> None:
         """``transport = "direct"``: the stream stops once the last reply is in (the nodes' final evaluation
-        included), and what it counted after round ``last_round``'s record was written (the final evaluation's
-        fallbacks, anything it refused until it stopped) completes that record as ``final_direct_*``: no
-        fallback or refusal goes uncounted because no round was left to record it."""
+        included) and Flower's replies that audit the last replies taken from the stream have come (at most
+        ``AUDIT_GRACE_S``), and what it counted after round ``last_round``'s record was written (the final
+        evaluation's fallbacks, those audits, anything it refused until it stopped) completes that record as
+        ``final_direct_*``: no fallback, refusal or audit goes uncounted because no round was left to record it."""
         if self.direct is None:
             return
+        until = time.monotonic() + min(AUDIT_GRACE_S, self.round_timeout_s)
+        while self.direct.audits and time.monotonic() < until:
+            for reply in grid.pull_messages(set(self.direct.audits)):
+                self.direct.audit(reply)
+            if self.direct.audits:
+                time.sleep(self.pull_interval_s)
+        self.direct.expire_audits(every=True)  # those that did not come: unaudited, said and counted
         self.direct.transport.stop()
         counts = self.direct.end_round(self.num_rounds + 1)  # the final evaluation's capabilities and records too
         self.recorder.write({"round": last_round, **{f"final_{name}": n for name, n in counts.items()}})

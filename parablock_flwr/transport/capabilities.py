@@ -42,6 +42,7 @@ class RefusalKind(enum.StrEnum):
     STALLED = "stalled"  # no message within the idle timeout
     TRICKLING = "trickling"  # bytes arrive below the minimum rate
     UNKNOWN_RECORD = "unknown_record"  # a download of a record not published
+    BAD_REPLY = "bad_reply"  # a reply's content uploaded on the stream is not a reply's (the server reads it)
 
 
 class Refused(Exception):

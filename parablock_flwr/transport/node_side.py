@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..messages import RecordOffer, TransportOffer, UpdateCommit, relay_name
+from ..messages import MAX_REPLY_CONTENT, RecordOffer, TransportOffer, UpdateCommit, relay_name
 from ..npy import npy_view
 from .capabilities import Direction, Refused, Ticket
 from .client import TransportClient, TransportError
@@ -108,6 +108,13 @@ class NodeTransport:
         round r+1's own slot: the commit round r+1's reply carries."""
         name, token, bound = offer.ahead_upload_name, offer.ahead_upload_token, offer.ahead_upload_max_size
         return self._upload(offer, framed_pieces(pieces), name, token, bound, offer.server_round + 1)
+
+    def upload_reply(self, offer: TransportOffer, content: bytes) -> None:
+        """The round's reply content (``message_bytes.reply_to_bytes``) under the offer's reply capability, after
+        the update it commits. Raises ``StreamUnusable`` (the reply then goes on Flower's path alone)."""
+        if not offer.reply_name:
+            raise StreamUnusable("the message offers no reply capability")
+        self._upload(offer, Buffers([content]), offer.reply_name, offer.reply_token, MAX_REPLY_CONTENT)
 
     def prefetch(self, offer: TransportOffer) -> Prefetched:
         """Round r+1's global step under the capability round r's ``offer`` issued ahead, as soon as the server

@@ -23,10 +23,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..messages import GLOBAL_STEP, MAX_MESSAGE_CONTENT, RecordOffer, TransportOffer, UpdateCommit
+from ..messages import (
+    GLOBAL_STEP,
+    MAX_MESSAGE_CONTENT,
+    MAX_REPLY_CONTENT,
+    RecordOffer,
+    TransportOffer,
+    UpdateCommit,
+)
 from .capabilities import CapabilityRegistry, Direction, RefusalKind, Refused
 from .framing import FramingError, framed, payloads, seal
-from .service import Limits, TransportServer
+from .service import Limits, TransportServer, contiguous
 
 log = logging.getLogger(__name__)
 NPY_HEADER_BOUND = 4096  # an npy header of a 1-D array, at most (numpy pads them to 64 or 128 bytes)
@@ -74,6 +81,17 @@ class StreamSettings:
         return Path(self.certfile).expanduser(), Path(self.keyfile).expanduser(), ca_pem
 
 
+def is_reply(record: str) -> bool:
+    """Whether an upload's name is a reply's content (``RunTransport.reply_name``), not a framed record."""
+    return record.split("/")[1:2] == ["reply"]
+
+
+def _decode(data, record: str):
+    """An upload as its claim or take hands it over: a reply's content as its bytes, a block's framed record as
+    its arrays' payloads."""
+    return bytes(contiguous(data, record)) if is_reply(record) else payloads(data, record)
+
+
 def update_bound(numel: int, num_tensors: int) -> int:
     """The most bytes a node's framed update of a block may take: fp32 values (the widest transfer dtype;
     int8's values and scales take less), the layout, the npy headers and the frame's index."""
@@ -100,7 +118,7 @@ class RunTransport:
         self.server = TransportServer(
             registry, address=f"[::]:{settings.port}", cert_file=certfile, key_file=keyfile,
             insecure=settings.insecure, limits=limits or Limits(), spill_dir=spill_dir,
-            memory_uploads=memory_uploads, decode=payloads,
+            memory_uploads=memory_uploads, decode=_decode, outside_budget=is_reply,
         )  # fmt: skip
         self.address = settings.address  # the port the nodes dial: the bound one once started
         self._lock = threading.Lock()
@@ -116,7 +134,8 @@ class RunTransport:
         self._messages_ahead: set[tuple[int, int]] = set()  # (round, node) pushed its message a round ahead
         self._ahead = {"direct_updates_ahead": 0, "direct_steps_prefetched": 0, "direct_ahead_revoked": 0,
                        "direct_messages_ahead": 0, "direct_messages_withdrawn": 0,
-                       "direct_contents_fetched": 0}  # fmt: skip
+                       "direct_contents_fetched": 0, "direct_replies_on_stream": 0, "direct_replies_audited": 0,
+                       "direct_replies_contradicted": 0, "direct_replies_unaudited": 0}  # fmt: skip
         self._refusals_counted: dict[str, int] = {}
 
     # ------------------------------------------------------------ lifecycle
@@ -147,11 +166,13 @@ class RunTransport:
         upload_max_size: int | None,
         ahead: tuple[int, int] | None = None,
         content_ahead: bool = False,
+        reply: bool = False,
     ) -> TransportOffer:
         """What ``node``'s round-r message carries in place of ``records`` (message record name -> its arrays'
         npy payloads): each non-empty record published once per round (by identity: the same mapping for
         every node is one record) with a download capability for ``node``, and an upload capability bounded
-        by ``upload_max_size`` (None: the message asks for no update). Capabilities expire with ``ttl_s``.
+        by ``upload_max_size`` (None: the message asks for no update), and with ``reply`` one to upload the reply's
+        own content (``take_reply``). Capabilities expire with ``ttl_s``.
 
         ``ahead`` (the bounds of round r+1's update and global step; None: none) adds round r+1's capabilities
         (``ahead_offer``), so that the node moves those bytes before round r+1's message comes, and with
@@ -170,10 +191,17 @@ class RunTransport:
             ticket = registry.issue(self.run_id, node, server_round, Direction.UPLOAD, upload_name, ttl_s=self.ttl_s,
                                     max_size=upload_max_size)  # fmt: skip
             upload_token = ticket.token.hex()
+        reply_name = reply_token = ""
+        if upload_max_size is not None and reply:
+            reply_name = self.reply_name(server_round, node)
+            ticket = registry.issue(self.run_id, node, server_round, Direction.UPLOAD, reply_name, ttl_s=self.ttl_s,
+                                    max_size=MAX_REPLY_CONTENT)  # fmt: skip
+            reply_token = ticket.token.hex()
         offer = TransportOffer(
             address=self.address, run_id=self.run_id, node_id=node, server_round=server_round, ca_pem=self.ca_pem,
             insecure=self.settings.insecure, records=tuple(offers), upload_name=upload_name,
-            upload_token=upload_token, upload_max_size=upload_max_size or 0,
+            upload_token=upload_token, upload_max_size=upload_max_size or 0, reply_name=reply_name,
+            reply_token=reply_token,
         )  # fmt: skip
         return offer if ahead is None else self.ahead_offer(offer, *ahead, message=content_ahead)
 
@@ -335,6 +363,12 @@ class RunTransport:
         return f"r{server_round}/{GLOBAL_STEP}"
 
     @staticmethod
+    def reply_name(server_round: int, node: int) -> str:
+        """A node's reply content of a round on the service (``is_reply``): a retried message's capability and
+        the first one's upload meet in the same slot, as the update's do."""
+        return f"r{server_round}/reply/{node}"
+
+    @staticmethod
     def upload_name(server_round: int, node: int) -> str:
         """A node's update of a round on the service: one name per node and round, so that a retried
         message's new capability and the first one's upload meet in the same slot."""
@@ -369,6 +403,23 @@ class RunTransport:
             raise
         except FramingError as err:
             self._refuse(Refused(RefusalKind.BAD_HEADER, str(err)))
+
+    def take_reply(self, server_round: int, node: int) -> bytes | None:
+        """``node``'s round-r reply content as uploaded under its capability (``offer``'s ``reply``), or None when
+        none came; it is forgotten here either way (a retried message's reply uploads again)."""
+        return self.server.inbox.take(self.run_id, node, server_round, self.reply_name(server_round, node))
+
+    def wait_for_upload(self, timeout_s: float) -> None:
+        """Until an upload is held (a reply's content, say) or ``timeout_s`` passes; the next wait waits for the
+        next one. Call it after checking what is held: an upload held meanwhile ends it at once."""
+        inbox = self.server.inbox
+        inbox.arrived.wait(timeout_s)
+        inbox.arrived.clear()
+
+    def count(self, name: str, n: int = 1) -> None:
+        """A count of the round's record (one of ``end_round``'s ``direct_*``) raised by ``n``."""
+        with self._lock:
+            self._ahead[name] += n
 
     def _refuse(self, refused: Refused) -> None:
         self.server.refusals.add(refused)

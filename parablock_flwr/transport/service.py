@@ -276,6 +276,7 @@ class Inbox:
         spill_dir: Path | None = None,
         memory_uploads: int = 0,
         decode=contiguous,
+        outside_budget=lambda record: False,
     ) -> None:
         self._lock = threading.Lock()
         self._records: dict[tuple, _Upload] = {}
@@ -283,19 +284,24 @@ class Inbox:
         if spill_dir is not None and memory_uploads < 1:
             raise ValueError(f"memory_uploads={memory_uploads} with a spill folder: expected at least 1")
         self.spill_dir, self.memory_uploads, self.decode = spill_dir, memory_uploads, decode
+        self.outside_budget = outside_budget  # record name -> whether its upload is kept out of the budget
         self.spilled = 0  # uploads received into a file
         self._receiving: set[int] = set()  # id(buffer): uploads in memory still being received
         # One thread: decodings are memory copies under the GIL, so more would not go faster.
         self._decoder = futures.ThreadPoolExecutor(1, "transport-decode")
+        self.arrived = threading.Event()  # set by every upload held: whoever waits for one checks again
 
-    def buffer(self, size: int) -> Buffers | SpillFile:
+    def buffer(self, size: int, record: str = "") -> Buffers | SpillFile:
         """Where an upload of ``size`` bytes is received: memory (the chunks as they come), or (the class's
         docstring) a ``SpillFile`` in ``spill_dir``, its space reserved first (a full disk is an error here,
         not a failed write halfway). An upload received in memory counts toward ``memory_uploads`` from here on,
         not from its ``put``, so that uploads arriving together cannot pass the budget together; ``discard``
         gives back what was not ``put``."""
+        if self.outside_budget(record):  # a reply's content: small, never a file, no block's share of the budget
+            return Buffers()
         with self._lock:
-            in_memory = sum(u.spilled is None for u in self._records.values()) + len(self._receiving)
+            in_memory = sum(u.spilled is None and not self.outside_budget(slot[3]) for slot, u in self._records.items())
+            in_memory += len(self._receiving)
             if self.spill_dir is None or size == 0 or in_memory < self.memory_uploads:
                 buffers = Buffers()
                 self._receiving.add(id(buffers))
@@ -328,6 +334,7 @@ class Inbox:
             self._receiving.discard(id(data))
             old = self._records.get(_slot(ticket))
             self._records[_slot(ticket)] = upload
+        self.arrived.set()
         if old is not None:
             _forget(old)
 
@@ -371,6 +378,16 @@ class Inbox:
                 self._refusals.add(refused)
                 raise refused
             del self._records[(run_id, node_id, round, record)]
+        return self._decoded(held, record)
+
+    def take(self, run_id: int, node_id: int, round: int, record: str):
+        """The upload in this slot, decoded, or None when nothing was uploaded: for a record that its capability
+        alone vouches for (a reply's content on the stream), which no reply's digest commits."""
+        with self._lock:
+            held = self._records.pop((run_id, node_id, round, record), None)
+        return None if held is None else self._decoded(held, record)
+
+    def _decoded(self, held: _Upload, record: str):
         if held.decoding is not None:
             return held.decoding.result()
         try:
@@ -468,8 +485,10 @@ class TransportServer:
         memory_uploads: int = 0,
         decode=contiguous,
         keepalive_s: float = KEEPALIVE_S,
+        outside_budget=lambda record: False,
     ):
-        """``decode``: how an upload is read for its claim (``Inbox``); ``spill_dir``: where uploads past the
+        """``decode``: how an upload is read for its claim (``Inbox``), ``outside_budget``: which records' uploads
+        it holds outside its memory budget (small ones: a reply's content); ``spill_dir``: where uploads past the
         first ``memory_uploads`` in memory wait in files (None: all in memory); ``keepalive_s``:
         ``channel_options``."""
         if insecure and (cert_file or key_file):
@@ -481,7 +500,7 @@ class TransportServer:
         self.registry = registry or CapabilityRegistry()
         self.refusals = Refusals()
         self.outbox = Outbox()
-        self.inbox = Inbox(self.refusals, spill_dir, memory_uploads, decode=decode)
+        self.inbox = Inbox(self.refusals, spill_dir, memory_uploads, decode=decode, outside_budget=outside_budget)
         self.limits = limits
         self._stopping = threading.Event()
         self._waits_lock = threading.Lock()
@@ -544,7 +563,7 @@ class TransportServer:
                 raise Refused(RefusalKind.BAD_HEADER, "the stream ended before its header")
             header = parse_header(first, Direction.UPLOAD)
             ticket = self.registry.reserve(header.claim, header.size)
-            data = self.inbox.buffer(header.size)
+            data = self.inbox.buffer(header.size, header.claim.record)
             sha256 = self._receive(feed, header, data)
             self.inbox.put(ticket, sha256, data)
             self.registry.finish(ticket)

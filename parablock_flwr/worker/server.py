@@ -120,6 +120,7 @@ class NodeWorker:
         self.last_failed = False  # ``last`` is the failure of a round started from its content (``answered``)
         self.tried: tuple | None = None  # the last request key computed (or tried), under ``lock``
         self.last_reply_sent = 0.0
+        self.reply_on_stream = 0  # the last round whose reply went on the stream (stamped then)
         self.last_request = time.time()  # for the optional idle exit
         self.message_limit = MessageLimit()  # the most array bytes a message may declare (serve sets it)
         self.stream = WorkerStream()  # transport = "direct": the run's stream, its channels kept across rounds
@@ -283,6 +284,9 @@ class NodeWorker:
         pieces = early.pieces if early is not None else pack_pieces(done.update, cfg.transfer_dtype)
         bytes_out = sum(p.nbytes for parts in pieces.values() for p in parts)
         reply = self.train_reply(metrics, done.trace, pieces, offer, settings, cfg.round_timeout_s, early)
+        if reply.committed and self.stream.upload_reply(offer, settings, reply.header, cfg.round_timeout_s):
+            # The server holds the reply now: the window starts here, not when the ClientApp takes it.
+            self.last_reply_sent, self.reply_on_stream = time.time(), request.server_round
         metrics = reply.metrics
         moved = [what for what, flag in (("its update", metrics.direct_update_ahead),
                                          ("its step", metrics.direct_step_prefetched),
@@ -359,7 +363,7 @@ class NodeWorker:
             self.left_runs.add(self.run_id)
         self.node.drop_ahead()
         self.node.state, self.run_id, self.last, self.last_reply_sent = NodeState(), run_id, None, 0.0
-        self.last_failed = False
+        self.last_failed, self.reply_on_stream = False, 0
         log.info("new run %s", run_id)
 
     def residual_store(self, settings: NodeSettings, partition_id: int) -> ResidualStore | None:
@@ -401,8 +405,9 @@ class NodeWorker:
                 None, self.serve_request, header, arrays
             )
             await send(writer, reply, reply_arrays)
-            if not WorkerReply.from_header(reply).error:
-                self.last_reply_sent = time.time()
+            answer = WorkerReply.from_header(reply)
+            if not answer.error and answer.metrics.get(field_key("server_round")) != self.reply_on_stream:
+                self.last_reply_sent = time.time()  # (a reply that went on the stream was stamped when it went)
             if self.release_due:  # a full sync or a hand-back: its copies given back, once the reply is out
                 self.release_due = False
                 del arrays, reply_arrays

@@ -31,6 +31,7 @@ from ..messages import (
     MessageError,
     TransportOffer,
     UpdateCommit,
+    WorkerReply,
     WorkerRequest,
 )
 from ..node.runtime import EarlyUpdate
@@ -269,6 +270,26 @@ class WorkerStream:
         self._once("uploaded", offer, f"direct transport: uploaded round {offer.server_round}'s update "
                    f"({commit.update_size / 1e6:,.2f} MB) to {self._where(offer)}", log.info)  # fmt: skip
         return commit
+
+    def upload_reply(self, offer: TransportOffer | None, settings: NodeSettings, reply: dict, timeout_s: float) -> bool:
+        """The round's reply (a ``WorkerReply`` header that commits its update on the stream) uploaded as the
+        content the server reads as that node's reply, when the offer gives a capability for it: whether it went
+        (if not, logged once: Flower's reply, which the ClientApp relays all the same, is the one the server
+        takes)."""
+        if offer is None or not offer.reply_name:
+            return False
+        from ..message_bytes import reply_content, reply_to_bytes  # Flower's schema: only where a reply uses it
+
+        answer = WorkerReply.from_header(reply)
+        try:
+            self._use(settings, timeout_s)
+            self.transport.upload_reply(offer, reply_to_bytes(reply_content(answer.metrics, answer.trace,
+                                                                            answer.stream_commit)))  # fmt: skip
+        except (StreamUnusable, MessageError) as err:
+            self._once("reply", offer, f"direct transport: the reply goes on Flower's path only ({err}); logged once",
+                       log.warning)  # fmt: skip
+            return False
+        return True
 
     def _use(self, settings: NodeSettings, timeout_s: float) -> None:
         if settings.transport == FLOWER_ONLY:

@@ -131,9 +131,10 @@ def misuse_after(offer: TransportOffer) -> dict[str, Outcome | None]:
     The first use is refused as replayed when the worker used it, and is the site's own (the same bytes,
     harmless; ``None``) when the worker took that record another way (a step prefetched a round ahead); the
     second is refused as replayed either way, or as not issued (``bad_capability``) once the round has ended:
-    with its reply on the stream, the server may end the round before the site tries. (Its upload capability is not replayed: when the worker's update
-    went ahead, that capability is unused and an upload under it would replace the update before the reply
-    claims it, the site's own update only; the fast tier covers an upload replayed.)"""
+    with its reply on the stream, the server may end the round before the site tries. (Its upload capability
+    is not replayed: when the worker's update went ahead, that capability is unused and an upload under it
+    would replace the update before the reply claims it, the site's own update only; the fast tier covers an
+    upload replayed.)"""
     ca_pem, ref, rnd = offer.ca_pem.encode(), offer.records[0], offer.server_round
     down = Ticket(bytes.fromhex(ref.token), offer.run_id, offer.node_id, rnd, Direction.DOWNLOAD, ref.name)
     with TransportClient(offer.address, ca_pem=ca_pem, timeout_s=60) as client:

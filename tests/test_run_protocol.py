@@ -680,8 +680,9 @@ def run_with_messages_ahead(
     its content has come from the stream (as the ClientApp does), or with ``WITHDRAWN``; ``fail``: the (node,
     round) whose first message is answered with an error. ``replies`` (``transport-replies-on-stream``): each
     node uploads its reply's content on the stream too, and its Flower reply follows 0.2 s later, as Flower's
-    relay would; (node, round) -> ``"malformed"`` (bytes that are no reply's uploaded instead; 0.6 s) or
-    ``"contradicted"`` (the Flower reply commits another update). Returns the records, the (node, round) of
+    relay would; (node, round) -> ``"malformed"`` (bytes that are no reply's uploaded instead; 0.6 s),
+    ``"contradicted"`` (the Flower reply commits another update) or ``"reweighted"`` (it says another example
+    count). Returns the records, the (node, round) of
     each message whose content came from the stream, and the step log."""
     from parablock_flwr.message_bytes import content_from_bytes, reply_to_bytes
     from parablock_flwr.messages import MESSAGE_AHEAD, WITHDRAWN
@@ -716,6 +717,8 @@ def run_with_messages_ahead(
             time.sleep(0.6 if how == "malformed" else 0.2)  # the round waits for it: other audits come first
             if how == "contradicted":
                 content[COMMIT] = ConfigRecord({**commit.to_config(), "update-sha256": "0" * 64})
+            if how == "reweighted":
+                content["metrics"]["num-examples"] = 1000
         return content
 
     transport.start()
@@ -768,19 +771,20 @@ def test_a_reply_on_the_stream_that_is_malformed_or_contradicted_by_flowers_is_c
 ):  # fmt: skip
     """Node 1's round-2 content on the stream is no reply's: refused (``direct_refused_bad_reply``), changing
     nothing, and its Flower reply is the one taken. Node 0's round-2 Flower reply commits another update than its
-    reply on the stream: counted (``direct_replies_contradicted``), and its replies go on Flower's path from then
-    on. Every global step is the one of the same run without replies on the stream."""
-    replies = {(1, 2): "malformed", (0, 2): "contradicted"}
-    records, _, log = run_with_messages_ahead(tmp_path / "stream", tiny_model_dir, 2, ahead=True, replies=replies)
-    _, _, reference = run_with_messages_ahead(tmp_path / "flower", tiny_model_dir, 2, ahead=True)
+    reply on the stream, and node 2's says another example count (its weight): each counted
+    (``direct_replies_contradicted``), and their replies go on Flower's path from then on. Every global step is
+    the one of the same run without replies on the stream."""
+    replies = {(0, 2): "contradicted", (1, 2): "malformed", (2, 2): "reweighted"}
+    records, _, log = run_with_messages_ahead(tmp_path / "stream", tiny_model_dir, 3, ahead=True, replies=replies)
+    _, _, reference = run_with_messages_ahead(tmp_path / "flower", tiny_model_dir, 3, ahead=True)
     rounds = records[1:5]
-    assert [r["num_accepted"] for r in rounds] == [2] * 4
+    assert [r["num_accepted"] for r in rounds] == [3] * 4
     assert rounds[1]["direct_refused_bad_reply"] == rounds[1]["direct_refusals"] == 1
-    assert [r["direct_replies_on_stream"] for r in rounds] == [2, 1, 1, 1]  # node 0 off the stream from round 3
-    assert sum(r["direct_replies_contradicted"] for r in rounds) == 1
+    assert [r["direct_replies_on_stream"] for r in rounds] == [3, 2, 1, 1]  # nodes 0 and 2 off it from round 3
+    assert sum(r["direct_replies_contradicted"] for r in rounds) == 2
     assert run_summary(records).endswith(
         "1 requests refused by the direct stream (bad_reply 1); "
-        "1 replies taken from the direct stream contradicted by their Flower reply (direct_replies_contradicted)"
+        "2 replies taken from the direct stream contradicted by their Flower reply (direct_replies_contradicted)"
     )
     for version in range(1, 5):
         (block_a, step_a), (block_b, step_b) = log.read(version), reference.read(version)

@@ -748,3 +748,32 @@ def test_a_workers_capability_for_the_next_rounds_content_shares_its_messages_sl
         node.message_content(views[7])  # each capability once
     record = hub.end_round(4)  # node 8's worker's wait ended: no message pushed ahead was withdrawn
     assert (record["direct_messages_ahead"], record["direct_messages_withdrawn"]) == (1, 0)
+
+
+def test_a_retried_messages_reply_has_a_slot_of_its_own_and_a_node_behind_on_its_audits_gets_nothing_ahead(
+    hub, node
+):  # fmt: skip
+    """``transport-replies-on-stream``: a round re-sent to a node is its second message of the round, whose reply
+    has its own slot on the stream: the first message's reply, come late, is never taken for the retry's. And a
+    node whose replies taken from the stream wait for more than ``AUDITS_BEHIND`` audits (Flower's cycle slower
+    than the rounds) gets no capability for its next content and no message a round ahead."""
+    from parablock_flwr.message_bytes import reply_content, reply_to_bytes
+    from parablock_flwr.strategies.direct import AUDITS_BEHIND, Audit
+
+    direct = DirectMessages(hub, replies_on_stream=True)
+    offers = [TransportOffer.from_config(dict(direct.outgoing(round_message(7, block(1)), 4, 10**6).content[OFFER]))
+              for _ in range(2)]  # fmt: skip
+    assert offers[0].reply_name != offers[1].reply_name
+    commit = node.upload(offers[0], payloads(block(2)))
+    node.upload_reply(offers[0], reply_to_bytes(reply_content(dict(update_metrics()), {}, commit.to_config())))
+    assert direct.replies_from_stream(4, {"retry": 7}) == []  # the late first reply is not the retry's
+    assert hub.take_reply(4, 7, 1) is not None
+    direct.committed.add(7)
+    ahead = (10**6, 10**6)
+    for behind in range(AUDITS_BEHIND + 2):
+        msg = direct.outgoing(round_message(7, block(1)), 5 + behind, 10**6, ahead, messages_ahead=True)
+        offer = TransportOffer.from_config(dict(msg.content[OFFER]))
+        late = behind > AUDITS_BEHIND
+        assert bool(offer.ahead_message_name) is not late, behind
+        assert (direct.message_ahead(6 + behind, 7) is None) is late, behind
+        direct.audits[f"m{behind}"] = Audit(7, "0" * 64, float("inf"))

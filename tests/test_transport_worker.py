@@ -82,19 +82,19 @@ def test_a_round_on_the_stream_and_its_two_fallbacks(tmp_path, tiny_model_dir, s
         names = {n: tuple(t.shape) for n, t in update.items()}
         assert update and all(torch.isfinite(t).all() for t in update.values())
 
-        assert stream.take_reply(1, 0) is None  # the offer gave no capability for the reply's own content
+        assert stream.take_reply(1, 0, 1) is None  # the offer gave no capability for the reply's own content
 
         # Round 2: the global step waits on the stream; the worker fetches it, checked, and applies it. The offer
         # gives a capability for the reply's content too: the worker uploads it after the update, as the reply.
         step = pieces_record(pack_pieces({n: t * 0.5 for n, t in update.items()}))
-        offer = stream.offer(2, 0, {GLOBAL_STEP: step}, upload_max_size=10**7, reply=True)
+        offer = stream.offer(2, 0, {GLOBAL_STEP: step}, upload_max_size=10**7, reply=1)
         reply, pieces = worker.serve_request(request(config, 2, offer), {})
         assert "error" not in reply and pieces == {} and key("stream_commit") in reply, reply
         assert node.resources(RunConfig.from_flower(config), RUN).replica.version == 1
         commit = UpdateCommit.from_config(reply[key("stream_commit")])
-        on_stream = reply_from_bytes(stream.take_reply(2, 0))
+        on_stream = reply_from_bytes(stream.take_reply(2, 0, 1))
         assert UpdateCommit.from_config(dict(on_stream[COMMIT])) == commit
-        assert dict(on_stream[METRICS]) == reply["metrics"] and worker.reply_on_stream == 2
+        assert dict(on_stream[METRICS]) == reply["metrics"] and worker.last_reply_round == 2
         update2 = unpack({n: npy_view(p, n) for n, p in stream.claim(2, 0, commit).items()})
 
         # Round 3 at an address that does not answer: the records cannot be fetched, the state is intact ...
@@ -238,9 +238,13 @@ def test_a_worker_starts_a_round_when_its_content_comes_on_the_stream_and_its_me
     config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 2, "transfer-dtype": dtype,
                                                       "correction": "at-end"})  # fmt: skip
     plain = run_rounds(tls, config, RUN + 1, ahead=False)
-    started = run_rounds(tls, config, RUN, ahead=True, wait_for_update=False, content=True)
+    worker = NodeWorker()
+    started = run_rounds(tls, config, RUN, ahead=True, wait_for_update=False, content=True, worker=worker)
     assert [r["sha256"] for r in started] == [r["sha256"] for r in plain]
     assert [r["metrics"].get(key("direct_content_fetched")) for r in started] == [None, 1, 1]
+    # A round's message that Flower delivers after later rounds were answered gets its own round's answer.
+    late, _ = worker.answered(("train", RUN, 0, 2), pushed_ahead=True)
+    assert late["metrics"] == started[1]["metrics"] and late[key("stream_commit")] == started[1][key("stream_commit")]
 
 
 def count_computations(worker: NodeWorker) -> list[int]:

@@ -175,6 +175,10 @@ def open_stream(cfg: RunConfig, grid: Grid, run_id: int) -> DirectMessages | Non
         transport.start()
     except (TransportSetupError, OSError, RuntimeError) as err:
         raise RunFailed("invalid-config", f"Invalid configuration: {err}") from err
+    if cfg.transport_insecure and cfg.transport_replies_on_stream:
+        log.warning("direct transport: plaintext (transport-insecure) with transport-replies-on-stream: whoever reads "
+                    "the stream can have a reply aggregated; use TLS where the network is not trusted "
+                    "(docs/transport.md, Trust model)")  # fmt: skip
     return DirectMessages(transport, replies_on_stream=cfg.transport_replies_on_stream)
 
 

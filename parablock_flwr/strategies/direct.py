@@ -29,11 +29,14 @@ aggregation rests on is then the capability's (docs/transport.md, "Trust model")
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import logging
 import time
+from typing import NamedTuple
 
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, Metadata, RecordDict
-from flwr.common.constant import ErrorCode, SType
+from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode, SType
 
 from ..message_bytes import content_to_bytes, reply_from_bytes
 from ..messages import (
@@ -60,6 +63,27 @@ FALLBACKS = key("direct_fallbacks")
 UPDATE_AHEAD, STEP_PREFETCHED = key("direct_update_ahead"), key("direct_step_prefetched")
 CONTENT_FETCHED = key("direct_content_fetched")
 DIRECT = "direct transport:"  # what a reply rejected here says first
+# A node with more replies than this taken from the stream and not yet audited (Flower's cycle per message is
+# slower than the rounds) gets no message and no content a round ahead: its next round waits for Flower's
+# message, so that Flower's backlog of its messages stays bounded however short the rounds.
+AUDITS_BEHIND = 2
+CLIENTAPP_STAMPS = key("clientapp_")  # the metrics the ClientApp adds to its reply: left out of the audit
+
+
+class Audit(NamedTuple):
+    """A reply taken from the stream, awaiting Flower's reply to the same message."""
+
+    node: int
+    digest: str  # ``audit_digest`` of its content
+    expires: float  # time.monotonic() past which Flower's reply can no longer come
+
+
+def audit_digest(content: RecordDict) -> str:
+    """The SHA-256 of what a reply says, as the stream's reply and Flower's reply to the same message must both
+    say it: its metrics (but the ClientApp's own stamps), its trace and the commit of its update."""
+    said = {name: {k: v for k, v in record.items() if not k.startswith(CLIENTAPP_STAMPS)}
+            for name, record in (*content.metric_records.items(), *content.config_records.items())}  # fmt: skip
+    return hashlib.sha256(json.dumps(said, sort_keys=True, default=repr).encode()).hexdigest()
 
 
 class DirectMessages:
@@ -68,10 +92,12 @@ class DirectMessages:
     def __init__(self, transport: RunTransport, replies_on_stream: bool = False):
         self.transport = transport
         self.replies_on_stream = replies_on_stream  # the run config's ``transport-replies-on-stream``
-        # Flower's replies awaited as the audit of a reply taken from the stream: message id -> (node, the
-        # commit's SHA-256, when its message expires); and nodes whose audit contradicted them.
-        self.audits: dict[str, tuple[int, str, float]] = {}
+        # Flower's replies awaited as the audit of a reply taken from the stream (message id -> its audit); nodes
+        # whose audit contradicted them; each node's message of a round, counted (a retry is another attempt,
+        # whose reply has a slot of its own on the stream).
+        self.audits: dict[str, Audit] = {}
         self.replies_distrusted: set[int] = set()
+        self._attempts: dict[tuple[int, int], int] = {}
         self.on_stream: dict[int, bool] = {}  # node -> whether its records go on the stream (default: yes)
         self.committed: set[int] = set()  # nodes whose last reply committed its update on the stream
         # round -> node -> (the id of its message pushed a round ahead, when that message expires)
@@ -93,9 +119,11 @@ class DirectMessages:
         if not self.on_stream.get(node, True):
             records, ahead = {}, None  # they stay in the message: this node fetches nothing, moves nothing ahead
         # The same test as ``message_ahead``'s for round r+1: no reply is taken between this push and that one.
-        content_ahead = ahead is not None and messages_ahead and node in self.committed
-        reply = self.replies_on_stream and self.on_stream.get(node, True) and node not in self.replies_distrusted
-        offer = self.transport.offer(server_round, node, records, upload_max_size, ahead, content_ahead, reply)
+        content_ahead = ahead is not None and messages_ahead and self._ahead_ok(node)
+        attempt = 0
+        if self.replies_on_stream and self.on_stream.get(node, True) and node not in self.replies_distrusted:
+            attempt = self._attempts[(server_round, node)] = self._attempts.get((server_round, node), 0) + 1
+        offer = self.transport.offer(server_round, node, records, upload_max_size, ahead, content_ahead, attempt)
         for name in records:
             del content[name]
         content[OFFER] = ConfigRecord(offer.to_config())
@@ -104,8 +132,9 @@ class DirectMessages:
     def message_ahead(self, server_round: int, node: int) -> Message | None:
         """``node``'s round-r message to push before round r-1 is aggregated, or None: only to a node whose
         last reply committed its update on the stream (a node on Flower's path, or not known to reach the
-        stream, gets its message when it is built), while the service has a worker to wait with."""
-        if node not in self.committed or not self.on_stream.get(node, True):
+        stream, gets its message when it is built) and whose audits are not ``AUDITS_BEHIND`` behind, while the
+        service has a worker to wait with."""
+        if not self._ahead_ok(node):
             return None
         offer = self.transport.message_ahead_offer(server_round, node)
         if offer is None:
@@ -161,60 +190,67 @@ class DirectMessages:
         why = self._take(reply, server_round, node)
         return reply if why is None else rejected(reply, why)
 
+    def _ahead_ok(self, node: int) -> bool:
+        """Whether ``node`` gets its next round's message (and content) a round ahead: its last reply committed
+        its update on the stream, and Flower is not more than ``AUDITS_BEHIND`` of its replies behind."""
+        behind = sum(audit.node == node for audit in self.audits.values())
+        return node in self.committed and self.on_stream.get(node, True) and behind <= AUDITS_BEHIND
+
     def replies_from_stream(self, server_round: int, waiting: dict[str, int]) -> list[Message]:
         """The replies of ``waiting``'s nodes (message id -> node) whose content came on the stream
-        (``RunTransport.take_reply``), each as the reply Flower would deliver to that message (``incoming`` takes
-        its update next); Flower's reply to that message is then awaited as its audit. A content that is not a
-        reply's is refused (counted, said) and changes nothing: the node's reply on Flower's path is awaited."""
+        (``RunTransport.take_reply``, the slot of the node's last message of the round), each as the reply
+        Flower would deliver to that message (``incoming`` takes its update next); Flower's reply to that
+        message is then awaited as its audit. A content that is not a reply's is refused (counted, said) and
+        changes nothing: the node's reply on Flower's path is awaited."""
         replies = []
         for message_id, node in waiting.items():
-            if (data := self.transport.take_reply(server_round, node)) is None:
+            attempt = self._attempts.get((server_round, node))
+            if attempt is None or node in self.replies_distrusted:
+                continue
+            if (data := self.transport.take_reply(server_round, node, attempt)) is None:
                 continue
             try:
                 content = reply_from_bytes(data)
-                sha256 = UpdateCommit.from_config(dict(content[COMMIT])).update_sha256
+                UpdateCommit.from_config(dict(content[COMMIT]))
             except MessageError as err:
-                refused = Refused(RefusalKind.BAD_REPLY, f"node {node} round {server_round}: {err}")
-                self.transport.server.refusals.add(refused)
-                log.warning("transport %s; its reply on Flower's path is awaited", refused.line())
+                self.transport.refused(Refused(RefusalKind.BAD_REPLY, f"node {node} round {server_round}: {err}"),
+                                       "its reply on Flower's path is awaited")  # fmt: skip
                 continue
-            metadata = Metadata(run_id=self.transport.run_id, message_id="", src_node_id=node, dst_node_id=0,
-                                reply_to_message_id=message_id, group_id=str(server_round), created_at=time.time(),
-                                ttl=self.transport.ttl_s, message_type=MessageType.TRAIN)  # fmt: skip
+            metadata = Metadata(run_id=self.transport.run_id, message_id="", src_node_id=node,
+                                dst_node_id=SUPERLINK_NODE_ID, reply_to_message_id=message_id, group_id="",
+                                created_at=time.time(), ttl=self.transport.ttl_s,
+                                message_type=MessageType.TRAIN)  # fmt: skip
             replies.append(Message(content=content, metadata=metadata))
-            self.audits[message_id] = (node, sha256, time.monotonic() + 2 * self.transport.ttl_s)
+            # Flower's reply can come as long as the message lives (a message pushed ahead: twice the timeout).
+            expires = time.monotonic() + 2 * self.transport.ttl_s
+            self.audits[message_id] = Audit(node, audit_digest(content), expires)
             self.transport.count("direct_replies_on_stream")
         return replies
 
     def audit(self, reply: Message) -> bool:
         """Whether ``reply`` is Flower's reply to a message whose reply came on the stream (the run then drops
         it): the audit of that reply, counted as the class's docstring says."""
-        entry = self.audits.pop(reply.metadata.reply_to_message_id, None)
-        if entry is None:
+        audit = self.audits.pop(reply.metadata.reply_to_message_id, None)
+        if audit is None:
             return False
-        node, sha256 = entry[:2]
-        try:
-            commit = None if reply.has_error() else UpdateCommit.from_config(dict(reply.content[COMMIT]))
-        except (KeyError, MessageError):
-            commit = None
-        if commit is None:
-            self._unaudited(node, "its reply on Flower's path is an error or commits no update")
-        elif commit.update_sha256 == sha256:
+        if reply.has_error():
+            self._unaudited(audit.node, f"its reply on Flower's path is an error ({str(reply.error.reason)[:80]})")
+        elif audit_digest(reply.content) == audit.digest:
             self.transport.count("direct_replies_audited")
         else:
             self.transport.count("direct_replies_contradicted")
-            self.replies_distrusted.add(node)
-            log.warning("direct transport: node %d's reply on Flower's path commits another update than its reply on "
-                        "the stream, which the round aggregated; counted in direct_replies_contradicted; its replies "
-                        "go on Flower's path from now on", node)  # fmt: skip
+            self.replies_distrusted.add(audit.node)
+            log.warning("direct transport: node %d's reply on Flower's path says another thing than its reply on the "
+                        "stream, which the round took; counted in direct_replies_contradicted; its replies go on "
+                        "Flower's path from now on", audit.node)  # fmt: skip
         return True
 
     def expire_audits(self, every: bool = False) -> None:
-        """Audits awaited past their message's life (``every``: all, the run ends): their replies stay unaudited
-        (counted, said)."""
+        """Audits whose Flower reply can no longer come (``every``: all, the run ends): their replies stay
+        unaudited (counted, said)."""
         now = time.monotonic()
-        for message_id in [m for m, (_, _, expires) in self.audits.items() if every or expires <= now]:
-            self._unaudited(self.audits.pop(message_id)[0], "no reply on Flower's path before its message expired")
+        for message_id in [m for m, audit in self.audits.items() if every or audit.expires <= now]:
+            self._unaudited(self.audits.pop(message_id).node, "no reply on Flower's path while its message lived")
 
     def _unaudited(self, node: int, why: str) -> None:
         self.transport.count("direct_replies_unaudited")
@@ -265,6 +301,7 @@ class DirectMessages:
 
     def end_round(self, server_round: int) -> dict[str, int]:
         """The round's counts for its record; its capabilities, records and unclaimed uploads forgotten."""
+        self._attempts = {k: n for k, n in self._attempts.items() if k[0] > server_round}
         return self.transport.end_round(server_round)
 
 

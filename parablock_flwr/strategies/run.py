@@ -160,6 +160,7 @@ class Run:
                 self.push_ahead(grid, server_round + 1, set(sent.values()))
                 self._times.pop("first_reply_checked", None)
                 if due is not None:
+                    self.pull_audits(grid)  # before the disk: Flower hands a reply over only while its message lives
                     self.finish_round(due)
                     self._times["previous_finished"] = time.time()  # beside the message's way to the nodes
                 self.staged()
@@ -373,7 +374,8 @@ class Run:
         # may have outlasted the deadline, and replies that came in time are waiting on the SuperLink.
         while waiting and (first_pull or time.monotonic() < self._deadline):
             first_pull = False
-            for reply in direct.replies_from_stream(server_round, waiting) if direct is not None else ():
+            on_stream = direct is not None and direct.replies_on_stream
+            for reply in direct.replies_from_stream(server_round, waiting) if on_stream else ():
                 node = waiting.pop(reply.metadata.reply_to_message_id)
                 self._arrived(node)
                 yield direct.incoming(reply, server_round, node)
@@ -540,18 +542,24 @@ class Run:
         if rows := client_evaluation.valid_rows(replies, num_rounds):
             self.client_evaluations[num_rounds] = client_evaluation.aggregate(rows)
 
+    def pull_audits(self, grid: Grid) -> None:
+        """Flower's replies that audit replies taken from the stream, those in now (``DirectMessages.audit``)."""
+        if self.direct is not None and self.direct.audits:
+            for reply in grid.pull_messages(set(self.direct.audits)):
+                self.direct.audit(reply)
+
     def close_stream(self, grid: Grid, last_round: int) -> None:
         """``transport = "direct"``: the stream stops once the last reply is in (the nodes' final evaluation
         included) and Flower's replies that audit the last replies taken from the stream have come (at most
-        ``AUDIT_GRACE_S``), and what it counted after round ``last_round``'s record was written (the final
-        evaluation's fallbacks, those audits, anything it refused until it stopped) completes that record as
-        ``final_direct_*``: no fallback, refusal or audit goes uncounted because no round was left to record it."""
+        ``AUDIT_GRACE_S``, or ``round-timeout-s`` if shorter), and what it counted after round ``last_round``'s
+        record was written (the final evaluation's fallbacks, those audits, anything it refused until it stopped)
+        completes that record as ``final_direct_*``: no fallback, refusal or audit goes uncounted because no round
+        was left to record it."""
         if self.direct is None:
             return
         until = time.monotonic() + min(AUDIT_GRACE_S, self.round_timeout_s)
         while self.direct.audits and time.monotonic() < until:
-            for reply in grid.pull_messages(set(self.direct.audits)):
-                self.direct.audit(reply)
+            self.pull_audits(grid)
             if self.direct.audits:
                 time.sleep(self.pull_interval_s)
         self.direct.expire_audits(every=True)  # those that did not come: unaudited, said and counted

@@ -166,13 +166,14 @@ class RunTransport:
         upload_max_size: int | None,
         ahead: tuple[int, int] | None = None,
         content_ahead: bool = False,
-        reply: bool = False,
+        reply: int = 0,
     ) -> TransportOffer:
         """What ``node``'s round-r message carries in place of ``records`` (message record name -> its arrays'
         npy payloads): each non-empty record published once per round (by identity: the same mapping for
         every node is one record) with a download capability for ``node``, and an upload capability bounded
-        by ``upload_max_size`` (None: the message asks for no update), and with ``reply`` one to upload the reply's
-        own content (``take_reply``). Capabilities expire with ``ttl_s``.
+        by ``upload_max_size`` (None: the message asks for no update), and with ``reply`` (the node's message of
+        the round, counted from 1; 0: none) one to upload the reply's own content (``take_reply``). Capabilities
+        expire with ``ttl_s``.
 
         ``ahead`` (the bounds of round r+1's update and global step; None: none) adds round r+1's capabilities
         (``ahead_offer``), so that the node moves those bytes before round r+1's message comes, and with
@@ -193,7 +194,7 @@ class RunTransport:
             upload_token = ticket.token.hex()
         reply_name = reply_token = ""
         if upload_max_size is not None and reply:
-            reply_name = self.reply_name(server_round, node)
+            reply_name = self.reply_name(server_round, node, reply)
             ticket = registry.issue(self.run_id, node, server_round, Direction.UPLOAD, reply_name, ttl_s=self.ttl_s,
                                     max_size=MAX_REPLY_CONTENT)  # fmt: skip
             reply_token = ticket.token.hex()
@@ -363,10 +364,11 @@ class RunTransport:
         return f"r{server_round}/{GLOBAL_STEP}"
 
     @staticmethod
-    def reply_name(server_round: int, node: int) -> str:
-        """A node's reply content of a round on the service (``is_reply``): a retried message's capability and
-        the first one's upload meet in the same slot, as the update's do."""
-        return f"r{server_round}/reply/{node}"
+    def reply_name(server_round: int, node: int, attempt: int) -> str:
+        """A node's reply content to its ``attempt``-th message of a round on the service (``is_reply``): a
+        retried message's reply has a slot of its own (nothing commits a reply's content, as a reply commits its
+        update: the first attempt's, come late, must not pass for the retry's)."""
+        return f"r{server_round}/reply/{node}/{attempt}"
 
     @staticmethod
     def upload_name(server_round: int, node: int) -> str:
@@ -404,10 +406,10 @@ class RunTransport:
         except FramingError as err:
             self._refuse(Refused(RefusalKind.BAD_HEADER, str(err)))
 
-    def take_reply(self, server_round: int, node: int) -> bytes | None:
-        """``node``'s round-r reply content as uploaded under its capability (``offer``'s ``reply``), or None when
-        none came; it is forgotten here either way (a retried message's reply uploads again)."""
-        return self.server.inbox.take(self.run_id, node, server_round, self.reply_name(server_round, node))
+    def take_reply(self, server_round: int, node: int, attempt: int) -> bytes | None:
+        """``node``'s reply content to its ``attempt``-th round-r message, as uploaded under its capability
+        (``offer``'s ``reply``), or None when none came."""
+        return self.server.inbox.take(self.run_id, node, server_round, self.reply_name(server_round, node, attempt))
 
     def wait_for_upload(self, timeout_s: float) -> None:
         """Until an upload is held (a reply's content, say) or ``timeout_s`` passes; the next wait waits for the
@@ -421,9 +423,13 @@ class RunTransport:
         with self._lock:
             self._ahead[name] += n
 
-    def _refuse(self, refused: Refused) -> None:
+    def refused(self, refused: Refused, then: str = "") -> None:
+        """A refusal the server itself made (not the service's), counted and said in one line."""
         self.server.refusals.add(refused)
-        log.warning("transport %s", refused.line())
+        log.warning("transport %s%s", refused.line(), f"; {then}" if then else "")
+
+    def _refuse(self, refused: Refused) -> None:
+        self.refused(refused)
         raise refused
 
     def fell_back(self, node: int, reason: str) -> None:

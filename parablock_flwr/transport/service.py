@@ -328,6 +328,8 @@ class Inbox:
         here once the inbox is closed (the service stopping)."""
         if isinstance(data, SpillFile):
             upload = _Upload(sha256, len(data), spilled=data)
+        elif self.outside_budget(ticket.record):  # small: decoded here, never behind a block's decoding
+            upload = _Upload(sha256, len(data), decoding=self._decode_now(data, ticket.record))
         else:
             upload = _Upload(sha256, len(data), decoding=self._decode_soon(data, ticket.record))
         with self._lock:
@@ -342,12 +344,15 @@ class Inbox:
         try:
             return self._decoder.submit(self.decode, data, record)
         except RuntimeError:  # closed: decoded here, so that a claim still finds it
-            done: futures.Future = futures.Future()
-            try:
-                done.set_result(self.decode(data, record))
-            except Exception as err:  # raised at the claim, as from the thread
-                done.set_exception(err)
-            return done
+            return self._decode_now(data, record)
+
+    def _decode_now(self, data, record: str) -> futures.Future:
+        done: futures.Future = futures.Future()
+        try:
+            done.set_result(self.decode(data, record))
+        except Exception as err:  # raised at the claim, as from the thread
+            done.set_exception(err)
+        return done
 
     def discard(self, data: Buffers | SpillFile | None) -> None:
         """An upload's buffer that will not be ``put`` (refused, broken off): its share of the memory budget

@@ -55,6 +55,7 @@ from .protocol import ProtocolError, recv, send
 from .stream import EarlyUpload, WorkerStream
 
 log = logging.getLogger(__name__)
+ANSWERS_KEPT = 8  # rounds whose replies (headers only) answer a message Flower delivers late
 
 
 def split_records(arrays: dict[str, np.ndarray]) -> dict[str, core.Tensors]:
@@ -117,10 +118,14 @@ class NodeWorker:
         self.left_runs: set[int] = set()  # runs replaced by a newer one on this worker
         self.partition_id: int | None = None  # pinned by the first request
         self.last: tuple[tuple, tuple[dict, dict[str, np.ndarray]]] | None = None  # (request key, its reply)
+        # The last rounds' replies that carry no arrays (their updates on the stream), by request key: with rounds
+        # started from the stream, Flower may deliver a round's message after later rounds were answered.
+        self.answers: dict[tuple, tuple[dict, dict]] = {}
         self.last_failed = False  # ``last`` is the failure of a round started from its content (``answered``)
         self.tried: tuple | None = None  # the last request key computed (or tried), under ``lock``
-        self.last_reply_sent = 0.0
-        self.reply_on_stream = 0  # the last round whose reply went on the stream (stamped then)
+        self.last_reply_sent = 0.0  # when the reply of ``last_reply_round`` left this worker (first on the stream)
+        self.last_reply_round = 0
+        self._stamp_lock = threading.Lock()
         self.last_request = time.time()  # for the optional idle exit
         self.message_limit = MessageLimit()  # the most array bytes a message may declare (serve sets it)
         self.stream = WorkerStream()  # transport = "direct": the run's stream, its channels kept across rounds
@@ -180,6 +185,10 @@ class NodeWorker:
                 reply = failure.to_header(), {}
             if failure is None or from_stream:  # a round started from its content: its message gets this answer
                 self.last, self.last_failed = (key, reply), failure is not None
+            if failure is None and not reply[1]:  # (its update on the stream: a header, a few kB)
+                self.answers[key] = reply
+                while len(self.answers) > ANSWERS_KEPT:
+                    del self.answers[next(iter(self.answers))]
             self.release_due = self.release_due or (replaces and failure is None)
             return reply
 
@@ -188,7 +197,7 @@ class NodeWorker:
         never a second computation. A round started from its content that failed answers its message pushed
         ahead only, once: a retry of that round (its records inline, say) is computed."""
         if self.last is None or self.last[0] != key:
-            return None
+            return self.answers.get(key)  # a round's message that Flower delivers after later rounds were answered
         reply = self.last[1]
         if self.last_failed:
             if not pushed_ahead:
@@ -285,8 +294,7 @@ class NodeWorker:
         bytes_out = sum(p.nbytes for parts in pieces.values() for p in parts)
         reply = self.train_reply(metrics, done.trace, pieces, offer, settings, cfg.round_timeout_s, early)
         if reply.committed and self.stream.upload_reply(offer, settings, reply.header, cfg.round_timeout_s):
-            # The server holds the reply now: the window starts here, not when the ClientApp takes it.
-            self.last_reply_sent, self.reply_on_stream = time.time(), request.server_round
+            self.stamp_reply(request.server_round)  # the server holds it now, whenever the ClientApp takes it
         metrics = reply.metrics
         moved = [what for what, flag in (("its update", metrics.direct_update_ahead),
                                          ("its step", metrics.direct_step_prefetched),
@@ -363,7 +371,7 @@ class NodeWorker:
             self.left_runs.add(self.run_id)
         self.node.drop_ahead()
         self.node.state, self.run_id, self.last, self.last_reply_sent = NodeState(), run_id, None, 0.0
-        self.last_failed, self.reply_on_stream = False, 0
+        self.last_failed, self.last_reply_round, self.answers = False, 0, {}
         log.info("new run %s", run_id)
 
     def residual_store(self, settings: NodeSettings, partition_id: int) -> ResidualStore | None:
@@ -406,14 +414,21 @@ class NodeWorker:
             )
             await send(writer, reply, reply_arrays)
             answer = WorkerReply.from_header(reply)
-            if not answer.error and answer.metrics.get(field_key("server_round")) != self.reply_on_stream:
-                self.last_reply_sent = time.time()  # (a reply that went on the stream was stamped when it went)
+            if not answer.error and type(server_round := answer.metrics.get(field_key("server_round"))) is int:
+                self.stamp_reply(server_round)
             if self.release_due:  # a full sync or a hand-back: its copies given back, once the reply is out
                 self.release_due = False
                 del arrays, reply_arrays
                 await asyncio.get_running_loop().run_in_executor(None, release_freed_memory)
         finally:
             writer.close()
+
+    def stamp_reply(self, server_round: int) -> None:
+        """A round's reply left this worker now (uploaded on the stream, or sent to the ClientApp): the next round's
+        window starts at its first leaving, and a later round's stamp is never replaced by an earlier round's."""
+        with self._stamp_lock:
+            if server_round > self.last_reply_round:
+                self.last_reply_sent, self.last_reply_round = time.time(), server_round
 
     @staticmethod
     def is_ping(header: dict) -> bool:

@@ -54,14 +54,19 @@ def command(module: str) -> str:
     return f"python -m benchmarks.{module} {shlex.join(sys.argv[1:])}".strip()
 
 
-def write_report(name: str, title: str, report: str, doc: str = "", how: str | None = None) -> Path:
+def write_report(
+    name: str, title: str, report: str, doc: str = "", how: str | None = None, measured: dict | None = None
+) -> Path:
     """The whole of docs/results/<name>.md: ``title``, the command that writes it (``how``; default:
-    this process's ``python -m benchmarks.<name> ...``), the date and this machine, the first
+    this process's ``python -m benchmarks.<name> ...``), the date, commit and machine, the first
     paragraph of ``doc`` (a benchmark's docstring: what it measures), then ``report``. Written by
-    the benchmark alone, so rerunning it replaces the file and nothing else."""
-    how = how or command(name)
+    the benchmark alone, so rerunning it replaces the file and nothing else. ``measured``: the
+    ``date``, ``commit`` and ``machine`` of the run the report reads (its tables written again from
+    its results), not this process's; a key it lacks is this process's."""
+    how, measured = how or command(name), measured or {}
+    date, at = measured.get("date") or time.strftime("%Y-%m-%d"), measured.get("commit") or commit()
     head = f"# {title}\n\nWritten by `{how}` (rerun it to replace this file).  \n"
-    head += f"Date: {time.strftime('%Y-%m-%d')}  \nCommit: {commit()}  \nMachine: {machine_line()}\n\n"
+    head += f"Date: {date}  \nCommit: {at}  \nMachine: {machine_line(measured.get('machine'))}\n\n"
     lead = doc.strip().split("\n\n")[0] + "\n\n" if doc.strip() else ""
     path = RESULTS_DIR / f"{name}.md"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -125,9 +130,9 @@ def commit() -> str:
     return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
-def machine_line() -> str:
-    """This machine in one line, as the results files give it."""
-    m = machine()
+def machine_line(m: dict | None = None) -> str:
+    """A machine (default: this one, ``machine()``) in one line, as the results files give it."""
+    m = m or machine()
     return f"{m['arch']}, {m['cpu']}, {m['nproc']} CPUs, {m['memory_gib']} GiB, GPU: {m['gpu']}"
 
 

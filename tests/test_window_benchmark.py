@@ -48,6 +48,31 @@ def test_the_target_is_the_control_floor_measured_beside_it_plus_the_bytes_at_30
     assert "**no**" in window.target_table([row])[2]
 
 
+def test_beyonds_target_is_the_bytes_at_300_mbs_plus_half_a_second_with_or_without_a_floor_beside_it():
+    nbytes = 2 * window.SIZES["70"][1]  # 0.472 s at 300 MB/s: Beyond's target 0.972 s
+    direct = {"kind": "direct", "size": "70", "points": [{"window_s": w, "bytes": nbytes} for w in (0.9, 1.0)]}
+    (row,) = window.targets({"runs": [direct]})
+    assert abs(row["beyond_s"] - (nbytes / 300e6 + 0.5)) < 1e-9 and row["beyond_met"]  # 0.95 <= 0.972
+    assert "target_s" not in row  # no control floor measured beside it
+    direct["points"][1]["window_s"] = 1.1  # 1.0 > 0.972
+    (row,) = window.targets({"runs": [direct]})
+    assert not row["beyond_met"] and window.target_table([row])[2].endswith("| 0.97 | **no** |")
+
+
+def test_a_report_written_again_from_its_results_keeps_the_date_commit_and_machine_it_was_measured_on(
+    tmp_path, monkeypatch
+):
+    from benchmarks import common
+
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    machine = {"arch": "x86_64", "cpu": "Elsewhere CPU", "nproc": 64, "memory_gib": 512.0, "gpu": "none"}
+    measured = {"date": "2026-01-02", "commit": "abc1234", "machine": machine}
+    text = common.write_report("w", "T", "body", how="python -m benchmarks.w", measured=measured).read_text()
+    assert "Date: 2026-01-02  \nCommit: abc1234  \nMachine: x86_64, Elsewhere CPU, 64 CPUs, 512.0 GiB" in text
+    today = common.write_report("w", "T", "body", how="python -m benchmarks.w").read_text()
+    assert "Commit: abc1234" not in today and f"Machine: {common.machine_line()}" in today
+
+
 def run_folder(path, steps: dict[int, dict[str, torch.Tensor]], bytes_up: int):
     """A run folder as the server leaves it: records and a step log."""
     recorder, log = RunRecorder(path), StepLog(path)

@@ -65,7 +65,7 @@ import os
 import time
 from pathlib import Path
 
-from benchmarks.common import GSM_AS_MEASURED, command, machine
+from benchmarks.common import GSM_AS_MEASURED, command, commit, machine
 from benchmarks.network import dtypes
 from benchmarks.network.analysis import probe_report, tables
 from benchmarks.network.cli import parse_args
@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {
         "command": command("network") if argv is None else f"python -m benchmarks.network {' '.join(argv)}".strip(),
         "date": time.strftime("%Y-%m-%d"),
+        "commit": commit(),
         "machine": machine(),
         "network_prefix": prefix,
         "runs": [],

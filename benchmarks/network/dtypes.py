@@ -187,6 +187,6 @@ def report(results: dict, out: Path, docs: bool) -> int:
             (PROJECT_DIR / "docs" / "img").mkdir(parents=True, exist_ok=True)
             shutil.copy(png, PROJECT_DIR / "docs" / "img" / "window-vs-rate.png")
             text += "\n\n![window against rate](../img/window-vs-rate.png)\n"
-        write_report("network-dtypes", TITLE, text, how=results["command"])
+        write_report("network-dtypes", TITLE, text, how=results["command"], measured=results)
         print("wrote docs/results/network-dtypes.md and docs/img/window-vs-rate.png")
     return 0 if all("error" not in r for r in results["runs"]) else 1

@@ -13,7 +13,9 @@ TITLE = "Shaped links: every algorithm over rate-limited, delayed links"
 def write_docs(results: dict, pngs: list[Path]) -> Path:
     """docs/results/network.md, whole, and the plots under docs/img/ (network-*.png)."""
     links = copy_plots(pngs, "network")
-    return write_report("network", TITLE, describe(results) + "\n\n" + "\n\n".join(links), how=results["command"])
+    return write_report(
+        "network", TITLE, describe(results) + "\n\n" + "\n\n".join(links), how=results["command"], measured=results
+    )
 
 
 def copy_plots(pngs: list[Path], prefix: str) -> list[str]:
@@ -74,4 +76,4 @@ def write_direct_docs(results: dict, pngs: list[Path]) -> Path:
     )
     text = setup + "\n\n" + results.get("targets", "") + "\n\nEvery round:\n\n" + describe(results)
     text += "\n\n" + "\n\n".join(links)
-    return write_report("network-direct", DIRECT_TITLE, text, how=results["command"])
+    return write_report("network-direct", DIRECT_TITLE, text, how=results["command"], measured=results)

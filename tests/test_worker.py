@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import os
 import socket
+import threading
 import time
 
 import pytest
@@ -19,6 +20,7 @@ from parablock_flwr.cli import build_parser
 from parablock_flwr.client_apps.app import relay_to_worker, unknown_node_config_key
 from parablock_flwr.config import RunConfig
 from parablock_flwr.model import load_for_training
+from parablock_flwr.strategies.parablock.client import CorrectionSlot, ParaBlockClient
 from parablock_flwr.wire import join_pieces, unpack
 from parablock_flwr.worker.server import NodeWorker, run_worker
 
@@ -108,17 +110,42 @@ def test_an_unknown_node_config_key_is_named_with_the_closest_known_one():
     assert unknown_node_config_key({"partition-id": 1, "num-partitions": 2}) is None
 
 
-def test_on_receipt_the_drift_of_the_live_model_is_measured_and_small(tmp_path, tiny_model_dir):
-    """on-receipt: round 2's message reaches the worker while round 2 runs ahead; the aggregate is
-    applied in place at a step boundary, and the reply reports how far the live model the round
-    finished on is from the exact x^1 + Δ^2: float rounding only."""
-    config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 40, "correction": "on-receipt"})
+class HeldSlot(CorrectionSlot):
+    """The real slot, with the computation held at step ``HOLD``'s boundary until the aggregate is posted:
+    the aggregate lands mid-computation whatever the machine's speed."""
+
+    HOLD = 3
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reached, self.posted = threading.Event(), threading.Event()
+
+    def post(self, step, own_update) -> None:
+        super().post(step, own_update)
+        self.posted.set()
+
+    def __call__(self, k, params, before) -> None:
+        if k == self.HOLD:
+            self.reached.set()
+            assert self.posted.wait(timeout=120), "the aggregate never reached the running computation"
+        super().__call__(k, params, before)
+
+
+def test_on_receipt_the_aggregate_lands_at_the_step_boundary_the_computation_is_at(tmp_path, tiny_model_dir, monkeypatch):
+    """on-receipt: round 2's message reaches the worker while round 2 runs ahead, held at step 3; the
+    aggregate is applied in place at that very boundary (never inside a step), and the reply reports how far
+    the live model the round finished on is from the exact x^1 + Δ^2: float rounding only."""
+    held = HeldSlot()
+    slots = iter([CorrectionSlot(), held])  # round 1's computation (nothing to receive), round 2's ahead
+    monkeypatch.setattr(ParaBlockClient, "new_slot", lambda self: next(slots))
+    config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 6, "correction": "on-receipt"})
     worker = NodeWorker()
     _, update1 = worker.serve_request(worker_request(config, 7, 1, block=1, next_block=1), {})
+    assert held.reached.wait(timeout=120), "round 2's computation ahead never reached step 3"
     g1 = relayed({"global-step": {n: t * 0.5 for n, t in unpack(join_pieces(update1)).items()}})
     reply, _ = worker.serve_request(worker_request(config, 7, 2, block=1, next_block=-1), g1)
     metrics = reply["metrics"]
-    assert 1 <= metrics["correction-after-step"] < 40  # applied mid-round, at a step boundary
+    assert metrics["correction-after-step"] == HeldSlot.HOLD
     assert 0.0 <= metrics["correction-drift"] < 1e-5, metrics["correction-drift"]
 
 

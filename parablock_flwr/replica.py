@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .core import PendingUpdate, Tensors, apply_step
+from .core import PendingUpdate, Tensors, TensorHashes, apply_step
 from .durable import crash_point, replace_file
 from .messages import CATCH_UP, GLOBAL_STEP, RESUME_PENDING, MessageError, RoundConfig, catch_up_step
 
@@ -149,6 +149,7 @@ class ModelReplica:
             model.to(self.weights_dtype)
         self.version = 0
         self._before_last_step: Tensors = {}
+        self.hashes = TensorHashes()  # each tensor's SHA-256 while it keeps its value (verify-invariant)
         self.lost = ""  # why the replica is not an exact x^version any more ("": it is)
 
     def _to_device(self, names: Iterable[str], fp32: Iterable[str] = ()) -> None:
@@ -168,12 +169,14 @@ class ModelReplica:
         while self.version < version:
             _, step = fetch_step(self.version + 1)
             self._before_last_step = {n: self.params[n].detach().clone() for n in step}
+            self.hashes.changed(step)
             apply_step(self.params, step)
             self._to_device(step)
             self.version += 1
 
     def reset_to(self, version: int, values: Tensors) -> None:
         """Become ``x^version`` from the exact values of every trainable tensor (a full resync)."""
+        self.hashes.changed(values)
         with torch.no_grad():
             for n, t in values.items():
                 self.params[n].copy_(t.to(device=self.params[n].device, dtype=self.params[n].dtype))
@@ -200,6 +203,7 @@ class ModelReplica:
             )
         touched = set(train_names) | (set(pending.delta) if pending else set()) | set(back)
         saved = {n: self.params[n].detach().clone() for n in touched}
+        self.hashes.changed(touched)  # moved until restored, and restored by copies: hashed again when asked
         try:
             with torch.no_grad():
                 for n, t in back.items():
@@ -213,6 +217,7 @@ class ModelReplica:
                 with torch.no_grad():
                     for n, t in saved.items():
                         self.params[n].copy_(t)
+                self.hashes.changed(touched)  # nothing hashed while they held the local model is kept
                 self._to_device(touched)
             except Exception as err:  # e.g. out of device memory half-way: some tensors keep trained values
                 self.lost = f"{type(err).__name__} while restoring it: {err}"

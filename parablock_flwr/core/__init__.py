@@ -18,7 +18,7 @@ module                     holds
 ``algorithm``              ``Tensors``, ``snapshot``, ``delta``, ``aggregate``, ``global_step``,
                            ``apply_step(_keeping)``, ``PendingUpdate``, ``parablock_base``,
                            ``correct_in_place``, ``uncorrected_offset``: the spec's arithmetic
-``digests``                ``digest``, ``tensor_sha256``, ``ModelDigest``, ``digest_after``:
+``digests``                ``digest``, ``tensor_sha256``, ``TensorHashes``, ``ModelDigest``, ``digest_after``:
                            proof that two copies of ``x`` hold the same bits
 ``transfer_precision``     ``TRANSFER_DTYPES``, ``INT8_BLOCK``, ``int8_blocks``, ``quantize_int8``,
                            ``dequantize_int8``, ``round_for_transfer``, ``round_with_feedback``
@@ -42,7 +42,7 @@ from .algorithm import (
     uncorrected_offset,
 )
 from .blocks import BlockPartition, block_schedule, find_decoder_layers, one_block, partition_blocks
-from .digests import ModelDigest, digest, digest_after, tensor_sha256
+from .digests import ModelDigest, TensorHashes, digest, digest_after, tensor_sha256
 from .time_model import LinkModel, modeled_round_seconds
 from .transfer_precision import (
     INT8_BLOCK,
@@ -60,6 +60,7 @@ __all__ = [
     "BlockPartition",
     "LinkModel",
     "ModelDigest",
+    "TensorHashes",
     "PendingUpdate",
     "Tensors",
     "aggregate",

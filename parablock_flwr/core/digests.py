@@ -34,39 +34,61 @@ def _c_order_buffer(tensor: torch.Tensor):
     return tensor.detach().cpu().contiguous().numpy()
 
 
-class ModelDigest:
-    """The digest of ``x`` each checkpoint stores: SHA-256 over every named tensor's name and its own
-    SHA-256, in order. Each tensor is hashed again only after a step changed it (``changed``), so a
-    round's checkpoint hashes the round's block, not the model, whose bytes are many times a block's."""
+class TensorHashes:
+    """Each tensor's own SHA-256 (``tensor_sha256``), kept until its owner says a change moved it
+    (``changed``). A copy of ``x`` (the server's, a node's replica) owns one, so that a digest of the
+    model rehashes the block a round changed, not the model, whose bytes are many times a block's."""
 
-    def __init__(self, names: Iterable[str]):
-        self.names = tuple(names)
+    def __init__(self) -> None:
         self._hashes: dict[str, str] = {}
 
     def changed(self, names: Iterable[str]) -> None:
-        """These tensors moved (a step was applied): hash them again next time."""
+        """These tensors moved (a step was applied, values copied in): hash them again next time."""
         for n in names:
             self._hashes.pop(n, None)
 
+    def of(self, params: Mapping[str, torch.Tensor], name: str) -> str:
+        if name not in self._hashes:
+            self._hashes[name] = tensor_sha256(params[name])
+        return self._hashes[name]
+
+
+class ModelDigest:
+    """The digest of ``x`` each checkpoint stores: ``digest_after`` with no step, each tensor hashed
+    again only after a step changed it (``changed``)."""
+
+    def __init__(self, names: Iterable[str]):
+        self.names = tuple(names)
+        self._hashes = TensorHashes()
+
+    def changed(self, names: Iterable[str]) -> None:
+        self._hashes.changed(names)
+
     def __call__(self, params: Mapping[str, torch.Tensor]) -> str:
-        h = hashlib.sha256()
-        for n in self.names:
-            if n not in self._hashes:
-                self._hashes[n] = tensor_sha256(params[n])
-            h.update(n.encode())
-            h.update(self._hashes[n].encode())
-        return h.hexdigest()
+        return digest_after(params, self.names, hashes=self._hashes)
 
 
-def digest_after(params: Mapping[str, torch.Tensor], names: Iterable[str], *steps: Tensors) -> str:
-    """Digest of ``params`` with ``steps`` added in order, ``params`` left unchanged.
+def digest_after(
+    params: Mapping[str, torch.Tensor], names: Iterable[str], *steps: Tensors, hashes: TensorHashes | None = None
+) -> str:
+    """Digest of ``params`` with ``steps`` added in order, ``params`` left unchanged: SHA-256 over every
+    named tensor's name and its own SHA-256, in order.
 
-    Both sides of the invariant check use it: the server on ``x^{r-1} + Δ_i^r``,
-    the client on its local model, so both perform the same float additions.
+    Both sides of the invariant check use it: the server on ``x^{r-1} + Δ_i^r``, the client on its local
+    model, so both perform the same float additions. Only the tensors a step touches are summed and
+    hashed; the others' hashes come from ``hashes`` (the owner's cache of ``params``) when given, so a
+    round's check costs a block's bytes, not the model's.
     """
-    names = tuple(names)
-    view: dict[str, torch.Tensor] = {n: params[n] for n in names}
-    for step in steps:
-        for n, t in step.items():
-            view[n] = view[n].detach() + t.to(device=view[n].device, dtype=view[n].dtype)
-    return digest(view, names)
+    h = hashlib.sha256()
+    for n in names:
+        touched = [step[n] for step in steps if n in step]
+        if touched:
+            value = params[n].detach()
+            for t in touched:
+                value = value + t.to(device=value.device, dtype=value.dtype)
+            tensor_hash = tensor_sha256(value)
+        else:
+            tensor_hash = hashes.of(params, n) if hashes is not None else tensor_sha256(params[n])
+        h.update(n.encode())
+        h.update(tensor_hash.encode())
+    return h.hexdigest()

@@ -363,7 +363,9 @@ class Node:
         """``verify-invariant``: the digest of the node's model after the correction, ``x^{r-1} + Δ_i^r``."""
         if not cfg.verify_invariant or kept is None:
             return {}
-        return {LOCAL_MODEL_DIGEST: core.digest_after(res.replica.params, res.partition.all_names(), kept.delta)}
+        replica = res.replica  # its cache: only the blocks a step or this update moved are hashed
+        names = res.partition.all_names()
+        return {LOCAL_MODEL_DIGEST: core.digest_after(replica.params, names, kept.delta, hashes=replica.hashes)}
 
     def start_ahead(self, res: NodeResources, cfg: RunConfig, req: Request, client, fetch_step: FetchStep) -> None:
         """Step 8: round r+1 starts now, from the client half's start point, while round r's reply travels."""

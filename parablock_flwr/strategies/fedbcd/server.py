@@ -124,6 +124,7 @@ class FedBCD:
         self.link = core.LinkModel.from_config(self.config)
         self.run_dir = Path(run_dir)
         self.sync = NodeSync(global_params, partition.num_blocks, StepLog(run_dir), self.config.transfer_dtype)
+        self.x_hashes = core.TensorHashes()  # each tensor of x's SHA-256 until a step moves it (invariant check)
         self.spill = UpdateSpill(run_dir)
         self.stats = RoundStats(0)
         self._blocks: dict[int, int] = {}  # server round -> block, as decided so far (``block_for_round``)
@@ -134,6 +135,7 @@ class FedBCD:
     def resumed(self, ckpt: Checkpoint) -> None:
         """Called by ``Run.resume`` once ``x^R`` is rebuilt: the blocks decided, the clients' pending
         updates to hand back, the subclass's own state."""
+        self.x_hashes = core.TensorHashes()  # x is x^R now: hash it anew
         self.sync.first_round = ckpt.round + 1
         self.sync.resume_pending = ckpt.pending
         self.sync.carry(ckpt.node_sync)
@@ -156,7 +158,12 @@ class FedBCD:
     def step_applied(self, before: core.Tensors) -> None:
         """A logged step was replayed onto ``x`` (a resume; ``before``: the values it replaced), so that a
         full sync of the first round sends ``x^{R-1}`` exactly."""
+        self.x_moved(before)
+
+    def x_moved(self, before: core.Tensors) -> None:
+        """A step replaced these tensors of ``x`` (``before``: their old values): what knows ``x`` follows."""
         self.sync.applied(before)
+        self.x_hashes.changed(before)
 
     def partition_of(self, node: int) -> int | None:
         """The partition a node serves, as its accepted replies or a query said (None: not known)."""
@@ -402,7 +409,7 @@ class FedBCD:
         for name, values in new.items():  # as core.apply_step_keeping: the same tensors take the new values
             before[name] = self.global_params[name].detach()
             self.global_params[name].data = values
-        self.sync.applied(before)
+        self.x_moved(before)
         return step, wire_pieces
 
     def reject_aggregate(self, server_round: int, accepted: list[Reply], reason: str) -> None:

@@ -36,7 +36,8 @@ class ParaBlock(FedBCD):
         if reported is None:
             return "verify-invariant is on and the reply carries no local-model digest"
         self.stats.invariant_checked += 1
-        if reported != core.digest_after(self.global_params, self.partition.all_names(), reply.update):
+        expected = core.digest_after(self.global_params, self.partition.all_names(), reply.update, hashes=self.x_hashes)
+        if reported != expected:
             self.stats.invariant_failed += 1
             return "invariant broken: the local model is not x^{r-1} + its own update"
         return None

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .core import PendingUpdate, Tensors, TensorHashes, apply_step
+from .core import PendingUpdate, TensorHashes, Tensors, apply_step
 from .durable import crash_point, replace_file
 from .messages import CATCH_UP, GLOBAL_STEP, RESUME_PENDING, MessageError, RoundConfig, catch_up_step
 

@@ -131,7 +131,9 @@ class HeldSlot(CorrectionSlot):
         super().__call__(k, params, before)
 
 
-def test_on_receipt_the_aggregate_lands_at_the_step_boundary_the_computation_is_at(tmp_path, tiny_model_dir, monkeypatch):
+def test_on_receipt_the_aggregate_lands_at_the_step_boundary_the_computation_is_at(
+    tmp_path, tiny_model_dir, monkeypatch
+):
     """on-receipt: round 2's message reaches the worker while round 2 runs ahead, held at step 3; the
     aggregate is applied in place at that very boundary (never inside a step), and the reply reports how far
     the live model the round finished on is from the exact x^1 + Δ^2: float rounding only."""

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from .core import INT8_BLOCK, TRANSFER_DTYPES, Tensors, dequantize_int8, int8_blocks, quantize_int8
+from .core import INT8_BLOCK, TRANSFER_DTYPES, Encoded, Tensors, dequantize_int8, encode, int8_blocks
 
 # The payload dtype each transfer precision uses on the wire, from core.TRANSFER_DTYPES (the one table):
 # the same dtype in numpy, but bf16 (which numpy lacks) as its raw 16-bit patterns.
@@ -57,25 +57,25 @@ def join_pieces(pieces: Mapping[str, list[np.ndarray]]) -> dict[str, np.ndarray]
     return {name: join(array_pieces) for name, array_pieces in pieces.items()}
 
 
-def pack_pieces(tensors: Mapping[str, torch.Tensor], transfer_dtype: str = "fp32") -> dict[str, list[np.ndarray]]:
+def pack_pieces(
+    tensors: Mapping[str, torch.Tensor], transfer_dtype: str = "fp32", encoded: Encoded | None = None
+) -> dict[str, list[np.ndarray]]:
     """``pack``'s arrays as the 1-D pieces that, joined, make each: ``values`` and ``scales`` one per tensor
     (an fp32 tensor's own memory: nothing copied yet). A writer that copies them once into its own buffer
-    (``records.to_record``) never builds the block-sized array in between."""
+    (``records.to_record``) never builds the block-sized array in between. ``encoded``: the tensors already
+    as they travel (``core.round_with_feedback_encoded``: a node's update), not converted again."""
     # Converted where the tensor is, then moved: a GPU node quantises or casts its update on the device
     # and copies a quarter (int8) or half (bf16) of the fp32 bytes to the host, not all of them to convert
     # there. Lossless on any device for values already rounded (what the node keeps is what arrives).
-    flat = [t.detach().reshape(-1) for t in tensors.values()]
+    encoded = encoded if encoded is not None else encode(tensors, transfer_dtype)
     layout = json.dumps([[name, list(t.shape)] for name, t in tensors.items()]).encode()
     pieces = {LAYOUT: [np.frombuffer(layout, dtype=np.uint8)]}
-    if transfer_dtype == "int8":
-        quantised = [quantize_int8(t) for t in flat]
-        pieces[VALUES] = [q.cpu().numpy() for q, _ in quantised] or [np.zeros(0, np.int8)]
-        pieces[SCALES] = [s.cpu().numpy() for _, s in quantised] or [np.zeros(0, np.float32)]
-        return pieces
-    dtype = TRANSFER_DTYPES[transfer_dtype]
-    values = [t.to(dtype).cpu() for t in flat]
-    pieces[VALUES] = [v.view(torch.int16).numpy() if dtype == torch.bfloat16 else v.numpy() for v in values]
+    values = [encoded[name][0].cpu() for name in tensors]
+    bf16 = transfer_dtype == "bf16"
+    pieces[VALUES] = [v.view(torch.int16).numpy() if bf16 else v.numpy() for v in values]
     pieces[VALUES] = pieces[VALUES] or [np.zeros(0, WIRE_DTYPES[transfer_dtype])]
+    if transfer_dtype == "int8":
+        pieces[SCALES] = [encoded[name][1].cpu().numpy() for name in tensors] or [np.zeros(0, np.float32)]
     return pieces
 
 

@@ -146,6 +146,26 @@ def test_too_few_valid_replies_stop_the_run_with_one_line(setup):
         assert torch.equal(t.detach(), before[n]), n
 
 
+def test_the_invariant_check_hashes_each_replys_block_and_the_rest_of_x_once(setup, monkeypatch):
+    """verify-invariant on the server: each reply's check sums and hashes the reply's block only; the rest of
+    ``x`` is hashed once, kept (``FedBCD.x_hashes``) until a step moves it. A node's replica does the same
+    (``ModelReplica.hashes``), so neither side's check grows with the model's size."""
+    run, update, before = setup
+    strategy = run.algorithm
+    strategy.config = RunConfig(verify_invariant=True, min_accepted_replies=0, num_server_rounds=2)
+    names = strategy.partition.all_names()
+    uncached = core.digest_after(before, names, update)
+    replies = [reply(node, update) for node in (10, 11, 12)]
+    for r in replies:
+        r.content["trace"] = ConfigRecord({"local-model-sha256": uncached})
+    hashed, hash_tensor = [], core.tensor_sha256
+    monkeypatch.setattr(core.digests, "tensor_sha256", lambda t: hashed.append(t.numel()) or hash_tensor(t))
+    rec = aggregate(run, replies)
+    assert (rec["num_accepted"], rec["invariant_checked"], rec["invariant_failed"]) == (3, 3, 0)
+    model, block = sum(before[n].numel() for n in names), sum(t.numel() for t in update.values())
+    assert sum(hashed) == (model - block) + 3 * block  # x's other tensors once, then each reply's block
+
+
 def test_a_failed_invariant_check_rejects_the_update_and_resynchronises_the_node(setup):
     """With verify-invariant, a client whose local model is not x^{r-1} + its update is rejected
     (counted), x does not move, and its next message is a full sync that drops its own state."""

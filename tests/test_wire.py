@@ -82,6 +82,43 @@ def test_int8_with_fewer_passes_gives_its_definition_to_the_bit(seed, size, magn
     assert torch.equal(core.dequantize_int8(q, scale).view(torch.int32), ref_values.view(torch.int32))
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    seed=st.integers(0, 2**31),
+    size=st.integers(0, 5 * core.INT8_BLOCK + 3),
+    magnitude=magnitudes,
+    special=st.sampled_from([None, "nan", "inf", "half-zero"]),
+    transfer_dtype=st.sampled_from(list(core.TRANSFER_DTYPES)),
+)
+def test_rounding_chunk_by_chunk_gives_the_whole_tensors_bits(seed, size, magnitude, special, transfer_dtype):
+    """``quantize_int8`` and ``round_with_feedback`` work through a tensor in chunks of ``CHUNK_VALUES``
+    values (here two int8 blocks, so that a few hundred values cross several chunks and a short last block):
+    the same q, scales, sent values and residuals, bit for bit, as the definition over the whole tensor
+    (``reference_int8``; ``Δ + e`` rounded, then ``Δ + e − sent``)."""
+    gen = torch.Generator().manual_seed(seed)
+    update, residual = torch.randn(size, generator=gen) * magnitude, torch.randn(size, generator=gen) * 1e-6
+    if size and special == "half-zero":
+        update[: size // 2], residual[: size // 2] = 0.0, 0.0
+    elif size and special is not None:
+        update[seed % size] = float(special)
+    if transfer_dtype == "fp16":
+        update = update.nan_to_num(0.0, 6e4, -6e4).clamp(-6e4, 6e4)
+    corrected = update + residual
+    expected = core.round_for_transfer({"t": corrected}, transfer_dtype)["t"]
+    chunk = core.transfer_precision.CHUNK_VALUES
+    try:
+        core.transfer_precision.CHUNK_VALUES = 2 * core.INT8_BLOCK
+        if transfer_dtype == "int8":
+            q, scale = core.quantize_int8(update)
+            ref_q, ref_scale, _ = reference_int8(update)
+            assert torch.equal(q, ref_q) and torch.equal(scale.view(torch.int32), ref_scale.view(torch.int32))
+        sent, kept = core.round_with_feedback({"t": update}, {"t": residual}, transfer_dtype)
+    finally:
+        core.transfer_precision.CHUNK_VALUES = chunk
+    assert torch.equal(sent["t"].view(torch.int32), expected.view(torch.int32))
+    assert torch.equal(kept["t"].view(torch.int32), (corrected - expected).view(torch.int32))
+
+
 @settings(max_examples=200, deadline=None)
 @given(seed=st.integers(0, 2**31), magnitude=magnitudes, transfer_dtype=st.sampled_from(list(core.TRANSFER_DTYPES)))
 def test_the_servers_step_rounded_and_packed_in_one_conversion_is_round_then_pack(seed, magnitude, transfer_dtype):

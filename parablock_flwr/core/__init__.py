@@ -21,7 +21,7 @@ module                     holds
 ``digests``                ``digest``, ``tensor_sha256``, ``TensorHashes``, ``ModelDigest``, ``digest_after``:
                            proof that two copies of ``x`` hold the same bits
 ``transfer_precision``     ``TRANSFER_DTYPES``, ``INT8_BLOCK``, ``int8_blocks``, ``quantize_int8``,
-                           ``dequantize_int8``, ``round_for_transfer``, ``round_with_feedback``
+                           ``dequantize_int8``, ``encode``, ``round_for_transfer``, ``round_with_feedback(_encoded)``
 ``time_model``             ``LinkModel``, ``modeled_round_seconds``: what a round would cost
 =========================  ==================================================================
 
@@ -47,11 +47,14 @@ from .time_model import LinkModel, modeled_round_seconds
 from .transfer_precision import (
     INT8_BLOCK,
     TRANSFER_DTYPES,
+    Encoded,
     dequantize_int8,
+    encode,
     int8_blocks,
     quantize_int8,
     round_for_transfer,
     round_with_feedback,
+    round_with_feedback_encoded,
 )
 
 __all__ = [
@@ -82,6 +85,9 @@ __all__ = [
     "quantize_int8",
     "round_for_transfer",
     "round_with_feedback",
+    "round_with_feedback_encoded",
+    "encode",
+    "Encoded",
     "snapshot",
     "tensor_sha256",
     "uncorrected_offset",

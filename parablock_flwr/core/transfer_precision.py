@@ -21,6 +21,50 @@ def int8_blocks(numel: int) -> int:
     return -(-numel // INT8_BLOCK)
 
 
+# A block's bytes are rounded in chunks of this many values (4 MiB of fp32) on a CPU: every pass of a
+# chunk runs in the core's cache, so the several passes a rounding takes cost about one trip through
+# memory, and no block-sized temporary is allocated (its pages first-touched) per round. A multiple of
+# INT8_BLOCK, so that chunks cut no int8 block. On a GPU each tensor is one chunk: memory is fast there.
+CHUNK_VALUES = 2**20
+
+
+def _chunks(tensor: torch.Tensor):
+    """The ``[start, stop)`` spans of a flat tensor's chunks (``CHUNK_VALUES``; whole on a GPU)."""
+    n = tensor.numel()
+    step = CHUNK_VALUES if tensor.device.type == "cpu" else max(n, 1)
+    return [(i, min(n, i + step)) for i in range(0, n, step)]
+
+
+def _int8_scales(blocks: torch.Tensor) -> torch.Tensor:
+    """Each block's scale: the smallest power of two ``s >= max|v| / 127`` (0 for an all-zero block; a
+    non-finite block keeps its non-finite bound, so that it is refused)."""
+    low, high = torch.aminmax(blocks, dim=1)  # max|v| is max(max, -min), without |v|'s copy
+    bound = torch.maximum(high, -low) / 127
+    mantissa, exponent = torch.frexp(bound)
+    exponent = exponent - (mantissa == 0.5).to(exponent.dtype)  # an exact power of two is its own scale
+    scale = torch.pow(2.0, exponent.double()).float()  # exact in float64, then exactly representable
+    scale = torch.where(bound > 0, scale, 0.0)
+    return torch.where(bound.isfinite(), scale, bound)
+
+
+def _quantize_into(values: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, work: torch.Tensor) -> None:
+    """One chunk (whole int8 blocks, but for a tensor's last) of fp32 ``values`` into ``q`` and ``scales``,
+    through ``work`` (a buffer of at least the chunk's padded size)."""
+    n = values.numel()
+    padded = int8_blocks(n) * INT8_BLOCK
+    if padded != n:  # the tensor's short last block, zero-padded
+        work[n:padded].zero_()
+        work[:n].copy_(values)
+        values = work[:padded]
+    blocks = values.view(-1, INT8_BLOCK)
+    scales.copy_(_int8_scales(blocks))
+    divisor = torch.where(scales > 0, scales, 1.0)[:, None]
+    scaled = work[:padded].view(-1, INT8_BLOCK)
+    torch.div(blocks, divisor, out=scaled)
+    scaled.round_().clamp_(-127, 127).nan_to_num_(0.0)
+    q.copy_(scaled.view(-1)[:n])
+
+
 def quantize_int8(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8, round to nearest: the flattened values in blocks of ``INT8_BLOCK``, each with
     the smallest power-of-two fp32 scale ``s >= max|v| / 127`` (0 for an all-zero block).
@@ -28,31 +72,25 @@ def quantize_int8(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Power-of-two scales make ``q * s`` exact and the rounding idempotent: quantising dequantised values
     gives back the same ``q`` and ``s`` (``max|q|`` is then in [64, 127], which picks the same ``s``), so
     the server can round ``g``, apply it, and encode it again for the wire without changing a bit.
+    Chunk by chunk (``CHUNK_VALUES``): the same bits as the whole tensor at once, blocks being independent.
     """
-    # Few passes and fresh buffers over the block: the server quantises it on its critical path.
-    # max|v| is max(max, -min), without |v|'s copy.
     flat = tensor.detach().reshape(-1).float()
     n = flat.numel()
-    padded = int8_blocks(n) * INT8_BLOCK
-    blocks = (flat if padded == n else torch.nn.functional.pad(flat, (0, padded - n))).view(-1, INT8_BLOCK)
-    low, high = torch.aminmax(blocks, dim=1)
-    bound = torch.maximum(high, -low) / 127
-    mantissa, exponent = torch.frexp(bound)
-    exponent = exponent - (mantissa == 0.5).to(exponent.dtype)  # an exact power of two is its own scale
-    scale = torch.pow(2.0, exponent.double()).float()  # exact in float64, then exactly representable
-    scale = torch.where(bound > 0, scale, 0.0)
-    scale = torch.where(bound.isfinite(), scale, bound)  # a non-finite block keeps its scale: it is refused
-    divisor = torch.where(scale > 0, scale, 1.0)[:, None]
-    q = torch.div(blocks, divisor).round_().clamp_(-127, 127).nan_to_num_(0.0).to(torch.int8)
-    return q.view(-1)[:n], scale
+    q = torch.empty(n, dtype=torch.int8, device=flat.device)
+    scales = torch.empty(int8_blocks(n), dtype=torch.float32, device=flat.device)
+    spans = _chunks(flat)
+    work = torch.empty(int8_blocks(spans[0][1]) * INT8_BLOCK if spans else 0, device=flat.device)
+    for i, j in spans:
+        _quantize_into(flat[i:j], q[i:j], scales[i // INT8_BLOCK : int8_blocks(j)], work)
+    return q, scales
 
 
-def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The flat fp32 values ``q * s`` (each exact: ``s`` is a power of two), written once into the
-    result (the scales are broadcast over each block, not repeated into a block-sized copy)."""
+    result (``out`` when given; the scales are broadcast over each block, not repeated into a block-sized copy)."""
     n = q.numel()
     full = n // INT8_BLOCK * INT8_BLOCK
-    out = torch.empty(n, dtype=torch.float32, device=q.device)
+    out = torch.empty(n, dtype=torch.float32, device=q.device) if out is None else out
     torch.mul(q[:full].view(-1, INT8_BLOCK), scale[: full // INT8_BLOCK, None], out=out[:full].view(-1, INT8_BLOCK))
     if full < n:  # the tensor's short last block
         torch.mul(q[full:], scale[full // INT8_BLOCK], out=out[full:])
@@ -72,6 +110,24 @@ def round_for_transfer(tensors: Tensors, transfer_dtype: str) -> Tensors:
     return {n: t.to(dtype).to(torch.float32) for n, t in tensors.items()}
 
 
+# A tensor as it travels: its flat values in the transfer dtype (int8's q, bf16, fp16, or fp32 itself) and,
+# for int8, its scales (``quantize_int8``). ``wire.pack_pieces`` writes the wire's arrays from it.
+Encoded = dict[str, tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def encode(tensors: Tensors, transfer_dtype: str) -> Encoded:
+    """Each tensor's values as they travel (lossless for values already rounded: what the node keeps is
+    what arrives), converted where the tensor is: a GPU node casts or quantises on the device."""
+    out: Encoded = {}
+    for n, t in tensors.items():
+        flat = t.detach().reshape(-1)
+        if transfer_dtype == "int8":
+            out[n] = quantize_int8(flat)
+        else:
+            out[n] = (flat.to(TRANSFER_DTYPES[transfer_dtype]), None)
+    return out
+
+
 def round_with_feedback(update: Tensors, residual: Tensors | None, transfer_dtype: str) -> tuple[Tensors, Tensors]:
     """Error feedback: ``sent = round(Δ + e)``, ``e' = Δ + e − sent``.
 
@@ -79,6 +135,53 @@ def round_with_feedback(update: Tensors, residual: Tensors | None, transfer_dtyp
     ``y = x^{r-1} + sent`` stays bit-exact; what rounding dropped, ``e'``, is added to its
     next update of the same block instead of being lost.
     """
-    corrected = {n: t + residual[n] for n, t in update.items()} if residual else update
-    sent = round_for_transfer(corrected, transfer_dtype)
-    return sent, {n: corrected[n] - sent[n] for n in corrected}
+    sent, kept, _ = round_with_feedback_encoded(update, residual, transfer_dtype)
+    return sent, kept
+
+
+def round_with_feedback_encoded(
+    update: Tensors, residual: Tensors | None, transfer_dtype: str
+) -> tuple[Tensors, Tensors, Encoded]:
+    """``round_with_feedback``, and ``sent`` as it travels (``encode``'s values, from the same conversion: a
+    node that packs its update does not quantise it a second time). Each tensor chunk by chunk, where its
+    update is (``_feedback_tensor``): the node's per-byte work of a round, at about memory speed."""
+    sent: Tensors = {}
+    kept: Tensors = {}
+    encoded: Encoded = {}
+    for n, t in update.items():
+        sent[n], kept[n], encoded[n] = _feedback_tensor(t, residual[n] if residual else None, transfer_dtype)
+    return sent, kept, encoded
+
+
+def _feedback_tensor(
+    update: torch.Tensor, residual: torch.Tensor | None, transfer_dtype: str
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor | None]]:
+    """One tensor's ``sent``, ``e'`` and encoding. ``e'`` is computed in the buffer that first holds ``Δ + e``
+    (no further block-sized buffer), ``sent`` decoded from its encoding, one chunk at a time through the cache."""
+    flat = update.detach().reshape(-1).float()
+    n, device = flat.numel(), flat.device
+    kept, sent = torch.empty_like(flat), torch.empty_like(flat)
+    extra = residual.detach().reshape(-1).to(device=device, dtype=torch.float32) if residual is not None else None
+    spans = _chunks(flat)
+    if transfer_dtype == "int8":
+        values, scales = torch.empty(n, dtype=torch.int8, device=device), torch.empty(int8_blocks(n), device=device)
+        work = torch.empty(int8_blocks(spans[0][1]) * INT8_BLOCK if spans else 0, device=device)
+    elif transfer_dtype == "fp32":
+        values, scales = sent, None
+    else:
+        values, scales = torch.empty_like(flat, dtype=TRANSFER_DTYPES[transfer_dtype]), None
+    for i, j in spans:
+        corrected = kept[i:j]
+        if extra is None:
+            corrected.copy_(flat[i:j])
+        else:
+            torch.add(flat[i:j], extra[i:j], out=corrected)
+        if transfer_dtype == "int8":
+            _quantize_into(corrected, values[i:j], scales[i // INT8_BLOCK : int8_blocks(j)], work)
+            dequantize_int8(values[i:j], scales[i // INT8_BLOCK : int8_blocks(j)], out=sent[i:j])
+        else:
+            values[i:j].copy_(corrected)  # fp32: sent itself; bf16, fp16: rounded to nearest
+            if values is not sent:
+                sent[i:j].copy_(values[i:j])
+        corrected.sub_(sent[i:j])
+    return sent.view(update.shape), kept.view(update.shape), (values, scales)

@@ -74,6 +74,7 @@ class Reply:
     update: core.Tensors = field(default_factory=dict)
     trace: dict[str, str] = field(default_factory=dict)
     used_early: bool = False  # the update is the one rounded ahead (``Node.early_update``), bit for bit
+    encoded: core.Encoded | None = None  # the update as it travels (``core.round_with_feedback_encoded``)
 
 
 def check_blocks(req: Request, num_blocks: int) -> None:

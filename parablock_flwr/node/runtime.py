@@ -72,6 +72,7 @@ class EarlyUpdate:
     residual_in: core.Tensors | None
     sent: core.Tensors
     residual_out: core.Tensors | None
+    encoded: core.Encoded | None = None  # ``sent`` as it travels (None: fp32, the values themselves)
 
 
 def in_background(fn: Callable, *args) -> Callable[[], None]:
@@ -166,7 +167,7 @@ class Node:
             self.begin_run(cfg, req, store, resumed_store)
         job, result, waited = self.round_update(res, cfg, req, client, ahead, fetch_step)  # 4
         early = early if early is not None and ahead is not None and early.ahead is ahead else None
-        residual_written, used_early = self.feed_back(cfg, req, result, store, early)  # 5
+        residual_written, used_early, encoded = self.feed_back(cfg, req, result, store, early)  # 5
         try:
             kept = self.finish_round(res, req, client, job, result.delta, fetch_step)  # 6
             metrics = self.reply_metrics(res, cfg, req, client, job, result, kept, waited)  # 7
@@ -177,7 +178,7 @@ class Node:
             wait_for_write(residual_written, err)
             raise
         wait_for_write(residual_written)
-        return Reply(metrics, result.delta, trace, used_early=used_early)
+        return Reply(metrics, result.delta, trace, used_early=used_early, encoded=encoded)
 
     def evaluate(self, res: NodeResources, cfg: RunConfig, req: Request, fetch_step: FetchStep) -> Reply:
         """``evaluation = "clients"`` after the last round: the held-out loss of ``x^R``. Anything still
@@ -292,26 +293,27 @@ class Node:
     def feed_back(
         self, cfg: RunConfig, req: Request, result: TrainResult, store: ResidualStore | None,
         early: EarlyUpdate | None = None,
-    ) -> tuple[Callable[[], None] | None, bool]:  # fmt: skip
+    ) -> tuple[Callable[[], None] | None, bool, core.Encoded | None]:  # fmt: skip
         """Step 5: ``Δ_i^r`` rounded to ``transfer-dtype``; what rounding dropped goes into this block's
         next update (error feedback). The residual is durable before the reply leaves, written while
         the next block starts (the function returned waits for the write). ``early`` (this round's
         computation, rounded ahead) is taken when it was rounded from the residual the node holds now, so
-        the update and residual are the very values its upload used; whether it was, second."""
+        the update and residual are the very values its upload used; whether it was, second; third, the update
+        as it travels (from the same conversion: packing it converts nothing again; None for fp32)."""
         residual = self.state.residuals.get(req.block)
         used_early = early is not None and early.residual_in is residual
         if cfg.transfer_dtype == "fp32":
-            return None, used_early
+            return None, used_early, None
         if used_early:
-            result.delta, self.state.residuals[req.block] = early.sent, early.residual_out
+            result.delta, self.state.residuals[req.block], encoded = early.sent, early.residual_out, early.encoded
         else:
-            result.delta, self.state.residuals[req.block] = core.round_with_feedback(
+            result.delta, self.state.residuals[req.block], encoded = core.round_with_feedback_encoded(
                 result.delta, residual, cfg.transfer_dtype
             )
         if store is None:
-            return None, used_early
+            return None, used_early, encoded
         residual = {n: t.detach().cpu() for n, t in self.state.residuals[req.block].items()}
-        return in_background(store.save, req.server_round, req.block, residual), used_early
+        return in_background(store.save, req.server_round, req.block, residual), used_early, encoded
 
     def early_update(self, cfg: RunConfig, server_round: int) -> Callable[[], EarlyUpdate | None]:
         """Round ``server_round``'s update rounded as soon as its computation running ahead is done, for a
@@ -328,7 +330,7 @@ class Node:
             delta = ahead.future.result().delta  # its failure is the round's to report, when its message comes
             if dtype == "fp32":
                 return EarlyUpdate(ahead, residual_in, delta, residual_in)
-            return EarlyUpdate(ahead, residual_in, *core.round_with_feedback(delta, residual_in, dtype))
+            return EarlyUpdate(ahead, residual_in, *core.round_with_feedback_encoded(delta, residual_in, dtype))
 
         return rounded
 

@@ -290,7 +290,7 @@ class NodeWorker:
         early = ahead.early_upload() if ahead is not None else None  # an upload still in flight is waited for
         early = early if done.used_early else None  # the update is the one moved ahead, bit for bit
         # Each array as its pieces (one per tensor), written to the socket in turn: no joined copy of the block.
-        pieces = early.pieces if early is not None else pack_pieces(done.update, cfg.transfer_dtype)
+        pieces = early.pieces if early is not None else pack_pieces(done.update, cfg.transfer_dtype, done.encoded)
         bytes_out = sum(p.nbytes for parts in pieces.values() for p in parts)
         reply = self.train_reply(metrics, done.trace, pieces, offer, settings, cfg.round_timeout_s, early)
         if reply.committed and self.stream.upload_reply(offer, settings, reply.header, cfg.round_timeout_s):

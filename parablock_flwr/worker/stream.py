@@ -218,7 +218,7 @@ class WorkerStream:
         if early is None or self._closed.is_set():  # (it waited for the computation; the worker may be exiting)
             return None
         rounded.set_result(early)
-        pieces = pack_pieces(early.sent, transfer_dtype)
+        pieces = pack_pieces(early.sent, transfer_dtype, early.encoded)
         try:
             commit = self.transport.upload_ahead(offer, pieces)
         except StreamUnusable as err:  # the round then uploads as usual

@@ -1,0 +1,172 @@
+"""The per-byte work of a round outside the transport, leg by leg, in one process, for blocks of the sizes
+users train (Llama-3.2-1B's 4-layer block is 243 M parameters, 247 MB in int8): what a node does between
+its computation and its upload, and what the server does between the last reply and the next message,
+each in MB/s of the block's wire bytes, beside a bare TLS socket moving the same bytes with a SHA-256 at
+the receiver (``benchmarks.transport.socket_path``), in the same run.
+
+A node's legs: the update rounded with error feedback (``core.round_with_feedback``), packed for the wire
+(``wire.pack_pieces`` from the rounding's own encoding, beside packing that converts the values again, as
+before), its SHA-256, and with ``verify-invariant`` its local model's digest, cached (what the node runs:
+``ModelReplica.hashes``) beside the whole model hashed (what it ran before). The server's,
+for ``--nodes`` replies: each reply decoded (``wire.unpack``), the aggregate (``core.aggregate``), ``g``
+rounded and packed (``wire.round_and_pack``), applied to ``x`` (``core.apply_step_keeping``), and each
+reply's invariant digest, cached. The model is ``--blocks`` blocks, so that the whole-model digest costs
+what it costs on a model of that many blocks. Best of ``--repeats``; torch's threads: ``--threads``. The
+process keeps the memory it frees (``runtime.keep_freed_memory``), as the worker and the ServerApp do: the
+first repeat faults in fresh pages, the others reuse them.
+
+    .venv/bin/python -m benchmarks.byte_legs --params-m 61.8 243 --repeats 5 --report
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import write_report
+from benchmarks.transport import socket_path
+from parablock_flwr import core
+from parablock_flwr.runtime import keep_freed_memory
+from parablock_flwr.tools.credentials import make_tls
+from parablock_flwr.wire import join_pieces, pack_pieces, round_and_pack, unpack
+
+WIDTH = 2048  # the rows of a block's tensors: Llama-3.2-1B's hidden size
+# What the node ran before, measured beside what replaced it (left out of the node's sum).
+BEFORE = {"pack, converting again", "invariant digest, whole model"}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--params-m", type=float, nargs="+", default=[61.8, 243.0],
+                        help="block sizes, in millions of parameters")  # fmt: skip
+    parser.add_argument("--dtypes", nargs="+", default=["int8", "bf16"], choices=list(core.TRANSFER_DTYPES))
+    parser.add_argument("--nodes", type=int, default=2, help="replies the server aggregates")
+    parser.add_argument("--blocks", type=int, default=4, help="blocks in the model (the whole-model digest)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--report", action="store_true", help="write docs/results/byte_legs.md")
+    return parser.parse_args(argv)
+
+
+def block(params_m: float, seed: int, scale: float = 1e-3) -> core.Tensors:
+    """A block of about ``params_m`` million fp32 values in four tensors of ``WIDTH`` rows."""
+    gen = torch.Generator().manual_seed(seed)
+    cols = max(1, round(params_m * 1e6 / 4 / WIDTH))
+    return {f"w{i}": torch.randn(WIDTH, cols, generator=gen) * scale for i in range(4)}
+
+
+def best(fn, repeats: int) -> tuple[float, object]:
+    """The fastest of ``repeats`` calls, and the last call's result (each call's result is dropped before the
+    next, whose buffers then reuse its pages, as a round reuses the last one's)."""
+    seconds, out = float("inf"), None
+    for _ in range(repeats):
+        out = None
+        started = time.perf_counter()
+        out = fn()
+        seconds = min(seconds, time.perf_counter() - started)
+    return seconds, out
+
+
+def node_legs(update: core.Tensors, residual: core.Tensors, model: core.Tensors, dtype: str, repeats: int) -> dict:
+    """A node's per-byte work between its computation and its upload, in seconds per leg."""
+    legs = {}
+    legs["round with feedback"], (sent, _, encoded) = best(
+        lambda: core.round_with_feedback_encoded(update, residual, dtype), repeats
+    )
+    legs["pack"], pieces = best(lambda: pack_pieces(sent, dtype, encoded), repeats)
+    legs["pack, converting again"], _ = best(lambda: pack_pieces(sent, dtype), repeats)
+    legs["SHA-256 of the wire bytes"], _ = best(lambda: sha256_of(pieces), repeats)
+    names = list(model)
+    hashes = core.TensorHashes()
+    core.digest_after(model, names, hashes=hashes)  # the replica's cache, as the node holds it
+    legs["invariant digest, cached"], _ = best(lambda: core.digest_after(model, names, sent, hashes=hashes), repeats)
+    legs["invariant digest, whole model"], _ = best(lambda: core.digest_after(model, names, sent), repeats)
+    return legs, pieces, sent
+
+
+def server_legs(arrays: dict, sent: core.Tensors, model: core.Tensors, nodes: int, dtype: str, repeats: int) -> dict:
+    """The server's per-byte work from the last reply to the next message, in seconds per leg (``nodes``
+    replies of the same bytes)."""
+    legs = {}
+    one, decoded = best(lambda: unpack(arrays, transfer_dtype=dtype), repeats)
+    legs[f"decode {nodes} replies"] = nodes * one
+    legs[f"aggregate {nodes}"], mean = best(lambda: core.aggregate([decoded] * nodes, [1.0] * nodes), repeats)
+    legs["round and pack g"], (step, _) = best(lambda: round_and_pack(mean, dtype), repeats)
+    x = {n: model[n].clone() for n in step}
+    legs["apply g to x"], _ = best(lambda: core.apply_step_keeping(x, step), repeats)
+    names, hashes = list(model), core.TensorHashes()
+    core.digest_after(model, names, hashes=hashes)
+    one, _ = best(lambda: core.digest_after(model, names, sent, hashes=hashes), repeats)
+    legs[f"{nodes} invariant digests, cached"] = nodes * one
+    return legs
+
+
+def sha256_of(pieces: dict) -> str:
+    digest = hashlib.sha256()
+    for parts in pieces.values():
+        for part in parts:
+            digest.update(part)
+    return digest.hexdigest()
+
+
+def measure(params_m: float, dtype: str, args, tls) -> dict:
+    update, residual = block(params_m, 1), block(params_m, 2, 1e-6)
+    model = {f"b{b}.{n}": t for b in range(args.blocks) for n, t in block(params_m, 10 + b, 1.0).items()}
+    first = {f"b0.{n}": t for n, t in update.items()}  # the block the round trained: the model's first
+    node, pieces, sent = node_legs(first, {f"b0.{n}": t for n, t in residual.items()}, model, dtype, args.repeats)
+    arrays = join_pieces(pieces)
+    wire_bytes = sum(a.nbytes for a in arrays.values())
+    server = server_legs(arrays, sent, model, args.nodes, dtype, args.repeats)
+    data = b"".join(a.tobytes() for a in arrays.values())
+    send, close = socket_path(tls, data)
+    socket_s, _ = best(send, args.repeats)
+    close()
+    return {"params_m": params_m, "dtype": dtype, "wire_mb": wire_bytes / 1e6, "socket_s": socket_s,
+            "node": node, "server": server}  # fmt: skip
+
+
+def table(results: list[dict]) -> str:
+    """One row per leg and size: seconds, MB/s of the wire bytes, and that rate over the TLS socket's."""
+    lines = ["| block | dtype | side | leg | s | MB/s (wire bytes) | / TLS socket |", "|---|---|---|---|---|---|---|"]
+    for r in results:
+        socket_rate = r["wire_mb"] / r["socket_s"]
+        head = f"{r['params_m']:g} M params ({r['wire_mb']:.0f} MB)"
+        lines.append(f"| {head} | {r['dtype']} | both | TLS socket + SHA-256 at the receiver | {r['socket_s']:.3f} "
+                     f"| {socket_rate:,.0f} | 1.00 |")  # fmt: skip
+        for side in ("node", "server"):
+            legs = r[side]
+            counted = {k: v for k, v in legs.items() if k not in BEFORE}
+            for leg, s in [*legs.items(), ("all it runs now", sum(counted.values()))]:
+                rate = r["wire_mb"] / s
+                lines.append(f"| {head} | {r['dtype']} | {side} | {leg} | {s:.3f} | {rate:,.0f} "
+                             f"| {rate / socket_rate:.2f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    keep_freed_memory()  # as the node worker and a deployment's ServerApp run: a round reuses freed pages
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tls = make_tls(Path(tmp))
+        for params_m in args.params_m:
+            for dtype in args.dtypes:
+                results.append(measure(params_m, dtype, args, tls))
+                print(table(results[-1:]), flush=True)
+    report = table(results)
+    report += (f"\n\ntorch threads: {torch.get_num_threads()}; {args.nodes} replies; the model is {args.blocks} "
+               f"blocks (the whole-model digest).\n")  # fmt: skip
+    if args.report:
+        print(write_report("byte_legs", "Per-byte legs of a round, outside the transport", report, __doc__))
+    return results
+
+
+if __name__ == "__main__":
+    main()

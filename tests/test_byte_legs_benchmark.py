@@ -1,0 +1,23 @@
+"""``benchmarks.byte_legs`` at its smallest size, as CI runs it: every leg of both sides is measured, beside
+the TLS socket, and printed in the table."""
+
+import pytest
+
+from benchmarks import byte_legs
+
+NODE_LEGS = {"round with feedback", "pack", "pack, converting again", "SHA-256 of the wire bytes",
+             "invariant digest, cached", "invariant digest, whole model"}  # fmt: skip
+SERVER_LEGS = {"decode 2 replies", "aggregate 2", "round and pack g", "apply g to x", "2 invariant digests, cached"}
+
+
+def test_the_byte_legs_benchmark_measures_every_leg_beside_the_tls_socket(capsys):
+    results = byte_legs.main(["--params-m", "0.5", "--dtypes", "int8", "bf16", "--repeats", "1", "--blocks", "3"])
+    out = capsys.readouterr().out
+    assert [r["dtype"] for r in results] == ["int8", "bf16"]
+    for r in results:
+        assert set(r["node"]) == NODE_LEGS and set(r["server"]) == SERVER_LEGS, r
+        assert r["socket_s"] > 0 and all(s > 0 for s in [*r["node"].values(), *r["server"].values()]), r
+        # int8 travels a quarter of fp32's bytes (and its scales), bf16 a half
+        assert r["wire_mb"] == pytest.approx(0.5 * {"int8": 1 + 4 / 256, "bf16": 2}[r["dtype"]], rel=0.01)
+        for leg in ("TLS socket + SHA-256 at the receiver", *NODE_LEGS, *SERVER_LEGS):
+            assert f"| {r['dtype']} |" in out and f"| {leg} |" in out, leg

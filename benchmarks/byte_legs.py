@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import multiprocessing
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -115,6 +117,10 @@ def sha256_of(pieces: dict) -> str:
 
 
 def measure(params_m: float, dtype: str, args, tls) -> dict:
+    """Both sides' legs for one block size and dtype (in a process of its own, ``main``)."""
+    keep_freed_memory()  # as the node worker and a deployment's ServerApp run: a round reuses freed pages
+    if args.threads:
+        torch.set_num_threads(args.threads)
     update, residual = block(params_m, 1), block(params_m, 2, 1e-6)
     model = {f"b{b}.{n}": t for b in range(args.blocks) for n, t in block(params_m, 10 + b, 1.0).items()}
     first = {f"b0.{n}": t for n, t in update.items()}  # the block the round trained: the model's first
@@ -150,19 +156,21 @@ def table(results: list[dict]) -> str:
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
-    keep_freed_memory()  # as the node worker and a deployment's ServerApp run: a round reuses freed pages
-    if args.threads:
-        torch.set_num_threads(args.threads)
     results = []
+    spawn = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         tls = make_tls(Path(tmp))
         for params_m in args.params_m:
             for dtype in args.dtypes:
-                results.append(measure(params_m, dtype, args, tls))
+                # Each size and dtype in a process of its own: its heap (kept, as a worker's) starts empty.
+                with ProcessPoolExecutor(1, mp_context=spawn) as child:
+                    results.append(child.submit(measure, params_m, dtype, args, tls).result())
                 print(table(results[-1:]), flush=True)
     report = table(results)
-    report += (f"\n\ntorch threads: {torch.get_num_threads()}; {args.nodes} replies; the model is {args.blocks} "
-               f"blocks (the whole-model digest).\n")  # fmt: skip
+    threads = args.threads or torch.get_num_threads()
+    report += (
+        f"\n\ntorch threads: {threads}; {args.nodes} replies; a model of {args.blocks} blocks (whole-model digest).\n"
+    )
     if args.report:
         print(write_report("byte_legs", "Per-byte legs of a round, outside the transport", report, __doc__))
     return results

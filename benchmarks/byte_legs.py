@@ -33,7 +33,7 @@ import torch
 from benchmarks.common import write_report
 from benchmarks.transport import socket_path
 from parablock_flwr import core
-from parablock_flwr.runtime import keep_freed_memory
+from parablock_flwr.runtime import keep_freed_memory, release_freed_memory
 from parablock_flwr.tools.credentials import make_tls
 from parablock_flwr.wire import join_pieces, pack_pieces, round_and_pack, unpack
 
@@ -71,6 +71,7 @@ def best(fn, repeats: int) -> tuple[float, object]:
         started = time.perf_counter()
         out = fn()
         seconds = min(seconds, time.perf_counter() - started)
+    release_freed_memory()  # the next leg's buffers differ: what this one freed would only fragment the heap
     return seconds, out
 
 

@@ -43,7 +43,7 @@ BEFORE = {"pack, converting again", "invariant digest, whole model"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--params-m", type=float, nargs="+", default=[61.8, 243.0],
                         help="block sizes, in millions of parameters")  # fmt: skip
     parser.add_argument("--dtypes", nargs="+", default=["int8", "bf16"], choices=list(core.TRANSFER_DTYPES))

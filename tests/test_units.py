@@ -149,6 +149,26 @@ def test_units_agree_on_users_groups_and_paths():
     assert f'worker-socket="{socket_path}"' in doc
 
 
+def test_the_docs_say_what_the_shipped_units_do():
+    """What the docs and the units' own comments claim of the units is what the units do: the users they
+    create are the units' users, every restart policy named is one a unit has, and the SuperLink's state is
+    in the database the unit gives it (registrations survive its restart), not in memory."""
+    units = {path.name: Unit.read(path, "0") for path in sorted(UNITS.glob("*.service"))}
+    users, policies = {u.one("User") for u in units.values()}, {u.one("Restart") for u in units.values()}
+    for name, unit in units.items():
+        created = re.findall(r"useradd\b[^#\n]*?(\S+)\s*(?:#.*)?$", (UNITS / name).read_text(), re.M)
+        assert set(created) <= users, f"{name}: useradd {created}, but the units run as {sorted(users)}"
+        assert not created or unit.one("User") in created, f"{name} runs as {unit.one('User')}; creates {created}"
+    docs = {path.name: path.read_text() for path in [PROJECT_DIR / "README.md", *(PROJECT_DIR / "docs").glob("*.md")]}
+    for name, text in docs.items():
+        for policy in re.findall(r"Restart=([\w-]+)", text):
+            assert policy in policies, f"{name} says Restart={policy}; the units use {sorted(policies)}"
+    database = re.search(r"--database (\S+)", (UNITS / "parablock-superlink.service").read_text()).group(1)
+    for name in ("reliability.md", "deployment.md"):
+        assert database in docs[name], f"docs/{name} does not say where the SuperLink keeps its state"
+    assert "keeps its state in memory" not in docs["reliability.md"]
+
+
 # ---------------------------------------------------------------- standing in for systemd
 def need_root_and_users() -> None:
     if os.geteuid() != 0:

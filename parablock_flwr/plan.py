@@ -36,7 +36,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from . import core
-from .config import RunConfig
+from .config import ConfigError, RunConfig
 from .decoder_shapes import Shapes, decoder_shapes
 from .durable import replace_file
 from .paths import EMBEDDED, cache_dir
@@ -71,6 +71,17 @@ class ModelShape:
     vocab: int
     layer_params: int  # the trainable parameters of one decoder layer (the time model's unit of a block)
     dtype_bytes: int  # bytes per parameter of the checkpoint's dtype (its files' size, when not on disk)
+
+
+def check_model_exists(spec: str) -> None:
+    """A model named as a path (``/``, ``./``, ``~`` first, or more than one ``/``) must be on this disk: asking
+    the hub for it would answer with the hub's error, or wait for a hub it cannot reach."""
+    as_path = spec.startswith(("/", ".", "~")) or spec.count("/") > 1
+    if as_path and not spec.startswith("embedded:") and not Path(spec).expanduser().exists():
+        raise ConfigError(
+            f"model={spec!r}: no such file or folder; expected a model folder, its config.json, "
+            f"an embedded: name or a hub id (org/name)"
+        )
 
 
 def model_config(spec: str):
@@ -228,7 +239,10 @@ def meta_module(shapes: Shapes, num_layers: int):
 def partitioned_shape(cfg: RunConfig, model, trainable, widths: dict[str, int]) -> ModelShape:
     """The ``ModelShape`` of a (meta) model partitioned as a run partitions it; ``widths``: the
     config's layer count, hidden, intermediate and vocabulary sizes and checkpoint dtype width."""
-    partition = core.partition_blocks(model, cfg.layers_per_block, cfg.non_layer_params, trainable)
+    try:
+        partition = core.partition_blocks(model, cfg.layers_per_block, cfg.non_layer_params, trainable)
+    except ValueError as err:  # a key's value this model cannot take: a config error, as any other
+        raise ConfigError(str(err)) from None
     if cfg.one_block:
         partition = core.one_block(partition)
     params = dict(model.named_parameters())
@@ -701,6 +715,7 @@ def plan_command(
     tables as text. An unknown key or a wrongly typed value raises ``OverrideError`` first."""
     check_overrides(overrides, run_config_defaults())
     cfg = RunConfig.from_flower({**overrides, "model": model})
+    check_model_exists(model)
     config = None
 
     def config_of():

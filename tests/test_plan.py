@@ -144,6 +144,22 @@ def test_plan_refuses_an_unknown_or_mistyped_key_as_simulate_does(capsys):
     assert capsys.readouterr().err == 'parablock-flwr plan: layers-per-block="5": expected an integer\n'
 
 
+def test_plan_refuses_a_missing_model_folder_and_a_block_size_the_model_cannot_take(tmp_path, capsys):
+    """A model path that is not on this disk, and ``layers-per-block`` above the model's layer count, are
+    config errors like any other: one line naming the value and what was expected, exit code 2 (the first
+    once answered with the hub's error, the second exited 1)."""
+    missing = tmp_path / "no-such-model"
+    assert cli_main(["plan", str(missing)]) == 2
+    assert capsys.readouterr().err == (
+        f"parablock-flwr plan: model={str(missing)!r}: no such file or folder; expected a model folder, its "
+        f"config.json, an embedded: name or a hub id (org/name)\n"
+    )
+    assert cli_main(["plan", str(LLAMA_8B), "layers-per-block=99"]) == 2
+    assert capsys.readouterr().err == (
+        "parablock-flwr plan: layers-per-block=99: expected 1..32 (the model has 32 decoder layers)\n"
+    )
+
+
 def _row(out: str, block: str) -> list[float]:
     line = next(x for x in out.splitlines() if x.startswith(f"| {block} |"))
     return [float(v.replace(",", "")) for v in line.strip("| ").split(" | ")[1:]]

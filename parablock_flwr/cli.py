@@ -5,6 +5,7 @@
     parablock-flwr worker --socket PATH          the node worker to run beside a flower-supernode
     parablock-flwr evaluate MODEL_DIR            held-out loss, perplexity, task accuracy of a saved model
     parablock-flwr report RUN_DIR                the run's status, its table, and PNG plots in RUN_DIR/plots
+    parablock-flwr report RUN_DIR --jsonl        one JSON object per round (for pandas, jq)
     parablock-flwr plan MODEL [KEY=VALUE ...]    device, host and server memory of a run, from the model's config
 
 `simulate` and `deploy` check every override against the app's run-config keys and
@@ -150,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     _evaluate_parser(sub)
     rep = sub.add_parser("report", help="print a run's table and write PNG plots")
     rep.add_argument("run_dir", type=Path)
+    rep.add_argument("--jsonl", action="store_true", help="print one JSON object per round instead (merged)")
     _plan_parser(sub)
     return parser
 
@@ -324,10 +326,10 @@ def main(argv: list[str] | None = None) -> int:
         return _plan(args)
     if args.command == "evaluate":
         return _evaluate(args)
-    from .report import report
+    from .report import report, rounds_jsonl
 
     try:
-        print(report(args.run_dir))
+        print(rounds_jsonl(args.run_dir) if args.jsonl else report(args.run_dir))
     except ValueError as err:
         sys.exit(str(err))
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -102,6 +103,15 @@ def plots(records: list[dict], out: Path) -> list[Path]:
     fig.savefig(written[-1], dpi=100)
     plt.close(fig)
     return written
+
+
+def rounds_jsonl(run_dir: Path) -> str:
+    """One JSON object a line, one line per round: ``metrics.jsonl`` appends a round's training record and its
+    evaluations as they finish (separate lines), and this is their merge (``RunRecorder.read``), what
+    ``pandas.read_json(..., lines=True)`` should read to get one row per round."""
+    if not (Path(run_dir) / "metrics.jsonl").is_file():
+        raise ValueError(f"{run_dir}: no metrics.jsonl; expected a run folder")
+    return "\n".join(json.dumps(record, sort_keys=True) for record in RunRecorder(run_dir).read())
 
 
 def report(run_dir: Path) -> str:

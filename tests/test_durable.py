@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from parablock_flwr.cli import main as cli_main
 from parablock_flwr.durable import append_line, read_jsonl, replace_file
 from parablock_flwr.metrics import RunRecorder
 from parablock_flwr.report import report
@@ -217,3 +218,22 @@ def test_every_entry_a_run_creates_has_its_parent_fsynced_before_anything_below_
     assert (run_dir / "status.json").exists() and (run_dir / "node-state" / "partition-1").is_dir()
     assert watch.violations == []
     assert watch.not_durable() == []
+
+
+def test_report_jsonl_gives_one_object_per_round_where_metrics_jsonl_has_a_line_per_part(tmp_path, capsys):
+    """metrics.jsonl appends a round's training record and its evaluation as each finishes (two lines, both
+    with the round's number); ``report --jsonl`` merges them: one object per round, what pandas reads as
+    one row per round."""
+    recorder = RunRecorder(tmp_path)
+    recorder.write({"round": 0, "heldout_loss": 3.0, "elapsed_s": 0.0})
+    for r in (1, 2):
+        recorder.write({"round": r, "train_loss": 2.0 / r, "elapsed_s": float(r)})
+        recorder.write({"round": r, "heldout_loss": 2.5 / r})
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 5
+    assert cli_main(["report", str(tmp_path), "--jsonl"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert rows == [{"round": 0, "heldout_loss": 3.0, "elapsed_s": 0.0},
+                    {"round": 1, "train_loss": 2.0, "elapsed_s": 1.0, "heldout_loss": 2.5},
+                    {"round": 2, "train_loss": 1.0, "elapsed_s": 2.0, "heldout_loss": 1.25}]  # fmt: skip
+    with pytest.raises(SystemExit, match=r"nothing-here: no metrics.jsonl; expected a run folder"):
+        cli_main(["report", str(tmp_path / "nothing-here"), "--jsonl"])

@@ -130,7 +130,7 @@ def misuse_after(offer: TransportOffer) -> dict[str, Outcome | None]:
     """A site presenting a record's download capability twice once its node worker has answered the round.
     The first use is refused as replayed when the worker used it, and is the site's own (the same bytes,
     harmless; ``None``) when the worker took that record another way (a step prefetched a round ahead); the
-    second is refused as replayed either way, or as not issued (``bad_capability``) once the round has ended:
+    second is refused as replayed either way, or as ``late`` once the round has ended:
     with its reply on the stream, the server may end the round before the site tries. (Its upload capability
     is not replayed: when the worker's update went ahead, that capability is unused and an upload under it
     would replace the update before the reply claims it, the site's own update only; the fast tier covers an

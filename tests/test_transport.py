@@ -33,7 +33,7 @@ from parablock_flwr.transport import (
     TransportError,
     TransportServer,
 )
-from parablock_flwr.transport.capabilities import Refusals
+from parablock_flwr.transport.capabilities import EXPIRED_KEPT_S, Refusals
 from parablock_flwr.transport.framing import Buffers, FramingError, frame, payloads, unframe
 from parablock_flwr.transport.headers import MAX_HEADER_BYTES, encode_header, parse_header
 from parablock_flwr.transport.service import UPLOAD, Inbox, Outbox, contiguous
@@ -125,13 +125,55 @@ def test_a_capability_expires_with_the_rounds_timeout():
     assert refused_kind(lambda: reg.reserve(t)) is RefusalKind.EXPIRED
 
 
-def test_dropping_a_round_forgets_its_capabilities_only():
-    reg = CapabilityRegistry()
+def test_dropping_a_round_ends_its_capabilities_only_and_a_late_request_is_counted_as_late():
+    """A request under a capability of a round that has ended is a slow node's, not an attacker's: refused as
+    ``late``; a token this server never issued is still a bad capability. The ended ones go with the expired
+    ones (``_prune``): the registry does not grow with the rounds."""
+    clock = Clock()
+    reg = CapabilityRegistry(clock=clock)
     old = reg.issue(1, 2, 3, DOWN, "step/3", ttl_s=10)
     new = reg.issue(1, 2, 4, DOWN, "step/4", ttl_s=10)
     assert reg.drop_round(1, 3) == 1
-    assert refused_kind(lambda: reg.reserve(old)) is RefusalKind.BAD_CAPABILITY
+    assert refused_kind(lambda: reg.reserve(old)) is RefusalKind.LATE and not reg.alive(old)
+    assert (
+        refused_kind(lambda: reg.reserve(dataclasses.replace(old, token=os.urandom(32)))) is RefusalKind.BAD_CAPABILITY
+    )
     assert reg.reserve(new) == new
+    clock.now = 10 + EXPIRED_KEPT_S
+    reg.issue(1, 2, 5, DOWN, "step/5", ttl_s=10)  # issuing prunes
+    assert refused_kind(lambda: reg.reserve(old)) is RefusalKind.BAD_CAPABILITY and len(reg._grants) == 1
+
+
+def test_an_upload_whose_round_ends_while_it_arrives_is_refused_as_late_and_leaves_nothing_held(server, tls):
+    """The round ends (``drop_round`` on the registry and the inbox, as ``RunTransport.end_round`` does) while an
+    upload is half sent: its end is refused as ``late``, counted once, and the inbox holds nothing of it, in
+    memory or in a file (before, it was filed under its ended round and held for the whole run)."""
+    t = server.registry.issue(99, 2, 7, UP, "update/late", ttl_s=30, max_size=2000)  # a run of its own
+    midway, go_on, data = threading.Event(), threading.Event(), os.urandom(2000)
+
+    def sends():
+        yield encode_header(t, len(data), sha(data))
+        yield data[:1000]
+        midway.set()
+        go_on.wait(10)
+        yield data[1000:]
+
+    found = {}
+    sender = threading.Thread(target=lambda: found.update(details=raw_upload(server, tls, sends())))
+    before = server.refusals.counts().get("late", 0)
+    sender.start()
+    assert midway.wait(10)
+    deadline = time.monotonic() + 10
+    while not server.inbox._receiving and time.monotonic() < deadline:  # the service took the header: reserved
+        time.sleep(0.01)
+    server.registry.drop_round(t.run_id, t.round)
+    server.inbox.drop_round(t.run_id, t.round)
+    go_on.set()
+    sender.join(20)
+    assert found["details"].startswith("refused late: round 7 of run 99 ended"), found
+    assert server.refusals.counts().get("late", 0) == before + 1
+    assert not server.inbox.holds(t.run_id, t.node_id, t.round, t.record) and not server.inbox._receiving
+    assert refused_kind(lambda: server.registry.reserve(t, size=10)) is RefusalKind.LATE
 
 
 @pytest.mark.parametrize(

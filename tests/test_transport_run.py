@@ -284,8 +284,8 @@ def test_a_rounds_end_forgets_it_and_counts_its_fallbacks_and_refusals(hub, node
     assert hub.end_round(8) == {"direct_fallbacks": 2, "direct_refusals": 0, **NOTHING_AHEAD}
     assert hub.end_round(9) == {"direct_fallbacks": 0, "direct_refusals": 0, **NOTHING_AHEAD}  # counts are per round
     assert len(hub.server.inbox) == 0 and hub.server.outbox.get(offer.records[0].name) is None
-    with pytest.raises(StreamUnusable, match="refused bad_capability"):
-        node.fetch(offer)  # the round's capabilities are gone
+    with pytest.raises(StreamUnusable, match="refused late: round 8 of run"):
+        node.fetch(offer)  # the round's capabilities have ended: a slow node's request, not a forged one
 
 
 def test_a_capability_expires_with_the_rounds_timeout(tls, node):
@@ -531,8 +531,8 @@ def test_capabilities_issued_ahead_expire_when_the_next_round_may_end(tls, node)
         now[0] = 2 * TTL  # round r+1's timeout after round r's: expired
         with pytest.raises(StreamUnusable, match="refused expired"):
             node.upload_ahead(late, pack_pieces(to_tensors(block(21))))
-        hub.end_round(4)  # round r+1 ended: forgotten
-        with pytest.raises(StreamUnusable, match="refused bad_capability"):
+        hub.end_round(4)  # round r+1 ended: late, whatever its expiry
+        with pytest.raises(StreamUnusable, match="refused late: round 4 of run"):
             node.upload_ahead(late, pack_pieces(to_tensors(block(21))))
 
 

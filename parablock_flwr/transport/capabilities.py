@@ -43,6 +43,7 @@ class RefusalKind(enum.StrEnum):
     TRICKLING = "trickling"  # bytes arrive below the minimum rate
     UNKNOWN_RECORD = "unknown_record"  # a download of a record not published
     BAD_REPLY = "bad_reply"  # a reply's content uploaded on the stream is not a reply's (the server reads it)
+    LATE = "late"  # a transfer of a round that has ended (a slow node, one its round's deadline left out): no attack
 
 
 class Refused(Exception):
@@ -97,7 +98,7 @@ class _Grant:
     expires_at: float
     max_size: int | None
     waits: bool = False  # a download that waits for its record's publication (issued a round ahead)
-    state: str = field(default="issued")  # issued -> in_use -> used; a refusal sends in_use back; or revoked
+    state: str = field(default="issued")  # issued -> in_use -> used; a refusal sends in_use back; or revoked, ended
 
 
 def _key(token: bytes) -> bytes:
@@ -160,6 +161,8 @@ class CapabilityRegistry:
                     f"node {claim.node_id} asks for record {claim.record!r}; the capability names "
                     f"node {mine.node_id}'s record {mine.record!r}",
                 )
+            if grant.state == "ended":
+                raise Refused(RefusalKind.LATE, f"round {mine.round} of run {mine.run_id} has ended")
             if grant.state == "revoked":
                 raise Revoked(f"node {mine.node_id}'s capability for round {mine.round} was revoked: the round's "
                               f"messages left the node out")  # fmt: skip
@@ -196,7 +199,7 @@ class CapabilityRegistry:
         (what ends a download waiting for its record)."""
         with self._lock:
             grant = self._grants.get(_key(ticket.token))
-            return grant is not None and grant.state != "revoked" and self._clock() < grant.expires_at
+            return grant is not None and grant.state not in ("revoked", "ended") and self._clock() < grant.expires_at
 
     def revoke(self, run_id: int, round: int, node_id: int) -> int:
         """Revoke ``node_id``'s capabilities of ``round`` (a node issued them a round ahead and not messaged
@@ -210,20 +213,22 @@ class CapabilityRegistry:
             return len(grants)
 
     def drop_round(self, run_id: int, round: int) -> int:
-        """Forget a round's capabilities (the round ended); how many were dropped. Revoked ones stay until
-        they are pruned: a left-out node's worker may finish its computation ahead after the round, and its
-        upload is then turned away as revoked, not refused as unknown."""
+        """End a round's capabilities (the round ended); how many. Each is kept, ended, until it is pruned after
+        its expiry: a request under it is refused as ``late`` (a slow node's, not an attacker's: no token but
+        the server's own is ever late), and a transfer under way with it cannot be finished. Revoked ones stay
+        revoked: a left-out node's worker may finish its computation ahead after the round, and its upload is
+        then turned away as revoked."""
         with self._lock:
-            keys = [k for k, g in self._grants.items()
-                    if (g.ticket.run_id, g.ticket.round) == (run_id, round) and g.state != "revoked"]  # fmt: skip
-            for k in keys:
-                del self._grants[k]
-            return len(keys)
+            grants = [g for g in self._grants.values()
+                      if (g.ticket.run_id, g.ticket.round) == (run_id, round) and g.state != "revoked"]  # fmt: skip
+            for grant in grants:
+                grant.state = "ended"
+            return len(grants)
 
     def _set(self, ticket: Ticket, state: str) -> None:
         with self._lock:
             grant = self._grants.get(_key(ticket.token))
-            if grant is not None and grant.state != "revoked":  # a transfer under way when revoked stays revoked
+            if grant is not None and grant.state not in ("revoked", "ended"):  # one under way stays so
                 grant.state = state
 
     def _prune(self) -> None:

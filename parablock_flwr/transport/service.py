@@ -89,6 +89,7 @@ STATUS = {
     RefusalKind.STALLED: grpc.StatusCode.DEADLINE_EXCEEDED,
     RefusalKind.TRICKLING: grpc.StatusCode.DEADLINE_EXCEEDED,
     RefusalKind.UNKNOWN_RECORD: grpc.StatusCode.NOT_FOUND,
+    RefusalKind.LATE: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 
@@ -287,6 +288,7 @@ class Inbox:
         self.outside_budget = outside_budget  # record name -> whether its upload is kept out of the budget
         self.spilled = 0  # uploads received into a file
         self._receiving: set[int] = set()  # id(buffer): uploads in memory still being received
+        self._ended: dict[int, int] = {}  # run id -> its last round ended (``drop_round``): later uploads are late
         # One thread: decodings are memory copies under the GIL, so more would not go faster.
         self._decoder = futures.ThreadPoolExecutor(1, "transport-decode")
         self.arrived = threading.Event()  # set by every upload held: whoever waits for one checks again
@@ -325,7 +327,12 @@ class Inbox:
 
     def put(self, ticket: Ticket, sha256: str, data: Buffers | SpillFile | bytearray) -> None:
         """Hold an accepted upload for its claim; one in memory starts decoding now (the class's docstring), or
-        here once the inbox is closed (the service stopping)."""
+        here once the inbox is closed (the service stopping). An upload whose round ended while it arrived is
+        refused as ``late`` (the caller gives its buffer back): no later ``drop_round`` would drop it."""
+        with self._lock:
+            if ticket.round <= self._ended.get(ticket.run_id, 0):
+                raise Refused(RefusalKind.LATE, f"round {ticket.round} of run {ticket.run_id} ended while its "
+                              f"upload {ticket.record!r} arrived")  # fmt: skip
         if isinstance(data, SpillFile):
             upload = _Upload(sha256, len(data), spilled=data)
         elif self.outside_budget(ticket.record):  # small: decoded here, never behind a block's decoding
@@ -334,6 +341,10 @@ class Inbox:
             upload = _Upload(sha256, len(data), decoding=self._decode_soon(data, ticket.record))
         with self._lock:
             self._receiving.discard(id(data))
+            if ticket.round <= self._ended.get(ticket.run_id, 0):  # its round ended while it was decoded
+                _forget(upload)
+                raise Refused(RefusalKind.LATE, f"round {ticket.round} of run {ticket.run_id} ended while its "
+                              f"upload {ticket.record!r} arrived")  # fmt: skip
             old = self._records.get(_slot(ticket))
             self._records[_slot(ticket)] = upload
         self.arrived.set()
@@ -406,8 +417,10 @@ class Inbox:
             return (run_id, node_id, round, record) in self._records
 
     def drop_round(self, run_id: int, round: int) -> int:
-        """Forget a round's uploads no reply claimed (the round ended); how many were dropped."""
+        """Forget a round's uploads no reply claimed (the round ended), and refuse later ones of it and of any
+        round before (``put``); how many were dropped."""
         with self._lock:
+            self._ended[run_id] = max(self._ended.get(run_id, 0), round)
             slots = [slot for slot in self._records if slot[:1] + slot[2:3] == (run_id, round)]
             dropped = [self._records.pop(slot) for slot in slots]
         for upload in dropped:

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -57,7 +58,7 @@ from parablock_flwr.transport import (
     TransportSetupError,
     update_bound,
 )
-from parablock_flwr.transport.framing import FramingError, arrays, frame, unframe
+from parablock_flwr.transport.framing import Buffers, FramingError, arrays, frame, unframe
 from parablock_flwr.transport.node_side import Prefetched
 from parablock_flwr.wire import pack_pieces, unpack
 
@@ -662,6 +663,46 @@ def test_a_transfer_ahead_that_finds_no_server_does_not_keep_the_next_message_of
         with pytest.raises(StreamUnusable, match="not dialled again"):
             side.fetch(offer)  # the message's own failure did
     finally:
+        side.close()
+
+
+def test_a_server_that_dies_during_a_nodes_transfer_is_dialled_again_at_once(hub, monkeypatch):
+    """The server is stopped (killed, in a deployment) during a node's ordinary upload: the call fails, but the
+    address was reached, so the node does not keep it off the stream for ``retry_after_s`` (a resumed server at
+    the same address within the minute would lose its first round, the one carrying hand-backs and syncs); only
+    a failure to connect at all does."""
+    from parablock_flwr.transport import node_side
+
+    midway, go_on = threading.Event(), threading.Event()
+
+    class Held(Buffers):  # the update's bytes, held after their first chunk until the server is gone
+        def chunks(self, size):
+            parts = super().chunks(size)
+            yield next(parts)
+            midway.set()
+            go_on.wait(10)
+            yield from parts
+
+    framed_before = node_side.framed
+    monkeypatch.setattr(node_side, "framed", lambda payloads: Held([b"".join(framed_before(payloads).chunks(2**30))]))
+    offer = hub.offer(1, node=7, records={GLOBAL_STEP: block(1)}, upload_max_size=10**7)
+    side, failed = NodeTransport(connect_timeout_s=0.5, timeout_s=10), {}
+    uploading = threading.Thread(target=lambda: failed.update(err=pytest.raises(StreamUnusable, side.upload, offer,
+                                                                                   payloads(block(24)))))  # fmt: skip
+    try:
+        uploading.start()
+        assert midway.wait(10)
+        hub.server.stop(0)
+        go_on.set()
+        uploading.join(20)
+        assert "UNAVAILABLE" in str(failed["err"].value) and "failed to connect" not in str(failed["err"].value)
+        with pytest.raises(StreamUnusable) as next_call:
+            side.fetch(offer)  # dialled at once: nothing answers now, and that failure to connect is what marks it
+        assert "failed to connect" in str(next_call.value) and "not dialled again" not in str(next_call.value)
+        with pytest.raises(StreamUnusable, match="not dialled again"):
+            side.fetch(offer)
+    finally:
+        go_on.set()
         side.close()
 
 

@@ -173,9 +173,10 @@ class NodeTransport:
 
     def _call(self, offer: TransportOffer, fn, ahead: bool = False):
         """``fn(client)`` on the offer's channel; any failure as ``StreamUnusable``. An address that could not
-        be reached (``UNAVAILABLE``: no answer within ``connect_timeout_s``, refused, TLS failed) is not
-        dialled again for ``retry_after_s``, unless the call moved bytes ``ahead`` of their message: a server
-        stopped while it waited (a killed run, resumed at the same address) says nothing of the next run's."""
+        be reached (``UNAVAILABLE`` before any connection: no answer within ``connect_timeout_s``, refused, TLS
+        failed) is not dialled again for ``retry_after_s``, unless the call moved bytes ``ahead`` of their
+        message. A server that went away during a call (killed, and maybe resumed at the same address within
+        the minute) was reached: it says nothing of the next call, which dials again."""
         key = (self.address(offer), offer.ca_pem, offer.insecure)
         with self._lock:
             until, why = self._unreachable.get(key, (0.0, ""))
@@ -194,9 +195,17 @@ class NodeTransport:
             raise StreamUnusable(f"the stream at {key[0]} {refused.line()}") from None
         except TransportError as err:
             why = f"the stream at {key[0]} failed: {err}"
-            if err.code == "UNAVAILABLE" and not ahead:
+            if err.code == "UNAVAILABLE" and not ahead and never_connected(err):
                 with self._lock:
                     self._unreachable[key] = (self._clock() + self.retry_after_s, why)
                     self._clients.pop(key, None)
                 client.close()
             raise StreamUnusable(why) from None
+
+
+def never_connected(err: TransportError) -> bool:
+    """Whether a call's ``UNAVAILABLE`` is gRPC's failure to connect at all (its details say so: "failed to
+    connect to all addresses", "DNS resolution failed"), not a connection lost during the call ("Cancelling
+    all calls", "Socket closed": the server stopped, or was killed, with the call under way)."""
+    text = str(err)
+    return "failed to connect" in text or "DNS resolution failed" in text

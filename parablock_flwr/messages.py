@@ -371,6 +371,9 @@ class RecordOffer(NamedTuple):
     sha256: str
     token: str
 
+    def __repr__(self) -> str:  # the capability is a secret: never in a repr, a log line or an error
+        return f"RecordOffer(record={self.record!r}, name={self.name!r}, size={self.size}, sha256={self.sha256!r})"
+
 
 @dataclass(frozen=True)
 class TransportOffer:
@@ -386,35 +389,35 @@ class TransportOffer:
     insecure: bool = False
     records: tuple[RecordOffer, ...] = ()
     upload_name: str = ""  # "" when the message asks for no update (the final evaluation)
-    upload_token: str = ""
+    upload_token: str = field(default="", repr=False)  # a secret: never in a repr, a log line or an error
     upload_max_size: int = 0
     # A capability to upload the round's reply itself (its content: metrics, trace and the update's commit) once
     # the update is up, so that the server aggregates it without waiting for Flower's reply, which then trails
     # as its audit (``transport-replies-on-stream``; "" when not offered).
     reply_name: str = ""
-    reply_token: str = ""
+    reply_token: str = field(default="", repr=False)  # a secret: never in a repr, a log line or an error
     # One round ahead (``server_round + 1``), so that the bytes move before that round's message comes: a
     # capability to upload the node's next update into that round's slot, and one to download that round's
     # global step as soon as the server publishes it (its size and SHA-256 come in that round's offer).
     ahead_upload_name: str = ""  # "" when none is offered (the last round, a node on Flower's path)
-    ahead_upload_token: str = ""
+    ahead_upload_token: str = field(default="", repr=False)  # a secret: never in a repr, a log line or an error
     ahead_upload_max_size: int = 0
     ahead_step_name: str = ""
-    ahead_step_token: str = ""
+    ahead_step_token: str = field(default="", repr=False)  # a secret: never in a repr, a log line or an error
     ahead_step_max_size: int = 0
     # And one to download that round's message content (as ``message_*`` name it, below) as soon as the server
     # has built it, so that the node's worker starts that round from the stream itself: Flower's delivery and
     # the ClientApp's start leave the critical path (the message pushed ahead still brings the reply's way back).
     ahead_message_name: str = ""
-    ahead_message_token: str = ""
-    ahead_message_key: str = ""
+    ahead_message_token: str = field(default="", repr=False)  # a secret: never in a repr, a log line or an error
+    ahead_message_key: str = field(default="", repr=False)  # a secret: never in a repr, a log line or an error
     # A message pushed a round ahead (``MESSAGE_AHEAD``): its content waits on the stream under this name until
     # the server has built it (``message_content``), so that Flower delivers the message and starts the node's
     # ClientApp while the previous round is still being aggregated.
     message_name: str = ""
-    message_token: str = ""
+    message_token: str = field(default="", repr=False)  # a secret: never in a repr, a log line or an error
     message_max_size: int = 0
-    message_key: str = ""  # 64 hex: the content comes with its HMAC-SHA256 under this key (``message_bytes``)
+    message_key: str = field(default="", repr=False)  # 64 hex: the content's HMAC-SHA256 key (``message_bytes``)
 
     def to_config(self) -> dict[str, Any]:
         """The ``transport`` config record: the records as parallel lists (``records-name``, ...)."""

@@ -251,6 +251,24 @@ def offer() -> messages.TransportOffer:
                                    message_key="ed" * 32)  # fmt: skip
 
 
+def test_no_capability_or_key_is_in_a_repr():
+    """An offer, its records and a ticket print (a log line, an error, a debugger) without the secrets they
+    carry: every token and key is left out of their repr."""
+    from parablock_flwr.transport import Direction, Ticket
+
+    tokens = {f"{i:02x}" * 32 for i in range(7)}
+    names = ("upload_token", "reply_token", "ahead_upload_token", "ahead_step_token", "ahead_message_token",
+             "ahead_message_key", "message_token")  # fmt: skip
+    secret = dict(zip(names, sorted(tokens), strict=True))
+    ref = messages.RecordOffer(messages.GLOBAL_STEP, "r3/global-step/1", 1234, "ab" * 32, "77" * 32)
+    full = dataclasses.replace(offer(), records=(ref,), message_key="88" * 32, **secret)
+    ticket = Ticket(bytes.fromhex("99" * 32), 1, 2, 3, Direction.UPLOAD, "r3/update/5")
+    printed = " ".join([repr(full), str(full), repr(ref), repr(ticket), str(ticket)])
+    for value in [*tokens, "77" * 32, "88" * 32, "99" * 32]:
+        assert value not in printed, value
+    assert "r3/global-step/1" in printed and "r3/update/5" in printed  # what is not secret still shows
+
+
 def test_a_transport_offer_and_a_commit_read_back():
     assert messages.TransportOffer.from_config(offer().to_config()) == offer()
     commit = messages.UpdateCommit(12, "0f" * 32)

@@ -84,7 +84,7 @@ class Refusals:
 class Ticket:
     """What a node receives in Flower's message to use the stream: the token and what it is bound to."""
 
-    token: bytes
+    token: bytes = field(repr=False)  # a secret: never in a repr, a log line or an error
     run_id: int
     node_id: int
     round: int

@@ -137,7 +137,7 @@ class RunConfig:
     transport_idle_timeout_s: float = 30.0
     transport_messages_ahead: bool = True
     transport_replies_on_stream: bool = True
-    max_update_norm: float = 0.0
+    max_update_norm: float = -1.0  # -1: the bound no honest AdamW update reaches; 0: none
     max_num_examples: int = 0
     max_correction_drift: float = 0.0
     min_accepted_replies: int = 1
@@ -272,6 +272,11 @@ class RunConfig:
             value = getattr(self, key.replace("-", "_"))
             if not value > 0:
                 raise ConfigError(f"{key}={value}: expected a number > 0")
+        if not (self.max_update_norm >= 0 or self.max_update_norm == -1):
+            raise ConfigError(
+                f"max-update-norm={self.max_update_norm}: expected -1 (the bound no honest update reaches), "
+                f"0 (none) or a norm > 0"
+            )
         if not 0.0 <= self.lora_dropout < 1.0:
             raise ConfigError(f"lora-dropout={self.lora_dropout}: expected a number in [0, 1)")
         if not 0.0 < self.fraction_train <= 1.0:
@@ -279,7 +284,6 @@ class RunConfig:
         for key in (
             "weight-decay",
             "latency-ms",
-            "max-update-norm",
             "message-overhead-s",
             "message-throughput-mbs",
             "stream-throughput-mbs",

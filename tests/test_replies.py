@@ -16,6 +16,7 @@ from parablock_flwr.messages import TrainMetrics
 from parablock_flwr.model import load_model
 from parablock_flwr.records import to_record, to_tensors
 from parablock_flwr.strategies import ParaBlock
+from parablock_flwr.strategies.reply_checks import honest_update_bound
 from parablock_flwr.strategies.round_stats import RoundStats
 from parablock_flwr.strategies.run import Run, TooFewReplies
 
@@ -100,6 +101,41 @@ def malformed(update):
         (reply(20, None, error=Error(code=0, reason="worker crashed")), "client error: worker crashed"),
         (reply(21, huge), "above max-update-norm=10.0"),
     ]
+
+
+@pytest.mark.parametrize("gradients", ["steady", "noisy", "spike last", "spike first"])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_no_adamw_update_reaches_the_default_bound(gradients, weight_decay):
+    """``max-update-norm = -1`` (the default): a real AdamW (the training loop's optimizer, torch's default betas)
+    over any gradients, steady, noisy or with a spike at either end, moves a block by less than
+    ``honest_update_bound``: steady gradients, the largest an honest update can be, reach about a seventh."""
+    torch.manual_seed(0)
+    for steps, lr in ((1, 1e-2), (8, 3e-4), (60, 1e-3)):
+        p = torch.nn.Parameter(torch.randn(4096))
+        start = p.detach().clone()
+        optimizer = torch.optim.AdamW([p], lr=lr, weight_decay=weight_decay)
+        for t in range(steps):
+            scale = {"spike last": 1e3 if t == steps - 1 else 1e-3, "spike first": 1e3 if t == 0 else 1e-3}
+            p.grad = torch.randn(4096) if gradients == "noisy" else torch.ones(4096) * scale.get(gradients, 1.0)
+            optimizer.step()
+        norm = float((p.detach() - start).norm())
+        bound = honest_update_bound(4096, steps, lr, weight_decay, float(start.norm()))
+        assert norm < bound / 6, (norm, bound)
+
+
+def test_the_default_bound_rejects_a_forged_update_and_takes_an_honest_one(setup):
+    """With the default ``max-update-norm = -1``, an update a stolen capability could carry (a block moved by
+    1.0 per value: the size of the weights themselves) is rejected, counted with its reason; an honest one
+    (1e-3 per value, as a few AdamW steps at the default 3e-4 give) is taken."""
+    run, update, _ = setup
+    cfg = run.algorithm.config = run.config = RunConfig(min_accepted_replies=0, num_server_rounds=2)
+    bound = run.algorithm.max_update_norm(BLOCK)
+    assert bound == honest_update_bound(sum(t.numel() for t in update.values()), cfg.local_steps, cfg.learning_rate,
+                                        0.0, 0.0)  # fmt: skip
+    forged = {n: torch.ones_like(t) for n, t in update.items()}
+    rec = aggregate(run, [reply(10, update), reply(11, forged)])
+    assert rec["num_accepted"] == 1 and rec["num_rejected"] == 1
+    assert f"above max-update-norm={bound}" in rec["rejected"][0]["reason"]
 
 
 def test_each_malformed_kind_is_rejected_and_counted(setup):

@@ -390,10 +390,11 @@ def aggregate(run: Run, replies: list[Message]) -> dict:
 
 
 def run_with(algorithm, run_dir: str, **config) -> tuple[Run, dict]:
-    """The run of a strategy over ``SHAPES`` at ``x^0`` (returned too), in ``run_dir``."""
+    """The run of a strategy over ``SHAPES`` at ``x^0`` (returned too), in ``run_dir``; no bound on the update's
+    norm unless ``config`` sets one (these updates are any values, not an optimizer's)."""
     x0 = {n: torch.linspace(-1, 1, math.prod(s)).reshape(s) for n, s in SHAPES.items()}
     params = {n: t.clone() for n, t in x0.items()}
-    cfg = RunConfig(max_num_examples=MAX_EXAMPLES, num_server_rounds=2, **config)
+    cfg = RunConfig(max_num_examples=MAX_EXAMPLES, num_server_rounds=2, **{"max_update_norm": 0.0, **config})
     strategy = algorithm(global_params=params, partition=PARTITION, schedule=[BLOCK, 1], run_dir=run_dir, config=cfg)
     return Run(strategy), x0
 
@@ -441,7 +442,7 @@ def test_a_node_with_its_own_data_is_bounded_whatever_it_claims(tmp_path):
     bounded by ``num-examples`` (before: any finite count was accepted and the node dominated the mean)."""
     run, _ = run_with(FedBCD, str(tmp_path), min_accepted_replies=0)
     strategy = run.algorithm
-    strategy.config = RunConfig(num_examples=40, num_server_rounds=2, min_accepted_replies=0)
+    strategy.config = RunConfig(num_examples=40, num_server_rounds=2, min_accepted_replies=0, max_update_norm=0.0)
     huge = valid_reply(strategy, 100, 0, [0.5], "fp32", **{"own-data": 1, "num-examples": 10**9})
     honest = valid_reply(strategy, 101, 1, [0.25], "fp32", **{"own-data": 1, "num-examples": 40})
     record = aggregate(run, [huge, honest])

@@ -75,8 +75,8 @@ def test_the_algorithm_decides_a_round_without_a_run_and_leaves_the_acting_to_it
 
     partition = core.BlockPartition(blocks=(("w",), ("b",)), labels=("w", "b"))
     x = {"w": torch.zeros(3), "b": torch.zeros(2)}
-    strategy = ParaBlock(global_params=x, partition=partition, schedule=[0, 1], run_dir=tmp_path,
-                         config=RunConfig(num_server_rounds=2, min_accepted_replies=1))  # fmt: skip
+    cfg = RunConfig(num_server_rounds=2, min_accepted_replies=1, max_update_norm=0.0)  # any update values
+    strategy = ParaBlock(global_params=x, partition=partition, schedule=[0, 1], run_dir=tmp_path, config=cfg)
 
     def reply(node: int, block: int) -> Message:
         TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, node, 0

@@ -37,9 +37,26 @@ class Expected:
     block: int
     shapes: dict[str, tuple[int, ...]]  # the block's parameters
     max_num_examples: float  # the bound on every node's num-examples (its aggregation weight)
-    max_update_norm: float = 0.0  # 0: no bound
+    max_update_norm: float = 0.0  # 0: no bound (the run's -1 is resolved by the algorithm: ``honest_update_bound``)
     transfer_dtype: str = "fp32"  # the payload dtype updates travel in (records.WIRE_DTYPES)
     max_correction_drift: float = 0.0  # on-receipt: the bound on a node's reported drift (0: none)
+
+
+# Adam's step per coordinate, |m̂ / sqrt(v̂)|, is at most (1 - β1) * sqrt(1 / ((1 - β2) (1 - β1² / β2))) with
+# torch's default betas (0.9, 0.999): Cauchy-Schwarz over the moving averages gives 7.27, rounded up.
+ADAM_STEP_BOUND = 7.3
+
+
+def honest_update_bound(
+    numel: int, local_steps: int, learning_rate: float, weight_decay: float, x_norm: float
+) -> float:
+    """The L2 norm that no honest node's update of a block of ``numel`` values reaches (``max-update-norm = -1``):
+    each of the ``local_steps`` AdamW steps moves a value by at most ``learning-rate`` (the schedule's factor is at
+    most 1) times ``ADAM_STEP_BOUND``, plus the decoupled weight decay of a block whose norm is ``x_norm`` at most
+    grown by those steps. An honest update's norm is several times below it (steady gradients: about a seventh),
+    a forged or diverged one far above; error feedback adds at most one rounding step (1 %)."""
+    steps = local_steps * learning_rate * ADAM_STEP_BOUND * math.sqrt(numel)
+    return 1.01 * (steps + local_steps * learning_rate * weight_decay * (x_norm + steps))
 
 
 @dataclass

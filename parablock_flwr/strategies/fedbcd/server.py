@@ -41,6 +41,7 @@ from ..reply_checks import (
     all_finite,
     check_own_count,
     check_partition,
+    honest_update_bound,
     parse_reply,
     state_intact,
 )
@@ -374,6 +375,19 @@ class FedBCD:
         outcome.record.update(self.extra_round_metrics(server_round, outcome.accepted))
         return outcome
 
+    def max_update_norm(self, block: int) -> float:
+        """The bound on a reply's update norm: ``max-update-norm``, or with -1 (the default) the norm no honest
+        AdamW update of this block reaches (``honest_update_bound``; docs/configuration.md); 0: none."""
+        cfg = self.config
+        if cfg.max_update_norm >= 0:
+            return cfg.max_update_norm
+        names = self.partition.names(block)
+        numel = sum(self.global_params[n].numel() for n in names)
+        x_norm = 0.0
+        if cfg.weight_decay > 0:  # a pass over the block, only when the decay counts
+            x_norm = math.hypot(*(float(torch.linalg.vector_norm(self.global_params[n].detach())) for n in names))
+        return honest_update_bound(numel, cfg.local_steps, cfg.learning_rate, cfg.weight_decay, x_norm)
+
     def too_few(self, accepted: list[Reply]) -> str:
         """Why a round with ``accepted`` has no step yet (the run's retry and stop lines say it too)."""
         return (f"{len(accepted)} valid replies, expected at least "
@@ -433,8 +447,9 @@ class FedBCD:
         SuperLink as its sender)."""
         shapes = {n: tuple(self.global_params[n].shape) for n in self.partition.names(block)}
         cfg = self.config
-        expected = Expected(server_round, block, shapes, cfg.max_examples_per_client, cfg.max_update_norm,
-                            cfg.transfer_dtype, cfg.max_correction_drift)  # fmt: skip
+        bound = self.max_update_norm(block)
+        expected = Expected(server_round, block, shapes, cfg.max_examples_per_client, bound, cfg.transfer_dtype,
+                            cfg.max_correction_drift)  # fmt: skip
         seen, checked, replied = {r.partition_id for r in accepted}, Checked(accepted), set()
         for msg in replies:
             node = sent_to.get(msg.metadata.reply_to_message_id, msg.metadata.src_node_id)

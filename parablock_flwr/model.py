@@ -213,12 +213,23 @@ def save_model(model: nn.Module, tokenizer, folder: Path) -> None:
         shutil.rmtree(tmp)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    _same_mode(tmp)
     if folder.exists():
         shutil.rmtree(folder)
     replace_folder(tmp, folder)
     series = re.sub(r"\d+$", "*", folder.name)
     for stale in folder.parent.glob(f".{series}.tmp"):
         shutil.rmtree(stale, ignore_errors=True)
+
+
+def _same_mode(folder: Path) -> None:
+    """Every file of an export readable as its others are: safetensors writes the weights through a private
+    temporary file (mode 0600), the rest is written under the process's umask (usually 0644)."""
+    reference = next((p for p in (folder / "config.json", folder / "adapter_config.json") if p.exists()), None)
+    mode = reference.stat().st_mode & 0o777 if reference is not None else 0o644
+    for path in folder.iterdir():
+        if path.is_file():
+            path.chmod(mode)
 
 
 # ``prompt-format = "plain"``: a documented instruction/response format for base models (no chat

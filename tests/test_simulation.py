@@ -75,6 +75,18 @@ def _ok(run):
     return run
 
 
+def test_the_records_read_forwards_in_time_and_the_export_reads_like_its_folder(parablock_int8_run):
+    """Round 0 (x^0) is stamped at the run's start, whenever its evaluation ended, and each round's stamp is
+    after the one before: loss against wall-clock reads forwards. Every file of the exported model has the
+    mode of the folder's other files (safetensors writes the weights 0600 on its own)."""
+    records = _ok(parablock_int8_run).records
+    stamps = [r["elapsed_s"] for r in records]
+    assert stamps[0] == 0.0 and stamps == sorted(stamps), stamps
+    files = [p for p in (parablock_int8_run.run_dir / "final-model").iterdir() if p.is_file()]
+    assert "model.safetensors" in {p.name for p in files}
+    assert {p.stat().st_mode & 0o777 for p in files} == {(files[0].parent / "config.json").stat().st_mode & 0o777}
+
+
 def test_schedule_repeats_a_block():
     schedule = core.block_schedule(SCHEDULE["schedule"], 2, ROUNDS, SCHEDULE["seed"])
     assert any(a == b for a, b in zip(schedule, schedule[1:])), schedule

@@ -203,7 +203,6 @@ class ModelReplica:
             )
         touched = set(train_names) | (set(pending.delta) if pending else set()) | set(back)
         saved = {n: self.params[n].detach().clone() for n in touched}
-        self.hashes.changed(touched)  # moved until restored, and restored by copies: hashed again when asked
         try:
             with torch.no_grad():
                 for n, t in back.items():
@@ -217,7 +216,7 @@ class ModelReplica:
                 with torch.no_grad():
                     for n, t in saved.items():
                         self.params[n].copy_(t)
-                self.hashes.changed(touched)  # nothing hashed while they held the local model is kept
+                self.hashes.changed(touched)  # restored by copies; nothing hashed while they were moved is kept
                 self._to_device(touched)
             except Exception as err:  # e.g. out of device memory half-way: some tensors keep trained values
                 self.lost = f"{type(err).__name__} while restoring it: {err}"

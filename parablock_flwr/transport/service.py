@@ -330,9 +330,7 @@ class Inbox:
         here once the inbox is closed (the service stopping). An upload whose round ended while it arrived is
         refused as ``late`` (the caller gives its buffer back): no later ``drop_round`` would drop it."""
         with self._lock:
-            if ticket.round <= self._ended.get(ticket.run_id, 0):
-                raise Refused(RefusalKind.LATE, f"round {ticket.round} of run {ticket.run_id} ended while its "
-                              f"upload {ticket.record!r} arrived")  # fmt: skip
+            self._refuse_if_ended(ticket)
         if isinstance(data, SpillFile):
             upload = _Upload(sha256, len(data), spilled=data)
         elif self.outside_budget(ticket.record):  # small: decoded here, never behind a block's decoding
@@ -341,15 +339,22 @@ class Inbox:
             upload = _Upload(sha256, len(data), decoding=self._decode_soon(data, ticket.record))
         with self._lock:
             self._receiving.discard(id(data))
-            if ticket.round <= self._ended.get(ticket.run_id, 0):  # its round ended while it was decoded
+            try:
+                self._refuse_if_ended(ticket)  # its round may have ended while its decoding started
+            except Refused:
                 _forget(upload)
-                raise Refused(RefusalKind.LATE, f"round {ticket.round} of run {ticket.run_id} ended while its "
-                              f"upload {ticket.record!r} arrived")  # fmt: skip
+                raise
             old = self._records.get(_slot(ticket))
             self._records[_slot(ticket)] = upload
         self.arrived.set()
         if old is not None:
             _forget(old)
+
+    def _refuse_if_ended(self, ticket: Ticket) -> None:
+        """``late`` for an upload of a round ``drop_round`` has ended (called holding the lock)."""
+        if ticket.round <= self._ended.get(ticket.run_id, 0):
+            raise Refused(RefusalKind.LATE, f"round {ticket.round} of run {ticket.run_id} ended while its "
+                          f"upload {ticket.record!r} arrived")  # fmt: skip
 
     def _decode_soon(self, data, record: str) -> futures.Future:
         try:

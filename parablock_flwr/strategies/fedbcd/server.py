@@ -126,6 +126,7 @@ class FedBCD:
         self.run_dir = Path(run_dir)
         self.sync = NodeSync(global_params, partition.num_blocks, StepLog(run_dir), self.config.transfer_dtype)
         self.x_hashes = core.TensorHashes()  # each tensor of x's SHA-256 until a step moves it (invariant check)
+        self._update_bounds: dict[int, float] = {}  # block -> its honest-update bound while x keeps its values
         self.spill = UpdateSpill(run_dir)
         self.stats = RoundStats(0)
         self._blocks: dict[int, int] = {}  # server round -> block, as decided so far (``block_for_round``)
@@ -136,7 +137,7 @@ class FedBCD:
     def resumed(self, ckpt: Checkpoint) -> None:
         """Called by ``Run.resume`` once ``x^R`` is rebuilt: the blocks decided, the clients' pending
         updates to hand back, the subclass's own state."""
-        self.x_hashes = core.TensorHashes()  # x is x^R now: hash it anew
+        self.x_hashes, self._update_bounds = core.TensorHashes(), {}  # x is x^R now: hash it anew
         self.sync.first_round = ckpt.round + 1
         self.sync.resume_pending = ckpt.pending
         self.sync.carry(ckpt.node_sync)
@@ -165,6 +166,7 @@ class FedBCD:
         """A step replaced these tensors of ``x`` (``before``: their old values): what knows ``x`` follows."""
         self.sync.applied(before)
         self.x_hashes.changed(before)
+        self._update_bounds.clear()
 
     def partition_of(self, node: int) -> int | None:
         """The partition a node serves, as its accepted replies or a query said (None: not known)."""
@@ -381,12 +383,16 @@ class FedBCD:
         cfg = self.config
         if cfg.max_update_norm >= 0:
             return cfg.max_update_norm
-        names = self.partition.names(block)
-        numel = sum(self.global_params[n].numel() for n in names)
-        x_norm = 0.0
-        if cfg.weight_decay > 0:  # a pass over the block, only when the decay counts
-            x_norm = math.hypot(*(float(torch.linalg.vector_norm(self.global_params[n].detach())) for n in names))
-        return honest_update_bound(numel, cfg.local_steps, cfg.learning_rate, cfg.weight_decay, x_norm)
+        if block not in self._update_bounds:  # once per block while x keeps its values (``x_moved``)
+            names = self.partition.names(block)
+            numel = sum(self.global_params[n].numel() for n in names)
+            x_norm = 0.0
+            if cfg.weight_decay > 0:  # a pass over the block, only when the decay counts
+                x_norm = math.hypot(*(float(torch.linalg.vector_norm(self.global_params[n].detach())) for n in names))
+            self._update_bounds[block] = honest_update_bound(
+                numel, cfg.local_steps, cfg.learning_rate, cfg.weight_decay, x_norm
+            )
+        return self._update_bounds[block]
 
     def too_few(self, accepted: list[Reply]) -> str:
         """Why a round with ``accepted`` has no step yet (the run's retry and stop lines say it too)."""

@@ -67,6 +67,7 @@ MAY_CHANGE_ON_RESUME = frozenset(
         "transport-certfile",
         "transport-keyfile",
         "transport-ca",
+        "transport-client-ca",
         "transport-insecure",
         "transport-idle-timeout-s",
         "transport-messages-ahead",

@@ -133,6 +133,7 @@ class RunConfig:
     transport_certfile: str = ""
     transport_keyfile: str = ""
     transport_ca: str = ""
+    transport_client_ca: str = ""
     transport_insecure: bool = False
     transport_idle_timeout_s: float = 30.0
     transport_messages_ahead: bool = True
@@ -313,14 +314,20 @@ class RunConfig:
                 f"transport-address={self.transport_address!r}: expected host:port, the address the nodes dial "
                 f"(the ServerApp serves its port on every interface; port 0: any free port)"
             )
-        keys = ("transport-certfile", "transport-keyfile", "transport-ca")
+        keys = ("transport-certfile", "transport-keyfile", "transport-ca", "transport-client-ca")
         files = {k: getattr(self, k.replace("-", "_")) for k in keys}
         if self.transport_insecure:
             named = [f"{k}={v!r}" for k, v in files.items() if v]
             if named:
                 raise ConfigError(f"{named[0]} with transport-insecure=true: expected TLS files or insecure, not both")
+            if self.transport_replies_on_stream and not _loopback(host):
+                raise ConfigError(
+                    f"transport-replies-on-stream=true with transport-insecure=true on {host!r}: whoever reads a "
+                    f"plaintext stream could have a reply aggregated as a node's; set transport-replies-on-stream="
+                    f"false, or use TLS (plaintext replies only on a loopback address, which only local processes read)"
+                )
             return
-        missing = [k for k, v in files.items() if not v]
+        missing = [k for k, v in files.items() if not v and k != "transport-client-ca"]
         if missing:
             raise ConfigError(
                 f"{missing[0]}='': transport='direct' needs transport-certfile, transport-keyfile and transport-ca "
@@ -402,6 +409,11 @@ def _coerce(key: str, value: object, expected: type) -> object:
     if expected is str and isinstance(value, str):
         return value
     raise ConfigError(f"{key}={value!r}: expected a value of type {expected.__name__}")
+
+
+def _loopback(host: str) -> bool:
+    """Whether ``host`` names this machine's loopback interface (only its own processes can read it)."""
+    return host in ("localhost", "[::1]", "::1") or host.startswith("127.")
 
 
 def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -28,6 +28,7 @@ import os
 import pwd
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 DATASET_KINDS = ("reasoning-gym", "alpaca", "mathinstruct", "messages")
 # The node config (``--node-config``), a schema of its own, not a message: each key is named here once.
@@ -36,7 +37,8 @@ NUM_PARTITIONS = "num-partitions"
 WORKER_SOCKET = "worker-socket"  # deployment: the node worker's Unix socket (none: the round runs inline)
 WORKER_UID = "worker-uid"  # the node worker's user, when it is not the ClientApp's
 NODE_SETTINGS_KEYS = ("dataset", "heldout-dataset", "device", "state-dir", "allow-models", "allow-data", "transport",
-                      "transport-address")  # fmt: skip
+                      "transport-address", "transport-ca", "transport-certfile", "transport-keyfile",
+                      "transport-require-tls")  # fmt: skip
 NODE_CONFIG_KEYS = (PARTITION_ID, NUM_PARTITIONS, WORKER_SOCKET, WORKER_UID, *NODE_SETTINGS_KEYS)
 
 
@@ -74,10 +76,20 @@ class NodeSettings:
     allow_data: str = ""  # the datasets this node may load (space-separated; empty: any)
     transport: str = ""  # "flower": this site moves blocks on Flower's path even when the run offers the stream
     transport_address: str = ""  # host:port this site dials for the run's stream (default: the one the run names)
+    transport_ca: str = ""  # the CA this site trusts for the stream (default: the one the run's message names)
+    transport_certfile: str = ""  # this site's client certificate, for a stream that requires mutual TLS
+    transport_keyfile: str = ""  # its key
+    transport_require_tls: str = ""  # "true": this site never uses a plaintext stream, whatever a message offers
 
     @property
     def local(self) -> bool:
         return bool(self.dataset)
+
+    @property
+    def stream(self) -> SiteStream:
+        """The site's own settings for the run's stream."""
+        return SiteStream(self.transport_address, self.transport_ca, self.transport_certfile, self.transport_keyfile,
+                          self.transport_require_tls.lower() == "true")  # fmt: skip
 
     @classmethod
     def from_node_config(cls, node_config: Mapping[str, object]) -> NodeSettings:
@@ -103,6 +115,35 @@ class NodeSettings:
             if entries and not any(allows(entry, value) for entry in entries):
                 return f"{what}={value!r} refused: this node's {key} is {' '.join(entries)!r}"
         return None
+
+
+@dataclass(frozen=True)
+class SiteStream:
+    """What a site sets for the stream in its node config, whatever a run's message says: the address it dials,
+    the CA it trusts (instead of the message's), its client certificate and key (for a service that requires
+    mutual TLS), and whether it refuses plaintext. Paths; read when a channel is made."""
+
+    address: str = ""
+    ca: str = ""
+    certfile: str = ""
+    keyfile: str = ""
+    require_tls: bool = False
+
+    def problem(self) -> str | None:
+        """One line naming a setting that cannot work, or None."""
+        if bool(self.certfile) != bool(self.keyfile):
+            return (f"node config transport-certfile={self.certfile!r}, transport-keyfile={self.keyfile!r}: expected "
+                    f"both (the site's client certificate and its key) or neither")  # fmt: skip
+        for key, path in (("transport-ca", self.ca), ("transport-certfile", self.certfile),
+                          ("transport-keyfile", self.keyfile)):  # fmt: skip
+            if path and not Path(path).expanduser().is_file():
+                return f"node config {key}={path!r}: no such file"
+        return None
+
+    def identity(self) -> tuple[bytes, bytes] | None:
+        if not self.certfile:
+            return None
+        return Path(self.certfile).expanduser().read_bytes(), Path(self.keyfile).expanduser().read_bytes()
 
 
 def allows(entry: str, value: str) -> bool:
@@ -137,6 +178,10 @@ def node_settings_problem(node_config: Mapping[str, object]) -> str | None:
     host, colon, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
     if not (host and colon and port.isdigit() and int(port) <= 65535):
         return f"node config transport-address={address!r}: expected host:port (the run's stream as this site dials it)"
+    if "transport-require-tls" in node_config and type(node_config["transport-require-tls"]) is not bool:
+        return f"node config transport-require-tls={node_config['transport-require-tls']!r}: expected true or false"
+    if (problem := NodeSettings.from_node_config(node_config).stream.problem()) is not None:
+        return problem
     for key in ("dataset", "heldout-dataset"):
         if key not in node_config:
             continue

@@ -1,6 +1,9 @@
 """What can be attempted against a live direct stream (docs/transport.md, "Trust model"), for the deployment
-tests: by an outsider, who holds no capability (none ever leaves Flower's authenticated messages), and by
-a site misusing its own node's capabilities, read from its ClientApp's request to its node worker.
+tests: by an outsider, who holds no capability (none ever leaves Flower's authenticated messages), with no
+client certificate or with a site's own, and by a site misusing its own node's capabilities, read from its
+ClientApp's request to its node worker, or presenting them under another site's certificate (a stolen token).
+
+``identity``: a site's client certificate and key (PEM bytes), as the stream's mutual TLS asks for; None: none.
 
 Each attempt is made with a real gRPC client against the ServerApp's running service and gives back what
 the client got: a ``Refused`` (its kind, its one line) or, for what the service never sees (a plaintext
@@ -39,10 +42,14 @@ def refusal(call: Callable[[], object]) -> Outcome:
     return AssertionError("the stream accepted what it should have refused")
 
 
-def raw_upload(address: str, ca_pem: bytes, messages) -> Outcome:
+Identity = tuple[bytes, bytes] | None
+
+
+def raw_upload(address: str, ca_pem: bytes, messages, identity: Identity = None) -> Outcome:
     """An Upload call whose client sends whatever ``messages`` yields (a header of its own making, or none),
     read back as ``TransportClient`` reads a refusal."""
-    credentials = grpc.ssl_channel_credentials(root_certificates=ca_pem)
+    cert, key = identity or (None, None)
+    credentials = grpc.ssl_channel_credentials(root_certificates=ca_pem, private_key=key, certificate_chain=cert)
     with grpc.secure_channel(address, credentials) as channel:
         call = channel.stream_unary(UPLOAD, request_serializer=lambda b: b, response_deserializer=lambda b: b)
         return refusal(lambda: TransportClient._call(lambda: call(messages, timeout=120)))
@@ -66,11 +73,14 @@ def forged(direction: Direction, record: str) -> Ticket:
     return Ticket(os.urandom(32), 1, 1, 1, direction, record)
 
 
-def outsider(address: str, ca_pem: bytes, found: dict[str, Outcome], stalled: threading.Event) -> None:
+def outsider(
+    address: str, ca_pem: bytes, found: dict[str, Outcome], stalled: threading.Event, identity: Identity = None
+) -> None:
     """Everything an outsider can attempt without a capability, into ``found``: forged capabilities up and
     down, a first message that is no header, an upload that stalls before its header (refused once the
-    service's idle timeout passes, beside the rest; ``stalled`` is set then), and a plaintext dial at the
-    TLS port. ``ca_pem``: the CA the service's certificate is signed by (public: Flower's messages carry it)."""
+    service's header deadline passes, beside the rest; ``stalled`` is set then), and a plaintext dial at the
+    TLS port. ``ca_pem``: the CA the service's certificate is signed by (public: Flower's messages carry it).
+    Without ``identity``, a service that requires mutual TLS ends each at the handshake."""
     wait_listening(address)
     release = threading.Event()
 
@@ -80,23 +90,23 @@ def outsider(address: str, ca_pem: bytes, found: dict[str, Outcome], stalled: th
 
     def stall() -> None:
         try:
-            found["stalled"] = raw_upload(address, ca_pem, stalls())
+            found["stalled"] = raw_upload(address, ca_pem, stalls(), identity)
         finally:
             release.set()
             stalled.set()
 
     staller = threading.Thread(target=stall, daemon=True)
     staller.start()
-    with TransportClient(address, ca_pem=ca_pem, timeout_s=60) as client:
+    with TransportClient(address, ca_pem=ca_pem, timeout_s=60, identity=identity) as client:
         found["forged upload"] = refusal(lambda: client.upload(forged(Direction.UPLOAD, "r1/update/1"), b"x"))
         found["forged download"] = refusal(lambda: client.download(forged(Direction.DOWNLOAD, "r1/x/1"), 1, "0" * 64))
-    found["not a header"] = raw_upload(address, ca_pem, iter([b"\x00garbage"]))
+    found["not a header"] = raw_upload(address, ca_pem, iter([b"\x00garbage"]), identity)
     with TransportClient(address, insecure=True, timeout_s=20) as plaintext:
         found["plaintext"] = refusal(lambda: plaintext.upload(forged(Direction.UPLOAD, "r1/update/1"), b"x"))
     staller.join(timeout=120)
 
 
-def misuse_before(offer: TransportOffer) -> dict[str, Outcome]:
+def misuse_before(offer: TransportOffer, identity: Identity, thief: Identity) -> dict[str, Outcome]:
     """A site's misuse of its own capabilities before its node worker uses them: an oversized declaration,
     another node's update slot, another record than its own, bytes whose SHA-256 or length is not the
     declared one, a trickling upload. Each is refused and releases the capability (the worker then uses it)."""
@@ -106,15 +116,17 @@ def misuse_before(offer: TransportOffer) -> dict[str, Outcome]:
     down = Ticket(bytes.fromhex(ref.token), offer.run_id, node, rnd, Direction.DOWNLOAD, ref.name)
     other = node + 1 if node + 1 < 2**63 else node - 1
     found = {
-        "oversized": raw_upload(offer.address, ca_pem, iter([encode_header(up, offer.upload_max_size + 1, "0" * 64)]))
+        "oversized": raw_upload(
+            offer.address, ca_pem, iter([encode_header(up, offer.upload_max_size + 1, "0" * 64)]), identity
+        )
     }
-    with TransportClient(offer.address, ca_pem=ca_pem, timeout_s=60) as client:
+    with TransportClient(offer.address, ca_pem=ca_pem, timeout_s=60, identity=identity) as client:
         another = Ticket(up.token, offer.run_id, other, rnd, Direction.UPLOAD, f"r{rnd}/update/{other}")
         found["another node's slot"] = refusal(lambda: client.upload(another, b"x"))
         elsewhere = Ticket(down.token, offer.run_id, node, rnd, Direction.DOWNLOAD, f"r{rnd}/global-step/0")
         found["another record"] = refusal(lambda: client.download(elsewhere, ref.size, ref.sha256))
         found["digest"] = refusal(lambda: client.upload(up, b"y" * 1000, sha256="0" * 64))
-    found["size"] = raw_upload(offer.address, ca_pem, iter([encode_header(up, 1000, "0" * 64), b"y" * 999]))
+    found["size"] = raw_upload(offer.address, ca_pem, iter([encode_header(up, 1000, "0" * 64), b"y" * 999]), identity)
 
     def trickles():
         yield encode_header(up, offer.upload_max_size, "0" * 64)
@@ -122,22 +134,24 @@ def misuse_before(offer: TransportOffer) -> dict[str, Outcome]:
             time.sleep(0.2)
             yield b"t" * 1000
 
-    found["trickling"] = raw_upload(offer.address, ca_pem, trickles())
+    found["trickling"] = raw_upload(offer.address, ca_pem, trickles(), identity)
     return found
 
 
-def misuse_after(offer: TransportOffer) -> dict[str, Outcome | None]:
+def misuse_after(offer: TransportOffer, identity: Identity, thief: Identity) -> dict[str, Outcome | None]:
     """A site presenting a record's download capability twice once its node worker has answered the round.
     The first use is refused as replayed when the worker used it, and is the site's own (the same bytes,
     harmless; ``None``) when the worker took that record another way (a step prefetched a round ahead); the
     second is refused as replayed either way, or as ``late`` once the round has ended:
-    with its reply on the stream, the server may end the round before the site tries. (Its upload capability
+    with its reply on the stream, the server may end the round before the site tries. Then another site
+    (``thief``) presents the same capability under its own certificate: refused as ``foreign_peer``, since the
+    node's first transfer bound its capabilities to its certificate. (Its upload capability
     is not replayed: when the worker's update went ahead, that capability is unused and an upload under it
     would replace the update before the reply claims it, the site's own update only; the fast tier covers an
     upload replayed.)"""
     ca_pem, ref, rnd = offer.ca_pem.encode(), offer.records[0], offer.server_round
     down = Ticket(bytes.fromhex(ref.token), offer.run_id, offer.node_id, rnd, Direction.DOWNLOAD, ref.name)
-    with TransportClient(offer.address, ca_pem=ca_pem, timeout_s=60) as client:
+    with TransportClient(offer.address, ca_pem=ca_pem, timeout_s=60, identity=identity) as client:
 
         def fetch() -> None:
             client.download(down, ref.size, ref.sha256)
@@ -147,7 +161,10 @@ def misuse_after(offer: TransportOffer) -> dict[str, Outcome | None]:
             first = None
         except (Refused, TransportError) as outcome:
             first = outcome
-        return {"download again": first, "replayed download": refusal(fetch)}
+        found = {"download again": first, "replayed download": refusal(fetch)}
+    with TransportClient(offer.address, ca_pem=ca_pem, timeout_s=60, identity=thief) as stolen:
+        found["stolen token"] = refusal(lambda: stolen.download(down, ref.size, ref.sha256))
+    return found
 
 
 class SocketTap:
@@ -160,8 +177,9 @@ class SocketTap:
     request is relayed only once ``hold`` is set (what must happen while the run is still on: the service
     refusing a stall after its idle timeout)."""
 
-    def __init__(self, path: Path, partition: int, share: Shared):
+    def __init__(self, path: Path, partition: int, share: Shared, identity: Identity, thief: Identity):
         self.path, self.real, self.partition, self.share = path, path.with_name(path.name + ".real"), partition, share
+        self.identity, self.thief = identity, thief  # its site's certificate, and another site's
         os.rename(path, self.real)
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(str(path))
@@ -192,7 +210,7 @@ class SocketTap:
                 if offer.records and offer.upload_name and share.once.acquire(blocking=False):
                     misused = offer
                     share.found.update(offer=offer, partition=self.partition)
-                    _attempt(share.found, misuse_before, offer)
+                    _attempt(share.found, misuse_before, offer, self.identity, self.thief)
                     share.hold.wait(timeout=120)
             worker.sendall(length + header)
             forward = threading.Thread(target=_pump, args=(conn, worker), daemon=True)
@@ -200,7 +218,7 @@ class SocketTap:
             _pump(worker, conn)  # the worker's reply, to the ClientApp
             forward.join(timeout=60)
         if misused is not None:
-            _attempt(share.found, misuse_after, misused)
+            _attempt(share.found, misuse_after, misused, self.identity, self.thief)
 
 
 @dataclass
@@ -214,11 +232,11 @@ class Shared:
     found: dict = field(default_factory=dict)
 
 
-def _attempt(found: dict, misuse: Callable[[TransportOffer], dict], offer: TransportOffer) -> None:
+def _attempt(found: dict, misuse: Callable[..., dict], offer: TransportOffer, *identities: Identity) -> None:
     """``misuse``'s outcomes into ``found``; an attempt that fails (the stream accepted it) goes there too, so
     that the test names it and the node's request is still relayed (else its round would wait out its timeout)."""
     try:
-        found.update(misuse(offer))
+        found.update(misuse(offer, *identities))
     except Exception as err:
         found[misuse.__name__] = err
 
@@ -244,6 +262,11 @@ def _pump(source: socket.socket, sink: socket.socket) -> None:
         sink.shutdown(socket.SHUT_WR)
     except OSError:
         pass
+
+
+def site_identity(credentials: Path, index: int) -> tuple[bytes, bytes]:
+    """SuperNode ``index``'s client certificate and key, as ``tools.launch`` made them in ``credentials``."""
+    return (credentials / f"supernode-{index}.pem").read_bytes(), (credentials / f"supernode-{index}.key").read_bytes()
 
 
 def kinds(outcomes: dict[str, object]) -> dict[str, str]:

@@ -35,6 +35,14 @@ from parablock_flwr.config import ConfigError, RunConfig, check_num_clients
             {"transport": "direct", "transport-address": "s:1", "transport-insecure": True, "transport-ca": "ca.crt"},
             "transport-ca='ca.crt' with transport-insecure=true: expected TLS files or insecure, not both",
         ),
+        (
+            {"transport": "direct", "transport-address": "s:1", "transport-insecure": True, "transport-client-ca": "c"},
+            "transport-client-ca='c' with transport-insecure=true: expected TLS files or insecure, not both",
+        ),
+        (
+            {"transport": "direct", "transport-address": "10.0.0.1:9094", "transport-insecure": True},
+            "transport-replies-on-stream=true with transport-insecure=true on '10.0.0.1': whoever reads",
+        ),
         ({"transport-idle-timeout-s": 0.0}, "transport-idle-timeout-s=0.0: expected a number > 0"),
     ],
 )

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from stream_probes import Shared, SocketTap, kinds, outsider
+from stream_probes import Shared, SocketTap, kinds, outsider, site_identity
 
 from parablock_flwr.metrics import RunRecorder
 from parablock_flwr.tools.credentials import make_node_key
@@ -190,31 +190,40 @@ def test_crashed_worker_restarts_and_nodes_resynchronise_under_partial_participa
     errors meanwhile (rejected, counted); the server then sends what it missed (steps or full values, on the
     stream) and it trains again with the invariant intact.
 
-    The same run's stream meets what can be attempted against it (tests/stream_probes.py): an outsider with
-    no capability (forged ones up and down, a first message that is no header, an upload that stalls, a
-    plaintext dial at the TLS port), and the site of node 1 or 2 misusing its own node's capabilities,
-    read from its ClientApp's request (an oversized declaration, another node's slot, another record, a
-    wrong SHA-256, a wrong length, a trickle; a record's capability used again once its worker answered).
-    Each is refused with one line that names no token, counted by kind in the records (``direct_refused_*``,
-    the last round's ``final_direct_refused_*``) and on the run's last line, and changes nothing: that
-    node's reply of that round is accepted, no node falls back, every accepted reply's invariant holds."""
-    events, outside, taps, starting = {}, {}, [], threading.Lock()
+    The same run's stream (mutual TLS: each node has its client certificate) meets what can be attempted
+    against it (tests/stream_probes.py): an outsider without a certificate, whose every attempt ends at the
+    handshake; one with a site's certificate and no capability (forged ones up and down, a first message that
+    is no header, an upload that stalls, a plaintext dial at the TLS port); the site of node 1 or 2 misusing
+    its own node's capabilities, read from its ClientApp's request (an oversized declaration, another node's
+    slot, another record, a wrong SHA-256, a wrong length, a trickle; a record's capability used again once
+    its worker answered); and the other site presenting that capability under its own certificate (a stolen
+    token). Each is refused with one line that names no token, counted by kind in the records
+    (``direct_refused_*``, the last round's ``final_direct_refused_*``) and on the run's last line, and changes
+    nothing: that node's reply of that round is accepted, no node falls back, every accepted reply's
+    invariant holds."""
+    events, outside, anonymous, taps, starting = {}, {}, {}, [], threading.Lock()
+    credentials: list[Path] = []
 
     def first_offer(offer):
         """The outsider starts once the stream's address is known (a port scan would find it as well); the
         site's misuse waits for the outsider's stall to be refused (``share.hold``), so that it is in the run."""
         with starting:
             if "outsider" not in events:
-                args = (offer.address, offer.ca_pem.encode(), outside, share.hold)
+                args = (offer.address, offer.ca_pem.encode(), outside, share.hold, site_identity(credentials[0], 3))
                 events["outsider"] = threading.Thread(target=outsider, args=args, daemon=True)
                 events["outsider"].start()
+                args = (offer.address, offer.ca_pem.encode(), anonymous, threading.Event())
+                events["anonymous"] = threading.Thread(target=outsider, args=args, daemon=True)
+                events["anonymous"].start()
 
     share = Shared(on_offer=first_offer)
 
     def crash_and_restart(deployment):
         workers = deployment.workers
-        for i in (1, 2):  # their sites' own processes between ClientApp and worker
-            taps.append(SocketTap(Path(workers[i].args[workers[i].args.index("--socket") + 1]), i, share))
+        credentials.append(deployment.tls.ca_cert.parent)
+        for i in (1, 2):  # their sites' own processes between ClientApp and worker; each steals from the other
+            own, other = site_identity(credentials[0], i), site_identity(credentials[0], 3 - i)
+            taps.append(SocketTap(Path(workers[i].args[workers[i].args.index("--socket") + 1]), i, share, own, other))
 
         def watch():
             metrics = tmp_path / "out"
@@ -245,7 +254,7 @@ def test_crashed_worker_restarts_and_nodes_resynchronise_under_partial_participa
             num_supernodes=4,
             secure=True,
             transport="direct",
-            transport_idle_timeout_s=5.0,  # the outsider's stall is refused within seconds
+            transport_idle_timeout_s=5.0,  # the outsider's stall is refused within seconds (its header's deadline)
             num_server_rounds=5,
             fraction_train=0.5,
             verify_invariant=True,
@@ -258,8 +267,9 @@ def test_crashed_worker_restarts_and_nodes_resynchronise_under_partial_participa
             stop_process_group(events["restarted"])
         for tap in taps:
             tap.close()
-        if "outsider" in events:
-            events["outsider"].join(timeout=120)
+        for name in ("outsider", "anonymous"):
+            if name in events:
+                events[name].join(timeout=120)
     _ok(run)
     assert events["killed"] == 1 and "restarted" in events
     records = run.records[1:]
@@ -284,6 +294,9 @@ def test_crashed_worker_restarts_and_nodes_resynchronise_under_partial_participa
         "plaintext": "TransportError",
     }, outside
     assert outside["plaintext"].code == "UNAVAILABLE"  # its handshake failed: it reached no handler
+    # Without a certificate of the consortium's CA, nothing reaches a handler: each ends at the handshake.
+    assert set(kinds(anonymous).values()) == {"TransportError"}, anonymous
+    assert {o.code for o in anonymous.values()} == {"UNAVAILABLE"}, anonymous
     inside = dict(share.found)
     offer, partition = inside.pop("offer"), inside.pop("partition")
     # The record's capability used again once the worker has answered: refused as replayed, or (None) the
@@ -294,6 +307,7 @@ def test_crashed_worker_restarts_and_nodes_resynchronise_under_partial_participa
     assert len(after) >= 1 and all(isinstance(o, Refused) for o in after), after
     assert all(o.kind in ("replayed", "late") for o in after), after
     assert kinds(inside) == {
+        "stolen token": "foreign_peer",
         "oversized": "oversized",
         "another node's slot": "foreign_record",
         "another record": "foreign_record",
@@ -312,7 +326,7 @@ def test_crashed_worker_restarts_and_nodes_resynchronise_under_partial_participa
             if name.removeprefix("final_").startswith("direct_refused_"):
                 counted[name.removeprefix("final_").removeprefix("direct_refused_")] += n
     expected = Counter(bad_capability=2, bad_header=1, stalled=1, oversized=1, foreign_record=2, digest_mismatch=1,
-                       size_mismatch=1, trickling=1) + Counter(str(o.kind) for o in after)  # fmt: skip
+                       size_mismatch=1, trickling=1, foreign_peer=1) + Counter(str(o.kind) for o in after)  # fmt: skip
     assert counted == expected, counted
     total = sum(expected.values())
     assert sum(r["direct_refusals"] for r in records) + records[-1]["final_direct_refusals"] == total
@@ -341,11 +355,11 @@ def test_on_receipt_corrects_every_node_in_a_deployment_wherever_the_aggregate_l
 
 def test_tls_node_authentication_and_the_direct_transport_give_the_same_model(deployed, tmp_path, tiny_model_dir):
     """TLS on the SuperLink, SuperNode authentication, keys registered with `flwr supernode register`,
-    and ``transport = "direct"``: the registered nodes train, their blocks on the run's stream (TLS,
-    the SuperLink's certificate and CA), node 0's last message pushed a round ahead; node 1 dials a wrong
-    address for it, so its updates come on Flower's path and its records follow them there, each counted;
-    the global model is the one ``deployed`` (Flower's path, the same seed, int8 transfer) reaches, bit for
-    bit, with the same bytes.
+    and ``transport = "direct"``: the registered nodes train, their blocks on the run's stream (mutual TLS,
+    the SuperLink's certificate and CA, each node's own client certificate), node 0's last message pushed a
+    round ahead; node 1 dials a wrong address for it, so its updates come on Flower's path and its records
+    follow them there, each counted; the global model is the one ``deployed`` (Flower's path, the same seed,
+    int8 transfer) reaches, bit for bit, with the same bytes.
     A node with an unregistered key is refused by the SuperLink."""
     stranger = {}
 
@@ -382,6 +396,7 @@ def test_tls_node_authentication_and_the_direct_transport_give_the_same_model(de
     _ok(run), _ok(deployed)
     flower = tmp_path / "flower"
     assert "Uvicorn running on https://" in (flower / "superlink.log").read_text()
+    assert "(mutual TLS) for run" in run.stdout, run.stdout[-3000:]  # each node presented its certificate
     assert returncode != 0 and "Failed to activate SuperNode" in stranger["log"].read_text()
     for version in range(1, ROUNDS + 1):
         (bd, sd), (bs, ss) = run.step(version), deployed.step(version)

@@ -18,7 +18,7 @@ from parablock_flwr.evaluation import evaluate
 from parablock_flwr.messages import EvaluateMetrics, EvaluateReply
 from parablock_flwr.metrics import RunRecorder
 from parablock_flwr.model import load_for_training, load_tokenizer
-from parablock_flwr.node_data import NodeSettings
+from parablock_flwr.node_data import NodeSettings, node_settings_problem
 from parablock_flwr.strategies.client_evaluation import aggregate as aggregate_client_evaluation
 from parablock_flwr.tools.launch import run_deployment
 from parablock_flwr.wire import join_pieces, unpack
@@ -191,3 +191,16 @@ def test_three_sites_train_on_their_own_files_and_evaluate_on_their_own_heldout_
         assert rec["heldout_loss"] == pytest.approx(mean, rel=1e-12)
         assert rec["perplexity"] == pytest.approx(math.exp(mean))
     assert records[ROUNDS]["heldout_loss"] < records[0]["heldout_loss"]
+
+
+@pytest.mark.parametrize(
+    "config, says",
+    [
+        ({"transport-require-tls": "yes"}, "transport-require-tls='yes': expected true or false"),
+        ({"transport-certfile": "/etc/site.pem"}, "expected both (the site's client certificate and its key)"),
+        ({"transport-ca": "/nonexistent/ca.crt"}, "transport-ca='/nonexistent/ca.crt': no such file"),
+    ],
+)
+def test_a_sites_stream_settings_are_checked_in_one_line(config, says):
+    problem = node_settings_problem(config)
+    assert problem is not None and says in problem and "\n" not in problem

@@ -18,6 +18,8 @@ from parablock_flwr.decoder_shapes import DECODERS, decoder_shapes
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_8B = ROOT / "docs" / "model-configs" / "llama-3.1-8b"
+# The stream's TLS files, as a run config names them (plan reads none of them)
+TLS = ('transport-certfile="server.pem"', 'transport-keyfile="server.key"', 'transport-ca="ca.crt"')
 
 
 def test_plan_prints_its_table_for_a_llama3_8b_config(capsys):
@@ -41,7 +43,7 @@ def test_the_servers_memory_follows_the_transport_blocks_in_the_superlink_or_in_
     updates."""
     from parablock_flwr.strategies.update_spill import IN_MEMORY
 
-    rows, stream = {}, ['transport-address="server:9094"', "transport-insecure=true", "--num-nodes", "12"]
+    rows, stream = {}, ['transport-address="server:9094"', *TLS, "--num-nodes", "12"]
     for transport in ("flower", "direct"):
         assert cli_main(["plan", str(LLAMA_8B), f'transport="{transport}"', *stream]) == 0
         rows[transport] = capsys.readouterr().out.split("| server (ServerApp) | ")[1].split("\n")[0]
@@ -226,7 +228,7 @@ def test_plan_prints_both_transports_each_with_its_per_byte_cost_and_its_balance
     assert steps == math.ceil(expected / 2) < int(flower.split("at local-steps=")[1].split(" ")[0])
     assert "parablock" in direct.split("rounds (descending): ")[1]
 
-    as_direct = [*args, 'transport="direct"', 'transport-address="10.0.0.1:9094"', "transport-insecure=true"]
+    as_direct = [*args, 'transport="direct"', 'transport-address="10.0.0.1:9094"', *TLS]
     assert cli_main([*as_direct, "--step-time-s", "2"]) == 0
     swapped = capsys.readouterr().out
     header = swapped.split("time per round (core.LinkModel): ")[1].splitlines()[0]

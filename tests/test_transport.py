@@ -21,7 +21,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parablock_flwr.tools.credentials import make_tls
+from parablock_flwr.tools.credentials import make_client_cert, make_tls
 from parablock_flwr.transport import (
     CapabilityRegistry,
     Direction,
@@ -36,7 +36,7 @@ from parablock_flwr.transport import (
 from parablock_flwr.transport.capabilities import EXPIRED_KEPT_S, Refusals
 from parablock_flwr.transport.framing import Buffers, FramingError, frame, payloads, unframe
 from parablock_flwr.transport.headers import MAX_HEADER_BYTES, encode_header, parse_header
-from parablock_flwr.transport.service import UPLOAD, Inbox, Outbox, contiguous
+from parablock_flwr.transport.service import DOWNLOAD, UPLOAD, Inbox, Outbox, contiguous
 
 UP, DOWN = Direction.UPLOAD, Direction.DOWNLOAD
 
@@ -735,3 +735,163 @@ def test_a_connection_dropped_silently_ends_a_waiting_download_on_both_sides(tls
     finally:
         proxy.close()
         srv.stop()
+
+
+# ---------------------------------------------------------------- who may hold the service's calls (mutual TLS)
+
+
+@pytest.fixture(scope="module")
+def sites(tls):
+    """Three sites' client certificates from the consortium's CA: (cert, key) PEM bytes each."""
+    return [tuple(p.read_bytes() for p in make_client_cert(tls, f"site-{i}")) for i in range(3)]
+
+
+def mutual_server(tls, **limits) -> TransportServer:
+    limits = Limits(**{"header_timeout_s": 2.0, "calls_per_peer": 4, **limits})
+    srv = TransportServer(address="127.0.0.1:0", cert_file=tls.server_cert, key_file=tls.server_key, limits=limits,
+                          max_workers=12, client_ca=tls.ca_cert)  # fmt: skip
+    srv.start()
+    return srv
+
+
+def site_client(srv, tls, identity, timeout_s=20) -> TransportClient:
+    return TransportClient(f"localhost:{srv.port}", ca_file=tls.ca_cert, timeout_s=timeout_s, identity=identity)
+
+
+def test_a_peer_without_a_certificate_of_the_consortiums_ca_ends_at_the_handshake(tls, sites, tmp_path):
+    """Mutual TLS: no client certificate, or one another CA signed, fails the handshake; no call reaches the
+    service (nothing held, nothing counted), and a site's own certificate goes through."""
+    srv = mutual_server(tls)
+    stranger = make_tls(tmp_path)  # another CA, and a certificate it signed
+    foreign = tuple(p.read_bytes() for p in make_client_cert(stranger, "stranger"))
+    try:
+        for identity in (None, foreign):
+            with site_client(srv, tls, identity) as client, pytest.raises(TransportError) as err:
+                client.upload(upload_ticket(srv, 10), b"x" * 10)
+            assert err.value.code == "UNAVAILABLE", err.value
+        assert len(srv.calls) == 0 and srv.refusals.counts() == {}
+        t = upload_ticket(srv, 10)
+        with site_client(srv, tls, sites[0]) as client:
+            assert client.upload(t, b"y" * 10) == sha(b"y" * 10)
+        assert srv.inbox.claim(1, 2, 7, t.record, sha(b"y" * 10)) == b"y" * 10
+    finally:
+        srv.stop()
+
+
+def silent_downloads(srv, tls, identity, n: int, release: threading.Event) -> list:
+    """``n`` Download calls that never send their request (a site holding the service's workers): each one's
+    status details once it ends."""
+    cert, key = identity
+    credentials = grpc.ssl_channel_credentials(tls.ca_cert.read_bytes(), private_key=key, certificate_chain=cert)
+    channel = grpc.secure_channel(f"localhost:{srv.port}", credentials)
+    call = channel.stream_stream(DOWNLOAD, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+    outcomes: list = []
+
+    def never():
+        release.wait(60)
+        yield from ()
+
+    def hold() -> None:
+        try:
+            list(call(never(), timeout=60))
+            outcomes.append("ended")
+        except grpc.RpcError as error:
+            outcomes.append(error.details())
+
+    threads = [threading.Thread(target=hold, daemon=True) for _ in range(n)]
+    for thread in threads:
+        thread.start()
+    return [outcomes, threads, channel]
+
+
+def test_a_flood_of_silent_calls_from_one_site_starves_no_other_and_is_counted_against_it(tls, sites):
+    """Site 0 opens 20 downloads that never send their request (more than the pool's 12 workers). Past its
+    share of 4 it is refused at once as ``busy``; the 4 it holds end at the header's deadline (``stalled``);
+    every refusal is counted against site 0's certificate. Meanwhile site 1 moves a record both ways within a
+    few seconds, and nothing is counted against it."""
+    srv = mutual_server(tls)
+    release = threading.Event()
+    try:
+        outcomes, threads, channel = silent_downloads(srv, tls, sites[0], 20, release)
+        time.sleep(0.5)
+        assert len(srv.calls) <= 4
+        data = os.urandom(3 * 2**20)
+        started = time.monotonic()
+        with site_client(srv, tls, sites[1]) as client:
+            up = srv.registry.issue(1, 3, 7, UP, "update/3", ttl_s=30, max_size=len(data))
+            assert client.upload(up, data) == sha(data)
+            srv.outbox.publish("step/3", data)
+            down = srv.registry.issue(1, 3, 7, DOWN, "step/3", ttl_s=30)
+            assert client.download(down, len(data), sha(data)) == data
+        assert time.monotonic() - started < 5
+        for thread in threads:
+            thread.join(30)
+        release.set()
+        channel.close()
+        assert sum(o.startswith("refused busy: ") for o in outcomes) == 16, outcomes
+        assert sum(o.startswith("refused stalled: no header within 2 s") for o in outcomes) == 4, outcomes
+        by_peer = srv.refusals.by_peer()
+        assert list(by_peer.values()) == [20] and list(by_peer)[0].startswith("cert:"), by_peer
+        assert srv.refusals.counts() == {"busy": 16, "stalled": 4}
+        assert len(srv.calls) == 0
+    finally:
+        release.set()
+        srv.stop()
+
+
+def test_a_stolen_token_without_the_nodes_key_is_refused_and_nothing_is_held(tls, sites):
+    """A node's first transfer binds its capabilities to its certificate. Another site holding a token of that
+    node (read from a log, a dump) is refused as ``foreign_peer`` under its own certificate, counted against it;
+    nothing is held for the slot, and the capability stays the node's: it uploads under it afterwards."""
+    srv = mutual_server(tls)
+    try:
+        first = srv.registry.issue(1, 5, 1, UP, "r1/update/5", ttl_s=30, max_size=100)
+        stolen = srv.registry.issue(1, 5, 2, UP, "r2/update/5", ttl_s=30, max_size=100)
+        with site_client(srv, tls, sites[0]) as node:
+            node.upload(first, b"a" * 100)
+            with site_client(srv, tls, sites[1]) as thief, pytest.raises(Refused) as refused:
+                thief.upload(stolen, b"forged" * 10)
+            assert refused.value.kind is RefusalKind.FOREIGN_PEER, refused.value
+            assert not srv.inbox.holds(1, 5, 2, stolen.record)
+            assert node.upload(stolen, b"b" * 100) == sha(b"b" * 100)
+        assert srv.inbox.claim(1, 5, 2, stolen.record, sha(b"b" * 100)) == b"b" * 100
+        assert srv.refusals.counts() == {"foreign_peer": 1} and sum(srv.refusals.by_peer().values()) == 1
+    finally:
+        srv.stop()
+
+
+def test_a_download_nobody_reads_is_cancelled_when_its_round_ends(tls, sites):
+    """A site that opens a large download and stops reading holds a worker while gRPC's flow control blocks
+    the sender. When its round ends (``drop_round``) the service cancels the call: the worker is free, the
+    capability released, and the cancellation counted."""
+    srv = mutual_server(tls)
+    srv.outbox.publish("r1/step", os.urandom(64 * 2**20))
+    ticket = srv.registry.issue(1, 5, 1, DOWN, "r1/step", ttl_s=60)
+    cert, key = sites[0]
+    credentials = grpc.ssl_channel_credentials(tls.ca_cert.read_bytes(), private_key=key, certificate_chain=cert)
+    try:
+        with grpc.secure_channel(f"localhost:{srv.port}", credentials) as channel:
+            call = channel.unary_stream(DOWNLOAD, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+            responses = call(encode_header(ticket), timeout=60)
+            next(responses)  # one chunk read, then no more
+            time.sleep(1.0)
+            assert len(srv.calls) == 1 and srv.calls.cancelled == 0
+            srv.registry.drop_round(1, 1)
+            deadline = time.monotonic() + 10
+            while len(srv.calls) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert len(srv.calls) == 0 and srv.calls.cancelled == 1
+            with pytest.raises(grpc.RpcError):
+                for _ in responses:
+                    pass
+    finally:
+        srv.stop()
+
+
+def test_mutual_tls_needs_tls():
+    with pytest.raises(ValueError, match="client_ca with insecure=True"):
+        TransportServer(insecure=True, client_ca="ca.crt")
+    with pytest.raises(ValueError, match="a client certificate with insecure=True"):
+        TransportClient("localhost:1", insecure=True, identity=(b"c", b"k"))
+    with pytest.raises(ValueError, match="calls_per_peer=0"):
+        Limits(calls_per_peer=0)

@@ -9,7 +9,8 @@ from parablock_flwr import core
 from parablock_flwr.config import ConfigError, RunConfig
 
 GB = 10**9
-DIRECT = {"transport": "direct", "transport-address": "10.0.0.1:9094", "transport-insecure": True}
+DIRECT = {"transport": "direct", "transport-address": "10.0.0.1:9094", "transport-certfile": "server.pem",
+          "transport-keyfile": "server.key", "transport-ca": "ca.crt"}  # fmt: skip
 
 
 def test_direct_moves_a_blocks_bytes_at_the_streams_rate_behind_flowers_fixed_cost():

@@ -40,6 +40,7 @@ from parablock_flwr.messages import (
     relay_name,
     relay_split,
 )
+from parablock_flwr.node_data import SiteStream
 from parablock_flwr.npy import npy_view
 from parablock_flwr.records import pieces_record, record_arrays, to_record, to_tensors
 from parablock_flwr.strategies.direct import DirectMessages
@@ -74,6 +75,7 @@ NOTHING_AHEAD = {
     "direct_revoked_used": 0,
     "direct_waits_ended": 0,
     "direct_uploads_spilled": 0,
+    "direct_calls_cancelled": 0,
     "direct_replies_on_stream": 0,
     "direct_replies_audited": 0,
     "direct_replies_contradicted": 0,
@@ -312,7 +314,7 @@ class Clock:
 
 def test_an_address_that_does_not_answer_is_one_line_and_not_dialled_again_for_a_while(hub):
     clock = Clock()
-    wrong = NodeTransport(address=f"localhost:{free_port()}", connect_timeout_s=0.5, retry_after_s=60, clock=clock)
+    wrong = NodeTransport(SiteStream(f"localhost:{free_port()}"), connect_timeout_s=0.5, retry_after_s=60, clock=clock)
     offer = hub.offer(1, node=7, records={GLOBAL_STEP: block(1)}, upload_max_size=10**6)
     with pytest.raises(StreamUnusable, match=r"failed: UNAVAILABLE") as err:
         wrong.upload(offer, payloads(block(2)))
@@ -321,7 +323,7 @@ def test_an_address_that_does_not_answer_is_one_line_and_not_dialled_again_for_a
     with pytest.raises(StreamUnusable, match="not dialled again"):
         wrong.fetch(offer)
     clock.now = 61.0
-    wrong.address_override = ""  # the site fixed its address: dialled again, and it works
+    wrong.site = SiteStream()  # the site fixed its address: dialled again, and it works
     assert wrong.fetch(offer)[GLOBAL_STEP]
     wrong.close()
 
@@ -333,6 +335,22 @@ def test_a_node_trusts_only_the_ca_in_the_message(hub, tmp_path):
     with pytest.raises(StreamUnusable, match="UNAVAILABLE"):
         stranger.fetch(dataclasses.replace(offer, ca_pem=other))
     stranger.close()
+
+
+def test_a_site_trusts_its_own_ca_and_refuses_plaintext_whatever_the_message_says(hub, tls, tmp_path):
+    """A site's node config (``transport-ca``, ``transport-require-tls``) outranks the run's message: a message
+    naming another CA is still checked against the site's own, and a plaintext offer is refused in one line."""
+    offer = hub.offer(1, node=7, records={GLOBAL_STEP: block(1)}, upload_max_size=None)
+    other_ca = make_tls(tmp_path).ca_cert
+    other = other_ca.read_text()  # what a forged or mistaken message could name
+    site = NodeTransport(SiteStream(ca=str(tls.ca_cert), require_tls=True), connect_timeout_s=0.5)
+    assert site.fetch(dataclasses.replace(offer, ca_pem=other))[GLOBAL_STEP]
+    with pytest.raises(StreamUnusable, match="plaintext stream; this site's node config requires TLS"):
+        site.fetch(dataclasses.replace(offer, insecure=True, ca_pem=""))
+    wrong = NodeTransport(SiteStream(ca=str(other_ca)), connect_timeout_s=0.5)
+    with pytest.raises(StreamUnusable, match="UNAVAILABLE"):
+        wrong.fetch(offer)
+    site.close(), wrong.close()
 
 
 def test_plaintext_only_when_the_run_says_insecure(node):

@@ -114,7 +114,7 @@ def content_from_stream(msg: Message, context: Context) -> str | None:
     try:
         offer = ahead_offer(msg, context)
         timeout_s = 2 * float(context.run_config.get("round-timeout-s", 3600.0))  # the capability's lifetime
-        stream = NodeTransport(address=settings.transport_address, timeout_s=timeout_s)
+        stream = NodeTransport(settings.stream, timeout_s=timeout_s)
         try:
             data = stream.message_content(offer)
         finally:

@@ -167,7 +167,8 @@ def open_stream(cfg: RunConfig, grid: Grid, run_id: int) -> DirectMessages | Non
         log.info("transport='direct' is for deployments: this simulation moves blocks in Flower's messages")
         return None
     try:
-        settings, limits = StreamSettings.from_run_config(cfg), Limits(idle_timeout_s=cfg.transport_idle_timeout_s)
+        idle_s = cfg.transport_idle_timeout_s
+        settings, limits = StreamSettings.from_run_config(cfg), Limits(idle_s, header_timeout_s=min(10.0, idle_s))
         # Uploads past the blocks a round's aggregation holds in memory wait for their replies on the disk
         # the operator chose for runs.
         transport = RunTransport(settings, run_id, ttl_s=cfg.round_timeout_s, limits=limits, spill_dir=cfg.output_path,
@@ -175,10 +176,6 @@ def open_stream(cfg: RunConfig, grid: Grid, run_id: int) -> DirectMessages | Non
         transport.start()
     except (TransportSetupError, OSError, RuntimeError) as err:
         raise RunFailed("invalid-config", f"Invalid configuration: {err}") from err
-    if cfg.transport_insecure and cfg.transport_replies_on_stream:
-        log.warning("direct transport: plaintext (transport-insecure) with transport-replies-on-stream: whoever reads "
-                    "the stream can have a reply aggregated; use TLS where the network is not trusted "
-                    "(docs/transport.md, Trust model)")  # fmt: skip
     return DirectMessages(transport, replies_on_stream=cfg.transport_replies_on_stream)
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from ..run_status import EXIT_CODES, read_status
 from .app_config import OverrideError, app_config, check_overrides, find_project_dir, toml_value
-from .credentials import TlsFiles, make_node_key, make_tls, tls_files
+from .credentials import TlsFiles, make_client_cert, make_node_key, make_tls, tls_files
 
 log = logging.getLogger(__name__)
 
@@ -650,7 +650,8 @@ def run_deployment(
 def direct_transport(run_config: Mapping[str, object], tls: TlsFiles | None) -> dict[str, object]:
     """``transport = "direct"`` on loopback, where the run config leaves it open: the stream on any free port
     of ``localhost`` (the ServerApp runs on the SuperLink's host), secured as the SuperLink is: its own
-    certificate and CA with ``secure``, else plaintext, as its ``--insecure``."""
+    certificate and CA with ``secure``, and mutual TLS (each node's client certificate from that CA: ``_start_nodes``),
+    else plaintext, as its ``--insecure``."""
     if run_config.get("transport") != "direct":
         return {}
     out: dict[str, object] = {"transport-address": "localhost:0"}
@@ -659,7 +660,8 @@ def direct_transport(run_config: Mapping[str, object], tls: TlsFiles | None) -> 
         return out  # the run config chose how the stream is secured
     if tls is None:
         return {**out, "transport-insecure": True}
-    return {**out, **dict(zip(keys, (str(tls.server_cert), str(tls.server_key), str(tls.ca_cert)), strict=False))}
+    files = (str(tls.server_cert), str(tls.server_key), str(tls.ca_cert))
+    return {**out, **dict(zip(keys, files, strict=False)), "transport-client-ca": str(tls.ca_cert)}
 
 
 def _start_workers(
@@ -705,6 +707,9 @@ def _start_nodes(
 
     def start(i: int) -> subprocess.Popen:
         config = node_config(i, num_supernodes, sockets / f"worker-{i}.sock")
+        if tls is not None:  # the run's stream, if it uses one, with mutual TLS: the node's own certificate
+            cert, cert_key = make_client_cert(tls, f"supernode-{i}")
+            config += f' transport-certfile="{cert}" transport-keyfile="{cert_key}" transport-require-tls=true'
         if i < len(node_settings) and node_settings[i]:
             config = f"{config} {node_settings[i]}"
         ca, key = (tls.ca_cert if tls else None), auth_keys[i]

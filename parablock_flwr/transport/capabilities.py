@@ -44,6 +44,8 @@ class RefusalKind(enum.StrEnum):
     UNKNOWN_RECORD = "unknown_record"  # a download of a record not published
     BAD_REPLY = "bad_reply"  # a reply's content uploaded on the stream is not a reply's (the server reads it)
     LATE = "late"  # a transfer of a round that has ended (a slow node, one its round's deadline left out): no attack
+    BUSY = "busy"  # a peer already holds its share of the service's calls (``service.Calls``)
+    FOREIGN_PEER = "foreign_peer"  # a node's capability presented under another certificate than the node's own
 
 
 class Refused(Exception):
@@ -64,20 +66,35 @@ class Revoked(Exception):
     that trained ahead uploads as soon as it can); one line, counted apart from the refusals."""
 
 
+PEERS_COUNTED = 256  # distinct peers counted one by one; the rest under OTHER_PEERS, so the count stays bounded
+OTHER_PEERS = "other"
+
+
 class Refusals:
-    """Refusals counted by kind (what the round's record will carry), thread-safe."""
+    """Refusals counted by kind (what the round's record will carry) and by the peer that caused them (its
+    certificate or, without one, its host: ``service.peer_identity``), never by the capability's node, whose
+    token a thief may have presented. Thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
+        self._by_peer: Counter[str] = Counter()
 
-    def add(self, refused: Refused) -> None:
+    def add(self, refused: Refused, peer: str = "") -> None:
         with self._lock:
             self._counts[str(refused.kind)] += 1
+            if peer:
+                known = peer in self._by_peer or len(self._by_peer) < PEERS_COUNTED
+                self._by_peer[peer if known else OTHER_PEERS] += 1
 
     def counts(self) -> dict[str, int]:
         with self._lock:
             return dict(self._counts)
+
+    def by_peer(self) -> dict[str, int]:
+        """Refusals per peer identity, whatever their kind."""
+        with self._lock:
+            return dict(self._by_peer)
 
 
 @dataclass(frozen=True)
@@ -116,6 +133,8 @@ class CapabilityRegistry:
         self._clock = clock
         self._lock = threading.Lock()
         self._grants: dict[bytes, _Grant] = {}
+        # (run, node) -> the certificate its first accepted request came under (``reserve``): the node's from then on
+        self._pinned: dict[tuple[int, int], str] = {}
 
     def issue(
         self,
@@ -141,9 +160,12 @@ class CapabilityRegistry:
             self._grants[_key(ticket.token)] = _Grant(ticket, self._clock() + ttl_s, max_size, waits)
         return ticket
 
-    def reserve(self, claim: Ticket, size: int | None = None) -> Ticket:
+    def reserve(self, claim: Ticket, size: int | None = None, certificate: str = "") -> Ticket:
         """Check ``claim`` (what a request presents) and mark its capability in use; a second request
-        with it is refused as replayed. Refusals change nothing. ``size``: an upload's declared size."""
+        with it is refused as replayed. Refusals change nothing. ``size``: an upload's declared size.
+        ``certificate``: the fingerprint of the client certificate the request came under (mutual TLS; empty
+        without): a node's first accepted request pins its certificate, and a capability of that node presented
+        under any other is refused as ``foreign_peer``, so that a stolen token is useless without the node's key."""
         with self._lock:
             grant = self._grants.get(_key(claim.token))
             if grant is None or not hmac.compare_digest(grant.ticket.token, claim.token):
@@ -161,6 +183,10 @@ class CapabilityRegistry:
                     f"node {claim.node_id} asks for record {claim.record!r}; the capability names "
                     f"node {mine.node_id}'s record {mine.record!r}",
                 )
+            pinned = self._pinned.get((mine.run_id, mine.node_id), "")
+            if certificate and pinned and not hmac.compare_digest(pinned, certificate):
+                raise Refused(RefusalKind.FOREIGN_PEER, f"node {mine.node_id}'s capability under certificate "
+                              f"{certificate[:16]}; the node's is {pinned[:16]}")  # fmt: skip
             if grant.state == "ended":
                 raise Refused(RefusalKind.LATE, f"round {mine.round} of run {mine.run_id} has ended")
             if grant.state == "revoked":
@@ -177,6 +203,8 @@ class CapabilityRegistry:
                     raise Refused(
                         RefusalKind.OVERSIZED, f"declared size {size} bytes; at most {grant.max_size} allowed"
                     )
+            if certificate:
+                self._pinned.setdefault((mine.run_id, mine.node_id), certificate)
             grant.state = "in_use"
             return mine
 

@@ -34,7 +34,8 @@ def _identity(b):
 class TransportClient:
     """A channel to the stream service: TLS with the operator's CA (a file, or its PEM bytes as a node gets
     them in Flower's message), or plaintext with ``insecure=True``; a call that moves no bytes is pinged
-    every ``keepalive_s`` and ends when the service does not answer (``service.channel_options``)."""
+    every ``keepalive_s`` and ends when the service does not answer (``service.channel_options``).
+    ``identity``: the node's client certificate and key (PEM bytes), for a service that requires mutual TLS."""
 
     def __init__(
         self,
@@ -45,7 +46,10 @@ class TransportClient:
         ca_pem: bytes | None = None,
         connect_timeout_s: float | None = None,
         keepalive_s: float = KEEPALIVE_S,
+        identity: tuple[bytes, bytes] | None = None,
     ):
+        if insecure and identity is not None:
+            raise ValueError("a client certificate with insecure=True; mutual TLS needs TLS")
         if insecure == (ca_file is not None or bool(ca_pem)) or (ca_file is not None and ca_pem):
             raise ValueError(
                 f"ca_file={ca_file!r}, ca_pem given: {bool(ca_pem)}, insecure={insecure}; give one CA (file or PEM) "
@@ -58,7 +62,8 @@ class TransportClient:
             self._channel = grpc.insecure_channel(address, options=options)
         else:
             root = ca_pem if ca_pem else Path(ca_file).read_bytes()
-            credentials = grpc.ssl_channel_credentials(root_certificates=root)
+            cert, key = identity or (None, None)
+            credentials = grpc.ssl_channel_credentials(root_certificates=root, private_key=key, certificate_chain=cert)
             self._channel = grpc.secure_channel(address, credentials, options=options)
         self.timeout_s = timeout_s  # each call's deadline (None: none)
         self._upload = self._channel.stream_unary(UPLOAD, request_serializer=_identity, response_deserializer=_identity)

@@ -18,10 +18,12 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from ..messages import MAX_REPLY_CONTENT, RecordOffer, TransportOffer, UpdateCommit, relay_name
+from ..node_data import SiteStream
 from ..npy import npy_view
 from .capabilities import Direction, Refused, Ticket
 from .client import TransportClient, TransportError
@@ -52,13 +54,13 @@ class NodeTransport:
 
     def __init__(
         self,
-        address: str = "",
+        site: SiteStream | None = None,
         connect_timeout_s: float = 5.0,
         timeout_s: float | None = None,
         retry_after_s: float = 60.0,
         clock=time.monotonic,
     ):
-        self.address_override = address  # a site that reaches the server by another name (its node config)
+        self.site = site or SiteStream()  # the site's own settings (its node config)
         self.connect_timeout_s, self.timeout_s, self.retry_after_s = connect_timeout_s, timeout_s, retry_after_s
         self._clock = clock
         self._lock = threading.Lock()
@@ -66,7 +68,7 @@ class NodeTransport:
         self._unreachable: dict[tuple[str, str, bool], tuple[float, str]] = {}  # key -> (until, why)
 
     def address(self, offer: TransportOffer) -> str:
-        return self.address_override or offer.address
+        return self.site.address or offer.address
 
     def fetch(self, offer: TransportOffer, prefetched: Prefetched | None = None) -> dict[str, dict[str, memoryview]]:
         """Each offered record's arrays (message record name -> array name -> npy payload), every record
@@ -177,7 +179,11 @@ class NodeTransport:
         failed) is not dialled again for ``retry_after_s``, unless the call moved bytes ``ahead`` of their
         message. A server that went away during a call (killed, and maybe resumed at the same address within
         the minute) was reached: it says nothing of the next call, which dials again."""
-        key = (self.address(offer), offer.ca_pem, offer.insecure)
+        site = self.site
+        if offer.insecure and site.require_tls:
+            raise StreamUnusable("the message offers a plaintext stream; this site's node config requires TLS")
+        ca = Path(site.ca).expanduser().read_text() if site.ca and not offer.insecure else offer.ca_pem
+        key = (self.address(offer), ca, offer.insecure)
         with self._lock:
             until, why = self._unreachable.get(key, (0.0, ""))
             if self._clock() < until:
@@ -186,7 +192,8 @@ class NodeTransport:
             if client is None:
                 client = TransportClient(key[0], insecure=key[2], timeout_s=self.timeout_s,
                                          ca_pem=None if key[2] else key[1].encode(),
-                                         connect_timeout_s=self.connect_timeout_s)  # fmt: skip
+                                         connect_timeout_s=self.connect_timeout_s,
+                                         identity=None if key[2] else site.identity())  # fmt: skip
                 self._clients[key] = client
         client.timeout_s = self.timeout_s
         try:

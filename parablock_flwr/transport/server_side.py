@@ -53,11 +53,12 @@ class StreamSettings:
     keyfile: str = ""
     ca: str = ""
     insecure: bool = False
+    client_ca: str = ""  # the CA of the nodes' client certificates: mutual TLS (empty: the server's TLS only)
 
     @classmethod
     def from_run_config(cls, cfg) -> StreamSettings:
         return cls(cfg.transport_address, cfg.transport_certfile, cfg.transport_keyfile, cfg.transport_ca,
-                   cfg.transport_insecure)  # fmt: skip
+                   cfg.transport_insecure, cfg.transport_client_ca)  # fmt: skip
 
     @property
     def host(self) -> str:
@@ -72,7 +73,8 @@ class StreamSettings:
         if self.insecure:
             return None, None, ""
         for key, value in (("transport-certfile", self.certfile), ("transport-keyfile", self.keyfile),
-                           ("transport-ca", self.ca)):  # fmt: skip
+                           ("transport-ca", self.ca), *((("transport-client-ca", self.client_ca),) if self.client_ca
+                                                        else ())):  # fmt: skip
             if not Path(value).expanduser().is_file():
                 raise TransportSetupError(f"{key}={value!r}: no such file on the server; expected a PEM file")
         ca_pem = Path(self.ca).expanduser().read_text()
@@ -119,6 +121,7 @@ class RunTransport:
             registry, address=f"[::]:{settings.port}", cert_file=certfile, key_file=keyfile,
             insecure=settings.insecure, limits=limits or Limits(), spill_dir=spill_dir,
             memory_uploads=memory_uploads, decode=_decode, outside_budget=is_reply,
+            client_ca=Path(settings.client_ca).expanduser() if settings.client_ca else None,
         )  # fmt: skip
         self.address = settings.address  # the port the nodes dial: the bound one once started
         self._lock = threading.Lock()
@@ -143,8 +146,8 @@ class RunTransport:
         """Serve; the address the nodes dial (with the bound port when the configured one is 0)."""
         port = self.server.start()
         self.address = f"{self.settings.host}:{port}"
-        log.info("direct transport: serving %s (%s) for run %s", self.address,
-                 "PLAINTEXT" if self.settings.insecure else "TLS", self.run_id)  # fmt: skip
+        security = "PLAINTEXT" if self.settings.insecure else "mutual TLS" if self.settings.client_ca else "TLS"
+        log.info("direct transport: serving %s (%s) for run %s", self.address, security, self.run_id)
         return self.address
 
     def stop(self) -> None:
@@ -469,9 +472,10 @@ class RunTransport:
     def _turned_away(self) -> dict[str, int]:
         """What the service did apart from refusals since the last ``end_round``: requests under a revoked
         capability turned away, downloads whose wait ended without their record, uploads received into a
-        file instead of memory."""
+        file instead of memory, calls cancelled because their capability ended (a peer that stopped reading)."""
         now = {"direct_revoked_used": self.server.revoked_used, "direct_waits_ended": self.server.waits_ended,
-               "direct_uploads_spilled": self.server.inbox.spilled}  # fmt: skip
+               "direct_uploads_spilled": self.server.inbox.spilled,
+               "direct_calls_cancelled": self.server.calls.cancelled}  # fmt: skip
         new = {k: v - self._service_counted.get(k, 0) for k, v in now.items()}
         self._service_counted = now
         return new

@@ -8,7 +8,10 @@ Two methods on one gRPC service, with raw bytes as messages (no generated code):
 
 Every refusal is one line to the caller (the gRPC status details), one log line, one count by kind,
 and changes nothing: the capability is released, the inbox and outbox stay as they were.
-The server runs in a thread pool of the process that starts it.
+The server runs in a thread pool of the process that starts it. Who may hold one of its workers, and for how
+long (``Calls``, ``Limits.header_timeout_s``), is the module's other concern: with ``client_ca`` (mutual TLS)
+only a peer holding a certificate of the consortium's CA completes the handshake, each peer holds at most its
+share of the pool, and a node's capabilities are bound to its certificate (``CapabilityRegistry.reserve``).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import hmac
 import logging
 import os
 import queue
+import ssl
 import tempfile
 import threading
 import time
@@ -54,6 +58,7 @@ MESSAGE_LIMIT = CHUNK_BYTES + 2**20  # a chunk plus room for framing; larger mes
 # and the pings keep an idle NAT mapping alive.
 KEEPALIVE_S = 30.0
 KEEPALIVE_TIMEOUT_S = 20.0
+CONNECTION_IDLE_S = 300.0  # a connection with no call for this long is closed (a node's channel reconnects)
 
 
 def channel_options(keepalive_s: float = KEEPALIVE_S, server: bool = False) -> list[tuple[str, int]]:
@@ -73,7 +78,8 @@ def channel_options(keepalive_s: float = KEEPALIVE_S, server: bool = False) -> l
     ]
     if server:
         options += [("grpc.http2.min_recv_ping_interval_without_data_ms", every_ms // 2),
-                    ("grpc.http2.max_ping_strikes", 0)]  # fmt: skip
+                    ("grpc.http2.max_ping_strikes", 0),
+                    ("grpc.max_connection_idle_ms", int(CONNECTION_IDLE_S * 1000))]  # fmt: skip
     return options
 
 
@@ -90,21 +96,31 @@ STATUS = {
     RefusalKind.TRICKLING: grpc.StatusCode.DEADLINE_EXCEEDED,
     RefusalKind.UNKNOWN_RECORD: grpc.StatusCode.NOT_FOUND,
     RefusalKind.LATE: grpc.StatusCode.FAILED_PRECONDITION,
+    RefusalKind.BUSY: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    RefusalKind.FOREIGN_PEER: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 
 @dataclass(frozen=True)
 class Limits:
     """How slow an upload may be: no message for ``idle_timeout_s`` is a stall; after ``grace_s``,
-    an average below ``min_rate_bytes_s`` is a trickle. ``chunk_bytes``: the download's chunk size."""
+    an average below ``min_rate_bytes_s`` is a trickle. A call's header (an upload's or a download's first
+    message) must come within ``header_timeout_s``: a call that sends none holds a worker that long, not longer.
+    ``chunk_bytes``: the download's chunk size. ``calls_per_peer``: the calls one client certificate may hold
+    at once (``Calls``): a node's round uses at most six (two uploads and its reply, a download, and two waits
+    for records published a round later)."""
 
     idle_timeout_s: float = 30.0
     min_rate_bytes_s: float = 1e6
     grace_s: float = 10.0
     chunk_bytes: int = CHUNK_BYTES
+    header_timeout_s: float = 10.0
+    calls_per_peer: int = 8
 
     def __post_init__(self):
-        for name in ("idle_timeout_s", "min_rate_bytes_s", "grace_s"):
+        if not (type(self.calls_per_peer) is int and self.calls_per_peer > 0):
+            raise ValueError(f"calls_per_peer={self.calls_per_peer!r}; expected a positive integer")
+        for name in ("idle_timeout_s", "min_rate_bytes_s", "grace_s", "header_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)!r}; expected a positive number")
         if not 0 < self.chunk_bytes <= CHUNK_BYTES:
@@ -492,6 +508,75 @@ class _Feed:
         self._stop.set()
 
 
+def peer_identity(context: grpc.ServicerContext) -> tuple[str, str]:
+    """Who a call comes from: ``(identity, certificate)``. Under mutual TLS both are the SHA-256 of the client
+    certificate's DER bytes (what the peer proved it holds the key of); without a client certificate the
+    identity is the peer's host (``host:127.0.0.1``: several nodes behind one NAT share it) and the certificate
+    is empty."""
+    pem = (context.auth_context().get("x509_pem_cert") or [b""])[0]
+    if pem:
+        fingerprint = hashlib.sha256(ssl.PEM_cert_to_DER_cert(pem.decode("ascii"))).hexdigest()
+        return f"cert:{fingerprint}", fingerprint
+    host = context.peer().rpartition(":")[0].partition(":")[2] or context.peer()  # ipv4:H:P, ipv6:[H]:P
+    return f"host:{host}", ""
+
+
+@dataclass(eq=False)
+class Call:
+    """A call in flight: its peer (``peer_identity``), the capability it reserved once it has, and whether the
+    service cancelled it (its capability ended while it ran)."""
+
+    peer: str
+    certificate: str
+    context: grpc.ServicerContext
+    ticket: Ticket | None = None
+    cancelled: bool = False
+
+
+class Calls:
+    """The service's calls in flight. A peer with a certificate holds at most ``per_peer`` of them at once; one
+    more is refused as ``busy`` and counted against it, so that no node (nor a thief of its tokens, who needs a
+    certificate of the consortium's CA to connect at all) takes another's share of the pool. Peers without one
+    (no ``client_ca``: whoever reaches the port) are not capped per host, since sites behind one NAT share it;
+    the pool's size and the header's deadline bound them. ``cancel_ended`` cancels each call whose capability
+    ended (expired, its round ended, revoked), so that a peer that stops reading gives back its worker."""
+
+    def __init__(self, per_peer: int) -> None:
+        self.per_peer = per_peer
+        self._lock = threading.Lock()
+        self._calls: set[Call] = set()
+        self.cancelled = 0  # calls cancelled because their capability ended
+
+    def enter(self, context: grpc.ServicerContext) -> Call:
+        peer, certificate = peer_identity(context)
+        call = Call(peer, certificate, context)
+        with self._lock:
+            held = sum(c.peer == peer for c in self._calls)
+            if certificate and held >= self.per_peer:
+                raise Refused(RefusalKind.BUSY, f"this peer holds {held} calls; at most {self.per_peer} at once")
+            self._calls.add(call)
+        return call
+
+    def leave(self, call: Call) -> None:
+        with self._lock:
+            self._calls.discard(call)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._calls)
+
+    def cancel_ended(self, alive) -> int:
+        """Cancel the calls whose capability ``alive(ticket)`` says has ended; how many."""
+        with self._lock:
+            ended = [c for c in self._calls if c.ticket is not None and not c.cancelled and not alive(c.ticket)]
+            for call in ended:
+                call.cancelled = True
+            self.cancelled += len(ended)
+        for call in ended:
+            call.context.cancel()
+        return len(ended)
+
+
 class TransportServer:
     """The stream service, with its capability registry, outbox, inbox and refusal counts."""
 
@@ -503,17 +588,22 @@ class TransportServer:
         key_file: Path | None = None,
         insecure: bool = False,
         limits: Limits = Limits(),
-        max_workers: int = 16,
+        max_workers: int = 64,
         spill_dir: Path | None = None,
         memory_uploads: int = 0,
         decode=contiguous,
         keepalive_s: float = KEEPALIVE_S,
         outside_budget=lambda record: False,
+        client_ca: Path | None = None,
     ):
         """``decode``: how an upload is read for its claim (``Inbox``), ``outside_budget``: which records' uploads
         it holds outside its memory budget (small ones: a reply's content); ``spill_dir``: where uploads past the
         first ``memory_uploads`` in memory wait in files (None: all in memory); ``keepalive_s``:
-        ``channel_options``."""
+        ``channel_options``; ``client_ca``: the CA whose certificates the nodes present (mutual TLS: a peer
+        without one fails the handshake, before any call); ``max_workers``: the calls served at once (more are
+        refused at once, never queued behind a stalled one)."""
+        if client_ca is not None and insecure:
+            raise ValueError("client_ca with insecure=True; mutual TLS needs TLS")
         if insecure and (cert_file or key_file):
             raise ValueError("insecure=True with a certificate; choose TLS (cert_file and key_file) or insecure")
         if not insecure and not (cert_file and key_file):
@@ -532,6 +622,8 @@ class TransportServer:
         self._address, self._insecure = address, insecure
         self._cert = Path(cert_file).read_bytes() if cert_file else None
         self._key = Path(key_file).read_bytes() if key_file else None
+        self._client_ca = Path(client_ca).read_bytes() if client_ca is not None else None
+        self.calls = Calls(limits.calls_per_peer)
         self.max_workers = max_workers  # concurrent transfers, a download waiting ahead included
         self.keepalive_s = keepalive_s
         self._server: grpc.Server | None = None
@@ -540,23 +632,38 @@ class TransportServer:
     def start(self) -> int:
         """Start serving; the bound port (``address`` may ask for port 0: any free one)."""
         options = channel_options(self.keepalive_s, server=True)
-        # Each upload holds a worker and a feed thread; the pool bounds concurrent transfers.
-        self._server = grpc.server(futures.ThreadPoolExecutor(self.max_workers, "transport"), options=options)
+        # Each upload holds a worker and a feed thread; the pool bounds concurrent transfers, and a call past it
+        # is refused at once (RESOURCE_EXHAUSTED: the node falls back), never queued behind stalled ones.
+        pool = futures.ThreadPoolExecutor(self.max_workers, "transport")
+        self._server = grpc.server(pool, options=options, maximum_concurrent_rpcs=self.max_workers)
+        # Download reads its request as a stream: its handler starts with the call (a unary request is read in
+        # gRPC's code, holding a worker for as long as the peer does not send it), so the header's deadline and
+        # the per-peer cap apply to it too. On the wire it is the same call.
         handlers = {
             "Upload": grpc.stream_unary_rpc_method_handler(self._upload),
-            "Download": grpc.unary_stream_rpc_method_handler(self._download),
+            "Download": grpc.stream_stream_rpc_method_handler(self._download),
         }
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         if self._insecure:
             self.port = self._server.add_insecure_port(self._address)
         else:
-            credentials = grpc.ssl_server_credentials([(self._key, self._cert)])
+            credentials = grpc.ssl_server_credentials(
+                [(self._key, self._cert)], root_certificates=self._client_ca, require_client_auth=bool(self._client_ca)
+            )
             self.port = self._server.add_secure_port(self._address, credentials)
         if not self.port:
             raise OSError(f"the transport service could not bind {self._address!r}")
         self._server.start()
-        log.info("transport service on port %d (%s)", self.port, "PLAINTEXT" if self._insecure else "TLS")
+        threading.Thread(target=self._watch, daemon=True, name="transport-watch").start()
+        security = "PLAINTEXT" if self._insecure else "mutual TLS" if self._client_ca else "TLS"
+        log.info("transport service on port %d (%s)", self.port, security)
         return self.port
+
+    def _watch(self, every_s: float = 1.0) -> None:
+        """Cancel, every ``every_s``, the calls whose capability ended (``Calls.cancel_ended``)."""
+        while not self._stopping.wait(every_s):
+            if cancelled := self.calls.cancel_ended(self.registry.alive):
+                log.info("transport: %d call(s) cancelled: their capability ended", cancelled)
 
     def stop(self, grace_s: float = 1.0) -> None:
         self._stopping.set()  # downloads waiting for a record end
@@ -565,10 +672,25 @@ class TransportServer:
             self._server = None
         self.inbox.close()
 
-    def _refuse(self, refused: Refused, context: grpc.ServicerContext) -> None:
-        self.refusals.add(refused)
-        log.warning("transport %s", refused.line())
+    def _refuse(self, refused: Refused, context: grpc.ServicerContext, call: Call | None) -> None:
+        """One line to the caller and the log, counted by kind and against the peer that caused it. A call the
+        service cancelled (its capability ended) is refused as ``late``, whatever broke in it then."""
+        if call is not None and call.cancelled:
+            refused = Refused(RefusalKind.LATE, f"the capability of record {call.ticket.record!r} ended during it")
+        peer = call.peer if call is not None else ""
+        self.refusals.add(refused, peer)
+        log.warning("transport %s (from %s)", refused.line(), peer[:21])
         context.abort(STATUS[refused.kind], refused.line())
+
+    def _enter(self, context: grpc.ServicerContext) -> Call:
+        """The call, counted against its peer (``Calls``); a peer past its share is refused as ``busy``."""
+        try:
+            return self.calls.enter(context)
+        except Refused as refused:
+            peer = peer_identity(context)[0]
+            self.refusals.add(refused, peer)
+            log.warning("transport %s (from %s)", refused.line(), peer[:21])
+            context.abort(STATUS[refused.kind], refused.line())
 
     def _turn_away(self, revoked: Revoked, context: grpc.ServicerContext) -> None:
         """A request under a revoked capability: one line to the caller and the log, counted apart from the
@@ -579,13 +701,11 @@ class TransportServer:
         context.abort(grpc.StatusCode.NOT_FOUND, str(revoked))
 
     def _upload(self, requests, context: grpc.ServicerContext) -> bytes:
+        call = self._enter(context)
         feed, ticket, data, done = _Feed(requests), None, None, False
         try:
-            first = self._next(feed, time.monotonic(), 0)
-            if first is None:
-                raise Refused(RefusalKind.BAD_HEADER, "the stream ended before its header")
-            header = parse_header(first, Direction.UPLOAD)
-            ticket = self.registry.reserve(header.claim, header.size)
+            header = parse_header(self._header(feed), Direction.UPLOAD)
+            ticket = call.ticket = self.registry.reserve(header.claim, header.size, call.certificate)
             data = self.inbox.buffer(header.size, header.claim.record)
             sha256 = self._receive(feed, header, data)
             self.inbox.put(ticket, sha256, data)
@@ -593,11 +713,12 @@ class TransportServer:
             done = True
             return b"accepted"
         except Refused as refused:
-            self._refuse(refused, context)
+            self._refuse(refused, context, call)
         except Revoked as revoked:
             self._turn_away(revoked, context)
         finally:
             feed.stop()
+            self.calls.leave(call)
             # Anything but acceptance (a refusal, a broken stream, an error) leaves the capability as it was.
             if ticket is not None and not done:
                 self.registry.release(ticket)
@@ -647,6 +768,16 @@ class TransportServer:
             )
         return text
 
+    def _header(self, feed: _Feed):
+        """A call's first message, within ``Limits.header_timeout_s`` (a stall after that)."""
+        try:
+            first = feed.next(self.limits.header_timeout_s)
+        except queue.Empty:
+            raise Refused(RefusalKind.STALLED, f"no header within {self.limits.header_timeout_s:g} s") from None
+        if first is None:
+            raise Refused(RefusalKind.BAD_HEADER, "the stream ended before its header")
+        return first
+
     def _next(self, feed: _Feed, start: float, got: int):
         """The next message, refusing a stall (nothing for the idle timeout) or a trickle (below the
         minimum average rate once the grace period is over)."""
@@ -683,11 +814,20 @@ class TransportServer:
                           f"capability ended")  # fmt: skip
         return record
 
-    def _download(self, request: bytes, context: grpc.ServicerContext):
-        ticket = record = None
+    def _download(self, requests, context: grpc.ServicerContext):
+        call = self._enter(context)
         try:
-            header = parse_header(request, Direction.DOWNLOAD)
-            ticket = self.registry.reserve(header.claim)
+            yield from self._send(call, requests, context)
+        finally:
+            self.calls.leave(call)
+
+    def _send(self, call: Call, requests, context: grpc.ServicerContext):
+        """A download's header read (within its deadline), its capability reserved, and its record's chunks."""
+        ticket = record = None
+        feed = _Feed(requests)
+        try:
+            header = parse_header(self._header(feed), Direction.DOWNLOAD)
+            ticket = call.ticket = self.registry.reserve(header.claim, certificate=call.certificate)
             waits = self.registry.waits(ticket)
             record = self.outbox.get(ticket.record, held_too=not waits)
             if record is None and not waits:
@@ -695,9 +835,11 @@ class TransportServer:
         except Refused as refused:
             if ticket is not None:
                 self.registry.release(ticket)
-            self._refuse(refused, context)
+            self._refuse(refused, context, call)
         except Revoked as revoked:
             self._turn_away(revoked, context)
+        finally:
+            feed.stop()
         if record is None:
             record = self._wait_for(ticket, context)
         done = False

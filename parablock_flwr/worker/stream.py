@@ -294,7 +294,7 @@ class WorkerStream:
     def _use(self, settings: NodeSettings, timeout_s: float) -> None:
         if settings.transport == FLOWER_ONLY:
             raise StreamUnusable('this site\'s node config says transport="flower"')
-        self.transport.address_override = settings.transport_address
+        self.transport.site = settings.stream
         self.transport.timeout_s = timeout_s  # a transfer cannot take longer than the server waits
 
     def _where(self, offer: TransportOffer) -> str:

@@ -97,6 +97,7 @@ class RoundConfig:
     resumed_after: int | None = None  # a resumed run: the round R its checkpoint holds ...
     resume_dir: str = ""  # ... and its folder, resolved by the server
     sync_version: int | None = None  # a full sync: drop the node's own state; SYNC_VALUES hold x^v
+    sync_keeps_state: bool = False  # ... but keep it: x's values after a resume, to a worker that starts at x^0
     catch_up_versions: tuple[int, ...] = ()  # the steps in CATCH_UP ...
     catch_up_blocks: tuple[int, ...] = ()  # ... and their blocks
     resume_pending_block: int | None = None  # RESUME_PENDING's block ...
@@ -108,6 +109,8 @@ class RoundConfig:
         for f in _fields(self):
             value = getattr(self, f.name)
             if value is None or value == () or (f.name == "evaluate_generate" and self.evaluate_version is None):
+                continue
+            if f.name == "sync_keeps_state" and not value:  # said only where it holds: a message as before
                 continue
             out[key(f.name)] = list(value) if isinstance(value, tuple) else int(value) if type(value) is bool else value
         return out

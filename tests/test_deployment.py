@@ -116,23 +116,19 @@ def test_clientapp_process_does_not_import_torch(deployed):
     assert rows and all(row["clientapp_imported_torch"] == 0 for row in rows)
 
 
-LONG_ROUNDS = 7  # more than 2M+1 rounds for M = 2 blocks (4 layers, 2 per block)
+LONG_ROUNDS = 9  # more than 2M+1 rounds for M = 2 blocks (4 layers, 2 per block), and three after the resume
+RESUMED = dict(num_server_rounds=LONG_ROUNDS, verify_invariant=True, schedule="ascending", transfer_dtype="bf16",
+               fraction_train=0.5)  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def uninterrupted_long(tmp_path_factory, tiny_model_dir):
+@pytest.fixture(scope="module", params=["parablock", "fedbcd"])
+def uninterrupted_long(request, tmp_path_factory, tiny_model_dir):
     """What the resumed deployments must reproduce: the same config, uninterrupted, simulated without
     Ray (``simulate_in_process``: a deployment's steps equal a simulation's bit for bit, the first
     test here; this run's equalled those of the uninterrupted deployment it replaced, 7 of 7)."""
-    return simulate_in_process(
-        tmp_path_factory.mktemp("uninterrupted-long"),
-        tiny_model_dir,
-        num_supernodes=2,
-        num_server_rounds=LONG_ROUNDS,
-        verify_invariant=True,
-        schedule="ascending",
-        transfer_dtype="bf16",
-    )
+    run = simulate_in_process(tmp_path_factory.mktemp("uninterrupted-long"), tiny_model_dir, num_supernodes=3,
+                              algorithm=request.param, **RESUMED)  # fmt: skip
+    return request.param, run
 
 
 def test_killed_server_resumes_at_any_round_in_a_restarted_deployment_bit_for_bit(
@@ -140,45 +136,58 @@ def test_killed_server_resumes_at_any_round_in_a_restarted_deployment_bit_for_bi
 ):
     """The ServerApp is SIGKILLed in round R+1, and a new deployment (SuperLink, SuperNodes, workers:
     every process restarted) resumes from round R's checkpoint: killed in round 7 (R = 6 > 2M+1), a
-    second deployment ends the run. At the resume the nodes are asked their partition; each worker gets the
-    exact values of x^{R-1} (a full sync) and its own Δ_i^R back, and computes round R+1 from
-    x^{R-1} + Δ_i^R; with bf16 transfer each worker also reads its error-feedback residuals back from its
-    `state-dir` as of round R (written durably each round; the killed workers may have answered round R+1
-    already): every later global step equals the uninterrupted run's, bit for bit. Both deployments run
-    with TLS and SuperNode authentication (each its own CA and node keys), the resumed one with
-    ``transport = "direct"`` (the first one on Flower's path): the full syncs and hand-backs move on the
-    stream over TLS, and no node falls back. (A resumed run killed and resumed again, and a kill at every
-    stage of a round: tests/test_simulation.py, without Ray.)"""
-    same = dict(num_server_rounds=LONG_ROUNDS, verify_invariant=True, schedule="ascending", transfer_dtype="bf16")
-    states = [f'state-dir="{tmp_path / "state" / f"node-{i}"}"' for i in range(2)]
+    second deployment ends the run. 3 nodes, 2 sampled a round, ParaBlock and FedBCD. At the resume the nodes
+    are asked their partition. The resumed run is a new Flower run, which each worker starts at x^0: a ParaBlock
+    node whose round-R reply was aggregated gets the exact values of x^{R-1} (a full sync) and its own Δ_i^R
+    back, and computes round R+1 from x^{R-1} + Δ_i^R; every other node (FedBCD's, a ParaBlock node that sat
+    out round R) gets x's values with its first message and keeps its own state. With bf16 transfer each
+    worker also reads its error-feedback residuals back from its `state-dir` as of round R (written durably
+    each round; the killed workers may have answered round R+1 already): every later global step equals the
+    uninterrupted run's, bit for bit, and no reply is rejected. Both deployments run with TLS and SuperNode
+    authentication (each its own CA and node keys), the resumed one with ``transport = "direct"`` (the first
+    one on Flower's path): the values and hand-backs move on the stream over mutual TLS, and no node falls
+    back. (A resumed run killed and resumed again, and a kill at every stage of a round:
+    tests/test_simulation.py, without Ray.)"""
+    algorithm, uninterrupted = uninterrupted_long
+    same = dict(algorithm=algorithm, **RESUMED)
+    states = [f'state-dir="{tmp_path / "state" / f"node-{i}"}"' for i in range(3)]
     after_round, workdir = 6, tmp_path / "killed"
 
     def kill(deployment):
         return kill_server_after_round(deployment.workdir / "flwr-home", workdir / "out", after_round=after_round)
 
-    killed = deploy(workdir, tiny_model_dir, node_settings=states, on_started=kill, secure=True, **same)
+    killed = deploy(workdir, tiny_model_dir, node_settings=states, on_started=kill, secure=True, num_supernodes=3,
+                    **same)  # fmt: skip
     assert killed.run_dir is not None, killed.stdout[-4000:]
     assert (killed.run_dir / "checkpoint" / f"round-{after_round:05d}").exists()
     assert not (killed.run_dir / "global-steps" / f"v{after_round + 1:05d}.safetensors").exists()
-    assert list((tmp_path / "state" / "node-0" / "partition-0").glob(f"r{after_round:05d}-b*.safetensors"))
-    resumed = _ok(deploy(tmp_path / "resumed", tiny_model_dir, node_settings=states, secure=True, **same,
-                         resume_from=str(killed.run_dir), transport="direct"))  # fmt: skip
+    resumed = _ok(deploy(tmp_path / "resumed", tiny_model_dir, node_settings=states, secure=True, num_supernodes=3,
+                         **same, resume_from=str(killed.run_dir), transport="direct"))  # fmt: skip
 
-    # The resumed deployment took over after round R = 6 and computed round 7, as the uninterrupted run did.
-    uninterrupted = _ok(uninterrupted_long)
-    assert f"after round {after_round} (2 pending client updates" in resumed.stdout
+    # The resumed deployment took over after round R = 6 and computed rounds 7..9, as the uninterrupted run did.
+    uninterrupted = _ok(uninterrupted)
+    pending = 2 if algorithm == "parablock" else 0  # ParaBlock: the two nodes of round R hand their update back
+    assert f"after round {after_round} ({pending} pending client updates" in resumed.stdout
     for server_round in range(after_round + 1, LONG_ROUNDS + 1):
         (block, step), (expected_block, expected) = resumed.step(server_round), uninterrupted.step(server_round)
         assert block == expected_block and all(torch.equal(step[n], expected[n]) for n in expected), server_round
     records = {r["round"]: r for r in resumed.records}
     assert sorted(records) == list(range(LONG_ROUNDS + 1))
-    assert records[after_round + 1]["full_syncs_sent"] == 2 and records[after_round + 1]["num_resynchronised"] == 0
     for server_round in range(2, LONG_ROUNDS + 1):
         record = records[server_round]
-        assert record["num_accepted"] == 2 and record["invariant_checked"] == 2 and record["invariant_failed"] == 0
+        assert record["num_accepted"] == 2 and record["num_rejected"] == 0, record
+        checked = 2 if algorithm == "parablock" else 0  # the invariant is ParaBlock's correction's
+        assert record["invariant_checked"] == checked and record["invariant_failed"] == 0, record
+    # Each node's first message after the resume brought x (a hand-back's full sync, or x's values), once.
+    resumed_rounds = [records[r] for r in range(after_round + 1, LONG_ROUNDS + 1)]
+    assert sum(r["full_syncs_sent"] for r in resumed_rounds) == 3 and records[after_round + 1]["full_syncs_sent"] == 2
+    # ParaBlock's nodes that trained from x^{r-1} (they sat out round r-1) are the uninterrupted run's
+    expected_records = {r["round"]: r for r in uninterrupted.records}
+    assert all(r.get("num_resynchronised") == expected_records[r["round"]].get("num_resynchronised") for r in
+               resumed_rounds)  # fmt: skip
     assert (records[LONG_ROUNDS]["direct_fallbacks"], records[LONG_ROUNDS]["direct_refusals"]) == (0, 0)
     assert (records[LONG_ROUNDS]["final_direct_fallbacks"], records[LONG_ROUNDS]["final_direct_refusals"]) == (0, 0)
-    for i in range(2):  # the stream carried the last deployment's records (its hand-back, full sync), over TLS
+    for i in range(3):  # the stream carried the last deployment's records (its hand-backs, values), over TLS
         log = (tmp_path / "resumed" / "flower" / f"worker-{i}.log").read_text()
         assert any("direct transport: fetched" in line and line.endswith("(TLS)") for line in
                    log.splitlines()), log  # fmt: skip

@@ -547,3 +547,53 @@ def test_a_resumed_node_that_cannot_find_its_residuals_fails_naming_where_it_loo
     reply = train_inline(msg, context)
     assert reply.has_error() and reply.error.reason.startswith("ResidualsMissing"), reply.error
     assert str(missing) in reply.error.reason and not reply.error.reason.startswith("state-intact")
+
+
+def test_a_kept_worker_takes_a_resumed_deployments_values_and_keeps_its_residuals(tmp_path, tiny_model_dir, x0_of):
+    """bf16, sequential BCD: run 20 answers rounds 1-3 and its server stops; the worker keeps running. The
+    resumed run (run 21, a new Flower run: the worker's copy starts at x^0) sends its round 4 with x^2's values
+    that keep the node's state (``sync-keeps-state``) and g^3. The reply equals, bit for bit, that of a copy of
+    the worker that went on with run 20 (a copy of it, restarted and caught up: the same bits, the test
+    above): the values brought its copy to x^3, and its residuals of round 3 were
+    kept (a full sync that drops them gives another update)."""
+    import shutil
+
+    config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 1, "transfer-dtype": "bf16"})
+    blocks = {1: 0, 2: 1, 3: 0, 4: 1}
+    steps: dict[int, dict] = {}
+
+    def train(worker, run_id, server_round, values=None, catch_up=(), **extra):
+        arrays = {"global-step": steps[server_round - 1]} if server_round > 1 else {}
+        if catch_up:
+            arrays["catch-up"] = {f"v{v}/{n}": t for v in catch_up for n, t in steps[v].items()}
+            extra.update({"catch-up-versions": list(catch_up), "catch-up-blocks": [blocks[v] for v in catch_up]})
+        extra.update({"algorithm": "fedbcd", "step-block": blocks.get(server_round - 1, -1)})
+        header = worker_request(config, run_id, server_round, blocks[server_round], blocks.get(server_round + 1, -1),
+                                num_partitions=2, **extra)  # fmt: skip
+        sent = relayed(arrays, "bf16") if arrays else {}
+        sent |= relayed({"sync-values": values}) if values is not None else {}  # x's values in fp32, exactly
+        reply, pieces = worker.serve_request(header, sent)
+        assert "error" not in reply, reply
+        update = unpack(join_pieces(pieces))
+        steps.setdefault(server_round, {n: t * 0.5 for n, t in update.items()})  # g^r, as a server might take it
+        return update
+
+    kept = NodeWorker(state_dir=tmp_path / "state")
+    workers = [kept]
+    try:
+        for server_round in (1, 2, 3):
+            train(kept, 20, server_round)
+        shutil.copytree(tmp_path / "state", tmp_path / "uninterrupted")
+        workers.append(NodeWorker(state_dir=tmp_path / "uninterrupted"))
+        x2 = {n: t.clone() for n, t in x0_of(config).items()}
+        for version in (1, 2):
+            for n, t in steps[version].items():
+                x2[n] = x2[n] + t.to(x2[n].dtype)
+        resumed = train(kept, 21, 4, values=x2, **{"resumed-after": 3, "sync-version": 2, "sync-keeps-state": 1})
+        went_on = train(workers[1], 20, 4, catch_up=(1, 2))  # a copy of the worker, caught up to x^3
+        dropped = train(workers[1], 20, 4, values=x2, **{"sync-version": 2})  # its state dropped: not the same
+    finally:
+        for worker in workers:
+            worker.compute_thread.shutdown(wait=True)
+    assert all(torch.equal(resumed[n], went_on[n]) for n in went_on)
+    assert not all(torch.equal(dropped[n], went_on[n]) for n in went_on)

@@ -223,13 +223,15 @@ class Node:
 
     def apply_sync(self, res: NodeResources, req: Request, store: ResidualStore | None) -> None:
         """A full sync drops the node's own state (the server's values of ``x^{r-2}`` replace the
-        replica's where the message carries them); a resumed server's hand-back becomes the pending."""
+        replica's where the message carries them), unless it says it keeps it (a resumed deployment's values,
+        to a worker that starts the new run at ``x^0``); a resumed server's hand-back becomes the pending."""
         if req.sync_version is not None:
             if req.sync_values is not None:
                 res.replica.reset_to(req.sync_version, req.sync_values)
-            self.state.pending, self.state.residuals = None, {}
-            if store is not None:
-                store.reset(req.server_round)
+            if not req.sync_keeps_state:
+                self.state.pending, self.state.residuals = None, {}
+                if store is not None:
+                    store.reset(req.server_round)
         if req.handed_back is not None:
             self.state.pending = req.handed_back
 
@@ -246,8 +248,9 @@ class Node:
         run would silently stop being exact, so it fails instead, naming where it looked. A full sync
         without a hand-back drops them, as the stopped server's would have (its reply of round R was
         rejected, or it missed too much): the resumed server syncs each node as the stopped one would."""
+        drops = req.sync_version is not None and not req.sync_keeps_state
         if store.begun(req.run_id):  # a restarted process, later in this run: its newest residuals
-            if req.sync_version is None:  # (a full sync has just dropped them)
+            if not drops:  # (a full sync has just dropped them)
                 self.state.residuals = store.as_of(req.server_round - 1)
             return
         if req.resumed_after is None or resumed_store is None:
@@ -262,7 +265,7 @@ class Node:
                 f"{resumed_store.dir} (expected this node's round-{req.resumed_after} residuals of "
                 f"transfer-dtype={cfg.transfer_dtype} there); not starting its error feedback from zero"
             )
-        if req.sync_version is not None and back is None:  # the stopped server had dropped this node's state
+        if drops and back is None:  # the stopped server had dropped this node's state
             self.state.residuals = {}
         store.restart_at(req.resumed_after, self.state.residuals)
         store.begin(req.run_id)

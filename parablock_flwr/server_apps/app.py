@@ -200,6 +200,8 @@ def train(grid: Grid, context: Context, run: dict, loaded: Loaded, direct: Direc
     evaluator = None
     if loaded.heldout is not None or cfg.save_every:
         evaluator = ServerEvaluator(loaded.tokenizer, loaded.heldout, cfg, run_dir)
+    # A deployment's workers start a resumed run (a new Flower run) at x^0: its nodes get x's values first.
+    algorithm.sync.values_on_resume = not isinstance(grid, InMemoryGrid)
     this_run = Run(algorithm, evaluator, direct)
     try:  # Round 1 sends no step; a resumed run sends g^R in round R+1.
         first_step = this_run.resume(cfg.resume_path, loaded.checkpoint) if loaded.checkpoint else ArrayRecord()

@@ -8,6 +8,12 @@ of every block (a full sync, ``sync-values``). A full sync carries
 ``x^{r-2}`` and lets ``g^{r-1}`` (in every message) move it to ``x^{r-1}``: the
 node can then show ``x^{r-2}`` again exactly, which is what a ParaBlock client
 handed back its own ``Δ_i^{r-1}`` after a server restart trains from.
+
+A resumed deployment is a new Flower run, which every node worker starts at ``x^0`` (a worker restarted or
+not: its copy belongs to the run). So there (``values_on_resume``) each node whose version the stopped server
+knew gets ``x``'s values with its first message, keeping its own state (its error-feedback residuals), instead
+of the steps it would need from that version: the resumed run's bits are the uninterrupted run's. A
+simulation's nodes catch up from the step log on the server's disk, so they get the steps.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ class SyncParts:
     records: dict[str, ArrayRecord] = field(default_factory=dict)  # record name -> its tensors
     catch_up_steps: int = 0
     full_sync: bool = False
+    keeps_state: bool = False  # x's values after a resume: the node keeps its own state (the module's docstring)
 
 
 class NodeSync:
@@ -54,6 +61,8 @@ class NodeSync:
         # A resumed run: what the stopped server knew, by partition (node ids change across a restart),
         # taken up by each node once its partition is known: partition -> version, None for a full sync.
         self.carried: dict[int, int | None] = {}
+        self.values_on_resume = False  # a deployment: the carried nodes get x's values (the module's docstring)
+        self.resync: set[int] = set()  # nodes to get them with their next message
 
     # ------------------------------------------------------------ what the server learns
     def accepted(self, node: int, server_round: int, partition_id: int) -> None:
@@ -61,12 +70,14 @@ class NodeSync:
         self.versions[node] = server_round - 1
         self.partitions[node] = partition_id
         self.needs_full_sync.discard(node)
+        self.resync.discard(node)
 
     def failed(self, node: int) -> None:
         """An error or a rejected reply: the node's state is unknown; it starts over from a full sync.
         (An error reply that says its state is intact does not call this: ``messages.STATE_INTACT``.)"""
         self.versions.pop(node, None)
         self.needs_full_sync.add(node)
+        self.resync.discard(node)
 
     def applied(self, before: core.Tensors) -> None:
         """``g^r`` was just applied to ``x`` (``core.apply_step_keeping``); ``before`` holds the values it
@@ -99,6 +110,8 @@ class NodeSync:
                 return  # learnt in this run already
             if version is None:
                 self.needs_full_sync.add(node)
+            elif self.values_on_resume:
+                self.resync.add(node)
             else:
                 self.versions[node] = version
 
@@ -109,16 +122,21 @@ class NodeSync:
         pending = self.pending_to_hand_back(server_round, node)
         missed = list(range(self.versions.get(node, 0) + 1, server_round - 1))
         pruned = any(not self.step_log.has(version) for version in missed)  # snapshot-every dropped them
-        full = node in self.needs_full_sync or (
+        # x's values after a resume, the node's own state kept (the module's docstring); a hand-back or a dropped
+        # state takes a full sync instead
+        keeps_state = node in self.resync and node not in self.needs_full_sync and pending is None
+        full = not keeps_state and (node in self.needs_full_sync or (
             server_round >= 2
             # A hand-back comes with x^{r-2}'s values: a fresh process (a restarted worker) computes from them.
             and (len(missed) > self.num_blocks or pruned or pending is not None)
-        )
+        ))  # fmt: skip
         parts = SyncParts()
-        if full and server_round >= 2:
+        if (full or keeps_state) and server_round >= 2:
             parts.fields["sync_version"] = server_round - 2
             parts.records[SYNC_VALUES] = self.full_sync_record(server_round)
-            parts.full_sync = True
+            parts.full_sync, parts.keeps_state = True, keeps_state
+            if keeps_state:
+                parts.fields["sync_keeps_state"] = True
         elif missed:
             steps = {version: self.step_log.read(version) for version in missed}
             parts.fields["catch_up_versions"] = tuple(missed)

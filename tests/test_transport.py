@@ -778,41 +778,42 @@ def test_a_peer_without_a_certificate_of_the_consortiums_ca_ends_at_the_handshak
         srv.stop()
 
 
-def silent_downloads(srv, tls, identity, n: int, release: threading.Event) -> list:
-    """``n`` Download calls that never send their request (a site holding the service's workers): each one's
-    status details once it ends."""
+def silent_calls(srv, tls, identity, n: int, release: threading.Event) -> list:
+    """``n`` calls that never send their first message (a site holding the service's workers), Downloads and
+    Uploads in turn: each one's status details once it ends."""
     cert, key = identity
     credentials = grpc.ssl_channel_credentials(tls.ca_cert.read_bytes(), private_key=key, certificate_chain=cert)
     channel = grpc.secure_channel(f"localhost:{srv.port}", credentials)
-    call = channel.stream_stream(DOWNLOAD, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+    same = dict(request_serializer=lambda b: b, response_deserializer=lambda b: b)
+    download, upload = channel.stream_stream(DOWNLOAD, **same), channel.stream_unary(UPLOAD, **same)
     outcomes: list = []
 
     def never():
         release.wait(60)
         yield from ()
 
-    def hold() -> None:
+    def hold(i: int) -> None:
         try:
-            list(call(never(), timeout=60))
+            list(download(never(), timeout=60)) if i % 2 else upload(never(), timeout=60)
             outcomes.append("ended")
         except grpc.RpcError as error:
             outcomes.append(error.details())
 
-    threads = [threading.Thread(target=hold, daemon=True) for _ in range(n)]
+    threads = [threading.Thread(target=hold, args=(i,), daemon=True) for i in range(n)]
     for thread in threads:
         thread.start()
     return [outcomes, threads, channel]
 
 
 def test_a_flood_of_silent_calls_from_one_site_starves_no_other_and_is_counted_against_it(tls, sites):
-    """Site 0 opens 20 downloads that never send their request (more than the pool's 12 workers). Past its
+    """Site 0 opens 20 downloads and uploads that never send a header (more than the pool's 12 workers). Past its
     share of 4 it is refused at once as ``busy``; the 4 it holds end at the header's deadline (``stalled``);
     every refusal is counted against site 0's certificate. Meanwhile site 1 moves a record both ways within a
     few seconds, and nothing is counted against it."""
     srv = mutual_server(tls)
     release = threading.Event()
     try:
-        outcomes, threads, channel = silent_downloads(srv, tls, sites[0], 20, release)
+        outcomes, threads, channel = silent_calls(srv, tls, sites[0], 20, release)
         time.sleep(0.5)
         assert len(srv.calls) <= 4
         data = os.urandom(3 * 2**20)

@@ -44,9 +44,14 @@ def deploy(
     return finished(proc, out)
 
 
+# A strategy of the user's own, outside the package (extensions/, which the bundle Flower ships includes): it
+# records each round's largest update norm and changes no bit (the TLS test compares the default with it).
+EXTENSION = "extensions.update_norms:UpdateNormParaBlock"
+
+
 @pytest.fixture(scope="module")
 def deployed(tmp_path_factory, tiny_model_dir):
-    return deploy(tmp_path_factory.mktemp("deploy"), tiny_model_dir, **COMPARED)
+    return deploy(tmp_path_factory.mktemp("deploy"), tiny_model_dir, strategy=EXTENSION, **COMPARED)
 
 
 def _ok(run):
@@ -56,11 +61,13 @@ def _ok(run):
 
 def test_deployment_equals_simulation_bit_for_bit(deployed, tmp_path, tiny_model_dir):
     """The same global steps in a deployment and a simulation; the simulation keeps to Flower's path
-    whatever its ``transport`` says."""
+    whatever its ``transport`` says. Both run a strategy from the app's extensions/ folder, outside the package
+    (docs/extending.md): `flwr run` ships it in the bundle to the simulation and to the deployment's server."""
     sim = simulate(
         tmp_path,
         tiny_model_dir,
         num_supernodes=2,
+        strategy=EXTENSION,
         **COMPARED,
         transport="direct",
         transport_address="localhost:0",
@@ -75,6 +82,9 @@ def test_deployment_equals_simulation_bit_for_bit(deployed, tmp_path, tiny_model
         assert all(torch.equal(sd[n], ss[n]) for n in sd), f"global step {version} differs"
     for rec in deployed.records[1:]:
         assert rec["num_accepted"] == 2 and rec["invariant_failed"] == 0 and rec["invariant_checked"] == 2
+    for run in (deployed, sim):  # the extension ran in both: its number is in every round's record
+        assert all(r["max_update_norm_seen"] > 0 for r in run.records[1:]), run.records[1:]
+        assert "UpdateNormParaBlock:" in run.stdout  # the strategy's summary line names the class
 
 
 def test_next_block_is_computed_while_the_reply_is_in_flight(deployed):

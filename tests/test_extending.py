@@ -114,3 +114,32 @@ def test_a_new_algorithm_added_as_the_docs_say_runs(tmp_path, tiny_model_dir, mo
     records = RunRecorder(tmp_path / "run").read()
     assert [r["num_accepted"] for r in records[1:]] == [2, 2], records
     assert DampedClient.rounds_finished == 4
+
+
+def test_a_strategy_the_bundle_would_not_carry_is_refused_before_flower_starts(tmp_path, capsys):
+    """Flower runs the app from the bundle it builds (``fab-include``: parablock_flwr/ and extensions/). A
+    strategy in a folder of the user's own beside them, or in no folder and not installed, is one line and exit
+    code 2 from ``parablock-flwr simulate``, in well under a second: before, the run failed about 24 s into
+    Flower's start-up. A module in extensions/ is taken (the deployment tests run one)."""
+    import time
+
+    from parablock_flwr.cli import main as cli_main
+    from parablock_flwr.tools.app_config import strategy_problem
+    from parablock_flwr.tools.launch import find_project_dir
+
+    app = find_project_dir()
+    (tmp_path / "my_strategies").mkdir()
+    (tmp_path / "pyproject.toml").write_text((app / "pyproject.toml").read_text())
+    for strategy, says in [
+        ("my_strategies.clip:ClipParaBlock", "my_strategies is in the app folder but not in the bundle Flower runs"),
+        ("elsewhere:Nothing", "no module 'elsewhere' in"),
+        ("extensions.nope:X", "no extensions/nope.py in"),
+    ]:
+        started = time.monotonic()
+        code = cli_main(["simulate", "--app-dir", str(tmp_path), f'strategy="{strategy}"'])
+        err = capsys.readouterr().err
+        assert code == 2 and says in err and len(err.strip().splitlines()) == 1, err
+        assert time.monotonic() - started < 5
+    assert strategy_problem("extensions.update_norms:UpdateNormParaBlock", app) is None
+    assert strategy_problem(TRIMMED, tmp_path) is None
+    assert strategy_class("parablock", "extensions.update_norms:UpdateNormParaBlock").__name__ == "UpdateNormParaBlock"

@@ -9,6 +9,7 @@ code 2. Value ranges are the ServerApp's to check (``parablock_flwr/config.py``)
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import json
 import logging
 import tomllib
@@ -99,3 +100,29 @@ def check_overrides(overrides: Mapping[str, object], defaults: Mapping[str, obje
         expected = _expected(defaults[key], value)
         if expected is not None:
             raise OverrideError(f"{key}={toml_value(value)}: expected {expected}")
+
+
+def strategy_problem(strategy: object, app_dir: Path) -> str | None:
+    """Why the ServerApp could not import ``strategy = "package.module:Class"``, in one line, or None. Flower
+    runs the app from the bundle it builds of the app folder (``fab-include``: ``parablock_flwr/`` and
+    ``extensions/``), so a module is found there or among what this environment has installed; a folder of
+    its own beside them is left out of the bundle (docs/extending.md)."""
+    if not isinstance(strategy, str) or not strategy:
+        return None
+    module = strategy.partition(":")[0]
+    top, app_dir = module.split(".")[0], Path(app_dir)
+    if top == "parablock_flwr":
+        return None
+    where = app_dir.joinpath(*module.split("."))
+    if top == "extensions":
+        if where.with_suffix(".py").is_file() or (where / "__init__.py").is_file():
+            return None
+        return f"strategy={strategy!r}: no {where.relative_to(app_dir)}.py in {app_dir}; expected your module there"
+    if (app_dir / top).is_dir() or (app_dir / f"{top}.py").is_file():
+        return (f"strategy={strategy!r}: {top} is in the app folder but not in the bundle Flower runs (only "
+                f"parablock_flwr/ and extensions/); move it into {app_dir / 'extensions'}/ and name it "
+                f"'extensions.{strategy}'")  # fmt: skip
+    if importlib.util.find_spec(top) is not None:  # installed: the ServerApp imports it from its environment
+        return None
+    return (f"strategy={strategy!r}: no module {top!r} in {app_dir / 'extensions'}/ nor installed here; put it in "
+            f"extensions/ (it ships with the app) or install it where the ServerApp runs")  # fmt: skip

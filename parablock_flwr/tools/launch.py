@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..run_status import EXIT_CODES, read_status
-from .app_config import OverrideError, app_config, check_overrides, find_project_dir, toml_value
+from .app_config import OverrideError, app_config, check_overrides, find_project_dir, strategy_problem, toml_value
 from .credentials import TlsFiles, make_client_cert, make_node_key, make_tls, tls_files
 
 log = logging.getLogger(__name__)
@@ -377,6 +377,8 @@ def check_run_config(run_config: Mapping[str, object], app_dir: Path) -> RunResu
         check_overrides(run_config, app_config(app_dir))
     except OverrideError as err:
         return refused(str(err))
+    if (problem := strategy_problem(run_config.get("strategy"), app_dir)) is not None:
+        return refused(problem)
     return None
 
 

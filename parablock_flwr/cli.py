@@ -7,6 +7,7 @@
     parablock-flwr report RUN_DIR                the run's status, its table, and PNG plots in RUN_DIR/plots
     parablock-flwr report RUN_DIR --jsonl        one JSON object per round (for pandas, jq)
     parablock-flwr plan MODEL [KEY=VALUE ...]    device, host and server memory of a run, from the model's config
+    parablock-flwr check-data DATASET [KEY=VALUE ...]  a site's file as a run reads it (rows, malformed, lengths)
 
 `simulate` and `deploy` check every override against the app's run-config keys and
 types before anything starts, and exit with the code of the run's status record
@@ -153,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("run_dir", type=Path)
     rep.add_argument("--jsonl", action="store_true", help="print one JSON object per round instead (merged)")
     _plan_parser(sub)
+    _check_data_parser(sub)
     return parser
 
 
@@ -261,6 +263,30 @@ def _plan_parser(sub) -> None:
     )
 
 
+def _check_data_parser(sub) -> None:
+    """`check-data`: a site's file, and the run settings that decide how it is read."""
+    chk = sub.add_parser("check-data", help="a site's data file as a run would read it: rows, malformed, token lengths")
+    chk.add_argument("dataset", help="as a node config's dataset: alpaca:/srv/site/train.jsonl, messages:..., ...")
+    chk.add_argument("overrides", nargs="*", help="the run's settings, KEY=VALUE in TOML syntax: model, max-seq-len")
+
+
+def _check_data(args) -> int:
+    """`check-data`: its report; exit 0 when every row trains, 1 when some are skipped or dropped, 2 when none can
+    be used or a setting is bad. Only counts and row numbers are printed, never a row's content."""
+    from .config import ConfigError, RunConfig
+    from .data import DataError, check_rows
+    from .model import load_tokenizer
+
+    try:
+        cfg = RunConfig.from_flower({**parse_overrides(args.overrides), "dataset": args.dataset})
+        check = check_rows(args.dataset, load_tokenizer(cfg.model, cfg.prompt_format), cfg.max_seq_len)
+    except (ConfigError, OverrideError, DataError) as err:
+        print(f"parablock-flwr check-data: {err}", file=sys.stderr)
+        return 2
+    print("\n".join(check.lines()))
+    return 0 if check.train == check.rows else 1
+
+
 def _worker(args) -> int:
     """`worker`: claim the socket first (a refusal costs no torch import), then serve; give it back at exit."""
     from .worker.endpoint import SocketRefused, WorkerSocket
@@ -326,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
         return _plan(args)
     if args.command == "evaluate":
         return _evaluate(args)
+    if args.command == "check-data":
+        return _check_data(args)
     from .report import report, rounds_jsonl
 
     try:

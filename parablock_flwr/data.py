@@ -38,7 +38,7 @@ import csv
 import json
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import datasets
@@ -387,6 +387,77 @@ def encode_or_mark(tokenizer, row: dict, max_len: int) -> dict:
         return {**encode_row(tokenizer, row, max_len), "unformatted": 0}
     except Exception:  # noqa: BLE001 - any template error: the row is skipped, the others go on
         return {"input_ids": [], "labels": [], "truncated": 0, "unformatted": 1}
+
+
+@dataclass
+class RowsCheck:
+    """What a site's file holds for a run (``parablock-flwr check-data``): counts, and rows named by number only
+    (their 1-based place in the file, as ``Malformed`` numbers them), never by content."""
+
+    spec: str
+    max_len: int
+    rows: int = 0  # records in the file
+    malformed: Malformed = field(default_factory=Malformed)
+    refused: list[int] = field(default_factory=list)  # rows the tokenizer's template refused
+    cut: list[int] = field(default_factory=list)  # rows max-seq-len cuts before their answer: dropped
+    truncated: list[int] = field(default_factory=list)  # rows longer than max-seq-len that still train
+    lengths: list[int] = field(default_factory=list)  # each usable row's tokens, whole
+
+    @property
+    def train(self) -> int:
+        return len(self.lengths) - len(self.cut)
+
+    def lines(self) -> list[str]:
+        """The report: numbers and row numbers only."""
+        out = [f"{self.spec}: {self.rows} rows, {self.train} train at max-seq-len={self.max_len}"]
+        if self.malformed.count:
+            out.append(f"  malformed, skipped: {self.malformed.count} (the first: {self.malformed.first()})")
+        said = {"refused by the tokenizer's template, skipped": self.refused,
+                f"cut before their answer by max-seq-len={self.max_len}, dropped": self.cut,
+                f"longer than max-seq-len={self.max_len}, cut, still training": self.truncated}  # fmt: skip
+        for what, rows in said.items():
+            if rows:
+                shown = ", ".join(map(str, rows[:10])) + (", ..." if len(rows) > 10 else "")
+                out.append(f"  {what}: {len(rows)} (rows {shown})")
+        if self.lengths:
+            ordered = sorted(self.lengths)
+            median, p95 = ordered[len(ordered) // 2], ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
+            out.append(f"  tokens per row: median {median}, 95th percentile {p95}, longest {ordered[-1]}")
+        return out
+
+
+def check_rows(spec: str, tokenizer, max_len: int) -> RowsCheck:
+    """A site's file as a run would read it (``dataset``'s forms, not reasoning-gym's generated rows): each row
+    read, templated and tokenized whole, in the file's order. Raises ``DataError`` when no row can be read."""
+    kind, _, source = spec.partition(":")
+    if kind not in SCHEMAS or not source:
+        raise DataError(f"dataset={spec!r}: expected alpaca:<path>, mathinstruct:<path> or messages:<path> (a file "
+                        f"or folder a site holds; reasoning-gym's rows are generated, not read)")  # fmt: skip
+    check = RowsCheck(spec, max_len)
+    for row, record in _read_records(spec, source, SCHEMAS[kind]):
+        check.rows += 1
+        fields = schema_row(kind, record)
+        if isinstance(fields, str):
+            check.malformed.note(row, fields)
+            continue
+        try:
+            encoded = encode_row(tokenizer, fields, 2**62)
+        except Exception:  # noqa: BLE001 - a template's error may quote the row: only its number is kept
+            check.refused.append(row)
+            continue
+        answer = next((i for i, label in enumerate(encoded["labels"]) if label != IGNORE_INDEX), len(encoded["labels"]))
+        check.lengths.append(len(encoded["input_ids"]))
+        if answer >= max_len:
+            check.cut.append(row)
+        elif len(encoded["input_ids"]) > max_len:
+            check.truncated.append(row)
+    if not check.lengths:
+        raise DataError(
+            f"dataset={spec!r}: no usable row of {check.rows} ({check.malformed.count} malformed"
+            + (f"; the first is {check.malformed.first()}" if check.malformed.count else "")
+            + ")"
+        )
+    return check
 
 
 @contextlib.contextmanager

@@ -188,3 +188,42 @@ def test_a_library_errors_text_stays_at_the_site_and_the_projects_own_errors_say
     assert MARKER not in leaked and leaked.startswith("ValueError")
     ours = error_line(DataError("dataset='alpaca:/srv/a.jsonl': no usable row (the first is row 3 (output))"))
     assert ours == "DataError: dataset='alpaca:/srv/a.jsonl': no usable row (the first is row 3 (output))"
+
+
+def test_check_data_counts_a_sites_rows_and_names_them_by_number_only(tmp_path, tiny_model_dir, capsys):
+    """``parablock-flwr check-data``, what a site runs on its file before a run: its rows, the malformed ones
+    (the first by number and field), the rows max-seq-len would cut before their answer (by number), and the
+    token lengths; never a row's content. Exit 0 when every row trains, 1 when some would not, 2 when none can."""
+    from parablock_flwr.cli import main as cli_main
+
+    model = f'model="{tiny_model_dir}"'
+    long_row = json.dumps({"instruction": f"{MARKER} " * 60, "output": "1"})  # its answer starts past 64 tokens
+    site = write(tmp_path / "site.jsonl", [*good_rows(0, 4), BAD_ALPACA[0], long_row, BAD_ALPACA[1]])
+    assert cli_main(["check-data", f"alpaca:{site}", model, "max-seq-len=64"]) == 1
+    out = capsys.readouterr().out
+    assert MARKER not in out
+    assert out.splitlines()[0] == f"alpaca:{site}: 7 rows, 4 train at max-seq-len=64", out
+    assert "malformed, skipped: 2 (the first: row 5 (not JSON))" in out
+    assert "cut before their answer by max-seq-len=64, dropped: 1 (rows 6)" in out and "tokens per row: median" in out
+    clean = write(tmp_path / "clean.jsonl", good_rows(1, 3))
+    assert cli_main(["check-data", f"alpaca:{clean}", model]) == 0
+    assert capsys.readouterr().out.startswith(f"alpaca:{clean}: 3 rows, 3 train at max-seq-len=")
+    unusable = write(tmp_path / "bad.jsonl", BAD_ALPACA)
+    assert cli_main(["check-data", f"alpaca:{unusable}", model]) == 2
+    err = capsys.readouterr().err
+    assert MARKER not in err and "no usable row of 5 (5 malformed; the first is row 1 (not JSON))" in err, err
+    assert cli_main(["check-data", "reasoning-gym:gsm_symbolic", model]) == 2
+    assert "reasoning-gym's rows are generated, not read" in capsys.readouterr().err
+
+
+def test_the_example_rows_of_the_deployment_guide_are_rows_a_run_reads():
+    """docs/deployment.md shows one row of each form a site's file holds; each is read as that form."""
+    from pathlib import Path
+
+    from parablock_flwr.data import schema_row
+
+    text = (Path(__file__).parents[1] / "docs" / "deployment.md").read_text()
+    block = text.split("A row of\neach form")[1].split("```json\n")[1].split("```")[0]
+    rows = [json.loads(line) for line in block.splitlines()]
+    for kind, row in zip(("alpaca", "mathinstruct", "messages"), rows, strict=True):
+        assert isinstance(schema_row(kind, row), dict), (kind, schema_row(kind, row))

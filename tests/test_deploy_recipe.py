@@ -103,6 +103,8 @@ def test_the_recipe_runs_on_loopback_with_the_shipped_units(site_root):  # noqa:
     planned = run_phase("plan", subs, env, 300)
     assert "GiB" in planned  # plan's own figures, whatever they are today
     run_phase("setup", subs, env, 300)
+    checked = run_phase("check", subs, env, 300)  # the site's file, before its SuperNode starts
+    assert f"{TRAIN_ROWS} rows, {TRAIN_ROWS} train at max-seq-len=1024" in checked, checked
     etc = root / "etc" / "parablock"
     assert oct(os.stat(etc / "node_key-0").st_mode & 0o777) == "0o600"
     (etc / "superlink.env").write_text(f"HOST=127.0.0.1\nPORT={port}\nHEALTH_ADDRESS=127.0.0.1:{link_health}\n")

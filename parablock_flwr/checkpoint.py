@@ -222,9 +222,25 @@ def replay_run(
     recorder,
     after_each_step=None,
 ) -> dict[str, torch.Tensor]:
-    """Rebuild ``x^R`` in place as ``x^0`` plus the logged steps of ``from_run_dir`` (checked against
-    the checkpoint's digest), copying the steps and the records of rounds 0..R into this run's
-    ``step_log`` and ``recorder``. Returns ``g^R``, the step round R+1's message carries."""
+    """Rebuild ``x^R`` in place as ``x^0`` plus the logged steps of ``from_run_dir`` (``replay_steps``),
+    copying the steps and the records of rounds 0..R into this run's ``step_log`` and ``recorder``. Returns
+    ``g^R``, the step round R+1's message carries."""
+    step = replay_steps(from_run_dir, ckpt, global_params, names, after_each_step, copy_to=step_log)
+    recorder.copy_rounds(from_run_dir, ckpt.round)
+    return step
+
+
+def replay_steps(
+    from_run_dir: Path,
+    ckpt: Checkpoint,
+    global_params: dict[str, torch.Tensor],
+    names: tuple[str, ...],
+    after_each_step=None,
+    copy_to=None,
+) -> dict[str, torch.Tensor]:
+    """Rebuild ``x^R`` in place as ``x^0`` plus the logged steps of ``from_run_dir``, from its newest snapshot
+    before R when the log is bounded, checked against the checkpoint's digest; each step (and the snapshot)
+    also written to the step log ``copy_to``. Returns ``g^R``."""
     from .core import ModelDigest, apply_step_keeping, digest
     from .replica import StepLog
 
@@ -237,18 +253,20 @@ def replay_run(
         with torch.no_grad():
             for n, t in values.items():
                 global_params[n].copy_(t)
-        step_log.write_snapshot(start, values)
+        if copy_to is not None:
+            copy_to.write_snapshot(start, values)
+    step = {}
     for version in range(start + 1, ckpt.round + 1):
         block, step = old_log.read(version)
         before = apply_step_keeping(global_params, step)
         if after_each_step is not None:
             after_each_step(before)
-        step_log.write(version, block, step)
+        if copy_to is not None:
+            copy_to.write(version, block, step)
     rebuilt = ModelDigest(names)(global_params) if ckpt.digest_format == DIGEST_FORMAT else digest(global_params, names)
     if rebuilt != ckpt.global_sha256:
         raise ValueError(
             f"resume-from={str(from_run_dir)!r}: x^0 plus the logged steps does not give the "
             f"checkpointed x^{ckpt.round}; expected the same model files as the first run"
         )
-    recorder.copy_rounds(from_run_dir, ckpt.round)
     return step

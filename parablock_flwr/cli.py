@@ -8,6 +8,7 @@
     parablock-flwr report RUN_DIR --jsonl        one JSON object per round (for pandas, jq)
     parablock-flwr plan MODEL [KEY=VALUE ...]    device, host and server memory of a run, from the model's config
     parablock-flwr check-data DATASET [KEY=VALUE ...]  a site's file as a run reads it (rows, malformed, lengths)
+    parablock-flwr export RUN_DIR [OUT]          a Hugging Face folder of a run's model, rebuilt from its steps
 
 `simulate` and `deploy` check every override against the app's run-config keys and
 types before anything starts, and exit with the code of the run's status record
@@ -155,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--jsonl", action="store_true", help="print one JSON object per round instead (merged)")
     _plan_parser(sub)
     _check_data_parser(sub)
+    _export_parser(sub)
     return parser
 
 
@@ -287,6 +289,26 @@ def _check_data(args) -> int:
     return 0 if check.train == check.rows else 1
 
 
+def _export_parser(sub) -> None:
+    """`export`: a run folder, and where its model goes."""
+    exp = sub.add_parser("export", help="a Hugging Face folder of a run's model, rebuilt from its steps")
+    exp.add_argument("run_dir", type=Path, help="the run folder (RUN_DIR: its config, step log and checkpoints)")
+    exp.add_argument("out", type=Path, nargs="?", help="where to write it (default: RUN_DIR/model-round-R)")
+
+
+def _export(args) -> int:
+    """`export`: the folder it wrote; a folder that is not a run's, or does not rebuild, is one line, exit 2."""
+    from .export import export_run
+
+    try:
+        out, round_ = export_run(args.run_dir, args.out)
+    except ValueError as err:
+        print(f"parablock-flwr export: {err}", file=sys.stderr)
+        return 2
+    print(f"parablock-flwr export: the model after round {round_} in {out}")
+    return 0
+
+
 def _worker(args) -> int:
     """`worker`: claim the socket first (a refusal costs no torch import), then serve; give it back at exit."""
     from .worker.endpoint import SocketRefused, WorkerSocket
@@ -354,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
         return _evaluate(args)
     if args.command == "check-data":
         return _check_data(args)
+    if args.command == "export":
+        return _export(args)
     from .report import report, rounds_jsonl
 
     try:

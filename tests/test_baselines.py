@@ -40,6 +40,21 @@ def _replayed(run) -> tuple[torch.nn.Module, core.BlockPartition, dict[str, torc
     return model, partition, initial
 
 
+def assert_export_rebuilds(run, weights: str, capsys) -> None:
+    """``parablock-flwr export RUN_DIR`` (a run without save-final-model, or stopped before its end) rebuilds
+    from the run's config, step log and checkpoint the very folder the run exported at its end."""
+    from parablock_flwr.cli import main
+
+    assert main(["export", str(run.run_dir)]) == 0
+    rounds = run.records[-1]["round"]
+    out = run.run_dir / f"model-round-{rounds:05d}"
+    assert capsys.readouterr().out.strip() == f"parablock-flwr export: the model after round {rounds} in {out}"
+    rebuilt, exported = load_file(str(out / weights)), load_file(str(run.run_dir / "final-model" / weights))
+    assert rebuilt.keys() == exported.keys() and all(torch.equal(rebuilt[n], exported[n]) for n in exported)
+    assert main(["export", str(run.run_dir / "final-model")]) == 2  # not a run folder: one line
+    assert "expected a run folder" in capsys.readouterr().err
+
+
 def _nbytes(names, params) -> int:
     return sum(params[n].numel() * 4 for n in names)
 
@@ -80,6 +95,7 @@ def test_fedavg_lora_sends_every_adapter_and_exports_a_peft_folder(tmp_path, tin
             plain = name.replace("base_model.model.", "", 1).replace(".base_layer", "")
             assert torch.equal(tensor, base[plain]), name
     assert (run.run_dir / "checkpoints" / "round-00001" / "adapter_model.safetensors").exists()
+    assert_export_rebuilds(run, "adapter_model.safetensors", capsys)
 
     # The evaluate command on the adapter folder scores what the server measured last round.
     from parablock_flwr.cli import main
@@ -90,7 +106,7 @@ def test_fedavg_lora_sends_every_adapter_and_exports_a_peft_folder(tmp_path, tin
     assert result["task_accuracy"] == records[-1]["task_accuracy"]
 
 
-def test_fedavg_full_sends_every_weight_and_exports_a_plain_folder(tmp_path, tiny_model_dir):
+def test_fedavg_full_sends_every_weight_and_exports_a_plain_folder(tmp_path, tiny_model_dir, capsys):
     run = _ok(
         simulate_in_process(
             tmp_path,
@@ -112,6 +128,7 @@ def test_fedavg_full_sends_every_weight_and_exports_a_plain_folder(tmp_path, tin
     for name, tensor in params.items():
         assert torch.equal(exported[name], tensor), name
     assert all(not torch.equal(params[n], initial[n]) for n in partition.all_names()[:3])
+    assert_export_rebuilds(run, "model.safetensors", capsys)
 
 
 def test_parablock_over_lora_blocks_keeps_the_invariant(tmp_path, tiny_model_dir):

@@ -139,3 +139,6 @@ def test_the_recipe_runs_on_loopback_with_the_shipped_units(site_root):  # noqa:
     weights = [w for rec in nodes for w in rec.get("client_weights", [])]
     assert weights and all(w["num_examples"] == TRAIN_ROWS for w in weights), weights
     assert f"Loading model {root}/models/" in (root / "worker.log").read_text()
+    assert (statuses[0].parent / "final-model" / "model.safetensors").exists()  # save-final-model in the recipe
+    reported = run_phase("after", subs, env, 120)
+    assert reported.startswith("status: completed (2/2 rounds)"), reported

@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..config import ConfigError, RunConfig
 from ..run_status import EXIT_CODES, read_status
 from .app_config import OverrideError, app_config, check_overrides, find_project_dir, strategy_problem, toml_value
 from .credentials import TlsFiles, make_client_cert, make_node_key, make_tls, tls_files
@@ -372,10 +373,14 @@ def refused(reason: str, kind: str = "invalid-config") -> RunResult:
 
 
 def check_run_config(run_config: Mapping[str, object], app_dir: Path) -> RunResult | None:
-    """None if every key is one of the app's and every value of its type; else the refused run."""
+    """None if every key is one of the app's, every value of its type and the whole run config valid
+    (``RunConfig.validate``: choices, ranges, relations, as the ServerApp checks them once Flower has started,
+    seconds later); else the refused run. What needs the model (``layers-per-block`` against its layers) is
+    still the ServerApp's to check."""
     try:
         check_overrides(run_config, app_config(app_dir))
-    except OverrideError as err:
+        RunConfig.from_flower({**app_config(app_dir), **run_config})
+    except (OverrideError, ConfigError) as err:
         return refused(str(err))
     if (problem := strategy_problem(run_config.get("strategy"), app_dir)) is not None:
         return refused(problem)

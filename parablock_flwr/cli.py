@@ -1,6 +1,7 @@
 """`parablock-flwr`: what users do outside `flwr run`.
 
     parablock-flwr simulate [KEY=VALUE ...]      one simulation run (own SuperLink, stopped after)
+    parablock-flwr simulate --tiny               a smoke run in seconds: a tiny Llama made on the spot
     parablock-flwr deploy [KEY=VALUE ...]        a real local deployment: SuperLink, SuperNodes, workers
     parablock-flwr worker --socket PATH          the node worker to run beside a flower-supernode
     parablock-flwr evaluate MODEL_DIR            held-out loss, perplexity, task accuracy of a saved model
@@ -43,11 +44,20 @@ def _run_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workdir", type=Path, help="Flower's home, logs and credentials (default: APP_DIR/runs/.flower)"
     )
+    parser.add_argument(
+        "--tiny", action="store_true", help="a smoke run: a tiny Llama made in WORKDIR/tiny-model, 2 short rounds"
+    )
 
 
-def _run_config(args, app_dir: Path) -> dict:
-    """The overrides, after ``output-dir = APP_DIR/runs`` (KEY=VALUE arguments win)."""
-    return {"output-dir": str(app_dir / "runs"), **parse_overrides(args.overrides)}
+def _run_config(args, app_dir: Path, workdir: Path) -> dict:
+    """The overrides, after ``output-dir = APP_DIR/runs`` and with ``--tiny`` the smoke run's settings
+    (``tools.tiny_model.SMOKE_CONFIG``: KEY=VALUE arguments win)."""
+    config: dict = {"output-dir": str(app_dir / "runs")}
+    if args.tiny:
+        from .tools.tiny_model import SMOKE_CONFIG, smoke_model
+
+        config |= {**SMOKE_CONFIG, "model": str(smoke_model(workdir / "tiny-model"))}
+    return {**config, **parse_overrides(args.overrides)}
 
 
 def _stop_on_sigterm() -> None:
@@ -72,13 +82,13 @@ def _launch(args) -> int:
 
     try:
         app_dir = find_project_dir(args.app_dir)  # None: from the working directory
-        config = _run_config(args, app_dir)
+        workdir = args.workdir or app_dir / "runs" / ".flower"
+        config = _run_config(args, app_dir, workdir)
     except ProjectNotFound as err:
         result = refused(str(err), kind="error")
     except OverrideError as err:
         result = refused(str(err))
     else:
-        workdir = args.workdir or app_dir / "runs" / ".flower"
         if args.command == "simulate":
             result = run_simulation(
                 workdir, config, args.num_supernodes, args.cpus_per_client, app_dir=app_dir, capture=False,

@@ -321,3 +321,24 @@ def test_a_killed_server_leaves_no_status_record_and_exits_1(tmp_path, tiny_mode
     run = simulate_and_kill_server(tmp_path, tiny_model_dir, after_round=1, num_supernodes=2)
     assert run.returncode == 1 and run.status is None and run.run_dir is not None
     assert not (run.run_dir / "status.json").exists()
+
+
+def test_tiny_makes_a_smoke_run_config_on_a_tiny_model_made_once(tmp_path):
+    """``simulate --tiny`` (and ``deploy --tiny``): the tiny Llama made in WORKDIR/tiny-model once and reused,
+    the smoke run's settings, the user's KEY=VALUE winning; a config the app takes as it is (a run of it:
+    about 30 s on this 2-core machine, most of it Flower's start)."""
+    from parablock_flwr.cli import _run_config, build_parser
+    from parablock_flwr.tools.app_config import find_project_dir
+    from parablock_flwr.tools.tiny_model import SMOKE_CONFIG
+
+    app = find_project_dir()
+    args = build_parser().parse_args(["simulate", "--tiny", "num-server-rounds=3"])
+    config = _run_config(args, app, tmp_path)
+    weights = tmp_path / "tiny-model" / "model.safetensors"
+    assert config["model"] == str(tmp_path / "tiny-model") and weights.exists()
+    assert config["num-server-rounds"] == 3 and config["local-steps"] == SMOKE_CONFIG["local-steps"]
+    made = weights.stat().st_mtime_ns
+    assert _run_config(args, app, tmp_path)["model"] == config["model"] and weights.stat().st_mtime_ns == made
+    assert check_run_config(config, app) is None
+    plain = _run_config(build_parser().parse_args(["simulate"]), app, tmp_path)
+    assert "model" not in plain and "num-server-rounds" not in plain

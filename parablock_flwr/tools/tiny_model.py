@@ -22,6 +22,21 @@ CHAT_TEMPLATE = (
 )
 
 
+# ``parablock-flwr simulate --tiny`` / ``deploy --tiny``: a smoke run of seconds per round on any machine, on
+# the tiny model (made on the spot) and offline data; a user's KEY=VALUE overrides win.
+SMOKE_CONFIG = {"dataset": "reasoning-gym:gsm_symbolic", "num-examples": 64, "heldout-examples": 8,
+                "layers-per-block": 2, "num-server-rounds": 2, "local-steps": 2, "batch-size": 4, "max-seq-len": 128,
+                "learning-rate": 3e-3, "generate-examples": 2, "max-new-tokens": 8}  # fmt: skip
+
+
+def smoke_model(folder: Path) -> Path:
+    """The tiny model in ``folder``, made once (a folder with its weights is reused)."""
+    folder = Path(folder)
+    if not (folder / "model.safetensors").exists():
+        build_tiny_model(folder)
+    return folder
+
+
 def build_tiny_model(
     folder: Path,
     *,

@@ -7,6 +7,7 @@
     parablock-flwr evaluate MODEL_DIR            held-out loss, perplexity, task accuracy of a saved model
     parablock-flwr report RUN_DIR                the run's status, its table, and PNG plots in RUN_DIR/plots
     parablock-flwr report RUN_DIR --jsonl        one JSON object per round (for pandas, jq)
+    parablock-flwr report RUN_DIR --sites        one row per site: rounds aggregated, rejections, compute, bytes
     parablock-flwr plan MODEL [KEY=VALUE ...]    device, host and server memory of a run, from the model's config
     parablock-flwr check-data DATASET [KEY=VALUE ...]  a site's file as a run reads it (rows, malformed, lengths)
     parablock-flwr export RUN_DIR [OUT]          a Hugging Face folder of a run's model, rebuilt from its steps
@@ -163,7 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     _evaluate_parser(sub)
     rep = sub.add_parser("report", help="print a run's table and write PNG plots")
     rep.add_argument("run_dir", type=Path)
-    rep.add_argument("--jsonl", action="store_true", help="print one JSON object per round instead (merged)")
+    view = rep.add_mutually_exclusive_group()
+    view.add_argument("--jsonl", action="store_true", help="print one JSON object per round instead (merged)")
+    view.add_argument("--sites", action="store_true", help="print one row per site: rounds, rejections, compute, bytes")
     _plan_parser(sub)
     _check_data_parser(sub)
     _export_parser(sub)
@@ -388,10 +391,10 @@ def main(argv: list[str] | None = None) -> int:
         return _check_data(args)
     if args.command == "export":
         return _export(args)
-    from .report import report, rounds_jsonl
+    from .report import report, rounds_jsonl, sites
 
     try:
-        print(rounds_jsonl(args.run_dir) if args.jsonl else report(args.run_dir))
+        print(rounds_jsonl(args.run_dir) if args.jsonl else sites(args.run_dir) if args.sites else report(args.run_dir))
     except ValueError as err:
         sys.exit(str(err))
     return 0

@@ -129,3 +129,37 @@ def report(run_dir: Path) -> str:
         for path in plots(records, Path(run_dir) / "plots"):
             text += f"\nwrote {path}"
     return text
+
+
+def sites(run_dir: Path) -> str:
+    """One row per site (its ``partition-id``) over the whole run, from ``nodes.jsonl``: the rounds its update was
+    aggregated in, the replies rejected (with the first reason), its examples (its last count), its compute and
+    the bytes it sent. A rejected reply whose site the server did not know is its node's row."""
+    if not (Path(run_dir) / "metrics.jsonl").is_file():
+        raise ValueError(f"{run_dir}: no metrics.jsonl; expected a run folder")
+    rows: dict[str, dict] = {}
+
+    def row(site: str) -> dict:
+        return rows.setdefault(site, {"accepted": 0, "rejected": 0, "examples": 0, "compute_s": 0.0, "bytes_up": 0,
+                                      "first_rejection": ""})  # fmt: skip
+
+    for record in RunRecorder(run_dir).read():
+        for w in record.get("client_weights", []):
+            r = row(f"site {w['partition_id']}")
+            r["accepted"] += 1
+            r["examples"] = w["num_examples"]
+            r["compute_s"] += w.get("compute_s", 0.0)
+            r["bytes_up"] += w.get("bytes_up", 0)
+        for x in record.get("rejected", []):
+            site = x.get("partition_id")
+            r = row(f"site {site}" if site is not None else f"node {x['node']}")
+            r["rejected"] += 1
+            r["first_rejection"] = r["first_rejection"] or f"round {record['round']}: {x['reason']}"
+    header = ["site", "accepted", "rejected", "examples", "compute s", "MB up", "first rejection"]
+    lines = [header] + [
+        [site, str(r["accepted"]), str(r["rejected"]), f"{r['examples']:g}", f"{r['compute_s']:.1f}",
+         f"{r['bytes_up'] / 1e6:.1f}", r["first_rejection"][:80] or "-"]
+        for site, r in sorted(rows.items(), key=lambda kv: (kv[0].split()[0], int(kv[0].split()[1])))
+    ]  # fmt: skip
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header) - 1)]
+    return "\n".join("  ".join([*(c.rjust(w) for c, w in zip(line, widths)), line[-1]]) for line in lines)

@@ -331,3 +331,25 @@ def test_a_replys_update_is_checked_where_it_arrived_and_copied_once_when_it_is_
     assert not any(start <= t.data_ptr() < start + payload.nbytes for t in combined.values())
     combined["a"].add_(1.0)  # its own: writable, and the payload is unchanged
     assert torch.equal(read_update(record, shapes, transfer_dtype)["a"] + 1.0, combined["a"])
+
+
+def test_a_rounds_record_names_each_sites_reply_and_report_sites_sums_them(setup, tmp_path):
+    """Each accepted reply's site in the record with its compute and bytes, each rejected one with its site
+    (from the reply it sent): ``parablock-flwr report --sites`` sums them per site, the first rejection's
+    reason beside it."""
+    from parablock_flwr.metrics import RunRecorder
+    from parablock_flwr.report import sites
+
+    run, update, _ = setup
+    forged = {n: torch.ones_like(t) for n, t in update.items()}
+    rec = aggregate(run, [reply(10, update), reply(11, forged)])
+    (weights,), (rejected,) = rec["client_weights"], rec["rejected"]
+    assert (weights["partition_id"], weights["compute_s"]) == (10, 0.1) and weights["bytes_up"] > 0
+    assert (rejected["node"], rejected["partition_id"]) == (11, 11)
+    recorder = RunRecorder(tmp_path / "run")
+    for server_round in (1, 2):
+        recorder.write({**rec, "round": server_round})
+    lines = sites(tmp_path / "run").splitlines()
+    assert lines[0].split()[:4] == ["site", "accepted", "rejected", "examples"]
+    assert lines[1].split()[:7] == ["site", "10", "2", "0", "10", "0.2", f"{2 * weights['bytes_up'] / 1e6:.1f}"]
+    assert lines[2].split()[:6] == ["site", "11", "0", "2", "0", "0.0"] and "above max-update-norm" in lines[2]

@@ -23,6 +23,7 @@ class Rejection:
 
     node: int
     reason: str
+    partition_id: int | None = None  # its site, when the server knows it (``report --sites`` groups by it)
 
 
 @dataclass
@@ -116,8 +117,8 @@ def round_record(
         "replica_steps_from_log": sum(r.metrics.steps_from_log or 0 for r in accepted),
         # Each accepted client's weight: its own example count (node-local data) or its partition's size.
         "client_weights": [
-            {"partition_id": r.partition_id, "num_examples": r.num_examples, "weight": w}
-            for r, w in zip(accepted, weights)
+            {"partition_id": r.partition_id, "num_examples": r.num_examples, "weight": w, "compute_s": c, "bytes_up": u}
+            for r, w, c, u in zip(accepted, weights, compute, ups, strict=True)
         ],
         # Simulation: the process (a Ray actor, on any machine of the cluster) that computed each update.
         **served_by(accepted),

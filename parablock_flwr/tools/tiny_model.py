@@ -24,9 +24,11 @@ CHAT_TEMPLATE = (
 
 # ``parablock-flwr simulate --tiny`` / ``deploy --tiny``: a smoke run of seconds per round on any machine, on
 # the tiny model (made on the spot) and offline data; a user's KEY=VALUE overrides win.
-SMOKE_CONFIG = {"dataset": "reasoning-gym:gsm_symbolic", "num-examples": 64, "heldout-examples": 8,
-                "layers-per-block": 2, "num-server-rounds": 2, "local-steps": 2, "batch-size": 4, "max-seq-len": 128,
-                "learning-rate": 3e-3, "generate-examples": 2, "max-new-tokens": 8}  # fmt: skip
+# The keys as ``RunConfig`` names its fields (config.py spells the run config; some keys also name metrics).
+_SMOKE = dict(dataset="reasoning-gym:gsm_symbolic", num_examples=64, heldout_examples=8, layers_per_block=2,
+              num_server_rounds=2, local_steps=2, batch_size=4, max_seq_len=128, learning_rate=3e-3,
+              generate_examples=2, max_new_tokens=8)  # fmt: skip
+SMOKE_CONFIG = {name.replace("_", "-"): value for name, value in _SMOKE.items()}
 
 
 def smoke_model(folder: Path) -> Path:

@@ -438,7 +438,7 @@ class FedBCD:
         to the round's start. The run then discards what they staged, and retries or stops."""
         log.warning("round %d: rejected the aggregate of %d replies: %s", server_round, len(accepted), reason)
         for reply in accepted:
-            self.stats.rejected.append(Rejection(reply.node, reason))
+            self.stats.rejected.append(Rejection(reply.node, reason, reply.partition_id))
             self.sync.failed(reply.node)
         self.own_counts = dict(self._own_counts_before)
 
@@ -479,10 +479,11 @@ class FedBCD:
                 checked.accepted.append(reply)
                 continue
             log.warning("round %d: rejected the reply of node %d: %s", server_round, node, reply)
-            checked.rejected.append(Rejection(node, reply))
             claimed = None if msg.has_error() else PartitionAnswer.from_record(msg.content.metric_records.get(METRICS))
             if claimed is not None:
                 checked.claimed_partitions[node] = claimed.partition_id
+            site = claimed.partition_id if claimed is not None else self.sync.partitions.get(node)
+            checked.rejected.append(Rejection(node, reply, site))
             if state_intact(msg):
                 self.stats.state_intact_errors += 1  # its model is as it was: no full sync
             else:

@@ -344,6 +344,9 @@ def server_terms(cfg: RunConfig, shape: ModelShape, num_nodes: int) -> dict[str,
     return terms
 
 
+SIMULATION_ONLY = "node_state_simulation"  # the one disk term a deployment keeps on its sites, not the server
+
+
 def disk_terms(cfg: RunConfig, shape: ModelShape, num_nodes: int) -> dict[str, int]:
     """Bytes the run folder grows to by the last round: the step log (``replica.StepLog``: each round's
     step in fp32; with ``snapshot-every = N`` at most 3 snapshots of every trainable tensor and 2N
@@ -362,7 +365,7 @@ def disk_terms(cfg: RunConfig, shape: ModelShape, num_nodes: int) -> dict[str, i
     # Simulation: each virtual node's state under RUN_DIR/node-state (deployment: on the node's own disk):
     # its pending update as sent, and (a rounding transfer-dtype) the fp32 residual of each block it trained.
     residuals = min(cfg.num_server_rounds, len(shape.blocks)) * step if cfg.transfer_dtype != "fp32" else 0
-    terms["node_state_simulation"] = num_nodes * ((sent if cfg.algorithm == "parablock" else 0) + residuals)
+    terms[SIMULATION_ONLY] = num_nodes * ((sent if cfg.algorithm == "parablock" else 0) + residuals)
     return terms
 
 
@@ -396,7 +399,8 @@ class Plan:
 
     @property
     def disk_total(self) -> int:
-        return sum(self.disk.values())
+        """The run folder of a deployment; a simulation also keeps its virtual nodes' state there."""
+        return sum(v for k, v in self.disk.items() if k != SIMULATION_ONLY)
 
 
 def make_plan(cfg: RunConfig, shape: ModelShape, num_nodes: int = 3) -> Plan:
@@ -464,8 +468,9 @@ def render(plan: Plan, fits: list[Plan] | None, gpu_gb: float | None, extra: lis
         + ", ".join(f"{k} {gib(v)}" for k, v in plan.server.items())
         + " |",
         f"| server disk (the run folder, {cfg.num_server_rounds} rounds) | {gib(plan.disk_total)} | "
-        + ", ".join(f"{k} {gib(v)}" for k, v in plan.disk.items())
-        + " |",
+        + ", ".join(f"{k} {gib(v)}" for k, v in plan.disk.items() if k != SIMULATION_ONLY)
+        + f"; in a simulation also {SIMULATION_ONLY} {gib(plan.disk[SIMULATION_ONLY])} (a deployment keeps it on"
+        " the sites) |",
     ]
     if not cfg.snapshot_every and cfg.num_server_rounds > 2 * len(shape.blocks):
         every = len(shape.blocks)

@@ -25,6 +25,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 from .config import parse_cpu_list
@@ -90,20 +91,36 @@ def _launch(args) -> int:
     except OverrideError as err:
         result = refused(str(err))
     else:
-        if args.command == "simulate":
-            result = run_simulation(
-                workdir, config, args.num_supernodes, args.cpus_per_client, app_dir=app_dir, capture=False,
-                ray_address=args.ray_address, gpus_per_client=args.gpus_per_client,
-            )  # fmt: skip
-        else:
-            result = run_deployment(
-                workdir, config, args.num_supernodes, app_dir=app_dir, capture=False, secure=args.secure
-            )
+        launched = time.time()
+        try:
+            if args.command == "simulate":
+                result = run_simulation(
+                    workdir, config, args.num_supernodes, args.cpus_per_client, app_dir=app_dir, capture=False,
+                    ray_address=args.ray_address, gpus_per_client=args.gpus_per_client,
+                )  # fmt: skip
+            else:
+                result = run_deployment(
+                    workdir, config, args.num_supernodes, app_dir=app_dir, capture=False, secure=args.secure
+                )
+        except SystemExit as stop:  # SIGTERM (``_stop_on_sigterm``): its processes are stopped by now
+            if stop.code == 128 + signal.SIGTERM:
+                _record_stopped(config, app_dir, launched)
+            raise
     sys.stdout.flush()
     if result.run_dir is not None:
         print(f"run folder: {result.run_dir}", flush=True)
     print(result.summary(), file=sys.stdout if result.returncode == 0 else sys.stderr, flush=True)
     return result.returncode
+
+
+def _record_stopped(config: dict, app_dir: Path, launched: float) -> None:
+    """The run the SIGTERM stopped gets its status record (``run_status.record_stopped``), said on the last line."""
+    from .run_status import record_stopped
+    from .tools.launch import output_dir_of
+
+    written = record_stopped(output_dir_of(config, app_dir), launched, "stopped by SIGTERM to parablock-flwr")
+    if written is not None:
+        print(f"parablock-flwr: run stopped: {json.loads(written.read_text())['reason']}", file=sys.stderr, flush=True)
 
 
 def _cpu_list(text: str) -> set[int]:

@@ -24,6 +24,9 @@ EXIT_CODES = {
     # every round ran, but a node was left out: never aggregated, or not in max-consecutive-rejections
     # rounds in a row (status.json's excluded_nodes names each, and the run's last line)
     "completed-with-exclusions": 5,
+    # the command that launched it was stopped (SIGTERM: `kill`, systemd, a CI runner's cancel); it wrote this
+    # once it had stopped the processes it started, the ServerApp among them (``record_stopped``)
+    "stopped": 143,
 }
 
 
@@ -50,3 +53,22 @@ def read_status(run_dir: Path) -> dict | None:
     """The run's status record, or None if the run did not write one (still running, or killed)."""
     path = Path(run_dir) / STATUS_FILE
     return json.loads(path.read_text()) if path.exists() else None
+
+
+def record_stopped(output_dir: Path, since: float, why: str) -> Path | None:
+    """The status of a run whose launcher was stopped: the newest run folder under ``output_dir`` made at or after
+    ``since`` (a ``time.time()``) that has no status record gets one (``stopped``: how many rounds it completed,
+    and how to continue). None when there is no such folder (the run had not started, or wrote its own)."""
+    folders = [p for p in Path(output_dir).glob("*-*") if p.is_dir() and p.stat().st_mtime >= since - 1]
+    if not folders:
+        return None
+    run_dir = max(folders, key=lambda p: p.stat().st_mtime)
+    if (run_dir / STATUS_FILE).exists():
+        return None
+    from .metrics import RunRecorder
+
+    rounds = max((r["round"] for r in RunRecorder(run_dir).read() if "train_loss" in r), default=0)
+    config = run_dir / "config.json"
+    num_rounds = json.loads(config.read_text()).get("num-server-rounds", 0) if config.exists() else 0
+    reason = f'{why} after round {rounds}; continue it with resume-from="{run_dir}"'
+    return write_status(run_dir, "stopped", reason, rounds, num_rounds)

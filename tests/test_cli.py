@@ -288,8 +288,8 @@ def command_line(pid: int) -> str:
 @pytest.mark.e2e
 def test_sigterm_stops_every_process_the_command_started(tmp_path, tiny_model_dir):
     """`parablock-flwr simulate` SIGTERMed mid-run (`kill`, systemd, a CI runner's cancel) stops, by
-    PID, what it started: the SuperLink, SuperExec, the simulation and Ray's processes, and exits
-    143 (before: it died on the spot and they kept running)."""
+    PID, what it started: the SuperLink, SuperExec, the simulation and Ray's processes, writes the run's
+    status record (``stopped``) and exits 143 (before: it died on the spot and they kept running)."""
     workdir, flwr_home = tmp_path / "flower", tmp_path / "flower" / "flwr-home"
     # Enough rounds that the run cannot end before the signal (a tiny round takes 0.1 s).
     config = tiny_config(tiny_model_dir, tmp_path / "out", **{"num-server-rounds": 2000})
@@ -310,7 +310,14 @@ def test_sigterm_stops_every_process_the_command_started(tmp_path, tiny_model_di
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 128 + signal.SIGTERM
         assert [pid for pid in started if running(pid)] == []
-        assert "SIGTERM: stopping the processes this command started" in (tmp_path / "output.log").read_text()
+        output = (tmp_path / "output.log").read_text()
+        assert "SIGTERM: stopping the processes this command started" in output
+        # ...and the run's status record says so, with how to continue it (before: none was written).
+        (run_dir,) = (p.parent for p in (tmp_path / "out").glob("*/config.json"))
+        status = json.loads((run_dir / "status.json").read_text())
+        assert (status["kind"], status["exit_code"], status["num_rounds"]) == ("stopped", 143, 2000), status
+        assert status["rounds_completed"] >= 1 and f'resume-from="{run_dir}"' in status["reason"], status
+        assert output.strip().splitlines()[-1] == f"parablock-flwr: run stopped: {status['reason']}", output[-2000:]
     finally:  # what a failed test left running
         for pid in [pid for pid in [proc.pid, *started] if running(pid)]:
             kill(pid)

@@ -393,8 +393,20 @@ def _plan(args) -> int:
     return 0
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; KEY=VALUE overrides may stand on both sides of options (argparse takes one run of
+    positionals: ``simulate a=1 --num-supernodes 3 b=2`` left ``b=2`` unrecognised)."""
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and hasattr(args, "overrides") and all("=" in arg and not arg.startswith("-") for arg in rest):
+        args.overrides = [*args.overrides, *rest]
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
 
     if args.command in ("simulate", "deploy"):
         return _launch(args)

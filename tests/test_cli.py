@@ -349,3 +349,14 @@ def test_tiny_makes_a_smoke_run_config_on_a_tiny_model_made_once(tmp_path):
     assert check_run_config(config, app) is None
     plain = _run_config(build_parser().parse_args(["simulate"]), app, tmp_path)
     assert "model" not in plain and "num-server-rounds" not in plain
+
+
+def test_overrides_may_stand_on_both_sides_of_options():
+    """``simulate a=1 --num-supernodes 3 b=2``: both overrides, in order (before: ``b=2`` was unrecognised)."""
+    from parablock_flwr.cli import parse_args
+
+    args = parse_args(["simulate", "local-steps=2", "--num-supernodes", "3", "batch-size=4", "--tiny"])
+    assert args.overrides == ["local-steps=2", "batch-size=4"] and args.num_supernodes == 3 and args.tiny
+    assert parse_args(["plan", "m", "a=1", "--num-nodes", "4", "b=2"]).overrides == ["a=1", "b=2"]
+    with pytest.raises(SystemExit):
+        parse_args(["simulate", "a=1", "--num-supernodes", "3", "--no-such-option"])

@@ -12,6 +12,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 from test_units import UNITS, USERS, Unit, site_root, systemd_start, wait_until  # noqa: F401 (site_root: a fixture)
 
 from parablock_flwr.tools.app_config import find_project_dir
@@ -142,3 +144,8 @@ def test_the_recipe_runs_on_loopback_with_the_shipped_units(site_root):  # noqa:
     assert (statuses[0].parent / "final-model" / "model.safetensors").exists()  # save-final-model in the recipe
     reported = run_phase("after", subs, env, 120)
     assert reported.startswith("status: completed (2/2 rounds)"), reported
+    run_phase("export", subs, env, 300)  # the model rebuilt from the run's steps: the weights it saved at its end
+    rebuilt, saved = (
+        load_file(str(statuses[0].parent / f / "model.safetensors")) for f in ("model-round-00002", "final-model")
+    )
+    assert rebuilt.keys() == saved.keys() and all(torch.equal(rebuilt[n], saved[n]) for n in saved)

@@ -14,7 +14,7 @@
 
 `simulate` and `deploy` check every override against the app's run-config keys and
 types before anything starts, and exit with the code of the run's status record
-(run_status.EXIT_CODES; README, "Exit codes"), its reason on the last line.
+(run_status.EXIT_CODES; docs/usage.md, "Exit codes"), its reason on the last line.
 """
 
 from __future__ import annotations

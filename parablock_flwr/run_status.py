@@ -14,7 +14,7 @@ from .durable import replace_file
 
 STATUS_FILE = "status.json"
 
-# One exit code per way a run can end (documented in README.md).
+# One exit code per way a run can end (documented in docs/usage.md, "Exit codes").
 EXIT_CODES = {
     "completed": 0,
     "error": 1,  # an unexpected error

@@ -8,5 +8,5 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh
 . .venv/bin/activate
 # Starts a local SuperLink we own, runs `flwr run . local --stream`, stops it, and exits
-# with the run's status code (README, "Exit codes"), the reason on the last line.
+# with the run's status code (docs/usage.md, "Exit codes"), the reason on the last line.
 exec parablock-flwr simulate "$@"

@@ -92,7 +92,7 @@ def worker_request(
 
 @dataclass
 class FinishedRun:
-    returncode: int  # the launcher's exit code: the run's status record's (README, "Exit codes")
+    returncode: int  # the launcher's exit code: the run's status record's (docs/usage.md, "Exit codes")
     stdout: str
     stderr: str
     run_dir: Path | None

@@ -1,5 +1,5 @@
 """The `parablock-flwr` command: overrides checked before anything starts, the project found from the
-working directory, and an exit code that tells how the run ended (README, "Exit codes").
+working directory, and an exit code that tells how the run ended (docs/usage.md, "Exit codes").
 
 The fast tests run the real installed command and start no Flower process (its work folder is never
 made). The `e2e` ones run real simulations; they read the run folder's status.json, which the ServerApp

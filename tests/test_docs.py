@@ -71,12 +71,22 @@ def same_code(line: str) -> tuple[int, str]:
     return len(line) - len(line.lstrip()), "".join(line.split())
 
 
-def test_readme_lists_every_exit_code():
+def test_the_usage_page_lists_every_exit_code():
     from parablock_flwr.run_status import EXIT_CODES
 
-    readme = (PROJECT_DIR / "README.md").read_text()
+    usage = (PROJECT_DIR / "docs" / "usage.md").read_text()
     for kind, code in EXIT_CODES.items():
-        assert f"| {code} | `{kind}` |" in readme, f"README.md's exit-code table lacks {code} ({kind})"
+        assert f"| {code} | `{kind}` |" in usage, f"docs/usage.md's exit-code table lacks {code} ({kind})"
+
+
+def test_the_readme_is_short_and_links_what_it_names():
+    """The README says what this is, its two commands, what a run prints, the layout and where to read on: at
+    most 150 lines, every local link resolving, no test count written by hand (pytest prints them)."""
+    readme = (PROJECT_DIR / "README.md").read_text()
+    assert len(readme.splitlines()) <= 150
+    for target in re.findall(r"\]\(([^)#]+)\)", readme):
+        assert target.startswith("http") or (PROJECT_DIR / target).exists(), target
+    assert not re.search(r"\b\d+ tests\b", readme)
 
 
 RESULTS = PROJECT_DIR / "docs" / "results.md"

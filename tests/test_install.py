@@ -45,7 +45,13 @@ def test_install_check_and_pyproject_name_transformers_torch_minimum():
 
 def test_documented_cuda_torch_is_one_transformers_accepts():
     want = transformers_torch_minimum()
-    for doc in ("README.md", "docs/deployment.md", "docs/deploy-8b.md", "scripts/install.sh", "scripts/check_torch.py"):
+    for doc in (
+        "docs/usage.md",
+        "docs/deployment.md",
+        "docs/deploy-8b.md",
+        "scripts/install.sh",
+        "scripts/check_torch.py",
+    ):
         pins = re.findall(r"TORCH_SPEC=\"torch==([0-9.]+)", (PROJECT_DIR / doc).read_text())
         assert all(Version(p) >= want for p in pins), f"{doc}: TORCH_SPEC pins {pins}; transformers needs >= {want}"
 

@@ -432,7 +432,7 @@ def test_only_aggregation_lies_between_a_rounds_last_reply_and_the_next_messages
 def test_a_resume_from_a_run_folders_name_goes_on_with_each_nodes_residuals_in_every_transfer_dtype(
     tmp_path, tiny_model_dir, transfer_dtype
 ):
-    """`resume-from` as the README shows it, the run folder's name inside `output-dir`: the server
+    """`resume-from` as docs/usage.md shows it, the run folder's name inside `output-dir`: the server
     resolves it once and tells the nodes where their residuals are, so a node whose working
     directory is elsewhere (a Ray actor's; here the test's) does not start its error feedback from
     zero. Node 1's reply of round 3 is rejected, the last round before the stop. The server dies in

@@ -8,7 +8,7 @@ run's own, and stopped by its PID (with its process group) at the end.
 `flwr run` exits 0 whether the run completed or the ServerApp stopped early, so
 how a run ended is read from the run folder's ``status.json``
 (``parablock_flwr/run_status.py``), found from the run id `flwr run` prints:
-``RunResult.returncode`` is its exit code (README, "Exit codes").
+``RunResult.returncode`` is its exit code (docs/usage.md, "Exit codes").
 """
 
 from __future__ import annotations

@@ -303,8 +303,8 @@ def _check_data_parser(sub) -> None:
 
 
 def _check_data(args) -> int:
-    """`check-data`: its report; exit 0 when every row trains, 1 when some are skipped or dropped, 2 when none can
-    be used or a setting is bad. Only counts and row numbers are printed, never a row's content."""
+    """`check-data`: its report; exit 0 when every row trains, 1 when some are skipped or dropped, 2 when none would
+    train or a setting is bad. Only counts and row numbers are printed, never a row's content."""
     from .config import ConfigError, RunConfig
     from .data import DataError, check_rows
     from .model import load_tokenizer
@@ -312,11 +312,11 @@ def _check_data(args) -> int:
     try:
         cfg = RunConfig.from_flower({**parse_overrides(args.overrides), "dataset": args.dataset})
         check = check_rows(args.dataset, load_tokenizer(cfg.model, cfg.prompt_format), cfg.max_seq_len)
-    except (ConfigError, OverrideError, DataError) as err:
+    except (ConfigError, OverrideError, DataError, OSError) as err:  # OSError: a model it cannot load
         print(f"parablock-flwr check-data: {err}", file=sys.stderr)
         return 2
     print("\n".join(check.lines()))
-    return 0 if check.train == check.rows else 1
+    return 0 if check.train == check.rows else 1 if check.train else 2
 
 
 def _export_parser(sub) -> None:

@@ -320,7 +320,7 @@ class RunConfig:
             named = [f"{k}={v!r}" for k, v in files.items() if v]
             if named:
                 raise ConfigError(f"{named[0]} with transport-insecure=true: expected TLS files or insecure, not both")
-            if self.transport_replies_on_stream and not _loopback(host):
+            if self.transport_replies_on_stream and not loopback(host):
                 raise ConfigError(
                     f"transport-replies-on-stream=true with transport-insecure=true on {host!r}: whoever reads a "
                     f"plaintext stream could have a reply aggregated as a node's; set transport-replies-on-stream="
@@ -411,7 +411,7 @@ def _coerce(key: str, value: object, expected: type) -> object:
     raise ConfigError(f"{key}={value!r}: expected a value of type {expected.__name__}")
 
 
-def _loopback(host: str) -> bool:
+def loopback(host: str) -> bool:
     """Whether ``host`` names this machine's loopback interface (only its own processes can read it)."""
     return host in ("localhost", "[::1]", "::1") or host.startswith("127.")
 

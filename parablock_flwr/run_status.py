@@ -8,6 +8,7 @@ it to exit with the code below, and ``parablock-flwr report`` prints it first.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from .durable import replace_file
@@ -56,13 +57,15 @@ def read_status(run_dir: Path) -> dict | None:
 
 
 def record_stopped(output_dir: Path, since: float, why: str) -> Path | None:
-    """The status of a run whose launcher was stopped: the newest run folder under ``output_dir`` made at or after
-    ``since`` (a ``time.time()``) that has no status record gets one (``stopped``: how many rounds it completed,
-    and how to continue). None when there is no such folder (the run had not started, or wrote its own)."""
-    folders = [p for p in Path(output_dir).glob("*-*") if p.is_dir() and p.stat().st_mtime >= since - 1]
+    """The status of a run whose launcher was stopped: the first run folder under ``output_dir`` whose name says it
+    was made at or after ``since`` (a ``time.time()``; ``<date>-<time>-<algorithm>-<run id>``, the ServerApp's
+    local time) that has no status record gets one (``stopped``: how many rounds it completed, and how to
+    continue). None when there is no such folder (the run had not started, or wrote its own)."""
+    started = time.strftime("%Y%m%d-%H%M%S", time.localtime(since - 1))
+    folders = sorted(p for p in Path(output_dir).glob("*-*") if p.is_dir() and p.name[:15] >= started)
     if not folders:
         return None
-    run_dir = max(folders, key=lambda p: p.stat().st_mtime)
+    run_dir = folders[0]
     if (run_dir / STATUS_FILE).exists():
         return None
     from .metrics import RunRecorder

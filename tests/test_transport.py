@@ -841,13 +841,16 @@ def test_a_flood_of_silent_calls_from_one_site_starves_no_other_and_is_counted_a
 
 
 def test_a_stolen_token_without_the_nodes_key_is_refused_and_nothing_is_held(tls, sites):
-    """A node's first transfer binds its capabilities to its certificate. Another site holding a token of that
-    node (read from a log, a dump) is refused as ``foreign_peer`` under its own certificate, counted against it;
-    nothing is held for the slot, and the capability stays the node's: it uploads under it afterwards."""
+    """A node's first completed transfer binds its capabilities to its certificate (a refused one before it binds
+    nothing). Another site holding a token of that node (read from a log, a dump) is refused as ``foreign_peer``
+    under its own certificate, counted against it; nothing is held for the slot, and the capability stays the
+    node's: it uploads under it afterwards."""
     srv = mutual_server(tls)
     try:
         first = srv.registry.issue(1, 5, 1, UP, "r1/update/5", ttl_s=30, max_size=100)
         stolen = srv.registry.issue(1, 5, 2, UP, "r2/update/5", ttl_s=30, max_size=100)
+        with site_client(srv, tls, sites[2]) as early, pytest.raises(Refused):  # refused before the node's first
+            early.upload(first, b"x" * 101)  # transfer: it binds nothing (oversized)
         with site_client(srv, tls, sites[0]) as node:
             node.upload(first, b"a" * 100)
             with site_client(srv, tls, sites[1]) as thief, pytest.raises(Refused) as refused:
@@ -856,7 +859,7 @@ def test_a_stolen_token_without_the_nodes_key_is_refused_and_nothing_is_held(tls
             assert not srv.inbox.holds(1, 5, 2, stolen.record)
             assert node.upload(stolen, b"b" * 100) == sha(b"b" * 100)
         assert srv.inbox.claim(1, 5, 2, stolen.record, sha(b"b" * 100)) == b"b" * 100
-        assert srv.refusals.counts() == {"foreign_peer": 1} and sum(srv.refusals.by_peer().values()) == 1
+        assert srv.refusals.counts() == {"oversized": 1, "foreign_peer": 1} and len(srv.refusals.by_peer()) == 2
     finally:
         srv.stop()
 

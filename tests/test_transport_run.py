@@ -350,7 +350,10 @@ def test_a_site_trusts_its_own_ca_and_refuses_plaintext_whatever_the_message_say
     wrong = NodeTransport(SiteStream(ca=str(other_ca)), connect_timeout_s=0.5)
     with pytest.raises(StreamUnusable, match="UNAVAILABLE"):
         wrong.fetch(offer)
-    site.close(), wrong.close()
+    unreadable = NodeTransport(SiteStream(certfile=str(tmp_path / "gone.pem"), keyfile=str(tmp_path / "gone.key")))
+    with pytest.raises(StreamUnusable, match="this site's stream settings: cannot read .*gone.pem"):
+        unreadable.fetch(offer)  # the worker's user cannot read it (or it was rotated away): Flower's path
+    site.close(), wrong.close(), unreadable.close()
 
 
 def test_plaintext_only_when_the_run_says_insecure(node):

@@ -112,6 +112,8 @@ def strategy_problem(strategy: object, app_dir: Path) -> str | None:
     module = strategy.partition(":")[0]
     top, app_dir = module.split(".")[0], Path(app_dir)
     if top == "parablock_flwr":
+        if importlib.util.find_spec(module) is None:
+            return f"strategy={strategy!r}: no module {module!r} in this package; expected 'package.module:Class'"
         return None
     where = app_dir.joinpath(*module.split("."))
     if top == "extensions":

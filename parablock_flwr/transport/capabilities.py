@@ -164,8 +164,9 @@ class CapabilityRegistry:
         """Check ``claim`` (what a request presents) and mark its capability in use; a second request
         with it is refused as replayed. Refusals change nothing. ``size``: an upload's declared size.
         ``certificate``: the fingerprint of the client certificate the request came under (mutual TLS; empty
-        without): a node's first accepted request pins its certificate, and a capability of that node presented
-        under any other is refused as ``foreign_peer``, so that a stolen token is useless without the node's key."""
+        without): once a node's transfer has completed under a certificate (``finish``), a capability of that
+        node presented under any other is refused as ``foreign_peer``, so that a stolen token is useless without
+        the node's key. A refused or broken transfer pins nothing."""
         with self._lock:
             grant = self._grants.get(_key(claim.token))
             if grant is None or not hmac.compare_digest(grant.ticket.token, claim.token):
@@ -203,14 +204,16 @@ class CapabilityRegistry:
                     raise Refused(
                         RefusalKind.OVERSIZED, f"declared size {size} bytes; at most {grant.max_size} allowed"
                     )
-            if certificate:
-                self._pinned.setdefault((mine.run_id, mine.node_id), certificate)
             grant.state = "in_use"
             return mine
 
-    def finish(self, ticket: Ticket) -> None:
-        """The transfer completed: the capability is spent."""
+    def finish(self, ticket: Ticket, certificate: str = "") -> None:
+        """The transfer completed: the capability is spent, and the node's first completed transfer under a
+        client certificate binds its capabilities to it (``reserve``)."""
         self._set(ticket, "used")
+        if certificate:
+            with self._lock:
+                self._pinned.setdefault((ticket.run_id, ticket.node_id), certificate)
 
     def release(self, ticket: Ticket) -> None:
         """The transfer was refused or broke: the capability is as before it (until it expires)."""

@@ -182,7 +182,13 @@ class NodeTransport:
         site = self.site
         if offer.insecure and site.require_tls:
             raise StreamUnusable("the message offers a plaintext stream; this site's node config requires TLS")
-        ca = Path(site.ca).expanduser().read_text() if site.ca and not offer.insecure else offer.ca_pem
+        try:  # the site's files, read by the worker's user: one it cannot read is this message on Flower's path
+            ca = Path(site.ca).expanduser().read_text() if site.ca and not offer.insecure else offer.ca_pem
+            identity = None if offer.insecure else site.identity()
+        except OSError as err:
+            raise StreamUnusable(
+                f"this site's stream settings: cannot read {err.filename!r} ({err.strerror})"
+            ) from None
         key = (self.address(offer), ca, offer.insecure)
         with self._lock:
             until, why = self._unreachable.get(key, (0.0, ""))
@@ -192,8 +198,7 @@ class NodeTransport:
             if client is None:
                 client = TransportClient(key[0], insecure=key[2], timeout_s=self.timeout_s,
                                          ca_pem=None if key[2] else key[1].encode(),
-                                         connect_timeout_s=self.connect_timeout_s,
-                                         identity=None if key[2] else site.identity())  # fmt: skip
+                                         connect_timeout_s=self.connect_timeout_s, identity=identity)  # fmt: skip
                 self._clients[key] = client
         client.timeout_s = self.timeout_s
         try:

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..config import loopback
 from ..messages import (
     GLOBAL_STEP,
     MAX_MESSAGE_CONTENT,
@@ -118,7 +119,8 @@ class RunTransport:
         certfile, keyfile, self.ca_pem = settings.read()
         self.settings, self.run_id, self.ttl_s = settings, run_id, ttl_s
         self.server = TransportServer(
-            registry, address=f"[::]:{settings.port}", cert_file=certfile, key_file=keyfile,
+            registry, address=f"{settings.host if loopback(settings.host) else '[::]'}:{settings.port}",
+            cert_file=certfile, key_file=keyfile,
             insecure=settings.insecure, limits=limits or Limits(), spill_dir=spill_dir,
             memory_uploads=memory_uploads, decode=_decode, outside_budget=is_reply,
             client_ca=Path(settings.client_ca).expanduser() if settings.client_ca else None,
@@ -148,6 +150,10 @@ class RunTransport:
         self.address = f"{self.settings.host}:{port}"
         security = "PLAINTEXT" if self.settings.insecure else "mutual TLS" if self.settings.client_ca else "TLS"
         log.info("direct transport: serving %s (%s) for run %s", self.address, security, self.run_id)
+        if security == "TLS" and not loopback(self.settings.host):
+            log.warning("direct transport: TLS without transport-client-ca: whoever reaches port %d can open calls, "
+                        "and a node's token alone speaks for it; set transport-client-ca (docs/transport.md, Trust "
+                        "model)", port)  # fmt: skip
         return self.address
 
     def stop(self) -> None:

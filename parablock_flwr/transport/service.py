@@ -59,6 +59,8 @@ MESSAGE_LIMIT = CHUNK_BYTES + 2**20  # a chunk plus room for framing; larger mes
 KEEPALIVE_S = 30.0
 KEEPALIVE_TIMEOUT_S = 20.0
 CONNECTION_IDLE_S = 300.0  # a connection with no call for this long is closed (a node's channel reconnects)
+QUEUED_PER_WORKER = 4  # calls in the service at most, per worker of its pool (the rest wait for a worker)
+HOST_SHARE = 0.75  # of the pool, what one host may hold without a client certificate (sites behind a NAT share it)
 
 
 def channel_options(keepalive_s: float = KEEPALIVE_S, server: bool = False) -> list[tuple[str, int]]:
@@ -531,18 +533,21 @@ class Call:
     context: grpc.ServicerContext
     ticket: Ticket | None = None
     cancelled: bool = False
+    waiting: bool = False  # a download waiting for its record's publication
 
 
 class Calls:
     """The service's calls in flight. A peer with a certificate holds at most ``per_peer`` of them at once; one
     more is refused as ``busy`` and counted against it, so that no node (nor a thief of its tokens, who needs a
-    certificate of the consortium's CA to connect at all) takes another's share of the pool. Peers without one
-    (no ``client_ca``: whoever reaches the port) are not capped per host, since sites behind one NAT share it;
-    the pool's size and the header's deadline bound them. ``cancel_ended`` cancels each call whose capability
-    ended (expired, its round ended, revoked), so that a peer that stops reading gives back its worker."""
+    certificate of the consortium's CA to connect at all) takes another's share of the pool. A peer without one
+    (no ``client_ca``: whoever reaches the port) is its host, which holds at most ``per_host`` (generous: sites
+    behind one NAT share a host), so one host cannot take the whole pool; many hosts still can, which only
+    mutual TLS prevents. ``cancel_ended`` cancels each call whose capability ended (expired, its round ended,
+    revoked) while it moves bytes, so that a peer that stops reading gives back its worker (a download waiting
+    for its record ends by itself then: ``TransportServer._wait_for``)."""
 
-    def __init__(self, per_peer: int) -> None:
-        self.per_peer = per_peer
+    def __init__(self, per_peer: int, per_host: int) -> None:
+        self.per_peer, self.per_host = per_peer, per_host
         self._lock = threading.Lock()
         self._calls: set[Call] = set()
         self.cancelled = 0  # calls cancelled because their capability ended
@@ -551,9 +556,9 @@ class Calls:
         peer, certificate = peer_identity(context)
         call = Call(peer, certificate, context)
         with self._lock:
-            held = sum(c.peer == peer for c in self._calls)
-            if certificate and held >= self.per_peer:
-                raise Refused(RefusalKind.BUSY, f"this peer holds {held} calls; at most {self.per_peer} at once")
+            held, most = sum(c.peer == peer for c in self._calls), self.per_peer if certificate else self.per_host
+            if held >= most:
+                raise Refused(RefusalKind.BUSY, f"this peer holds {held} calls; at most {most} at once")
             self._calls.add(call)
         return call
 
@@ -568,7 +573,8 @@ class Calls:
     def cancel_ended(self, alive) -> int:
         """Cancel the calls whose capability ``alive(ticket)`` says has ended; how many."""
         with self._lock:
-            ended = [c for c in self._calls if c.ticket is not None and not c.cancelled and not alive(c.ticket)]
+            ended = [c for c in self._calls
+                     if c.ticket is not None and not c.cancelled and not c.waiting and not alive(c.ticket)]  # fmt: skip
             for call in ended:
                 call.cancelled = True
             self.cancelled += len(ended)
@@ -623,7 +629,7 @@ class TransportServer:
         self._cert = Path(cert_file).read_bytes() if cert_file else None
         self._key = Path(key_file).read_bytes() if key_file else None
         self._client_ca = Path(client_ca).read_bytes() if client_ca is not None else None
-        self.calls = Calls(limits.calls_per_peer)
+        self.calls = Calls(limits.calls_per_peer, max(limits.calls_per_peer, int(HOST_SHARE * max_workers)))
         self.max_workers = max_workers  # concurrent transfers, a download waiting ahead included
         self.keepalive_s = keepalive_s
         self._server: grpc.Server | None = None
@@ -632,10 +638,11 @@ class TransportServer:
     def start(self) -> int:
         """Start serving; the bound port (``address`` may ask for port 0: any free one)."""
         options = channel_options(self.keepalive_s, server=True)
-        # Each upload holds a worker and a feed thread; the pool bounds concurrent transfers, and a call past it
-        # is refused at once (RESOURCE_EXHAUSTED: the node falls back), never queued behind stalled ones.
+        # Each upload holds a worker and a feed thread; the pool bounds concurrent transfers. A call past it waits
+        # for a worker (each peer holds at most its share, and a stalled one at most the header's deadline), and
+        # past QUEUED_PER_WORKER times the pool gRPC refuses it at once (RESOURCE_EXHAUSTED: the node falls back).
         pool = futures.ThreadPoolExecutor(self.max_workers, "transport")
-        self._server = grpc.server(pool, options=options, maximum_concurrent_rpcs=self.max_workers)
+        self._server = grpc.server(pool, options=options, maximum_concurrent_rpcs=QUEUED_PER_WORKER * self.max_workers)
         # Download reads its request as a stream: its handler starts with the call (a unary request is read in
         # gRPC's code, holding a worker for as long as the peer does not send it), so the header's deadline and
         # the per-peer cap apply to it too. On the wire it is the same call.
@@ -662,8 +669,11 @@ class TransportServer:
     def _watch(self, every_s: float = 1.0) -> None:
         """Cancel, every ``every_s``, the calls whose capability ended (``Calls.cancel_ended``)."""
         while not self._stopping.wait(every_s):
-            if cancelled := self.calls.cancel_ended(self.registry.alive):
-                log.info("transport: %d call(s) cancelled: their capability ended", cancelled)
+            try:
+                if cancelled := self.calls.cancel_ended(self.registry.alive):
+                    log.info("transport: %d call(s) cancelled: their capability ended", cancelled)
+            except Exception:  # noqa: BLE001 - one failed pass must not end the cancelling for the run
+                log.exception("transport: cancelling the calls whose capability ended failed; trying again")
 
     def stop(self, grace_s: float = 1.0) -> None:
         self._stopping.set()  # downloads waiting for a record end
@@ -702,14 +712,16 @@ class TransportServer:
 
     def _upload(self, requests, context: grpc.ServicerContext) -> bytes:
         call = self._enter(context)
-        feed, ticket, data, done = _Feed(requests), None, None, False
+        feed = ticket = data = None
+        done = False
         try:
+            feed = _Feed(requests)
             header = parse_header(self._header(feed), Direction.UPLOAD)
             ticket = call.ticket = self.registry.reserve(header.claim, header.size, call.certificate)
             data = self.inbox.buffer(header.size, header.claim.record)
             sha256 = self._receive(feed, header, data)
             self.inbox.put(ticket, sha256, data)
-            self.registry.finish(ticket)
+            self.registry.finish(ticket, call.certificate)
             done = True
             return b"accepted"
         except Refused as refused:
@@ -717,7 +729,8 @@ class TransportServer:
         except Revoked as revoked:
             self._turn_away(revoked, context)
         finally:
-            feed.stop()
+            if feed is not None:
+                feed.stop()
             self.calls.leave(call)
             # Anything but acceptance (a refusal, a broken stream, an error) leaves the capability as it was.
             if ticket is not None and not done:
@@ -823,9 +836,9 @@ class TransportServer:
 
     def _send(self, call: Call, requests, context: grpc.ServicerContext):
         """A download's header read (within its deadline), its capability reserved, and its record's chunks."""
-        ticket = record = None
-        feed = _Feed(requests)
+        ticket = record = feed = None
         try:
+            feed = _Feed(requests)
             header = parse_header(self._header(feed), Direction.DOWNLOAD)
             ticket = call.ticket = self.registry.reserve(header.claim, certificate=call.certificate)
             waits = self.registry.waits(ticket)
@@ -839,12 +852,18 @@ class TransportServer:
         except Revoked as revoked:
             self._turn_away(revoked, context)
         finally:
-            feed.stop()
+            if feed is not None:
+                feed.stop()
         if record is None:
+            call.waiting = True  # its wait ends with its capability by itself (``_wait_for``): not cancelled
             record = self._wait_for(ticket, context)
+            call.waiting = False
         done = False
         try:
             yield from record.chunks(self.limits.chunk_bytes)
             done = True
         finally:
-            (self.registry.finish if done else self.registry.release)(ticket)
+            if done:
+                self.registry.finish(ticket, call.certificate)
+            else:
+                self.registry.release(ticket)

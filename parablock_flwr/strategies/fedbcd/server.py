@@ -482,7 +482,8 @@ class FedBCD:
             claimed = None if msg.has_error() else PartitionAnswer.from_record(msg.content.metric_records.get(METRICS))
             if claimed is not None:
                 checked.claimed_partitions[node] = claimed.partition_id
-            site = claimed.partition_id if claimed is not None else self.sync.partitions.get(node)
+            known = self.sync.partitions.get(node)  # what the node's accepted replies said, not what this one claims
+            site = known if known is not None else claimed.partition_id if claimed is not None else None
             checked.rejected.append(Rejection(node, reply, site))
             if state_intact(msg):
                 self.stats.state_intact_errors += 1  # its model is as it was: no full sync

@@ -481,6 +481,33 @@ def test_a_residual_write_error_fails_the_reply_whatever_else_fails_in_the_round
         worker.compute_thread.shutdown(wait=True)
 
 
+class BcdRounds:
+    """Sequential BCD rounds of a node worker in bf16, one local step each, as a server drives them: each round's
+    global step is half its update (``steps``), sent with the next round; catch-up steps and x's values (in fp32,
+    exactly) when asked. ``train`` gives back the round's update."""
+
+    def __init__(self, tiny_model_dir, tmp_path, blocks: dict[int, int]):
+        self.config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 1, "transfer-dtype": "bf16"})
+        self.blocks, self.steps = blocks, {}
+
+    def train(self, worker, run_id, server_round, values=None, catch_up=(), **extra):
+        blocks, steps = self.blocks, self.steps
+        arrays = {"global-step": steps[server_round - 1]} if server_round > 1 else {}
+        if catch_up:
+            arrays["catch-up"] = {f"v{v}/{n}": t for v in catch_up for n, t in steps[v].items()}
+            extra.update({"catch-up-versions": list(catch_up), "catch-up-blocks": [blocks[v] for v in catch_up]})
+        extra.update({"algorithm": "fedbcd", "step-block": blocks.get(server_round - 1, -1)})
+        header = worker_request(self.config, run_id, server_round, blocks[server_round],
+                                blocks.get(server_round + 1, -1), num_partitions=2, **extra)  # fmt: skip
+        sent = relayed(arrays, "bf16") if arrays else {}
+        sent |= relayed({"sync-values": values}) if values is not None else {}
+        reply, pieces = worker.serve_request(header, sent)
+        assert "error" not in reply, reply
+        update = unpack(join_pieces(pieces))
+        steps.setdefault(server_round, {n: t * 0.5 for n, t in update.items()})  # g^r, as a server might take it
+        return update
+
+
 def test_a_worker_restarted_in_a_resumed_run_goes_on_with_its_newest_residuals(tmp_path, tiny_model_dir):
     """bf16, sequential BCD (a round starts from x^{r-1}, so a restarted worker computes exactly what it
     would have): run 20 answers round 1 and stops; run 21 resumes after round 1 and the worker answers
@@ -490,25 +517,8 @@ def test_a_worker_restarted_in_a_resumed_run_goes_on_with_its_newest_residuals(t
     went back to round 1's and deleted the newer ones)."""
     import shutil
 
-    config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 1, "transfer-dtype": "bf16"})
-    blocks = {1: 0, 2: 1, 3: 0, 4: 1, 5: 0}
-    steps: dict[int, dict] = {}
+    train = BcdRounds(tiny_model_dir, tmp_path, {1: 0, 2: 1, 3: 0, 4: 1, 5: 0}).train
     first = NodeWorker(state_dir=tmp_path / "state")
-
-    def train(worker, run_id, server_round, catch_up=(), **extra):
-        arrays = {"global-step": steps[server_round - 1]} if server_round > 1 else {}
-        if catch_up:
-            arrays["catch-up"] = {f"v{v}/{n}": t for v in catch_up for n, t in steps[v].items()}
-            extra.update({"catch-up-versions": list(catch_up), "catch-up-blocks": [blocks[v] for v in catch_up]})
-        extra.update({"algorithm": "fedbcd", "step-block": blocks.get(server_round - 1, -1)})
-        header = worker_request(config, run_id, server_round, blocks[server_round], blocks.get(server_round + 1, -1),
-                                num_partitions=2, **extra)  # fmt: skip
-        reply, pieces = worker.serve_request(header, relayed(arrays, "bf16") if arrays else {})
-        assert "error" not in reply, reply
-        update = unpack(join_pieces(pieces))
-        steps.setdefault(server_round, {n: t * 0.5 for n, t in update.items()})  # g^r, as a server might take it
-        return update
-
     try:
         train(first, 20, 1)
         for server_round in (2, 3, 4):
@@ -558,26 +568,8 @@ def test_a_kept_worker_takes_a_resumed_deployments_values_and_keeps_its_residual
     kept (a full sync that drops them gives another update)."""
     import shutil
 
-    config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 1, "transfer-dtype": "bf16"})
-    blocks = {1: 0, 2: 1, 3: 0, 4: 1}
-    steps: dict[int, dict] = {}
-
-    def train(worker, run_id, server_round, values=None, catch_up=(), **extra):
-        arrays = {"global-step": steps[server_round - 1]} if server_round > 1 else {}
-        if catch_up:
-            arrays["catch-up"] = {f"v{v}/{n}": t for v in catch_up for n, t in steps[v].items()}
-            extra.update({"catch-up-versions": list(catch_up), "catch-up-blocks": [blocks[v] for v in catch_up]})
-        extra.update({"algorithm": "fedbcd", "step-block": blocks.get(server_round - 1, -1)})
-        header = worker_request(config, run_id, server_round, blocks[server_round], blocks.get(server_round + 1, -1),
-                                num_partitions=2, **extra)  # fmt: skip
-        sent = relayed(arrays, "bf16") if arrays else {}
-        sent |= relayed({"sync-values": values}) if values is not None else {}  # x's values in fp32, exactly
-        reply, pieces = worker.serve_request(header, sent)
-        assert "error" not in reply, reply
-        update = unpack(join_pieces(pieces))
-        steps.setdefault(server_round, {n: t * 0.5 for n, t in update.items()})  # g^r, as a server might take it
-        return update
-
+    rounds = BcdRounds(tiny_model_dir, tmp_path, {1: 0, 2: 1, 3: 0, 4: 1})
+    train, config, steps = rounds.train, rounds.config, rounds.steps
     kept = NodeWorker(state_dir=tmp_path / "state")
     workers = [kept]
     try:

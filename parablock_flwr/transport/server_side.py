@@ -119,8 +119,7 @@ class RunTransport:
         certfile, keyfile, self.ca_pem = settings.read()
         self.settings, self.run_id, self.ttl_s = settings, run_id, ttl_s
         self.server = TransportServer(
-            registry, address=f"{settings.host if loopback(settings.host) else '[::]'}:{settings.port}",
-            cert_file=certfile, key_file=keyfile,
+            registry, address=f"[::]:{settings.port}", cert_file=certfile, key_file=keyfile,
             insecure=settings.insecure, limits=limits or Limits(), spill_dir=spill_dir,
             memory_uploads=memory_uploads, decode=_decode, outside_budget=is_reply,
             client_ca=Path(settings.client_ca).expanduser() if settings.client_ca else None,

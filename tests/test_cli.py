@@ -86,13 +86,12 @@ def test_a_wrongly_typed_value_exits_2_naming_key_value_and_type(tmp_path, overr
     ],
 )
 def test_a_bad_value_exits_2_before_flower_starts(tmp_path, override, line, capsys):
-    """A value the ServerApp's checks refuse (RunConfig.validate) is refused by ``simulate`` in well under a
-    second, before any Flower process: before, ``schedule`` was refused about 25 s into Flower's start-up."""
-    started = time.monotonic()
+    """A value the ServerApp's checks refuse (RunConfig.validate) is refused by ``simulate`` before any Flower
+    process starts (no Flower home made): before, ``schedule`` was refused about 25 s into Flower's start-up."""
     assert main(["simulate", "--workdir", str(tmp_path), override]) == 2
     err = capsys.readouterr().err
     assert line in err and len(err.strip().splitlines()) == 1, err
-    assert time.monotonic() - started < 5 and not (tmp_path / "flwr-home").exists()
+    assert not (tmp_path / "flwr-home").exists()
 
 
 def test_outside_a_project_the_command_says_so_in_one_line(tmp_path):

@@ -682,14 +682,13 @@ class TransportServer:
             self._server = None
         self.inbox.close()
 
-    def _refuse(self, refused: Refused, context: grpc.ServicerContext, call: Call | None) -> None:
+    def _refuse(self, refused: Refused, context: grpc.ServicerContext, call: Call) -> None:
         """One line to the caller and the log, counted by kind and against the peer that caused it. A call the
         service cancelled (its capability ended) is refused as ``late``, whatever broke in it then."""
-        if call is not None and call.cancelled:
+        if call.cancelled:
             refused = Refused(RefusalKind.LATE, f"the capability of record {call.ticket.record!r} ended during it")
-        peer = call.peer if call is not None else ""
-        self.refusals.add(refused, peer)
-        log.warning("transport %s (from %s)", refused.line(), peer[:21])
+        self.refusals.add(refused, call.peer)
+        log.warning("transport %s (from %s)", refused.line(), call.peer[:21])
         context.abort(STATUS[refused.kind], refused.line())
 
     def _enter(self, context: grpc.ServicerContext) -> Call:

@@ -89,6 +89,7 @@ class Checkpoint:
     pending: dict[int, PendingUpdate] = field(default_factory=dict)  # partition id -> Δ_i^round (on load)
     participation: dict = field(default_factory=dict)  # who was left out so far (Run.participation_state)
     node_sync: dict = field(default_factory=dict)  # what the server knew of each node (NodeSync.by_partition)
+    privacy: dict = field(default_factory=dict)  # differential privacy: the ledger, the noise's secret seed
     # "per-tensor": core.ModelDigest; "whole": core.digest (checkpoints written before 2026-12-01)
     digest_format: str = DIGEST_FORMAT
 
@@ -135,6 +136,7 @@ def save_checkpoint(run_dir: Path, ckpt: Checkpoint) -> Path:
         "strategy_state": ckpt.strategy_state,
         "participation": ckpt.participation,
         "node_sync": ckpt.node_sync,
+        "privacy": ckpt.privacy,
     }
     if (root / STAGED).exists():
         os.replace(root / STAGED, tmp / "pending")
@@ -182,6 +184,7 @@ def load_checkpoint(run_dir: Path) -> Checkpoint:
         pending=pending,
         participation=state.get("participation", {}),  # absent from checkpoints written before 2026-12-01
         node_sync=state.get("node_sync", {}),  # likewise
+        privacy=state.get("privacy", {}),  # absent before 2026-12-04
         digest_format=state.get("digest_format", "whole"),  # likewise
     )
 

@@ -31,6 +31,7 @@ TRANSFER_DTYPES = ("fp32", "bf16", "fp16", "int8")  # the keys of core.TRANSFER_
 EVALUATIONS = ("server", "clients")
 WEIGHTS = ("fp32", "bf16")
 PROMPT_FORMATS = ("auto", "chat", "plain")  # model.load_tokenizer: the chat template, else PLAIN_TEMPLATE
+DP_MODES = ("central", "local")  # who adds differential privacy's noise: the server, or each node (docs/privacy.md)
 
 
 METRICS_SINKS = ("", "tensorboard")
@@ -146,6 +147,12 @@ class RunConfig:
     max_round_retries: int = 2
     max_consecutive_rejections: int = 3
     verify_invariant: bool = False
+    dp_clip_norm: float = 0.0  # 0: no differential privacy
+    dp_noise_multiplier: float = 0.0
+    dp_mode: str = "central"
+    dp_delta: float = 1e-5
+    dp_target_epsilon: float = 0.0  # 0: no budget stops the run
+    dp_noise_seed: int = -1  # -1: a secret the server (central) or each node (local) draws
     save_final_model: bool = False
     save_every: int = 0
     snapshot_every: int = 0
@@ -177,6 +184,7 @@ class RunConfig:
         self._check_numbers()
         self._check_names()
         self._check_transport()
+        self._check_privacy()
 
     def _check_choices(self) -> None:
         """Keys whose value is one of a fixed set: a typo would otherwise select nothing, silently."""
@@ -333,6 +341,38 @@ class RunConfig:
                 f"{missing[0]}='': transport='direct' needs transport-certfile, transport-keyfile and transport-ca "
                 f"(TLS), or transport-insecure=true (plaintext)"
             )
+
+    def _check_privacy(self) -> None:
+        """Differential privacy (docs/privacy.md): noise needs a clip norm to scale to, and a client's weight must
+        not scale its clipped update back past it."""
+        _one_of("dp-mode", self.dp_mode, DP_MODES)
+        for key in ("dp-clip-norm", "dp-noise-multiplier", "dp-target-epsilon"):
+            value = getattr(self, key.replace("-", "_"))
+            if not value >= 0 or value == float("inf"):
+                raise ConfigError(f"{key}={value}: expected a finite number >= 0")
+        if not 0.0 < self.dp_delta < 1.0:
+            raise ConfigError(f"dp-delta={self.dp_delta}: expected a number in (0, 1), below 1 / the number of sites")
+        _at_least("dp-noise-seed", self.dp_noise_seed, -1)
+        if self.dp_noise_multiplier > 0 and self.dp_clip_norm == 0:
+            raise ConfigError(
+                f"dp-noise-multiplier={self.dp_noise_multiplier}: expected dp-clip-norm > 0 too (the noise's std is "
+                f"dp-noise-multiplier x dp-clip-norm)"
+            )
+        if self.dp_target_epsilon > 0 and self.dp_noise_multiplier == 0:
+            raise ConfigError(
+                f"dp-target-epsilon={self.dp_target_epsilon}: expected dp-noise-multiplier > 0 (without noise no "
+                f"epsilon is finite)"
+            )
+        if self.dp_clip_norm > 0 and self.weighting != "uniform":
+            raise ConfigError(
+                f"weighting={self.weighting!r} with dp-clip-norm={self.dp_clip_norm}: expected weighting='uniform' "
+                f"(a client's example count would scale its clipped update, and the privacy bound, with it)"
+            )
+
+    @property
+    def dp(self) -> bool:
+        """Are the updates clipped (and noised, with ``dp-noise-multiplier``)? (docs/privacy.md)"""
+        return self.dp_clip_norm > 0
 
     def _check_uncorrected(self) -> None:
         """``correction = "none"`` is an ablation: its clients' models are not ``x^{r-1} + Δ_i^r``, so

@@ -214,6 +214,7 @@ class TrainMetrics:
     malformed_examples: int | None = _metric(COUNT)
     own_data: int | None = _metric(FLAG)  # 1: num-examples is the site's own claim
     oom_retries: int | None = _metric(COUNT)  # 1: redone with half the micro-batch
+    dp_clipped: int | None = _metric(FLAG)  # dp-mode = "central": 1 if the node clipped its update (local: not sent)
     # The client half's rule: after which local step the correction reached the computation; on-receipt's drift.
     correction_after_step: int | None = _metric(COUNT)
     correction_drift: float | None = _metric(NUMBER)

@@ -133,6 +133,11 @@ def run_summary(records: list[dict]) -> str:
     if malformed := max((r.get("malformed_examples", 0) for r in records), default=0):
         parts.append(f"up to {malformed} malformed data rows skipped (each site's log names the first one's row)")
     parts += _direct_transport(records)
+    if private := [r for r in records if r.get("dp_epsilon") is not None]:
+        last = private[-1]
+        clipped = sum(r.get("dp_clipped", 0) for r in private)
+        parts.append(f"differential privacy: epsilon {last['dp_epsilon']:.3f} at delta {last['dp_delta']:g}"
+                     + (f", {clipped} updates clipped" if clipped else ""))  # fmt: skip
     return "; ".join(parts)
 
 

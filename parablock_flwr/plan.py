@@ -753,4 +753,25 @@ def plan_command(
         f"per-site disk: {gib(sum(disk.values()))} GiB: " + ", ".join(f"{k} {gib(v)}" for k, v in disk.items())
     )
     lines += render_time(cfg, plan.shape, step_time_s, source)
+    lines += privacy_lines(cfg)
     return render(plan, fits, gpu_memory_gb, lines)
+
+
+def privacy_lines(cfg: RunConfig) -> list[str]:
+    """With differential privacy (docs/privacy.md): the epsilon the run ends at, its sites' updates released
+    in every round (the most a site's can be; ``dp-target-epsilon`` may stop it before)."""
+    if not cfg.dp:
+        return []
+    from .privacy import epsilon
+
+    rounds = cfg.num_server_rounds
+    if cfg.dp_noise_multiplier == 0:
+        return [f"differential privacy: updates clipped to {cfg.dp_clip_norm:g}, no noise: no finite epsilon"]
+    eps = epsilon(cfg.dp_noise_multiplier, rounds, cfg.dp_delta)
+    line = (f"differential privacy ({cfg.dp_mode}): epsilon {eps:.3f} at delta {cfg.dp_delta:g} after {rounds} "
+            f"rounds (noise multiplier {cfg.dp_noise_multiplier:g}, clip norm {cfg.dp_clip_norm:g})")  # fmt: skip
+    if 0 < cfg.dp_target_epsilon < eps:
+        last = max((k for k in range(rounds + 1) if epsilon(cfg.dp_noise_multiplier, k, cfg.dp_delta)
+                    <= cfg.dp_target_epsilon), default=0)  # fmt: skip
+        line += f"; dp-target-epsilon={cfg.dp_target_epsilon:g} stops it after round {last}"
+    return [line]

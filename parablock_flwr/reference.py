@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from parablock_flwr import core
 from parablock_flwr.config import RunConfig
 from parablock_flwr.core import block_schedule
 from parablock_flwr.data import client_partition, in_order_batches, sample_batches, tokenized_splits
@@ -136,14 +137,34 @@ def start_point(start: str, client: Client, r: int, x: Tensors, x_before: Tensor
     raise ValueError(f"start={start!r}: expected one of {START}")
 
 
-def server_step(updates: list[Tensors], weights: list[float], server_lr: float) -> Tensors:
-    """The server: ``Δ̄ = Σ (w_i / Σw) Δ_i`` in the clients' order, then ``g^r = η_s Δ̄``."""
+def server_step(updates: list[Tensors], weights: list[float], cfg: RunConfig, server_round: int) -> Tensors:
+    """The server: ``Δ̄ = Σ (w_i / Σw) Δ_i`` in the clients' order, then ``g^r = η_s Δ̄``. With differential
+    privacy in central mode (docs/privacy.md), each ``Δ_i`` is clipped again first, and ``Δ̄`` gets Gaussian
+    noise of std ``σ C / n`` from round r's seed (``dp-noise-seed``: the reference knows no secret)."""
+    central = cfg.dp and cfg.dp_mode == "central"
+    if central:
+        updates = [core.clip(u, cfg.dp_clip_norm)[0] for u in updates]
     total = sum(weights)
     mean = {n: (weights[0] / total) * t for n, t in updates[0].items()}
     for update, w in zip(updates[1:], weights[1:]):
         for n, t in update.items():
             mean[n].add_(t, alpha=w / total)
-    return mean if server_lr == 1.0 else {n: server_lr * t for n, t in mean.items()}
+    if central and cfg.dp_noise_multiplier > 0:
+        noise = core.gaussian(mean, core.noise_seed(cfg.dp_noise_seed, server_round))
+        core.add_noise(mean, noise, cfg.dp_noise_multiplier * cfg.dp_clip_norm / len(updates))
+    return mean if cfg.server_lr == 1.0 else {n: cfg.server_lr * t for n, t in mean.items()}
+
+
+def client_update(delta: Tensors, cfg: RunConfig, server_round: int, client: int) -> Tensors:
+    """What a client sends: its update, with differential privacy clipped to ``dp-clip-norm`` and, in local
+    mode, noised with std ``σ C`` from its own seed."""
+    if not cfg.dp:
+        return delta
+    delta, _ = core.clip(delta, cfg.dp_clip_norm)
+    if cfg.dp_mode == "local" and cfg.dp_noise_multiplier > 0:
+        noise = core.gaussian(delta, core.noise_seed(cfg.dp_noise_seed, server_round, client))
+        core.add_noise(delta, noise, cfg.dp_noise_multiplier * cfg.dp_clip_norm)
+    return delta
 
 
 def run(
@@ -189,13 +210,14 @@ def run(
             batches = list(sample_batches(client.rows, cfg.local_steps, cfg.batch_size, seed, pad))
             result = train_block(model, names, batches, settings(cfg, r))
             done.note_batches(i, batches)
+            result.delta = client_update(result.delta, cfg, r, i)
             updates.append(result.delta)
             weights.append(float(len(client.rows)) if cfg.weighting == "examples" else 1.0)
             losses.append(result.mean_loss)
             if start == "none":
                 client.model = plus(y, result.delta)  # its own updates only
             client.last_round, client.own = r, result.delta
-        x_before, x = x, plus(x, server_step(updates, weights, cfg.server_lr))  # x^r[b_r] = x^{r-1}[b_r] + g^r
+        x_before, x = x, plus(x, server_step(updates, weights, cfg, r))  # x^r[b_r] = x^{r-1}[b_r] + g^r
         done.x, done.train_loss = x, sum(losses) / len(losses)
         if evaluate_every and (r % evaluate_every == 0 or r == cfg.num_server_rounds):
             load(x)

@@ -52,6 +52,9 @@ def status_line(status: dict | None) -> str:
     if status.get("status") == "completed-with-exclusions":
         code = status.get("exit_code")
         return f"status: completed with exclusions (exit code {code}, {rounds}): {status.get('reason')}"
+    if status.get("kind") == "privacy-budget":
+        code = status.get("exit_code")
+        return f"status: stopped at its privacy budget (exit code {code}, {rounds}): {status.get('reason')}"
     return (
         f"status: failed ({status.get('kind')}, exit code {status.get('exit_code')}, {rounds}): {status.get('reason')}"
     )

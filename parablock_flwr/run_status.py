@@ -25,6 +25,9 @@ EXIT_CODES = {
     # every round ran, but a node was left out: never aggregated, or not in max-consecutive-rejections
     # rounds in a row (status.json's excluded_nodes names each, and the run's last line)
     "completed-with-exclusions": 5,
+    # a documented stop before num-server-rounds: the next round would have passed dp-target-epsilon (the
+    # rounds run are complete, the model usable; status.json's reason says the epsilon)
+    "privacy-budget": 6,
     # the command that launched it was stopped (SIGTERM: `kill`, systemd, a CI runner's cancel); it wrote this
     # once it had stopped the processes it started, the ServerApp among them (``record_stopped``)
     "stopped": 143,

@@ -38,6 +38,7 @@ class TrainResult:
     num_examples: int = 0  # the client's local dataset size, its aggregation weight
     truncated: int = 0  # examples of this round's batches cut at max-seq-len
     oom_retries: int = 0  # 1: the round ran again with half the micro-batch after running out of memory
+    dp_clipped: int | None = None  # differential privacy, central mode: 1 if the update was clipped
 
     @property
     def compute_s(self) -> float:

@@ -47,6 +47,24 @@ ALGORITHMS = {
     "parablock": dict(algorithm="parablock", correction="at-end"),
     "fedbcd": dict(algorithm="fedbcd"),
     "none": dict(algorithm="parablock", correction="none"),
+    # Differential privacy (docs/privacy.md), with clip norms that bind and known noise seeds: central noise on
+    # ParaBlock's mean (the correction replays the noisy step), local noise on each BCD client's update.
+    "parablock-dp": dict(
+        algorithm="parablock",
+        correction="at-end",
+        weighting="uniform",
+        dp_clip_norm=0.05,
+        dp_noise_multiplier=0.3,
+        dp_noise_seed=7,
+    ),
+    "fedbcd-dp-local": dict(
+        algorithm="fedbcd",
+        weighting="uniform",
+        dp_mode="local",
+        dp_clip_norm=0.05,
+        dp_noise_multiplier=0.05,
+        dp_noise_seed=9,
+    ),
 }
 # correction = "none": the app keeps a client's own model as an offset on a recent global version
 # and rewrites it by subtracting the global steps it skipped (docs/algorithm.md); the reference keeps
@@ -79,7 +97,7 @@ def runs(tmp_path_factory, tiny_model_dir):
     return out
 
 
-@pytest.mark.parametrize("label", ["parablock", "fedbcd"])
+@pytest.mark.parametrize("label", ["parablock", "fedbcd", "parablock-dp", "fedbcd-dp-local"])
 def test_the_app_equals_the_reference_bit_for_bit(runs, label):
     app, _, _, rounds, models = runs[label]
     for r, (theirs, ours) in enumerate(zip(models, rounds), start=1):
@@ -104,6 +122,20 @@ def test_the_runs_cover_stale_and_returning_clients_and_repeated_blocks(runs):
     returning = sum(len(r.participants) - r.stale_start for r in rounds[1:])
     assert stale > 0 and returning > 0
     assert any(a.block == b.block for a, b in zip(rounds, rounds[1:]))
+
+
+def test_the_dp_runs_clipped_noised_and_accounted(runs):
+    """The DP runs' equality means something: central mode clipped updates (the nodes said so) and charged
+    every sampled site; the noise moved x away from the run without it (the same draw, ``parablock``)."""
+    app, cfg = runs["parablock-dp"][:2]
+    trained = [r for r in app.records if r.get("dp_epsilon") is not None]
+    assert len(trained) == ROUNDS and sum(r["dp_clipped"] for r in trained) > 0
+    assert [r["dp_releases"] for r in trained] == sorted(r["dp_releases"] for r in trained)
+    assert "differential privacy: epsilon" in app.stdout
+    local = [r for r in runs["fedbcd-dp-local"][0].records if r.get("dp_epsilon") is not None]
+    assert len(local) == ROUNDS and not any("dp_clipped" in r for r in local)
+    plain, noisy = runs["parablock"][4][-1], runs["parablock-dp"][4][-1]
+    assert reference.largest_difference(plain, noisy) > 1e-3
 
 
 def test_the_app_samples_the_reference_s_draw_over_partition_ids(runs):

@@ -23,6 +23,8 @@ module                     holds
 ``transfer_precision``     ``TRANSFER_DTYPES``, ``INT8_BLOCK``, ``int8_blocks``, ``quantize_int8``,
                            ``dequantize_int8``, ``encode``, ``round_for_transfer``, ``round_with_feedback(_encoded)``
 ``time_model``             ``LinkModel``, ``modeled_round_seconds``: what a round would cost
+``privacy``                ``l2_norm``, ``clip``, ``gaussian``, ``add_noise``, ``noise_seed``: differential
+                           privacy's clipping and noise
 =========================  ==================================================================
 
 Every name is re-exported here; callers write ``core.X``, never a submodule's path.
@@ -43,6 +45,7 @@ from .algorithm import (
 )
 from .blocks import BlockPartition, block_schedule, find_decoder_layers, one_block, partition_blocks
 from .digests import ModelDigest, TensorHashes, digest, digest_after, tensor_sha256
+from .privacy import add_noise, clip, gaussian, l2_norm, noise_seed
 from .time_model import LinkModel, modeled_round_seconds
 from .transfer_precision import (
     INT8_BLOCK,
@@ -66,19 +69,24 @@ __all__ = [
     "TensorHashes",
     "PendingUpdate",
     "Tensors",
+    "add_noise",
     "aggregate",
     "apply_step",
     "apply_step_keeping",
     "block_schedule",
+    "clip",
     "correct_in_place",
     "delta",
     "dequantize_int8",
     "digest",
     "digest_after",
     "find_decoder_layers",
+    "gaussian",
     "global_step",
     "int8_blocks",
+    "l2_norm",
     "modeled_round_seconds",
+    "noise_seed",
     "one_block",
     "parablock_base",
     "partition_blocks",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import secrets
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -113,9 +114,29 @@ def compute_update(resources: NodeResources, cfg: RunConfig, job: Job) -> TrainR
             if job.slot is not None:
                 job.slot.rearm()  # the computation starts over: it takes the correction again
     result.oom_retries = attempt
+    result.delta, result.dp_clipped = private_update(cfg, result.delta, job.server_round, job.partition_id)
     result.num_examples = len(rows)
     result.truncated = truncated_in_batches(rows, cfg.local_steps, cfg.batch_size, seed)
     return result
+
+
+def private_update(
+    cfg: RunConfig, delta: core.Tensors, server_round: int, partition_id: int
+) -> tuple[core.Tensors, int | None]:
+    """Differential privacy (docs/privacy.md), the computation's last step, before any rounding: the update
+    clipped to ``dp-clip-norm``; with ``dp-mode = "local"`` Gaussian noise of std ``σ C`` added here, from a
+    seed only this node knows (``dp-noise-seed`` >= 0: a known one, for tests). Second, whether it was clipped,
+    which only central mode reports (a bit of the site's data the noise does not cover)."""
+    if not cfg.dp:
+        return delta, None
+    delta, clipped = core.clip(delta, cfg.dp_clip_norm)
+    if cfg.dp_mode == "central":
+        return delta, int(clipped)
+    if cfg.dp_noise_multiplier > 0:
+        secret = cfg.dp_noise_seed if cfg.dp_noise_seed >= 0 else secrets.randbits(63)
+        noise = core.gaussian(delta, core.noise_seed(secret, server_round, partition_id))
+        core.add_noise(delta, noise, cfg.dp_noise_multiplier * cfg.dp_clip_norm)
+    return delta, None
 
 
 def free_device_cache(device: torch.device) -> None:
@@ -155,6 +176,7 @@ def update_metrics(result: TrainResult, job: Job, res: NodeResources) -> TrainMe
         oom_retries=result.oom_retries,
         compute_start=result.started,
         compute_end=result.ended,
+        dp_clipped=result.dp_clipped,
     )
 
 

@@ -82,15 +82,19 @@ def main(grid: Grid, context: Context) -> None:
     else:
         kind, reason = "completed", f"{run['num_rounds']} rounds"
     excluded = run["run"].excluded_nodes() if run["run"] else []
+    if kind == "completed" and run["run"] is not None and run["run"].stopped_early:
+        kind = "privacy-budget"
+        reason = f"{run['run'].rounds_completed} of {run['num_rounds']} rounds: {run['run'].stopped_early}"
     if kind == "completed" and excluded:
         kind, reason = "completed-with-exclusions", f"{reason}; left out: {'; '.join(excluded)}"
     run_dir = run["dir"] or _run_dir_for_failure(context)
     if run_dir is not None:
         rounds_completed = run["run"].rounds_completed if run["run"] else 0
         write_status(run_dir, kind, reason, rounds_completed, run["num_rounds"], excluded)
-    if kind == "completed-with-exclusions":
+    if kind in ("completed-with-exclusions", "privacy-budget"):
         summary = run_summary(RunRecorder(run_dir).read()) if run_dir is not None else ""
-        log.error("Run completed with exclusions (exit code %d): %s%s", EXIT_CODES[kind], reason,
+        how = "completed with exclusions" if kind == "completed-with-exclusions" else "stopped at its privacy budget"
+        log.error("Run %s (exit code %d): %s%s", how, EXIT_CODES[kind], reason,
                   f"; run: {summary}" if summary else "")  # fmt: skip
         sys.exit(EXIT_CODES[kind])
     if kind != "completed":

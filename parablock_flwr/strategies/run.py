@@ -99,7 +99,8 @@ class Run:
         self._model_digest = core.ModelDigest(algorithm.partition.all_names())  # rehashes what steps change
         self.recorder = RunRecorder(run_dir, self.config.metrics_sink)
         self.evaluator = evaluator
-        self.num_rounds = self.config.num_server_rounds
+        self.num_rounds = self.config.num_server_rounds  # lowered by a documented stop (``stop_early``)
+        self.stopped_early = ""  # why the run ended before num-server-rounds
         self.round_timeout_s = self.config.round_timeout_s
         self.first_round = 1  # R+1 when resumed from round R's checkpoint
         self.resumed_from: Path | None = None  # the resumed run's folder, resolved here once for every node
@@ -151,6 +152,9 @@ class Run:
         self._times = {"aggregated": time.time()}
         try:
             for server_round in range(self.first_round, self.num_rounds + 1):
+                if why := self.algorithm.stop_reason(server_round):  # a documented stop (dp-target-epsilon)
+                    self.stop_early(server_round, why)
+                    break
                 self._counts = self._new_counts()
                 self.prune_step_log()  # before the messages: no node of this round reads what it drops
                 config = self.round_part(server_round, self.client_evaluation_request(server_round - 1))
@@ -188,6 +192,14 @@ class Run:
             self.evaluator.close()  # the queue drains: every round handed over is evaluated first
             self.prune_step_log()  # what the evaluator held back
         return result
+
+    def stop_early(self, server_round: int, why: str) -> None:
+        """The run ends after round r-1 instead of ``num-server-rounds`` (``stopped_early`` says why): what
+        follows the loop (the last round made durable, the nodes' final evaluation) counts from there."""
+        log.warning("stopping before round %d: %s", server_round, why)
+        self.stopped_early, self.num_rounds = why, server_round - 1
+        if self.direct is not None:  # round r's messages pushed ahead are withdrawn (their replies dropped)
+            self.note_withdrawn(self.direct.withdraw(server_round))
 
     @staticmethod
     def _new_counts() -> dict[str, int]:

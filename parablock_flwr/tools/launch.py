@@ -362,6 +362,8 @@ class RunResult:
             return f"{prog}: run completed ({rounds}): {self.run_dir}"
         if self.kind == "completed-with-exclusions":
             return f"{prog}: run completed with exclusions: {self.reason}"
+        if self.kind == "privacy-budget":
+            return f"{prog}: run stopped at its privacy budget after {self.reason}"
         if self.refused:
             return f"{prog}: {self.reason}"
         return f"{prog}: run failed ({self.kind}): {self.reason}"

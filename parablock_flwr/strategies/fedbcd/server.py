@@ -31,6 +31,7 @@ from flwr.serverapp.strategy.strategy_utils import sample_nodes
 from ... import core
 from ...config import RunConfig
 from ...messages import GLOBAL_STEP, METRICS, ROUND, UPDATE, PartitionAnswer, RoundConfig, TrainMetrics
+from ...privacy import ServerPrivacy
 from ...records import pieces_record, record_arrays
 from ...replica import StepLog
 from ...wire import WireError, round_and_pack
@@ -133,6 +134,7 @@ class FedBCD:
         self._asked_partition: set[int] = set()  # nodes asked their partition id (select_nodes)
         self.own_counts: dict[int, float] = {}  # partition -> num-examples of a site with its own data
         self._own_counts_before = dict(self.own_counts)  # as the round in flight began: a rejected aggregate
+        self.privacy = ServerPrivacy(self.config) if self.config.dp else None  # docs/privacy.md
 
     def resumed(self, ckpt: Checkpoint) -> None:
         """Called by ``Run.resume`` once ``x^R`` is rebuilt: the blocks decided, the clients' pending
@@ -142,6 +144,8 @@ class FedBCD:
         self.sync.resume_pending = ckpt.pending
         self.sync.carry(ckpt.node_sync)
         self._blocks = dict(ckpt.blocks)
+        if self.privacy is not None:
+            self.privacy.load(ckpt.privacy)  # the accountant goes on; the noise's secret seed too
         self.load_state_dict(ckpt.strategy_state)
 
     def state_dict(self) -> dict:
@@ -155,7 +159,12 @@ class FedBCD:
         """What round r's checkpoint keeps of the algorithm (``Checkpoint``'s fields): the blocks decided,
         what the server knows of each node's copy, the subclass's own state. ``resumed`` reads it back."""
         return {"blocks": self.decided_blocks(), "node_sync": self.sync.by_partition(),
-                "strategy_state": self.state_dict()}  # fmt: skip
+                "strategy_state": self.state_dict(),
+                "privacy": self.privacy.state() if self.privacy is not None else {}}  # fmt: skip
+
+    def stop_reason(self, server_round: int) -> str | None:
+        """Why the run must end before round r (None: it runs it): ``dp-target-epsilon`` would be passed."""
+        return self.privacy.stop_reason(server_round) if self.privacy is not None else None
 
     def step_applied(self, before: core.Tensors) -> None:
         """A logged step was replayed onto ``x`` (a resume; ``before``: the values it replaced), so that a
@@ -374,6 +383,9 @@ class FedBCD:
             self.stats, self.partition.labels[block], block, outcome.step, outcome.accepted, weights, self.link,
             self.overlapped, self.config.transfer_dtype,
         )  # fmt: skip
+        if self.privacy is not None:
+            released = [r.partition_id for r in outcome.accepted]
+            outcome.record.update(self.privacy.released(released, server_round, outcome.accepted))
         outcome.record.update(self.extra_round_metrics(server_round, outcome.accepted))
         return outcome
 
@@ -383,6 +395,9 @@ class FedBCD:
         cfg = self.config
         if cfg.max_update_norm >= 0:
             return cfg.max_update_norm
+        if cfg.dp and cfg.dp_mode == "local":  # a noised update: the clip norm plus what its noise reaches
+            numel = sum(self.global_params[n].numel() for n in self.partition.names(block))
+            return local_dp_bound(numel, cfg.dp_clip_norm, cfg.dp_noise_multiplier)
         if block not in self._update_bounds:  # once per block while x keeps its values (``x_moved``)
             names = self.partition.names(block)
             numel = sum(self.global_params[n].numel() for n in names)
@@ -405,7 +420,11 @@ class FedBCD:
         if not accepted:
             return {n: torch.zeros_like(self.global_params[n]) for n in self.partition.names(block)}
         updates = self.accepted_updates(server_round, block, accepted, stage)
+        if self.privacy is not None:  # clipped as combined, the mean noised (docs/privacy.md)
+            updates = self.privacy.clip_updates(updates)
         mean = self.combine(updates, [self.client_weight(r.metrics) for r in accepted])
+        if self.privacy is not None:
+            mean = self.privacy.noised(server_round, mean, len(accepted))
         self.spill.start()  # every update is combined: the file is emptied
         return self.server_update(server_round, block, mean)
 
@@ -510,3 +529,9 @@ class FedBCD:
                 stage(reply.partition_id, pending)
             update, reply.update = reply.update, None
             yield update
+
+
+def local_dp_bound(numel: int, clip_norm: float, noise_multiplier: float) -> float:
+    """``dp-mode = "local"``: the norm no honest noised update of ``numel`` values reaches. Its noise's norm is
+    about ``σ C √n`` with a spread of ``σ C / √2``; ten spreads more, and 5 % for rounding with error feedback."""
+    return 1.05 * clip_norm * (1.0 + noise_multiplier * (math.sqrt(numel) + 10.0))

@@ -28,8 +28,11 @@ pytestmark = pytest.mark.e2e  # every test here starts a SuperLink, SuperNodes a
 
 ROUNDS = 3
 # The module's deployment and every run compared with it; int8 so that the direct transport is held to
-# Flower's path bit for bit in a rounded dtype (fp32 and bf16 runs on the stream: the tests below).
-COMPARED = dict(num_server_rounds=ROUNDS, verify_invariant=True, schedule="ascending", transfer_dtype="int8")
+# Flower's path bit for bit in a rounded dtype (fp32 and bf16 runs on the stream: the tests below). With
+# central differential privacy (docs/privacy.md; a clip norm that binds, a known noise seed): the noisy steps
+# are the same in simulation, in a deployment and on the direct stream, and ParaBlock's invariant holds.
+COMPARED = dict(num_server_rounds=ROUNDS, verify_invariant=True, schedule="ascending", transfer_dtype="int8",
+                weighting="uniform", dp_clip_norm=0.05, dp_noise_multiplier=0.3, dp_noise_seed=3)  # fmt: skip
 
 
 def deploy(
@@ -84,6 +87,7 @@ def test_deployment_equals_simulation_bit_for_bit(deployed, tmp_path, tiny_model
         assert rec["num_accepted"] == 2 and rec["invariant_failed"] == 0 and rec["invariant_checked"] == 2
     for run in (deployed, sim):  # the extension ran in both: its number is in every round's record
         assert all(r["max_update_norm_seen"] > 0 for r in run.records[1:]), run.records[1:]
+        assert sum(r["dp_clipped"] for r in run.records[1:]) > 0 and run.records[ROUNDS]["dp_releases"] == ROUNDS
         assert "UpdateNormParaBlock:" in run.stdout  # the strategy's summary line names the class
 
 

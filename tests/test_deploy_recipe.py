@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
+from contextlib import suppress
 from pathlib import Path
 
 import pytest
@@ -17,13 +19,14 @@ from safetensors.torch import load_file
 from test_units import UNITS, USERS, Unit, site_root, systemd_start, wait_until  # noqa: F401 (site_root: a fixture)
 
 from parablock_flwr.tools.app_config import find_project_dir
-from parablock_flwr.tools.launch import free_port, listens
+from parablock_flwr.tools.launch import descendants, free_port, listens
 from parablock_flwr.tools.tiny_model import build_tiny_model
 
 PROJECT_DIR = find_project_dir(Path(__file__).resolve().parent)
 RECIPE = PROJECT_DIR / "docs" / "deploy-8b.md"
 MARK = re.compile(r"^<!--\s*loopback:\s*(\w+)\s*-->$")
 MODEL = "/models/Meta-Llama-3.1-8B-Instruct"
+ROUNDS = 4  # the SuperLink and its ServerApp are killed once round 1 is checkpointed; the rest is resumed
 TRAIN_ROWS, HELDOUT_ROWS = 24, 6
 
 
@@ -56,6 +59,22 @@ def run_phase(name: str, subs: list[tuple[str, str]], env: dict[str, str], timeo
         f"loopback: {name} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     )
     return done.stdout + done.stderr
+
+
+def start_phase(name: str, subs: list[tuple[str, str]], env: dict[str, str], log: Path) -> subprocess.Popen:
+    """The phase's blocks running, in a session of their own (stopped by PID if they outlive the SuperLink)."""
+    with open(log, "wb") as out:
+        return subprocess.Popen(["bash", "-euo", "pipefail", "-c", phase(name, subs)], cwd=PROJECT_DIR, env=env,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL a process, what it started and its process group, by PID: a machine's death, for them."""
+    for pid in [*descendants(proc.pid), proc.pid]:
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    with suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def site_data(folder: Path) -> None:
@@ -92,7 +111,7 @@ def test_the_recipe_runs_on_loopback_with_the_shipped_units(site_root):  # noqa:
         ("/run/parablock", f"{root}/run/parablock"),
         ("/data/", f"{root}/data/"),
         ("min-available-nodes=3", "min-available-nodes=1"),
-        ("num-server-rounds=64", "num-server-rounds=2 local-steps=2"),
+        ("num-server-rounds=64", f"num-server-rounds={ROUNDS} local-steps=2"),
     ]
     (root / "models").mkdir(mode=0o755)
     build_tiny_model(root / "models" / MODEL.rsplit("/", 1)[1])
@@ -131,21 +150,37 @@ def test_the_recipe_runs_on_loopback_with_the_shipped_units(site_root):  # noqa:
                     return "online" in listed.stdout
 
                 wait_until(online, node_proc, root / "supernode.log")
-                run_phase("run", subs, env, 900)
+                runs = root / "data" / "parablock-runs"
+                first = start_phase("run", subs, env, root / "first-run.log")
+                try:  # the SuperLink dies, its ServerApp with it, once round 1 is checkpointed
+                    wait_until(lambda: any(runs.glob("*/checkpoint/round-00001")), first, root / "superlink.log")
+                    kill_group(link_proc)
+                    first.wait(timeout=120)
+                finally:
+                    kill_group(first)
+                (killed,) = list(runs.glob("*-parablock-*"))
+                assert not (killed / "status.json").exists()  # killed outright: no status, as the page says
+                with systemd_start(link, root, env_files, root / "superlink-restarted.log") as (link_proc, _):
+                    wait_until(lambda: listens(f"127.0.0.1:{port}"), link_proc, root / "superlink-restarted.log")
+                    wait_until(online, node_proc, root / "supernode.log")
+                    resumed = run_phase("resume", subs, env, 900)
 
     statuses = list((root / "data" / "parablock-runs").glob("*/status.json"))
-    assert len(statuses) == 1, statuses
+    assert len(statuses) == 1 and statuses[0].parent != killed, statuses
     status = json.loads(statuses[0].read_text())
     assert status["status"] == "completed", status.get("reason", status)
+    completed = max(int(p.name.split("-")[1]) for p in (killed / "checkpoint").glob("round-*"))
+    assert 1 <= completed < ROUNDS and f"after round {completed}" in resumed, resumed[-3000:]
     nodes = [json.loads(line) for line in (statuses[0].parent / "nodes.jsonl").read_text().splitlines()]
     weights = [w for rec in nodes for w in rec.get("client_weights", [])]
     assert weights and all(w["num_examples"] == TRAIN_ROWS for w in weights), weights
     assert f"Loading model {root}/models/" in (root / "worker.log").read_text()
     assert (statuses[0].parent / "final-model" / "model.safetensors").exists()  # save-final-model in the recipe
     reported = run_phase("after", subs, env, 120)
-    assert reported.startswith("status: completed (2/2 rounds)"), reported
+    assert reported.startswith(f"status: completed ({ROUNDS}/{ROUNDS} rounds)"), reported
     run_phase("export", subs, env, 300)  # the model rebuilt from the run's steps: the weights it saved at its end
     rebuilt, saved = (
-        load_file(str(statuses[0].parent / f / "model.safetensors")) for f in ("model-round-00002", "final-model")
+        load_file(str(statuses[0].parent / f / "model.safetensors"))
+        for f in (f"model-round-{ROUNDS:05d}", "final-model")
     )
     assert rebuilt.keys() == saved.keys() and all(torch.equal(rebuilt[n], saved[n]) for n in saved)

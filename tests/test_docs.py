@@ -153,15 +153,15 @@ def test_every_recipe_block_runs_on_loopback_or_says_what_it_needs():
 
 
 def test_the_recipe_run_config_passes_the_run_config_checks():
-    """The section 6 command's --run-config, parsed by Flower's own parser, holds only the app's keys with
-    values of their types, and passes RunConfig's checks."""
+    """The section 6 run config (the file its command writes and runs, and a resume runs again), parsed by
+    Flower's own parser, holds only the app's keys with values of their types, and passes RunConfig's checks."""
     from flwr.common.config import parse_config_args
 
     from parablock_flwr.config import RunConfig
     from parablock_flwr.tools.app_config import app_config, check_overrides
 
     (run,) = [body for _, mark, body in recipe_bash_blocks() if mark == "run"]
-    overrides = parse_config_args([re.search(r"--run-config '([^']*)'", run, re.S).group(1)])
+    overrides = parse_config_args([re.search(r"echo '([^']*)' > /etc/parablock/run-config", run, re.S).group(1)])
     check_overrides(overrides, app_config(PROJECT_DIR))
     cfg = RunConfig.from_flower({**app_config(PROJECT_DIR), **overrides})
     assert (cfg.weights, cfg.evaluation, cfg.min_available_nodes) == ("bf16", "clients", 3)

@@ -1,0 +1,129 @@
+"""ParaBlock against sequential BCD in a real local deployment whose computation is a GPU's stand-in: each node
+worker waits C seconds off the CPU per round (``benchmarks.stand_in_worker``), so that what is left of a round
+is the app's own work over a block's bytes and the exchange, as beside a GPU, where compute is fast.
+
+Each size is a wide Llama of two 4-layer blocks (``--hidden``: 2560 gives 236 M parameters a block, 240 MB in
+int8, about Llama-3.2-1B's 4-layer block), deployed with ``transport = "direct"`` on loopback, one run per
+algorithm, the same seed. For each it prints the means over rounds 3..R of the round's wall time T, the
+stand-in compute C and the measured communication window W, the server's critical path (last reply to the next
+messages out) and every leg of the round's critical path (``critical_path_*``), then ParaBlock/BCD beside the
+ideal max(C, T_BCD - C) / T_BCD: ParaBlock hides C, so at best a round costs what BCD's costs beside it.
+
+    .venv/bin/python -m benchmarks.stand_in --hidden 2560 --compute-s 2.5 --report
+    .venv/bin/python -m benchmarks.stand_in --hidden 512 --rounds 4          # the smallest, as CI runs it
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from benchmarks.common import PROJECT_DIR, read_records, write_report
+from parablock_flwr.tools import launch
+from parablock_flwr.tools.tiny_model import build_tiny_model
+
+LAYERS, LAYERS_PER_BLOCK = 8, 4
+LEGS = ("aggregate", "dispatch", "delivery", "clientapp_relay", "reply_relay", "reply_to_server", "wait_for_others")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.stand_in", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--hidden", type=int, nargs="+", default=[512], help="model widths, one size each")
+    parser.add_argument("--compute-s", type=float, default=2.5, help="C: the stand-in's compute per round")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--nodes", type=int, default=1, help="SuperNodes, each with its stand-in worker")
+    parser.add_argument("--transfer-dtype", default="int8", choices=["int8", "bf16", "fp16"])
+    parser.add_argument("--verify-invariant", action="store_true")
+    parser.add_argument("--report", action="store_true", help="write docs/results/stand_in.md")
+    return parser.parse_args(argv)
+
+
+def deploy(algorithm: str, model: Path, args, workdir: Path) -> list[dict]:
+    """One deployment of ``algorithm`` with stand-in workers: its records (round 0 first)."""
+    port = launch.free_port()
+    config = {
+        "algorithm": algorithm, "model": str(model), "output-dir": str(workdir / f"out-{algorithm}"),
+        "num-server-rounds": args.rounds, "layers-per-block": LAYERS_PER_BLOCK, "schedule": "ascending",
+        "transfer-dtype": args.transfer_dtype, "verify-invariant": args.verify_invariant,
+        "dataset": "reasoning-gym:gsm_symbolic", "num-examples": 32, "heldout-examples": 4, "max-seq-len": 128,
+        "generate-examples": 0, "eval-every": 1000, "local-steps": 1, "batch-size": 1, "torch-threads": 1,
+        "transport": "direct", "transport-address": f"localhost:{port}", "transport-insecure": True,
+    }  # fmt: skip
+    real = launch.worker_command
+
+    def stand_in_command(*a, **kw) -> list[str]:  # the real worker's options, the stand-in's module
+        command = real(*a, **kw)
+        return [command[0], "-m", "benchmarks.stand_in_worker", "--compute-s", str(args.compute_s), *command[3:]]
+
+    launch.worker_command = stand_in_command
+    try:
+        proc = launch.run_deployment(workdir / f"flower-{algorithm}", config, num_supernodes=args.nodes,
+                                     timeout_s=1800)  # fmt: skip
+    finally:
+        launch.worker_command = real
+    if proc.returncode != 0 or proc.run_dir is None:
+        sys.exit(f"{algorithm} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{proc.summary()}")
+    return read_records(proc.run_dir)
+
+
+def means(records: list[dict]) -> dict:
+    """Means over rounds 3..R (round 1 overlaps nothing, round 2 makes the second block's update)."""
+    rounds = [r for r in records if r.get("round", 0) >= 3 and "round_wall_s" in r]
+    keys = ["round_wall_s", "measured_compute_s", "measured_comm_s", "server_critical_path_s"]
+    keys += [f"critical_path_{leg}_s" for leg in LEGS]
+    return {k: statistics.mean(r[k] for r in rounds if k in r) for k in keys if any(k in r for r in rounds)}
+
+
+def against_ideal(bcd: dict, parablock: dict) -> tuple[float, float]:
+    """(ParaBlock's round over BCD's, the ideal ``max(C, T_BCD − C) / T_BCD``)."""
+    t_bcd, c = bcd["round_wall_s"], bcd["measured_compute_s"]
+    return parablock["round_wall_s"] / t_bcd, max(c, t_bcd - c) / t_bcd
+
+
+def size_rows(hidden: int, block_mb: float, bcd: dict, parablock: dict) -> list[str]:
+    ratio, ideal = against_ideal(bcd, parablock)
+    rows = []
+    for name, m in (("fedbcd", bcd), ("parablock", parablock)):
+        legs = ", ".join(f"{leg} {m[f'critical_path_{leg}_s']:.2f}" for leg in LEGS if f"critical_path_{leg}_s" in m)
+        rows.append(f"| {hidden} ({block_mb:.0f} MB) | {name} | {m['round_wall_s']:.2f} | "
+                    f"{m['measured_compute_s']:.2f} | {m.get('measured_comm_s', float('nan')):.2f} | "
+                    f"{m.get('server_critical_path_s', float('nan')):.2f} | {legs} |")  # fmt: skip
+    rows.append(f"| {hidden} ({block_mb:.0f} MB) | ParaBlock / BCD | **{ratio:.2f}** (ideal {ideal:.2f}: "
+                f"max(C, T_BCD − C) / T_BCD; {ratio / ideal:.2f}× of it) | | | | |")  # fmt: skip
+    return rows
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    results, rows = {}, []
+    with tempfile.TemporaryDirectory(prefix="parablock-stand-in-") as tmp:
+        workdir = Path(tmp)
+        for hidden in args.hidden:
+            model = build_tiny_model(workdir / f"model-{hidden}", num_layers=LAYERS, hidden=hidden, vocab=512)
+            block_params = LAYERS_PER_BLOCK * 9 * hidden * hidden  # attention 3h^2 (half the KV heads), MLP 6h^2
+            block_mb = block_params * (1 if args.transfer_dtype == "int8" else 2) / 1e6
+            measured = {a: means(deploy(a, model, args, workdir / f"{hidden}")) for a in ("fedbcd", "parablock")}
+            results[hidden] = measured
+            rows += size_rows(hidden, block_mb, measured["fedbcd"], measured["parablock"])
+            print("\n".join(rows[-3:]), flush=True)
+    table = "\n".join([
+        "| hidden (block) | algorithm | round T s | C s | W s | server critical path s | legs of the critical path s |",
+        "|---|---|---|---|---|---|---|", *rows,
+    ])  # fmt: skip
+    print(table)
+    if args.report:
+        body = (f"C = {args.compute_s} s per round (a sleep: off the CPU), {args.nodes} SuperNode(s), "
+                f"transfer-dtype {args.transfer_dtype}, verify-invariant {str(args.verify_invariant).lower()}, "
+                f"transport direct on loopback (plaintext), {args.rounds} rounds, means of rounds 3..R.\n\n"
+                f"{table}\n")  # fmt: skip
+        write_report("stand_in", "ParaBlock against BCD beside a GPU's stand-in", body, doc=__doc__)
+    return results
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(PROJECT_DIR))
+    main()

@@ -87,7 +87,7 @@ class Checkpoint:
     modeled_wall_s: float
     strategy_state: dict = field(default_factory=dict)
     pending: dict[int, PendingUpdate] = field(default_factory=dict)  # partition id -> Δ_i^round (on load)
-    participation: dict = field(default_factory=dict)  # who was left out so far (Run.participation_state)
+    participation: dict = field(default_factory=dict)  # who was left out so far (Participation.state)
     node_sync: dict = field(default_factory=dict)  # what the server knew of each node (NodeSync.by_partition)
     privacy: dict = field(default_factory=dict)  # differential privacy: the ledger, the noise's secret seed
     # "per-tensor": core.ModelDigest; "whole": core.digest (checkpoints written before 2026-12-01)

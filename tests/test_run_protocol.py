@@ -316,7 +316,7 @@ def test_a_node_rejected_in_every_round_is_named_as_excluded(tmp_path, tiny_mode
     run = make_run(tmp_path, tiny_model_dir, 3, num_examples=40)
     honest, big = honest_answer(run, num_examples=20), honest_answer(run, num_examples=64)
     run_rounds(run, InMemoryFederation(2, lambda i, m: big(i, m) if i else honest(i, m)))
-    excluded = run.excluded_nodes()
+    excluded = run.participation.excluded()
     assert len(excluded) == 1 and "(partition 1): not aggregated in 3 of 3 rounds" in excluded[0], excluded
     assert "num-examples=64, expected a number in (0, 40]" in excluded[0]
 
@@ -334,7 +334,7 @@ def test_a_resumed_run_goes_on_counting_who_it_left_out(tmp_path, tiny_model_dir
     honest, big = honest_answer(resumed, num_examples=20), honest_answer(resumed, num_examples=64)
     with InMemoryFederation(2, lambda i, m: big(i, m) if i else honest(i, m)) as federation:
         resumed.start(federation.grid, first_step)
-    excluded = resumed.excluded_nodes()
+    excluded = resumed.participation.excluded()
     assert len(excluded) == 1 and "(partition 1): not aggregated in 5 of 5 rounds (5 in a row" in excluded[0], excluded
 
 

@@ -81,7 +81,7 @@ def main(grid: Grid, context: Context) -> None:
         kind, reason = "error", f"{type(err).__name__}: {err}"
     else:
         kind, reason = "completed", f"{run['num_rounds']} rounds"
-    excluded = run["run"].excluded_nodes() if run["run"] else []
+    excluded = run["run"].participation.excluded() if run["run"] else []
     if kind == "completed" and run["run"] is not None and run["run"].stopped_early:
         kind = "privacy-budget"
         reason = f"{run['run'].rounds_completed} of {run['num_rounds']} rounds: {run['run'].stopped_early}"

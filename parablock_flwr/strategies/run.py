@@ -11,7 +11,7 @@ pending updates, an argument of ``aggregate_train``). The boundary is small:
   the messages they answer and where pending updates go): a ``RoundOutcome``; and for its
   ``summary`` line, once;
 - the run does everything with a side effect: pushing and pulling, deadlines, retries and stopping
-  (``TooFewReplies``), the step log, staging pending updates, participation, clocks, the nodes'
+  (``TooFewReplies``), the step log, staging pending updates, participation (``Participation``), clocks, the nodes'
   evaluations, records, checkpoints (``checkpoint_state``) and resume (``resumed``, ``step_applied``);
 - besides, it reads the algorithm's public settings and model (``config``, ``algorithm``,
   ``partition``, ``global_params``, ``run_dir``) and what it knows of nodes (``round_nodes``,
@@ -41,6 +41,7 @@ from ..records import to_record
 from ..replica import StepLog
 from ..transport.server_side import update_bound
 from . import client_evaluation
+from .participation import Participation
 from .reply_checks import Reply
 from .round_stats import array_bytes, critical_path_rows
 
@@ -122,11 +123,8 @@ class Run:
         self._deadline = 0.0  # time.monotonic() at which the round's outstanding replies are abandoned
         self._abandoned: dict[str, tuple[int, float]] = {}  # message id -> (node, when it expires)
         self._withdrawn: dict[str, tuple[int, float]] = {}  # messages pushed ahead, withdrawn: the same
-        self._participation: dict[int, dict] = {}  # node -> rounds asked, aggregated, not in a row
-        self._rounds_noted = 0  # rounds whose participation was noted, since round 1 (a resume goes on counting)
-        # A resumed run's rows from before the restart, by partition ("partition 3") where it was known,
-        # else by node id ("node 7"): node ids change across a restart, partitions do not.
-        self._carried_participation: dict[str, dict] = {}
+        self.participation = Participation(algorithm.partition_of, self.round_timeout_s,
+                                           self.config.max_consecutive_rejections)  # fmt: skip
         self.pull_interval_s = self.config.pull_interval_s
         self.last_record: dict = {}  # the last aggregated round's record (written once the round is durable)
         # A push is sent in batches of at most one model's worth of arrays (``push``).
@@ -234,7 +232,7 @@ class Run:
         accepted: list[Reply] = []
         while True:
             outcome = self.algorithm.aggregate_train(server_round, replies, sent, accepted, self.stage_pending)
-            self.note_claimed_partitions(outcome.claimed_partitions)
+            self.participation.note_claimed(outcome.claimed_partitions)
             if outcome.step is not None:
                 break
             if outcome.aggregate_rejected:
@@ -247,7 +245,7 @@ class Run:
         if self.direct is not None:  # the round's fallbacks and refusals; its capabilities and records forgotten
             outcome.record.update(self.direct.end_round(server_round))
         reasons = {r.node: r.reason for r in outcome.rejected}
-        self.note_participation(self.algorithm.round_nodes, {r.node for r in outcome.accepted}, reasons)
+        self.participation.note_round(self.algorithm.round_nodes, {r.node for r in outcome.accepted}, reasons)
         self.collect_client_evaluation(server_round - 1, outcome.accepted)
         outcome.record.update(self.round_clock({r.node: r.metrics for r in outcome.accepted}))
         self.last_record = outcome.record
@@ -630,69 +628,6 @@ class Run:
         self.recorder.write(record)
         self._recorded[server_round] = record
 
-    # ------------------------------------------------------------ no node silently left out
-    def note_participation(self, asked: list[int], accepted: set[int], reasons: dict[int, str]) -> None:
-        """After round r: each node sent the round's message and not aggregated (rejected, an
-        error, no reply) counts towards its exclusion (``excluded_nodes``)."""
-        self._rounds_noted += 1
-        for node in asked:
-            row = self._participation_row(node, self.algorithm.partition_of(node))
-            row["rounds"] += 1
-            if node in accepted:
-                row["accepted"] += 1
-                row["streak"] = 0
-            else:
-                row["streak"] += 1
-                row["longest"] = max(row["longest"], row["streak"])
-                row["last_reason"] = reasons.get(node, f"no reply within round-timeout-s={self.round_timeout_s:g}")
-
-    def note_claimed_partitions(self, claimed: dict[int, int]) -> None:
-        """The partition ids rejected replies claim (node -> id): only to name the node to the operator
-        (``excluded_nodes``); the server trusts partition ids from accepted replies alone."""
-        for node, partition in claimed.items():
-            self._participation_row(node, partition)["claimed_partition"] = partition
-
-    def _participation_row(self, node: int, partition: int | None) -> dict:
-        """``node``'s row; a new one goes on from the row its partition (or node id) had before a resume."""
-        if node not in self._participation:
-            carried = self._carried_participation
-            row = carried.pop(f"partition {partition}", None) if partition is not None else None
-            row = row or carried.pop(f"node {node}", None) or {"rounds": 0, "accepted": 0, "streak": 0, "longest": 0}
-            self._participation[node] = row
-        return self._participation[node]
-
-    def participation_state(self) -> dict:
-        """What the checkpoint keeps of who was left out, so that a resumed run goes on counting."""
-        rows = dict(self._carried_participation)
-        for node, row in self._participation.items():
-            partition = self._partition(node, row)
-            rows[f"partition {partition}" if partition is not None else f"node {node}"] = row
-        return {"rounds_noted": self._rounds_noted, "rows": rows}
-
-    def _partition(self, node: int | None, row: dict) -> int | None:
-        """A node's partition: as the algorithm knows it, else as its rejected replies claimed."""
-        known = self.algorithm.partition_of(node) if node is not None else None
-        return known if known is not None else row.get("claimed_partition")
-
-    def excluded_nodes(self) -> list[str]:
-        """The nodes this run left out, one line each: asked in every round and never aggregated, or
-        not aggregated in ``max-consecutive-rejections`` consecutive rounds it was asked (0: only the
-        former). A node sampled in a round or two and failing there (a worker restarting) is not left
-        out: it is counted in those rounds' records (``rejected``)."""
-        k = self.config.max_consecutive_rejections
-        out = []
-        rows = [(f"node {node}", node, row) for node, row in sorted(self._participation.items())]
-        rows += [(key, None, row) for key, row in sorted(self._carried_participation.items())]  # not back since
-        for name, node, row in rows:
-            never = 0 < row["rounds"] == self._rounds_noted and row["accepted"] == 0
-            if never or (k and row["longest"] >= k):
-                partition = self._partition(node, row)
-                if node is not None and partition is not None:
-                    name += f" (partition {partition})"
-                out.append(f"{name}: not aggregated in {row['rounds'] - row['accepted']} of {row['rounds']} rounds "
-                           f"({row['longest']} in a row; last: {row.get('last_reason', 'none')})")  # fmt: skip
-        return out
-
     # ------------------------------------------------------------ checkpoint and resume
     def save_checkpoint(self, server_round: int) -> None:
         """After round r is recorded: what a restarted server needs (``checkpoint.py``)."""
@@ -703,7 +638,7 @@ class Run:
                 global_sha256=self._model_digest(self.algorithm.global_params),
                 elapsed_s=time.perf_counter() - self._started,
                 modeled_wall_s=self._modeled_wall_s,
-                participation=self.participation_state(),
+                participation=self.participation.state(),
                 **self.algorithm.checkpoint_state(),
             ),
         )
@@ -751,8 +686,7 @@ class Run:
         self._count_lost_evaluations(records, ckpt.round)
         self._modeled_wall_s = ckpt.modeled_wall_s
         self._started = time.perf_counter() - ckpt.elapsed_s  # elapsed_s goes on where it stopped
-        self._rounds_noted = ckpt.participation.get("rounds_noted", 0)
-        self._carried_participation = {key: dict(row) for key, row in ckpt.participation.get("rows", {}).items()}
+        self.participation.carry(ckpt.participation)
         algorithm.resumed(ckpt)
         for partition_id, pending in ckpt.pending.items():  # this folder's own copy of the checkpoint:
             self.stage_pending(partition_id, pending)  # resumable from its first moment

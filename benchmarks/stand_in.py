@@ -5,8 +5,9 @@ is the app's own work over a block's bytes and the exchange, as beside a GPU, wh
 Each size is a wide Llama of two 4-layer blocks (``--hidden``: 2560 gives 236 M parameters a block, 240 MB in
 int8, about Llama-3.2-1B's 4-layer block), deployed with ``transport = "direct"`` on loopback, one run per
 algorithm, the same seed. For each it prints the means over rounds 3..R of the round's wall time T, the
-stand-in compute C and the measured communication window W, the server's critical path (last reply to the next
-messages out) and every leg of the round's critical path (``critical_path_*``), then ParaBlock/BCD beside the
+stand-in compute C, the measured communication window W, the worker's time from its computation's end to its
+reply leaving, the server's critical path (last reply to the next messages out) and every leg of the round's
+critical path (``critical_path_*``), then ParaBlock/BCD beside the
 ideal max(C, T_BCD - C) / T_BCD: ParaBlock hides C, so at best a round costs what BCD's costs beside it.
 
     .venv/bin/python -m benchmarks.stand_in --hidden 2560 --compute-s 2.5 --report
@@ -75,7 +76,23 @@ def means(records: list[dict]) -> dict:
     rounds = [r for r in records if r.get("round", 0) >= 3 and "round_wall_s" in r]
     keys = ["round_wall_s", "measured_compute_s", "measured_comm_s", "server_critical_path_s"]
     keys += [f"critical_path_{leg}_s" for leg in LEGS]
-    return {k: statistics.mean(r[k] for r in rounds if k in r) for k in keys if any(k in r for r in rounds)}
+    out = {k: statistics.mean(r[k] for r in rounds if k in r) for k in keys if any(k in r for r in rounds)}
+    if after := worker_after_compute(records):
+        out["worker_after_compute_s"] = after
+    return out
+
+
+def worker_after_compute(records: list[dict]) -> float | None:
+    """The worker's time from a round's computation ending to its reply leaving (rounding, the residual's
+    durable write, digests, the upload), from the timelines: round r+1's ``prev_reply_sent`` less round r's
+    ``compute_end``, per node, for rounds r >= 3."""
+    by_round = {r["round"]: {row["node"]: row for row in r.get("timeline", [])} for r in records if "round" in r}
+    spans = [
+        nxt["prev_reply_sent"] - by_round[r][node]["compute_end"]
+        for r in by_round if r >= 3 and r + 1 in by_round
+        for node, nxt in by_round[r + 1].items() if node in by_round[r] and nxt.get("prev_reply_sent", 0) > 0
+    ]  # fmt: skip
+    return statistics.mean(spans) if spans else None
 
 
 def against_ideal(bcd: dict, parablock: dict) -> tuple[float, float]:
@@ -91,9 +108,10 @@ def size_rows(hidden: int, block_mb: float, bcd: dict, parablock: dict) -> list[
         legs = ", ".join(f"{leg} {m[f'critical_path_{leg}_s']:.2f}" for leg in LEGS if f"critical_path_{leg}_s" in m)
         rows.append(f"| {hidden} ({block_mb:.0f} MB) | {name} | {m['round_wall_s']:.2f} | "
                     f"{m['measured_compute_s']:.2f} | {m.get('measured_comm_s', float('nan')):.2f} | "
+                    f"{m.get('worker_after_compute_s', float('nan')):.2f} | "
                     f"{m.get('server_critical_path_s', float('nan')):.2f} | {legs} |")  # fmt: skip
     rows.append(f"| {hidden} ({block_mb:.0f} MB) | ParaBlock / BCD | **{ratio:.2f}** (ideal {ideal:.2f}: "
-                f"max(C, T_BCD − C) / T_BCD; {ratio / ideal:.2f}× of it) | | | | |")  # fmt: skip
+                f"max(C, T_BCD − C) / T_BCD; {ratio / ideal:.2f}× of it) | | | | | |")  # fmt: skip
     return rows
 
 
@@ -111,8 +129,9 @@ def main(argv=None) -> dict:
             rows += size_rows(hidden, block_mb, measured["fedbcd"], measured["parablock"])
             print("\n".join(rows[-3:]), flush=True)
     table = "\n".join([
-        "| hidden (block) | algorithm | round T s | C s | W s | server critical path s | legs of the critical path s |",
-        "|---|---|---|---|---|---|---|", *rows,
+        "| hidden (block) | algorithm | round T s | C s | W s | worker, compute end to reply s "
+        "| server critical path s | legs of the critical path s |",
+        "|---|---|---|---|---|---|---|---|", *rows,
     ])  # fmt: skip
     print(table)
     if args.report:

@@ -6,6 +6,7 @@ does not hold what a round must is refused here, in one line, before anything ch
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,6 +76,9 @@ class Reply:
     trace: dict[str, str] = field(default_factory=dict)
     used_early: bool = False  # the update is the one rounded ahead (``Node.early_update``), bit for bit
     encoded: core.Encoded | None = None  # the update as it travels (``core.round_with_feedback_encoded``)
+    # ``Node.train(defer_write=True)``: the residual's durable write, still running; the driver waits for it
+    # (``runtime.wait_for_write``) before the reply leaves, while the update's bytes move.
+    residual_written: Callable[[], None] | None = None
 
 
 def check_blocks(req: Request, num_blocks: int) -> None:

@@ -154,10 +154,14 @@ class Node:
         store: ResidualStore | None = None,
         resumed_store: ResidualStore | None = None,
         early: EarlyUpdate | None = None,
+        defer_write: bool = False,
     ) -> Reply:
         """Round ``req.server_round``, the module's steps in order; ``resumed_store`` is where a resumed
         run's residuals come from; ``early``: this round's update as ``early_update`` rounded it ahead, which
-        step 5 takes instead of rounding again when it still holds (the reply's ``used_early`` says so)."""
+        step 5 takes instead of rounding again when it still holds (the reply's ``used_early`` says so).
+        ``defer_write``: the residual's durable write may still run when this returns (the reply's
+        ``residual_written``), so that the update's upload moves beside it; the driver waits for it before the
+        reply leaves (the node worker: docs/transport.md)."""
         self.check_order(req)  # 1
         check_blocks(req, res.partition.num_blocks)
         client = client_half(req.algorithm, cfg.correction_mode)
@@ -177,8 +181,11 @@ class Node:
         except BaseException as err:
             wait_for_write(residual_written, err)
             raise
-        wait_for_write(residual_written)
-        return Reply(metrics, result.delta, trace, used_early=used_early, encoded=encoded)
+        if not defer_write:
+            wait_for_write(residual_written)
+            residual_written = None
+        return Reply(metrics, result.delta, trace, used_early=used_early, encoded=encoded,
+                     residual_written=residual_written)  # fmt: skip
 
     def evaluate(self, res: NodeResources, cfg: RunConfig, req: Request, fetch_step: FetchStep) -> Reply:
         """``evaluation = "clients"`` after the last round: the held-out loss of ``x^R``. Anything still

@@ -283,7 +283,9 @@ class NodeWorker:
         # The update moving ahead as it was rounded: the round's training (and the next round's computation,
         # which it starts) goes on while its upload is still in flight, and the reply waits for that upload.
         rounded = ahead.early_update() if ahead is not None else None
-        done = self.node.train(res, cfg, req, fetch_step, store, store, rounded)
+        # The residual's durable write (a block in fp32, at the disk's pace) runs on while the update uploads;
+        # the reply leaves only once it is done (``wait_for_write`` below), as the node runtime requires.
+        done = self.node.train(res, cfg, req, fetch_step, store, store, rounded, defer_write=True)
         metrics = dataclasses.replace(done.metrics, request_received=received, prev_reply_sent=self.last_reply_sent,
                                       direct_step_prefetched=1 if prefetched is not None else None,
                                       direct_content_fetched=1 if content_fetched else None)  # fmt: skip
@@ -292,7 +294,12 @@ class NodeWorker:
         # Each array as its pieces (one per tensor), written to the socket in turn: no joined copy of the block.
         pieces = early.pieces if early is not None else pack_pieces(done.update, cfg.transfer_dtype, done.encoded)
         bytes_out = sum(p.nbytes for parts in pieces.values() for p in parts)
-        reply = self.train_reply(metrics, done.trace, pieces, offer, settings, cfg.round_timeout_s, early)
+        try:
+            reply = self.train_reply(metrics, done.trace, pieces, offer, settings, cfg.round_timeout_s, early)
+        except BaseException as err:
+            node.wait_for_write(done.residual_written, err)
+            raise
+        node.wait_for_write(done.residual_written)  # its error fails the reply: nothing is committed yet
         if reply.committed and self.stream.upload_reply(offer, settings, reply.header, cfg.round_timeout_s):
             self.stamp_reply(request.server_round)  # the server holds it now, whenever the ClientApp takes it
         metrics = reply.metrics

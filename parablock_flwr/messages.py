@@ -482,10 +482,10 @@ class TransportOffer:
             message_max_size=get.int("message-max-size", 0, MAX_MESSAGE_CONTENT),
             message_key=get.text("message-key", 0, 64, secret=True),
         )
-        offer._check_pairs()
+        offer.check_pairs()
         return offer
 
-    def _check_pairs(self) -> None:
+    def check_pairs(self) -> None:
         """Each capability named with a well-formed token (and a message's key), and exactly one of a CA or
         insecure; ``MessageError`` names the first that is not."""
         for what, name, token in (("upload", self.upload_name, self.upload_token),

@@ -229,9 +229,11 @@ def meta_module(shapes: Shapes, num_layers: int):
         *path, leaf = name.split(".")
         module = root
         for part, after in zip(path, path[1:] + [leaf]):
-            if part not in module._modules:  # add_module's checks, for names that are a model's own, cost more
-                module._modules[part] = nn.ModuleList() if after.isdigit() else nn.Module()
-            module = module._modules[part]
+            child = getattr(module, part, None)
+            if child is None:
+                child = nn.ModuleList() if after.isdigit() else nn.Module()
+                module.add_module(part, child)
+            module = child
         module.register_parameter(leaf, nn.Parameter(torch.empty(shape, device="meta"), requires_grad=False))
     return root
 

@@ -77,3 +77,49 @@ def test_the_check_counts_def_to_last_line_and_reads_the_reason():
         "m.py:outer": MAX_LINES + 3,
         "m.py:outer.inner": MAX_LINES + 2,
     }
+
+
+# Underscored names that are public by convention: NamedTuple's field list, the stdlib's exit without cleanup.
+PUBLIC_BY_CONVENTION = {"_fields", "_exit", "_replace", "_asdict"}
+
+
+def private_reads(source: str, path: str) -> list[str]:
+    """``PATH:LINE: expr`` for each private name this module reads of another: ``from m import _x``, or
+    ``obj._x`` where ``obj`` is not ``self``/``cls`` and not a class this module defines (its own privates)."""
+    tree = ast.parse(source)
+    own = {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            module = "." * node.level + (node.module or "")
+            found += [f"{path}:{node.lineno}: from {module} import {a.name}" for a in node.names
+                      if a.name.startswith("_") and not a.name.startswith("__")]  # fmt: skip
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            target = node.value.id if isinstance(node.value, ast.Name) else None
+            if node.attr not in PUBLIC_BY_CONVENTION and target not in {"self", "cls", *own}:
+                found.append(f"{path}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_module_reads_another_modules_private_names():
+    """A name with a leading underscore is its module's (or its class's) own: another module that reads it
+    depends on what its owner may change without a word. Ask the owner for a public name instead."""
+    root = PACKAGE.parent
+    found = [hit for file in sorted(PACKAGE.rglob("*.py"))
+             for hit in private_reads(file.read_text(), file.relative_to(root).as_posix())]  # fmt: skip
+    assert not found, "\n".join(found)
+
+
+def test_the_private_names_check_sees_imports_and_attributes_but_not_a_modules_own():
+    source = textwrap.dedent("""
+        from .wire import _pack
+        import torch
+
+        class Offer:
+            _fields = ()
+
+            def check(self, other):
+                return self._x, other._y, Offer._z, torch.nn.Module()._modules
+        """)  # fmt: skip
+    found = private_reads(source, "m.py")
+    assert found == ["m.py:2: from .wire import _pack", "m.py:9: other._y", "m.py:9: torch.nn.Module()._modules"]

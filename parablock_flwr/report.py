@@ -25,20 +25,23 @@ COLUMNS = [  # (header, key, format)
     ("round wall s", "round_wall_s", "{:.1f}"),
     ("elapsed s", "elapsed_s", "{:.0f}"),
 ]
+# Columns shown only for runs whose records have them: differential privacy's epsilon so far (docs/privacy.md).
+IF_RECORDED = [("epsilon", "dp_epsilon", "{:.2f}")]
 
 
 def table(records: list[dict]) -> str:
-    rows = [[h for h, _, _ in COLUMNS]]
+    columns = COLUMNS + [c for c in IF_RECORDED if any(c[1] in rec for rec in records)]
+    rows = [[h for h, _, _ in columns]]
     for rec in records:
         row = []
-        for _, key, fmt in COLUMNS:
+        for _, key, fmt in columns:
             value = rec.get(key)
             if value is None:
                 row.append("-")
             else:
                 row.append(fmt.format(value / 1e6 if key.startswith("bytes") else value))
         rows.append(row)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
 
 

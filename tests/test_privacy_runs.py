@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from parablock_flwr import privacy
+from parablock_flwr import privacy, report
 from parablock_flwr.run_status import EXIT_CODES
 
 from helpers import simulate_in_process
@@ -34,6 +34,8 @@ def test_a_dp_run_keeps_the_invariant_in_int8_and_a_resume_draws_the_same_secret
     last = resumed.records[-1] if "dp_epsilon" in resumed.records[-1] else resumed.records[4]
     assert last["dp_epsilon"] == trained[-1]["dp_epsilon"] and last["invariant_failed"] == 0
     assert f"differential privacy: epsilon {trained[-1]['dp_epsilon']:.3f} at delta 1e-05" in resumed.stdout
+    header, *_, last_row = report.table(resumed.records).splitlines()
+    assert header.endswith("epsilon") and last_row.endswith(f"{trained[-1]['dp_epsilon']:.2f}")
 
 
 def test_the_run_stops_before_the_round_that_would_pass_dp_target_epsilon(tmp_path, tiny_model_dir):

@@ -10,7 +10,7 @@ reply leaving, the server's critical path (last reply to the next messages out) 
 critical path (``critical_path_*``), then ParaBlock/BCD beside the
 ideal max(C, T_BCD - C) / T_BCD: ParaBlock hides C, so at best a round costs what BCD's costs beside it.
 
-    .venv/bin/python -m benchmarks.stand_in --hidden 2560 --compute-s 2.5 --report
+    .venv/bin/python -m benchmarks.stand_in --hidden 1536 2560 --compute-s 2.5 --report   # a section each setting
     .venv/bin/python -m benchmarks.stand_in --hidden 512 --rounds 4          # the smallest, as CI runs it
 """
 
@@ -20,9 +20,10 @@ import argparse
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
-from benchmarks.common import PROJECT_DIR, read_records, write_report
+from benchmarks.common import PROJECT_DIR, RESULTS_DIR, command, commit, machine_line, read_records, replace_doc_section
 from parablock_flwr.tools import launch
 from parablock_flwr.tools.tiny_model import build_tiny_model
 
@@ -134,12 +135,16 @@ def main(argv=None) -> dict:
         "|---|---|---|---|---|---|---|---|", *rows,
     ])  # fmt: skip
     print(table)
-    if args.report:
-        body = (f"C = {args.compute_s} s per round (a sleep: off the CPU), {args.nodes} SuperNode(s), "
-                f"transfer-dtype {args.transfer_dtype}, verify-invariant {str(args.verify_invariant).lower()}, "
-                f"transport direct on loopback (plaintext), {args.rounds} rounds, means of rounds 3..R.\n\n"
+    if args.report:  # one section per setting: the file keeps the others
+        heading = (f"## C = {args.compute_s:g} s, {args.nodes} SuperNode(s), {args.transfer_dtype}, "
+                   f"verify-invariant {'on' if args.verify_invariant else 'off'}")  # fmt: skip
+        body = (f"`{command('stand_in')}` at {commit()}, {time.strftime('%Y-%m-%d')}; {machine_line()}. "
+                f"Transport direct on loopback (plaintext), {args.rounds} rounds, means of rounds 3..R.\n\n"
                 f"{table}\n")  # fmt: skip
-        write_report("stand_in", "ParaBlock against BCD beside a GPU's stand-in", body, doc=__doc__)
+        doc = RESULTS_DIR / "stand_in.md"
+        if not doc.exists():
+            doc.write_text(f"# ParaBlock against BCD beside a GPU's stand-in\n\n{__doc__.split(chr(10) * 2)[0]}\n")
+        replace_doc_section(heading, body, doc=doc)
     return results
 
 

@@ -12,7 +12,7 @@ The drivers (``client_apps/inline.py``, ``worker/server.py``) use the names re-e
 
 from .cache import NodeResources, loaded, node_device, resources
 from .compute import Job, compute_update, computed, evaluate_replica, run_here, update_metrics
-from .request import Refused, Reply, Request, StateIntact, check_blocks
+from .request import NodeAnswer, Refused, Request, StateIntact, check_blocks
 from .runtime import Ahead, Node, ResidualsMissing, ResidualWriteFailed, in_background, wait_for_write
 
 __all__ = [
@@ -21,7 +21,7 @@ __all__ = [
     "Node",
     "NodeResources",
     "Refused",
-    "Reply",
+    "NodeAnswer",
     "Request",
     "ResidualWriteFailed",
     "ResidualsMissing",

@@ -68,7 +68,7 @@ class Request:
 
 
 @dataclass
-class Reply:
+class NodeAnswer:
     """What a node answers: its metrics, its update (train only) and its trace (``verify-invariant``)."""
 
     metrics: TrainMetrics | EvaluateReply

@@ -43,7 +43,7 @@ from ..strategies import client_half
 from ..training import TrainResult
 from .cache import NodeResources
 from .compute import Job, compute_update, computed, evaluate_replica, run_here, update_metrics
-from .request import Refused, Reply, Request, check_blocks
+from .request import NodeAnswer, Refused, Request, check_blocks
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ class Node:
         resumed_store: ResidualStore | None = None,
         early: EarlyUpdate | None = None,
         defer_write: bool = False,
-    ) -> Reply:
+    ) -> NodeAnswer:
         """Round ``req.server_round``, the module's steps in order; ``resumed_store`` is where a resumed
         run's residuals come from; ``early``: this round's update as ``early_update`` rounded it ahead, which
         step 5 takes instead of rounding again when it still holds (the reply's ``used_early`` says so).
@@ -184,10 +184,10 @@ class Node:
         if not defer_write:
             wait_for_write(residual_written)
             residual_written = None
-        return Reply(metrics, result.delta, trace, used_early=used_early, encoded=encoded,
+        return NodeAnswer(metrics, result.delta, trace, used_early=used_early, encoded=encoded,
                      residual_written=residual_written)  # fmt: skip
 
-    def evaluate(self, res: NodeResources, cfg: RunConfig, req: Request, fetch_step: FetchStep) -> Reply:
+    def evaluate(self, res: NodeResources, cfg: RunConfig, req: Request, fetch_step: FetchStep) -> NodeAnswer:
         """``evaluation = "clients"`` after the last round: the held-out loss of ``x^R``. Anything still
         running is waited for before the replica moves."""
         self.check_order(req)
@@ -196,7 +196,7 @@ class Node:
         res.replica.advance_to(req.evaluate_version, fetch_step)
         evaluation = computed(self.submit(evaluate_replica, res, cfg, req.evaluate_version, req.evaluate_generate))
         self.state.last_round = req.server_round
-        return Reply(EvaluateReply(req.partition_id, evaluation))
+        return NodeAnswer(EvaluateReply(req.partition_id, evaluation))
 
     # -------------------------------------------------------------- its steps
     def check_order(self, req: Request) -> None:

@@ -162,9 +162,9 @@ def test_all_rejected_leaves_the_model_unchanged(setup):
     for n, t in run.algorithm.global_params.items():
         assert torch.equal(t.detach(), before[n]), n
     # The (zero) step reaches the log when the run makes round 1 durable, after round 2's messages are out.
-    assert not run.step_log.has(1)
-    run.write_step_log(1)
-    assert all(torch.count_nonzero(t) == 0 for t in run.step_log.read(1)[1].values())
+    assert not run.history.step_log.has(1)
+    run.history.write(1, run.algorithm.global_params)
+    assert all(torch.count_nonzero(t) == 0 for t in run.history.step_log.read(1)[1].values())
 
 
 def test_too_few_valid_replies_stop_the_run_with_one_line(setup):
@@ -215,8 +215,8 @@ def test_a_failed_invariant_check_rejects_the_update_and_resynchronises_the_node
     rec = aggregate(run, [good, bad])
     assert (rec["num_accepted"], rec["invariant_checked"], rec["invariant_failed"]) == (1, 2, 1)
     assert "invariant broken" in rec["rejected"][0]["reason"]
-    run.write_step_log(1)
-    step, run_part = to_record(run.step_log.read(1)[1]), run.round_part(2, {})
+    run.history.write(1, run.algorithm.global_params)
+    step, run_part = to_record(run.history.step_log.read(1)[1]), run.round_part(2, {})
     messages = {m.metadata.dst_node_id: m for m in strategy.train_messages(2, [10, 11], step, run_part)}
     assert "sync-values" not in messages[10].content and "sync-values" in messages[11].content
     assert messages[11].content["round"]["sync-version"] == 0

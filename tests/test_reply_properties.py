@@ -363,7 +363,7 @@ def test_any_mix_of_replies_moves_the_model_by_the_valid_ones_alone(specs, algor
                 invalid_nodes.add(node)
 
         pending = {}  # what the run is handed to write for the checkpoint (test_run_protocol: the writing)
-        run.stage_pending = lambda partition_id, update: pending.setdefault(partition_id, []).append(update)
+        run.staging.stage = lambda partition_id, update: pending.setdefault(partition_id, []).append(update)
         record = aggregate(run, replies)  # must not raise
 
         assert record["num_accepted"] == len(valid)
@@ -427,9 +427,9 @@ def test_a_step_past_the_float_range_is_rejected_and_changes_nothing(tmp_path, a
             record = aggregate(run, replies)
             assert record["num_accepted"] == 0 and len(record["rejected"]) == 2
             assert all(r["reason"].startswith("the round's step") for r in record["rejected"]), record["rejected"]
-            (_, _, step) = run._unlogged[0]
+            (_, _, step) = run.history.unlogged[0]
             assert all(torch.equal(t, torch.zeros_like(t)) for t in step.values())  # x does not move
-        run.staged()
+        run.staging.wait()
         for name in SHAPES:
             assert torch.equal(strategy.global_params[name], x0[name]), name
         assert strategy.sync.versions == {}  # both nodes resynchronised: they hold an update the server dropped

@@ -381,8 +381,7 @@ def test_pending_updates_are_written_beside_the_loop_and_a_failed_write_stops_th
     accepted client's. A write that fails (a full disk) stops the run with the disk's error before
     that round's checkpoint: no checkpoint without its clients' updates."""
     from parablock_flwr import checkpoint
-    from parablock_flwr.strategies import ParaBlock
-    from parablock_flwr.strategies import run as run_module
+    from parablock_flwr.strategies import ParaBlock, durability
 
     run = make_run(tmp_path / "ok", tiny_model_dir, 3, algorithm=ParaBlock)
     writers = []
@@ -391,7 +390,7 @@ def test_pending_updates_are_written_beside_the_loop_and_a_failed_write_stops_th
         writers.append(threading.current_thread().name)
         checkpoint.stage_pending(*args)
 
-    monkeypatch.setattr(run_module, "stage_pending", stage)
+    monkeypatch.setattr(durability, "stage_pending", stage)
     run_rounds(run, InMemoryFederation(2, honest_answer(run)))
     assert len(writers) == 6 and all(name.startswith("stage-pending") for name in writers), writers
     assert sorted(load_checkpoint(tmp_path / "ok").pending) == [0, 1]
@@ -401,7 +400,7 @@ def test_pending_updates_are_written_beside_the_loop_and_a_failed_write_stops_th
             raise OSError(28, "No space left on device")
         checkpoint.stage_pending(run_dir, partition_id, pending)
 
-    monkeypatch.setattr(run_module, "stage_pending", full_disk)
+    monkeypatch.setattr(durability, "stage_pending", full_disk)
     run = make_run(tmp_path / "full", tiny_model_dir, 3, algorithm=ParaBlock)
     with pytest.raises(OSError, match="No space left on device"):
         run_rounds(run, InMemoryFederation(2, honest_answer(run)))
@@ -521,7 +520,7 @@ def test_the_servers_evaluation_runs_beside_the_loop_and_evaluates_exactly_each_
     replica = load_model(str(tiny_model_dir))
     replica_params = dict(replica.named_parameters())
     for version in range(1, rounds + 1):
-        _, step = run.step_log.read(version)
+        _, step = run.history.step_log.read(version)
         core.apply_step(replica_params, step)
         if version in evaluated:
             expected, _ = evaluate(replica, tokenizer, heldout, cfg, generate=False)
@@ -625,7 +624,7 @@ def test_by_default_every_round_is_evaluated_even_behind_a_pruned_step_log(tmp_p
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("round ")]
     assert len([line for line in lines if " heldout_loss " in line]) == rounds + 1, lines
     assert not [line for line in lines if "nan" in line], lines
-    log = run.step_log
+    log = run.history.step_log
     assert log.snapshots() == [6, 8] and log.steps() == [7, 8]
 
 

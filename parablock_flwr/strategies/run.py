@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -34,13 +33,13 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
 from .. import core
-from ..checkpoint import Checkpoint, clear_staged_pending, replay_run, save_checkpoint, stage_pending
+from ..checkpoint import Checkpoint, replay_run, save_checkpoint
 from ..messages import EvaluateReply, RoundConfig, TrainMetrics
 from ..metrics import RunRecorder, round_line
 from ..records import to_record
-from ..replica import StepLog
 from ..transport.server_side import update_bound
 from . import client_evaluation
+from .durability import PendingStaging, StepHistory
 from .participation import Participation
 from .reply_checks import Reply
 from .round_stats import array_bytes, critical_path_rows
@@ -50,9 +49,6 @@ if TYPE_CHECKING:
     from .fedbcd.server import FedBCD, RoundOutcome
 
 log = logging.getLogger(__name__)
-# Clients' updates staged for the checkpoint that may wait for the writer thread in memory: a round of a
-# thousand clients would otherwise hold a thousand blocks when the disk is slower than the aggregation.
-MAX_STAGING = 2
 
 
 AUDIT_GRACE_S = 30.0  # the run's end waits this long, at most, for Flower's replies that audit the last ones
@@ -90,13 +86,10 @@ class Run:
         self.direct = direct  # transport = "direct" in a deployment: block records on the run's stream
         self.config = algorithm.config
         self.run_dir = run_dir = algorithm.run_dir
-        self.step_log = StepLog(run_dir)  # g^1..g^r: clients catch up from it, resume replays it
-        self._unlogged: list[tuple[int, int, core.Tensors]] = []  # (round, block, g^r) applied, not yet on disk
-        self._prune_due = False  # a snapshot was written: the older steps go before the next messages
+        self.history = StepHistory(run_dir, self.config.snapshot_every)  # x's steps, durably, beside the loop
         # ParaBlock's pending updates go to disk on a thread of their own, in the order staged: the
         # round's aggregation and next messages do not wait for N clients' blocks to be written.
-        self._stager: ThreadPoolExecutor | None = None  # one writer thread while writes are outstanding
-        self._staging: list[Future] = []
+        self.staging = PendingStaging(run_dir)
         self._model_digest = core.ModelDigest(algorithm.partition.all_names())  # rehashes what steps change
         self.recorder = RunRecorder(run_dir, self.config.metrics_sink)
         self.evaluator = evaluator
@@ -165,8 +158,7 @@ class Run:
                     self.pull_audits(grid)  # before the disk: Flower hands a reply over only while its message lives
                     self.finish_round(due)
                     self._times["previous_finished"] = time.time()  # beside the message's way to the nodes
-                self.staged()
-                clear_staged_pending(self.run_dir)  # what an earlier, failed attempt staged
+                self.staging.discard()  # what an earlier, failed attempt staged
                 replies = self.replies_as_they_arrive(grid, sent, server_round)
                 outcome = self.aggregate(server_round, replies, sent, grid, (arrays, config))
                 numbers = {k: v for k, v in outcome.record.items() if type(v) in (int, float)}
@@ -181,8 +173,7 @@ class Run:
                 self.finish_round(due)
             self.prune_step_log()
         except BaseException:
-            if self._stager is not None:  # the writes still queued are of a round that will not be checkpointed
-                self._stager.shutdown(wait=False, cancel_futures=True)
+            self.staging.cancel()
             if self.evaluator is not None:
                 self.evaluator.close(raise_error=False)  # the run's own error is the one to report
             raise
@@ -231,17 +222,18 @@ class Run:
         config, which a retry sends again."""
         accepted: list[Reply] = []
         while True:
-            outcome = self.algorithm.aggregate_train(server_round, replies, sent, accepted, self.stage_pending)
+            outcome = self.algorithm.aggregate_train(server_round, replies, sent, accepted, self.staging.stage)
             self.participation.note_claimed(outcome.claimed_partitions)
             if outcome.step is not None:
                 break
             if outcome.aggregate_rejected:
-                self.discard_staged()
+                self.staging.discard()
             accepted, replies, sent = outcome.accepted, [], {}
             if len(accepted) < self.config.min_accepted_replies:  # (else: aggregate again, with none)
                 sent = self.retry(grid, outcome, message)
                 replies = self.replies_as_they_arrive(grid, sent, server_round)
-        self.log_step(server_round, outcome.block, outcome.step)
+        self.history.add(server_round, outcome.block, outcome.step)
+        self._model_digest.changed(outcome.step)
         if self.direct is not None:  # the round's fallbacks and refusals; its capabilities and records forgotten
             outcome.record.update(self.direct.end_round(server_round))
         reasons = {r.node: r.reason for r in outcome.rejected}
@@ -468,64 +460,10 @@ class Run:
         self._times["aggregated"], self._arrivals, self._cpu_at_aggregate = now, {}, time.process_time()
         return clock
 
-    # ------------------------------------------------------------ the global model's history
-    def log_step(self, server_round: int, block: int, step: core.Tensors) -> None:
-        """``g^r``, just applied to ``x``: for the step log, written once round r+1's messages are out
-        (``write_step_log``). Its readers need it no sooner: round r+1's message carries ``g^r`` itself,
-        catch-ups and lagging Ray actors read only older steps, and round r's checkpoint and evaluation
-        come after the write. Off the critical path: a block in fp32, fsynced, and a snapshot the whole
-        trainable model."""
-        self._unlogged.append((server_round, block, step))
-        self._model_digest.changed(step)
-
-    def write_step_log(self, server_round: int) -> float:
-        """The steps applied up to round r, into the step log (durably), and a snapshot of ``x^r`` if
-        round r is one (``snapshot-every``: bounded disk). Called while ``x`` is ``x^r``: after round
-        r+1's messages are out, before its replies change ``x``. Returns the seconds it took.
-
-        What a snapshot lets the log drop is dropped before the next round's messages go out
-        (``prune_step_log``), not now: round r+1's nodes (a lagging Ray actor) may be reading it."""
-        started = time.perf_counter()
-        while self._unlogged and self._unlogged[0][0] <= server_round:
-            version, block, step = self._unlogged[0]
-            self.step_log.write(version, block, step)
-            self._unlogged.pop(0)  # only once written: a failed write leaves it, and the run stops
-        every = self.config.snapshot_every
-        if every and server_round % every == 0:
-            self.step_log.write_snapshot(server_round, self.algorithm.global_params)
-            self._prune_due = True
-        return time.perf_counter() - started
-
     def prune_step_log(self) -> None:
-        """Drop what the newest snapshot made redundant (``StepLog.prune``), between rounds, but never a
-        step the server's evaluator has still to read (after the round it last reported): until it has
-        read them, the next prune tries again."""
-        if self._prune_due:
-            keep_after = self.evaluator.version if self.evaluator is not None else None
-            self._prune_due = not self.step_log.prune(keep_after)
-
-    def stage_pending(self, partition_id: int, pending: core.PendingUpdate) -> None:
-        """A client's update of this round, for the round's checkpoint (what a restarted server
-        hands back to the client: ParaBlock's ``Δ_i^r``). Written beside the loop (a block in fp32 per
-        client); ``staged`` waits for it before the checkpoint."""
-        if self._stager is None:
-            self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-pending")
-        if len(self._staging) >= MAX_STAGING:  # written in order: then at most MAX_STAGING wait in memory
-            wait([self._staging[-MAX_STAGING]])
-        self._staging.append(self._stager.submit(stage_pending, self.run_dir, partition_id, pending))
-
-    def discard_staged(self) -> None:
-        """The round's aggregate was rejected: what it staged for the checkpoint is dropped."""
-        self.staged()
-        clear_staged_pending(self.run_dir)
-
-    def staged(self) -> None:
-        """Every pending update staged so far is on disk (a failed write raises here)."""
-        if self._stager is not None:
-            self._stager.shutdown(wait=True)  # the writes queued so far, in order; its thread ends
-        self._stager, staging, self._staging = None, self._staging, []
-        for future in staging:
-            future.result()
+        """What the newest snapshot made redundant, between rounds, but no step the server's evaluator has
+        still to read (after the round it last reported)."""
+        self.history.prune(self.evaluator.version if self.evaluator is not None else None)
 
     # ------------------------------------------------------------ evaluation
     def client_evaluation_request(self, version: int) -> dict:
@@ -607,8 +545,8 @@ class Run:
         """Round r's step and its clients' pending updates on disk, its training record, then its
         checkpoint, once: from here on a crash loses nothing of it."""
         if server_round > self.rounds_completed:
-            step_log_s = self.write_step_log(server_round)  # what the checkpoint counts on, first
-            self.staged()
+            step_log_s = self.history.write(server_round, self.algorithm.global_params)  # what the checkpoint counts on
+            self.staging.wait()
             self.record_round(server_round, {"step_log_write_s": step_log_s})
             self.save_checkpoint(server_round)
             self.rounds_completed = server_round
@@ -671,7 +609,7 @@ class Run:
             ckpt,
             algorithm.global_params,
             algorithm.partition.all_names(),
-            self.step_log,
+            self.history.step_log,
             self.recorder,
             after_each_step=algorithm.step_applied,
         )  # keeps x^{R-1} for a full sync
@@ -689,8 +627,8 @@ class Run:
         self.participation.carry(ckpt.participation)
         algorithm.resumed(ckpt)
         for partition_id, pending in ckpt.pending.items():  # this folder's own copy of the checkpoint:
-            self.stage_pending(partition_id, pending)  # resumable from its first moment
-        self.staged()
+            self.staging.stage(partition_id, pending)  # resumable from its first moment
+        self.staging.wait()
         self.save_checkpoint(ckpt.round)
         log.info(
             "Resumed from %s after round %d (%d pending client updates to hand back)",

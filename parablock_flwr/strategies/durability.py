@@ -1,0 +1,96 @@
+"""What the run makes durable beside its loop, each in a class of its own: the global model's history (``StepHistory``:
+each applied step logged once the next round's messages are out, snapshots, pruning) and the clients' pending
+updates staged for the round's checkpoint (``PendingStaging``, on a writer thread). ``Run.make_durable`` orders them
+before the round's record and checkpoint."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from pathlib import Path
+
+from .. import core
+from ..checkpoint import clear_staged_pending, stage_pending
+from ..replica import StepLog
+
+# Clients' updates staged for the checkpoint that may wait for the writer thread in memory: a round of a
+# thousand clients would otherwise hold a thousand blocks when the disk is slower than the aggregation.
+MAX_STAGING = 2
+
+
+class StepHistory:
+    """``x``'s history in the run folder's step log (``g^1..g^r``: clients catch up from it, resume replays it)."""
+
+    def __init__(self, run_dir: Path, snapshot_every: int) -> None:
+        self.step_log = StepLog(run_dir)
+        self.snapshot_every = snapshot_every
+        self.unlogged: list[tuple[int, int, core.Tensors]] = []  # (round, block, g^r) applied, not yet on disk
+        self.prune_due = False  # a snapshot was written: the older steps go before the next messages
+
+    def add(self, server_round: int, block: int, step: core.Tensors) -> None:
+        """``g^r``, just applied to ``x``: written once round r+1's messages are out (``write``). Its readers
+        need it no sooner: round r+1's message carries ``g^r`` itself, catch-ups and lagging Ray actors read
+        only older steps, and round r's checkpoint and evaluation come after the write. Off the critical
+        path: a block in fp32, fsynced, and a snapshot the whole trainable model."""
+        self.unlogged.append((server_round, block, step))
+
+    def write(self, server_round: int, global_params: core.Tensors) -> float:
+        """The steps applied up to round r, into the step log (durably), and a snapshot of ``x^r`` if round r
+        is one (``snapshot-every``: bounded disk). Called while ``x`` is ``x^r``: after round r+1's messages
+        are out, before its replies change ``x``. Returns the seconds it took.
+
+        What a snapshot lets the log drop is dropped before the next round's messages go out (``prune``),
+        not now: round r+1's nodes (a lagging Ray actor) may be reading it."""
+        started = time.perf_counter()
+        while self.unlogged and self.unlogged[0][0] <= server_round:
+            version, block, step = self.unlogged[0]
+            self.step_log.write(version, block, step)
+            self.unlogged.pop(0)  # only once written: a failed write leaves it, and the run stops
+        every = self.snapshot_every
+        if every and server_round % every == 0:
+            self.step_log.write_snapshot(server_round, global_params)
+            self.prune_due = True
+        return time.perf_counter() - started
+
+    def prune(self, keep_after: int | None) -> None:
+        """Drop what the newest snapshot made redundant (``StepLog.prune``), between rounds, but never a step
+        after ``keep_after`` (the round the server's evaluator last reported): until it has read them, the
+        next prune tries again."""
+        if self.prune_due:
+            self.prune_due = not self.step_log.prune(keep_after)
+
+
+class PendingStaging:
+    """The clients' pending updates of a round, for its checkpoint (what a restarted server hands back to a
+    client: ParaBlock's ``Δ_i^r``), written in order on a thread of their own (a block in fp32 per client)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.writer: ThreadPoolExecutor | None = None  # one writer thread while writes are outstanding
+        self.writes: list[Future] = []
+
+    def stage(self, partition_id: int, pending: core.PendingUpdate) -> None:
+        """One client's update; ``wait`` waits for it before the checkpoint."""
+        if self.writer is None:
+            self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-pending")
+        if len(self.writes) >= MAX_STAGING:  # written in order: then at most MAX_STAGING wait in memory
+            wait([self.writes[-MAX_STAGING]])
+        self.writes.append(self.writer.submit(stage_pending, self.run_dir, partition_id, pending))
+
+    def wait(self) -> None:
+        """Every update staged so far is on disk (a failed write raises here)."""
+        if self.writer is not None:
+            self.writer.shutdown(wait=True)  # the writes queued so far, in order; its thread ends
+        self.writer, writes, self.writes = None, self.writes, []
+        for future in writes:
+            future.result()
+
+    def discard(self) -> None:
+        """The round's aggregate was rejected (or a new attempt starts): what it staged is dropped."""
+        self.wait()
+        clear_staged_pending(self.run_dir)
+
+    def cancel(self) -> None:
+        """The run failed: the writes still queued are of a round that will not be checkpointed."""
+        if self.writer is not None:
+            self.writer.shutdown(wait=False, cancel_futures=True)

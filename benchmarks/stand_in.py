@@ -52,7 +52,8 @@ def deploy(algorithm: str, model: Path, args, workdir: Path) -> list[dict]:
         "num-server-rounds": args.rounds, "layers-per-block": LAYERS_PER_BLOCK, "schedule": "ascending",
         "transfer-dtype": args.transfer_dtype, "verify-invariant": args.verify_invariant,
         "dataset": "reasoning-gym:gsm_symbolic", "num-examples": 32, "heldout-examples": 4, "max-seq-len": 128,
-        "generate-examples": 0, "eval-every": 1000, "local-steps": 1, "batch-size": 1, "torch-threads": 1,
+        "generate-examples": 0, "eval-every": 1000, "evaluation": "clients", "local-steps": 1, "batch-size": 1,
+        "torch-threads": 1,
         "transport": "direct", "transport-address": f"localhost:{port}", "transport-insecure": True,
     }  # fmt: skip
     real = launch.worker_command
@@ -125,7 +126,12 @@ def main(argv=None) -> dict:
             model = build_tiny_model(workdir / f"model-{hidden}", num_layers=LAYERS, hidden=hidden, vocab=512)
             block_params = LAYERS_PER_BLOCK * 9 * hidden * hidden  # attention 3h^2 (half the KV heads), MLP 6h^2
             block_mb = block_params * (1 if args.transfer_dtype == "int8" else 2) / 1e6
-            measured = {a: means(deploy(a, model, args, workdir / f"{hidden}")) for a in ("fedbcd", "parablock")}
+            try:
+                measured = {a: means(deploy(a, model, args, workdir / f"{hidden}")) for a in ("fedbcd", "parablock")}
+            except SystemExit as err:  # a run that failed is a row of the table, with its last line
+                last = str(err).strip().splitlines()[-1] if str(err).strip() else "failed"
+                rows.append(f"| {hidden} ({block_mb:.0f} MB) | failed: {last[:300]} | | | | | | |")
+                continue
             results[hidden] = measured
             rows += size_rows(hidden, block_mb, measured["fedbcd"], measured["parablock"])
             print("\n".join(rows[-3:]), flush=True)

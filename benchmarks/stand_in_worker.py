@@ -28,12 +28,13 @@ def stand_in(compute_s: float):
     def compute_update(resources, cfg, job) -> TrainResult:
         started = time.time()
         if job.block not in updates:  # once per block, before the wait: a round's own legs never include it
-            params = resources.replica.params
+            params, names = resources.replica.params, resources.partition.names(job.block)
+            first = next(iter(updates.values()), {})  # blocks of equal shapes share one set of tensors
+            same = [tuple(t.shape) for t in first.values()] == [tuple(params[n].shape) for n in names]
             gen = torch.Generator().manual_seed(job.block)
-            updates[job.block] = {
-                n: torch.randn(params[n].shape, generator=gen).mul_(UPDATE_SCALE)
-                for n in resources.partition.names(job.block)
-            }
+            tensors = list(first.values()) if same else [torch.randn(params[n].shape, generator=gen) * UPDATE_SCALE
+                                                         for n in names]  # fmt: skip
+            updates[job.block] = dict(zip(names, tensors))
             started = time.time()
         time.sleep(compute_s)
         rows = resources.rows(cfg, job.partition_id, job.num_partitions)

@@ -76,7 +76,7 @@ def deploy(algorithm: str, model: Path, args, workdir: Path) -> list[dict]:
 def means(records: list[dict]) -> dict:
     """Means over rounds 3..R (round 1 overlaps nothing, round 2 makes the second block's update)."""
     rounds = [r for r in records if r.get("round", 0) >= 3 and "round_wall_s" in r]
-    keys = ["round_wall_s", "measured_compute_s", "measured_comm_s", "server_critical_path_s"]
+    keys = ["round_wall_s", "measured_compute_s", "measured_comm_s", "measured_overlap_share", "server_critical_path_s"]
     keys += [f"critical_path_{leg}_s" for leg in LEGS]
     out = {k: statistics.mean(r[k] for r in rounds if k in r) for k in keys if any(k in r for r in rounds)}
     if after := worker_after_compute(records):

@@ -99,11 +99,11 @@ class ServerPrivacy:
         noise = core.gaussian(mean, core.noise_seed(self.secret, server_round))
         return core.add_noise(mean, noise, cfg.dp_noise_multiplier * cfg.dp_clip_norm / num_updates)
 
-    def released(self, partitions: Iterable[int], server_round: int, accepted) -> dict:
-        """Round r's step is applied: the sites whose updates it used are charged one release. Returns the
-        round's record fields: ε so far, and how many of its updates were clipped (central: by their node,
-        which says so only in this mode, or by the server)."""
-        self.ledger.released(partitions)
+    def released(self, accepted) -> dict:
+        """Round r's step is applied: the sites whose updates it used (``accepted``, the replies in it) are
+        charged one release. Returns the round's record fields: ε so far, and how many of its updates were
+        clipped (central: by their node, which says so only in this mode, or by the server)."""
+        self.ledger.released(r.partition_id for r in accepted)
         record = {"dp_epsilon": self.ledger.epsilon(), "dp_delta": self.cfg.dp_delta,
                   "dp_releases": self.ledger.rounds}  # fmt: skip
         if self.central:

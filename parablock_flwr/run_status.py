@@ -34,6 +34,9 @@ EXIT_CODES = {
 }
 
 
+STOPS = ("privacy-budget", "stopped")
+
+
 def write_status(
     run_dir: Path, kind: str, reason: str, rounds_completed: int, num_rounds: int, excluded_nodes: list[str] = ()
 ) -> Path:
@@ -42,7 +45,8 @@ def write_status(
     if kind not in EXIT_CODES:
         raise ValueError(f"kind={kind!r}: expected one of {', '.join(EXIT_CODES)}")
     record = {
-        "status": kind if kind.startswith("completed") else "failed",
+        # a documented stop (the privacy budget, a SIGTERM) is neither a completed run nor a failed one
+        "status": kind if kind.startswith("completed") else "stopped" if kind in STOPS else "failed",
         "kind": kind,
         "exit_code": EXIT_CODES[kind],
         "reason": reason,

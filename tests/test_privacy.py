@@ -6,6 +6,7 @@ stop end to end in tests/test_privacy_runs.py."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,6 +22,11 @@ DP = dict(dp_clip_norm=1.0, dp_noise_multiplier=0.8, weighting="uniform")
 def block(seed: int, scale: float = 1.0, shapes=((64, 32), (32,))) -> core.Tensors:
     g = torch.Generator().manual_seed(seed)
     return {f"w{i}": scale * torch.randn(s, generator=g) for i, s in enumerate(shapes)}
+
+
+def reply(partition_id: int, clipped: int) -> SimpleNamespace:
+    """What the server's privacy reads of an accepted reply: its site and whether its node clipped."""
+    return SimpleNamespace(partition_id=partition_id, metrics=SimpleNamespace(dp_clipped=clipped))
 
 
 # ------------------------------------------------------------------ the accountant
@@ -63,7 +69,7 @@ def test_the_server_stops_before_the_round_that_would_pass_the_target():
     server = privacy.ServerPrivacy(RunConfig(**DP | dict(dp_noise_multiplier=1.0, dp_target_epsilon=target)))
     for r in (1, 2):
         assert server.stop_reason(r) is None
-        server.released([0, 1], r, [])
+        server.released([reply(0, 0), reply(1, 0)])
     why = server.stop_reason(3)
     assert why.startswith(f"dp-target-epsilon={target:g} reached: round 3 would bring epsilon from ")
 
@@ -105,16 +111,7 @@ def test_the_server_clips_again_in_central_mode_and_counts_what_it_or_the_nodes_
     updates = [block(3, scale=0.001), block(4, scale=5.0)]
     out = list(server.clip_updates(iter(updates)))
     assert out[0]["w0"] is updates[0]["w0"] and core.l2_norm(out[1]) == pytest.approx(1.0, rel=1e-6)
-
-    class Metrics:
-        def __init__(self, clipped):
-            self.dp_clipped = clipped
-
-    class Reply:
-        def __init__(self, clipped):
-            self.metrics = Metrics(clipped)
-
-    record = server.released([0, 1], 1, [Reply(1), Reply(0)])  # node 0 clipped, the server scaled node 1's
+    record = server.released([reply(0, 1), reply(1, 0)])  # node 0 clipped, the server scaled node 1's
     assert record["dp_clipped"] == 2 and record["dp_epsilon"] == privacy.epsilon(0.8, 1, 1e-5)
 
 

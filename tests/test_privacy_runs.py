@@ -45,7 +45,11 @@ def test_the_run_stops_before_the_round_that_would_pass_dp_target_epsilon(tmp_pa
     run = simulate_in_process(tmp_path, tiny_model_dir, algorithm="fedbcd", num_server_rounds=3,
                               **DP | dict(dp_noise_multiplier=1.0, dp_target_epsilon=target))  # fmt: skip
     assert run.returncode == EXIT_CODES["privacy-budget"] == 6, run.stdout[-3000:] + run.stderr[-3000:]
-    assert run.status["kind"] == "privacy-budget" and run.status["rounds_completed"] == 2
+    assert (run.status["status"], run.status["kind"], run.status["rounds_completed"]) == (
+        "stopped",
+        "privacy-budget",
+        2,
+    )
     assert run.status["reason"].startswith(f"2 of 3 rounds: dp-target-epsilon={target:g} reached: round 3")
     assert max(r["round"] for r in run.records if "train_loss" in r) == 2
     assert (run.run_dir / "checkpoint" / "round-00002").exists()

@@ -11,7 +11,8 @@ pending updates, an argument of ``aggregate_train``). The boundary is small:
   the messages they answer and where pending updates go): a ``RoundOutcome``; and for its
   ``summary`` line, once;
 - the run does everything with a side effect: pushing and pulling, deadlines, retries and stopping
-  (``TooFewReplies``), the step log, staging pending updates, participation (``Participation``), clocks, the nodes'
+  (``TooFewReplies``), the step log and staged pending updates (``durability``), participation (``Participation``),
+  clocks, the nodes'
   evaluations, records, checkpoints (``checkpoint_state``) and resume (``resumed``, ``step_applied``);
 - besides, it reads the algorithm's public settings and model (``config``, ``algorithm``,
   ``partition``, ``global_params``, ``run_dir``) and what it knows of nodes (``round_nodes``,

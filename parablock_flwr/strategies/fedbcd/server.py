@@ -384,8 +384,7 @@ class FedBCD:
             self.overlapped, self.config.transfer_dtype,
         )  # fmt: skip
         if self.privacy is not None:
-            released = [r.partition_id for r in outcome.accepted]
-            outcome.record.update(self.privacy.released(released, server_round, outcome.accepted))
+            outcome.record.update(self.privacy.released(outcome.accepted))
         outcome.record.update(self.extra_round_metrics(server_round, outcome.accepted))
         return outcome
 

@@ -5,15 +5,16 @@ each in MB/s of the block's wire bytes, beside a bare TLS socket moving the same
 the receiver (``benchmarks.transport.socket_path``), in the same run.
 
 A node's legs: the update rounded with error feedback (``core.round_with_feedback``), packed for the wire
-(``wire.pack_pieces`` from the rounding's own encoding, beside packing that converts the values again, as
-before), its SHA-256, and with ``verify-invariant`` its local model's digest, cached (what the node runs:
-``ModelReplica.hashes``) beside the whole model hashed (what it ran before). The server's,
-for ``--nodes`` replies: each reply decoded (``wire.unpack``), the aggregate (``core.aggregate``), ``g``
-rounded and packed (``wire.round_and_pack``), applied to ``x`` (``core.apply_step_keeping``), and each
-reply's invariant digest, cached. The model is ``--blocks`` blocks, so that the whole-model digest costs
-what it costs on a model of that many blocks. Best of ``--repeats``; torch's threads: ``--threads``. The
-process keeps the memory it frees (``runtime.keep_freed_memory``), as the worker and the ServerApp do: the
-first repeat faults in fresh pages, the others reuse them.
+(``wire.pack_pieces`` from the rounding's own encoding, beside packing that converts the values again, as before),
+its SHA-256, and with ``verify-invariant`` its local model's digest, cached (what the node runs:
+``ModelReplica.hashes``) beside the whole model hashed (what it ran before). The server's, for ``--nodes`` replies:
+each reply decoded (``wire.unpack``), the aggregate (``core.aggregate``), ``g`` rounded and packed
+(``wire.round_and_pack``), with differential privacy each reply clipped (``core.clip``) and the mean's noise drawn
+and added (``core.gaussian``, ``core.add_noise``), applied to ``x`` (``core.apply_step_keeping``), and each reply's
+invariant digest, cached. The model is ``--blocks`` blocks, so that the whole-model digest costs what it costs on a
+model of that many blocks. Best of ``--repeats``; torch's threads: ``--threads``. The process keeps the memory it
+frees (``runtime.keep_freed_memory``), as the worker and the ServerApp do: the first repeat faults in fresh pages,
+the others reuse them.
 
     .venv/bin/python -m benchmarks.byte_legs --params-m 61.8 243 --repeats 5 --report
 """
@@ -40,6 +41,8 @@ from parablock_flwr.wire import join_pieces, pack_pieces, round_and_pack, unpack
 WIDTH = 2048  # the rows of a block's tensors: Llama-3.2-1B's hidden size
 # What the node ran before, measured beside what replaced it (left out of the node's sum).
 BEFORE = {"pack, converting again", "invariant digest, whole model"}
+# The legs the server runs only with differential privacy, central mode (docs/privacy.md; left out of its sum).
+WITH_DP = "DP: "
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -99,6 +102,10 @@ def server_legs(arrays: dict, sent: core.Tensors, model: core.Tensors, nodes: in
     one, decoded = best(lambda: unpack(arrays, transfer_dtype=dtype), repeats)
     legs[f"decode {nodes} replies"] = nodes * one
     legs[f"aggregate {nodes}"], mean = best(lambda: core.aggregate([decoded] * nodes, [1.0] * nodes), repeats)
+    norm = core.l2_norm(decoded)  # each reply clipped to half its norm: the norm's pass and the scaling's
+    one, _ = best(lambda: core.clip(decoded, norm / 2), repeats)
+    legs[f"DP: clip {nodes} replies"] = nodes * one
+    legs["DP: the mean's noise"], _ = best(lambda: core.add_noise(dict(mean), core.gaussian(mean, 1), 1e-3), repeats)
     legs["round and pack g"], (step, _) = best(lambda: round_and_pack(mean, dtype), repeats)
     x = {n: model[n].clone() for n in step}
     legs["apply g to x"], _ = best(lambda: core.apply_step_keeping(x, step), repeats)
@@ -147,7 +154,7 @@ def table(results: list[dict]) -> str:
                      f"| {socket_rate:,.0f} | 1.00 |")  # fmt: skip
         for side in ("node", "server"):
             legs = r[side]
-            counted = {k: v for k, v in legs.items() if k not in BEFORE}
+            counted = {k: v for k, v in legs.items() if k not in BEFORE and not k.startswith(WITH_DP)}
             for leg, s in [*legs.items(), ("all it runs now", sum(counted.values()))]:
                 rate = r["wire_mb"] / s
                 lines.append(f"| {head} | {r['dtype']} | {side} | {leg} | {s:.3f} | {rate:,.0f} "

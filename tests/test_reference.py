@@ -43,28 +43,15 @@ SETTINGS = dict(
     generate_examples=0,
     seed=2,  # the seeded draw makes both returning (resynchronised) and stale clients
 )
+DP = dict(weighting="uniform", dp_clip_norm=0.05)  # a clip norm that binds; DP needs uniform weights
 ALGORITHMS = {
     "parablock": dict(algorithm="parablock", correction="at-end"),
     "fedbcd": dict(algorithm="fedbcd"),
     "none": dict(algorithm="parablock", correction="none"),
     # Differential privacy (docs/privacy.md), with clip norms that bind and known noise seeds: central noise on
     # ParaBlock's mean (the correction replays the noisy step), local noise on each BCD client's update.
-    "parablock-dp": dict(
-        algorithm="parablock",
-        correction="at-end",
-        weighting="uniform",
-        dp_clip_norm=0.05,
-        dp_noise_multiplier=0.3,
-        dp_noise_seed=7,
-    ),
-    "fedbcd-dp-local": dict(
-        algorithm="fedbcd",
-        weighting="uniform",
-        dp_mode="local",
-        dp_clip_norm=0.05,
-        dp_noise_multiplier=0.05,
-        dp_noise_seed=9,
-    ),
+    "parablock-dp": dict(algorithm="parablock", correction="at-end", dp_noise_multiplier=0.3, dp_noise_seed=7, **DP),
+    "fedbcd-dp-local": dict(algorithm="fedbcd", dp_mode="local", dp_noise_multiplier=0.05, dp_noise_seed=9, **DP),
 }
 # correction = "none": the app keeps a client's own model as an offset on a recent global version
 # and rewrites it by subtracting the global steps it skipped (docs/algorithm.md); the reference keeps

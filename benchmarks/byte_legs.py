@@ -12,9 +12,9 @@ each reply decoded (``wire.unpack``), the aggregate (``core.aggregate``), ``g`` 
 (``wire.round_and_pack``), with differential privacy each reply clipped (``core.clip``) and the mean's noise drawn
 and added (``core.gaussian``, ``core.add_noise``), applied to ``x`` (``core.apply_step_keeping``), and each reply's
 invariant digest, cached. The model is ``--blocks`` blocks, so that the whole-model digest costs what it costs on a
-model of that many blocks. Best of ``--repeats``; torch's threads: ``--threads``. The process keeps the memory it
-frees (``runtime.keep_freed_memory``), as the worker and the ServerApp do: the first repeat faults in fresh pages,
-the others reuse them.
+model of that many blocks. Best of ``--repeats``; torch's threads: ``--threads``. The process maps its large buffers
+(``memory.map_large_buffers``), as the worker and the ServerApp do (with huge pages when started with
+``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``, as ``tools.launch`` and the units start them).
 
     .venv/bin/python -m benchmarks.byte_legs --params-m 61.8 243 --repeats 5 --report
 """
@@ -34,7 +34,7 @@ import torch
 from benchmarks.common import write_report
 from benchmarks.transport import socket_path
 from parablock_flwr import core
-from parablock_flwr.runtime import keep_freed_memory, release_freed_memory
+from parablock_flwr.memory import map_large_buffers
 from parablock_flwr.tools.credentials import make_tls
 from parablock_flwr.wire import join_pieces, pack_pieces, round_and_pack, unpack
 
@@ -67,14 +67,13 @@ def block(params_m: float, seed: int, scale: float = 1e-3) -> core.Tensors:
 
 def best(fn, repeats: int) -> tuple[float, object]:
     """The fastest of ``repeats`` calls, and the last call's result (each call's result is dropped before the
-    next, whose buffers then reuse its pages, as a round reuses the last one's)."""
+    next, as a round drops the last one's)."""
     seconds, out = float("inf"), None
     for _ in range(repeats):
         out = None
         started = time.perf_counter()
         out = fn()
         seconds = min(seconds, time.perf_counter() - started)
-    release_freed_memory()  # the next leg's buffers differ: what this one freed would only fragment the heap
     return seconds, out
 
 
@@ -126,7 +125,7 @@ def sha256_of(pieces: dict) -> str:
 
 def measure(params_m: float, dtype: str, args, tls) -> dict:
     """Both sides' legs for one block size and dtype (in a process of its own, ``main``)."""
-    keep_freed_memory()  # as the node worker and a deployment's ServerApp run: a round reuses freed pages
+    map_large_buffers()  # as the node worker and a deployment's ServerApp run
     if args.threads:
         torch.set_num_threads(args.threads)
     update, residual = block(params_m, 1), block(params_m, 2, 1e-6)

@@ -18,16 +18,18 @@ leg's seconds are its CPU work plus the other side's where they overlap; the spa
 largest, ``benchmarks.window`` measures the window. Best of ``--repeats`` rounds per size.
 
     .venv/bin/python -m benchmarks.direct_legs --sizes-mb 70.8 212.4 --repeats 3
-    .venv/bin/python -m benchmarks.direct_legs --sizes-mb 973 --allocators default,keep   # side by side
+    .venv/bin/python -m benchmarks.direct_legs --sizes-mb 973 --allocators default,mapped,mapped-huge   # side by side
 
-``--allocators``: each size in a fresh process per allocator, in turn: ``default`` (glibc maps each large
-buffer afresh and unmaps it when freed), ``keep`` (``runtime.keep_freed_memory``, as the node worker and a
-deployment's ServerApp run: a round reuses the pages the last one freed).
+``--allocators``: each size in a fresh process per allocator, in turn: ``default`` (glibc's own threshold),
+``mapped`` (``memory.map_large_buffers``: every buffer of 1 MiB or more mapped afresh and unmapped when freed),
+``mapped-huge`` (the same on huge pages, ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``, as the node worker and a
+deployment's ServerApp run).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import tempfile
@@ -38,9 +40,9 @@ import torch
 from flwr.app import ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
+from parablock_flwr.memory import map_large_buffers, with_huge_pages
 from parablock_flwr.messages import COMMIT, GLOBAL_STEP, METRICS, OFFER, TrainMetrics, TransportOffer, metrics_to_record
 from parablock_flwr.records import to_record
-from parablock_flwr.runtime import keep_freed_memory
 from parablock_flwr.strategies.direct import DirectMessages
 from parablock_flwr.strategies.reply_checks import Expected, parse_reply
 from parablock_flwr.strategies.update_spill import IN_MEMORY
@@ -126,20 +128,21 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes-mb", type=float, nargs="+", default=[70.8, 212.4])
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--allocators", default="", help="comma-separated, of default, keep: each in its own process")
-    p.add_argument("--keep-freed-memory", action="store_true", help=argparse.SUPPRESS)  # one process of --allocators
+    p.add_argument("--allocators", default="", help="comma-separated, of default, mapped, mapped-huge: a process each")
+    p.add_argument("--map-large-buffers", action="store_true", help=argparse.SUPPRESS)  # one process of --allocators
     args = p.parse_args(argv)
     if args.allocators:
         for size in args.sizes_mb:
             for allocator in args.allocators.split(","):
                 print(f"\n[{allocator}]", flush=True)
-                flags = ["--keep-freed-memory"] if allocator == "keep" else []
+                flags = ["--map-large-buffers"] if allocator.startswith("mapped") else []
                 cmd = [sys.executable, "-m", "benchmarks.direct_legs", "--sizes-mb", str(size), "--repeats",
                        str(args.repeats), *flags]  # fmt: skip
-                subprocess.run(cmd, check=True)
+                env = with_huge_pages(dict(os.environ)) if allocator == "mapped-huge" else None
+                subprocess.run(cmd, check=True, env=env)
         return
-    if args.keep_freed_memory and not keep_freed_memory():
-        sys.exit("direct_legs: --allocators keep needs glibc")
+    if args.map_large_buffers and not map_large_buffers():
+        sys.exit("direct_legs: --allocators mapped needs glibc")
     for size in args.sizes_mb:
         layers = max(1, round(size * 1e6 / LAYER_BYTES))
         tensors, update = block(layers, 1), block(layers, 2)

@@ -82,9 +82,9 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "parablock-random-1b")
     args = parser.parse_args()
 
-    from parablock_flwr.runtime import keep_freed_memory
+    from parablock_flwr.memory import map_large_buffers
 
-    keep_freed_memory()  # as the deployed worker does, before its threads
+    map_large_buffers()  # as the deployed worker does, before its threads
 
     from parablock_flwr.messages import GLOBAL_STEP, TRAIN, RoundConfig, WorkerReply, WorkerRequest, relay_name
     from parablock_flwr.plan import make_plan, model_config, model_shape

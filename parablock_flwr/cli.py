@@ -349,10 +349,10 @@ def _worker(args) -> int:
     except SocketRefused as err:
         sys.exit(f"parablock-flwr worker: {err}")
     try:
-        from .runtime import keep_freed_memory
+        from .memory import map_large_buffers
         from .worker.server import run_worker  # torch and transformers: seconds
 
-        keep_freed_memory()  # before the worker's threads: its rounds reuse the pages the last one freed
+        map_large_buffers()  # before the worker's threads: what it holds stays what its round uses
         device, limit = args.device or "", args.max_message_bytes or 0
         run_worker(endpoint, args.idle_exit_s, args.compute_cpus, device, limit, args.state_dir)
     finally:

@@ -234,6 +234,8 @@ class TrainMetrics:
     # Simulation: steps an actor read from the server's step log, and the process that computed.
     steps_from_log: int | None = _metric(COUNT)
     process_id: int | None = _metric(COUNT)
+    # The peak resident memory of the process that computed the update, so far (the worker's; an actor's).
+    peak_rss_bytes: int | None = _metric(COUNT)
     # transport = "direct": 1 when this update came on Flower's path because the node could not use the stream.
     direct_fallbacks: int | None = _metric(COUNT)
     # ... 1 when this update moved on the stream before the round's message came (the reply commits it) ...

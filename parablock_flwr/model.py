@@ -305,3 +305,13 @@ def _converted_embedded(name: str) -> Path:
             shutil.rmtree(target)
         tmp.rename(target)
     return target
+
+
+def node_device(name: str) -> torch.device:
+    """The node's device: as named (``cuda:1``), else CUDA when there is a GPU, else the CPU."""
+    if not name:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        raise ValueError(f"device={name!r}: this machine has {torch.cuda.device_count()} CUDA devices")
+    return device

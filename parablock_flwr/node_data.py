@@ -38,7 +38,7 @@ WORKER_SOCKET = "worker-socket"  # deployment: the node worker's Unix socket (no
 WORKER_UID = "worker-uid"  # the node worker's user, when it is not the ClientApp's
 NODE_SETTINGS_KEYS = ("dataset", "heldout-dataset", "device", "state-dir", "allow-models", "allow-data", "transport",
                       "transport-address", "transport-ca", "transport-certfile", "transport-keyfile",
-                      "transport-require-tls")  # fmt: skip
+                      "transport-require-tls", "memory-limit-gib")  # fmt: skip
 NODE_CONFIG_KEYS = (PARTITION_ID, NUM_PARTITIONS, WORKER_SOCKET, WORKER_UID, *NODE_SETTINGS_KEYS)
 
 
@@ -80,6 +80,8 @@ class NodeSettings:
     transport_certfile: str = ""  # this site's client certificate, for a stream that requires mutual TLS
     transport_keyfile: str = ""  # its key
     transport_require_tls: str = ""  # "true": this site never uses a plaintext stream, whatever a message offers
+    # The memory this node's process may use, in GiB, as plan prints it (default: what the machine has free).
+    memory_limit_gib: str = ""
 
     @property
     def local(self) -> bool:

@@ -12,17 +12,21 @@ config:
   own tensors), the activations of one micro-batch from the block's first layer up, and the fp32
   logits with their log-softmax and gradient;
 - in host memory: the fp32 master of ``x`` (``weights = "bf16"``: every trainable tensor), the
-  replica's saved copies and the last step's overwritten values (bf16 weights), the pending update,
-  the update being built and the update being sent (B x 4 bytes each), and the Python runtime;
+  replica's saved copies and the last step's overwritten values (bf16 weights), every block's residual
+  (a rounding ``transfer-dtype``: the whole trainable model in fp32), ParaBlock's pending update, the
+  update as computed, rounded (with its new residual) and as it travels, the step as it came and
+  decoded, and the Python runtime; a node rounds and sends an update once its block has trained, so a
+  CPU node's peak counts the larger of the two, plus (running ahead) the bytes moving meanwhile
+  (``cpu_total``);
 - on the server: the model in fp32, every reply of a round and the step, the evaluation's logits, and
   the evaluator process (a second Python with torch) with its own replica of the model (on ``eval-device``);
 - on the server's disk (the run folder): the step log, one fp32 step per round unless
   ``snapshot-every`` bounds it, and ParaBlock's pending updates for a resume.
 
 On a CPU node the device is the host: its peak RSS is the sum of both columns (``cpu_total``),
-which `benchmarks/memory_check.py` measures against. The figures are upper bounds of the steady state
-(batches padded to ``max-seq-len``); loading adds, for a moment, the bf16 model in host memory
-before it moves to the device.
+which `benchmarks/deployed_memory.py` measures a deployed worker against. The figures are upper
+bounds of the steady state (batches padded to ``max-seq-len``); loading adds, for a moment, the
+bf16 model in host memory before it moves to the device.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from .config import ConfigError, RunConfig
 from .decoder_shapes import Shapes, decoder_shapes
 from .durable import replace_file
 from .paths import EMBEDDED, cache_dir
+from .strategies import client_half
 from .strategies.update_spill import IN_MEMORY
 from .tools.app_config import check_overrides
 
@@ -279,8 +284,10 @@ def worker_terms(cfg: RunConfig, shape: ModelShape, block: int) -> dict[str, dic
         activations = tokens * (layers_up * shape.hidden + per_layer) * act_bytes
     else:
         activations = tokens * layers_up * per_layer * act_bytes
-    # The blocks a round touches: the trained one, the pending update's and the last step's (ParaBlock).
-    touched = min(b + 2 * largest, shape.trainable)
+    # What the replica saves to restore x after a computation: the trained block and (running ahead) the pending
+    # update's; apart from the values the last step overwrote, which it keeps between rounds.
+    ahead = client_half(cfg.algorithm, cfg.correction_mode).runs_ahead
+    restore = min(b + (largest if ahead else 0), shape.trainable) * 4
     logits = tokens * shape.vocab * 4 * 3  # logits, log-softmax, their gradient
     # Under bf16 autocast (bf16 weights imply it), torch caches a bf16 copy of each fp32 weight that
     # needs a gradient (the block's) for the forward pass.
@@ -288,7 +295,8 @@ def worker_terms(cfg: RunConfig, shape: ModelShape, block: int) -> dict[str, dic
     device = {
         "weights": (shape.parameters - b) * (2 if bf16 else 4) + b * 4,
         "block_training_state": b * 16,  # start snapshot, gradient, two AdamW moments (fp32)
-        "saved_copies": 0 if bf16 else touched * 4 + largest * 4,  # the replica's, and the last step's
+        "restore_copies": 0 if bf16 else restore,
+        "last_step_values": 0 if bf16 else largest * 4,
         "activations": activations,
         "logits_fp32_x3": logits,
         "autocast_block_copy": autocast_copy,
@@ -297,13 +305,29 @@ def worker_terms(cfg: RunConfig, shape: ModelShape, block: int) -> dict[str, dic
         # what it needs beyond them (measured on an H200: docs/deploy-8b.md, "Measured on a GPU").
         "adamw_step_beyond_backward": max(0, b * 4 - (activations + logits + autocast_copy)),
     }
+    rounding, sent = cfg.transfer_dtype != "fp32", round(largest * transfer_bytes_per_value(cfg.transfer_dtype))
     host = {
         "runtime": RUNTIME_BYTES,
         "master_of_x": shape.trainable * 4 if bf16 else 0,
-        "saved_copies": touched * 4 + largest * 4 if bf16 else 0,
-        "updates": largest * 4 * 3,  # pending, the one being built, the one being sent
+        "restore_copies": restore if bf16 else 0,
+        "last_step_values": largest * 4 if bf16 else 0,
+        "residuals": shape.trainable * 4 if rounding else 0,  # every block's error feedback, kept between rounds
+        "pending_update": largest * 4 if ahead else 0,  # Δ_i^r, kept on the replica until the next step
+        "update": largest * 4,  # Δ as the computation returns it, until it is rounded
+        # SENDING, once the block has trained: the update rounded and its new residual, the step decoded, and
+        # the bytes of both; a node running ahead moves the bytes while the next block trains.
+        "update_rounded": largest * 4 * 2 * rounding,
+        "step_decoded": largest * 4,
+        "bytes_on_the_wire": 2 * sent,
     }
     return {"device": device, "host": host}
+
+
+# What exists only while a block trains (COMPUTING) and only while its update is rounded and sent (SENDING): the
+# node's peak holds the larger of the two beside what it keeps (``Plan.cpu_total``).
+COMPUTING = ("block_training_state", "activations", "logits_fp32_x3", "autocast_block_copy",
+             "adamw_step_beyond_backward", "restore_copies")  # fmt: skip
+SENDING = ("update_rounded", "step_decoded", "bytes_on_the_wire")
 
 
 def transfer_bytes_per_value(transfer_dtype: str) -> float:
@@ -392,8 +416,13 @@ class Plan:
 
     @property
     def cpu_total(self) -> int:
-        """A CPU node's peak RSS: device and host terms in one memory (no CUDA)."""
-        return sum(self.device.values()) + sum(self.host.values())
+        """A CPU node's peak RSS: device and host terms in one memory (no CUDA), what a block's training adds
+        and what sending its update adds never at once (a node running ahead moves the bytes meanwhile)."""
+        terms = {k: self.device.get(k, 0) + self.host.get(k, 0) for k in {*self.device, *self.host}}
+        computing, sending = (sum(terms[k] for k in names) for names in (COMPUTING, SENDING))
+        if client_half(self.cfg.algorithm, self.cfg.correction_mode).runs_ahead:
+            computing += terms["bytes_on_the_wire"]
+        return sum(terms.values()) - sum(terms[k] for k in (*COMPUTING, *SENDING)) + max(computing, sending)
 
     @property
     def server_total(self) -> int:
@@ -410,6 +439,11 @@ def make_plan(cfg: RunConfig, shape: ModelShape, num_nodes: int = 3) -> Plan:
     worst = max(per_block, key=lambda t: sum(t["device"].values()))
     return Plan(cfg, shape, worst["device"], worst["host"], server_terms(cfg, shape, num_nodes),
                 disk_terms(cfg, shape, num_nodes))  # fmt: skip
+
+
+def worker_plan(cfg: RunConfig) -> Plan:
+    """The plan of one node worker of ``cfg``'s run (what a node checks before it loads the model)."""
+    return make_plan(cfg, shape_for(cfg, cfg.model, lambda: model_config(cfg.model), config_values(cfg.model)), 1)
 
 
 def fitting_settings(cfg: RunConfig, shape_of, gpu_bytes: int, num_nodes: int = 3) -> list[Plan]:
@@ -690,8 +724,7 @@ def probe_step_seconds(cfg: RunConfig, device: str = "", steps: int = 3) -> floa
 
     import torch
 
-    from .model import load_for_training
-    from .node import node_device
+    from .model import load_for_training, node_device
     from .training import TrainSettings, train_block
 
     model, partition = load_for_training(cfg, cfg.weights)

@@ -1,10 +1,12 @@
 """A node config's ``allow-models`` / ``allow-data`` bound what a run config may make the node load:
 another model or data file is refused in one line naming the value and the list, before anything is
-loaded, through the same node runtime as in simulation and deployment (``node.resources``)."""
+loaded, through the same node runtime as in simulation and deployment (``node.resources``); and its
+``memory-limit-gib`` (else the machine's free memory) bounds what the run's plan may need."""
 
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -99,3 +101,40 @@ def test_a_refused_run_does_not_take_the_worker_from_the_run_it_serves(tmp_path,
     assert worker.run_id == 41
     reply, _ = worker.serve_request(dict(worker_request(config, 41, 2, 1, -1), node=node_header), {})
     assert "error" not in reply, reply
+
+
+def test_a_run_that_needs_more_memory_than_the_node_has_is_refused_before_loading(tmp_path, tiny_model_dir):
+    """plan's peak for the worker against ``memory-limit-gib``: one line with both figures and what to lower,
+    state intact, the run the worker serves kept; a bad limit is named; without a limit, the machine's free
+    memory (this machine holds the tiny model)."""
+    config = tiny_config(tiny_model_dir, tmp_path)
+    worker = NodeWorker()
+    reply, _ = worker.serve_request(worker_request(config, 51, 1, 0, 1), {})  # no limit: it fits here
+    assert "error" not in reply, reply
+    small = {**NodeSettings().as_header(), "memory-limit-gib": "0.25"}
+    reply, update = worker.serve_request(dict(worker_request(config, 52, 1, 0, 1), node=small), {})
+    assert reply["state-intact"] and update == {}, reply
+    needed = float(re.search(r"needs about ([\d.]+) GiB", reply["error"])[1])
+    assert needed > 0.25 and re.fullmatch(
+        r"memory: this run needs about [\d.]+ GiB on this node \(parablock-flwr plan's peak for its worker: "
+        r"algorithm=parablock, .*\) and it has 0\.2 GiB \(node config memory-limit-gib\); nothing loaded: "
+        r"lower layers-per-block, micro-batch-size or max-seq-len, or set gradient-checkpointing = true",
+        reply["error"],
+    ), reply["error"]
+    assert worker.run_id == 51 and node.loaded().key[0] == 51  # the run it serves keeps its model
+    bad = {**NodeSettings().as_header(), "memory-limit-gib": "lots"}
+    reply, _ = worker.serve_request(dict(worker_request(config, 53, 1, 0, 1), node=bad), {})
+    assert (
+        reply["error"]
+        == "node config memory-limit-gib='lots': expected a number of GiB > 0 (plan prints what a run needs)"
+    )
+
+
+def test_a_machine_that_does_not_say_its_free_memory_loads_without_a_check(tmp_path, tiny_model_dir, monkeypatch):
+    """No /proc/meminfo (macOS): nothing to hold the plan against, so no refusal (and no error)."""
+    from parablock_flwr.node import cache
+
+    monkeypatch.setattr(cache, "available_bytes", lambda: None)
+    cfg = RunConfig.from_flower(tiny_config(tiny_model_dir, tmp_path))
+    assert cache.memory_refusal(cfg, NodeSettings()) is None
+    assert cache.memory_refusal(cfg, NodeSettings(memory_limit_gib="0.25")).startswith("memory: this run needs")

@@ -445,7 +445,7 @@ def test_tls_node_authentication_and_the_direct_transport_give_the_same_model(de
     assert sum(audits) == ROUNDS and run.records[-1]["final_direct_replies_unaudited"] == 0, audits
     on_stream, fell_back = (flower / "worker-0.log").read_text(), (flower / "worker-1.log").read_text()
     assert "direct transport: fetched" in on_stream and "direct transport: uploaded" in on_stream
-    assert "freed memory kept for the next round: yes" in on_stream  # runtime.keep_freed_memory, at its start
+    assert "large buffers mapped, given back when freed: yes; on huge pages: yes" in on_stream  # at its start
     assert on_stream.count("moved before the message: its update, its step") == ROUNDS - 1
     assert on_stream.count("moved before the message: its update, its step, its content") == 1  # round 3
     assert fell_back.count("direct transport: the update goes inline") == 1  # logged once

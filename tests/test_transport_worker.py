@@ -356,3 +356,27 @@ def test_an_upload_ahead_cancelled_before_it_ran_leaves_the_round_nothing_to_wai
     started = time.monotonic()
     assert ahead.early_update() is None and ahead.early_upload() is None
     assert time.monotonic() - started < 1
+
+
+def test_a_rounds_transfers_ahead_are_freed_when_dropped_without_the_garbage_collector():
+    """What a round moved ahead (its update's upload holds the rounded block) is freed as soon as the round lets
+    it go: no reference cycle (a Future keeps its callbacks) leaves it to the collector's rare full pass, under
+    which a deployed ParaBlock worker grew by a block or two a round (docs/results/deployed_memory.md)."""
+    import gc
+    import weakref
+    from concurrent.futures import Future
+
+    from parablock_flwr.worker.stream import AheadTransfers
+
+    gc.disable()
+    try:
+        update, rounded = Future(), Future()
+        ahead = AheadTransfers(RUN, 2, "r2/global-step", None, update, rounded)
+        block = torch.zeros(8)  # stands for the upload's result: the rounded block and its bytes
+        freed_ahead, freed_block = weakref.ref(ahead), weakref.ref(block)
+        update.set_result({"block": block})
+        assert rounded.result(timeout=0) is None  # an upload that handed over no rounding: nobody waits
+        del ahead, block, update
+        assert freed_ahead() is None and freed_block() is None
+    finally:
+        gc.enable()

@@ -2,7 +2,7 @@
 
 | module         | what it holds                                                                        |
 |----------------|--------------------------------------------------------------------------------------|
-| ``cache``      | the per-process cache: the model replica and the data (``resources``, ``loaded``)   |
+| ``cache``      | the per-process cache: the replica and the data (``resources``), what fits (``check_fits``) |
 | ``request``    | a message, read once from the schema (``Request``), the reply, and refusals         |
 | ``runtime``    | ``Node``: one node's state and the only code that changes it, a round step by step  |
 | ``compute``    | a computation (``Job``, ``compute_update`` with its out-of-memory retry, evaluation) |
@@ -10,7 +10,8 @@
 The drivers (``client_apps/inline.py``, ``worker/server.py``) use the names re-exported here.
 """
 
-from .cache import NodeResources, loaded, node_device, resources
+from ..model import node_device
+from .cache import NodeResources, check_fits, loaded, resources
 from .compute import Job, compute_update, computed, evaluate_replica, run_here, update_metrics
 from .request import NodeAnswer, Refused, Request, StateIntact, check_blocks
 from .runtime import Ahead, Node, ResidualsMissing, ResidualWriteFailed, in_background, wait_for_write
@@ -27,6 +28,7 @@ __all__ = [
     "ResidualsMissing",
     "StateIntact",
     "check_blocks",
+    "check_fits",
     "compute_update",
     "computed",
     "evaluate_replica",

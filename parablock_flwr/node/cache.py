@@ -11,10 +11,10 @@ import torch
 from .. import core
 from ..config import RunConfig
 from ..data import client_partition, local_rows_limit, node_splits, tokenized_rows, tokenized_splits
-from ..model import load_for_training, load_tokenizer
+from ..memory import available_bytes, current_rss_bytes, freeze_loaded, release_freed_memory
+from ..model import load_for_training, load_tokenizer, node_device
 from ..node_data import NodeSettings
 from ..replica import ModelReplica
-from ..runtime import release_freed_memory
 from .request import Refused
 
 
@@ -60,6 +60,7 @@ def resources(cfg: RunConfig, run_id: int, settings: NodeSettings | None = None)
         raise Refused(refused)  # the node config's allow-lists: nothing loaded, nothing changed
     key = (run_id, cfg, settings)
     if _RESOURCES is None or _RESOURCES.key != key:
+        check_fits(cfg, run_id, settings)
         _RESOURCES = None  # free the previous run's model before loading the next
         _RESOURCES = _load(key)
     return _RESOURCES
@@ -91,20 +92,62 @@ def _load(key: tuple[int, RunConfig, NodeSettings]) -> NodeResources:
         key, replica, partition, train_rows, tokenizer.pad_token_id, heldout_rows, tokenizer, settings,
         split.dropped_for_length, split.malformed,
     )  # fmt: skip
-    release_freed_memory()  # the load's transient copies (runtime.keep_freed_memory would keep them)
+    release_freed_memory()  # the load's transient copies, which the heap would keep
+    freeze_loaded()  # what stays for the run: out of the collector's per-round passes
     return resources
+
+
+def check_fits(cfg: RunConfig, run_id: int, settings: NodeSettings) -> None:
+    """Refuse (``Refused``: nothing changes) a run whose model this process would have to load and cannot hold
+    (``memory_refusal``): a node killed mid-round loses the round, a refused one nothing."""
+    if _RESOURCES is not None and _RESOURCES.key == (run_id, cfg, settings):
+        return
+    if (short := memory_refusal(cfg, settings)) is not None:  # what this process holds counts as free
+        raise Refused(short)
+
+
+def memory_refusal(cfg: RunConfig, settings: NodeSettings) -> str | None:
+    """Why this node cannot hold this run (None: it can, or nothing says what it has): ``plan``'s peak for its
+    worker against what the site lets it use (``memory-limit-gib``) or, without that, what this machine and its
+    container have free now, plus what this process already holds (``plan`` counts its runtime). On a GPU, the
+    device's free memory too. One line, numbers only, naming what to change."""
+    from ..plan import gib, worker_plan
+
+    device = node_device(settings.device)
+    plan = worker_plan(cfg)
+    needed, has, source = plan.cpu_total if device.type == "cpu" else plan.host_total, *host_memory(settings)
+    where = "memory"
+    if (has is None or needed <= has) and device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        needed, has, where = plan.device_total, free + torch.cuda.memory_reserved(device), f"{device} memory"
+        source = "free on the device, plus what this process has reserved"
+    if has is None or needed <= has:
+        return None
+    return (f"{where}: this run needs about {gib(needed)} GiB on this node (parablock-flwr plan's peak for its worker: "
+            f"algorithm={cfg.algorithm}, layers-per-block={cfg.layers_per_block}, transfer-dtype={cfg.transfer_dtype}, "
+            f"weights={cfg.weights}) and it has {gib(has)} GiB ({source}); nothing loaded: lower layers-per-block, "
+            f"micro-batch-size or max-seq-len, or set gradient-checkpointing = true")  # fmt: skip
+
+
+def host_memory(settings: NodeSettings) -> tuple[int | None, str]:
+    """What this node's process may use (bytes, None: unknown) and where the figure comes from."""
+    if settings.memory_limit_gib:
+        try:
+            limit = float(settings.memory_limit_gib)
+        except ValueError:
+            limit = -1.0
+        if not limit > 0:
+            raise Refused(
+                f"node config memory-limit-gib={settings.memory_limit_gib!r}: expected a number of GiB > 0 "
+                "(plan prints what a run needs)"
+            )
+        return int(limit * 2**30), "node config memory-limit-gib"
+    free = available_bytes()
+    if free is None:
+        return None, ""
+    return free + current_rss_bytes(), "free on this machine now (MemAvailable, within its cgroup), plus this process"
 
 
 def loaded() -> NodeResources | None:
     """The resources this process holds, if any: the worker bounds a run's messages by its model."""
     return _RESOURCES
-
-
-def node_device(name: str) -> torch.device:
-    """The node's device: as named (``cuda:1``), else CUDA when there is a GPU, else the CPU."""
-    if not name:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
-        raise ValueError(f"device={name!r}: this machine has {torch.cuda.device_count()} CUDA devices")
-    return device

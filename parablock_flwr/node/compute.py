@@ -18,6 +18,7 @@ from .. import core
 from ..config import RunConfig
 from ..data import sample_batches, truncated_in_batches
 from ..evaluation import evaluate
+from ..memory import peak_rss_bytes
 from ..messages import EvaluateMetrics, TrainMetrics
 from ..node_data import error_line
 from ..replica import ReplicaLost
@@ -177,6 +178,7 @@ def update_metrics(result: TrainResult, job: Job, res: NodeResources) -> TrainMe
         compute_start=result.started,
         compute_end=result.ended,
         dp_clipped=result.dp_clipped,
+        peak_rss_bytes=peak_rss_bytes(),
     )
 
 

@@ -27,11 +27,12 @@ from ..checkpoint import Checkpoint, check_resumable
 from ..config import ConfigError, RunConfig, check_num_clients, parse_cpu_list
 from ..data import tokenized_splits
 from ..durable import fsync_path, make_dirs, replace_file
+from ..memory import map_large_buffers, release_freed_memory
 from ..metrics import RunRecorder, run_summary
 from ..model import load_for_training, load_tokenizer, save_model
 from ..node import node_device
 from ..run_status import EXIT_CODES, write_status
-from ..runtime import keep_freed_memory, release_freed_memory, setup_torch
+from ..runtime import setup_torch
 from ..strategies import strategy_class
 from ..strategies.direct import DirectMessages
 from ..strategies.run import Run, TooFewReplies
@@ -148,10 +149,11 @@ def load(grid: Grid, context: Context, run: dict) -> Loaded:
 def run_app(grid: Grid, context: Context, run: dict) -> None:
     """Validate, load, train; fills ``run`` (its folder, the ``Run``) as it goes. With the direct transport,
     the run's stream serves from before the first message to after the last reply."""
-    # Each round reuses the pages the last one freed, in a deployment's ServerApp, which has its process to
-    # itself (a simulation's and the tests' share theirs); first, before the load's threads.
+    # Block-sized buffers in mappings of their own, given back when freed (memory.map_large_buffers), in a
+    # deployment's ServerApp, which has its process to itself (a simulation's and the tests' share theirs);
+    # first, before the load's threads.
     if not isinstance(grid, InMemoryGrid):
-        keep_freed_memory()
+        map_large_buffers()
     loaded = load(grid, context, run)
     direct = open_stream(loaded.cfg, grid, context.run_id)
     try:

@@ -125,6 +125,8 @@ def round_record(
         "correction_drift_max": max((r.metrics.correction_drift or 0.0 for r in accepted), default=0.0),
         "truncated_examples": sum(r.metrics.truncated_examples or 0 for r in accepted),
         "oom_retries": sum(r.metrics.oom_retries or 0 for r in accepted),
+        # The largest peak RSS of the processes that computed the round's updates (a site's sizing figure).
+        "node_peak_rss_bytes_max": max((r.metrics.peak_rss_bytes or 0 for r in accepted), default=0),
         "dropped_examples": dropped_for_length(accepted),
         "malformed_examples": dropped_for_length(accepted, "malformed_examples"),
         **timeline_metrics(accepted),

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import ConfigError, RunConfig
+from ..memory import with_huge_pages
 from ..run_status import EXIT_CODES, read_status
 from .app_config import OverrideError, app_config, check_overrides, find_project_dir, strategy_problem, toml_value
 from .credentials import TlsFiles, make_client_cert, make_node_key, make_tls, tls_files
@@ -642,7 +643,8 @@ def run_deployment(
         return bad
     workdir.mkdir(parents=True, exist_ok=True)
     tls = make_tls(workdir / "credentials") if secure else None
-    env = flower_env(workdir / "flwr-home")
+    # Huge pages for the block-sized buffers of the node workers and the ServerApp (memory.map_large_buffers).
+    env = with_huge_pages(flower_env(workdir / "flwr-home"))
     env["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] = "0.2"  # the only Flower poll that can be tuned
     with contextlib.ExitStack() as stack:
         # Unix socket paths are limited to ~100 bytes: keep them short, under /tmp.

@@ -29,6 +29,7 @@ import numpy as np
 
 from .. import core, node
 from ..config import ConfigError, RunConfig
+from ..memory import collect_round_garbage, release_freed_memory
 from ..messages import (
     EVALUATE,
     GLOBAL_STEP,
@@ -47,7 +48,7 @@ from ..messages import (
 from ..messages import key as field_key
 from ..node_data import NodeSettings, error_line
 from ..node_state import NodeState, ResidualStore
-from ..runtime import release_freed_memory, setup_torch
+from ..runtime import setup_torch
 from ..transport.node_side import Prefetched
 from ..wire import WireError, pack_pieces, unpack
 from .endpoint import MessageLimit, WorkerSocket
@@ -266,6 +267,7 @@ class NodeWorker:
         settings = self.node_settings(request.node)  # a refused one changes nothing
         if (refused := settings.refusal(cfg.model, cfg.dataset)) is not None:
             raise node.Refused(refused)  # before admit: a run this node refuses does not take it from its run
+        node.check_fits(cfg, request.run_id, settings)  # the same: a run it cannot hold
         self.admit(request)
         ahead = self.stream.take_ahead(request.run_id, request.server_round)  # what moved before this message
         offer = self.stream.offer(request)  # transport = "direct": the records wait on the run's stream
@@ -423,10 +425,13 @@ class NodeWorker:
             answer = WorkerReply.from_header(reply)
             if not answer.error and type(server_round := answer.metrics.get(field_key("server_round"))) is int:
                 self.stamp_reply(server_round)
+            del arrays, reply_arrays
             if self.release_due:  # a full sync or a hand-back: its copies given back, once the reply is out
                 self.release_due = False
-                del arrays, reply_arrays
                 await asyncio.get_running_loop().run_in_executor(None, release_freed_memory)
+            seconds = await asyncio.get_running_loop().run_in_executor(None, collect_round_garbage)
+            if seconds > 0.1:  # what was loaded is frozen (memory.freeze_loaded): a pass scans only the rounds'
+                log.info("the garbage collector's pass after the reply took %.2f s", seconds)
         finally:
             writer.close()
 
@@ -456,6 +461,7 @@ def round_line(metrics: TrainMetrics, bytes_in: int, bytes_out: int, moved_ahead
         f"round {metrics.server_round} block {metrics.block}: train-loss {metrics.train_loss:.4f}, "
         f"compute {metrics.compute_s:.2f} s, in {bytes_in / 1e6:,.2f} MB, out {bytes_out / 1e6:,.2f} MB, "
         f"waited for the server {waited}"
+        + (f", peak memory {metrics.peak_rss_bytes / 1e9:.2f} GB" if metrics.peak_rss_bytes else "")
         + (f"; moved before the message: {', '.join(moved_ahead)}" if moved_ahead else "")
     )
 

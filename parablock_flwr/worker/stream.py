@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -69,13 +70,9 @@ class AheadTransfers:
 
     def __post_init__(self) -> None:
         if self.update is not None and self.rounded is not None:
-            self.update.add_done_callback(self._never_rounded)
-
-    def _never_rounded(self, update: Future) -> None:
-        """The upload's task ended without handing over a rounding (its computation failed or left nothing
-        to send, or a closing worker cancelled it before it ran): nobody waits for one."""
-        if not self.rounded.done():
-            self.rounded.set_result(None)
+            # A function of ``rounded`` alone: a Future keeps its callbacks, and a bound method would make this
+            # object and its futures a cycle, whose blocks only the garbage collector's rare full pass frees.
+            self.update.add_done_callback(functools.partial(_never_rounded, self.rounded))
 
     def step_for(self, offer: TransportOffer) -> Prefetched | None:
         """The prefetched step when ``offer`` names it (it is published then: what is left to wait for is
@@ -93,6 +90,13 @@ class AheadTransfers:
     def early_upload(self) -> EarlyUpload | None:
         """The upload ahead, waited for (the round commits nothing of it before it is done)."""
         return None if self.update is None else _outcome(self.update, "its update's upload")
+
+
+def _never_rounded(rounded: Future, update: Future) -> None:
+    """The upload's task ended without handing over a rounding (its computation failed or left nothing to
+    send, or a closing worker cancelled it before it ran): nobody waits for one."""
+    if not rounded.done():
+        rounded.set_result(None)
 
 
 def _outcome(future: Future, what: str):

@@ -1,16 +1,16 @@
 """Where the direct transport's per-byte work goes on sequential BCD's critical path, step by step, in one
-process: the ServerApp's side (``DirectMessages`` around real Flower messages, ``RunTransport`` with its
+process: the ServerApp's side (``DirectChannel`` around real Flower messages, ``RunTransport`` with its
 spill folder as the ServerApp sets it) and a node's (``NodeTransport``) on a real plaintext service on
 loopback (as ``benchmarks.window`` runs it), for a block of SmolLM2-135M's decoder layers in fp32.
 
 The legs, in the order a round of ``benchmarks.window`` meets them:
 - ``dispatch``: the step packed into its record (``records.to_record``, as the algorithm does) and the
-  message's records published (``DirectMessages.outgoing``: framing, SHA-256);
+  message's records published (``DirectChannel.message_on_stream``: framing, SHA-256);
 - ``fetch``: the published step downloaded ahead (``NodeTransport.prefetch``, waiting for its release),
   then read as the relay's arrays (``fetch_arrays`` with the prefetched bytes);
 - ``upload``: the update packed (``wire.pack_pieces``), framed, hashed and uploaded
   (``NodeTransport.upload_pieces``), to the server's acceptance;
-- ``claim``: the reply's update taken from the stream (``DirectMessages.incoming``), then the reply checks
+- ``claim``: the reply's update taken from the stream (``DirectChannel.incoming``), then the reply checks
   and ``wire.unpack`` (``reply_checks.parse_reply``): the part of ``aggregate`` that depends on the transport.
 
 Both sides share this process's two cores (in a deployment the node worker has a core of its own), so a
@@ -43,10 +43,10 @@ from flwr.supercore.task_identity import TaskIdentity
 from parablock_flwr.memory import map_large_buffers, with_huge_pages
 from parablock_flwr.messages import COMMIT, GLOBAL_STEP, METRICS, OFFER, TrainMetrics, TransportOffer, metrics_to_record
 from parablock_flwr.records import to_record
-from parablock_flwr.strategies.direct import DirectMessages
 from parablock_flwr.strategies.reply_checks import Expected, parse_reply
 from parablock_flwr.strategies.update_spill import IN_MEMORY
 from parablock_flwr.transport import NodeTransport, RunTransport, StreamSettings, update_bound
+from parablock_flwr.transport.direct_channel import DirectChannel
 from parablock_flwr.wire import pack_pieces
 
 RUN = 1
@@ -92,7 +92,7 @@ class Span:
         return out
 
 
-def one_round(direct: DirectMessages, node: NodeTransport, tensors, update, r: int, ahead_offer) -> tuple:
+def one_round(direct: DirectChannel, node: NodeTransport, tensors, update, r: int, ahead_offer) -> tuple:
     """Round ``r``: its step published and fetched ahead, the node's update uploaded and claimed; the spans
     and round r's offer (whose ahead capabilities round r+1 uses)."""
     span, node_id = Span(), 7
@@ -107,8 +107,8 @@ def one_round(direct: DirectMessages, node: NodeTransport, tensors, update, r: i
         time.sleep(0.2)  # the download is waiting on the server when the step is published
     record = span("dispatch: to_record", to_record, tensors, "fp32")
     msg = message(node_id, RecordDict({GLOBAL_STEP: record, "round": ConfigRecord({"x": 1})}))
-    span("dispatch: publish (frame + SHA-256)", direct.outgoing, msg, r, bound, (bound, bound))
-    span("dispatch: release", direct.messaged, r, {node_id})
+    span("dispatch: publish (frame + SHA-256)", direct.message_on_stream, msg, r, bound, (bound, bound))
+    span("dispatch: release", direct.transport.messaged, r, {node_id})
     offer = TransportOffer.from_config(dict(msg.content[OFFER]))
     if ahead_offer is not None:
         prefetched = span("fetch: prefetch (after release)", waiting.result)
@@ -152,7 +152,7 @@ def main(argv=None) -> None:
             run = RunTransport(StreamSettings("localhost:0", insecure=True), RUN, 600.0, spill_dir=Path(spill),
                                memory_uploads=IN_MEMORY)  # fmt: skip
             with run:
-                direct, node, ahead = DirectMessages(run), NodeTransport(timeout_s=600), None
+                direct, node, ahead = DirectChannel(run), NodeTransport(timeout_s=600), None
                 for r in range(1, args.repeats + 2):
                     span, ahead = one_round(direct, node, tensors, update, r, ahead)
                     if r > 1:  # round 1 has no step fetched ahead

@@ -133,7 +133,7 @@ def _cpu_list(text: str) -> set[int]:
 
 def _uid_list(text: str) -> list[int]:
     """``1001``, ``1001,1002`` or user names (``parablock-node``: a systemd unit cannot compute a uid)."""
-    from .node_data import user_id
+    from .node.settings import user_id
 
     uids = [user_id(part) for part in text.split(",")]
     if None in uids:
@@ -162,7 +162,7 @@ def _positive_seconds(text: str) -> float:
 
 
 def _device(text: str) -> str:
-    from .node_data import device_valid
+    from .node.settings import device_valid
 
     if not device_valid(text):
         raise argparse.ArgumentTypeError(f"{text!r}: expected cpu, cuda or cuda:<index>")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from . import strategies  # the algorithm registry (imports neither half: no torch)
-from .node_data import device_valid
+from .node.settings import device_valid
 
 SCHEDULES = ("ascending", "descending", "random-permutation", "uniform-random")  # core.block_schedule
 NON_LAYER_MODES = ("frozen", "block")  # core.partition_blocks

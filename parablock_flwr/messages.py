@@ -592,7 +592,7 @@ class WorkerRequest:
     round: dict = field(default_factory=dict)  # ``RoundConfig.to_config``: the worker reads it with ``from_config``
     partition_id: int = 0
     num_partitions: int = 1
-    node: dict = field(default_factory=dict)  # the node config's settings (``node_data.NodeSettings.as_header``)
+    node: dict = field(default_factory=dict)  # the node config's settings (``node.settings.NodeSettings.as_header``)
     stream_offer: dict = field(default_factory=dict)  # ``TransportOffer.to_config`` (transport = "direct"), or empty
     OPTIONAL: ClassVar[tuple[str, ...]] = ("stream_offer",)  # fields a header may leave out (empty)
 

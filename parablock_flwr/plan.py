@@ -545,11 +545,11 @@ def load_spike_bytes(cfg: RunConfig, shape: ModelShape) -> int:
 
 
 def site_disk_terms(cfg: RunConfig, shape: ModelShape, spec: str) -> dict[str, int]:
-    """Bytes a site keeps on disk: the model's files, the residual store (``node_state.ResidualStore``:
+    """Bytes a site keeps on disk: the model's files, the residual store (``node.state.ResidualStore``:
     at most one fp32 residual per block plus ``KEEP_ROUNDS`` rounds', only with a rounded
     ``transfer-dtype``), and the datasets cache (``datasets`` copies a data file into Arrow once, about
     its size; reasoning-gym's rows are made in memory)."""
-    from .node_state import KEEP_ROUNDS
+    from .node.state import KEEP_ROUNDS
 
     terms = {"model_files": model_file_bytes(cfg, shape, spec)}
     if cfg.transfer_dtype != "fp32":

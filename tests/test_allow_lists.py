@@ -13,7 +13,7 @@ import pytest
 from parablock_flwr import node
 from parablock_flwr.client_apps.app import unknown_node_config_key
 from parablock_flwr.config import RunConfig
-from parablock_flwr.node_data import NodeSettings, allows
+from parablock_flwr.node.settings import NodeSettings, allows
 from parablock_flwr.worker.server import NodeWorker
 
 from helpers import tiny_config, worker_request

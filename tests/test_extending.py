@@ -8,8 +8,8 @@ from parablock_flwr.config import RunConfig
 from parablock_flwr.examples.largest_update import LargestUpdateParaBlock
 from parablock_flwr.examples.trimmed_mean import TrimmedMeanParaBlock
 from parablock_flwr.model import load_model
+from parablock_flwr.server_apps.run import Run
 from parablock_flwr.strategies import FedBCD, ParaBlock, strategy_class
-from parablock_flwr.strategies.run import Run
 
 from helpers import simulate
 

@@ -166,11 +166,11 @@ RECORD_FIELDS = {"round", "block", "algorithm", "node"}  # also fields of the re
 # Strings equal to a message key that are another schema's own key, each named once as a constant: the node
 # config's (``--node-config``) and the metadata of two file formats (the step log, a virtual node's pending).
 OTHER_SCHEMAS = {
-    ("node_data.py", "partition-id"),  # node_data.PARTITION_ID
-    ("node_data.py", "num-partitions"),  # node_data.NUM_PARTITIONS
+    ("settings.py", "partition-id"),  # node.settings.PARTITION_ID
+    ("settings.py", "num-partitions"),  # node.settings.NUM_PARTITIONS
     ("replica.py", "block"),  # replica.STEP_FILE_BLOCK
-    ("node_state.py", "block"),  # PendingStore.BLOCK
-    ("node_state.py", "base-version"),  # PendingStore.BASE_VERSION
+    ("state.py", "block"),  # PendingStore.BLOCK
+    ("state.py", "base-version"),  # PendingStore.BASE_VERSION
     ("config.py", "heldout-examples"),  # the run config's key; the evaluation's metric has its name
 }
 
@@ -332,7 +332,7 @@ def test_whatever_a_server_sends_as_an_offer_is_read_or_refused_in_one_line(chan
 def test_a_messages_config_records_read_back_from_their_bytes_and_tensors_never_travel_that_way():
     from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-    from parablock_flwr.message_bytes import content_from_bytes, content_to_bytes
+    from parablock_flwr.transport.message_bytes import content_from_bytes, content_to_bytes
 
     content = RecordDict({messages.ROUND: ConfigRecord(full_round().to_config()),
                           messages.OFFER: ConfigRecord(offer().to_config())})  # fmt: skip
@@ -349,7 +349,7 @@ def test_a_messages_config_records_read_back_from_their_bytes_and_tensors_never_
 def test_any_bytes_on_the_stream_as_a_messages_content_are_config_records_or_one_refusal(data):
     from flwr.app import ConfigRecord
 
-    from parablock_flwr.message_bytes import content_from_bytes
+    from parablock_flwr.transport.message_bytes import content_from_bytes
 
     try:
         content = content_from_bytes(data)
@@ -364,7 +364,7 @@ def test_a_replys_content_reads_back_from_its_bytes_and_nothing_else_passes_for_
     as they were; an update inline, a reply without its commit, or one past ``MAX_REPLY_CONTENT`` is refused."""
     from flwr.app import Array, ArrayRecord, ConfigRecord
 
-    from parablock_flwr.message_bytes import reply_content, reply_from_bytes, reply_to_bytes
+    from parablock_flwr.transport.message_bytes import reply_content, reply_from_bytes, reply_to_bytes
 
     commit = messages.UpdateCommit(update_size=12, update_sha256="ab" * 32).to_config()
     content = reply_content({"server-round": 3, "train-loss": 1.5}, {"digest": "x"}, commit)
@@ -387,7 +387,7 @@ def test_a_replys_content_reads_back_from_its_bytes_and_nothing_else_passes_for_
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=512) | st.sampled_from([b"\n\x03abc", b"\x0a\x00"]))
 def test_any_bytes_on_the_stream_as_a_replys_content_are_a_reply_or_one_refusal(data):
-    from parablock_flwr.message_bytes import reply_from_bytes
+    from parablock_flwr.transport.message_bytes import reply_from_bytes
 
     try:
         content = reply_from_bytes(data)

@@ -18,8 +18,8 @@ from parablock_flwr.evaluation import evaluate
 from parablock_flwr.messages import EvaluateMetrics, EvaluateReply
 from parablock_flwr.metrics import RunRecorder
 from parablock_flwr.model import load_for_training, load_tokenizer
-from parablock_flwr.node_data import NodeSettings, node_settings_problem
-from parablock_flwr.strategies.client_evaluation import aggregate as aggregate_client_evaluation
+from parablock_flwr.node.settings import NodeSettings, node_settings_problem
+from parablock_flwr.server_apps.client_evaluation import aggregate as aggregate_client_evaluation
 from parablock_flwr.tools.launch import run_deployment
 from parablock_flwr.wire import join_pieces, unpack
 from parablock_flwr.worker.server import NodeWorker

@@ -326,7 +326,7 @@ def test_the_residual_is_written_beside_the_next_blocks_start_and_is_on_disk_bef
     thread of its own while round r+1 starts ahead, not before it (an 8B block's fsync no longer holds
     the next block's compute), and it is on disk when the reply leaves. Ordered by events, not timing:
     the write waits until round r+1 has started, which the old order (write, then start) never saw."""
-    from parablock_flwr.node_state import ResidualStore
+    from parablock_flwr.node.state import ResidualStore
 
     config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 1, "transfer-dtype": "bf16"})
     worker = NodeWorker(state_dir=tmp_path / "state")
@@ -361,7 +361,7 @@ def test_a_peer_never_chooses_the_workers_state_dir_and_a_store_removes_only_its
     loaded or changed (before: the worker kept and cleared residuals wherever a message said, and a
     resumed run's first message removed that folder whole). A store's ``clear`` removes its own files
     only, never the folder nor a file it did not write."""
-    from parablock_flwr.node_state import ResidualStore
+    from parablock_flwr.node.state import ResidualStore
 
     victim = tmp_path / "elsewhere" / "partition-0"
     victim.mkdir(parents=True)

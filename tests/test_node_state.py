@@ -1,10 +1,10 @@
-"""A node's residual store (node_state.ResidualStore): what a resume reads back, and how much it keeps."""
+"""A node's residual store (node.state.ResidualStore): what a resume reads back, and how much it keeps."""
 
 from __future__ import annotations
 
 import torch
 
-from parablock_flwr.node_state import KEEP_ROUNDS, ResidualStore
+from parablock_flwr.node.state import KEEP_ROUNDS, ResidualStore
 
 
 def residual(value: float) -> dict[str, torch.Tensor]:

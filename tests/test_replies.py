@@ -15,10 +15,10 @@ from parablock_flwr.config import RunConfig
 from parablock_flwr.messages import TrainMetrics
 from parablock_flwr.model import load_model
 from parablock_flwr.records import to_record, to_tensors
+from parablock_flwr.server_apps.run import Run, TooFewReplies
 from parablock_flwr.strategies import ParaBlock
 from parablock_flwr.strategies.reply_checks import honest_update_bound
 from parablock_flwr.strategies.round_stats import RoundStats
-from parablock_flwr.strategies.run import Run, TooFewReplies
 
 BLOCK = 1
 

@@ -34,8 +34,8 @@ from parablock_flwr import core
 from parablock_flwr.config import RunConfig
 from parablock_flwr.messages import TrainMetrics
 from parablock_flwr.records import to_tensors
+from parablock_flwr.server_apps.run import Run, TooFewReplies
 from parablock_flwr.strategies import FedBCD, ParaBlock
-from parablock_flwr.strategies.run import Run, TooFewReplies
 from parablock_flwr.wire import pack
 
 SHAPES = {"layer.0.w": (3, 4), "layer.0.b": (4,), "layer.1.w": (2, 2)}

@@ -31,9 +31,8 @@ from parablock_flwr.metrics import RunRecorder, run_summary
 from parablock_flwr.model import load_model, load_tokenizer
 from parablock_flwr.records import to_record
 from parablock_flwr.server_apps.evaluator import ServerEvaluator
+from parablock_flwr.server_apps.run import Run
 from parablock_flwr.strategies import FedBCD
-from parablock_flwr.strategies.direct import DirectMessages
-from parablock_flwr.strategies.run import Run
 from parablock_flwr.transport import (
     Direction,
     NodeTransport,
@@ -44,6 +43,7 @@ from parablock_flwr.transport import (
     Ticket,
     TransportClient,
 )
+from parablock_flwr.transport.direct_channel import DirectChannel
 
 # Flower's SuperLink state and Grid with node threads, some rounds waiting out a timeout: a minute in all.
 pytestmark = pytest.mark.e2e
@@ -137,14 +137,14 @@ def test_messages_expire_with_the_round_and_a_stalled_node_is_left_behind(
     run = make_run(tmp_path, tiny_model_dir, 4, round_timeout_s=1.5)
     honest = honest_answer(run)
     if notice_before_deadline:
-        push = run.push
+        push = run.driver.push
 
         def push_with_a_later_deadline(*args, **kw):
             sent = push(*args, **kw)
-            run._deadline += 1.0
+            run.driver._deadline += 1.0
             return sent
 
-        run.push = push_with_a_later_deadline
+        run.driver.push = push_with_a_later_deadline
 
     def answer(index, msg):
         ttls.add(msg.metadata.ttl)
@@ -258,7 +258,7 @@ def test_the_final_evaluations_fallbacks_and_refusals_on_the_direct_stream_are_r
     rounds = 2
     run = make_run(tmp_path, tiny_model_dir, rounds, evaluation="clients")
     transport = RunTransport(StreamSettings("localhost:0", insecure=True), run_id=1, ttl_s=60)
-    run.direct = DirectMessages(transport)
+    run.driver.channel = DirectChannel(transport)
     honest, node, outsider = honest_answer(run), NodeTransport(), {}
 
     def answer(index: int, msg: Message):
@@ -683,14 +683,14 @@ def run_with_messages_ahead(
     ``"contradicted"`` (the Flower reply commits another update) or ``"reweighted"`` (it says another example
     count). Returns the records, the (node, round) of
     each message whose content came from the stream, and the step log."""
-    from parablock_flwr.message_bytes import content_from_bytes, reply_to_bytes
     from parablock_flwr.messages import MESSAGE_AHEAD, WITHDRAWN
     from parablock_flwr.replica import StepLog
     from parablock_flwr.transport.framing import unseal
+    from parablock_flwr.transport.message_bytes import content_from_bytes, reply_to_bytes
 
     run = make_run(folder, model_dir, 4, transport_messages_ahead=ahead, **config)
     transport = RunTransport(StreamSettings("localhost:0", insecure=True), run_id=1, ttl_s=60)
-    run.direct = DirectMessages(transport, replies_on_stream=replies is not None)
+    run.driver.channel = DirectChannel(transport, replies_on_stream=replies is not None)
     honest, node, from_stream, failed = honest_answer(run), NodeTransport(), [], set()
 
     def answer(index: int, msg: Message):

@@ -13,7 +13,7 @@ import torch
 from parablock_flwr import core
 from parablock_flwr.messages import TrainMetrics
 from parablock_flwr.metrics import RunRecorder
-from parablock_flwr.node_state import PendingStore
+from parablock_flwr.node.state import PendingStore
 from parablock_flwr.strategies.reply_checks import Reply
 from parablock_flwr.strategies.round_stats import RoundStats, round_record
 from parablock_flwr.strategies.update_spill import UpdateSpill

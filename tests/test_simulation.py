@@ -15,7 +15,7 @@ import torch
 from parablock_flwr import core
 from parablock_flwr.checkpoint import check_resumable
 from parablock_flwr.model import load_model
-from parablock_flwr.node_state import ResidualStore
+from parablock_flwr.node.state import ResidualStore
 from parablock_flwr.replica import StepLog
 from parablock_flwr.report import report
 

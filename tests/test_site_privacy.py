@@ -182,7 +182,7 @@ def test_a_library_errors_text_stays_at_the_site_and_the_projects_own_errors_say
     JSON parser's error echoes its input), so only its type leaves; this project's errors name a file,
     a row number and a field, and go as they are."""
     from parablock_flwr.data import DataError
-    from parablock_flwr.node_data import error_line
+    from parablock_flwr.node.settings import error_line
 
     leaked = error_line(ValueError(f"cannot encode {MARKER!r}"))
     assert MARKER not in leaked and leaked.startswith("ValueError")

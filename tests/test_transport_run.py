@@ -40,10 +40,9 @@ from parablock_flwr.messages import (
     relay_name,
     relay_split,
 )
-from parablock_flwr.node_data import SiteStream
+from parablock_flwr.node.settings import SiteStream
 from parablock_flwr.npy import npy_view
 from parablock_flwr.records import pieces_record, record_arrays, to_record, to_tensors
-from parablock_flwr.strategies.direct import DirectMessages
 from parablock_flwr.strategies.reply_checks import Expected, parse_reply
 from parablock_flwr.strategies.round_stats import array_bytes
 from parablock_flwr.tools.credentials import make_tls
@@ -59,6 +58,7 @@ from parablock_flwr.transport import (
     TransportSetupError,
     update_bound,
 )
+from parablock_flwr.transport.direct_channel import DirectChannel
 from parablock_flwr.transport.framing import Buffers, FramingError, arrays, frame, unframe
 from parablock_flwr.transport.node_side import Prefetched
 from parablock_flwr.wire import pack_pieces, unpack
@@ -428,10 +428,10 @@ def update_metrics(**extra) -> MetricRecord:
 
 
 def test_a_message_and_its_reply_through_the_stream_are_what_flowers_path_carries(hub, node):
-    direct, step, sync = DirectMessages(hub), block(21, "bf16"), block(22, "bf16")
+    direct, step, sync = DirectChannel(hub), block(21, "bf16"), block(22, "bf16")
     msg = round_message(7, step, sync)
     before = array_bytes(msg.content)
-    direct.outgoing(msg, 4, upload_max_size=update_bound(64 * 48 + 48, 2))
+    direct.message_on_stream(msg, 4, upload_max_size=update_bound(64 * 48 + 48, 2))
     assert array_bytes(msg.content) == 0 and set(msg.content.config_records) == {"round", OFFER}
     offer = TransportOffer.from_config(dict(msg.content[OFFER]))
     fetched = node.fetch_arrays(offer)
@@ -455,8 +455,8 @@ def test_a_message_and_its_reply_through_the_stream_are_what_flowers_path_carrie
 
 
 def test_a_reply_whose_commit_does_not_match_the_upload_is_rejected_with_the_refusal(hub, node):
-    direct = DirectMessages(hub)
-    msg = direct.outgoing(round_message(7, block(1)), 4, upload_max_size=10**6)
+    direct = DirectChannel(hub)
+    msg = direct.message_on_stream(round_message(7, block(1)), 4, upload_max_size=10**6)
     offer = TransportOffer.from_config(dict(msg.content[OFFER]))
     commit = node.upload(offer, payloads(block(2)))
     forged = ConfigRecord(dataclasses.replace(commit, update_sha256="e" * 64).to_config())
@@ -478,21 +478,21 @@ def test_a_reply_whose_commit_does_not_match_the_upload_is_rejected_with_the_ref
 
 
 def test_a_node_that_falls_back_gets_its_records_inline_until_it_commits_on_the_stream_again(hub, node):
-    direct, step = DirectMessages(hub), block(1)
-    first = direct.outgoing(round_message(7, step), 4, upload_max_size=10**6)
+    direct, step = DirectChannel(hub), block(1)
+    first = direct.message_on_stream(round_message(7, step), 4, upload_max_size=10**6)
     inline = RecordDict({METRICS: update_metrics(direct_fallbacks=1), UPDATE: block(2)})
     assert direct.incoming(reply_to(first, inline), 4, 7).content[UPDATE] is inline[UPDATE]  # as it came
-    again = direct.outgoing(round_message(7, step), 5, upload_max_size=10**6)
+    again = direct.message_on_stream(round_message(7, step), 5, upload_max_size=10**6)
     assert GLOBAL_STEP in again.content.array_records  # inline now ...
     offer = TransportOffer.from_config(dict(again.content[OFFER]))
     assert offer.records == () and offer.upload_token  # ... with an upload capability still
     commit = node.upload(offer, payloads(block(3)))
     committed = RecordDict({METRICS: update_metrics(), COMMIT: ConfigRecord(commit.to_config())})
     assert UPDATE in direct.incoming(reply_to(again, committed), 5, 7).content.array_records
-    assert GLOBAL_STEP not in direct.outgoing(round_message(7, step), 6, 10**6).content.array_records  # back
-    lost = direct.outgoing(round_message(8, step), 6, 10**6)
+    assert GLOBAL_STEP not in direct.message_on_stream(round_message(7, step), 6, 10**6).content.array_records  # back
+    lost = direct.message_on_stream(round_message(8, step), 6, 10**6)
     direct.incoming(reply_to(lost, error=f"state-intact: node worker failed: {STREAM_UNUSABLE}x"), 6, 8)
-    assert GLOBAL_STEP in direct.outgoing(round_message(8, step), 7, 10**6).content.array_records
+    assert GLOBAL_STEP in direct.message_on_stream(round_message(8, step), 7, 10**6).content.array_records
     assert direct.end_round(4)["direct_fallbacks"] == 2  # node 7 in round 4, node 8 in round 6
 
 
@@ -647,17 +647,17 @@ def test_a_prefetched_step_is_used_only_when_the_message_announces_its_size_and_
 def test_around_flowers_messages_a_node_on_the_stream_moves_its_next_round_ahead_and_it_is_counted(hub, node):
     """Round 4's messages carry round 5's capabilities to a node on the stream (none to a node on Flower's
     path); the update uploaded ahead is claimed by round 5's reply, and the round's record counts it."""
-    direct = DirectMessages(hub)
+    direct = DirectChannel(hub)
     direct.on_stream[8] = False  # node 8 fell back earlier
-    to7 = direct.outgoing(round_message(7, block(1)), 4, upload_max_size=10**6, ahead=(10**6, 10**6))
-    to8 = direct.outgoing(round_message(8, block(1)), 4, upload_max_size=10**6, ahead=(10**6, 10**6))
+    to7 = direct.message_on_stream(round_message(7, block(1)), 4, upload_max_size=10**6, ahead=(10**6, 10**6))
+    to8 = direct.message_on_stream(round_message(8, block(1)), 4, upload_max_size=10**6, ahead=(10**6, 10**6))
     offer7, offer8 = (TransportOffer.from_config(dict(m.content[OFFER])) for m in (to7, to8))
     assert offer7.ahead_upload_token and offer7.ahead_step_token and not offer8.ahead_upload_name
     pieces = pack_pieces({n: torch.ones(s) for n, s in UPDATE_TENSORS.items()}, "int8")
     commit = node.upload_ahead(offer7, pieces)
     direct.end_round(4)
-    msg = direct.outgoing(round_message(7, block(2)), 5, upload_max_size=10**6)
-    direct.messaged(5, {7, 8})
+    msg = direct.message_on_stream(round_message(7, block(2)), 5, upload_max_size=10**6)
+    direct.transport.messaged(5, {7, 8})
     metrics = update_metrics(direct_update_ahead=1, direct_step_prefetched=1)
     reply = direct.incoming(reply_to(msg, RecordDict({METRICS: metrics, COMMIT: ConfigRecord(commit.to_config())})),
                             5, 7)  # fmt: skip
@@ -734,12 +734,12 @@ def test_a_message_pushed_ahead_carries_its_content_sealed_and_is_withdrawn_when
     before round 4 may end, and node 9's message carries its tensors inline (it fell back): both go on
     Flower's path, their messages pushed ahead are withdrawn and their ids handed to the run, whose replies it
     drops; each count is in the round's record."""
-    from parablock_flwr.message_bytes import content_from_bytes
     from parablock_flwr.messages import MESSAGE_AHEAD, MessageError
     from parablock_flwr.transport.framing import unseal
+    from parablock_flwr.transport.message_bytes import content_from_bytes
 
     flower_message(0, RecordDict())  # Flower's task identity, as in a ServerApp
-    direct = DirectMessages(hub)
+    direct = DirectChannel(hub)
     direct.committed.update({7, 8, 9})
     ahead = {n: direct.message_ahead(4, n) for n in (7, 8, 9)}
     offers = {n: TransportOffer.from_config(dict(m.content[MESSAGE_AHEAD])) for n, m in ahead.items()}
@@ -773,16 +773,18 @@ def test_a_workers_capability_for_the_next_rounds_content_shares_its_messages_sl
     waiting until it is published. Round 4's message pushed ahead names the same content under the same key,
     in the same waiting slot. When the content is published both read it, once each; a node whose round-4
     message goes on Flower's path after all has its worker's wait ended with nothing."""
-    from parablock_flwr.message_bytes import content_ahead
     from parablock_flwr.messages import MESSAGE_AHEAD, PROTOCOL_KEY
+    from parablock_flwr.transport.message_bytes import content_ahead
     from parablock_flwr.versions import PROTOCOL_VERSION
 
     flower_message(0, RecordDict())  # Flower's task identity, as in a ServerApp
-    direct = DirectMessages(hub)
+    direct = DirectChannel(hub)
     direct.committed.update({7, 8})
     offers = {}
     for n in (7, 8, 10):
-        msg = direct.outgoing(flower_message(n, RecordDict()), 3, 10**6, ahead=(10**6, 10**6), messages_ahead=True)
+        msg = direct.message_on_stream(
+            flower_message(n, RecordDict()), 3, 10**6, ahead=(10**6, 10**6), messages_ahead=True
+        )
         offers[n] = TransportOffer.from_config(dict(msg.content[OFFER]))
     assert [offers[n].ahead_message_name for n in (7, 8, 10)] == [hub.message_name(4, 7), hub.message_name(4, 8), ""]
     views = {n: dataclasses.replace(offers[n], server_round=4, message_name=offers[n].ahead_message_name,
@@ -819,12 +821,12 @@ def test_a_retried_messages_reply_has_a_slot_of_its_own_and_a_node_behind_on_its
     has its own slot on the stream: the first message's reply, come late, is never taken for the retry's. And a
     node whose replies taken from the stream wait for more than ``AUDITS_BEHIND`` audits (Flower's cycle slower
     than the rounds) gets no capability for its next content and no message a round ahead."""
-    from parablock_flwr.message_bytes import reply_content, reply_to_bytes
-    from parablock_flwr.strategies.direct import AUDITS_BEHIND, Audit
+    from parablock_flwr.transport.direct_channel import AUDITS_BEHIND, Audit
+    from parablock_flwr.transport.message_bytes import reply_content, reply_to_bytes
 
-    direct = DirectMessages(hub, replies_on_stream=True)
-    offers = [TransportOffer.from_config(dict(direct.outgoing(round_message(7, block(1)), 4, 10**6).content[OFFER]))
-              for _ in range(2)]  # fmt: skip
+    direct = DirectChannel(hub, replies_on_stream=True)
+    messages = [direct.message_on_stream(round_message(7, block(1)), 4, 10**6) for _ in range(2)]
+    offers = [TransportOffer.from_config(dict(msg.content[OFFER])) for msg in messages]
     assert offers[0].reply_name != offers[1].reply_name
     commit = node.upload(offers[0], payloads(block(2)))
     node.upload_reply(offers[0], reply_to_bytes(reply_content(dict(update_metrics()), {}, commit.to_config())))
@@ -833,7 +835,7 @@ def test_a_retried_messages_reply_has_a_slot_of_its_own_and_a_node_behind_on_its
     direct.committed.add(7)
     ahead = (10**6, 10**6)
     for behind in range(AUDITS_BEHIND + 2):
-        msg = direct.outgoing(round_message(7, block(1)), 5 + behind, 10**6, ahead, messages_ahead=True)
+        msg = direct.message_on_stream(round_message(7, block(1)), 5 + behind, 10**6, ahead, messages_ahead=True)
         offer = TransportOffer.from_config(dict(msg.content[OFFER]))
         late = behind > AUDITS_BEHIND
         assert bool(offer.ahead_message_name) is not late, behind

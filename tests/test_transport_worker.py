@@ -19,7 +19,6 @@ from flwr.supercore.task_identity import TaskIdentity
 from parablock_flwr import core, node
 from parablock_flwr.client_apps.inline import train_inline
 from parablock_flwr.config import RunConfig
-from parablock_flwr.message_bytes import content_to_bytes, reply_from_bytes
 from parablock_flwr.messages import (
     COMMIT,
     GLOBAL_STEP,
@@ -35,6 +34,7 @@ from parablock_flwr.npy import npy_view
 from parablock_flwr.records import pieces_record
 from parablock_flwr.tools.credentials import make_tls
 from parablock_flwr.transport import RunTransport, StreamSettings
+from parablock_flwr.transport.message_bytes import content_to_bytes, reply_from_bytes
 from parablock_flwr.versions import PROTOCOL_VERSION
 from parablock_flwr.wire import join_pieces, pack_pieces, unpack
 from parablock_flwr.worker.server import NodeWorker

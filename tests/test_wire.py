@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from parablock_flwr import core, wire
-from parablock_flwr.node_state import ResidualStore
+from parablock_flwr.node.state import ResidualStore
 from parablock_flwr.records import to_tensors
 
 SHAPES = {"w": (7, 300), "b": (300,), "s": (), "e": (0, 4)}  # a partial int8 block, a scalar, an empty tensor

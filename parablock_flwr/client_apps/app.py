@@ -23,7 +23,6 @@ from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordD
 from flwr.clientapp import ClientApp
 from flwr.common.constant import SType
 
-from ..message_bytes import reply_content
 from ..messages import (
     EVALUATE,
     MESSAGE_AHEAD,
@@ -45,7 +44,7 @@ from ..messages import (
     relay_name,
     stamped,
 )
-from ..node_data import (
+from ..node.settings import (
     NODE_CONFIG_KEYS,
     WORKER_SOCKET,
     WORKER_UID,
@@ -55,6 +54,8 @@ from ..node_data import (
     user_id,
 )
 from ..npy import NpyError, npy_header, npy_view
+from ..transport.message_bytes import content_ahead, reply_content  # the stream's package: 0.03 s at the start
+from ..transport.node_side import NodeTransport, StreamUnusable
 from ..versions import mismatch
 from ..worker.protocol import ProtocolError, UntrustedWorker, request
 from . import error_reply
@@ -77,7 +78,7 @@ app = ClientApp()
 
 
 def unknown_node_config_key(node_config) -> str | None:
-    """One line naming the first node-config key this app does not know (``node_data.NODE_CONFIG_KEYS``:
+    """One line naming the first node-config key this app does not know (``node.settings.NODE_CONFIG_KEYS``:
     any other is refused rather than silently ignored), with the closest known one."""
     for key in sorted(node_config):
         if key not in NODE_CONFIG_KEYS:
@@ -105,9 +106,6 @@ def content_from_stream(msg: Message, context: Context) -> str | None:
     from the run's stream once the server has built it (this waits), put in ``msg``; or why not, in one line
     (``WITHDRAWN``: the server withdrew it and drops the reply; ``STREAM_UNUSABLE``: the stream cannot be
     used here, nothing was applied, and the server sends this node's next messages on Flower's path)."""
-    from ..message_bytes import content_ahead  # the stream's client, only where a message uses it
-    from ..transport.node_side import NodeTransport, StreamUnusable
-
     settings = NodeSettings.from_node_config(context.node_config)
     if settings.transport == "flower":
         return f"{STATE_INTACT}{STREAM_UNUSABLE}this site keeps to Flower's path (node config transport)"

@@ -1,8 +1,8 @@
 """The simulation's adapter of the node runtime (``node.Node``): the round runs inside this ClientApp.
 
-One Ray actor serves many virtual nodes, so a node's state (``node_state.NodeState``) is loaded into the
+One Ray actor serves many virtual nodes, so a node's state (``node.state.NodeState``) is loaded into the
 runtime and stored back around each message: its pending update and the residuals of ``transfer-dtype``
-on disk, under ``RUN_DIR/node-state/partition-P`` (``node_state.PendingStore``, ``ResidualStore``: read
+on disk, under ``RUN_DIR/node-state/partition-P`` (``node.state.PendingStore``, ``ResidualStore``: read
 only by the actor that serves the node in a round, and of the residuals only the round's block), and
 the last round it answered in ``context.state`` (one number: Flower keeps every node's context in its own
 process, so nothing there may grow with a block). The model is loaded once per actor
@@ -40,8 +40,8 @@ from ..messages import (
     TransportOffer,
     metrics_to_record,
 )
-from ..node_data import NodeSettings, error_line, partition_of
-from ..node_state import NodeState, PendingStore, ResidualStore
+from ..node.settings import NodeSettings, error_line, partition_of
+from ..node.state import NodeState, PendingStore, ResidualStore
 from ..records import to_record, to_tensors
 from ..replica import StepLog
 from ..runtime import setup_torch

@@ -13,9 +13,9 @@ from ..config import RunConfig
 from ..data import client_partition, local_rows_limit, node_splits, tokenized_rows, tokenized_splits
 from ..memory import available_bytes, current_rss_bytes, freeze_loaded, release_freed_memory
 from ..model import load_for_training, load_tokenizer, node_device
-from ..node_data import NodeSettings
 from ..replica import ModelReplica
 from .request import Refused
+from .settings import NodeSettings
 
 
 @dataclass

@@ -20,12 +20,12 @@ from ..data import sample_batches, truncated_in_batches
 from ..evaluation import evaluate
 from ..memory import peak_rss_bytes
 from ..messages import EvaluateMetrics, TrainMetrics
-from ..node_data import error_line
 from ..replica import ReplicaLost
 from ..runtime import round_seed
 from ..training import TrainResult, TrainSettings, train_block
 from .cache import NodeResources
 from .request import StateIntact
+from .settings import error_line
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """What a node does in a round: the node runtime, the same in simulation and deployment.
 
 A round-r message (``Request``, read from the schema in ``request.py``) reaches ``Node.train``, which
-owns the node's state (``node_state.NodeState``: its pending update, its residuals, the last round it
+owns the node's state (``node.state.NodeState``: its pending update, its residuals, the last round it
 answered) and the computation running ahead, and is the only code that changes them:
 
 1. refuse a message for an older round (``Refused``: nothing changes);
@@ -37,13 +37,13 @@ from dataclasses import dataclass
 from .. import core
 from ..config import RunConfig
 from ..messages import LOCAL_MODEL_DIGEST, EvaluateReply, TrainMetrics
-from ..node_state import NodeState, ResidualStore
 from ..replica import FetchStep
 from ..strategies import client_half
 from ..training import TrainResult
 from .cache import NodeResources
 from .compute import Job, compute_update, computed, evaluate_replica, run_here, update_metrics
 from .request import NodeAnswer, Refused, Request, check_blocks
+from .state import NodeState, ResidualStore
 
 log = logging.getLogger(__name__)
 

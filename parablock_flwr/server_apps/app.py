@@ -34,11 +34,12 @@ from ..node import node_device
 from ..run_status import EXIT_CODES, write_status
 from ..runtime import setup_torch
 from ..strategies import strategy_class
-from ..strategies.direct import DirectMessages
-from ..strategies.run import Run, TooFewReplies
 from ..strategies.update_spill import IN_MEMORY
 from ..transport import Limits, RunTransport, StreamSettings, TransportSetupError
+from ..transport.channel import Channel
+from ..transport.direct_channel import DirectChannel
 from .evaluator import ServerEvaluator
+from .run import Run, TooFewReplies
 
 log = logging.getLogger(__name__)
 app = ServerApp()
@@ -155,23 +156,22 @@ def run_app(grid: Grid, context: Context, run: dict) -> None:
     if not isinstance(grid, InMemoryGrid):
         map_large_buffers()
     loaded = load(grid, context, run)
-    direct = open_stream(loaded.cfg, grid, context.run_id)
+    channel = open_channel(loaded.cfg, grid, context.run_id)
     try:
-        train(grid, context, run, loaded, direct)
+        train(grid, context, run, loaded, channel)
     finally:
-        if direct is not None:
-            direct.transport.stop()
+        channel.stop()
 
 
-def open_stream(cfg: RunConfig, grid: Grid, run_id: int) -> DirectMessages | None:
-    """``transport = "direct"`` in a deployment: the run's stream, serving; None on Flower's path (always in
-    a simulation, whose messages never leave the machine). A file or port it cannot use fails the run as
-    an invalid configuration, before any round."""
+def open_channel(cfg: RunConfig, grid: Grid, run_id: int) -> Channel:
+    """How the run's messages travel: ``transport = "direct"`` in a deployment, the run's stream, serving
+    (``DirectChannel``); else Flower's path (always in a simulation, whose messages never leave the machine).
+    A file or port the stream cannot use fails the run as an invalid configuration, before any round."""
     if cfg.transport != "direct":
-        return None
+        return Channel()
     if isinstance(grid, InMemoryGrid):
         log.info("transport='direct' is for deployments: this simulation moves blocks in Flower's messages")
-        return None
+        return Channel()
     try:
         idle_s = cfg.transport_idle_timeout_s
         settings, limits = StreamSettings.from_run_config(cfg), Limits(idle_s, header_timeout_s=min(10.0, idle_s))
@@ -182,10 +182,10 @@ def open_stream(cfg: RunConfig, grid: Grid, run_id: int) -> DirectMessages | Non
         transport.start()
     except (TransportSetupError, OSError, RuntimeError) as err:
         raise RunFailed("invalid-config", f"Invalid configuration: {err}") from err
-    return DirectMessages(transport, replies_on_stream=cfg.transport_replies_on_stream)
+    return DirectChannel(transport, replies_on_stream=cfg.transport_replies_on_stream)
 
 
-def train(grid: Grid, context: Context, run: dict, loaded: Loaded, direct: DirectMessages | None) -> None:
+def train(grid: Grid, context: Context, run: dict, loaded: Loaded, channel: Channel) -> None:
     """The run folder, the algorithm, the evaluator and the ``Run``; then the rounds."""
     cfg, partition = loaded.cfg, loaded.partition
     run_dir = run["dir"] = make_run_dir(cfg.output_path, cfg.algorithm, context.run_id)
@@ -208,7 +208,7 @@ def train(grid: Grid, context: Context, run: dict, loaded: Loaded, direct: Direc
         evaluator = ServerEvaluator(loaded.tokenizer, loaded.heldout, cfg, run_dir)
     # A deployment's workers start a resumed run (a new Flower run) at x^0: its nodes get x's values first.
     algorithm.sync.values_on_resume = not isinstance(grid, InMemoryGrid)
-    this_run = Run(algorithm, evaluator, direct)
+    this_run = Run(algorithm, evaluator, channel)
     try:  # Round 1 sends no step; a resumed run sends g^R in round R+1.
         first_step = this_run.resume(cfg.resume_path, loaded.checkpoint) if loaded.checkpoint else ArrayRecord()
     except ValueError as err:

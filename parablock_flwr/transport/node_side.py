@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from ..messages import MAX_REPLY_CONTENT, RecordOffer, TransportOffer, UpdateCommit, relay_name
-from ..node_data import SiteStream
+from ..node.settings import SiteStream
 from ..npy import npy_view
 from .capabilities import Direction, Refused, Ticket
 from .client import TransportClient, TransportError

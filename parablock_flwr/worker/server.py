@@ -46,8 +46,8 @@ from ..messages import (
     relay_split,
 )
 from ..messages import key as field_key
-from ..node_data import NodeSettings, error_line
-from ..node_state import NodeState, ResidualStore
+from ..node.settings import NodeSettings, error_line
+from ..node.state import NodeState, ResidualStore
 from ..runtime import setup_torch
 from ..transport.node_side import Prefetched
 from ..wire import WireError, pack_pieces, unpack

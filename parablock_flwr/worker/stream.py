@@ -36,7 +36,7 @@ from ..messages import (
     WorkerRequest,
 )
 from ..node.runtime import EarlyUpdate
-from ..node_data import NodeSettings
+from ..node.settings import NodeSettings
 from ..transport import NodeTransport, StreamUnusable
 from ..transport.node_side import Prefetched
 from ..wire import pack_pieces
@@ -183,7 +183,7 @@ class WorkerStream:
     def _download_content(self, offer: TransportOffer) -> tuple[dict, dict] | None:
         """``offer``'s message content (its round config and offer), once the server publishes it; None when it
         withdrew it. Raises ``StreamUnusable`` or ``MessageError`` (the content is not the message's)."""
-        from ..message_bytes import content_ahead  # Flower's schema: only where a message is pushed ahead
+        from ..transport.message_bytes import content_ahead  # Flower's schema: only where a message is pushed ahead
 
         data = self.transport.message_content(offer)
         if data is None:
@@ -282,7 +282,8 @@ class WorkerStream:
         takes)."""
         if offer is None or not offer.reply_name:
             return False
-        from ..message_bytes import reply_content, reply_to_bytes  # Flower's schema: only where a reply uses it
+        # Flower's schema: imported only where a reply uses it.
+        from ..transport.message_bytes import reply_content, reply_to_bytes
 
         answer = WorkerReply.from_header(reply)
         try:

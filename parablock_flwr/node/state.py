@@ -36,9 +36,9 @@ from safetensors import safe_open
 from safetensors.numpy import save_file as save_arrays
 from safetensors.torch import load_file, save_file
 
-from .core import PendingUpdate, Tensors
-from .durable import fsync_path, make_dirs, replace_file
-from .wire import pack_pieces, round_and_pack, unpack
+from ..core import PendingUpdate, Tensors
+from ..durable import fsync_path, make_dirs, replace_file
+from ..wire import pack_pieces, round_and_pack, unpack
 
 KEEP_ROUNDS = 4  # a checkpoint is at most 2 rounds behind what a node answered: room to spare
 _FILE = re.compile(r"r(\d+)-(b(\d+)\.safetensors|reset)$")

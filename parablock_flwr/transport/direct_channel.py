@@ -33,12 +33,12 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
 
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, Metadata, RecordDict
 from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode, SType
 
-from ..message_bytes import content_to_bytes, reply_from_bytes
 from ..messages import (
     BLOCK_RECORDS,
     COMMIT,
@@ -54,9 +54,11 @@ from ..messages import (
     key,
 )
 from ..npy import npy_view
-from ..transport import Refused, RunTransport
-from ..transport.capabilities import RefusalKind
 from ..versions import PROTOCOL_VERSION
+from .capabilities import RefusalKind, Refused
+from .channel import Channel
+from .message_bytes import content_to_bytes, reply_from_bytes
+from .server_side import RunTransport
 
 log = logging.getLogger(__name__)
 FALLBACKS = key("direct_fallbacks")
@@ -86,15 +88,16 @@ def audit_digest(content: RecordDict) -> str:
     return hashlib.sha256(json.dumps(said, sort_keys=True, default=repr).encode()).hexdigest()
 
 
-class DirectMessages:
+class DirectChannel(Channel):
     """The run's side of ``transport = "direct"`` around Flower's messages (the module's docstring)."""
 
     def __init__(self, transport: RunTransport, replies_on_stream: bool = False):
+        super().__init__()
         self.transport = transport
         self.replies_on_stream = replies_on_stream  # the run config's ``transport-replies-on-stream``
-        # Flower's replies awaited as the audit of a reply taken from the stream (message id -> its audit); nodes
-        # whose audit contradicted them; each node's message of a round, counted (a retry is another attempt,
-        # whose reply has a slot of its own on the stream).
+        # Flower's replies awaited as the audit of a reply taken from the stream (``audits``: message id -> its
+        # ``Audit``); nodes whose audit contradicted them; each node's message of a round, counted (a retry is
+        # another attempt, whose reply has a slot of its own on the stream).
         self.audits: dict[str, Audit] = {}
         self.replies_distrusted: set[int] = set()
         self._attempts: dict[tuple[int, int], int] = {}
@@ -105,6 +108,26 @@ class DirectMessages:
         self._withdrawn: dict[str, int] = {}  # message id -> node: withdrawn by ``deliver``, for ``withdraw``
 
     def outgoing(
+        self, messages: Iterable[Message], server_round: int, update_bound: Callable[[int], int] | None,
+        last_round: bool, first: bool, messages_ahead: bool,
+    ) -> Iterator[Message]:  # fmt: skip
+        """Each of ``messages`` with its block records on the stream (``message_on_stream``), with a capability to
+        upload the round's update bounded by ``update_bound(r)`` (None: the messages ask for none) and, but in the
+        last round, round r+1's capabilities (its update's bound and this round's block's, for g^r). After the
+        round's ``first`` push (not a retry's), nodes it did not message lose theirs for round r."""
+        bound = ahead = None
+        if update_bound is not None:
+            bound = update_bound(server_round)
+            if not last_round:
+                ahead = (update_bound(server_round + 1), bound)
+        nodes = set()
+        for msg in messages:
+            nodes.add(msg.metadata.dst_node_id)
+            yield self.message_on_stream(msg, server_round, bound, ahead, messages_ahead)
+        if update_bound is not None and first:  # every node of the round is messaged: capabilities issued ahead end
+            self.transport.messaged(server_round, nodes)
+
+    def message_on_stream(
         self, msg: Message, server_round: int, upload_max_size: int | None, ahead: tuple[int, int] | None = None,
         messages_ahead: bool = False,
     ) -> Message:  # fmt: skip
@@ -203,7 +226,7 @@ class DirectMessages:
         message is then awaited as its audit. A content that is not a reply's is refused (counted, said) and
         changes nothing: the node's reply on Flower's path is awaited."""
         replies = []
-        for message_id, node in waiting.items():
+        for message_id, node in waiting.items() if self.replies_on_stream else ():
             attempt = self._attempts.get((server_round, node))
             if attempt is None or node in self.replies_distrusted:
                 continue
@@ -289,11 +312,6 @@ class DirectMessages:
         self.transport.moved_ahead(update=flags[UPDATE_AHEAD], step=False)  # a committed update, claimed
         return None
 
-    def messaged(self, server_round: int, nodes: set[int]) -> None:
-        """Round r's messages are built for ``nodes``: capabilities issued ahead to any other node for round r are
-        revoked, and round r's step goes to the downloads waiting for it (``RunTransport.messaged``)."""
-        self.transport.messaged(server_round, nodes)
-
     def _fell_back(self, node: int, why: str) -> None:
         self.on_stream[node] = False
         self.committed.discard(node)
@@ -303,6 +321,16 @@ class DirectMessages:
         """The round's counts for its record; its capabilities, records and unclaimed uploads forgotten."""
         self._attempts = {k: n for k, n in self._attempts.items() if k[0] > server_round}
         return self.transport.end_round(server_round)
+
+    def wait_for_replies(self, seconds: float) -> None:
+        """Between pulls: woken early by a reply's upload when replies come on the stream."""
+        if self.replies_on_stream:
+            self.transport.wait_for_upload(seconds)
+        else:
+            time.sleep(seconds)
+
+    def stop(self) -> None:
+        self.transport.stop()
 
 
 def rejected(reply: Message, why: str) -> Message:

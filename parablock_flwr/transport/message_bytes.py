@@ -21,7 +21,7 @@ from flwr.app import ConfigRecord, MetricRecord, RecordDict
 from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
 from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict
 
-from .messages import (
+from ..messages import (
     COMMIT,
     MAX_MESSAGE_CONTENT,
     MAX_REPLY_CONTENT,
@@ -34,15 +34,14 @@ from .messages import (
     TransportOffer,
     key,
 )
-from .versions import mismatch
+from ..versions import mismatch
+from .framing import TAG_BYTES, unseal
 
 
 def content_to_bytes(content: RecordDict) -> bytes | None:
     """``content`` in Flower's protobuf schema; None when it holds anything but config records (tensors
     inline: such a message is pushed on Flower's path) or would be larger than ``MAX_MESSAGE_CONTENT``
     sealed (``transport.framing.seal``)."""
-    from .transport.framing import TAG_BYTES  # (the stream's package, grpc with it: not where a ClientApp starts)
-
     if content.array_records or content.metric_records:
         return None
     data = recorddict_to_proto(content).SerializeToString()
@@ -110,8 +109,6 @@ def content_ahead(offer: TransportOffer, data: bytes | bytearray) -> RecordDict:
     """The content of ``offer``'s message pushed ahead (its ``message_*``), as downloaded: its HMAC checked under
     the offer's key, read strictly, and for the offer's run, node and round, of this protocol version, with an
     offer of its records; else ``MessageError`` in one line."""
-    from .transport.framing import unseal
-
     content = content_from_bytes(unseal(bytes.fromhex(offer.message_key), data))
     sent = TransportOffer.from_config(dict(content[OFFER])) if OFFER in content.config_records else None
     round_config = content[ROUND] if ROUND in content.config_records else None

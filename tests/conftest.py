@@ -1,5 +1,5 @@
-"""Fixtures (a tiny real Llama with a locally trained tokenizer), and the `e2e` marker applied to every
-test that starts Flower processes. What tests import is in helpers.py."""
+"""Fixtures (a tiny real Llama with a locally trained tokenizer; TLS files for the stream), and the `e2e`
+marker applied to every test that starts Flower processes. What tests import is in helpers.py."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from parablock_flwr.tools.credentials import make_tls
 from parablock_flwr.tools.tiny_model import build_tiny_model
 
 from helpers import STARTS_FLOWER
@@ -17,6 +18,12 @@ from helpers import STARTS_FLOWER
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tls(tmp_path_factory):
+    """A CA, a server certificate for localhost and a client certificate (``make_tls``), read-only to tests."""
+    return make_tls(tmp_path_factory.mktemp("tls"))
 
 
 def _names(code: types.CodeType) -> set[str]:

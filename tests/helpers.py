@@ -3,6 +3,7 @@ process helpers that kill a run's server. Fixtures are in conftest.py."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file
 
@@ -26,6 +28,19 @@ from parablock_flwr.wire import pack
 # Functions that start Flower processes: a test that calls one (directly, or through a function or
 # fixture of its own module) is marked `e2e` by conftest.py even without a marker of its own.
 STARTS_FLOWER: set = {run_simulation, run_deployment}
+
+
+def succeeded(run: FinishedRun) -> FinishedRun:
+    """``run``, once it is known to have ended well with its folder made (else its output's tail)."""
+    assert run.returncode == 0 and run.run_dir is not None, run.stdout[-4000:] + run.stderr[-3000:]
+    return run
+
+
+def npy_bytes(array: np.ndarray) -> bytes:
+    """``array`` as an npy payload (what Flower's ``Array.data`` and the stream's framing carry)."""
+    out = io.BytesIO()
+    np.save(out, array)
+    return out.getvalue()
 
 
 def relayed(records: dict[str, dict[str, torch.Tensor]], transfer_dtype: str = "fp32") -> dict:

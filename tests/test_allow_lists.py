@@ -81,7 +81,7 @@ def test_a_run_config_pointing_the_worker_elsewhere_is_refused_before_loading(tm
 
 def test_the_simulation_path_refuses_the_same(tmp_path, tiny_model_dir):
     cfg = RunConfig.from_flower(tiny_config(tiny_model_dir, tmp_path))
-    with pytest.raises(node.Refused, match=r"^model=.* refused: this node's allow-models is '/nowhere/'$"):
+    with pytest.raises(node.RequestRefused, match=r"^model=.* refused: this node's allow-models is '/nowhere/'$"):
         node.resources(cfg, 32, NodeSettings(allow_models="/nowhere/"))
 
 

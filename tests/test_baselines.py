@@ -19,14 +19,9 @@ from parablock_flwr import core
 from parablock_flwr.config import RunConfig
 from parablock_flwr.model import load_for_training
 
-from helpers import simulate_in_process
+from helpers import simulate_in_process, succeeded
 
 pytestmark = pytest.mark.e2e  # every test here runs the ServerApp and its nodes
-
-
-def _ok(run):
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    return run
 
 
 def _replayed(run) -> tuple[torch.nn.Module, core.BlockPartition, dict[str, torch.Tensor]]:
@@ -60,7 +55,7 @@ def _nbytes(names, params) -> int:
 
 
 def test_fedavg_lora_sends_every_adapter_and_exports_a_peft_folder(tmp_path, tiny_model_dir, capsys):
-    run = _ok(
+    run = succeeded(
         simulate_in_process(
             tmp_path,
             tiny_model_dir,
@@ -107,7 +102,7 @@ def test_fedavg_lora_sends_every_adapter_and_exports_a_peft_folder(tmp_path, tin
 
 
 def test_fedavg_full_sends_every_weight_and_exports_a_plain_folder(tmp_path, tiny_model_dir, capsys):
-    run = _ok(
+    run = succeeded(
         simulate_in_process(
             tmp_path,
             tiny_model_dir,
@@ -133,7 +128,7 @@ def test_fedavg_full_sends_every_weight_and_exports_a_plain_folder(tmp_path, tin
 
 def test_parablock_over_lora_blocks_keeps_the_invariant(tmp_path, tiny_model_dir):
     """train="lora": a block is the adapters of its layers; the ParaBlock invariant holds to the bit."""
-    run = _ok(
+    run = succeeded(
         simulate_in_process(
             tmp_path,
             tiny_model_dir,

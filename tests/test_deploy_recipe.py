@@ -1,7 +1,7 @@
 """docs/deploy-8b.md followed end to end on one machine: its bash blocks marked ``<!-- loopback: PHASE -->``
 run as written (with ``/`` moved under a folder, loopback addresses, a tiny Llama, one site, two
 rounds), and the shipped units (deploy/) start the SuperLink, the worker and the SuperNode as systemd
-would (tests/test_units.py), with TLS from ``openssl`` and a node key from ``ssh-keygen``."""
+would (tests/test_systemd_units.py), with TLS from ``openssl`` and a node key from ``ssh-keygen``."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_units import UNITS, USERS, Unit, site_root, systemd_start, wait_until  # noqa: F401 (site_root: a fixture)
+from test_systemd_units import UNITS, USERS, Unit, site_root, systemd_start, wait_until  # noqa: F401 (site_root: a fixture)
 
 from parablock_flwr.tools.app_config import find_project_dir
 from parablock_flwr.tools.launch import descendants, free_port, listens

@@ -22,7 +22,15 @@ from parablock_flwr.tools.credentials import make_node_key
 from parablock_flwr.tools.launch import free_port, run_deployment, stop_process_group, supernode_command
 from parablock_flwr.transport import Refused
 
-from helpers import FinishedRun, finished, kill_server_after_round, simulate, simulate_in_process, tiny_config
+from helpers import (
+    FinishedRun,
+    finished,
+    kill_server_after_round,
+    simulate,
+    simulate_in_process,
+    succeeded,
+    tiny_config,
+)
 
 pytestmark = pytest.mark.e2e  # every test here starts a SuperLink, SuperNodes and workers
 
@@ -57,11 +65,6 @@ def deployed(tmp_path_factory, tiny_model_dir):
     return deploy(tmp_path_factory.mktemp("deploy"), tiny_model_dir, strategy=EXTENSION, **COMPARED)
 
 
-def _ok(run):
-    assert run.returncode == 0 and run.run_dir is not None, run.stdout[-4000:] + run.stderr[-2000:]
-    return run
-
-
 def test_deployment_equals_simulation_bit_for_bit(deployed, tmp_path, tiny_model_dir):
     """The same global steps in a deployment and a simulation; the simulation keeps to Flower's path
     whatever its ``transport`` says. Both run a strategy from the app's extensions/ folder, outside the package
@@ -76,7 +79,7 @@ def test_deployment_equals_simulation_bit_for_bit(deployed, tmp_path, tiny_model
         transport_address="localhost:0",
         transport_insecure=True,
     )
-    _ok(deployed), _ok(sim)
+    succeeded(deployed), succeeded(sim)
     assert "transport='direct' is for deployments" in sim.stdout
     assert "direct_fallbacks" not in sim.records[1]
     for version in range(1, ROUNDS + 1):
@@ -92,7 +95,7 @@ def test_deployment_equals_simulation_bit_for_bit(deployed, tmp_path, tiny_model
 
 
 def test_next_block_is_computed_while_the_reply_is_in_flight(deployed):
-    for rec in _ok(deployed).records[2:]:  # from round 2 on, round r was computed in the background
+    for rec in succeeded(deployed).records[2:]:  # from round 2 on, round r was computed in the background
         for row in rec["timeline"]:
             # Round r's compute started right after round r-1's correction, before F_r arrived...
             assert row["compute_start"] < row["request_received"], row
@@ -106,7 +109,7 @@ def test_round_r_is_evaluated_after_round_r_plus_1_is_sent(deployed):
     """In a real deployment too, the server's evaluation of round r is off the critical path: it is
     handed to the evaluator once round r+1's messages are out; the legs of the path are measured for
     every node."""
-    records = _ok(deployed).records
+    records = succeeded(deployed).records
     assert all(rec["evaluation_waited_s"] >= 0 and rec["evaluate_s"] > 0 for rec in records[1:-1])
     for rec in records[2:]:
         assert all(rec[f"critical_path_{leg}_s"] >= -0.05 for leg in ("aggregate", "dispatch", "delivery")), rec
@@ -115,7 +118,7 @@ def test_round_r_is_evaluated_after_round_r_plus_1_is_sent(deployed):
 def test_the_relay_leg_splits_into_flowers_pull_the_send_and_the_workers_read(deployed):
     """The ClientApp's stamps reach the record: its relay leg is the sum of its three parts, each one
     measured, and the CPU seconds of the ClientApp and the server are there for every round."""
-    for rec in _ok(deployed).records[2:]:
+    for rec in succeeded(deployed).records[2:]:
         parts = [rec[f"critical_path_{part}_s"] for part in ("clientapp_pull", "relay_send", "worker_read")]
         # The worker may stamp the last byte read before the ClientApp's sendall returns to stamp it sent:
         # two processes' clocks on one host, so worker_read can be a hair below zero (CI saw it), never more.
@@ -125,8 +128,18 @@ def test_the_relay_leg_splits_into_flowers_pull_the_send_and_the_workers_read(de
         assert all(0 < row["clientapp_pull_cpu_s"] <= row["clientapp_cpu_s"] for row in rec["timeline"])
 
 
+def test_the_serverapp_and_the_workers_map_their_block_sized_buffers_on_huge_pages(deployed):
+    """``tools.launch`` starts the SuperLink (which starts the ServerApp) and each node worker with glibc's
+    huge-page tunable: each process says so at its start (``memory.map_large_buffers``), the ServerApp in the
+    run's log, the worker in its own."""
+    succeeded(deployed)
+    said = "large buffers mapped, given back when freed: yes; on huge pages: yes"
+    assert said in deployed.stdout, deployed.stdout[-3000:]
+    assert said in (deployed.run_dir.parents[1] / "flower" / "worker-0.log").read_text()  # run_dir: out/RUN
+
+
 def test_clientapp_process_does_not_import_torch(deployed):
-    rows = [row for rec in _ok(deployed).records[1:] for row in rec["timeline"]]
+    rows = [row for rec in succeeded(deployed).records[1:] for row in rec["timeline"]]
     assert rows and all(row["clientapp_imported_torch"] == 0 for row in rows)
 
 
@@ -175,11 +188,12 @@ def test_killed_server_resumes_at_any_round_in_a_restarted_deployment_bit_for_bi
     assert killed.run_dir is not None, killed.stdout[-4000:]
     assert (killed.run_dir / "checkpoint" / f"round-{after_round:05d}").exists()
     assert not (killed.run_dir / "global-steps" / f"v{after_round + 1:05d}.safetensors").exists()
-    resumed = _ok(deploy(tmp_path / "resumed", tiny_model_dir, node_settings=states, secure=True, num_supernodes=3,
-                         **same, resume_from=str(killed.run_dir), transport="direct"))  # fmt: skip
+    resumed = deploy(tmp_path / "resumed", tiny_model_dir, node_settings=states, secure=True, num_supernodes=3,
+                     **same, resume_from=str(killed.run_dir), transport="direct")  # fmt: skip
+    succeeded(resumed)
 
     # The resumed deployment took over after round R = 6 and computed rounds 7..9, as the uninterrupted run did.
-    uninterrupted = _ok(uninterrupted)
+    uninterrupted = succeeded(uninterrupted)
     pending = 2 if algorithm == "parablock" else 0  # ParaBlock: the two nodes of round R hand their update back
     assert f"after round {after_round} ({pending} pending client updates" in resumed.stdout
     for server_round in range(after_round + 1, LONG_ROUNDS + 1):
@@ -293,7 +307,7 @@ def test_crashed_worker_restarts_and_nodes_resynchronise_under_partial_participa
         for name in ("outsider", "anonymous"):
             if name in events:
                 events[name].join(timeout=120)
-    _ok(run)
+    succeeded(run)
     assert events["killed"] == 1 and "restarted" in events
     records = run.records[1:]
     # Every accepted reply came from a model that is exactly x^{r-1} + its own update.
@@ -367,7 +381,7 @@ def test_on_receipt_corrects_every_node_in_a_deployment_wherever_the_aggregate_l
     bit. Which step it lands on is the machine's speed, so it is not asserted here: tests/test_worker.py holds
     the computation at a known step and asserts that very boundary."""
     steps = 8
-    run = _ok(deploy(tmp_path, tiny_model_dir, num_server_rounds=2, correction="on-receipt", local_steps=steps,
+    run = succeeded(deploy(tmp_path, tiny_model_dir, num_server_rounds=2, correction="on-receipt", local_steps=steps,
                      verify_invariant=True))  # fmt: skip
     rows = [row for rec in run.records[2:] for row in rec["timeline"]]
     assert len(rows) == 2 and all(1 <= row["correction_after_step"] <= steps for row in rows), rows
@@ -416,7 +430,7 @@ def test_tls_node_authentication_and_the_direct_transport_give_the_same_model(de
     finally:
         if "proc" in stranger:
             stop_process_group(stranger["proc"])
-    _ok(run), _ok(deployed)
+    succeeded(run), succeeded(deployed)
     flower = tmp_path / "flower"
     assert "Uvicorn running on https://" in (flower / "superlink.log").read_text()
     assert "(mutual TLS) for run" in run.stdout, run.stdout[-3000:]  # each node presented its certificate

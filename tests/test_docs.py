@@ -129,7 +129,7 @@ RECIPE = PROJECT_DIR / "docs" / "deploy-8b.md"
 NOT_ON_LOOPBACK = {
     "hf download": "the model hub is not reachable from this machine",
     "git clone": "a fresh clone and install (CI runs scripts/install.sh on one)",
-    "systemctl": "systemd itself (tests/test_units.py stands in for it, running each unit's ExecStart)",
+    "systemctl": "systemd itself (tests/test_systemd_units.py stands in for it, running each unit's ExecStart)",
     "split -n": "a site with two GPUs",
     "nft ": "a firewall on the server",
 }

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from parablock_flwr.messages import RoundConfig, WorkerRequest
-from parablock_flwr.node import Refused, Request, StateIntact
+from parablock_flwr.node import Request, RequestRefused, StateIntact
 from parablock_flwr.worker.server import NodeWorker
 
 from helpers import worker_request
@@ -73,9 +73,9 @@ def test_any_header_reaches_the_node_read_through_the_schema_or_is_refused_in_on
 )  # fmt: skip
 def test_a_malformed_round_is_refused_by_the_runtime_in_one_line(op, change, arrays, reason):
     """What the schema reads but a round cannot use (a step the message does not carry, a hand-back without
-    its block): ``Refused``, a ``StateIntact``, naming it, before the node's state is touched."""
+    its block): ``RequestRefused``, a ``StateIntact``, naming it, before the node's state is touched."""
     round_cfg = {**worker_request({}, 7, 3, block=0, next_block=1)["round"], **change}
-    with pytest.raises(Refused) as refused:
+    with pytest.raises(RequestRefused) as refused:
         Request.parse(op, 7, round_cfg, arrays, 0, 2)
     assert str(refused.value) == reason and isinstance(refused.value, StateIntact)
 

@@ -244,7 +244,7 @@ def test_a_rounds_full_syncs_share_one_copy_of_the_model(setup):
     strategy.sync.needs_full_sync |= {1, 2, 3}
     TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0
     messages = strategy.train_messages(2, [1, 2, 3], ArrayRecord(), setup[0].round_part(2, {}))
-    assert not isinstance(messages, list)  # a generator: Run.push builds and pushes in batches
+    assert not isinstance(messages, list)  # a generator: RoundDriver.push builds and pushes in batches
     syncs = [m.content["sync-values"] for m in messages]
     assert syncs[0] is syncs[1] is syncs[2] and strategy.stats.full_syncs_sent == 3
 

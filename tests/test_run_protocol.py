@@ -31,6 +31,7 @@ from parablock_flwr.metrics import RunRecorder, run_summary
 from parablock_flwr.model import load_model, load_tokenizer
 from parablock_flwr.records import to_record
 from parablock_flwr.server_apps.evaluator import ServerEvaluator
+from parablock_flwr.server_apps.round_driver import RoundDriver
 from parablock_flwr.server_apps.run import Run
 from parablock_flwr.strategies import FedBCD
 from parablock_flwr.transport import (
@@ -381,7 +382,8 @@ def test_pending_updates_are_written_beside_the_loop_and_a_failed_write_stops_th
     accepted client's. A write that fails (a full disk) stops the run with the disk's error before
     that round's checkpoint: no checkpoint without its clients' updates."""
     from parablock_flwr import checkpoint
-    from parablock_flwr.strategies import ParaBlock, durability
+    from parablock_flwr.server_apps import durability
+    from parablock_flwr.strategies import ParaBlock
 
     run = make_run(tmp_path / "ok", tiny_model_dir, 3, algorithm=ParaBlock)
     writers = []
@@ -418,10 +420,12 @@ def test_a_bounded_step_log_is_pruned_only_between_rounds_never_while_a_rounds_n
     from parablock_flwr.replica import StepLog
 
     events = []
-    real_prune, real_push = StepLog.prune, Run.push
+    real_prune, real_push = StepLog.prune, RoundDriver.push
     monkeypatch.setattr(StepLog, "prune", lambda log, *keep: (events.append("prune"), real_prune(log, *keep))[1])
     monkeypatch.setattr(
-        Run, "push", lambda run, grid, messages, **kw: (events.append("push"), real_push(run, grid, messages, **kw))[1]
+        RoundDriver,
+        "push",
+        lambda driver, grid, messages, **kw: (events.append("push"), real_push(driver, grid, messages, **kw))[1],
     )
     run = make_run(tmp_path, tiny_model_dir, 5, snapshot_every=2)
     real_aggregate = run.algorithm.aggregate_train

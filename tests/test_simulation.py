@@ -19,7 +19,7 @@ from parablock_flwr.node.state import ResidualStore
 from parablock_flwr.replica import StepLog
 from parablock_flwr.report import report
 
-from helpers import simulate, simulate_and_kill_server, simulate_in_process
+from helpers import simulate, simulate_and_kill_server, simulate_in_process, succeeded
 
 pytestmark = pytest.mark.e2e  # every test here runs `flwr run` (or reads a run's output)
 
@@ -69,17 +69,11 @@ def fedbcd_run(tmp_path_factory, tiny_model_dir):
     )
 
 
-def _ok(run):
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert run.run_dir is not None, run.stdout[-3000:]
-    return run
-
-
 def test_the_records_read_forwards_in_time_and_the_export_reads_like_its_folder(parablock_int8_run):
     """Round 0 (x^0) is stamped at the run's start, whenever its evaluation ended, and each round's stamp is
     after the one before: loss against wall-clock reads forwards. Every file of the exported model has the
     mode of the folder's other files (safetensors writes the weights 0600 on its own)."""
-    records = _ok(parablock_int8_run).records
+    records = succeeded(parablock_int8_run).records
     stamps = [r["elapsed_s"] for r in records]
     assert stamps[0] == 0.0 and stamps == sorted(stamps), stamps
     files = [p for p in (parablock_int8_run.run_dir / "final-model").iterdir() if p.is_file()]
@@ -93,7 +87,7 @@ def test_schedule_repeats_a_block():
 
 
 def test_invariant_holds_bit_for_bit_on_every_client_every_round(parablock_run):
-    records = _ok(parablock_run).records
+    records = succeeded(parablock_run).records
     assert [r["round"] for r in records] == list(range(ROUNDS + 1))
     for rec in records[1:]:
         assert rec["num_accepted"] == 3, rec
@@ -105,7 +99,7 @@ def test_invariant_holds_bit_for_bit_on_every_client_every_round(parablock_run):
 
 
 def test_each_round_is_logged_and_recorded(parablock_run):
-    _ok(parablock_run)
+    succeeded(parablock_run)
     lines = [line for line in parablock_run.stdout.splitlines() if "[parablock] round " in line]
     assert len(lines) == ROUNDS + 1
     rec = parablock_run.records[2]
@@ -126,13 +120,13 @@ def test_each_round_is_logged_and_recorded(parablock_run):
 
 
 def test_both_algorithms_lower_the_heldout_loss(parablock_run, fedbcd_run):
-    for run in (_ok(parablock_run), _ok(fedbcd_run)):
+    for run in (succeeded(parablock_run), succeeded(fedbcd_run)):
         losses = [r["heldout_loss"] for r in run.records]
         assert losses[-1] < losses[0] - 0.05, losses
 
 
 def test_parablock_and_fedbcd_differ_from_round_2(parablock_run, fedbcd_run):
-    _ok(parablock_run), _ok(fedbcd_run)
+    succeeded(parablock_run), succeeded(fedbcd_run)
     block_p, step_p = parablock_run.step(1)
     block_f, step_f = fedbcd_run.step(1)
     assert block_p == block_f and all(torch.equal(step_p[n], step_f[n]) for n in step_p)
@@ -147,7 +141,7 @@ def test_the_correction_modes_change_the_run_only_where_the_correction_acts(tmp_
     x^0 + Δ_i^1 and first differs in round 3, the first computation that at-end's correction reaches.
     The three runs without Ray (``simulate_in_process``: the same ClientApp and node code, seconds to start)."""
     runs = {
-        mode: _ok(
+        mode: succeeded(
             simulate_in_process(tmp_path / mode, tiny_model_dir, num_server_rounds=ROUNDS, correction=mode, **SCHEDULE)
         )
         for mode in ("at-end", "on-receipt", "none")
@@ -167,7 +161,7 @@ def test_the_correction_modes_change_the_run_only_where_the_correction_acts(tmp_
 
 def test_frozen_parameters_are_untouched_and_only_scheduled_blocks_move(parablock_run, tiny_model_dir):
     base = dict(load_model(str(tiny_model_dir)).named_parameters())
-    final = _ok(parablock_run).final_model()
+    final = succeeded(parablock_run).final_model()
     part = core.partition_blocks(load_model(str(tiny_model_dir)), layers_per_block=2)
     scheduled = set(core.block_schedule(SCHEDULE["schedule"], 2, ROUNDS, SCHEDULE["seed"]))
     trained = {n for b in scheduled for n in part.names(b)}
@@ -196,7 +190,7 @@ def test_single_client_parablock_equals_fedbcd_bit_for_bit(tmp_path, tiny_model_
         for algo in ("parablock", "fedbcd")
     ]
     for run in runs:
-        _ok(run)
+        succeeded(run)
     for version in (1, 2, 3):
         (bp, sp), (bf, sf) = runs[0].step(version), runs[1].step(version)
         assert bp == bf
@@ -214,7 +208,7 @@ def test_invalid_config_stops_before_training_with_one_line(tmp_path, tiny_model
 def test_report_and_evaluate_commands_on_the_run(parablock_run, capsys):
     from parablock_flwr.cli import main
 
-    run = _ok(parablock_run)
+    run = succeeded(parablock_run)
     assert main(["report", str(run.run_dir)]) == 0
     out = capsys.readouterr().out
     assert "held-out loss" in out and len(out.splitlines()) >= ROUNDS + 2
@@ -229,7 +223,7 @@ def test_report_and_evaluate_commands_on_the_run(parablock_run, capsys):
 def test_partial_participation_resynchronises_returning_clients(tmp_path, tiny_model_dir):
     """4 clients, half sampled each round: a client back from a skipped round trains from x^{r-1}. Without Ray
     (Flower's in-memory grid samples the same way)."""
-    run = _ok(
+    run = succeeded(
         simulate_in_process(
             tmp_path, tiny_model_dir, num_supernodes=4, fraction_train=0.5, num_server_rounds=6, verify_invariant=True
         )
@@ -300,7 +294,7 @@ def test_a_server_killed_at_every_stage_of_a_round_resumes_to_the_same_final_mod
         check_resumable(runs[-1].run_dir, {**json.loads((runs[-1].run_dir / "config.json").read_text()),
                                            "learning-rate": 0.5})  # fmt: skip
 
-    resumed = _ok(simulate_in_process(tmp_path / "resumed", tiny_model_dir, save_final_model=True, **same,
+    resumed = succeeded(simulate_in_process(tmp_path / "resumed", tiny_model_dir, save_final_model=True, **same,
                                       **resume_from))  # fmt: skip
     assert "after round 3 (3 pending client updates" in resumed.stdout
     assert f"{metrics}: line 3 is torn" in runs[1].stdout + runs[1].stderr  # the resume skipped it, said so
@@ -347,7 +341,9 @@ def test_with_int8_transfer_a_killed_server_resumes_to_the_same_final_model(
 
     # Relative to the resumed run's output-dir: the server resolves it, never the Ray actors (their cwd is another).
     relative = os.path.relpath(killed.run_dir, tmp_path / "resumed" / "out")
-    resumed = _ok(simulate(tmp_path / "resumed", tiny_model_dir, resume_from=relative, save_final_model=True, **same))
+    resumed = succeeded(
+        simulate(tmp_path / "resumed", tiny_model_dir, resume_from=relative, save_final_model=True, **same)
+    )
     assert "Resumed from" in resumed.stdout and "after round 2 (3 pending client updates" in resumed.stdout
     records = resumed.records
     assert [r["round"] for r in records] == list(range(ROUNDS + 1))
@@ -370,8 +366,8 @@ def test_int8_transfer_quarters_the_bytes_and_keeps_the_invariant_exact(parabloc
     bytes, plus 1/256 for the scales), each client keeps exactly the dequantised update it sent, so its
     local model is still x^{r-1} + Δ_i^r to the bit; the server's steps are int8-representable (it applies
     what it sends); the loss still falls."""
-    run = _ok(parablock_int8_run)
-    fp32 = {r["round"]: r for r in _ok(parablock_run).records}
+    run = succeeded(parablock_int8_run)
+    fp32 = {r["round"]: r for r in succeeded(parablock_run).records}
     for rec in run.records[1:]:
         assert rec["num_accepted"] == 3 and rec["invariant_checked"] == 3 and rec["invariant_failed"] == 0, rec
         # The same block's values, a quarter of the bytes; the scales add 1/256, each record's layout a little.
@@ -399,7 +395,7 @@ def test_a_bounded_step_log_resumes_from_its_snapshot_bit_for_bit(tmp_path, tiny
     assert 2 in log.snapshots()
     for version in (1, 2):
         (log.dir / f"v{version:05d}.safetensors").unlink(missing_ok=True)
-    resumed = _ok(
+    resumed = succeeded(
         simulate_in_process(
             tmp_path / "resumed", tiny_model_dir, resume_from=str(killed.run_dir), save_final_model=True, **same
         )
@@ -416,7 +412,7 @@ def test_only_aggregation_lies_between_a_rounds_last_reply_and_the_next_messages
     """The server pushes round r+1's messages as soon as g^r exists; round r is evaluated beside the
     loop (``ServerEvaluator``), on a replica of its own; replies are checked as they arrive (the first
     one before the last has come)."""
-    records = _ok(parablock_run).records
+    records = succeeded(parablock_run).records
     for rec in records[1:-1]:
         assert rec["evaluation_waited_s"] >= 0, rec["round"]
         assert rec["heldout_loss"] is not None and rec["evaluate_s"] > 0
@@ -445,7 +441,7 @@ def test_a_resume_from_a_run_folders_name_goes_on_with_each_nodes_residuals_in_e
     killed = simulate_in_process(tmp_path, tiny_model_dir, crash_at="checkpoint@4", **same)
     assert killed.returncode == -9 and killed.run_dir is not None, killed.stdout[-3000:] + killed.stderr[-3000:]
     assert killed.records[3]["num_accepted"] == 2 and killed.records[4]["full_syncs_sent"] == 1
-    resumed = _ok(simulate_in_process(tmp_path, tiny_model_dir, resume_from=killed.run_dir.name, **same))
+    resumed = succeeded(simulate_in_process(tmp_path, tiny_model_dir, resume_from=killed.run_dir.name, **same))
     assert resumed.run_dir != killed.run_dir and "after round 3" in resumed.stdout
     assert resumed.records[4]["full_syncs_sent"] == 3  # each hand-back comes with x^2, and node 1's sync
     assert resumed.records[4]["num_accepted"] == 3 and resumed.records[4]["num_resynchronised"] == 1

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
 import json
 import os
 import re
@@ -37,6 +36,8 @@ from parablock_flwr.transport.capabilities import EXPIRED_KEPT_S, Refusals
 from parablock_flwr.transport.framing import Buffers, FramingError, frame, payloads, unframe
 from parablock_flwr.transport.headers import MAX_HEADER_BYTES, encode_header, parse_header
 from parablock_flwr.transport.service import DOWNLOAD, UPLOAD, Inbox, Outbox, contiguous
+
+from helpers import npy_bytes
 
 UP, DOWN = Direction.UPLOAD, Direction.DOWNLOAD
 
@@ -231,13 +232,6 @@ def test_a_closed_inbox_still_hands_over_what_it_holds_and_what_arrives_late():
     assert inbox.claim(1, 2, 3, "update/1", sha(b"xyz")) == b"xyz"
 
 
-def npy_bytes(values: bytes) -> bytes:
-    """An npy payload of ``values`` as uint8 (what framing carries)."""
-    out = io.BytesIO()
-    np.save(out, np.frombuffer(values, np.uint8))
-    return out.getvalue()
-
-
 def cut(data: bytes, points: list[int]) -> Buffers:
     """``data`` as the parts a stream may deliver it in, cut at ``points``."""
     edges = sorted({min(p, len(data)) for p in points} | {0, len(data)})
@@ -249,7 +243,7 @@ def cut(data: bytes, points: list[int]) -> Buffers:
     st.one_of(
         st.binary(max_size=300),  # anything a client may upload
         st.lists(st.binary(max_size=80), max_size=4).map(  # a framed record, any payloads
-            lambda vs: frame({f"a{i}": npy_bytes(v) for i, v in enumerate(vs)})
+            lambda vs: frame({f"a{i}": npy_bytes(np.frombuffer(v, np.uint8)) for i, v in enumerate(vs)})
         ),
     ),
     st.lists(st.integers(0, 400), max_size=8),
@@ -361,11 +355,6 @@ def test_a_bad_header_is_named_in_one_line(edit, says):
 # ---------------------------------------------------------------- the service over loopback, with TLS
 
 LIMITS = Limits(idle_timeout_s=1.0, min_rate_bytes_s=1e6, grace_s=0.5)
-
-
-@pytest.fixture(scope="module")
-def tls(tmp_path_factory):
-    return make_tls(tmp_path_factory.mktemp("transport-tls"))
 
 
 @pytest.fixture(scope="module")

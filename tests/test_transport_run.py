@@ -8,7 +8,6 @@ the stream says so in one line (its caller falls back)."""
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import logging
 import os
@@ -63,6 +62,8 @@ from parablock_flwr.transport.framing import Buffers, FramingError, arrays, fram
 from parablock_flwr.transport.node_side import Prefetched
 from parablock_flwr.wire import pack_pieces, unpack
 
+from helpers import npy_bytes
+
 RUN, TTL = 41, 30.0
 LIMITS = Limits(idle_timeout_s=2.0, grace_s=1.0)
 NOTHING_AHEAD = {
@@ -90,19 +91,8 @@ def block(seed: int, dtype: str = "int8"):
     return to_record(tensors, dtype)
 
 
-def npy_bytes(array: np.ndarray) -> bytes:
-    out = io.BytesIO()
-    np.save(out, array)
-    return out.getvalue()
-
-
 def payloads(record) -> dict[str, bytes]:
     return {name: bytes(array.data) for name, array in record.items()}
-
-
-@pytest.fixture(scope="module")
-def tls(tmp_path_factory):
-    return make_tls(tmp_path_factory.mktemp("run-transport-tls"))
 
 
 def settings(tls, address: str = "localhost:0") -> StreamSettings:

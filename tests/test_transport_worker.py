@@ -146,7 +146,7 @@ def test_a_node_without_a_worker_cannot_fetch_and_says_so_state_intact(tmp_path,
     assert len(context.state) == 0
 
 
-def run_rounds(
+def worker_rounds_on_stream(
     tls, config: dict, run_id: int, ahead: bool, rounds: int = 3, worker: NodeWorker | None = None,
     wait_for_update: bool = True, content: bool = False, message_first: bool = False,
 ) -> list[dict]:  # fmt: skip
@@ -217,8 +217,8 @@ def test_round_r_plus_1s_update_moves_before_its_message_and_its_reply_has_the_s
     tls = make_tls(tmp_path / "tls")
     config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 2, "transfer-dtype": dtype,
                                                       "correction": "at-end"})  # fmt: skip
-    plain = run_rounds(tls, config, RUN + 1, ahead=False)
-    moved = run_rounds(tls, config, RUN, ahead=True)
+    plain = worker_rounds_on_stream(tls, config, RUN + 1, ahead=False)
+    moved = worker_rounds_on_stream(tls, config, RUN, ahead=True)
     assert [r["sha256"] for r in moved] == [r["sha256"] for r in plain]
     flags = [(r["metrics"].get(key("direct_update_ahead")), r["metrics"].get(key("direct_step_prefetched")))
              for r in moved]  # fmt: skip
@@ -237,9 +237,9 @@ def test_a_worker_starts_a_round_when_its_content_comes_on_the_stream_and_its_me
     tls = make_tls(tmp_path / "tls")
     config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 2, "transfer-dtype": dtype,
                                                       "correction": "at-end"})  # fmt: skip
-    plain = run_rounds(tls, config, RUN + 1, ahead=False)
+    plain = worker_rounds_on_stream(tls, config, RUN + 1, ahead=False)
     worker = NodeWorker()
-    started = run_rounds(tls, config, RUN, ahead=True, wait_for_update=False, content=True, worker=worker)
+    started = worker_rounds_on_stream(tls, config, RUN, ahead=True, wait_for_update=False, content=True, worker=worker)
     assert [r["sha256"] for r in started] == [r["sha256"] for r in plain]
     assert [r["metrics"].get(key("direct_content_fetched")) for r in started] == [None, 1, 1]
     # A round's message that Flower delivers after later rounds were answered gets its own round's answer.
@@ -267,8 +267,8 @@ def test_a_message_pushed_ahead_that_waits_for_its_content_gets_the_round_comput
     config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 2, "correction": "at-end"})
     worker = NodeWorker()
     computed = count_computations(worker)
-    plain = run_rounds(tls, config, RUN + 1, ahead=False)
-    started = run_rounds(tls, config, RUN, ahead=True, worker=worker, wait_for_update=False, content=True,
+    plain = worker_rounds_on_stream(tls, config, RUN + 1, ahead=False)
+    started = worker_rounds_on_stream(tls, config, RUN, ahead=True, worker=worker, wait_for_update=False, content=True,
                          message_first=True)  # fmt: skip
     assert computed == [1, 2, 3]
     assert [r["sha256"] for r in started] == [r["sha256"] for r in plain]
@@ -336,8 +336,8 @@ def test_the_next_computation_starts_while_the_update_moving_ahead_is_still_on_i
         return upload_ahead(offer, pieces)
 
     worker.stream.transport.upload_ahead = slow_upload
-    moved = run_rounds(tls, config, RUN, ahead=True, rounds=4, worker=worker, wait_for_update=False)
-    plain = run_rounds(tls, config, RUN + 1, ahead=False, rounds=4)
+    moved = worker_rounds_on_stream(tls, config, RUN, ahead=True, rounds=4, worker=worker, wait_for_update=False)
+    plain = worker_rounds_on_stream(tls, config, RUN + 1, ahead=False, rounds=4)
     assert overlapped == [2, 3], "round r+1's computation waited for round r's update to be uploaded"
     assert [r["metrics"].get(key("direct_update_ahead")) for r in moved] == [None, 1, 1, 1]
     assert [r["sha256"] for r in moved] == [r["sha256"] for r in plain]

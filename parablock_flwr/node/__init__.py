@@ -21,7 +21,7 @@ _HOMES = {
     **dict.fromkeys(
         ("Job", "compute_update", "computed", "evaluate_replica", "run_here", "update_metrics"), ".compute"
     ),
-    **dict.fromkeys(("NodeAnswer", "Refused", "Request", "StateIntact", "check_blocks"), ".request"),
+    **dict.fromkeys(("NodeAnswer", "RequestRefused", "Request", "StateIntact", "check_blocks"), ".request"),
     **dict.fromkeys(
         ("Ahead", "Node", "ResidualsMissing", "ResidualWriteFailed", "in_background", "wait_for_write"), ".runtime"
     ),

@@ -14,7 +14,7 @@ from ..data import client_partition, local_rows_limit, node_splits, tokenized_ro
 from ..memory import available_bytes, current_rss_bytes, freeze_loaded, release_freed_memory
 from ..model import load_for_training, load_tokenizer, node_device
 from ..replica import ModelReplica
-from .request import Refused
+from .request import RequestRefused
 from .settings import NodeSettings
 
 
@@ -57,7 +57,7 @@ def resources(cfg: RunConfig, run_id: int, settings: NodeSettings | None = None)
     global _RESOURCES
     settings = settings or NodeSettings()
     if (refused := settings.refusal(cfg.model, cfg.dataset)) is not None:
-        raise Refused(refused)  # the node config's allow-lists: nothing loaded, nothing changed
+        raise RequestRefused(refused)  # the node config's allow-lists: nothing loaded, nothing changed
     key = (run_id, cfg, settings)
     if _RESOURCES is None or _RESOURCES.key != key:
         check_fits(cfg, run_id, settings)
@@ -98,12 +98,12 @@ def _load(key: tuple[int, RunConfig, NodeSettings]) -> NodeResources:
 
 
 def check_fits(cfg: RunConfig, run_id: int, settings: NodeSettings) -> None:
-    """Refuse (``Refused``: nothing changes) a run whose model this process would have to load and cannot hold
+    """Refuse (``RequestRefused``: nothing changes) a run whose model this process would have to load and cannot hold
     (``memory_refusal``): a node killed mid-round loses the round, a refused one nothing."""
     if _RESOURCES is not None and _RESOURCES.key == (run_id, cfg, settings):
         return
     if (short := memory_refusal(cfg, settings)) is not None:  # what this process holds counts as free
-        raise Refused(short)
+        raise RequestRefused(short)
 
 
 def memory_refusal(cfg: RunConfig, settings: NodeSettings) -> str | None:
@@ -137,7 +137,7 @@ def host_memory(settings: NodeSettings) -> tuple[int | None, str]:
         except ValueError:
             limit = -1.0
         if not limit > 0:
-            raise Refused(
+            raise RequestRefused(
                 f"node config memory-limit-gib={settings.memory_limit_gib!r}: expected a number of GiB > 0 "
                 "(plan prints what a run needs)"
             )

@@ -1,7 +1,7 @@
 """A message to a node, read once from the schema (``messages.RoundConfig``), and the node's reply.
 
 Both drivers (the inline ClientApp, the node worker) hand the runtime a ``Request``; a message that
-does not hold what a round must is refused here, in one line, before anything changes (``Refused``).
+does not hold what a round must is refused here, in one line, before anything changes (``RequestRefused``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ class StateIntact(Exception):
     Its reply's reason starts with ``messages.STATE_INTACT``."""
 
 
-class Refused(StateIntact):
+class RequestRefused(StateIntact):
     """A message the node must not act on (an older round, another run, another partition, a malformed one)."""
 
 
@@ -45,7 +45,7 @@ class Request:
         cls, op: str, run_id: int, round_cfg, arrays: dict[str, core.Tensors], partition_id: int, num_partitions: int
     ) -> Request:
         """``round_cfg`` is the message's round config; ``arrays`` its array records as tensors. A
-        malformed one is ``Refused`` in one line naming the field."""
+        malformed one is ``RequestRefused`` in one line naming the field."""
         try:
             config = RoundConfig.from_config(round_cfg)
             if config.evaluate_version is not None and config.evaluate_version < 0:
@@ -54,7 +54,7 @@ class Request:
                 raise MessageError(f"round config: {key('evaluate_version')} missing from an evaluation")
             steps, handed_back = catch_up_steps(config, arrays), resumed_pending(config, arrays)
         except MessageError as err:
-            raise Refused(str(err)) from None
+            raise RequestRefused(str(err)) from None
         return cls(op, int(run_id), int(partition_id), int(num_partitions), config, steps,
                    arrays.get(SYNC_VALUES), handed_back)  # fmt: skip
 
@@ -85,6 +85,6 @@ def check_blocks(req: Request, num_blocks: int) -> None:
     """A round's block (and the next one, -1: none) among this model's, refused in one line before any
     work: only a server of another model or partition, or a forged message, names another."""
     if not 0 <= req.block < num_blocks:
-        raise Refused(f"block={req.block} refused: this node's model has blocks 0..{num_blocks - 1}")
+        raise RequestRefused(f"block={req.block} refused: this node's model has blocks 0..{num_blocks - 1}")
     if not (0 <= req.next_block < num_blocks or req.next_block == -1):
-        raise Refused(f"next-block={req.next_block} refused: this node's model has blocks 0..{num_blocks - 1}")
+        raise RequestRefused(f"next-block={req.next_block} refused: this node's model has blocks 0..{num_blocks - 1}")

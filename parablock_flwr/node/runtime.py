@@ -4,7 +4,7 @@ A round-r message (``Request``, read from the schema in ``request.py``) reaches 
 owns the node's state (``node.state.NodeState``: its pending update, its residuals, the last round it
 answered) and the computation running ahead, and is the only code that changes them:
 
-1. refuse a message for an older round (``Refused``: nothing changes);
+1. refuse a message for an older round (``RequestRefused``: nothing changes);
 2. keep the computation running ahead only if it is this run's, this partition's, this round's, and
    nothing replaced the state it started from; else let it finish and drop it;
 3. a full sync (``sync-version``) drops the node's own state; a resumed server hands its pending
@@ -42,7 +42,7 @@ from ..strategies import client_half
 from ..training import TrainResult
 from .cache import NodeResources
 from .compute import Job, compute_update, computed, evaluate_replica, run_here, update_metrics
-from .request import NodeAnswer, Refused, Request, check_blocks
+from .request import NodeAnswer, Request, RequestRefused, check_blocks
 from .state import NodeState, ResidualStore
 
 log = logging.getLogger(__name__)
@@ -204,7 +204,7 @@ class Node:
         if req.server_round <= self.state.last_round and not (
             req.server_round == self.state.last_round and req.sync_version is not None
         ):
-            raise Refused(
+            raise RequestRefused(
                 f"round {req.server_round} ({req.op}) refused: this node already answered round "
                 f"{self.state.last_round} of run {req.run_id}"
             )

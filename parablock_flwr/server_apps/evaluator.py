@@ -1,7 +1,7 @@
 """The server's evaluation of ``x^r``, beside the round loop, in a process of its own.
 
 The round loop hands each round to the evaluator once the round's record, step and checkpoint
-are durable (``Run.finish_round``): one small message down a pipe, and the loop goes straight
+are durable (``Run.conclude_round``): one small message down a pipe, and the loop goes straight
 back to pulling replies. The evaluator process (spawned, not forked, from the ServerApp) holds its
 own copy of the model on ``eval-device``: it builds ``x^0`` as every process of the run does
 (``load_for_training``) and moves it from ``x^{r-1}`` to ``x^r`` by reading ``g^r`` from the run's

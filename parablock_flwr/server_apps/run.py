@@ -34,15 +34,14 @@ from flwr.serverapp.strategy import Result
 
 from .. import core
 from ..checkpoint import Checkpoint, replay_run, save_checkpoint
-from ..messages import EvaluateReply, RoundConfig, TrainMetrics
-from ..metrics import RunRecorder, round_line
+from ..messages import EvaluateReply, RoundConfig
 from ..records import to_record
 from ..strategies.reply_checks import Reply
-from ..strategies.round_stats import critical_path_rows
 from ..transport.channel import Channel
 from ..transport.server_side import update_bound
 from . import client_evaluation
 from .durability import PendingStaging, StepHistory
+from .ledger import RoundLedger
 from .participation import Participation
 from .round_driver import RoundDriver
 
@@ -79,28 +78,19 @@ class Run:
         # round's aggregation and next messages do not wait for N clients' blocks to be written.
         self.staging = PendingStaging(run_dir)
         self._model_digest = core.ModelDigest(algorithm.partition.all_names())  # rehashes what steps change
-        self.recorder = RunRecorder(run_dir, self.config.metrics_sink)
+        self.ledger = RoundLedger(run_dir, self.config.metrics_sink, algorithm.algorithm)  # records and clocks
         self.evaluator = evaluator
         self.num_rounds = self.config.num_server_rounds  # lowered by a documented stop (``stop_early``)
         self.stopped_early = ""  # why the run ended before num-server-rounds
         self.first_round = 1  # R+1 when resumed from round R's checkpoint
         self.resumed_from: Path | None = None  # the resumed run's folder, resolved here once for every node
         self.rounds_completed = 0  # the last round whose checkpoint is on disk
-        self._started = time.perf_counter()
-        # Wall-clock times (time.time, comparable with the node workers' on one host) of the last aggregation
-        # and of the previous round's finish (the driver stamps pushes and replies); and the previous round's.
-        self._times: dict[str, float] = {}
-        self._cpu_at_aggregate = time.process_time()  # the server's CPU seconds when the last round was aggregated
-        self._previous: dict = {}
-        self._modeled_wall_s = 0.0
         # evaluation = "clients": version -> the nodes' aggregated held-out evaluation of x^version; it comes
         # with round version+1's replies, after round version's record is written (which it then completes).
         self.client_evaluations: dict[int, dict] = {}
-        self._recorded: dict[int, dict] = {}  # round -> its training record, until its evaluation is logged
         self.unevaluated_round: int | None = None  # resumed after a round whose evaluation was lost
         self.participation = Participation(algorithm.partition_of, self.config.round_timeout_s,
                                            self.config.max_consecutive_rejections)  # fmt: skip
-        self.last_record: dict = {}  # the last aggregated round's record (written once the round is durable)
         # Push and pull against the round's deadline, a push in batches of at most one model's worth of arrays,
         # through ``channel``: Flower's path, or (transport = "direct" in a deployment) the run's stream beside it
         # (``DirectChannel``). The loop calls the same hooks either way.
@@ -125,7 +115,7 @@ class Run:
             self.evaluator.begin(self)
         result, arrays = Result(), first_step
         due = 0 if self.first_round == 1 else self.unevaluated_round  # a round whose finish is due
-        self._times = {"aggregated": time.time()}
+        self.ledger.times = {"aggregated": time.time()}
         try:
             for server_round in range(self.first_round, self.num_rounds + 1):
                 if why := self.algorithm.stop_reason(server_round):  # a documented stop (dp-target-epsilon)
@@ -140,8 +130,8 @@ class Run:
                     self.driver.push_ahead(grid, server_round + 1, set(sent.values()))
                 if due is not None:
                     self.driver.pull_audits(grid)  # before the disk: Flower hands a reply over only while it lives
-                    self.finish_round(due)
-                    self._times["previous_finished"] = time.time()  # beside the message's way to the nodes
+                    self.conclude_round(due)
+                    self.ledger.times["previous_finished"] = time.time()  # beside the message's way to the nodes
                 self.staging.discard()  # what an earlier, failed attempt staged
                 replies = self.driver.replies(grid, sent, server_round)
                 outcome = self.aggregate(server_round, replies, sent, grid, (arrays, config))
@@ -154,7 +144,7 @@ class Run:
             self.final_client_evaluation(grid, result.arrays)
             self.close_stream(grid, due if due is not None else self.num_rounds)
             if due is not None:
-                self.finish_round(due)
+                self.conclude_round(due)
             self.prune_step_log()
         except BaseException:
             self.staging.cancel()
@@ -217,8 +207,8 @@ class Run:
         reasons = {r.node: r.reason for r in outcome.rejected}
         self.participation.note_round(self.algorithm.round_nodes, {r.node for r in outcome.accepted}, reasons)
         self.collect_client_evaluation(server_round - 1, outcome.accepted)
-        outcome.record.update(self.round_clock({r.node: r.metrics for r in outcome.accepted}))
-        self.last_record = outcome.record
+        outcome.record.update(self.ledger.clock({r.node: r.metrics for r in outcome.accepted}, self.driver))
+        self.ledger.last = outcome.record
         return outcome
 
     def retry(
@@ -256,33 +246,6 @@ class Run:
         names = self.algorithm.partition.names(self.algorithm.block_for_round(server_round))
         return update_bound(sum(self.algorithm.global_params[n].numel() for n in names), len(names))
 
-    def round_clock(self, accepted_metrics: dict[int, TrainMetrics]) -> dict:
-        """Called once round r is aggregated (``accepted_metrics``: node -> its reply's metrics):
-        the round's message counts, its wall time (since round r-1 was aggregated), the time from
-        its last reply to its aggregate (checks ran as replies arrived), and where the time between
-        round r-1's replies and round r's messages reaching the workers went (``critical_path_rows``)."""
-        now, times = time.time(), {**self.driver.times, **self._times}
-        arrivals = self.driver.take_arrivals()
-        clock = {
-            **self.driver.counts,
-            "round_wall_s": now - times.get("aggregated", now),
-            "server_cpu_s": time.process_time() - self._cpu_at_aggregate,  # this process's, every thread
-            "aggregate_s": now - times.get("last_reply", now),
-            # Wall-clock stamps of the round on the server: pushed, first reply checked, last reply, aggregated.
-            "server_times": {**times, "aggregated": now},
-            **critical_path_rows(accepted_metrics, self._previous, times.get("pushed")),
-        }
-        self._previous = {
-            "last_reply": times.get("last_reply"),
-            "aggregated": now,
-            "arrivals": arrivals,
-            "clientapp_reply": {
-                n: m.clientapp_reply for n, m in accepted_metrics.items() if m.clientapp_reply is not None
-            },  # fmt: skip
-        }
-        self._times["aggregated"], self._cpu_at_aggregate = now, time.process_time()
-        return clock
-
     def prune_step_log(self) -> None:
         """What the newest snapshot made redundant, between rounds, but no step the server's evaluator has
         still to read (after the round it last reported)."""
@@ -318,9 +281,9 @@ class Run:
         ``RoundDriver.close``), and what it counted after round ``last_round``'s record was written completes that
         record as ``final_*``: no fallback, refusal or audit goes uncounted because no round was left to record it."""
         if counts := self.driver.close(grid, self.num_rounds + 1):
-            self.recorder.write({"round": last_round, **{f"final_{name}": n for name, n in counts.items()}})
+            self.ledger.recorder.write({"round": last_round, **{f"final_{name}": n for name, n in counts.items()}})
 
-    def finish_round(self, server_round: int) -> None:
+    def conclude_round(self, server_round: int) -> None:
         """Round r's record and checkpoint made durable, then its evaluation handed on (r = 0: the
         evaluation before training): to the evaluator, which completes the record when it is done,
         and the nodes' evaluations (``evaluation = "clients"``) that came with this round's replies."""
@@ -331,20 +294,13 @@ class Run:
             self.write_evaluation(server_round, self.client_evaluations.pop(server_round, {}))
         for version in sorted(self.client_evaluations):  # earlier rounds' records, completed by appending
             done = self.client_evaluations.pop(version)
-            self.recorder.write({"round": version, **done})
+            self.ledger.recorder.write({"round": version, **done})
             log.info("round %d: heldout_loss %.4f (clients' own held-out rows)", version, done["heldout_loss"])
 
     def write_evaluation(self, server_round: int, evaluation: dict) -> None:
-        """Complete round r's record with its evaluation (appended) and log the round's line.
-        Called by the loop and by the evaluator's receiving thread (``RunRecorder.write`` is one append)."""
-        if server_round == 0 and "algorithm" not in evaluation:  # round 0 has no training record
-            # x^0 is what the run starts from: stamped at the start, however late its evaluation ends (the
-            # evaluator runs at the lowest priority), so that loss against wall-clock reads forwards.
-            evaluation = {"algorithm": self.algorithm.algorithm, "elapsed_s": 0.0, **evaluation}
-        if evaluation:
-            self.recorder.write({"round": server_round, **evaluation}, crash_stage=("record", server_round))
-        training = self._recorded.pop(server_round, {"round": server_round})
-        log.info(round_line({**training, **evaluation}, self.num_rounds))
+        """Complete round r's record with its evaluation (``RoundLedger.write_evaluation``); the evaluator's
+        receiving thread calls this too."""
+        self.ledger.write_evaluation(server_round, evaluation, self.num_rounds)
 
     def make_durable(self, server_round: int) -> None:
         """Round r's step and its clients' pending updates on disk, its training record, then its
@@ -357,19 +313,8 @@ class Run:
             self.rounds_completed = server_round
 
     def record_round(self, server_round: int, extra: dict) -> None:
-        """Append round r's training record (``last_record``: the algorithm's fields and the run's clocks,
-        and ``extra``) to ``metrics.jsonl``."""
-        record = {"round": server_round, "algorithm": self.algorithm.algorithm}
-        self._modeled_wall_s += self.last_record.get("modeled_round_s", 0.0)
-        record.update(self.last_record, **extra, modeled_wall_s=self._modeled_wall_s)
-        if 0 < server_round < self.num_rounds and "last_reply" in self.driver.times:
-            # From the round's last reply to the next round's messages being out: only aggregation.
-            record["server_critical_path_s"] = self.driver.times["pushed"] - self.driver.times["last_reply"]
-        record["elapsed_s"] = time.perf_counter() - self._started
-        if server_round < self.num_rounds:
-            record["eta_s"] = record["elapsed_s"] / server_round * (self.num_rounds - server_round)
-        self.recorder.write(record)
-        self._recorded[server_round] = record
+        """Append round r's training record, with ``extra`` (``RoundLedger.record``)."""
+        self.ledger.record(server_round, extra, self.num_rounds, self.driver)
 
     # ------------------------------------------------------------ checkpoint and resume
     def save_checkpoint(self, server_round: int) -> None:
@@ -379,8 +324,8 @@ class Run:
             Checkpoint(
                 round=server_round,
                 global_sha256=self._model_digest(self.algorithm.global_params),
-                elapsed_s=time.perf_counter() - self._started,
-                modeled_wall_s=self._modeled_wall_s,
+                elapsed_s=self.ledger.elapsed_s(),
+                modeled_wall_s=self.ledger.modeled_wall_s,
                 participation=self.participation.state(),
                 **self.algorithm.checkpoint_state(),
             ),
@@ -397,7 +342,7 @@ class Run:
             r for r in range(resumed_after) if r % self.config.eval_every == 0 and not done & records.get(r, {}).keys()
         ]
         for server_round in lost:
-            self.recorder.write({"round": server_round, "evaluation_skipped": 1})
+            self.ledger.recorder.write({"round": server_round, "evaluation_skipped": 1})
         if lost:
             log.warning("rounds %s were not evaluated before the run stopped: recorded as skipped", lost)
 
@@ -415,20 +360,19 @@ class Run:
             algorithm.global_params,
             algorithm.partition.all_names(),
             self.history.step_log,
-            self.recorder,
+            self.ledger.recorder,
             after_each_step=algorithm.step_applied,
         )  # keeps x^{R-1} for a full sync
         self._model_digest = core.ModelDigest(algorithm.partition.all_names())  # x is x^R now: hash it anew
         self.first_round = ckpt.round + 1
         self.resumed_from = Path(from_run_dir).expanduser().resolve()
         self.rounds_completed = ckpt.round
-        records = {r["round"]: r for r in self.recorder.read()}
-        last = records.get(ckpt.round, {})
+        records = {r["round"]: r for r in self.ledger.recorder.read()}
+        last, unevaluated = records.get(ckpt.round, {}), None
         if "evaluate_s" not in last and "heldout_loss" not in last:  # killed before its evaluation was written
-            self.unevaluated_round, self._recorded[ckpt.round] = ckpt.round, last
+            self.unevaluated_round, unevaluated = ckpt.round, (ckpt.round, last)
         self._count_lost_evaluations(records, ckpt.round)
-        self._modeled_wall_s = ckpt.modeled_wall_s
-        self._started = time.perf_counter() - ckpt.elapsed_s  # elapsed_s goes on where it stopped
+        self.ledger.resumed(ckpt.elapsed_s, ckpt.modeled_wall_s, unevaluated)  # its clocks go on where they stopped
         self.participation.carry(ckpt.participation)
         algorithm.resumed(ckpt)
         for partition_id, pending in ckpt.pending.items():  # this folder's own copy of the checkpoint:

@@ -649,7 +649,10 @@ def run_deployment(
     with contextlib.ExitStack() as stack:
         # Unix socket paths are limited to ~100 bytes: keep them short, under /tmp.
         sockets = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="parablock-")))
-        superlink = stack.enter_context(local_superlink(workdir, simulation=False, tls=tls, node_auth=secure))
+        # The SuperLink starts the ServerApp's process, which inherits its environment: the same tunables.
+        tunables = {"GLIBC_TUNABLES": env["GLIBC_TUNABLES"]}
+        superlink = stack.enter_context(local_superlink(workdir, simulation=False, tls=tls, node_auth=secure,
+                                                        env=tunables))  # fmt: skip
         workers = _start_workers(stack, workdir, sockets, env, num_supernodes, node_settings)
         nodes = _start_nodes(stack, workdir, sockets, env, superlink, tls, num_supernodes, node_settings)
         stack.callback(stop_side_by_side, [*nodes, *workers])  # first, then the SuperLink

@@ -217,7 +217,7 @@ class NodeWorker:
         server withdrew it or it cannot be fetched."""
         offer = self.stream.offer(request)
         if offer.run_id != request.run_id:
-            raise node.Refused(f"message pushed ahead: for run {offer.run_id}; expected run {request.run_id}")
+            raise node.RequestRefused(f"message pushed ahead: for run {offer.run_id}; expected run {request.run_id}")
         own = self.stream.content_for(request.run_id, offer.server_round)
         if own is not None:
             futures_wait([own])  # the content comes; the round may start from it (``serve_from_stream``)
@@ -228,7 +228,7 @@ class NodeWorker:
         try:
             timeout_s = 2 * RunConfig.from_flower(request.run_config).round_timeout_s  # the capability's lifetime
         except ConfigError as err:
-            raise node.Refused(f"run config refused: {err}") from None
+            raise node.RequestRefused(f"run config refused: {err}") from None
         content = self.stream.message_content(offer, request.run_id, self.node_settings(request.node), timeout_s)
         if content is None:
             raise node.StateIntact(f"{WITHDRAWN}round {offer.server_round}'s message went to this node on "
@@ -263,10 +263,10 @@ class NodeWorker:
         try:
             cfg = RunConfig.from_flower(request.run_config)
         except ConfigError as err:  # read before anything changes: the node is as it was
-            raise node.Refused(f"run config refused: {err}") from None
+            raise node.RequestRefused(f"run config refused: {err}") from None
         settings = self.node_settings(request.node)  # a refused one changes nothing
         if (refused := settings.refusal(cfg.model, cfg.dataset)) is not None:
-            raise node.Refused(refused)  # before admit: a run this node refuses does not take it from its run
+            raise node.RequestRefused(refused)  # before admit: a run this node refuses does not take it from its run
         node.check_fits(cfg, request.run_id, settings)  # the same: a run it cannot hold
         self.admit(request)
         ahead = self.stream.take_ahead(request.run_id, request.server_round)  # what moved before this message
@@ -365,14 +365,14 @@ class NodeWorker:
         if self.partition_id is None:
             self.partition_id = partition_id
         elif partition_id != self.partition_id:
-            raise node.Refused(
+            raise node.RequestRefused(
                 f"partition-id={partition_id} refused: this worker serves partition-id={self.partition_id} "
                 f"(one worker per node: give each SuperNode its own worker-socket)"
             )
         if run_id == self.run_id:
             return
         if run_id in self.left_runs:
-            raise node.Refused(
+            raise node.RequestRefused(
                 f"round {request.server_round} of run {run_id} refused: this worker left that run for run "
                 f"{self.run_id} (last answered round {self.node.state.last_round})"
             )
@@ -389,12 +389,12 @@ class NodeWorker:
 
     def node_settings(self, node_config: dict) -> NodeSettings:
         """The node's own data and device (its node config, relayed), the device defaulting to ``--device``.
-        A node config's ``state-dir`` only confirms the worker's own: any other is refused (``node.Refused``)."""
+        A node config's ``state-dir`` only confirms the worker's own: any other is refused (``node.RequestRefused``)."""
         settings = NodeSettings.from_header(node_config)
         if settings.state_dir and (
             self.state_dir is None or os.path.realpath(settings.state_dir) != os.path.realpath(self.state_dir)
         ):
-            raise node.Refused(
+            raise node.RequestRefused(
                 f"node config state-dir={settings.state_dir!r} refused: this worker keeps its state in "
                 f"{self.state_dir}, set when it started (start it with --state-dir {settings.state_dir})"
             )

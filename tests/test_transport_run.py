@@ -706,7 +706,10 @@ def test_a_server_that_dies_during_a_nodes_transfer_is_dialled_again_at_once(hub
         hub.server.stop(0)
         go_on.set()
         uploading.join(20)
-        assert "UNAVAILABLE" in str(failed["err"].value) and "failed to connect" not in str(failed["err"].value)
+        # The call in flight ends UNAVAILABLE, or CANCELLED when the server's stop wins the race (a loaded
+        # machine): either way the address was reached, not a failure to connect.
+        why = str(failed["err"].value)
+        assert ("UNAVAILABLE" in why or "CANCELLED" in why) and "failed to connect" not in why, why
         with pytest.raises(StreamUnusable) as next_call:
             side.fetch(offer)  # dialled at once: nothing answers now, and that failure to connect is what marks it
         assert "failed to connect" in str(next_call.value) and "not dialled again" not in str(next_call.value)

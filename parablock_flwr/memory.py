@@ -42,9 +42,9 @@ def map_large_buffers() -> bool:
     around it: a deployed BCD worker of a 0.30 B model grew round after round, to 1.3 times plan's figure by
     round 4 (docs/results/deployed_memory.md now). With the environment's ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``
     (``HUGE_PAGES``; ``tools.launch`` and the units in deploy/ set it) each mapping asks for transparent huge
-    pages, so that a fresh buffer's pages fault in 2 MiB at a time. Fresh pages still cost the server's legs
-    a round on this VM (docs/transport.md, "Pages faulted in each round"): buffers reused across rounds are
-    the next step.
+    pages, so that a fresh buffer's pages fault in 2 MiB at a time (without it, the server's aggregation took
+    twice as long: docs/transport.md, "Pages faulted in each round"). Buffers reused across rounds would save
+    the faults too: not done yet.
 
     Call it first, before the process's threads allocate. Logs one line saying what holds, for the operator;
     False (nothing changed) where the C library is not glibc."""

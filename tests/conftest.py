@@ -1,5 +1,5 @@
-"""Fixtures (a tiny real Llama with a locally trained tokenizer; TLS files for the stream), and the `e2e`
-marker applied to every test that starts Flower processes. What tests import is in helpers.py."""
+"""Fixtures (a tiny real Llama with a locally trained tokenizer; TLS files for the stream), and the check that
+every test that starts Flower processes is marked `e2e`. What tests import is in helpers.py."""
 
 from __future__ import annotations
 
@@ -60,13 +60,17 @@ def starts_flower(func, depth: int = 3, seen: set | None = None) -> bool:
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items):
-    """Mark `e2e` every test that starts Flower processes (its function or one of its fixtures calls a
-    function of helpers.STARTS_FLOWER): the fast tier (`-m "not e2e and not netns and not slow"`) then cannot
-    start one by mistake, also in files that mix unit tests and `flwr run` tests."""
+    """Every test that starts Flower processes (its function or one of its fixtures calls a function of
+    helpers.STARTS_FLOWER) carries the `e2e` marker, written on it: the fast tier
+    (`-m "not e2e and not netns and not slow"`) then cannot start one by mistake. A test that starts Flower
+    without it stops the collection, naming it."""
+    unmarked = []
     for item in items:
         if item.get_closest_marker("e2e") is not None or not hasattr(item, "function"):
             continue
         fixtures = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
         funcs = [item.function] + [d.func for defs in fixtures.values() for d in defs]
         if any(starts_flower(f) for f in funcs):
-            item.add_marker(pytest.mark.e2e)
+            unmarked.append(item.nodeid)
+    if unmarked:
+        raise pytest.UsageError(f"these tests start Flower processes; mark them @pytest.mark.e2e: {unmarked}")

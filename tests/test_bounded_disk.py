@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from parablock_flwr.config import RunConfig
@@ -42,6 +43,7 @@ def test_prune_keeps_two_snapshots_and_the_steps_after_the_older_and_a_replica_b
 ROUNDS = 6
 
 
+@pytest.mark.e2e  # starts Flower processes
 def test_a_bounded_log_catches_up_nodes_that_missed_rounds_and_stops_growing(tmp_path, tiny_model_dir):
     """3 clients, one sampled per round, 6 rounds, a snapshot every 2: nodes come back after steps were
     dropped and get a full sync instead of a catch-up; every client's local model is still exactly

@@ -62,6 +62,7 @@ def test_strategy_key_is_checked():
     assert strategy_class("fedbcd", "parablock_flwr.strategies:FedBCD") is FedBCD
 
 
+@pytest.mark.e2e  # starts Flower processes
 @pytest.mark.parametrize("strategy, clients", [(TRIMMED, 5), (LARGEST, 2)], ids=["trimmed-mean", "largest-update"])
 def test_examples_run_through_flwr_run(tmp_path, tiny_model_dir, strategy, clients):
     run = simulate(

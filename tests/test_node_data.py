@@ -172,6 +172,7 @@ def three_sites(tmp_path_factory, tiny_model_dir):
     return finished(result, out)
 
 
+@pytest.mark.e2e  # starts Flower processes
 def test_three_sites_train_on_their_own_files_and_evaluate_on_their_own_heldout_rows(three_sites):
     run = three_sites
     assert run.returncode == 0 and run.run_dir is not None, run.stdout[-4000:] + run.stderr[-2000:]

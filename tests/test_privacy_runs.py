@@ -4,6 +4,7 @@ that draws the same secret noise and goes on with the accountant, and the budget
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from parablock_flwr import privacy, report
@@ -14,6 +15,7 @@ from helpers import simulate_in_process
 DP = dict(weighting="uniform", dp_clip_norm=0.05, dp_noise_multiplier=0.3)
 
 
+@pytest.mark.e2e  # starts Flower processes
 def test_a_dp_run_keeps_the_invariant_in_int8_and_a_resume_draws_the_same_secret_noise(tmp_path, tiny_model_dir):
     """ParaBlock, int8 with error feedback, central DP with the server's secret seed (``dp-noise-seed = -1``),
     ``verify-invariant``: every node's model is ``x^{r-1} + Δ_i^r`` to the bit in every round, the noisy step
@@ -38,6 +40,7 @@ def test_a_dp_run_keeps_the_invariant_in_int8_and_a_resume_draws_the_same_secret
     assert header.endswith("epsilon") and last_row.endswith(f"{trained[-1]['dp_epsilon']:.2f}")
 
 
+@pytest.mark.e2e  # starts Flower processes
 def test_the_run_stops_before_the_round_that_would_pass_dp_target_epsilon(tmp_path, tiny_model_dir):
     """``dp-target-epsilon`` between the epsilon of 2 and 3 rounds: rounds 1 and 2 run and are checkpointed,
     round 3 is not started, and the run ends as a documented stop (exit code 6), not as a plain success."""

@@ -84,6 +84,7 @@ def runs(tmp_path_factory, tiny_model_dir):
     return out
 
 
+@pytest.mark.e2e  # starts Flower processes
 @pytest.mark.parametrize("label", ["parablock", "fedbcd", "parablock-dp", "fedbcd-dp-local"])
 def test_the_app_equals_the_reference_bit_for_bit(runs, label):
     app, _, _, rounds, models = runs[label]
@@ -93,6 +94,7 @@ def test_the_app_equals_the_reference_bit_for_bit(runs, label):
         assert not different, f"{label}, round {r}: x^{r} differs in {different[:3]}"
 
 
+@pytest.mark.e2e  # starts Flower processes
 def test_without_the_correction_the_app_equals_the_reference_up_to_rounding(runs):
     _, _, _, rounds, models = runs["none"]
     for r, (theirs, ours) in enumerate(zip(models, rounds), start=1):
@@ -101,6 +103,7 @@ def test_without_the_correction_the_app_equals_the_reference_up_to_rounding(runs
     assert reference.largest_difference(rounds[-1].x, rounds[0].x) > 100 * UNCORRECTED_ATOL  # training moved x
 
 
+@pytest.mark.e2e  # starts Flower processes
 def test_the_runs_cover_stale_and_returning_clients_and_repeated_blocks(runs):
     """The equality means something: ParaBlock's clients started from their own previous update and
     from x^{r-1} after sitting a round out; some block was trained two rounds in a row."""
@@ -111,6 +114,7 @@ def test_the_runs_cover_stale_and_returning_clients_and_repeated_blocks(runs):
     assert any(a.block == b.block for a, b in zip(rounds, rounds[1:]))
 
 
+@pytest.mark.e2e  # starts Flower processes
 def test_the_dp_runs_clipped_noised_and_accounted(runs):
     """The DP runs' equality means something: central mode clipped updates (the nodes said so) and charged
     every sampled site; the noise moved x away from the run without it (the same draw, ``parablock``)."""
@@ -125,6 +129,7 @@ def test_the_dp_runs_clipped_noised_and_accounted(runs):
     assert reference.largest_difference(plain, noisy) > 1e-3
 
 
+@pytest.mark.e2e  # starts Flower processes
 def test_the_app_samples_the_reference_s_draw_over_partition_ids(runs):
     """Each run's clients are the reference's seeded draw over partition ids, whatever node ids
     Flower gave them (before: the same positions over random node ids, other clients each run)."""
@@ -133,6 +138,7 @@ def test_the_app_samples_the_reference_s_draw_over_partition_ids(runs):
         assert trained == {r: reference.sample(cfg, n, r) for r in trained}, label
 
 
+@pytest.mark.e2e  # starts Flower processes
 def test_both_algorithms_train_the_same_steps_and_examples_per_client(runs):
     """Counted on the reference: every sampled client takes K steps over K x B examples, and its batches
     are the same for BCD and ParaBlock when both train it in the same round."""

@@ -100,6 +100,11 @@ class RoundDriver:
         self._deadline = time.monotonic() + self.round_timeout_s
         return sent
 
+    def resend(self, grid: Grid, messages: Iterable[Message]) -> dict[str, int]:
+        """A round re-sent to the nodes without a valid reply (``push``), counted in ``round_retries``."""
+        self.counts["round_retries"] += 1
+        return self.push(grid, messages)
+
     def push_ahead(self, grid: Grid, server_round: int, nodes: set[int]) -> None:
         """Round r's messages pushed now, while round r-1 is in flight, to those of ``nodes`` the channel gives
         one (``Channel.message_ahead``: with the direct transport, nodes whose last reply committed its update on

@@ -221,7 +221,6 @@ class Run:
             reasons = "; ".join(f"node {r.node}: {r.reason}" for r in outcome.rejected[-3:]) or "no replies"
             raise TooFewReplies(f"round {outcome.server_round}: {outcome.reason} ({reasons})",
                                 kind="timeout" if outcome.num_replies == 0 else "too-few-replies")  # fmt: skip
-        self.driver.counts["round_retries"] += 1
         done = {r.node for r in outcome.accepted}
         nodes = [n for n in self.algorithm.round_nodes if n not in done]
         log.warning("round %d: %d valid replies, fewer than min-accepted-replies=%d: re-sending to %d nodes "
@@ -229,7 +228,7 @@ class Run:
                     len(nodes), retries + 1, cfg.max_round_retries)  # fmt: skip
         self.driver.withdraw(outcome.server_round + 1, set(nodes))  # their next messages, pushed ahead, came first
         messages = self.algorithm.train_messages(outcome.server_round, nodes, *message)
-        return self.driver.push(grid, self.outgoing(outcome.server_round, messages, first=False))
+        return self.driver.resend(grid, self.outgoing(outcome.server_round, messages, first=False))
 
     def outgoing(
         self, server_round: int, messages: Iterable[Message], update: bool = True, first: bool = True

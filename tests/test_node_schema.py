@@ -41,7 +41,7 @@ def test_any_header_reaches_the_node_read_through_the_schema_or_is_refused_in_on
     worker = NodeWorker()
     handled = []
     worker.handle_request = lambda request, arrays, *_: handled.append(request) or ({"metrics": {}}, {})
-    before = (worker.run_id, worker.partition_id, worker.last, worker.node.state)
+    before = (worker.run_id, worker.partition_id, worker.answers.last, worker.node.state)
     try:
         reply, arrays = worker.serve_request(header, {})
     finally:
@@ -54,7 +54,7 @@ def test_any_header_reaches_the_node_read_through_the_schema_or_is_refused_in_on
         return
     assert set(reply) == {"error", "state-intact"} and reply["state-intact"] is True, reply
     assert "\n" not in reply["error"] and arrays == {}
-    assert (worker.run_id, worker.partition_id, worker.last, worker.node.state) == before
+    assert (worker.run_id, worker.partition_id, worker.answers.last, worker.node.state) == before
 
 
 # ------------------------------------------------------------------ the runtime's door

@@ -381,7 +381,7 @@ def test_any_mix_of_replies_moves_the_model_by_the_valid_ones_alone(specs, algor
         for name in SHAPES:
             assert torch.equal(params[name], expected[name]), name
         # the valid replies' evaluations of x^{r-1}, aggregated (and only theirs)
-        assert run.client_evaluations.get(ROUND - 1, {}).get("heldout_examples", 0) == evaluated
+        assert run.client_evaluations.by_version.get(ROUND - 1, {}).get("heldout_examples", 0) == evaluated
 
 
 def aggregate(run: Run, replies: list[Message]) -> dict:

@@ -442,7 +442,7 @@ def test_a_bounded_step_log_is_pruned_only_between_rounds_never_while_a_rounds_n
 def test_a_slow_finish_never_loses_replies_and_the_last_round_is_durable_before_its_evaluation(
     tmp_path, tiny_model_dir
 ):
-    """Round 1's record takes longer than ``round-timeout-s`` (a slow disk, a long evaluation): round 2's
+    """Round 1's record and checkpoint take longer than ``round-timeout-s`` (a slow disk, a long evaluation): round 2's
     replies came in time, but its messages expired before the first pull, and Flower 1.42's SuperLink then
     answers each with its notice (``MESSAGE_UNAVAILABLE``), not the reply. The run pulls at least once all
     the same, counts those nodes missing (not rejected), and retries the round, whose replies it
@@ -451,10 +451,10 @@ def test_a_slow_finish_never_loses_replies_and_the_last_round_is_durable_before_
     rounds, checkpointed_at_final_evaluation = 2, []
 
     class SlowRecord(Run):
-        def record_round(self, server_round, extra):
+        def save_checkpoint(self, server_round):
             if server_round == 1:
                 time.sleep(2.0)
-            super().record_round(server_round, extra)
+            super().save_checkpoint(server_round)
 
     run = make_run(tmp_path, tiny_model_dir, rounds, round_timeout_s=1.0, evaluation="clients")
     run.__class__ = SlowRecord

@@ -189,9 +189,10 @@ def worker_rounds_on_stream(
                         stream.publish_message(r, 0, content_to_bytes(body))
                         if not message_first:
                             deadline = time.monotonic() + 120
-                            while (worker.last is None or worker.last[0][3] != r) and time.monotonic() < deadline:
+                            answers = worker.answers
+                            while (answers.last is None or answers.last[0][3] != r) and time.monotonic() < deadline:
                                 time.sleep(0.02)
-                            assert worker.last[0][3] == r, f"round {r} did not start from its content on the stream"
+                            assert answers.last[0][3] == r, f"round {r} did not start from its content on the stream"
                             answer = clientapp.submit(worker.serve_request, header, {})
                         reply, pieces = answer.result(timeout=120)
                 else:
@@ -243,7 +244,7 @@ def test_a_worker_starts_a_round_when_its_content_comes_on_the_stream_and_its_me
     assert [r["sha256"] for r in started] == [r["sha256"] for r in plain]
     assert [r["metrics"].get(key("direct_content_fetched")) for r in started] == [None, 1, 1]
     # A round's message that Flower delivers after later rounds were answered gets its own round's answer.
-    late, _ = worker.answered(("train", RUN, 0, 2), pushed_ahead=True)
+    late, _ = worker.answers.answered(("train", RUN, 0, 2), pushed_ahead=True)
     assert late["metrics"] == started[1]["metrics"] and late[key("stream_commit")] == started[1][key("stream_commit")]
 
 

@@ -18,6 +18,7 @@ from flwr.app import Message
 
 from ..config import RunConfig
 from ..messages import METRICS, EvaluateReply
+from ..strategies.reply_checks import Reply
 
 log = logging.getLogger(__name__)
 
@@ -85,3 +86,33 @@ def aggregate(rows: list[EvaluateReply]) -> dict:
         out["task_accuracy"] = sum(float(e.task_accuracy) * float(e.task_examples) for e in answered) / n
         out["task_examples"] = int(n)
     return out
+
+
+class ClientEvaluations:
+    """The nodes' aggregated evaluations by version, each held until the record it completes is written."""
+
+    def __init__(self, config: RunConfig):
+        self.config = config
+        self.by_version: dict[int, dict] = {}
+
+    def request(self, version: int, num_rounds: int) -> dict:
+        """What asks the nodes of round ``version + 1`` to evaluate ``x^version`` (``request``)."""
+        return request(self.config, version, num_rounds)
+
+    def collect(self, version: int, replies: list[Reply]) -> None:
+        """The nodes' evaluations of ``x^version`` that came with round ``version + 1``'s accepted replies."""
+        rows = [EvaluateReply(r.partition_id, r.metrics.evaluation) for r in replies
+                if r.metrics.evaluation is not None and r.metrics.evaluation.eval_version == version]  # fmt: skip
+        if rows:
+            self.by_version[version] = aggregate(rows)
+
+    def collect_final(self, version: int, replies: Iterable[Message]) -> None:
+        """The replies to the EVALUATE message of ``x^version`` sent after the last round."""
+        if rows := valid_rows(replies, version):
+            self.by_version[version] = aggregate(rows)
+
+    def take(self, version: int | None = None) -> list[tuple[int, dict]]:
+        """``version``'s evaluation (empty if none came), or with None every one held, in version order."""
+        if version is not None:
+            return [(version, self.by_version.pop(version, {}))]
+        return [(v, self.by_version.pop(v)) for v in sorted(self.by_version)]

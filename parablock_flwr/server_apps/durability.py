@@ -1,16 +1,19 @@
-"""What the run makes durable beside its loop, each in a class of its own: the global model's history (``StepHistory``:
-each applied step logged once the next round's messages are out, snapshots, pruning) and the clients' pending
-updates staged for the round's checkpoint (``PendingStaging``, on a writer thread). ``Run.make_durable`` orders them
-before the round's record and checkpoint."""
+"""What the run makes durable beside its loop, and what a restarted run reads back: the global model's history
+(``StepHistory``: each applied step logged once the next round's messages are out, snapshots, pruning), the clients'
+pending updates staged for the round's checkpoint (``PendingStaging``, on a writer thread), and a checkpoint replayed
+(``replay_checkpoint``). ``Run.make_durable`` orders them before the round's record and checkpoint."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from pathlib import Path
 
 from .. import core
-from ..checkpoint import clear_staged_pending, stage_pending
+from ..checkpoint import Checkpoint, clear_staged_pending, replay_run, stage_pending
+from ..metrics import RunRecorder
 from ..replica import StepLog
 
 # Clients' updates staged for the checkpoint that may wait for the writer thread in memory: a round of a
@@ -94,3 +97,40 @@ class PendingStaging:
         """The run failed: the writes still queued are of a round that will not be checkpointed."""
         if self.writer is not None:
             self.writer.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass
+class Replayed:
+    """What a checkpoint of round R gives a restarted run besides ``x^R`` (rebuilt in place): ``step``, ``g^R``
+    (round R+1's message carries it); ``unevaluated``, round R and its record when its evaluation was not
+    written (killed first); ``lost_evaluations``, earlier rounds the server's evaluator had still to evaluate."""
+
+    step: core.Tensors
+    unevaluated: tuple[int, dict] | None
+    lost_evaluations: list[int]
+
+
+def replay_checkpoint(
+    from_run_dir: Path,
+    ckpt: Checkpoint,
+    global_params: core.Tensors,
+    names: list[str],
+    history: StepHistory,
+    recorder: RunRecorder,
+    step_applied: Callable[[core.Tensors], None],
+    eval_every: int | None,
+) -> Replayed:
+    """``x^R`` rebuilt in ``global_params`` as ``x^0`` plus the logged steps of ``from_run_dir`` (checked against
+    the stored digest; ``step_applied`` sees each step's old values), its steps and records copied into this
+    run's folder (``replay_run``). ``eval_every``: the server evaluates every that many rounds (None: it does not).
+
+    A lost evaluation is one of a round before R that the evaluator lagged behind when the run stopped: its
+    ``x^r`` may be pruned from the step log, so it is recorded as skipped, and counted, rather than lost."""
+    step = replay_run(from_run_dir, ckpt, global_params, names, history.step_log, recorder,
+                      after_each_step=step_applied)  # fmt: skip
+    records = {r["round"]: r for r in recorder.read()}
+    last = records.get(ckpt.round, {})
+    unevaluated = None if "evaluate_s" in last or "heldout_loss" in last else (ckpt.round, last)
+    done = {"heldout_loss", "evaluate_s", "evaluation_skipped"}
+    lost = [r for r in range(ckpt.round) if eval_every and r % eval_every == 0 and not done & records.get(r, {}).keys()]
+    return Replayed(step, unevaluated, lost)

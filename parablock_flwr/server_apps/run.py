@@ -1,22 +1,12 @@
-"""The run around an algorithm's rounds: Flower's round loop, each round's record and
-checkpoint, resume, and the server's evaluation beside the loop (``ServerEvaluator``).
+"""The run around an algorithm's rounds: Flower's round loop, each round's record and checkpoint, resume.
 
-The algorithm decides, the run acts. The run calls the algorithm; the algorithm holds no reference to
-the run and never imports this module (the one thing of the run's it is handed is the writer of
-pending updates, an argument of ``aggregate_train``). The boundary is small:
-
-- the run asks the algorithm for a round's messages (Flower's ``configure_train``, given the run's
-  part of the round config; ``train_messages`` again for a retry; ``configure_evaluate`` for the
-  nodes' final evaluation) and for what the replies come to (``aggregate_train``, given the replies,
-  the messages they answer and where pending updates go): a ``RoundOutcome``; and for its
-  ``summary`` line, once;
-- the run does everything with a side effect: pushing and pulling against deadlines through the run's
-  ``Channel`` (``RoundDriver``), retries and stopping (``TooFewReplies``), the step log and staged pending
-  updates (``durability``), participation (``Participation``), clocks, the nodes' evaluations, records,
-  checkpoints (``checkpoint_state``) and resume (``resumed``, ``step_applied``);
-- besides, it reads the algorithm's public settings and model (``config``, ``algorithm``,
-  ``partition``, ``global_params``, ``run_dir``) and what it knows of nodes (``round_nodes``,
-  ``partition_of``).
+The algorithm decides, the run acts; neither calls the other back. The run asks the algorithm for a round's
+messages (``configure_train``; ``train_messages`` for a retry; ``configure_evaluate`` for the nodes' final
+evaluation) and for what the replies come to (``aggregate_train``: a ``RoundOutcome``, given where pending updates
+are staged). Everything with a side effect is the run's, in parts that do not call each other: pushing and pulling
+through the run's ``Channel`` (``RoundDriver``), records, clocks and exclusions (``RoundLedger``,
+``Participation``), the step log, staging and resume (``durability``), the nodes' evaluations
+(``ClientEvaluations``) and the server's (``ServerEvaluator``, in a process of its own).
 """
 
 from __future__ import annotations
@@ -33,29 +23,27 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
 from .. import core
-from ..checkpoint import Checkpoint, replay_run, save_checkpoint
-from ..messages import EvaluateReply, RoundConfig
+from ..checkpoint import Checkpoint, save_checkpoint
+from ..messages import RoundConfig
 from ..records import to_record
-from ..strategies.reply_checks import Reply
 from ..transport.channel import Channel
 from ..transport.server_side import update_bound
-from . import client_evaluation
-from .durability import PendingStaging, StepHistory
-from .ledger import RoundLedger
-from .participation import Participation
+from .client_evaluation import ClientEvaluations
+from .durability import PendingStaging, StepHistory, replay_checkpoint
+from .ledger import Participation, RoundLedger
 from .round_driver import RoundDriver
 
 if TYPE_CHECKING:
     from ..strategies.fedbcd.server import FedBCD, RoundOutcome
+    from ..strategies.reply_checks import Reply
 
 log = logging.getLogger(__name__)
+RoundMessage = tuple[ArrayRecord, ConfigRecord]  # a round's step and the run's part of its config
 
 
 class TooFewReplies(RuntimeError):
-    """A round kept fewer valid replies than ``min-accepted-replies``: the run stops.
-
-    ``kind`` is ``timeout`` when no node answered at all, else ``too-few-replies``.
-    """
+    """A round kept fewer valid replies than ``min-accepted-replies``: the run stops (``kind``: ``timeout``
+    when no node answered at all, else ``too-few-replies``)."""
 
     def __init__(self, message: str, kind: str = "too-few-replies"):
         super().__init__(message)
@@ -63,20 +51,15 @@ class TooFewReplies(RuntimeError):
 
 
 class Run:
-    """One run of ``algorithm``: the loop, the records, the clocks, the checkpoint, resume.
-
-    ``evaluator`` (a ``ServerEvaluator``, or None) evaluates each round's ``x^r`` on a replica of
-    its own, beside the loop: the loop hands it each durable round and never waits for it.
-    """
+    """One run of ``algorithm`` through ``channel``. ``evaluator`` (a ``ServerEvaluator``, or None) evaluates
+    each durable round's ``x^r`` on a replica of its own, beside the loop, which never waits for it."""
 
     def __init__(self, algorithm: FedBCD, evaluator=None, channel: Channel | None = None):
         self.algorithm = algorithm
         self.config = algorithm.config
         self.run_dir = run_dir = algorithm.run_dir
         self.history = StepHistory(run_dir, self.config.snapshot_every)  # x's steps, durably, beside the loop
-        # ParaBlock's pending updates go to disk on a thread of their own, in the order staged: the
-        # round's aggregation and next messages do not wait for N clients' blocks to be written.
-        self.staging = PendingStaging(run_dir)
+        self.staging = PendingStaging(run_dir)  # ParaBlock's pending updates, on a writer thread
         self._model_digest = core.ModelDigest(algorithm.partition.all_names())  # rehashes what steps change
         self.ledger = RoundLedger(run_dir, self.config.metrics_sink, algorithm.algorithm)  # records and clocks
         self.evaluator = evaluator
@@ -85,31 +68,21 @@ class Run:
         self.first_round = 1  # R+1 when resumed from round R's checkpoint
         self.resumed_from: Path | None = None  # the resumed run's folder, resolved here once for every node
         self.rounds_completed = 0  # the last round whose checkpoint is on disk
-        # evaluation = "clients": version -> the nodes' aggregated held-out evaluation of x^version; it comes
-        # with round version+1's replies, after round version's record is written (which it then completes).
-        self.client_evaluations: dict[int, dict] = {}
+        self.client_evaluations = ClientEvaluations(self.config)  # x^r's, from round r+1's replies
         self.unevaluated_round: int | None = None  # resumed after a round whose evaluation was lost
         self.participation = Participation(algorithm.partition_of, self.config.round_timeout_s,
                                            self.config.max_consecutive_rejections)  # fmt: skip
-        # Push and pull against the round's deadline, a push in batches of at most one model's worth of arrays,
-        # through ``channel``: Flower's path, or (transport = "direct" in a deployment) the run's stream beside it
-        # (``DirectChannel``). The loop calls the same hooks either way.
+        # Pushes in batches of at most one model's worth of arrays; Flower's path unless a channel is given.
         model_bytes = sum(t.numel() * t.element_size() for t in algorithm.global_params.values())
         self.driver = RoundDriver(channel if channel is not None else Channel(), self.config.round_timeout_s,
                                   self.config.pull_interval_s, model_bytes)  # fmt: skip
 
     # ------------------------------------------------------------ the loop
     def start(self, grid: Grid, first_step: ArrayRecord) -> Result:
-        """Flower's round loop, from ``first_round``, with nothing but aggregation between a
-        round's last reply and the next round's messages.
-
-        Round r's messages go out as soon as ``g^{r-1}`` exists; round r-1's step (and any
-        snapshot), its clients' pending updates, its record and checkpoint are then made durable
-        while round r's replies are outstanding, and handed to the evaluator, which evaluates on
-        its own replica (a stopped run loses at most the round in flight; no reply waits for an
-        evaluation or a disk). ``first_step`` is the step round ``first_round`` sends (empty in
-        round 1).
-        """
+        """Flower's round loop, from ``first_round`` (``first_step``: the step it sends, empty in round 1), with
+        nothing but aggregation between a round's last reply and the next round's messages. Round r-1's step,
+        pending updates, record and checkpoint are made durable, and its evaluation handed on, once round r's
+        messages are out: no reply waits for a disk, and a stopped run loses at most the round in flight."""
         self.algorithm.summary()
         if self.evaluator is not None:
             self.evaluator.begin(self)
@@ -123,7 +96,7 @@ class Run:
                     break
                 self.driver.new_round()
                 self.prune_step_log()  # before the messages: no node of this round reads what it drops
-                config = self.round_part(server_round, self.client_evaluation_request(server_round - 1))
+                config = self.round_part(server_round)
                 messages = self.algorithm.configure_train(server_round, arrays, config, grid)
                 sent = self.driver.push(grid, self.outgoing(server_round, messages), ahead_round=server_round)
                 if self.config.transport_messages_ahead and server_round < self.num_rounds:
@@ -142,7 +115,10 @@ class Run:
             if due is not None:
                 self.make_durable(due)  # before the nodes' final evaluation, which may take round-timeout-s
             self.final_client_evaluation(grid, result.arrays)
-            self.close_stream(grid, due if due is not None else self.num_rounds)
+            # The channel closes once the last reply is in; what it counted after the last record completes it.
+            self.ledger.final_counts(
+                due if due is not None else self.num_rounds, self.driver.close(grid, self.num_rounds + 1)
+            )
             if due is not None:
                 self.conclude_round(due)
             self.prune_step_log()
@@ -163,25 +139,20 @@ class Run:
         self.stopped_early, self.num_rounds = why, server_round - 1
         self.driver.withdraw(server_round)  # round r's messages pushed ahead (their replies dropped)
 
-    def round_part(self, server_round: int, evaluation: dict, resumed: bool = True) -> ConfigRecord:
-        """The run's part of round r's config (``RoundConfig``): its folder, and for a resumed run the
-        round its checkpoint holds (whose residuals a node goes on from: it may have answered later rounds
-        before the server stopped) and its folder as the server resolved it (a relative resume-from means
-        nothing in a Ray actor's directory); ``evaluation``: what the nodes evaluate."""
+    def round_part(self, server_round: int, resumed: bool = True) -> ConfigRecord:
+        """The run's part of round r's config (``RoundConfig``): its folder, what the nodes evaluate
+        (``evaluation = "clients"``: ``x^{r-1}``), and for a resumed run the round its checkpoint holds (whose
+        residuals a node goes on from: it may have answered later rounds before the server stopped) and its
+        folder as the server resolved it (a relative resume-from means nothing in a Ray actor's directory)."""
+        evaluation = self.client_evaluations.request(server_round - 1, self.num_rounds)
         part = RoundConfig(server_round=server_round, run_dir=str(self.run_dir), **evaluation)
         if resumed and self.first_round > 1:
             part = replace(part, resumed_after=self.first_round - 1, resume_dir=str(self.resumed_from))
         return ConfigRecord(part.to_config())
 
     # ------------------------------------------------------------ a round's replies
-    def aggregate(
-        self,
-        server_round: int,
-        replies: Iterable[Message],
-        sent: dict[str, int],
-        grid: Grid | None,
-        message: tuple[ArrayRecord, ConfigRecord] = (ArrayRecord(), ConfigRecord()),
-    ) -> RoundOutcome:
+    def aggregate(self, server_round: int, replies: Iterable[Message], sent: dict[str, int], grid: Grid | None,
+                  message: RoundMessage | None = None) -> RoundOutcome:  # fmt: skip
         """Round r's replies (answering ``sent``) checked as they arrive and aggregated by the algorithm;
         then ``g^r`` logged, the round's participation, clocks and the nodes' evaluations noted. Too few
         valid replies: the round is re-sent to the nodes without one (``on-too-few-replies = "retry"``, at
@@ -206,7 +177,7 @@ class Run:
         outcome.record.update(self.driver.channel.end_round(server_round))  # e.g. the stream's fallbacks and refusals
         reasons = {r.node: r.reason for r in outcome.rejected}
         self.participation.note_round(self.algorithm.round_nodes, {r.node for r in outcome.accepted}, reasons)
-        self.collect_client_evaluation(server_round - 1, outcome.accepted)
+        self.client_evaluations.collect(server_round - 1, outcome.accepted)
         outcome.record.update(self.ledger.clock({r.node: r.metrics for r in outcome.accepted}, self.driver))
         self.ledger.last = outcome.record
         return outcome
@@ -217,7 +188,7 @@ class Run:
         """Too few valid replies: re-send the round to the nodes without one (returns what was pushed),
         or stop the run (``on-too-few-replies = "stop"``, the retries spent, or no grid to re-send on)."""
         cfg, retries = self.config, self.driver.counts["round_retries"]
-        if cfg.on_too_few_replies == "stop" or retries >= cfg.max_round_retries or grid is None:
+        if cfg.on_too_few_replies == "stop" or retries >= cfg.max_round_retries or grid is None or message is None:
             reasons = "; ".join(f"node {r.node}: {r.reason}" for r in outcome.rejected[-3:]) or "no replies"
             raise TooFewReplies(f"round {outcome.server_round}: {outcome.reason} ({reasons})",
                                 kind="timeout" if outcome.num_replies == 0 else "too-few-replies")  # fmt: skip
@@ -230,20 +201,19 @@ class Run:
         messages = self.algorithm.train_messages(outcome.server_round, nodes, *message)
         return self.driver.resend(grid, self.outgoing(outcome.server_round, messages, first=False))
 
-    def outgoing(
-        self, server_round: int, messages: Iterable[Message], update: bool = True, first: bool = True
-    ) -> Iterator[Message]:
+    def outgoing(self, server_round: int, messages: Iterable[Message], update: bool = True,
+                 first: bool = True) -> Iterator[Message]:  # fmt: skip
         """``messages`` as the channel sends them (``Channel.outgoing``; with the direct transport their block
         records on the run's stream, with a capability to upload the round's update if ``update``, bounded by
         its block's size, and round r+1's capabilities). ``first``: the round's first push, not a retry's."""
-        bound = self.update_bound if update else None
-        return self.driver.channel.outgoing(messages, server_round, bound, server_round >= self.num_rounds, first,
-                                     self.config.transport_messages_ahead)  # fmt: skip
 
-    def update_bound(self, server_round: int) -> int:
-        """The most bytes a node's update of round r's block may take on the stream (``update_bound``)."""
-        names = self.algorithm.partition.names(self.algorithm.block_for_round(server_round))
-        return update_bound(sum(self.algorithm.global_params[n].numel() for n in names), len(names))
+        def bound(r: int) -> int:  # the most bytes a node's update of round r's block may take on the stream
+            names = self.algorithm.partition.names(self.algorithm.block_for_round(r))
+            return update_bound(sum(self.algorithm.global_params[n].numel() for n in names), len(names))
+
+        return self.driver.channel.outgoing(messages, server_round, bound if update else None,
+                                            server_round >= self.num_rounds, first,
+                                            self.config.transport_messages_ahead)  # fmt: skip
 
     def prune_step_log(self) -> None:
         """What the newest snapshot made redundant, between rounds, but no step the server's evaluator has
@@ -251,36 +221,16 @@ class Run:
         self.history.prune(self.evaluator.version if self.evaluator is not None else None)
 
     # ------------------------------------------------------------ evaluation
-    def client_evaluation_request(self, version: int) -> dict:
-        """``evaluation = "clients"``: what asks the nodes of round ``version + 1`` to evaluate ``x^version``."""
-        return client_evaluation.request(self.config, version, self.num_rounds)
-
-    def collect_client_evaluation(self, version: int, replies: list[Reply]) -> None:
-        """The nodes' evaluations of ``x^version`` that came with round ``version + 1``'s replies."""
-        rows = [EvaluateReply(r.partition_id, r.metrics.evaluation) for r in replies
-                if r.metrics.evaluation is not None and r.metrics.evaluation.eval_version == version]  # fmt: skip
-        if rows:
-            self.client_evaluations[version] = client_evaluation.aggregate(rows)
-
     def final_client_evaluation(self, grid: Grid, arrays: ArrayRecord) -> None:
         """``evaluation = "clients"``: the nodes of the last round evaluate ``x^R`` (an EVALUATE message
         carrying ``g^R`` and any catch-up) after the last round."""
         num_rounds = self.num_rounds
         if self.config.evaluation != "clients" or not self.algorithm.round_nodes:
             return
-        config = self.round_part(num_rounds + 1, self.client_evaluation_request(num_rounds), resumed=False)
+        config = self.round_part(num_rounds + 1, resumed=False)
         messages = self.algorithm.configure_evaluate(num_rounds + 1, arrays, config, grid)
         sent = self.driver.push(grid, self.outgoing(num_rounds + 1, messages, update=False))
-        replies = self.driver.replies(grid, sent, num_rounds + 1)
-        if rows := client_evaluation.valid_rows(replies, num_rounds):
-            self.client_evaluations[num_rounds] = client_evaluation.aggregate(rows)
-
-    def close_stream(self, grid: Grid, last_round: int) -> None:
-        """The channel closes once the last reply is in (the nodes' final evaluation included;
-        ``RoundDriver.close``), and what it counted after round ``last_round``'s record was written completes that
-        record as ``final_*``: no fallback, refusal or audit goes uncounted because no round was left to record it."""
-        if counts := self.driver.close(grid, self.num_rounds + 1):
-            self.ledger.recorder.write({"round": last_round, **{f"final_{name}": n for name, n in counts.items()}})
+        self.client_evaluations.collect_final(num_rounds, self.driver.replies(grid, sent, num_rounds + 1))
 
     def conclude_round(self, server_round: int) -> None:
         """Round r's record and checkpoint made durable, then its evaluation handed on (r = 0: the
@@ -290,9 +240,8 @@ class Run:
         if self.evaluator is not None:
             self.evaluator.submit(server_round)
         else:
-            self.write_evaluation(server_round, self.client_evaluations.pop(server_round, {}))
-        for version in sorted(self.client_evaluations):  # earlier rounds' records, completed by appending
-            done = self.client_evaluations.pop(version)
+            self.write_evaluation(*self.client_evaluations.take(server_round)[0])
+        for version, done in self.client_evaluations.take():  # earlier rounds' records, completed by appending
             self.ledger.recorder.write({"round": version, **done})
             log.info("round %d: heldout_loss %.4f (clients' own held-out rows)", version, done["heldout_loss"])
 
@@ -307,81 +256,41 @@ class Run:
         if server_round > self.rounds_completed:
             step_log_s = self.history.write(server_round, self.algorithm.global_params)  # what the checkpoint counts on
             self.staging.wait()
-            self.record_round(server_round, {"step_log_write_s": step_log_s})
+            self.ledger.record(server_round, {"step_log_write_s": step_log_s}, self.num_rounds, self.driver)
             self.save_checkpoint(server_round)
             self.rounds_completed = server_round
-
-    def record_round(self, server_round: int, extra: dict) -> None:
-        """Append round r's training record, with ``extra`` (``RoundLedger.record``)."""
-        self.ledger.record(server_round, extra, self.num_rounds, self.driver)
 
     # ------------------------------------------------------------ checkpoint and resume
     def save_checkpoint(self, server_round: int) -> None:
         """After round r is recorded: what a restarted server needs (``checkpoint.py``)."""
-        save_checkpoint(
-            self.run_dir,
-            Checkpoint(
-                round=server_round,
-                global_sha256=self._model_digest(self.algorithm.global_params),
-                elapsed_s=self.ledger.elapsed_s(),
-                modeled_wall_s=self.ledger.modeled_wall_s,
-                participation=self.participation.state(),
-                **self.algorithm.checkpoint_state(),
-            ),
-        )
-
-    def _count_lost_evaluations(self, records: dict[int, dict], resumed_after: int) -> None:
-        """Rounds before ``resumed_after`` that the server's evaluator had still to evaluate when the run
-        stopped (it lags the loop): their ``x^r`` may be pruned from the step log, so they are recorded
-        as skipped, and counted on the last line, rather than lost without a word."""
-        if self.evaluator is None or self.config.evaluation != "server":
-            return
-        done = {"heldout_loss", "evaluate_s", "evaluation_skipped"}
-        lost = [
-            r for r in range(resumed_after) if r % self.config.eval_every == 0 and not done & records.get(r, {}).keys()
-        ]
-        for server_round in lost:
-            self.ledger.recorder.write({"round": server_round, "evaluation_skipped": 1})
-        if lost:
-            log.warning("rounds %s were not evaluated before the run stopped: recorded as skipped", lost)
+        ledger, params = self.ledger, self.algorithm.global_params
+        save_checkpoint(self.run_dir, Checkpoint(
+            round=server_round, global_sha256=self._model_digest(params), elapsed_s=ledger.elapsed_s(),
+            modeled_wall_s=ledger.modeled_wall_s, participation=self.participation.state(),
+            **self.algorithm.checkpoint_state()))  # fmt: skip
 
     def resume(self, from_run_dir: Path, ckpt: Checkpoint) -> ArrayRecord:
-        """Continue the run in ``from_run_dir`` after its last complete round R (``ckpt``).
-
-        ``x^R`` is rebuilt as ``x^0`` plus the logged steps (checked against the stored
-        digest); the steps and the records of rounds 0..R are copied into this run's
-        folder. Returns ``g^R``, the step that round R+1's message carries.
-        """
-        algorithm = self.algorithm
-        step = replay_run(
-            from_run_dir,
-            ckpt,
-            algorithm.global_params,
-            algorithm.partition.all_names(),
-            self.history.step_log,
-            self.ledger.recorder,
-            after_each_step=algorithm.step_applied,
-        )  # keeps x^{R-1} for a full sync
-        self._model_digest = core.ModelDigest(algorithm.partition.all_names())  # x is x^R now: hash it anew
-        self.first_round = ckpt.round + 1
+        """Continue the run in ``from_run_dir`` after its last complete round R (``ckpt``): ``x^R`` rebuilt
+        and its history copied here (``replay_checkpoint``), the clocks, participation, the algorithm's state
+        and the clients' pending updates carried, and this folder's own checkpoint written (resumable from its
+        first moment). Returns ``g^R``, the step that round R+1's message carries."""
+        algorithm, names = self.algorithm, self.algorithm.partition.all_names()
+        server_eval = self.evaluator is not None and self.config.evaluation == "server"
+        replayed = replay_checkpoint(from_run_dir, ckpt, algorithm.global_params, names, self.history,
+                                     self.ledger.recorder, algorithm.step_applied,
+                                     self.config.eval_every if server_eval else None)  # fmt: skip
+        self._model_digest = core.ModelDigest(names)  # x is x^R now: hash it anew
+        self.first_round, self.rounds_completed = ckpt.round + 1, ckpt.round
         self.resumed_from = Path(from_run_dir).expanduser().resolve()
-        self.rounds_completed = ckpt.round
-        records = {r["round"]: r for r in self.ledger.recorder.read()}
-        last, unevaluated = records.get(ckpt.round, {}), None
-        if "evaluate_s" not in last and "heldout_loss" not in last:  # killed before its evaluation was written
-            self.unevaluated_round, unevaluated = ckpt.round, (ckpt.round, last)
-        self._count_lost_evaluations(records, ckpt.round)
-        self.ledger.resumed(ckpt.elapsed_s, ckpt.modeled_wall_s, unevaluated)  # its clocks go on where they stopped
+        if replayed.unevaluated is not None:
+            self.unevaluated_round = ckpt.round
+        self.ledger.resumed(ckpt.elapsed_s, ckpt.modeled_wall_s, replayed.unevaluated, replayed.lost_evaluations)
         self.participation.carry(ckpt.participation)
         algorithm.resumed(ckpt)
-        for partition_id, pending in ckpt.pending.items():  # this folder's own copy of the checkpoint:
-            self.staging.stage(partition_id, pending)  # resumable from its first moment
+        for partition_id, pending in ckpt.pending.items():
+            self.staging.stage(partition_id, pending)
         self.staging.wait()
         self.save_checkpoint(ckpt.round)
-        log.info(
-            "Resumed from %s after round %d (%d pending client updates to hand back)",
-            from_run_dir,
-            ckpt.round,
-            len(ckpt.pending),
-        )
-        return to_record(step, self.config.transfer_dtype)  # a checkpoint is written after round 1 at the earliest
+        log.info("Resumed from %s after round %d (%d pending client updates to hand back)", from_run_dir,
+                 ckpt.round, len(ckpt.pending))  # fmt: skip
+        return to_record(replayed.step, self.config.transfer_dtype)  # a checkpoint comes after round 1 at the earliest

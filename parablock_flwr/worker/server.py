@@ -51,12 +51,12 @@ from ..node.state import NodeState, ResidualStore
 from ..runtime import setup_torch
 from ..transport.node_side import Prefetched
 from ..wire import WireError, pack_pieces, unpack
+from .answers import Answers
 from .endpoint import MessageLimit, WorkerSocket
 from .protocol import ProtocolError, recv, send
 from .stream import EarlyUpload, WorkerStream
 
 log = logging.getLogger(__name__)
-ANSWERS_KEPT = 8  # rounds whose replies (headers only) answer a message Flower delivers late
 
 
 def split_records(arrays: dict[str, np.ndarray]) -> dict[str, core.Tensors]:
@@ -118,12 +118,7 @@ class NodeWorker:
         self.run_id: int | None = None
         self.left_runs: set[int] = set()  # runs replaced by a newer one on this worker
         self.partition_id: int | None = None  # pinned by the first request
-        self.last: tuple[tuple, tuple[dict, dict[str, np.ndarray]]] | None = None  # (request key, its reply)
-        # The last rounds' replies that carry no arrays (their updates on the stream), by request key: with rounds
-        # started from the stream, Flower may deliver a round's message after later rounds were answered.
-        self.answers: dict[tuple, tuple[dict, dict]] = {}
-        self.last_failed = False  # ``last`` is the failure of a round started from its content (``answered``)
-        self.tried: tuple | None = None  # the last request key computed (or tried), under ``lock``
+        self.answers = Answers()  # what it answered, by request key, under ``lock``: a repeat gets the same reply
         self.last_reply_sent = 0.0  # when the reply of ``last_reply_round`` left this worker (first on the stream)
         self.last_reply_round = 0
         self._stamp_lock = threading.Lock()
@@ -166,11 +161,11 @@ class NodeWorker:
         replaces = replaces or any(relay_split(n)[0] == RESUME_PENDING for n in arrays)
         key = (request.op, request.run_id, request.partition_id, config.server_round)
         with self.lock:
-            if from_stream and self.tried == key:  # its message came first: that was the round's one try
+            if from_stream and self.answers.tried == key:  # its message came first: that was the round's one try
                 return WorkerReply(error="round tried already", state_intact=True).to_header(), {}
-            if not replaces and (answered := self.answered(key, pushed_ahead)) is not None:
+            if not replaces and (answered := self.answers.answered(key, pushed_ahead)) is not None:
                 return answered
-            self.tried = key
+            self.answers.tried = key
             if from_stream:
                 log.info("round %d: its content came on the stream; started before its message", config.server_round)
             failure = None
@@ -184,30 +179,9 @@ class NodeWorker:
                 failure = WorkerReply(error=error_line(err))
             if failure is not None:
                 reply = failure.to_header(), {}
-            if failure is None or from_stream:  # a round started from its content: its message gets this answer
-                self.last, self.last_failed = (key, reply), failure is not None
-            if failure is None and not reply[1]:  # (its update on the stream: a header, a few kB)
-                self.answers[key] = reply
-                while len(self.answers) > ANSWERS_KEPT:
-                    del self.answers[next(iter(self.answers))]
+            self.answers.keep(key, reply, failed=failure is not None, from_stream=from_stream)
             self.release_due = self.release_due or (replaces and failure is None)
             return reply
-
-    def answered(self, key: tuple, pushed_ahead: bool):
-        """The reply already made for ``key``'s round (under ``lock``), or None: a repeat gets the same reply,
-        never a second computation. A round started from its content that failed answers its message pushed
-        ahead only, once: a retry of that round (its records inline, say) is computed."""
-        if self.last is None or self.last[0] != key:
-            return self.answers.get(key)  # a round's message that Flower delivers after later rounds were answered
-        reply = self.last[1]
-        if self.last_failed:
-            if not pushed_ahead:
-                return None
-            self.last, self.last_failed = None, False
-            return reply
-        log.info("round %d again (or started from its content on the stream): the same reply, not a second "
-                 "computation", key[3])  # fmt: skip
-        return reply
 
     def content_request(self, request: WorkerRequest):
         """A message pushed a round ahead, as its ClientApp relayed it (its offer names the content on the
@@ -222,7 +196,8 @@ class NodeWorker:
         if own is not None:
             futures_wait([own])  # the content comes; the round may start from it (``serve_from_stream``)
         with self.lock:  # a round started from its content holds the lock until it has answered
-            answered = self.answered((request.op, request.run_id, request.partition_id, offer.server_round), True)
+            key = (request.op, request.run_id, request.partition_id, offer.server_round)
+            answered = self.answers.answered(key, True)
         if answered is not None:
             return request, answered
         try:
@@ -269,7 +244,7 @@ class NodeWorker:
             raise node.RequestRefused(refused)  # before admit: a run this node refuses does not take it from its run
         node.check_fits(cfg, request.run_id, settings)  # the same: a run it cannot hold
         self.admit(request)
-        ahead = self.stream.take_ahead(request.run_id, request.server_round)  # what moved before this message
+        ahead = self.stream.take_transfers_ahead(request.run_id, request.server_round)  # what moved before this message
         offer = self.stream.offer(request)  # transport = "direct": the records wait on the run's stream
         arrays, prefetched = self.stream_records(offer, ahead, arrays, settings, cfg.round_timeout_s)
         setup_torch(cfg)
@@ -311,7 +286,7 @@ class NodeWorker:
         log.info(round_line(metrics, sum(a.nbytes for a in arrays.values()), bytes_out, moved))
         if offer is not None and reply.committed:  # on the stream: round r+1's bytes move from now on
             early_update = self.node.early_update(cfg, request.server_round + 1)
-            self.stream.start_ahead(offer, request.run_id, cfg.transfer_dtype, early_update)
+            self.stream.start_transfers_ahead(offer, request.run_id, cfg.transfer_dtype, early_update)
             self.start_from_stream(request)
         return reply.header, reply.pieces
 
@@ -379,8 +354,8 @@ class NodeWorker:
         if self.run_id is not None:
             self.left_runs.add(self.run_id)
         self.node.drop_ahead()
-        self.node.state, self.run_id, self.last, self.last_reply_sent = NodeState(), run_id, None, 0.0
-        self.last_failed, self.last_reply_round, self.answers = False, 0, {}
+        self.node.state, self.run_id, self.last_reply_sent, self.last_reply_round = NodeState(), run_id, 0.0, 0
+        self.answers.forget()
         log.info("new run %s", run_id)
 
     def residual_store(self, settings: NodeSettings, partition_id: int) -> ResidualStore | None:

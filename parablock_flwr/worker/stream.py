@@ -125,7 +125,7 @@ class WorkerStream:
         self.content: tuple[int, int, Future] | None = None
         self._closed = threading.Event()  # the worker exits: a transfer ahead not yet started does not start
 
-    def start_ahead(
+    def start_transfers_ahead(
         self, offer: TransportOffer, run_id: int, transfer_dtype: str, early: Callable[[], EarlyUpdate | None]
     ) -> None:
         """After round r's reply committed on the stream: round r+1's global step fetched as soon as the server
@@ -197,7 +197,7 @@ class WorkerStream:
         self.transport.close()
         self._ahead_pool.shutdown(wait=False, cancel_futures=True)
 
-    def take_ahead(self, run_id: int, server_round: int) -> AheadTransfers | None:
+    def take_transfers_ahead(self, run_id: int, server_round: int) -> AheadTransfers | None:
         """The transfers started for this round of this run, if any; any other is forgotten."""
         ahead, self.ahead = self.ahead, None
         return ahead if ahead is not None and (ahead.run_id, ahead.server_round) == (run_id, server_round) else None

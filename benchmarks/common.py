@@ -71,6 +71,7 @@ def write_report(
     path = RESULTS_DIR / f"{name}.md"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(head + lead + report.rstrip() + "\n")
+    write_index(path)
     return path
 
 
@@ -88,11 +89,21 @@ def replace_doc_section(heading: str, body: str, dated: bool = False, doc: Path 
     doc.parent.mkdir(parents=True, exist_ok=True)
     if start is None:
         doc.write_text(text.rstrip("\n") + "\n\n" + section)
-        return doc
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-    tail = "".join(lines[end:])
-    doc.write_text("".join(lines[:start]) + section + ("\n" + tail if tail else ""))
+    else:
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+        tail = "".join(lines[end:])
+        doc.write_text("".join(lines[:start]) + section + ("\n" + tail if tail else ""))
+    write_index(doc)
     return doc
+
+
+def write_index(page: Path) -> None:
+    """docs/results.md written again from the pages (``results_index``) once ``page`` is, so that a rerun leaves
+    it current; only for the project's own pages (a test writes its pages elsewhere)."""
+    from benchmarks.results_index import INDEX, PAGES, index  # it reads this module's helpers
+
+    if page.resolve().parent == PAGES.resolve():
+        INDEX.write_text(index())
 
 
 def slug(heading: str) -> str:

@@ -21,6 +21,13 @@ records are kept under ``--workdir``: an interrupted study continues where it st
     .venv/bin/python -m benchmarks.convergence                    # everything (about 100 min here)
     .venv/bin/python -m benchmarks.convergence --parts tiny       # one part
     .venv/bin/python -m benchmarks.convergence --quick --no-write # a smoke check
+
+Reading the page: ParaBlock follows sequential BCD, and the correction is what keeps it there: without it the
+clients' models drift from the global one and the gap grows with rounds. Per byte, block coordinate descent
+beats full FedAvg. A page measured while the server sampled over Flower's node ids (random per run, as at
+7f17889) compares, within one seed, algorithms that trained different clients; the same clients were compared
+by an experiment no longer in the tree (``git show 774a9fb:benchmarks/reference_gap.py``). On the default
+data SmolLM2 learns the answers' format and their prior, not the logic: read its held-out loss.
 """
 
 from __future__ import annotations

@@ -14,6 +14,9 @@ round's wall time and the node's compute, since how a process holds memory chang
 The model is a wide, shallow Llama (``tools.tiny_model.build_tiny_model``: 8 layers, ``--hidden``, a vocabulary
 of 512) in two 4-layer blocks, trained with bf16 weights and precision: at hidden 2048 that is 0.30 B
 parameters and two blocks of 151 M, the shape an operator's 1B model has per block.
+
+Reading the page: ParaBlock's worker holds more than BCD's, its pending update and the update sent while the
+next block trains.
 """
 
 from __future__ import annotations

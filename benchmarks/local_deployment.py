@@ -7,6 +7,9 @@ to docs/results/local_deployment.md with the command that reproduces it.
 
     .venv/bin/python -m benchmarks.local_deployment                 # embedded SmolLM2, 2 nodes, 3 rounds
     .venv/bin/python -m benchmarks.local_deployment --tiny --rounds 3
+
+Every process shares the machine's cores here, the workers' compute among them, so ParaBlock saves less
+of a round than with compute on a core of its own (``benchmarks.overlap``).
 """
 
 from __future__ import annotations

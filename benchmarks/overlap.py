@@ -27,6 +27,11 @@ share CPU 0 with Flower's processes.
 
 Writes into --out: overlap.json and the PNGs; without --fast also docs/results/overlap.json (the
 summary) and docs/results/overlap.md with the PNGs under docs/img/.
+
+Reading the page: ParaBlock hides the smaller of compute C and the window W, so its round is at best
+max(C, W) where sequential BCD's is C + W: half of it at rate*, where the two are equal, and less of a saving
+toward either end of the rate range. The overlap needs compute and Flower's processes on cores of their own;
+where they share the cores (the page's 2-node run, ``benchmarks.local_deployment``) the saving is smaller.
 """
 
 from __future__ import annotations

@@ -10,6 +10,13 @@ could not do (docs/privacy.md, "Choosing the clip norm"): here it only places th
 
     .venv/bin/python -m benchmarks.privacy                       # embedded SmolLM2, 2 clients, 4 rounds
     .venv/bin/python -m benchmarks.privacy --tiny --rounds 2 --no-write
+
+Reading the page: with two sites the mean's noise, σ C / 2 on every weight of the block, is far larger than
+what a round moves a weight, so any noise that gives a meaningful ε destroys the model. Client-level DP needs
+many sites (the noise on the mean falls as 1 / n) or many rounds of small updates; this benchmark has neither,
+and says only that the mechanism runs, costs what the noise implies, and is accounted. Where ParaBlock loses
+more than BCD under the smallest noise (one seed), a suspect is its stale start, which does not see the noise
+of ``g^{r-1}`` until the correction; not studied further.
 """
 
 from __future__ import annotations

@@ -16,6 +16,12 @@ and residuals) and its number of files, the wall time per round, and the server'
 
 Writes docs/results/scale.md (its command at the top) unless ``--no-write``; ``--section`` names the
 part of that page a command writes, so that several commands share it.
+
+Reading the page: a virtual client's pending update and residuals live on disk under the run folder, read
+only by the actor that serves it, so memory does not grow with the clients that only exist. Where every
+client is sampled every round, some memory per client remains, mostly in Ray's actors and Flower's simulation
+process (not yet pinned down). With a rounding ``transfer-dtype`` a client's disk is its pending update plus
+the fp32 residual of each block it trained: more than one block.
 """
 
 from __future__ import annotations

@@ -12,6 +12,14 @@ ideal max(C, T_BCD - C) / T_BCD: ParaBlock hides C, so at best a round costs wha
 
     .venv/bin/python -m benchmarks.stand_in --hidden 1536 2560 --compute-s 2.5 --report   # a section each setting
     .venv/bin/python -m benchmarks.stand_in --hidden 512 --rounds 4          # the smallest, as CI runs it
+
+Reading the page: the ideal counts all of BCD's time besides C as work ParaBlock cannot hide, so ParaBlock may
+come out below it, where it hides some of that work too. Where ParaBlock's server critical path is longer than
+BCD's, two suspects, of a 2-core machine as much as of the code: the worker's per-byte work for the next round
+(its update rounded and uploaded ahead) runs beside the server's aggregation, where BCD's worker is idle; and
+ParaBlock's aggregation stages each client's pending update for the checkpoint (a block in fp32, written on a
+thread beside it). Buffers mapped afresh each round cost the rounds too (docs/transport.md, "Pages faulted in
+each round"); a pool of block-sized buffers reused across rounds is the next step.
 """
 
 from __future__ import annotations

@@ -34,6 +34,12 @@ sizes on Flower's path, it predicts the round time of a third.
 Writes into --out: window.json and window.png; without --fast or --no-docs also docs/results/window.json,
 the PNG under docs/img/ and docs/results/window.md. The 1 GB runs need about 12 GiB of free memory; with less
 they are not started, and the table says so.
+
+Reading the page: on Flower's path a block's window is Flower's processes more than the bytes. With
+``direct`` the bytes leave Flower's messages; with messages a round ahead, their content taken by the node's
+worker from the stream, Flower's delivery and the ClientApp's start leave the critical path; with replies on
+the stream, Flower's reply does too. What is left is the upload, the server's aggregation and the step's
+download, each a pass over the bytes on one core (docs/transport.md, "Not done yet").
 """
 
 from __future__ import annotations

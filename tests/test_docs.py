@@ -3,8 +3,9 @@ excerpt of a tested source file, marked on the line just before it with ``<!-- f
 (each non-blank line of the block is a line of that file, in order, whitespace inside a line aside;
 the file is a module the tests import), or runs as it is (exec in a fresh namespace). docs/deploy-8b.md's bash
 blocks: each is run on loopback (tests/test_deploy_recipe.py) or needs what this machine lacks (below).
-The results page's commands name benchmarks whose ``--help`` runs, and its links, and those of the files
-under docs/results/, resolve."""
+The results page is the index ``benchmarks.results_index`` writes from the files under docs/results/; its
+commands name benchmarks whose ``--help`` runs, and its links, and those of the files under docs/results/,
+resolve."""
 
 from __future__ import annotations
 
@@ -113,6 +114,14 @@ def test_every_results_command_names_a_benchmark_whose_help_runs(module, monkeyp
     assert stopped.value.code == 0, f"docs/results.md: python -m {module} --help exited {stopped.value.code}"
     first_line = found.__doc__.strip().splitlines()[0]
     assert first_line in capsys.readouterr().out, f"python -m {module} --help does not say what it measures"
+
+
+def test_the_results_page_is_the_index_written_from_the_generated_pages():
+    """Issue 46: no figure is typed into docs/results.md by hand. It is what ``benchmarks.results_index`` writes
+    from docs/results/*.md, so every page is listed with the command, commit and machine the page gives."""
+    from benchmarks.results_index import index
+
+    assert RESULTS.read_text() == index(), "docs/results.md is stale: run python -m benchmarks.results_index"
 
 
 def test_the_results_pages_links_resolve():

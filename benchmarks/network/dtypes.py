@@ -8,6 +8,9 @@ own time away (``8 x bytes / rate`` and twice the latency), and the predicted ro
 compute + window) of every run against the measured one. Writes results.json's ``dtype_sweep``, a
 figure (window-vs-rate.png, with matplotlib) and docs/results/network-dtypes.md. The same fit on two
 runs of your own is ``python -m benchmarks.time_model``.
+
+Reading the page: where the link is fast, every dtype's window is about the same, Flower's cost per exchange
+rather than the link's; where it is slow, the bytes count, and bf16 or int8 shorten the window.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ intra-op pool is process-wide, and the thread shares the GIL with the loop that 
 replies. The process runs at the lowest CPU priority Linux gives an unprivileged process
 (``SCHED_IDLE``, else nice 19), every thread of it, torch's pool included: on a busy CPU it only
 takes the time Flower's processes leave. Priority does not stop it from sharing a core's caches
-with Flower's copies of a block, which lengthens them (docs/results.md): ``eval-cpus`` gives
+with Flower's copies of a block, which lengthens them: ``eval-cpus`` gives
 it cores of its own.
 
 When it falls behind: the loop never waits. It hands over round numbers (a queue of integers, sent

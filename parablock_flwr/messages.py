@@ -156,8 +156,8 @@ def catch_up_name(version: int, param: str) -> str:
 
 def catch_up_step(tensors: Mapping[str, Any], version: int) -> dict[str, Any]:
     """Step ``g^version``'s tensors out of ``CATCH_UP``'s (``catch_up_name``)."""
-    prefix = f"v{version}/"
-    return {n[len(prefix) :]: t for n, t in tensors.items() if n.startswith(prefix)}
+    prefix = f"v{version}/"  # names first: a node's records decode a tensor only when it is read
+    return {n[len(prefix) :]: tensors[n] for n in tensors if n.startswith(prefix)}
 
 
 # ------------------------------------------------------------------ node -> server

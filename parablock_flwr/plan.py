@@ -312,12 +312,13 @@ def worker_terms(cfg: RunConfig, shape: ModelShape, block: int) -> dict[str, dic
         "restore_copies": restore if bf16 else 0,
         "last_step_values": largest * 4 if bf16 else 0,
         "residuals": shape.trainable * 4 if rounding else 0,  # every block's error feedback, kept between rounds
-        "pending_update": largest * 4 if ahead else 0,  # Δ_i^r, kept on the replica until the next step
+        # Δ_i^r, kept until the next step as it travelled (``core.EncodedTensors``: int8 a quarter of fp32)
+        "pending_update": (sent if rounding else largest * 4) if ahead else 0,
         "update": largest * 4,  # Δ as the computation returns it, until it is rounded
-        # SENDING, once the block has trained: the update rounded and its new residual, the step decoded, and
-        # the bytes of both; a node running ahead moves the bytes while the next block trains.
+        # SENDING, once the block has trained: the update rounded and its new residual, and the bytes of the update
+        # and of the step (kept as they came, each tensor decoded when applied: ``wire.Decoded``); a node running
+        # ahead moves the bytes while the next block trains.
         "update_rounded": largest * 4 * 2 * rounding,
-        "step_decoded": largest * 4,
         "bytes_on_the_wire": 2 * sent,
     }
     return {"device": device, "host": host}
@@ -327,7 +328,7 @@ def worker_terms(cfg: RunConfig, shape: ModelShape, block: int) -> dict[str, dic
 # node's peak holds the larger of the two beside what it keeps (``Plan.cpu_total``).
 COMPUTING = ("block_training_state", "activations", "logits_fp32_x3", "autocast_block_copy",
              "adamw_step_beyond_backward", "restore_copies")  # fmt: skip
-SENDING = ("update_rounded", "step_decoded", "bytes_on_the_wire")
+SENDING = ("update_rounded", "bytes_on_the_wire")
 
 
 def transfer_bytes_per_value(transfer_dtype: str) -> float:

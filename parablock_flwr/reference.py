@@ -29,7 +29,8 @@ Start points (``START``): a sampled client trains block ``b_r`` from
   (``x^{r-2} + Δ_i^{r-1} = x^{r-1} + (Δ_i^{r-1} − g^{r-1})``, on block ``b_{r-1}``):
   ``fresh-plus-own``: ``x^{r-1} + Δ_i^{r-1}``; ``stale``: ``x^{r-2}``.
 
-Its study of the alpha 0.1 gap was made by an experiment no longer in the tree (git history: benchmarks/reference_gap.py).
+Its study of the alpha 0.1 gap was made by an experiment no longer in the tree
+(git history: benchmarks/reference_gap.py).
 """
 
 from __future__ import annotations

@@ -19,10 +19,11 @@ the payload's dtype says how.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -92,8 +93,8 @@ def round_and_pack(
     rounded: Tensors = {}
     for i, (name, tensor) in enumerate(tensors.items()):  # decoded as a receiver decodes each tensor
         scales = pieces[SCALES][i] if transfer_dtype == "int8" else None
-        (flat,) = _decode_values(pieces[VALUES][i], transfer_dtype, [tensor.numel()], scales)
-        rounded[name] = flat.view(tensor.shape)
+        (decode,) = _decoders(pieces[VALUES][i], transfer_dtype, [tensor.numel()], scales)
+        rounded[name] = decode().view(tensor.shape)
     return rounded, pieces
 
 
@@ -107,14 +108,17 @@ def unpack(
     expected: Mapping[str, tuple[int, ...]] | None = None,
     transfer_dtype: str | None = None,
     read_only: bool = False,
-) -> Tensors:
+    lazy: bool = False,
+) -> Mapping[str, torch.Tensor]:
     """The fp32 tensors a packed record stands for, in ``expected``'s order when given (else the layout's).
 
     ``expected``: the names and shapes the receiver knows the record must hold; ``transfer_dtype``: the
     payload dtype it must travel in. Raises ``WireError`` for a record refused. No arrays at all stand for
     no tensors (the server's first global step is an empty record). ``read_only``: fp32 values may be
     views of a read-only payload, which the caller only reads (the server's checks of a reply: its values
-    are decoded once, when they are combined)."""
+    are decoded once, when they are combined). ``lazy``: everything is checked now, but each tensor is decoded to
+    fp32 only when read, again at each read (``Decoded``): a node keeps the round's global step as it came, not a
+    block in fp32 beside the next block's training."""
     if not arrays:
         check_layout({}, expected or {})
         return {}
@@ -136,9 +140,30 @@ def unpack(
     sizes = [math.prod(shape) for shape in layout.values()]
     if values.size != sum(sizes):
         raise WireError(f"values: {values.size:,} numbers, expected {sum(sizes):,} ({len(sizes)} tensors' shapes)")
-    parts = _decode_values(values, dtype, sizes, arrays.get(SCALES), read_only)
-    out = {name: t.view(shape) for (name, shape), t in zip(layout.items(), parts)}
+    decoders = _decoders(values, dtype, sizes, arrays.get(SCALES), read_only)
+    if lazy:
+        out = Decoded({name: (shape, d) for (name, shape), d in zip(layout.items(), decoders)})
+        return out if expected is None else Decoded({name: out.parts[name] for name in expected})
+    out = {name: d().view(shape) for (name, shape), d in zip(layout.items(), decoders)}
     return out if expected is None else {name: out[name] for name in expected}
+
+
+class Decoded(Mapping[str, torch.Tensor]):
+    """A checked record's tensors, each decoded to fp32 when read (``unpack(lazy=True)``), from the payload it
+    came in: a quarter (int8) or half (bf16, fp16) of the fp32 bytes held, and one tensor's fp32 at a time."""
+
+    def __init__(self, parts: dict[str, tuple[tuple[int, ...], Callable[[], torch.Tensor]]]):
+        self.parts = parts
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        shape, decode = self.parts[name]
+        return decode().view(shape)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.parts)
+
+    def __len__(self) -> int:
+        return len(self.parts)
 
 
 def read_layout(array: np.ndarray) -> dict[str, tuple[int, ...]]:
@@ -172,26 +197,31 @@ def check_layout(layout: Mapping[str, tuple[int, ...]], expected: Mapping[str, t
             raise WireError(f"wrong shape for {name}: {layout[name]}, expected {tuple(shape)}")
 
 
-def _decode_values(
+def _decoders(
     values: np.ndarray, dtype: str, sizes: list[int], scales, read_only: bool = False
-) -> list[torch.Tensor]:
-    """Each tensor's flat fp32 values, in new memory of its own (a read-only payload, from a socket or a
-    Flower ``Array``, is read once; a writable fp32 payload is shared, and so is a read-only one when the
-    caller only reads, ``read_only``). One allocation per tensor, not one
-    block-sized buffer: the allocator reuses tensor-sized memory, a fresh block-sized buffer costs page faults
-    that on a busy machine take longer than the copy itself."""
+) -> list[Callable[[], torch.Tensor]]:
+    """For each tensor, what gives its flat fp32 values, in new memory of its own (a read-only payload, from a
+    socket or a Flower ``Array``, is read, not shared; a writable fp32 payload is shared, and so is a read-only
+    one when the caller only reads, ``read_only``). The scales are checked here, before any is used. One
+    allocation per tensor, not one block-sized buffer: the allocator reuses tensor-sized memory, a fresh
+    block-sized buffer costs page faults that on a busy machine take longer than the copy itself."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         parts = torch.split(torch.from_numpy(values), sizes)
     if dtype == "int8":
         scales = check_scales(scales, sum(int8_blocks(n) for n in sizes))
         per_tensor = torch.split(scales, [int8_blocks(n) for n in sizes])
-        return [dequantize_int8(p, s) for p, s in zip(parts, per_tensor)]
+        return [functools.partial(dequantize_int8, p, s) for p, s in zip(parts, per_tensor)]
     if scales is not None:
         raise WireError(f"scales with transfer-dtype={dtype}: expected them with int8 only")
     if dtype == "fp32":
-        return list(parts) if values.flags.writeable or read_only else [p.clone() for p in parts]
-    return [p.view(torch.bfloat16).float() if dtype == "bf16" else p.float() for p in parts]
+        shared = values.flags.writeable or read_only
+        return [functools.partial(_itself, p) if shared else p.clone for p in parts]
+    return [p.view(torch.bfloat16).float if dtype == "bf16" else p.float for p in parts]
+
+
+def _itself(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 def check_scales(scales, count: int) -> torch.Tensor:

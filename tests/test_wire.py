@@ -40,10 +40,13 @@ def test_rounded_values_travel_bit_exact_and_rounding_twice_changes_nothing(seed
     rounded = core.round_for_transfer(values, transfer_dtype)
     again = core.round_for_transfer(rounded, transfer_dtype)
     arrived = wire.unpack(wire.pack(rounded, transfer_dtype), dict(SHAPES), transfer_dtype)
+    read_when_used = wire.unpack(wire.pack(rounded, transfer_dtype), dict(SHAPES), transfer_dtype, lazy=True)
+    assert isinstance(read_when_used, wire.Decoded) and list(read_when_used) == list(SHAPES)
     for name in SHAPES:
         assert rounded[name].shape == SHAPES[name] and arrived[name].dtype == torch.float32
         assert torch.equal(again[name], rounded[name]), name
         assert torch.equal(arrived[name], rounded[name]), name
+        assert torch.equal(read_when_used[name], rounded[name]) and torch.equal(read_when_used[name], rounded[name])
 
 
 def reference_int8(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -117,6 +120,32 @@ def test_rounding_chunk_by_chunk_gives_the_whole_tensors_bits(seed, size, magnit
         core.transfer_precision.CHUNK_VALUES = chunk
     assert torch.equal(sent["t"].view(torch.int32), expected.view(torch.int32))
     assert torch.equal(kept["t"].view(torch.int32), (corrected - expected).view(torch.int32))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    seed=st.integers(0, 2**31),
+    shape=st.sampled_from([(0,), (1,), (255,), (257,), (3, 300), (2, 2, 129)]),
+    magnitude=magnitudes,
+    transfer_dtype=st.sampled_from(list(core.TRANSFER_DTYPES)),
+)
+def test_an_update_kept_as_it_travelled_reads_back_as_the_very_bits_sent(seed, shape, magnitude, transfer_dtype):
+    """A ParaBlock node keeps its pending update ``Δ_i^r`` as it travelled (``core.kept_encoded``: int8's values
+    and scales, bf16, fp16), not in fp32: each read gives ``sent``'s bits and shape, every time, and the values it
+    holds are the encoding's own (a quarter of fp32's bytes in int8). fp32 keeps ``sent`` itself."""
+    gen = torch.Generator().manual_seed(seed)
+    update = {"a": torch.randn(shape, generator=gen) * magnitude, "b": torch.randn(7, generator=gen)}
+    sent, _, encoded = core.round_with_feedback_encoded(update, None, transfer_dtype)
+    kept = core.kept_encoded(sent, encoded if transfer_dtype != "fp32" else None)
+    if transfer_dtype == "fp32":
+        assert kept is sent
+        return
+    assert isinstance(kept, core.EncodedTensors) and list(kept) == list(sent) and len(kept) == 2
+    for _ in range(2):
+        for name, t in kept.items():
+            assert t.shape == sent[name].shape and torch.equal(t.view(torch.int32), sent[name].view(torch.int32))
+    held = sum(v.nbytes + (s.nbytes if s is not None else 0) for v, s in encoded.values())
+    assert held <= sum(t.nbytes for t in sent.values()) * (0.27 if transfer_dtype == "int8" else 0.5) + 8
 
 
 @settings(max_examples=200, deadline=None)
@@ -208,13 +237,14 @@ def test_unpack_decodes_by_what_the_payload_carries():
     assert all(torch.equal(wire.unpack(arrays)[n], rounded[n]) for n in SHAPES)  # no setting needed
     reordered = wire.unpack(wire.pack(dict(reversed(rounded.items())), "int8"), SHAPES)  # another order
     assert list(reordered) == list(SHAPES) and all(torch.equal(reordered[n], rounded[n]) for n in SHAPES)
-    with pytest.raises(wire.WireError, match=r"wrong dtype for values: int8, expected int16 \(transfer-dtype=bf16\)"):
-        wire.unpack(arrays, transfer_dtype="bf16")
-    with pytest.raises(wire.WireError, match=r"wrong shape for w: \(7, 300\), expected \(300, 7\)"):
-        wire.unpack(arrays, {**SHAPES, "w": (300, 7)})
-    with pytest.raises(wire.WireError, match=r"scales: 11, expected 12 \(one per 256 values of each tensor\)"):
-        wire.unpack({**arrays, "scales": arrays["scales"][:-1]})
     bad = arrays["scales"].copy()
     bad[2] = np.float32(3.0)
-    with pytest.raises(wire.WireError, match=r"int8 scale 3.0: expected 0 or a power of two"):
-        wire.unpack({**arrays, "scales": bad})
+    for lazy in (False, True):  # a record read when used (a node's) is refused as soon as it is unpacked all the same
+        with pytest.raises(wire.WireError, match=r"wrong dtype for values: int8, expected int16 \(transfer-dtype="):
+            wire.unpack(arrays, transfer_dtype="bf16", lazy=lazy)
+        with pytest.raises(wire.WireError, match=r"wrong shape for w: \(7, 300\), expected \(300, 7\)"):
+            wire.unpack(arrays, {**SHAPES, "w": (300, 7)}, lazy=lazy)
+        with pytest.raises(wire.WireError, match=r"scales: 11, expected 12 \(one per 256 values of each tensor\)"):
+            wire.unpack({**arrays, "scales": arrays["scales"][:-1]}, lazy=lazy)
+        with pytest.raises(wire.WireError, match=r"int8 scale 3.0: expected 0 or a power of two"):
+            wire.unpack({**arrays, "scales": bad}, lazy=lazy)

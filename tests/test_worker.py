@@ -57,6 +57,23 @@ def test_a_full_sync_during_a_computation_ahead_leaves_the_invariant_exact(tmp_p
     assert worker.node.state.pending.base_version == 1 and worker.node.ahead is None
 
 
+@pytest.mark.parametrize("transfer_dtype", ["int8", "bf16"])
+def test_a_node_keeps_its_pending_update_as_it_sent_it(tmp_path, tiny_model_dir, transfer_dtype):
+    """ParaBlock's ``Δ_i^r`` lives on the node until the next step while the next block trains: it is kept as it
+    travelled (``core.EncodedTensors``, a quarter of its fp32 bytes in int8, half in bf16), and reads back as the
+    very values the server received."""
+    config = tiny_config(tiny_model_dir, tmp_path, **{"transfer-dtype": transfer_dtype})
+    worker = NodeWorker()
+    reply, update = worker.serve_request(worker_request(config, 7, 1, block=0, next_block=1), {})
+    assert "error" not in reply, reply
+    pending = worker.node.state.pending
+    assert isinstance(pending.delta, core.EncodedTensors) and pending.base_version == 0
+    received = unpack(join_pieces(update))
+    assert list(pending.delta) == list(received)
+    assert all(torch.equal(pending.delta[n], t) for n, t in received.items())
+    worker.node.drop_ahead()
+
+
 def test_a_computation_ahead_of_another_block_is_dropped_and_the_round_trains_the_block_asked(tmp_path, tiny_model_dir):
     """Round 1 says round 2 trains block 1 and the worker starts it ahead; round 2's message asks for block 0
     (a server whose schedule moved on). The update is block 0's, trained now, never the block-1 update

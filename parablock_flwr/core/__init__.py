@@ -21,7 +21,8 @@ module                     holds
 ``digests``                ``digest``, ``tensor_sha256``, ``TensorHashes``, ``ModelDigest``, ``digest_after``:
                            proof that two copies of ``x`` hold the same bits
 ``transfer_precision``     ``TRANSFER_DTYPES``, ``INT8_BLOCK``, ``int8_blocks``, ``quantize_int8``,
-                           ``dequantize_int8``, ``encode``, ``round_for_transfer``, ``round_with_feedback(_encoded)``
+                           ``dequantize_int8``, ``encode``, ``round_for_transfer``, ``round_with_feedback(_encoded)``,
+                           ``EncodedTensors``, ``kept_encoded``
 ``time_model``             ``LinkModel``, ``modeled_round_seconds``: what a round would cost
 ``privacy``                ``l2_norm``, ``clip``, ``gaussian``, ``add_noise``, ``noise_seed``: differential
                            privacy's clipping and noise
@@ -51,9 +52,11 @@ from .transfer_precision import (
     INT8_BLOCK,
     TRANSFER_DTYPES,
     Encoded,
+    EncodedTensors,
     dequantize_int8,
     encode,
     int8_blocks,
+    kept_encoded,
     quantize_int8,
     round_for_transfer,
     round_with_feedback,
@@ -96,6 +99,8 @@ __all__ = [
     "round_with_feedback_encoded",
     "encode",
     "Encoded",
+    "EncodedTensors",
+    "kept_encoded",
     "snapshot",
     "tensor_sha256",
     "uncorrected_offset",

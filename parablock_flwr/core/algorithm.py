@@ -90,7 +90,7 @@ class PendingUpdate:
 
     block: int
     base_version: int
-    delta: Tensors
+    delta: Mapping[str, torch.Tensor]  # read, never written in place (a node's: ``EncodedTensors``)
 
 
 def parablock_base(pending: PendingUpdate | None, server_round: int) -> tuple[int, PendingUpdate | None]:

@@ -7,6 +7,8 @@ take; ``wire.py`` encodes what these functions round, and int8's block size and 
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+
 import torch
 
 from .algorithm import Tensors
@@ -113,6 +115,35 @@ def round_for_transfer(tensors: Tensors, transfer_dtype: str) -> Tensors:
 # A tensor as it travels: its flat values in the transfer dtype (int8's q, bf16, fp16, or fp32 itself) and,
 # for int8, its scales (``quantize_int8``). ``wire.pack_pieces`` writes the wire's arrays from it.
 Encoded = dict[str, tuple[torch.Tensor, torch.Tensor | None]]
+
+
+class EncodedTensors(Mapping[str, torch.Tensor]):
+    """Rounded tensors kept as they travel (``Encoded``: int8's values and scales, bf16, fp16) and decoded in fp32
+    on each access, one tensor at a time. Decoding rounded values is exact, so each access gives the very bits that
+    were sent. A ParaBlock node keeps its pending update ``Δ_i^r`` so between rounds: a quarter (int8) or half of a
+    block's fp32 bytes, held while the next block trains, and the same memory its upload reads."""
+
+    def __init__(self, encoded: Encoded, shapes: Mapping[str, torch.Size]):
+        self.encoded, self.shapes = encoded, dict(shapes)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        values, scales = self.encoded[name]
+        flat = dequantize_int8(values, scales) if scales is not None else values.to(torch.float32)
+        return flat.view(self.shapes[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+
+def kept_encoded(sent: Tensors, encoded: Encoded | None) -> Mapping[str, torch.Tensor]:
+    """``sent`` as a node keeps it across rounds: from its encoding (``EncodedTensors``) when it has one, else
+    (fp32 transfer: the values travel as they are) ``sent`` itself."""
+    if encoded is None:
+        return sent
+    return EncodedTensors(encoded, {n: t.shape for n, t in sent.items()})
 
 
 def encode(tensors: Tensors, transfer_dtype: str) -> Encoded:

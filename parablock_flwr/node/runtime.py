@@ -173,7 +173,8 @@ class Node:
         early = early if early is not None and ahead is not None and early.ahead is ahead else None
         residual_written, used_early, encoded = self.feed_back(cfg, req, result, store, early)  # 5
         try:
-            kept = self.finish_round(res, req, client, job, result.delta, fetch_step)  # 6
+            sent = core.kept_encoded(result.delta, encoded)  # held as it travelled: a quarter of fp32 in int8
+            kept = self.finish_round(res, req, client, job, sent, fetch_step)  # 6
             metrics = self.reply_metrics(res, cfg, req, client, job, result, kept, waited)  # 7
             trace = self.trace(res, cfg, kept)
             if self.runs_ahead and client.runs_ahead and req.next_block >= 0:  # 8

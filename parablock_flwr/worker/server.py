@@ -68,8 +68,8 @@ def split_records(arrays: dict[str, np.ndarray]) -> dict[str, core.Tensors]:
         packed.setdefault(record, {})[array_name] = array
     records: dict[str, core.Tensors] = {GLOBAL_STEP: {}}  # an empty record's arrays do not travel
     for record, parts in packed.items():
-        try:
-            records[record] = unpack(parts)
+        try:  # checked now, each tensor decoded when read: no block in fp32 beside the next block's training
+            records[record] = unpack(parts, lazy=True)
         except WireError as err:
             raise node.StateIntact(f"record {record!r:.40}: {err}") from None
     return records

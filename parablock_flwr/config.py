@@ -12,12 +12,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from . import strategies  # the algorithm registry (imports neither half: no torch)
+from . import registry  # the algorithm registry (data only: no torch, no algorithm's code)
 from .node.settings import device_valid
 
 SCHEDULES = ("ascending", "descending", "random-permutation", "uniform-random")  # core.block_schedule
 NON_LAYER_MODES = ("frozen", "block")  # core.partition_blocks
-ALGORITHMS = strategies.algorithms()  # the registry's (validation asks it again: one registered later counts)
+ALGORITHMS = registry.algorithms()  # the registry's (validation asks it again: one registered later counts)
 TRAINS = ("full", "lora")
 PARTITIONINGS = ("iid", "dirichlet", "family")
 PRECISIONS = ("fp32", "bf16")
@@ -188,7 +188,7 @@ class RunConfig:
 
     def _check_choices(self) -> None:
         """Keys whose value is one of a fixed set: a typo would otherwise select nothing, silently."""
-        _one_of("algorithm", self.algorithm, strategies.algorithms())
+        _one_of("algorithm", self.algorithm, registry.algorithms())
         _one_of("schedule", self.schedule, SCHEDULES)
         _one_of("non-layer-params", self.non_layer_params, NON_LAYER_MODES)
         _one_of("precision", self.precision, PRECISIONS)
@@ -397,13 +397,13 @@ class RunConfig:
     def trainable(self) -> str:
         """What moves: ``lora`` adapters or the ``full`` weights; an algorithm may fix it (the
         registry's ``TRAINS_ONLY``: the FedAvg baselines)."""
-        return strategies.TRAINS_ONLY.get(self.algorithm, self.train)
+        return registry.TRAINS_ONLY.get(self.algorithm, self.train)
 
     @property
     def one_block(self) -> bool:
         """Does the algorithm train (and send) every trainable parameter each round, as one block
         (the registry's ``ONE_BLOCK``: the FedAvg baselines)?"""
-        return self.algorithm in strategies.ONE_BLOCK
+        return self.algorithm in registry.ONE_BLOCK
 
     @property
     def correction_mode(self) -> str:

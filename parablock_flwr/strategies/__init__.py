@@ -20,30 +20,7 @@ from __future__ import annotations
 
 import importlib
 
-# name -> "module:Class", relative to this package
-SERVER_HALVES = {  # the default first (``RunConfig.algorithm``)
-    "parablock": "parablock.server:ParaBlock",
-    "fedbcd": "fedbcd.server:FedBCD",
-    "fedavg-full": "fedavg.server:FedAvgFull",
-    "fedavg-lora": "fedavg.server:FedAvgLora",
-}
-CLIENT_HALVES = {
-    "parablock": "parablock.client:ParaBlockClient",
-    "fedbcd": "fedbcd.client:BCDClient",
-    "fedavg-full": "fedbcd.client:BCDClient",
-    "fedavg-lora": "fedbcd.client:BCDClient",
-}
-# What else an algorithm fixes (config.RunConfig reads these; every other algorithm leaves them to the
-# run config): the parameters it trains whatever ``train`` says, and whether its one block is every
-# trainable parameter (``core.one_block``).
-TRAINS_ONLY = {"fedavg-full": "full", "fedavg-lora": "lora"}
-ONE_BLOCK = frozenset({"fedavg-full", "fedavg-lora"})
-
-
-def algorithms() -> tuple[str, ...]:
-    """The run config's choices of ``algorithm``: every registered algorithm."""
-    return tuple(SERVER_HALVES)
-
+from ..registry import CLIENT_HALVES, ONE_BLOCK, SERVER_HALVES, TRAINS_ONLY, algorithms  # noqa: F401 - the registry
 
 _EXPORTS = {  # the names this package has always exported, imported on first use
     "FedBCD": "fedbcd.server",

@@ -154,10 +154,30 @@ def catch_up_name(version: int, param: str) -> str:
     return f"v{version}/{param}"
 
 
-def catch_up_step(tensors: Mapping[str, Any], version: int) -> dict[str, Any]:
-    """Step ``g^version``'s tensors out of ``CATCH_UP``'s (``catch_up_name``)."""
-    prefix = f"v{version}/"  # names first: a node's records decode a tensor only when it is read
-    return {n[len(prefix) :]: tensors[n] for n in tensors if n.startswith(prefix)}
+def catch_up_step(tensors: Mapping[str, Any], version: int) -> Mapping[str, Any]:
+    """Step ``g^version``'s tensors out of ``CATCH_UP``'s (``catch_up_name``), read through: a node's records
+    decode a tensor only when it is applied (``wire.Decoded``), so k missed steps are not k blocks in fp32."""
+    return CatchUpStep(tensors, f"v{version}/")
+
+
+class CatchUpStep(Mapping):
+    """The tensors of ``tensors`` named ``prefix`` + a parameter's name, by the parameter's name."""
+
+    def __init__(self, tensors: Mapping[str, Any], prefix: str):
+        self.tensors = tensors
+        self.names = {n[len(prefix) :]: n for n in tensors if n.startswith(prefix)}  # parameter -> record name
+
+    def __getitem__(self, name: str) -> Any:
+        return self.tensors[self.names[name]]
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.names
 
 
 # ------------------------------------------------------------------ node -> server

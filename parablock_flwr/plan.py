@@ -313,7 +313,8 @@ def worker_terms(cfg: RunConfig, shape: ModelShape, block: int) -> dict[str, dic
         "last_step_values": largest * 4 if bf16 else 0,
         "residuals": shape.trainable * 4 if rounding else 0,  # every block's error feedback, kept between rounds
         # Δ_i^r, kept until the next step as it travelled (``core.EncodedTensors``: int8 a quarter of fp32)
-        "pending_update": (sent if rounding else largest * 4) if ahead else 0,
+        # (``correction = "none"``: an fp32 offset, not what was sent)
+        "pending_update": (sent if rounding and cfg.correction_mode != "none" else largest * 4) if ahead else 0,
         "update": largest * 4,  # Δ as the computation returns it, until it is rounded
         # SENDING, once the block has trained: the update rounded and its new residual, and the bytes of the update
         # and of the step (kept as they came, each tensor decoded when applied: ``wire.Decoded``); a node running

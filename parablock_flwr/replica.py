@@ -170,7 +170,11 @@ class ModelReplica:
             _, step = fetch_step(self.version + 1)
             self._before_last_step = {n: self.params[n].detach().clone() for n in step}
             self.hashes.changed(step)
-            apply_step(self.params, step)
+            try:  # a step is decoded tensor by tensor as it is applied (``wire.Decoded``)
+                apply_step(self.params, step)
+            except Exception as err:  # e.g. out of memory half-way: some tensors moved, not all
+                self.lost = f"{type(err).__name__} while applying g^{self.version + 1}: {err}"
+                raise ReplicaLost(self.lost) from err
             self._to_device(step)
             self.version += 1
 

@@ -28,7 +28,16 @@ from collections.abc import Callable, Iterator, Mapping
 import numpy as np
 import torch
 
-from .core import INT8_BLOCK, TRANSFER_DTYPES, Encoded, Tensors, dequantize_int8, encode, int8_blocks
+from .core import (
+    INT8_BLOCK,
+    TRANSFER_DTYPES,
+    Encoded,
+    EncodedTensors,
+    Tensors,
+    dequantize_int8,
+    encode,
+    int8_blocks,
+)
 
 # The payload dtype each transfer precision uses on the wire, from core.TRANSFER_DTYPES (the one table):
 # the same dtype in numpy, but bf16 (which numpy lacks) as its raw 16-bit patterns.
@@ -69,7 +78,8 @@ def pack_pieces(
     # and copies a quarter (int8) or half (bf16) of the fp32 bytes to the host, not all of them to convert
     # there. Lossless on any device for values already rounded (what the node keeps is what arrives).
     encoded = encoded if encoded is not None else encode(tensors, transfer_dtype)
-    layout = json.dumps([[name, list(t.shape)] for name, t in tensors.items()]).encode()
+    shapes = tensors.shapes if isinstance(tensors, EncodedTensors) else {n: t.shape for n, t in tensors.items()}
+    layout = json.dumps([[name, list(shape)] for name, shape in shapes.items()]).encode()
     pieces = {LAYOUT: [np.frombuffer(layout, dtype=np.uint8)]}
     values = [encoded[name][0].cpu() for name in tensors]
     bf16 = transfer_dtype == "bf16"
@@ -161,6 +171,9 @@ class Decoded(Mapping[str, torch.Tensor]):
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.parts)
+
+    def __contains__(self, name: object) -> bool:  # (Mapping's would decode the tensor)
+        return name in self.parts
 
     def __len__(self) -> int:
         return len(self.parts)

@@ -41,6 +41,24 @@ def test_a_pending_update_is_kept_on_disk_in_its_transfer_dtype_and_read_back_bi
     assert store.load() is None and not store.path.exists()
 
 
+@pytest.mark.parametrize("dtype", ["int8", "bf16", "fp16"])
+def test_a_pending_update_kept_as_it_was_sent_is_stored_from_its_encoding_without_decoding_it(
+    tmp_path, dtype, monkeypatch
+):
+    """A node's pending update as it keeps it (``core.kept_encoded``) goes to disk from its encoding: neither the
+    store nor a membership test decodes a tensor, and what is read back is the very bits sent."""
+    sent, _, encoded = core.round_with_feedback_encoded(block(), None, dtype)
+    kept = core.kept_encoded(sent, encoded)
+    decoded = []
+    decode = core.EncodedTensors.__getitem__
+    monkeypatch.setattr(core.EncodedTensors, "__getitem__", lambda self, n: decoded.append(n) or decode(self, n))
+    store = PendingStore(tmp_path)
+    store.save(core.PendingUpdate(3, 7, kept), dtype)
+    assert "a.bias" in kept and "b" not in kept and decoded == []
+    back = store.load()
+    assert all(torch.equal(back.delta[n].view(torch.int32), t.view(torch.int32)) for n, t in sent.items())
+
+
 def test_a_pending_update_the_transfer_dtype_cannot_hold_is_kept_in_fp32(tmp_path):
     """The ``correction = "none"`` ablation keeps an offset that is a sum of several sent updates."""
     offset = block(1)

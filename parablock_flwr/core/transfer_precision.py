@@ -134,6 +134,9 @@ class EncodedTensors(Mapping[str, torch.Tensor]):
     def __iter__(self) -> Iterator[str]:
         return iter(self.shapes)
 
+    def __contains__(self, name: object) -> bool:  # (Mapping's would decode the tensor)
+        return name in self.shapes
+
     def __len__(self) -> int:
         return len(self.shapes)
 

@@ -36,7 +36,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file as save_arrays
 from safetensors.torch import load_file, save_file
 
-from ..core import PendingUpdate, Tensors
+from ..core import TRANSFER_DTYPES, EncodedTensors, PendingUpdate, Tensors
 from ..durable import fsync_path, make_dirs, replace_file
 from ..wire import pack_pieces, round_and_pack, unpack
 
@@ -172,9 +172,15 @@ class PendingStore:
                 self.path.unlink()
                 fsync_path(self.path.parent)
             return
-        rounded, pieces = round_and_pack(pending.delta, transfer_dtype)
-        if any(not torch.equal(rounded[n], t) for n, t in pending.delta.items()):
-            pieces = pack_pieces(pending.delta, "fp32")
+        delta = pending.delta
+        if isinstance(delta, EncodedTensors) and all(
+            v.dtype == TRANSFER_DTYPES[transfer_dtype] for v, _ in delta.encoded.values()
+        ):  # kept as it was sent (``core.kept_encoded``): packed from its encoding, not decoded and rounded again
+            pieces = pack_pieces(delta, transfer_dtype, delta.encoded)
+        else:
+            rounded, pieces = round_and_pack(delta, transfer_dtype)
+            if any(not torch.equal(rounded[n], t) for n, t in delta.items()):
+                pieces = pack_pieces(delta, "fp32")
         arrays = {name: np.concatenate(parts) for name, parts in pieces.items()}
         meta = {self.BLOCK: str(pending.block), self.BASE_VERSION: str(pending.base_version)}
         make_dirs(self.path.parent, 0o700)  # the node's own; each new folder's parent fsynced

@@ -229,12 +229,8 @@ def _decoders(
         raise WireError(f"scales with transfer-dtype={dtype}: expected them with int8 only")
     if dtype == "fp32":
         shared = values.flags.writeable or read_only
-        return [functools.partial(_itself, p) if shared else p.clone for p in parts]
+        return [p.detach if shared else p.clone for p in parts]  # detach: a view of the same memory
     return [p.view(torch.bfloat16).float if dtype == "bf16" else p.float for p in parts]
-
-
-def _itself(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
 
 
 def check_scales(scales, count: int) -> torch.Tensor:

@@ -7,12 +7,12 @@ them, and each term of what a node worker holds is computed from the parameter c
 config:
 
 - on the device: the weights (P x 2 bytes with ``weights = "bf16"``, else 4), the trained block in
-  fp32 with its start snapshot, gradient and two AdamW moments (B x 20 bytes), the fp32 copies the
-  replica saves of the blocks a round touches (``weights = "fp32"`` only: they are the device model's
-  own tensors), the activations of one micro-batch from the block's first layer up, and the fp32
-  logits with their log-softmax and gradient;
-- in host memory: the fp32 master of ``x`` (``weights = "bf16"``: every trainable tensor), the
-  replica's saved copies and the last step's overwritten values (bf16 weights), every block's residual
+  fp32 with its start snapshot, gradient and two AdamW moments (B x 20 bytes), with ``weights = "fp32"``
+  the new tensors of the blocks a computation changes (the model's own tensors are ``x``: they are set
+  aside meanwhile, ``ModelReplica.local_model``), the activations of one micro-batch from the block's
+  first layer up, and the fp32 logits with their log-softmax and gradient;
+- in host memory: the fp32 master of ``x`` (``weights = "bf16"``: every trainable tensor, never written
+  by a computation, so nothing is copied to restore it), every block's residual
   (a rounding ``transfer-dtype``: the whole trainable model in fp32), ParaBlock's pending update, the
   update as computed, rounded (with its new residual) and as it travels, the step as it came and
   decoded, and the Python runtime; a node rounds and sends an update once its block has trained, so a
@@ -284,10 +284,11 @@ def worker_terms(cfg: RunConfig, shape: ModelShape, block: int) -> dict[str, dic
         activations = tokens * (layers_up * shape.hidden + per_layer) * act_bytes
     else:
         activations = tokens * layers_up * per_layer * act_bytes
-    # What the replica saves to restore x after a computation: the trained block and (running ahead) the pending
-    # update's; apart from the values the last step overwrote, which it keeps between rounds.
+    # weights = "fp32": the computation's new tensors of the trained block and (running ahead) the pending update's
+    # block, the model's own (x) set aside meanwhile. A node worker keeps no values of the version before its own
+    # (a process serving several simulated nodes keeps one block more: ``ModelReplica.keeps_previous``).
     ahead = client_half(cfg.algorithm, cfg.correction_mode).runs_ahead
-    restore = min(b + (largest if ahead else 0), shape.trainable) * 4
+    local_values = min(b + (largest if ahead else 0), shape.trainable) * 4
     logits = tokens * shape.vocab * 4 * 3  # logits, log-softmax, their gradient
     # Under bf16 autocast (bf16 weights imply it), torch caches a bf16 copy of each fp32 weight that
     # needs a gradient (the block's) for the forward pass.
@@ -295,8 +296,7 @@ def worker_terms(cfg: RunConfig, shape: ModelShape, block: int) -> dict[str, dic
     device = {
         "weights": (shape.parameters - b) * (2 if bf16 else 4) + b * 4,
         "block_training_state": b * 16,  # start snapshot, gradient, two AdamW moments (fp32)
-        "restore_copies": 0 if bf16 else restore,
-        "last_step_values": 0 if bf16 else largest * 4,
+        "local_values": 0 if bf16 else local_values,
         "activations": activations,
         "logits_fp32_x3": logits,
         "autocast_block_copy": autocast_copy,
@@ -309,8 +309,6 @@ def worker_terms(cfg: RunConfig, shape: ModelShape, block: int) -> dict[str, dic
     host = {
         "runtime": RUNTIME_BYTES,
         "master_of_x": shape.trainable * 4 if bf16 else 0,
-        "restore_copies": restore if bf16 else 0,
-        "last_step_values": largest * 4 if bf16 else 0,
         "residuals": shape.trainable * 4 if rounding else 0,  # every block's error feedback, kept between rounds
         # Δ_i^r, kept until the next step as it travelled (``core.EncodedTensors``: int8 a quarter of fp32)
         # (``correction = "none"``: an fp32 offset, not what was sent)
@@ -328,7 +326,7 @@ def worker_terms(cfg: RunConfig, shape: ModelShape, block: int) -> dict[str, dic
 # What exists only while a block trains (COMPUTING) and only while its update is rounded and sent (SENDING): the
 # node's peak holds the larger of the two beside what it keeps (``Plan.cpu_total``).
 COMPUTING = ("block_training_state", "activations", "logits_fp32_x3", "autocast_block_copy",
-             "adamw_step_beyond_backward", "restore_copies")  # fmt: skip
+             "adamw_step_beyond_backward", "local_values")  # fmt: skip
 SENDING = ("update_rounded", "bytes_on_the_wire")
 
 

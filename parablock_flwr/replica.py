@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .core import PendingUpdate, TensorHashes, Tensors, apply_step
+from .core import PendingUpdate, TensorHashes, Tensors, apply_step, apply_step_keeping
 from .durable import crash_point, replace_file
 from .messages import CATCH_UP, GLOBAL_STEP, RESUME_PENDING, MessageError, RoundConfig, catch_up_step
 
@@ -126,9 +126,11 @@ class ReplicaLost(RuntimeError):
 class ModelReplica:
     """The global model ``x^version``, moved forward only by replaying global steps.
 
-    It also keeps the values the last step overwrote, so that ``x^{version-1}``
-    (what a ParaBlock client computes from) can be shown again exactly when
-    another node served by this process has already moved the copy on.
+    With ``keeps_previous`` (a process that serves several nodes: a Ray actor, inline simulation) it
+    also keeps the values the last step overwrote, so that ``x^{version-1}`` (what a ParaBlock client
+    computes from) can be shown again exactly when another node served by this process has already
+    moved the copy on. A node worker serves one node, whose computations start from the copy's own
+    version: it keeps no such block.
 
     With ``weights_dtype`` (``weights = "bf16"``), ``x`` itself lives in an fp32 master copy in
     host memory (``params``: every trainable tensor; steps are applied there, with the server's
@@ -137,8 +139,15 @@ class ModelReplica:
     fp32 master weights and fp32 optimizer state for the active block, an fp32 update.
     """
 
-    def __init__(self, model: nn.Module, master_names: Iterable[str] = (), weights_dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        master_names: Iterable[str] = (),
+        weights_dtype: torch.dtype | None = None,
+        keeps_previous: bool = True,
+    ):
         self.model = model
+        self.keeps_previous = keeps_previous
         self.device_params = dict(model.named_parameters())
         self.weights_dtype = weights_dtype if weights_dtype not in (None, torch.float32) else None
         if self.weights_dtype is None:
@@ -168,10 +177,13 @@ class ModelReplica:
             raise ReplicaLost(f"this process's model is not an exact x^v any more ({self.lost}); it needs a full sync")
         while self.version < version:
             _, step = fetch_step(self.version + 1)
-            self._before_last_step = {n: self.params[n].detach().clone() for n in step}
+            self._before_last_step = {}
             self.hashes.changed(step)
             try:  # a step is decoded tensor by tensor as it is applied (``wire.Decoded``)
-                apply_step(self.params, step)
+                if self.keeps_previous:  # the overwritten tensors are kept as they were, not copied
+                    self._before_last_step = apply_step_keeping(self.params, step)
+                else:
+                    apply_step(self.params, step)
             except Exception as err:  # e.g. out of memory half-way: some tensors moved, not all
                 self.lost = f"{type(err).__name__} while applying g^{self.version + 1}: {err}"
                 raise ReplicaLost(self.lost) from err
@@ -191,40 +203,47 @@ class ModelReplica:
     def local_model(
         self, version: int, pending: PendingUpdate | None, train_names: tuple[str, ...]
     ) -> Iterator[nn.Module]:
-        """Yield the model as ``x^version + Δ_pending``; restore ``x`` exactly afterwards.
+        """Yield the model as ``x^version + Δ_pending``; ``x`` is as it was afterwards.
 
-        ``version`` is this copy's version or the one before it. Only the
-        pending block, the block about to be trained and (for the version
-        before) the last step's block can change, so only they are saved and
-        copied back.
+        ``version`` is this copy's version or (``keeps_previous``) the one before it. Only the pending
+        block, the block about to be trained and (for the version before) the last step's block differ
+        from ``x``: they alone get new tensors in the model, and ``x`` is never written, so nothing is
+        copied to restore it. The trained block is on the device in fp32.
         """
-        back = {}
-        if version == self.version - 1 and self._before_last_step:
-            back = self._before_last_step
-        elif version != self.version:
-            raise RuntimeError(
-                f"this process's model is at global version {self.version}, a computation needs version {version}"
-            )
-        touched = set(train_names) | (set(pending.delta) if pending else set()) | set(back)
-        saved = {n: self.params[n].detach().clone() for n in touched}
+        back = self._base_values(version)
+        delta = pending.delta if pending is not None else {}
+        touched = set(train_names) | set(delta) | set(back)
+        kept = {}  # weights = "fp32": the model's own tensors are x; they are set aside, not copied
         try:
             with torch.no_grad():
-                for n, t in back.items():
-                    self.params[n].copy_(t)
-            if pending is not None:
-                apply_step(self.params, pending.delta)
-            self._to_device(touched, fp32=train_names)  # the trained block as fp32 master weights
+                for n in touched:
+                    p = self.device_params[n]
+                    value = back.get(n, self.params[n]).to(p.device, torch.float32, copy=True)
+                    if n in delta:
+                        apply_step({n: value}, {n: delta[n]})  # the float op every copy uses
+                    if self.weights_dtype is None:
+                        kept[n] = p.detach()
+                    p.data = value if n in train_names or self.weights_dtype is None else value.to(p.dtype)
             yield self.model
         finally:
             try:
                 with torch.no_grad():
-                    for n, t in saved.items():
-                        self.params[n].copy_(t)
-                self.hashes.changed(touched)  # restored by copies; nothing hashed while they were moved is kept
+                    for n, t in kept.items():
+                        self.device_params[n].data = t
                 self._to_device(touched)
             except Exception as err:  # e.g. out of device memory half-way: some tensors keep trained values
                 self.lost = f"{type(err).__name__} while restoring it: {err}"
                 raise ReplicaLost(self.lost) from err
+
+    def _base_values(self, version: int) -> Tensors:
+        """What differs from ``x`` in ``x^version``: nothing, or the values the last step overwrote."""
+        if version == self.version:
+            return {}
+        if version == self.version - 1 and self._before_last_step:
+            return self._before_last_step
+        raise RuntimeError(
+            f"this process's model is at global version {self.version}, a computation needs version {version}"
+        )
 
 
 def catch_up_steps(config: RoundConfig, arrays: dict[str, Tensors]) -> dict[int, Step]:

@@ -150,3 +150,35 @@ def test_replica_shows_the_version_before_its_last_step_exactly():
     with pytest.raises(RuntimeError, match="at global version 2, a computation needs version 0"):
         with replica.local_model(0, None, ()):
             pass
+
+
+@pytest.mark.parametrize("weights", [None, torch.bfloat16])
+def test_a_computation_never_writes_x_and_trains_on_the_exact_local_model(weights):
+    """``local_model`` gives new tensors only to what differs from ``x`` (the trained block in fp32, the pending
+    block as ``x^{v-1} + Δ`` with the float op every copy uses) and never writes ``x``: nothing is copied to
+    restore it, and afterwards ``x`` is the very same storage holding the same bits. A replica that serves one
+    node (``keeps_previous=False``, a node worker) keeps no values of the version before its own."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    names = [n for n, _ in model.named_parameters()]
+    replica = ModelReplica(model, names, weights)
+    steps = {1: (0, {"0.weight": torch.randn(4, 4) * 0.1}), 2: (0, {"0.weight": torch.randn(4, 4) * 0.1})}
+    x1 = replica.params["0.weight"].detach().float() + steps[1][1]["0.weight"]
+    replica.advance_to(2, steps.__getitem__)
+    x = {n: (t.data_ptr(), t.detach().clone()) for n, t in replica.params.items()}
+    pending = core.PendingUpdate(0, 1, {"0.weight": torch.randn(4, 4) * 0.1})
+    with replica.local_model(1, pending, ("1.weight",)) as m:
+        seen = dict(m.named_parameters())
+        assert seen["1.weight"].dtype == torch.float32  # the trained block in fp32
+        assert torch.equal(seen["0.weight"], (x1 + pending.delta["0.weight"]).to(weights or torch.float32))
+        with torch.no_grad():
+            seen["1.weight"].add_(1.0)  # training
+        assert all(torch.equal(replica.params[n], x[n][1]) for n in names if weights is not None)
+    assert all(replica.params[n].data_ptr() == x[n][0] and torch.equal(replica.params[n], x[n][1]) for n in names)
+    assert all(torch.equal(p, x[n][1].to(weights or torch.float32)) for n, p in model.named_parameters())
+
+    one_node = ModelReplica(torch.nn.Sequential(torch.nn.Linear(4, 4)), ["0.weight"], weights, keeps_previous=False)
+    one_node.advance_to(1, steps.__getitem__)
+    with pytest.raises(RuntimeError, match="at global version 1, a computation needs version 0"):
+        with one_node.local_model(0, None, ()):
+            pass

@@ -294,19 +294,19 @@ def test_a_replica_whose_restore_failed_is_lost_until_a_full_sync_and_never_stat
     from parablock_flwr.replica import ModelReplica, ReplicaLost
 
     model = torch.nn.Linear(2, 2)
-    replica = ModelReplica(model, ["weight", "bias"])
     values = {n: p.detach().clone() for n, p in model.named_parameters()}
-    moves = []
+    replica = ModelReplica(model, ["weight", "bias"], torch.bfloat16)  # x in an fp32 master, the model in casts
+    trained_already = threading.Event()
 
     def fail_on_restore(names, fp32=()):
-        moves.append(fp32)
-        if len(moves) == 2:  # the first move sets the block up, the second restores the replica
+        if trained_already.is_set():  # the move after the computation: x back into the model
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
 
     replica._to_device = fail_on_restore
     with pytest.raises(ReplicaLost), replica.local_model(0, None, ["weight"]) as trained:
         with torch.no_grad():
             trained.weight.add_(1.0)
+        trained_already.set()
     with pytest.raises(ReplicaLost, match="needs a full sync"):
         replica.advance_to(1, lambda v: (0, {}))
     pool = ThreadPoolExecutor(1)
@@ -316,7 +316,8 @@ def test_a_replica_whose_restore_failed_is_lost_until_a_full_sync_and_never_stat
     del replica._to_device
     replica.reset_to(2, values)
     assert replica.version == 2 and not replica.lost
-    assert all(torch.equal(p, values[n]) for n, p in model.named_parameters())
+    assert all(torch.equal(replica.params[n], values[n]) for n in values)
+    assert all(torch.equal(p, values[n].bfloat16()) for n, p in model.named_parameters())
 
 
 def test_the_residual_is_written_beside_the_next_blocks_start_and_is_on_disk_before_the_reply(
@@ -418,7 +419,7 @@ def test_in_simulation_a_full_sync_repairs_a_lost_replica(tmp_path, tiny_model_d
 
     def fail_on_restore(names, fp32=()):
         moves.append(fp32)
-        if len(moves) == 2:  # the first move sets the block up, the second restores the replica
+        if len(moves) == 1:  # round 1's only move: x back into the model after the computation
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         real_move(names, fp32)
 

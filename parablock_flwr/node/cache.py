@@ -48,8 +48,12 @@ _RESOURCES: NodeResources | None = None
 WEIGHTS_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
 
-def resources(cfg: RunConfig, run_id: int, settings: NodeSettings | None = None) -> NodeResources:
+def resources(
+    cfg: RunConfig, run_id: int, settings: NodeSettings | None = None, serves_one_node: bool = False
+) -> NodeResources:
     """This process's model replica and data, rebuilt only for a new run, model or node settings.
+    ``serves_one_node`` (a node worker): its replica keeps no values of the version before its own,
+    which only a process serving several nodes (a Ray actor) computes from (``ModelReplica``).
 
     A node with its own ``dataset`` (``settings``) loads only that, never the run config's
     ``dataset``; its held-out rows are its ``heldout-dataset``, or (``evaluation = "clients"``
@@ -62,16 +66,16 @@ def resources(cfg: RunConfig, run_id: int, settings: NodeSettings | None = None)
     if _RESOURCES is None or _RESOURCES.key != key:
         check_fits(cfg, run_id, settings)
         _RESOURCES = None  # free the previous run's model before loading the next
-        _RESOURCES = _load(key)
+        _RESOURCES = _load(key, keeps_previous=not serves_one_node)
     return _RESOURCES
 
 
-def _load(key: tuple[int, RunConfig, NodeSettings]) -> NodeResources:
+def _load(key: tuple[int, RunConfig, NodeSettings], keeps_previous: bool = True) -> NodeResources:
     """The replica on the node's device, the tokenizer, and the node's rows (its own, or the run's)."""
     _, cfg, settings = key
     model, partition = load_for_training(cfg, cfg.weights)  # bf16: no fp32 copy of the whole model
     device = node_device(settings.device)
-    replica = ModelReplica(model, partition.all_names(), WEIGHTS_DTYPES[cfg.weights])  # cast before the move
+    replica = ModelReplica(model, partition.all_names(), WEIGHTS_DTYPES[cfg.weights], keeps_previous)  # cast, then move
     model.to(device)
     tokenizer = load_tokenizer(cfg.model, cfg.prompt_format)
     own_heldout = cfg.heldout_examples if cfg.evaluation == "clients" else 0

@@ -97,7 +97,7 @@ class Follower:
         self.cfg, self.run_dir, self.tokenizer, self.heldout = cfg, run_dir, tokenizer, heldout
         self.server_pid = server_pid
         model, _ = load_for_training(cfg)  # x^0, as every process of the run builds it
-        self.replica = ModelReplica(model.to(cfg.eval_device))
+        self.replica = ModelReplica(model.to(cfg.eval_device), keeps_previous=False)  # it evaluates x^v only
         self.step_log = StepLog(run_dir)
         self.advance_to(version)
 

@@ -248,7 +248,7 @@ class NodeWorker:
         offer = self.stream.offer(request)  # transport = "direct": the records wait on the run's stream
         arrays, prefetched = self.stream_records(offer, ahead, arrays, settings, cfg.round_timeout_s)
         setup_torch(cfg)
-        res = node.resources(cfg, request.run_id, settings)
+        res = node.resources(cfg, request.run_id, settings, serves_one_node=True)
         req = node.Request.parse(request.op, request.run_id, request.round, split_records(arrays),
                                  request.partition_id, request.num_partitions)  # fmt: skip
         fetch_step = self.steps_of(req, res)

@@ -47,11 +47,12 @@ def record_arrays(record: ArrayRecord) -> dict[str, np.ndarray]:
 
 
 def to_tensors(
-    record: ArrayRecord, expected=None, transfer_dtype: str | None = None, read_only: bool = False
+    record: ArrayRecord, expected=None, transfer_dtype: str | None = None, read_only: bool = False, lazy: bool = False
 ) -> Tensors:
     """The fp32 tensors a packed record stands for (``wire.unpack``: ``expected`` names and shapes and the
-    ``transfer_dtype`` are checked when given; ``read_only``: fp32 values may be views of the payload)."""
-    return unpack(record_arrays(record), expected, transfer_dtype, read_only)
+    ``transfer_dtype`` are checked when given; ``read_only``: fp32 values may be views of the payload; ``lazy``:
+    each decoded when read, ``wire.Decoded``)."""
+    return unpack(record_arrays(record), expected, transfer_dtype, read_only, lazy)
 
 
 def to_record(tensors: Tensors, transfer_dtype: str = "fp32") -> ArrayRecord:

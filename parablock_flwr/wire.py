@@ -19,11 +19,10 @@ the payload's dtype says how.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
 import numpy as np
 import torch
@@ -33,7 +32,6 @@ from .core import (
     TRANSFER_DTYPES,
     Encoded,
     EncodedTensors,
-    Tensors,
     dequantize_int8,
     encode,
     int8_blocks,
@@ -51,6 +49,10 @@ VALUES, LAYOUT, SCALES = "values", "layout", "scales"
 MAX_LAYOUT_BYTES = 16 * 1024 * 1024
 # The largest int8 scale whose dequantised values (|q| <= 127) stay finite in fp32.
 MAX_INT8_SCALE = float(np.finfo(np.float32).max) / 127
+# Values a chunked read (``Payload.chunks``) decodes at a time: 256 KiB of fp32, under the allocator's mapping
+# threshold (``memory.map_large_buffers``: 1 MiB), so its buffer and float64's temporaries come from the heap
+# and stay in cache, never faulted in afresh.
+READ_CHUNK_VALUES = 64 * 1024
 
 
 class WireError(ValueError):
@@ -91,21 +93,24 @@ def pack_pieces(
 
 
 def round_and_pack(
-    tensors: Mapping[str, torch.Tensor], transfer_dtype: str = "fp32"
-) -> tuple[Tensors, dict[str, list[np.ndarray]]]:
+    tensors: Mapping[str, torch.Tensor], transfer_dtype: str = "fp32", lazy: bool = False
+) -> tuple[Mapping[str, torch.Tensor], dict[str, list[np.ndarray]]]:
     """``core.round_for_transfer(tensors)`` and ``pack_pieces`` of it, from one conversion: the fp32
     values as they will arrive, read back from the pieces that carry them. The server's step is
     rounded, applied and sent every round between the last reply and the next message; rounding it
-    and then encoding it converted the block twice (int8: quantised it twice)."""
+    and then encoding it converted the block twice (int8: quantised it twice). ``lazy``: the values as a
+    ``Decoded`` over the pieces, each tensor decoded when read (the server applies its step chunk by chunk,
+    writing no fp32 copy of it on the critical path)."""
     pieces = pack_pieces(tensors, transfer_dtype)
     if transfer_dtype == "fp32":
         return dict(tensors), pieces
-    rounded: Tensors = {}
+    parts = {}
     for i, (name, tensor) in enumerate(tensors.items()):  # decoded as a receiver decodes each tensor
         scales = pieces[SCALES][i] if transfer_dtype == "int8" else None
         (decode,) = _decoders(pieces[VALUES][i], transfer_dtype, [tensor.numel()], scales)
-        rounded[name] = decode().view(tensor.shape)
-    return rounded, pieces
+        parts[name] = (tuple(tensor.shape), decode)
+    rounded = Decoded(parts)
+    return (rounded if lazy else dict(rounded.items())), pieces
 
 
 def join(pieces: list[np.ndarray]) -> np.ndarray:
@@ -162,12 +167,20 @@ class Decoded(Mapping[str, torch.Tensor]):
     """A checked record's tensors, each decoded to fp32 when read (``unpack(lazy=True)``), from the payload it
     came in: a quarter (int8) or half (bf16, fp16) of the fp32 bytes held, and one tensor's fp32 at a time."""
 
-    def __init__(self, parts: dict[str, tuple[tuple[int, ...], Callable[[], torch.Tensor]]]):
+    def __init__(self, parts: dict[str, tuple[tuple[int, ...], Payload]]):
         self.parts = parts
 
     def __getitem__(self, name: str) -> torch.Tensor:
         shape, decode = self.parts[name]
         return decode().view(shape)
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: shape for name, (shape, _) in self.parts.items()}
+
+    def payload(self, name: str) -> Payload:
+        """The tensor as it came, to read chunk by chunk (``Payload.chunks``) without decoding it whole."""
+        return self.parts[name][1]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.parts)
@@ -177,6 +190,14 @@ class Decoded(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self.parts)
+
+
+def read_chunks(tensors: Mapping[str, torch.Tensor], name: str, buffer: torch.Tensor) -> Iterator[torch.Tensor]:
+    """A tensor's flat fp32 values, chunk by chunk: a ``Decoded``'s from its payload (``Payload.chunks``, into
+    ``buffer``), any other tensor's whole."""
+    if isinstance(tensors, Decoded):
+        return tensors.payload(name).chunks(buffer)
+    return iter([tensors[name].reshape(-1)])
 
 
 def read_layout(array: np.ndarray) -> dict[str, tuple[int, ...]]:
@@ -210,27 +231,55 @@ def check_layout(layout: Mapping[str, tuple[int, ...]], expected: Mapping[str, t
             raise WireError(f"wrong shape for {name}: {layout[name]}, expected {tuple(shape)}")
 
 
-def _decoders(
-    values: np.ndarray, dtype: str, sizes: list[int], scales, read_only: bool = False
-) -> list[Callable[[], torch.Tensor]]:
-    """For each tensor, what gives its flat fp32 values, in new memory of its own (a read-only payload, from a
-    socket or a Flower ``Array``, is read, not shared; a writable fp32 payload is shared, and so is a read-only
-    one when the caller only reads, ``read_only``). The scales are checked here, before any is used. One
-    allocation per tensor, not one block-sized buffer: the allocator reuses tensor-sized memory, a fresh
-    block-sized buffer costs page faults that on a busy machine take longer than the copy itself."""
+def _decoders(values: np.ndarray, dtype: str, sizes: list[int], scales, read_only: bool = False) -> list[Payload]:
+    """For each tensor, its ``Payload``: what gives its flat fp32 values. The scales are checked here, before any
+    is used."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         parts = torch.split(torch.from_numpy(values), sizes)
     if dtype == "int8":
         scales = check_scales(scales, sum(int8_blocks(n) for n in sizes))
         per_tensor = torch.split(scales, [int8_blocks(n) for n in sizes])
-        return [functools.partial(dequantize_int8, p, s) for p, s in zip(parts, per_tensor)]
+        return [Payload(p, "int8", s) for p, s in zip(parts, per_tensor)]
     if scales is not None:
         raise WireError(f"scales with transfer-dtype={dtype}: expected them with int8 only")
-    if dtype == "fp32":
-        shared = values.flags.writeable or read_only
-        return [p.detach if shared else p.clone for p in parts]  # detach: a view of the same memory
-    return [p.view(torch.bfloat16).float if dtype == "bf16" else p.float for p in parts]
+    if dtype == "bf16":
+        return [Payload(p.view(torch.bfloat16), dtype) for p in parts]
+    shared = dtype == "fp32" and (values.flags.writeable or read_only)
+    return [Payload(p, dtype, shared=shared) for p in parts]
+
+
+class Payload:
+    """One tensor's flat values as they came (int8's q and scales, bf16, fp16, fp32) and how to read them in fp32.
+
+    Called, it gives them in new memory of its own (a read-only payload, from a socket or a Flower ``Array``, is
+    read, not shared; a writable fp32 payload is shared, and so is a read-only one when the caller only reads).
+    One allocation per tensor, not one block-sized buffer. ``chunks`` reads them without any tensor-sized
+    memory: a check that only reads (a reply's norm) writes no block in fp32, whose fresh pages cost more
+    than the decode on the server's critical path."""
+
+    def __init__(self, values: torch.Tensor, dtype: str, scales: torch.Tensor | None = None, shared: bool = False):
+        self.values, self.dtype, self.scales, self.shared = values, dtype, scales, shared
+
+    def __call__(self) -> torch.Tensor:
+        if self.dtype == "int8":
+            return dequantize_int8(self.values, self.scales)
+        if self.dtype == "fp32":
+            return self.values.detach() if self.shared else self.values.clone()  # detach: the same memory
+        return self.values.float()
+
+    def chunks(self, buffer: torch.Tensor) -> Iterator[torch.Tensor]:
+        """The fp32 values, chunk after chunk, each in ``buffer`` (fp32, a multiple of ``INT8_BLOCK`` values;
+        overwritten by the next chunk) or, in fp32, the payload itself (read only)."""
+        n, step = self.values.numel(), buffer.numel()
+        for i in range(0, n, step):
+            j, out = min(n, i + step), buffer[: min(n, i + step) - i]
+            if self.dtype == "int8":
+                yield dequantize_int8(self.values[i:j], self.scales[i // INT8_BLOCK : int8_blocks(j)], out=out)
+            elif self.dtype == "fp32":
+                yield self.values[i:j]
+            else:
+                yield out.copy_(self.values[i:j])
 
 
 def check_scales(scales, count: int) -> torch.Tensor:
@@ -254,6 +303,7 @@ def check_scales(scales, count: int) -> torch.Tensor:
 
 def payload_bytes(tensors: Mapping[str, torch.Tensor], transfer_dtype: str) -> int:
     """The bytes of ``values`` and ``scales`` that ``pack`` makes (the layout aside)."""
-    sizes = [t.numel() for t in tensors.values()]
+    shapes = getattr(tensors, "shapes", None)  # Decoded, EncodedTensors: counted without decoding
+    sizes = [math.prod(s) for s in shapes.values()] if shapes is not None else [t.numel() for t in tensors.values()]
     scales = sum(int8_blocks(n) for n in sizes) * 4 if transfer_dtype == "int8" else 0
     return sum(sizes) * WIRE_DTYPES[transfer_dtype].itemsize + scales

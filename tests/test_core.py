@@ -182,3 +182,19 @@ def test_a_computation_never_writes_x_and_trains_on_the_exact_local_model(weight
     with pytest.raises(RuntimeError, match="at global version 1, a computation needs version 0"):
         with one_node.local_model(0, None, ()):
             pass
+
+
+def test_a_step_added_chunk_by_chunk_gives_the_bits_of_apply_step():
+    """The server applies ``g^r`` read from its pieces in small chunks (``core.added``); every copy of ``x`` applies
+    it whole (``apply_step``): the same bits, whatever the chunking; a step of the wrong size is refused."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 70001)
+    g = torch.randn(5, 70001) * 1e-3
+    whole = {"w": x.clone()}
+    core.apply_step(whole, {"w": g})
+    for size in (1, 256, 65536, 350005):
+        flat = g.reshape(-1)
+        new = core.added(x, (flat[i : i + size] for i in range(0, flat.numel(), size)))
+        assert torch.equal(new, whole["w"]) and new.data_ptr() != x.data_ptr()
+    with pytest.raises(ValueError, match="expected 350,005"):
+        core.added(x, [g.reshape(-1)[:10]])

@@ -21,6 +21,7 @@ import io
 import json
 import math
 import tempfile
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -494,3 +495,34 @@ def test_a_finite_step_that_would_take_x_past_the_float_range_is_rejected(tmp_pa
     assert rejected["reason"].startswith(f"the round's step is not finite in layer.0.w as {transfer_dtype}")
     for name in SHAPES:
         assert torch.equal(strategy.global_params[name], x0[name]), name
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    dtype=st.sampled_from(["int8", "bf16", "fp16", "fp32"]),
+    sizes=st.lists(st.integers(1, 3 * 64 * 1024 + 300), min_size=1, max_size=3),
+    bad=st.sampled_from([None, math.nan, math.inf, -math.inf]),
+    seed=st.integers(0, 2**16),
+)
+def test_a_replys_norm_is_read_from_its_payload_chunk_by_chunk_without_decoding_it(dtype, sizes, bad, seed):
+    """``reply_checks.checked_norm`` reads the payload as it came, in chunks of one small buffer (tensors across
+    several chunks, a short last int8 block): the float64 norm of the decoded update, or the first non-finite
+    tensor's name; nothing is decoded whole (``wire.Decoded``: no tensor is materialised)."""
+    from parablock_flwr.strategies.reply_checks import checked_norm
+    from parablock_flwr.wire import Decoded, Payload, unpack
+
+    gen = torch.Generator().manual_seed(seed)
+    update = {f"t{i}": torch.randn(n, generator=gen) * 1e-3 for i, n in enumerate(sizes)}
+    if bad is not None and dtype != "int8":  # int8 carries no non-finite value (its scales are checked at unpack)
+        update["t0"][int(torch.randint(sizes[0], (1,), generator=gen))] = bad
+    shapes = {n: tuple(t.shape) for n, t in update.items()}
+    lazy = unpack(pack(update, dtype), shapes, dtype, read_only=True, lazy=True)
+    assert isinstance(lazy, Decoded)
+    eager = unpack(pack(update, dtype), shapes, dtype)
+    with mock.patch.object(Payload, "__call__", side_effect=AssertionError("a tensor decoded whole")):
+        result = checked_norm(lazy)
+    if bad is not None and dtype != "int8":
+        assert result == "non-finite values in t0"
+        return
+    expected = math.sqrt(sum(float(t.double().square().sum()) for t in eager.values()))
+    assert result == pytest.approx(expected, rel=1e-12)

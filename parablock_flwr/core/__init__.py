@@ -34,6 +34,7 @@ Every name is re-exported here; callers write ``core.X``, never a submodule's pa
 from .algorithm import (
     PendingUpdate,
     Tensors,
+    added,
     aggregate,
     apply_step,
     apply_step_keeping,
@@ -75,6 +76,7 @@ __all__ = [
     "add_noise",
     "aggregate",
     "apply_step",
+    "added",
     "apply_step_keeping",
     "block_schedule",
     "clip",

@@ -79,6 +79,21 @@ def apply_step_keeping(params: Mapping[str, torch.Tensor], step: Mapping[str, to
     return before
 
 
+@torch.no_grad()
+def added(x: torch.Tensor, step_chunks: Iterable[torch.Tensor]) -> torch.Tensor:
+    """``x + g`` in new storage, ``g`` read as consecutive flat chunks (each added as it comes, in cache):
+    ``apply_step``'s float op, element by element, so the bits are the same as adding ``g`` whole."""
+    out = torch.empty_like(x)
+    flat_x, flat_out, at = x.reshape(-1), out.view(-1), 0
+    for chunk in step_chunks:
+        stop = at + chunk.numel()
+        torch.add(flat_x[at:stop], chunk.to(device=x.device, dtype=x.dtype), out=flat_out[at:stop])
+        at = stop
+    if at != x.numel():
+        raise ValueError(f"added: the step's chunks hold {at:,} values, expected {x.numel():,}")
+    return out
+
+
 @dataclass
 class PendingUpdate:
     """A ParaBlock client's own update not yet folded into the global model.

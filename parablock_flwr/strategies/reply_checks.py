@@ -2,7 +2,7 @@
 
 A reply is judged on what it carries, not on what it declares: its packed update
 (``wire.py``) is deserialised once, and its real dtype, size, layout, finiteness and
-norm are checked on the very tensors that the aggregation will then use. Its metrics are read
+norm are checked on the very payload that the aggregation then decodes. Its metrics are read
 through the message schema (``messages.metrics_from_record``: each of its kind and range), so a
 malformed reply is rejected with a reason instead of crashing the round; what is checked here is
 what only the round knows (its number, its block, the bounds of the run config).
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from flwr.app import ArrayRecord, Message
 
-from .. import core
+from .. import core, wire
 from ..messages import METRICS, STATE_INTACT, TRACE, UPDATE, TrainMetrics, metrics_from_record
 from ..records import WireError, to_tensors
 from ..wire import payload_bytes
@@ -104,10 +104,11 @@ def parse_reply(msg: Message, expected: Expected, node: int | None = None) -> Re
     update = read_update(arrays, expected.shapes, expected.transfer_dtype)
     if isinstance(update, str):
         return update
-    if expected.max_update_norm > 0:
-        norm = update_norm(update)
-        if norm > expected.max_update_norm:
-            return f"update norm {norm:.4g} above max-update-norm={expected.max_update_norm}"
+    norm = checked_norm(update)
+    if isinstance(norm, str):
+        return norm
+    if expected.max_update_norm > 0 and norm > expected.max_update_norm:
+        return f"update norm {norm:.4g} above max-update-norm={expected.max_update_norm}"
     trace = read_trace(content)
     if isinstance(trace, str):
         return trace
@@ -122,19 +123,33 @@ def parse_reply(msg: Message, expected: Expected, node: int | None = None) -> Re
 
 def read_update(
     arrays: ArrayRecord, shapes: dict[str, tuple[int, ...]], transfer_dtype: str = "fp32"
-) -> core.Tensors | str:
+) -> wire.Decoded | str:
     """Deserialise the packed record once and check the payload itself (``wire.unpack``: names, shapes,
-    dtype, size, int8's scales), then finiteness. The update comes back in fp32, in ``shapes``' order; in
-    fp32 as views of the record's payload, to be read only (checked, not copied: the strategy decodes the
-    update it combines from the record itself)."""
+    dtype, size, int8's scales). The update comes back undecoded (``wire.Decoded``, in ``shapes``' order, fp32
+    as views of the record's payload, to be read only): the strategy decodes the update it combines from the
+    record itself, once."""
     try:
-        update = to_tensors(arrays, shapes, transfer_dtype, read_only=True)
+        return to_tensors(arrays, shapes, transfer_dtype, read_only=True, lazy=True)
     except WireError as err:
         return str(err)
-    for name, tensor in update.items():
-        if not all_finite(tensor):
+
+
+def checked_norm(update: core.Tensors) -> float | str:
+    """The update's L2 norm (accumulated in float64), or why it is refused: a non-finite value (a NaN or an
+    infinity makes its tensor's sum of squares non-finite; a finite fp32 value's square never overflows
+    float64). One pass over the values as they came, decoded chunk by chunk into one small buffer that stays
+    in cache: no block in fp32, no float64 copy (fresh block-sized memory costs more than the pass itself)."""
+    buffer = torch.empty(wire.READ_CHUNK_VALUES)
+    total = 0.0
+    for name in update:
+        squares = sum(
+            float(torch.linalg.vector_norm(chunk, dtype=torch.float64)) ** 2
+            for chunk in wire.read_chunks(update, name, buffer)
+        )
+        if not math.isfinite(squares):
             return f"non-finite values in {name}"
-    return update
+        total += squares
+    return math.sqrt(total)
 
 
 def all_finite(tensor: torch.Tensor) -> bool:
@@ -156,11 +171,6 @@ def read_trace(content) -> dict[str, str] | str:
     if not all(isinstance(v, str) for v in trace.values()):
         return "trace values: expected strings"
     return trace
-
-
-def update_norm(update: core.Tensors) -> float:
-    """L2 norm over every tensor of an update, accumulated in float64."""
-    return math.sqrt(sum(float(t.double().square().sum()) for t in update.values()))
 
 
 def check_partition(reply: Reply, seen: set[int], known: dict[int, int]) -> str | None:

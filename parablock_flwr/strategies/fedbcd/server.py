@@ -34,7 +34,7 @@ from ...messages import GLOBAL_STEP, METRICS, ROUND, UPDATE, PartitionAnswer, Ro
 from ...privacy import ServerPrivacy
 from ...records import pieces_record, record_arrays
 from ...replica import StepLog
-from ...wire import WireError, round_and_pack
+from ...wire import READ_CHUNK_VALUES, WireError, read_chunks, round_and_pack
 from ..node_sync import NodeSync, ask_partitions, seeded_sample
 from ..reply_checks import (
     Expected,
@@ -432,14 +432,13 @@ class FedBCD:
         ``x``, only if the step and the new ``x`` are finite: returns (the rounded step, its wire pieces),
         or why not, with ``x`` unchanged. Finite replies can sum, or scale by ``server-lr``, past fp32's
         range (or fp16's, or int8's largest scale); a non-finite ``x`` would reach every copy."""
-        try:
-            step, wire_pieces = round_and_pack(step, self.config.transfer_dtype)
+        try:  # g^r as it travels, read from its pieces chunk by chunk: no fp32 copy of it here
+            step, wire_pieces = round_and_pack(step, self.config.transfer_dtype, lazy=True)
         except WireError as err:
             return f"the round's step cannot travel as {self.config.transfer_dtype} ({err})"
-        new = {}
-        for name, delta in step.items():
-            current = self.global_params[name].detach()
-            new[name] = current + delta.to(device=current.device, dtype=current.dtype)  # apply_step's float op
+        new, buffer = {}, torch.empty(READ_CHUNK_VALUES)
+        for name in step:
+            new[name] = core.added(self.global_params[name].detach(), read_chunks(step, name, buffer))
             if not all_finite(new[name]):  # x is finite: a non-finite step makes the sum non-finite too
                 return (f"the round's step is not finite in {name} as {self.config.transfer_dtype} "
                         f"(server-lr={self.config.server_lr:g}): x is left as it was")  # fmt: skip

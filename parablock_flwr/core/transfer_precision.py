@@ -37,11 +37,16 @@ def _chunks(tensor: torch.Tensor):
     return [(i, min(n, i + step)) for i in range(0, n, step)]
 
 
-def _int8_scales(blocks: torch.Tensor) -> torch.Tensor:
+def _int8_scales(blocks: torch.Tensor, work: torch.Tensor | None) -> torch.Tensor:
     """Each block's scale: the smallest power of two ``s >= max|v| / 127`` (0 for an all-zero block; a
-    non-finite block keeps its non-finite bound, so that it is refused)."""
-    low, high = torch.aminmax(blocks, dim=1)  # max|v| is max(max, -min), without |v|'s copy
-    bound = torch.maximum(high, -low) / 127
+    non-finite block keeps its non-finite bound, so that it is refused). With ``work`` (a buffer apart from
+    ``blocks``, in cache) ``|v|`` goes there: its row-wise max is about three times faster than the row-wise
+    min and max of ``v`` (without it, the same bound: max|v| is max(max, -min))."""
+    if work is None:
+        low, high = torch.aminmax(blocks, dim=1)
+        bound = torch.maximum(high, -low) / 127
+    else:
+        bound = torch.abs(blocks, out=work[: blocks.numel()].view_as(blocks)).amax(dim=1) / 127
     mantissa, exponent = torch.frexp(bound)
     exponent = exponent - (mantissa == 0.5).to(exponent.dtype)  # an exact power of two is its own scale
     scale = torch.pow(2.0, exponent.double()).float()  # exact in float64, then exactly representable
@@ -59,7 +64,7 @@ def _quantize_into(values: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, 
         work[:n].copy_(values)
         values = work[:padded]
     blocks = values.view(-1, INT8_BLOCK)
-    scales.copy_(_int8_scales(blocks))
+    scales.copy_(_int8_scales(blocks, work if padded == n else None))  # (padded: the values are in work)
     divisor = torch.where(scales > 0, scales, 1.0)[:, None]
     scaled = work[:padded].view(-1, INT8_BLOCK)
     torch.div(blocks, divisor, out=scaled)

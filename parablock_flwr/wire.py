@@ -178,9 +178,10 @@ class Decoded(Mapping[str, torch.Tensor]):
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: shape for name, (shape, _) in self.parts.items()}
 
-    def payload(self, name: str) -> Payload:
-        """The tensor as it came, to read chunk by chunk (``Payload.chunks``) without decoding it whole."""
-        return self.parts[name][1]
+    def chunks(self, name: str) -> Iterator[torch.Tensor]:
+        """The tensor's flat fp32 values chunk by chunk from its payload (``Payload.chunks``): no tensor-sized
+        memory. Each chunk is overwritten by the next."""
+        return self.parts[name][1].chunks(torch.empty(READ_CHUNK_VALUES))
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.parts)
@@ -192,11 +193,11 @@ class Decoded(Mapping[str, torch.Tensor]):
         return len(self.parts)
 
 
-def read_chunks(tensors: Mapping[str, torch.Tensor], name: str, buffer: torch.Tensor) -> Iterator[torch.Tensor]:
-    """A tensor's flat fp32 values, chunk by chunk: a ``Decoded``'s from its payload (``Payload.chunks``, into
-    ``buffer``), any other tensor's whole."""
+def read_chunks(tensors: Mapping[str, torch.Tensor], name: str) -> Iterator[torch.Tensor]:
+    """A tensor's flat fp32 values, chunk by chunk: a ``Decoded``'s from its payload (``Decoded.chunks``), any
+    other tensor's whole."""
     if isinstance(tensors, Decoded):
-        return tensors.payload(name).chunks(buffer)
+        return tensors.chunks(name)
     return iter([tensors[name].reshape(-1)])
 
 

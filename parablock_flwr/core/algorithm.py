@@ -42,13 +42,27 @@ def aggregate(updates: Iterable[Tensors], weights: list[float]) -> Tensors:
         update = next(updates, None)
         if update is None:
             raise ValueError(f"aggregate: got {i} updates and {len(weights)} weights")
-        for n, t in update.items():
+        for n in update:
             if i == 0:
-                out[n] = (w / total) * t
+                out[n] = scaled(update, n, w / total)
             else:
-                out[n].add_(t, alpha=w / total)
+                out[n].add_(update[n], alpha=w / total)
     if next(updates, None) is not None:
         raise ValueError(f"aggregate: got more updates than the {len(weights)} weights")
+    return out
+
+
+def scaled(update: Mapping[str, torch.Tensor], name: str, factor: float) -> torch.Tensor:
+    """``factor * update[name]`` in new storage. An update that reads in chunks (``wire.Decoded``: ``chunks`` and
+    ``shapes``) is scaled chunk by chunk into it, decoded nowhere else: the same bits (one product per value)."""
+    chunks = getattr(update, "chunks", None)
+    if chunks is None:
+        return factor * update[name]
+    out = torch.empty(update.shapes[name])
+    flat, at = out.view(-1), 0
+    for chunk in chunks(name):
+        torch.mul(chunk, factor, out=flat[at : at + chunk.numel()])
+        at += chunk.numel()
     return out
 
 

@@ -139,12 +139,10 @@ def checked_norm(update: core.Tensors) -> float | str:
     infinity makes its tensor's sum of squares non-finite; a finite fp32 value's square never overflows
     float64). One pass over the values as they came, decoded chunk by chunk into one small buffer that stays
     in cache: no block in fp32, no float64 copy (fresh block-sized memory costs more than the pass itself)."""
-    buffer = torch.empty(wire.READ_CHUNK_VALUES)
     total = 0.0
     for name in update:
         squares = sum(
-            float(torch.linalg.vector_norm(chunk, dtype=torch.float64)) ** 2
-            for chunk in wire.read_chunks(update, name, buffer)
+            float(torch.linalg.vector_norm(chunk, dtype=torch.float64)) ** 2 for chunk in wire.read_chunks(update, name)
         )
         if not math.isfinite(squares):
             return f"non-finite values in {name}"

@@ -58,11 +58,13 @@ class UpdateSpill:
         self._index[key] = entries
 
     def take(self, key: int, shapes: Mapping[str, tuple[int, ...]]) -> Tensors:
-        """The fp32 tensors kept under ``key``, in ``shapes``' order; the entry is forgotten."""
+        """The tensors kept under ``key``, in ``shapes``' order, each decoded to fp32 when read (``wire.Decoded``:
+        the aggregate reads the first update in chunks into its sum, decoding no block apart from it); the entry
+        is forgotten."""
         if key in self._held:
-            return unpack(self._held.pop(key), shapes)
+            return unpack(self._held.pop(key), shapes, lazy=True)
         arrays = {
             name: np.fromfile(self.path, dtype=dtype, count=count, offset=offset)
             for name, dtype, offset, count in self._index.pop(key)
         }
-        return unpack(arrays, shapes)
+        return unpack(arrays, shapes, lazy=True)

@@ -34,7 +34,7 @@ from ...messages import GLOBAL_STEP, METRICS, ROUND, UPDATE, PartitionAnswer, Ro
 from ...privacy import ServerPrivacy
 from ...records import pieces_record, record_arrays
 from ...replica import StepLog
-from ...wire import READ_CHUNK_VALUES, WireError, read_chunks, round_and_pack
+from ...wire import WireError, read_chunks, round_and_pack
 from ..node_sync import NodeSync, ask_partitions, seeded_sample
 from ..reply_checks import (
     Expected,
@@ -436,9 +436,9 @@ class FedBCD:
             step, wire_pieces = round_and_pack(step, self.config.transfer_dtype, lazy=True)
         except WireError as err:
             return f"the round's step cannot travel as {self.config.transfer_dtype} ({err})"
-        new, buffer = {}, torch.empty(READ_CHUNK_VALUES)
+        new = {}
         for name in step:
-            new[name] = core.added(self.global_params[name].detach(), read_chunks(step, name, buffer))
+            new[name] = core.added(self.global_params[name].detach(), read_chunks(step, name))
             if not all_finite(new[name]):  # x is finite: a non-finite step makes the sum non-finite too
                 return (f"the round's step is not finite in {name} as {self.config.transfer_dtype} "
                         f"(server-lr={self.config.server_lr:g}): x is left as it was")  # fmt: skip

@@ -198,3 +198,24 @@ def test_a_step_added_chunk_by_chunk_gives_the_bits_of_apply_step():
         assert torch.equal(new, whole["w"]) and new.data_ptr() != x.data_ptr()
     with pytest.raises(ValueError, match="expected 350,005"):
         core.added(x, [g.reshape(-1)[:10]])
+
+
+def test_a_rounds_buffers_are_made_ahead_and_the_aggregate_writes_into_them():
+    """The server's sum and new ``x[b]`` are made (every page touched) while the round's replies are outstanding
+    (``RoundBuffers``), taken once by that round; ``core.aggregate`` and ``core.added`` write into them the bits
+    they would have written into new memory."""
+    from parablock_flwr.strategies.round_buffers import RoundBuffers
+
+    torch.manual_seed(1)
+    x = {"w": torch.randn(64, 33), "b": torch.randn(7)}
+    buffers = RoundBuffers()
+    buffers.prepare(3, x)
+    buffers.prepare(4, x)  # round 3's never taken: dropped
+    assert buffers.take(3) == ({}, {})
+    into_sum, into_x = buffers.take(4)
+    assert buffers.take(4) == ({}, {})  # taken once
+    updates = [{n: torch.randn_like(t) for n, t in x.items()} for _ in range(2)]
+    mean = core.aggregate(updates, [1.0, 2.0], out=into_sum)
+    assert all(mean[n] is into_sum[n] and torch.equal(mean[n], core.aggregate(updates, [1.0, 2.0])[n]) for n in x)
+    new = core.added(x["w"], [mean["w"].reshape(-1)], into_x["w"])
+    assert new is into_x["w"] and torch.equal(new, x["w"] + mean["w"])

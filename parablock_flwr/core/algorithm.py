@@ -25,26 +25,27 @@ def delta(after: Mapping[str, torch.Tensor], before: Mapping[str, torch.Tensor])
     return {n: after[n].detach().float() - before[n] for n in before}
 
 
-def aggregate(updates: Iterable[Tensors], weights: list[float]) -> Tensors:
+def aggregate(updates: Iterable[Tensors], weights: list[float], out: Tensors | None = None) -> Tensors:
     """``Δ̄ = Σ w_i Δ_i / Σ w_i``, computed as ``Σ (w_i / Σw) Δ_i`` in the given order.
 
     Normalising the weights first makes a single client's aggregate equal
     its update to the last bit (``1.0 * Δ == Δ``), which the tests rely on.
     ``updates`` may be a generator: only the running sum and the current
-    update are held, however many clients there are.
+    update are held, however many clients there are. ``out``: tensors the sum
+    is written into (the server's, prepared ahead: ``RoundBuffers``).
     """
     total = float(sum(weights))
     if total <= 0:
         raise ValueError(f"aggregate: weights sum to {total}, expected > 0")
     updates = iter(updates)
-    out: Tensors = {}
+    into, out = out or {}, {}
     for i, w in enumerate(weights):
         update = next(updates, None)
         if update is None:
             raise ValueError(f"aggregate: got {i} updates and {len(weights)} weights")
         for n in update:
             if i == 0:
-                out[n] = scaled(update, n, w / total)
+                out[n] = scaled(update, n, w / total, into.get(n))
             else:
                 out[n].add_(update[n], alpha=w / total)
     if next(updates, None) is not None:
@@ -52,13 +53,16 @@ def aggregate(updates: Iterable[Tensors], weights: list[float]) -> Tensors:
     return out
 
 
-def scaled(update: Mapping[str, torch.Tensor], name: str, factor: float) -> torch.Tensor:
-    """``factor * update[name]`` in new storage. An update that reads in chunks (``wire.Decoded``: ``chunks`` and
-    ``shapes``) is scaled chunk by chunk into it, decoded nowhere else: the same bits (one product per value)."""
+def scaled(
+    update: Mapping[str, torch.Tensor], name: str, factor: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``factor * update[name]`` in new storage (``out``, when given). An update that reads in chunks
+    (``wire.Decoded``: ``chunks`` and ``shapes``) is scaled chunk by chunk into it, decoded nowhere else: the
+    same bits (one product per value)."""
     chunks = getattr(update, "chunks", None)
     if chunks is None:
-        return factor * update[name]
-    out = torch.empty(update.shapes[name])
+        return torch.mul(update[name], factor, out=out) if out is not None else factor * update[name]
+    out = torch.empty(update.shapes[name]) if out is None else out
     flat, at = out.view(-1), 0
     for chunk in chunks(name):
         torch.mul(chunk, factor, out=flat[at : at + chunk.numel()])
@@ -94,10 +98,10 @@ def apply_step_keeping(params: Mapping[str, torch.Tensor], step: Mapping[str, to
 
 
 @torch.no_grad()
-def added(x: torch.Tensor, step_chunks: Iterable[torch.Tensor]) -> torch.Tensor:
-    """``x + g`` in new storage, ``g`` read as consecutive flat chunks (each added as it comes, in cache):
-    ``apply_step``'s float op, element by element, so the bits are the same as adding ``g`` whole."""
-    out = torch.empty_like(x)
+def added(x: torch.Tensor, step_chunks: Iterable[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x + g`` in new storage (``out``, when given), ``g`` read as consecutive flat chunks (each added as it comes,
+    in cache): ``apply_step``'s float op, element by element, so the bits are the same as adding ``g`` whole."""
+    out = torch.empty_like(x) if out is None else out
     flat_x, flat_out, at = x.reshape(-1), out.view(-1), 0
     for chunk in step_chunks:
         stop = at + chunk.numel()

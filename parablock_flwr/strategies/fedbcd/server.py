@@ -46,6 +46,7 @@ from ..reply_checks import (
     parse_reply,
     state_intact,
 )
+from ..round_buffers import RoundBuffers
 from ..round_stats import Rejection, RoundStats, array_bytes, round_record
 from ..update_spill import UpdateSpill
 
@@ -129,6 +130,8 @@ class FedBCD:
         self.x_hashes = core.TensorHashes()  # each tensor of x's SHA-256 until a step moves it (invariant check)
         self._update_bounds: dict[int, float] = {}  # block -> its honest-update bound while x keeps its values
         self.spill = UpdateSpill(run_dir)
+        self.buffers = RoundBuffers()  # the round's sum and new x[b], made while its replies are outstanding
+        self._round_buffers: tuple[core.Tensors, core.Tensors] = ({}, {})  # the round's, while it aggregates
         self.stats = RoundStats(0)
         self._blocks: dict[int, int] = {}  # server round -> block, as decided so far (``block_for_round``)
         self._asked_partition: set[int] = set()  # nodes asked their partition id (select_nodes)
@@ -280,7 +283,7 @@ class FedBCD:
         ``updates`` come one at a time (a generator, in partition order): a combiner
         that needs them all at once makes a list of them first.
         """
-        return core.aggregate(updates, weights)
+        return core.aggregate(updates, weights, out=self._round_buffers[0])
 
     def observe_update(self, server_round: int, block: int, reply: Reply) -> core.PendingUpdate | None:
         """Every accepted update once, before it is combined; returns what the checkpoint keeps of it for
@@ -307,6 +310,8 @@ class FedBCD:
         self.stats = RoundStats(server_round)
         self._own_counts_before = dict(self.own_counts)
         self.spill.start()
+        self.buffers.prepare(server_round, {n: self.global_params[n] for n in self.partition.names(
+            self.block_for_round(server_round))})  # fmt: skip
         nodes = self.select_nodes(server_round, grid)
         if server_round == self.sync.first_round and (self.sync.resume_pending or self.sync.carried):
             self.sync.partitions.update(ask_partitions(grid, nodes, self.config.round_timeout_s))
@@ -418,6 +423,7 @@ class FedBCD:
         (``x`` does not move, but clients still need a step to re-base on)."""
         if not accepted:
             return {n: torch.zeros_like(self.global_params[n]) for n in self.partition.names(block)}
+        self._round_buffers = self.buffers.take(server_round)  # ({}, {}): none ready, new ones are made
         updates = self.accepted_updates(server_round, block, accepted, stage)
         if self.privacy is not None:  # clipped as combined, the mean noised (docs/privacy.md)
             updates = self.privacy.clip_updates(updates)
@@ -438,7 +444,8 @@ class FedBCD:
             return f"the round's step cannot travel as {self.config.transfer_dtype} ({err})"
         new = {}
         for name in step:
-            new[name] = core.added(self.global_params[name].detach(), read_chunks(step, name))
+            into = self._round_buffers[1].get(name)
+            new[name] = core.added(self.global_params[name].detach(), read_chunks(step, name), into)
             if not all_finite(new[name]):  # x is finite: a non-finite step makes the sum non-finite too
                 return (f"the round's step is not finite in {name} as {self.config.transfer_dtype} "
                         f"(server-lr={self.config.server_lr:g}): x is left as it was")  # fmt: skip

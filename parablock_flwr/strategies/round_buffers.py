@@ -1,0 +1,39 @@
+"""The fp32 buffers a round's aggregation writes: the sum of the updates and the new ``x[b_r]``.
+
+Each is a block of fresh memory, and the first touch of a fresh page costs the kernel about as much as the
+aggregation's own work on it (more while the step log's writes fill the page cache). Allocated and touched on
+a thread of their own while the round's replies are outstanding, they take no page fault between the last
+reply and the next message (the critical path). A round that finds none ready allocates its own.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from .. import core
+
+
+class RoundBuffers:
+    """Round r's sum and new ``x[b_r]``, prepared ahead (``prepare``) and taken once (``take``)."""
+
+    def __init__(self) -> None:
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="round-buffers")
+        self._ready: dict[int, Future] = {}
+
+    def prepare(self, server_round: int, like: core.Tensors) -> None:
+        """Start making round r's buffers, one pair per tensor of ``like`` (its shapes, dtypes and device); any
+        other round's are dropped."""
+        self._ready = {server_round: self._ready.get(server_round) or self._thread.submit(touched_pairs, like)}
+
+    def take(self, server_round: int) -> tuple[core.Tensors, core.Tensors]:
+        """Round r's (sum, new x) buffers, waited for; empty when none were prepared (or taken already)."""
+        future = self._ready.pop(server_round, None)
+        return future.result() if future is not None else ({}, {})
+
+
+def touched_pairs(like: core.Tensors) -> tuple[core.Tensors, core.Tensors]:
+    """Two new tensors like each of ``like``, every page written once (zeros)."""
+    pairs = tuple({n: torch.zeros_like(t) for n, t in like.items()} for _ in range(2))
+    return pairs[0], pairs[1]

@@ -267,3 +267,22 @@ def test_the_aggregate_of_updates_read_as_they_came_has_the_bits_of_decoded_ones
             summed = core.aggregate(lazy, weights)
         assert all(torch.equal(summed[n], eager[n]) for n in shapes)
         assert decode.call_count == (count - 1) * len(shapes)  # the first update: read in chunks only
+
+
+@pytest.mark.parametrize("transfer_dtype", ["int8", "bf16", "fp16"])
+def test_a_nodes_rounded_update_is_its_encoding_and_packs_without_converting_again(transfer_dtype):
+    """Error feedback writes no fp32 block of what it sends: ``sent`` is the encoding itself
+    (``core.EncodedTensors``), reading back ``round_for_transfer(Δ + e)``, and packing it (the simulation's
+    reply) takes the encoding as it is, converting nothing again."""
+    torch.manual_seed(5)
+    update = {"a": torch.randn(3, 1000) * 1e-3, "b": torch.randn(77) * 1e-3}
+    residual = {n: torch.randn_like(t) * 1e-6 for n, t in update.items()}
+    sent, kept, encoded = core.round_with_feedback_encoded(update, residual, transfer_dtype)
+    assert isinstance(sent, core.EncodedTensors) and sent.encoded is encoded
+    expected = core.round_for_transfer({n: update[n] + residual[n] for n in update}, transfer_dtype)
+    assert all(torch.equal(sent[n], expected[n]) for n in update)
+    assert all(torch.equal(kept[n], update[n] + residual[n] - expected[n]) for n in update)
+    with mock.patch.object(core.transfer_precision, "quantize_int8", side_effect=AssertionError("converted again")):
+        with mock.patch.object(wire, "encode", side_effect=AssertionError("converted again")):
+            arrays = wire.pack(sent, transfer_dtype)
+    assert all(torch.equal(t, expected[n]) for n, t in wire.unpack(arrays).items())

@@ -149,7 +149,7 @@ class EncodedTensors(Mapping[str, torch.Tensor]):
 def kept_encoded(sent: Tensors, encoded: Encoded | None) -> Mapping[str, torch.Tensor]:
     """``sent`` as a node keeps it across rounds: from its encoding (``EncodedTensors``) when it has one, else
     (fp32 transfer: the values travel as they are) ``sent`` itself."""
-    if encoded is None:
+    if encoded is None or isinstance(sent, EncodedTensors):
         return sent
     return EncodedTensors(encoded, {n: t.shape for n, t in sent.items()})
 
@@ -189,19 +189,24 @@ def round_with_feedback_encoded(
     encoded: Encoded = {}
     for n, t in update.items():
         sent[n], kept[n], encoded[n] = _feedback_tensor(t, residual[n] if residual else None, transfer_dtype)
+    if transfer_dtype != "fp32":  # sent as it travels, decoded when read: no fp32 block of it is written
+        sent = EncodedTensors(encoded, {n: t.shape for n, t in update.items()})
     return sent, kept, encoded
 
 
 def _feedback_tensor(
     update: torch.Tensor, residual: torch.Tensor | None, transfer_dtype: str
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor | None]]:
-    """One tensor's ``sent``, ``e'`` and encoding. ``e'`` is computed in the buffer that first holds ``Δ + e``
-    (no further block-sized buffer), ``sent`` decoded from its encoding, one chunk at a time through the cache."""
+    """One tensor's ``sent`` (fp32 only: else None, the encoding stands for it), ``e'`` and encoding. ``e'`` is
+    computed in the buffer that first holds ``Δ + e`` (no further block-sized buffer), ``sent`` decoded from
+    its encoding one chunk at a time through the cache (``decoded``: a chunk-sized buffer)."""
     flat = update.detach().reshape(-1).float()
     n, device = flat.numel(), flat.device
-    kept, sent = torch.empty_like(flat), torch.empty_like(flat)
-    extra = residual.detach().reshape(-1).to(device=device, dtype=torch.float32) if residual is not None else None
     spans = _chunks(flat)
+    kept = torch.empty_like(flat)
+    sent = torch.empty_like(flat) if transfer_dtype == "fp32" else None
+    decoded = torch.empty(spans[0][1] if spans else 0, device=device)
+    extra = residual.detach().reshape(-1).to(device=device, dtype=torch.float32) if residual is not None else None
     if transfer_dtype == "int8":
         values, scales = torch.empty(n, dtype=torch.int8, device=device), torch.empty(int8_blocks(n), device=device)
         work = torch.empty(int8_blocks(spans[0][1]) * INT8_BLOCK if spans else 0, device=device)
@@ -215,12 +220,14 @@ def _feedback_tensor(
             corrected.copy_(flat[i:j])
         else:
             torch.add(flat[i:j], extra[i:j], out=corrected)
+        chunk = sent[i:j] if sent is not None else decoded[: j - i]
         if transfer_dtype == "int8":
             _quantize_into(corrected, values[i:j], scales[i // INT8_BLOCK : int8_blocks(j)], work)
-            dequantize_int8(values[i:j], scales[i // INT8_BLOCK : int8_blocks(j)], out=sent[i:j])
+            dequantize_int8(values[i:j], scales[i // INT8_BLOCK : int8_blocks(j)], out=chunk)
         else:
             values[i:j].copy_(corrected)  # fp32: sent itself; bf16, fp16: rounded to nearest
             if values is not sent:
-                sent[i:j].copy_(values[i:j])
-        corrected.sub_(sent[i:j])
-    return sent.view(update.shape), kept.view(update.shape), (values, scales)
+                chunk.copy_(values[i:j])
+        corrected.sub_(chunk)
+    sent = sent.view(update.shape) if sent is not None else None
+    return sent, kept.view(update.shape), (values, scales)

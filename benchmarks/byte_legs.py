@@ -4,15 +4,18 @@ its computation and its upload, and what the server does between the last reply 
 each in MB/s of the block's wire bytes, beside a bare TLS socket moving the same bytes with a SHA-256 at
 the receiver (``benchmarks.transport.socket_path``), in the same run.
 
-A node's legs: the update rounded with error feedback (``core.round_with_feedback``), packed for the wire
-(``wire.pack_pieces`` from the rounding's own encoding, beside packing that converts the values again, as before),
-its SHA-256, and with ``verify-invariant`` its local model's digest, cached (what the node runs:
-``ModelReplica.hashes``) beside the whole model hashed (what it ran before). The server's, for ``--nodes`` replies:
-each reply decoded (``wire.unpack``), the aggregate (``core.aggregate``), ``g`` rounded and packed
-(``wire.round_and_pack``), with differential privacy each reply clipped (``core.clip``) and the mean's noise drawn
-and added (``core.gaussian``, ``core.add_noise``), applied to ``x`` (``core.apply_step_keeping``), and each reply's
-invariant digest, cached. The model is ``--blocks`` blocks, so that the whole-model digest costs what it costs on a
-model of that many blocks. Best of ``--repeats``; torch's threads: ``--threads``. The process maps its large buffers
+A node's legs: the update rounded with error feedback (``core.round_with_feedback_encoded``: what it sends is its
+encoding), packed for the wire (``wire.pack_pieces`` from that encoding), its SHA-256, and with ``verify-invariant``
+its local model's digest, cached (what the node runs: ``ModelReplica.hashes``) beside the whole model hashed (what it
+ran before). The server's, for ``--nodes`` replies, as its critical path runs them: each reply's norm and finiteness
+read from its payload chunk by chunk (``reply_checks.checked_norm``), the aggregate of the updates as they came
+(``core.aggregate``: the first scaled into the sum from its payload, the others decoded), ``g`` rounded and packed
+(``wire.round_and_pack``, its values read back from the pieces), with differential privacy each reply clipped
+(``core.clip``) and the mean's noise drawn and added (``core.gaussian``, ``core.add_noise``), ``g`` applied to ``x``
+from its pieces chunk by chunk (``core.added``), and each reply's invariant digest, cached. The sum and the new ``x``
+go into new memory here: the server makes both ahead, while the replies are outstanding (``RoundBuffers``). The
+model is ``--blocks`` blocks, so that the whole-model digest costs what it costs on a model of that many blocks.
+Best of ``--repeats``; torch's threads: ``--threads``. The process maps its large buffers
 (``memory.map_large_buffers``), as the worker and the ServerApp do (with huge pages when started with
 ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``, as ``tools.launch`` and the units start them).
 
@@ -35,12 +38,13 @@ from benchmarks.common import write_report
 from benchmarks.transport import socket_path
 from parablock_flwr import core
 from parablock_flwr.memory import map_large_buffers
+from parablock_flwr.strategies.reply_checks import checked_norm
 from parablock_flwr.tools.credentials import make_tls
-from parablock_flwr.wire import join_pieces, pack_pieces, round_and_pack, unpack
+from parablock_flwr.wire import join_pieces, pack_pieces, read_chunks, round_and_pack, unpack
 
 WIDTH = 2048  # the rows of a block's tensors: Llama-3.2-1B's hidden size
 # What the node ran before, measured beside what replaced it (left out of the node's sum).
-BEFORE = {"pack, converting again", "invariant digest, whole model"}
+BEFORE = {"invariant digest, whole model"}
 # The legs the server runs only with differential privacy, central mode (docs/privacy.md; left out of its sum).
 WITH_DP = "DP: "
 
@@ -84,7 +88,6 @@ def node_legs(update: core.Tensors, residual: core.Tensors, model: core.Tensors,
         lambda: core.round_with_feedback_encoded(update, residual, dtype), repeats
     )
     legs["pack"], pieces = best(lambda: pack_pieces(sent, dtype, encoded), repeats)
-    legs["pack, converting again"], _ = best(lambda: pack_pieces(sent, dtype), repeats)
     legs["SHA-256 of the wire bytes"], _ = best(lambda: sha256_of(pieces), repeats)
     names = list(model)
     hashes = core.TensorHashes()
@@ -98,16 +101,22 @@ def server_legs(arrays: dict, sent: core.Tensors, model: core.Tensors, nodes: in
     """The server's per-byte work from the last reply to the next message, in seconds per leg (``nodes``
     replies of the same bytes)."""
     legs = {}
-    one, decoded = best(lambda: unpack(arrays, transfer_dtype=dtype), repeats)
-    legs[f"decode {nodes} replies"] = nodes * one
-    legs[f"aggregate {nodes}"], mean = best(lambda: core.aggregate([decoded] * nodes, [1.0] * nodes), repeats)
+
+    def lazy():
+        return unpack(arrays, transfer_dtype=dtype, read_only=True, lazy=True)
+
+    one, _ = best(lambda: checked_norm(lazy()), repeats)
+    legs[f"check {nodes} replies (norm, finite)"] = nodes * one
+    legs[f"aggregate {nodes}"], mean = best(lambda: core.aggregate([lazy() for _ in range(nodes)], [1.0] * nodes),
+                                            repeats)  # fmt: skip
+    decoded = unpack(arrays, transfer_dtype=dtype)
     norm = core.l2_norm(decoded)  # each reply clipped to half its norm: the norm's pass and the scaling's
     one, _ = best(lambda: core.clip(decoded, norm / 2), repeats)
     legs[f"DP: clip {nodes} replies"] = nodes * one
     legs["DP: the mean's noise"], _ = best(lambda: core.add_noise(dict(mean), core.gaussian(mean, 1), 1e-3), repeats)
-    legs["round and pack g"], (step, _) = best(lambda: round_and_pack(mean, dtype), repeats)
+    legs["round and pack g"], (step, _) = best(lambda: round_and_pack(mean, dtype, lazy=True), repeats)
     x = {n: model[n].clone() for n in step}
-    legs["apply g to x"], _ = best(lambda: core.apply_step_keeping(x, step), repeats)
+    legs["apply g to x"], _ = best(lambda: {n: core.added(x[n], read_chunks(step, n)) for n in step}, repeats)
     names, hashes = list(model), core.TensorHashes()
     core.digest_after(model, names, hashes=hashes)
     one, _ = best(lambda: core.digest_after(model, names, sent, hashes=hashes), repeats)

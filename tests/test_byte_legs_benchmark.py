@@ -5,9 +5,9 @@ import pytest
 
 from benchmarks import byte_legs
 
-NODE_LEGS = {"round with feedback", "pack", "pack, converting again", "SHA-256 of the wire bytes",
+NODE_LEGS = {"round with feedback", "pack", "SHA-256 of the wire bytes",
              "invariant digest, cached", "invariant digest, whole model"}  # fmt: skip
-SERVER_LEGS = {"decode 2 replies", "aggregate 2", "DP: clip 2 replies", "DP: the mean's noise", "round and pack g",
+SERVER_LEGS = {"check 2 replies (norm, finite)", "aggregate 2", "DP: clip 2 replies", "DP: the mean's noise", "round and pack g",
                "apply g to x", "2 invariant digests, cached"}  # fmt: skip
 
 

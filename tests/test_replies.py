@@ -353,3 +353,21 @@ def test_a_rounds_record_names_each_sites_reply_and_report_sites_sums_them(setup
     assert lines[0].split()[:4] == ["site", "accepted", "rejected", "examples"]
     assert lines[1].split()[:7] == ["site", "10", "2", "0", "10", "0.2", f"{2 * weights['bytes_up'] / 1e6:.1f}"]
     assert lines[2].split()[:6] == ["site", "11", "0", "2", "0", "0.0"] and "above max-update-norm" in lines[2]
+
+
+def test_a_rounds_prepared_buffers_are_its_own_and_none_outlives_its_aggregate(setup):
+    """The round's sum and new ``x[b]`` are taken once by its aggregate and dropped after it: a later round that
+    finds none prepared (or aggregates again with no reply, ``min-accepted-replies = 0``) makes new memory, never
+    writing into ``x``'s own storage, and ``x`` keeps its values when no reply is valid."""
+    run, update, before = setup
+    strategy = run.algorithm
+    strategy.buffers.prepare(1, {n: strategy.global_params[n] for n in strategy.partition.names(BLOCK)})
+    record = aggregate(run, [reply(11, update)])
+    assert record["num_accepted"] == 1
+    assert strategy._sum_into == {} and strategy._new_x_into == {}  # nothing of round 1's is kept
+    x1 = {n: (t.data_ptr(), t.detach().clone()) for n, t in strategy.global_params.items()}
+    outcome = strategy.aggregate_train(2, [], {})  # no reply, no buffers prepared: a zero step
+    assert outcome.step is not None and all(float(t.abs().max()) == 0 for _, t in outcome.step.items())
+    for n, (ptr, values) in x1.items():
+        assert torch.equal(strategy.global_params[n], values)
+        assert n not in outcome.step or strategy.global_params[n].data_ptr() != ptr  # new storage, x^1 kept apart

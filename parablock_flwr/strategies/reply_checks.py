@@ -126,8 +126,8 @@ def read_update(
 ) -> wire.Decoded | str:
     """Deserialise the packed record once and check the payload itself (``wire.unpack``: names, shapes,
     dtype, size, int8's scales). The update comes back undecoded (``wire.Decoded``, in ``shapes``' order, fp32
-    as views of the record's payload, to be read only): the strategy decodes the update it combines from the
-    record itself, once."""
+    as views of the record's payload, to be read only): the strategy reads the update it combines from the
+    record itself (into the round's sum)."""
     try:
         return to_tensors(arrays, shapes, transfer_dtype, read_only=True, lazy=True)
     except WireError as err:

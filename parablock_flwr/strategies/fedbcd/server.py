@@ -131,7 +131,10 @@ class FedBCD:
         self._update_bounds: dict[int, float] = {}  # block -> its honest-update bound while x keeps its values
         self.spill = UpdateSpill(run_dir)
         self.buffers = RoundBuffers()  # the round's sum and new x[b], made while its replies are outstanding
-        self._round_buffers: tuple[core.Tensors, core.Tensors] = ({}, {})  # the round's, while it aggregates
+        # The round's prepared sum and new x[b] from its round_step until combine and apply_if_finite take them
+        # (each once: a second combine, or a later round's, makes new memory).
+        self._sum_into: core.Tensors = {}
+        self._new_x_into: core.Tensors = {}
         self.stats = RoundStats(0)
         self._blocks: dict[int, int] = {}  # server round -> block, as decided so far (``block_for_round``)
         self._asked_partition: set[int] = set()  # nodes asked their partition id (select_nodes)
@@ -281,9 +284,12 @@ class FedBCD:
         """``Δ̄``: the weighted mean of the accepted updates.
 
         ``updates`` come one at a time (a generator, in partition order): a combiner
-        that needs them all at once makes a list of them first.
+        that needs them all at once makes a list of them first. Each is read-only and may be
+        decoded again at each read (``wire.Decoded``: kept as it came). The first call of a round
+        writes the mean into the round's prepared buffers (``RoundBuffers``).
         """
-        return core.aggregate(updates, weights, out=self._round_buffers[0])
+        out, self._sum_into = self._sum_into, {}
+        return core.aggregate(updates, weights, out=out)
 
     def observe_update(self, server_round: int, block: int, reply: Reply) -> core.PendingUpdate | None:
         """Every accepted update once, before it is combined; returns what the checkpoint keeps of it for
@@ -421,9 +427,9 @@ class FedBCD:
     def round_step(self, server_round: int, block: int, accepted: list[Reply], stage: Stage) -> core.Tensors:
         """``g^r`` from the accepted replies (sorted), before rounding; a zero step when none is valid
         (``x`` does not move, but clients still need a step to re-base on)."""
+        self._sum_into, self._new_x_into = self.buffers.take(server_round)  # ({}, {}): new memory is made
         if not accepted:
             return {n: torch.zeros_like(self.global_params[n]) for n in self.partition.names(block)}
-        self._round_buffers = self.buffers.take(server_round)  # ({}, {}): none ready, new ones are made
         updates = self.accepted_updates(server_round, block, accepted, stage)
         if self.privacy is not None:  # clipped as combined, the mean noised (docs/privacy.md)
             updates = self.privacy.clip_updates(updates)
@@ -438,13 +444,14 @@ class FedBCD:
         ``x``, only if the step and the new ``x`` are finite: returns (the rounded step, its wire pieces),
         or why not, with ``x`` unchanged. Finite replies can sum, or scale by ``server-lr``, past fp32's
         range (or fp16's, or int8's largest scale); a non-finite ``x`` would reach every copy."""
+        new_x_into, self._new_x_into, self._sum_into = self._new_x_into, {}, {}  # taken once: none outlives the round
         try:  # g^r as it travels, read from its pieces chunk by chunk: no fp32 copy of it here
             step, wire_pieces = round_and_pack(step, self.config.transfer_dtype, lazy=True)
         except WireError as err:
             return f"the round's step cannot travel as {self.config.transfer_dtype} ({err})"
         new = {}
         for name in step:
-            into = self._round_buffers[1].get(name)
+            into = new_x_into.get(name)
             new[name] = core.added(self.global_params[name].detach(), read_chunks(step, name), into)
             if not all_finite(new[name]):  # x is finite: a non-finite step makes the sum non-finite too
                 return (f"the round's step is not finite in {name} as {self.config.transfer_dtype} "

@@ -80,9 +80,8 @@ def pack_pieces(
     # and copies a quarter (int8) or half (bf16) of the fp32 bytes to the host, not all of them to convert
     # there. Lossless on any device for values already rounded (what the node keeps is what arrives).
     if encoded is None:  # a node's kept update travels as it was encoded (in this dtype), not converted again
-        own = tensors.encoded if isinstance(tensors, EncodedTensors) else None
-        same = own is not None and all(v.dtype == TRANSFER_DTYPES[transfer_dtype] for v, _ in own.values())
-        encoded = own if same else encode(tensors, transfer_dtype)
+        own = isinstance(tensors, EncodedTensors) and tensors.travels_as(transfer_dtype)
+        encoded = tensors.encoded if own else encode(tensors, transfer_dtype)
     shapes = tensors.shapes if isinstance(tensors, EncodedTensors) else {n: t.shape for n, t in tensors.items()}
     layout = json.dumps([[name, list(shape)] for name, shape in shapes.items()]).encode()
     pieces = {LAYOUT: [np.frombuffer(layout, dtype=np.uint8)]}

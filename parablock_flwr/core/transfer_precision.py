@@ -142,6 +142,10 @@ class EncodedTensors(Mapping[str, torch.Tensor]):
     def __contains__(self, name: object) -> bool:  # (Mapping's would decode the tensor)
         return name in self.shapes
 
+    def travels_as(self, transfer_dtype: str) -> bool:
+        """Whether its encoding is ``transfer_dtype``'s: then it is packed as it is, never converted again."""
+        return all(v.dtype == TRANSFER_DTYPES[transfer_dtype] for v, _ in self.encoded.values())
+
     def __len__(self) -> int:
         return len(self.shapes)
 
@@ -205,7 +209,7 @@ def _feedback_tensor(
     spans = _chunks(flat)
     kept = torch.empty_like(flat)
     sent = torch.empty_like(flat) if transfer_dtype == "fp32" else None
-    decoded = torch.empty(spans[0][1] if spans else 0, device=device)
+    decoded = torch.empty(spans[0][1] if spans and sent is None else 0, device=device)
     extra = residual.detach().reshape(-1).to(device=device, dtype=torch.float32) if residual is not None else None
     if transfer_dtype == "int8":
         values, scales = torch.empty(n, dtype=torch.int8, device=device), torch.empty(int8_blocks(n), device=device)

@@ -36,7 +36,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file as save_arrays
 from safetensors.torch import load_file, save_file
 
-from ..core import TRANSFER_DTYPES, EncodedTensors, PendingUpdate, Tensors
+from ..core import EncodedTensors, PendingUpdate, Tensors
 from ..durable import fsync_path, make_dirs, replace_file
 from ..wire import pack_pieces, round_and_pack, unpack
 
@@ -173,10 +173,8 @@ class PendingStore:
                 fsync_path(self.path.parent)
             return
         delta = pending.delta
-        if isinstance(delta, EncodedTensors) and all(
-            v.dtype == TRANSFER_DTYPES[transfer_dtype] for v, _ in delta.encoded.values()
-        ):  # kept as it was sent (``core.kept_encoded``): packed from its encoding, not decoded and rounded again
-            pieces = pack_pieces(delta, transfer_dtype, delta.encoded)
+        if isinstance(delta, EncodedTensors) and delta.travels_as(transfer_dtype):
+            pieces = pack_pieces(delta, transfer_dtype)  # kept as it was sent: packed from its encoding, as it is
         else:
             rounded, pieces = round_and_pack(delta, transfer_dtype)
             if any(not torch.equal(rounded[n], t) for n, t in delta.items()):

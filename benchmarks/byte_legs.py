@@ -8,16 +8,17 @@ A node's legs: the update rounded with error feedback (``core.round_with_feedbac
 encoding), packed for the wire (``wire.pack_pieces`` from that encoding), its SHA-256, and with ``verify-invariant``
 its local model's digest, cached (what the node runs: ``ModelReplica.hashes``) beside the whole model hashed (what it
 ran before). The server's, for ``--nodes`` replies, as its critical path runs them: each reply's norm and finiteness
-read from its payload chunk by chunk (``reply_checks.checked_norm``), the aggregate of the updates as they came
-(``core.aggregate``: the first scaled into the sum from its payload, the others decoded), ``g`` rounded and packed
-(``wire.round_and_pack``, its values read back from the pieces), with differential privacy each reply clipped
+read from its payload (``reply_checks.checked_norm``: int8's from its integers and scales), the aggregate of the
+updates as they came (``core.aggregate``: each read from its payload chunk by chunk into the sum), ``g`` rounded and
+packed (``wire.round_and_pack``, its values read back from the pieces), with differential privacy each reply clipped
 (``core.clip``) and the mean's noise drawn and added (``core.gaussian``, ``core.add_noise``), ``g`` applied to ``x``
-from its pieces chunk by chunk (``core.added``), and each reply's invariant digest, cached. The sum and the new ``x``
-go into new memory here: the server makes both ahead, while the replies are outstanding (``RoundBuffers``). The
+from its pieces chunk by chunk (``core.added``), and each reply's invariant digest, cached (the reply's block summed
+and hashed chunk by chunk from its payload, ``core.digests.sha256_after``). The sum and the new ``x`` go into buffers
+made and touched before the leg, as the server makes them while the replies are outstanding (``RoundBuffers``). The
 model is ``--blocks`` blocks, so that the whole-model digest costs what it costs on a model of that many blocks.
-Best of ``--repeats``; torch's threads: ``--threads``. The process maps its large buffers
-(``memory.map_large_buffers``), as the worker and the ServerApp do (with huge pages when started with
-``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``, as ``tools.launch`` and the units start them).
+Best of ``--repeats``; torch's threads: ``--threads``. Each size runs in a process of its own that maps its large
+buffers on huge pages (``memory.map_large_buffers``, ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``), as ``tools.launch``
+and the units start the worker and the ServerApp.
 
     .venv/bin/python -m benchmarks.byte_legs --params-m 61.8 243 --repeats 5 --report
 """
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import multiprocessing
+import os
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -37,10 +39,11 @@ import torch
 from benchmarks.common import write_report
 from benchmarks.transport import socket_path
 from parablock_flwr import core
-from parablock_flwr.memory import map_large_buffers
+from parablock_flwr.memory import map_large_buffers, with_huge_pages
 from parablock_flwr.strategies.reply_checks import checked_norm
+from parablock_flwr.strategies.round_buffers import touched_pairs
 from parablock_flwr.tools.credentials import make_tls
-from parablock_flwr.wire import join_pieces, pack_pieces, read_chunks, round_and_pack, unpack
+from parablock_flwr.wire import join_pieces, pack_pieces, round_and_pack, unpack
 
 WIDTH = 2048  # the rows of a block's tensors: Llama-3.2-1B's hidden size
 # What the node ran before, measured beside what replaced it (left out of the node's sum).
@@ -107,8 +110,10 @@ def server_legs(arrays: dict, sent: core.Tensors, model: core.Tensors, nodes: in
 
     one, _ = best(lambda: checked_norm(lazy()), repeats)
     legs[f"check {nodes} replies (norm, finite)"] = nodes * one
-    legs[f"aggregate {nodes}"], mean = best(lambda: core.aggregate([lazy() for _ in range(nodes)], [1.0] * nodes),
-                                            repeats)  # fmt: skip
+    sums, new_x = touched_pairs(dict(sent.items()))  # made ahead, as the server's RoundBuffers
+    legs[f"aggregate {nodes}"], mean = best(
+        lambda: core.aggregate([lazy() for _ in range(nodes)], [1.0] * nodes, out=sums), repeats
+    )
     decoded = unpack(arrays, transfer_dtype=dtype)
     norm = core.l2_norm(decoded)  # each reply clipped to half its norm: the norm's pass and the scaling's
     one, _ = best(lambda: core.clip(decoded, norm / 2), repeats)
@@ -116,7 +121,9 @@ def server_legs(arrays: dict, sent: core.Tensors, model: core.Tensors, nodes: in
     legs["DP: the mean's noise"], _ = best(lambda: core.add_noise(dict(mean), core.gaussian(mean, 1), 1e-3), repeats)
     legs["round and pack g"], (step, _) = best(lambda: round_and_pack(mean, dtype, lazy=True), repeats)
     x = {n: model[n].clone() for n in step}
-    legs["apply g to x"], _ = best(lambda: {n: core.added(x[n], read_chunks(step, n)) for n in step}, repeats)
+    legs["apply g to x"], _ = best(
+        lambda: {n: core.added(x[n], core.read_chunks(step, n), new_x[n]) for n in step}, repeats
+    )
     names, hashes = list(model), core.TensorHashes()
     core.digest_after(model, names, hashes=hashes)
     one, _ = best(lambda: core.digest_after(model, names, sent, hashes=hashes), repeats)
@@ -174,6 +181,7 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     results = []
     spawn = multiprocessing.get_context("spawn")
+    os.environ.update(with_huge_pages(dict(os.environ)))  # the children's glibc reads it as they start
     with tempfile.TemporaryDirectory() as tmp:
         tls = make_tls(Path(tmp))
         for params_m in args.params_m:

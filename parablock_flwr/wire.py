@@ -32,8 +32,10 @@ from .core import (
     TRANSFER_DTYPES,
     Encoded,
     EncodedTensors,
+    decoded_chunks,
     dequantize_int8,
     encode,
+    encoded_sum_of_squares,
     int8_blocks,
 )
 
@@ -185,6 +187,10 @@ class Decoded(Mapping[str, torch.Tensor]):
         memory. Each chunk is overwritten by the next."""
         return self.parts[name][1].chunks(torch.empty(READ_CHUNK_VALUES))
 
+    def sum_of_squares(self, name: str) -> float:
+        """The tensor's ``Σ v²`` in float64, from its payload (``Payload.sum_of_squares``)."""
+        return self.parts[name][1].sum_of_squares(torch.empty(READ_CHUNK_VALUES))
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.parts)
 
@@ -193,14 +199,6 @@ class Decoded(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self.parts)
-
-
-def read_chunks(tensors: Mapping[str, torch.Tensor], name: str) -> Iterator[torch.Tensor]:
-    """A tensor's flat fp32 values, chunk by chunk: a ``Decoded``'s from its payload (``Decoded.chunks``), any
-    other tensor's whole."""
-    if isinstance(tensors, Decoded):
-        return tensors.chunks(name)
-    return iter([tensors[name].reshape(-1)])
 
 
 def read_layout(array: np.ndarray) -> dict[str, tuple[int, ...]]:
@@ -274,15 +272,11 @@ class Payload:
     def chunks(self, buffer: torch.Tensor) -> Iterator[torch.Tensor]:
         """The fp32 values, chunk after chunk, each in ``buffer`` (fp32, a multiple of ``INT8_BLOCK`` values;
         overwritten by the next chunk) or, in fp32, the payload itself (read only)."""
-        n, step = self.values.numel(), buffer.numel()
-        for i in range(0, n, step):
-            j, out = min(n, i + step), buffer[: min(n, i + step) - i]
-            if self.dtype == "int8":
-                yield dequantize_int8(self.values[i:j], self.scales[i // INT8_BLOCK : int8_blocks(j)], out=out)
-            elif self.dtype == "fp32":
-                yield self.values[i:j]
-            else:
-                yield out.copy_(self.values[i:j])
+        return decoded_chunks(self.values, self.scales, buffer)
+
+    def sum_of_squares(self, buffer: torch.Tensor) -> float:
+        """``Σ v²`` in float64, read from the payload (``core.encoded_sum_of_squares``: int8's without decoding)."""
+        return encoded_sum_of_squares(self.values, self.scales, buffer)
 
 
 def check_scales(scales, count: int) -> torch.Tensor:

@@ -1,5 +1,7 @@
 """The framework-free math: blocks, schedules, aggregation, correction, time model."""
 
+import math
+
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM, OPTConfig, OPTForCausalLM
@@ -198,6 +200,32 @@ def test_a_step_added_chunk_by_chunk_gives_the_bits_of_apply_step():
         assert torch.equal(new, whole["w"]) and new.data_ptr() != x.data_ptr()
     with pytest.raises(ValueError, match="expected 350,005"):
         core.added(x, [g.reshape(-1)[:10]])
+
+
+@pytest.mark.parametrize("transfer_dtype", ["int8", "bf16", "fp16", "fp32"])
+def test_an_encoding_is_read_chunk_by_chunk_with_the_bits_of_its_decoded_tensors(transfer_dtype, monkeypatch):
+    """What reads a node's sent update or a reply's payload once, in order, reads it from its encoding chunk by
+    chunk (``EncodedTensors.chunks``, ``sum_of_squares``), across chunk boundaries and a short last int8 block:
+    the decoded tensors' bits, the float64 sum of their squares (int8's from its integers and scales, exact per
+    block), and the invariant digest of ``x`` plus it (``digest_after``), none decoded whole."""
+    monkeypatch.setattr(core.transfer_precision, "CHUNK_VALUES", 1024)  # several chunks per tensor
+    torch.manual_seed(1)
+    update = {"a": torch.randn(7, 1000) * 1e-3, "b": torch.randn(77) * 1e-3, "c": torch.zeros(300)}
+    x = {n: torch.randn_like(t) for n, t in update.items()} | {"other": torch.randn(10)}
+    sent, _, _ = core.round_with_feedback_encoded(update, None, transfer_dtype)
+    decoded = {n: sent[n].clone() for n in update}
+    expected_digest = core.digest_after(x, list(x), decoded)
+    with monkeypatch.context() as whole:
+        if isinstance(sent, core.EncodedTensors):
+            whole.setattr(core.EncodedTensors, "__getitem__", lambda *_: pytest.fail("a tensor decoded whole"))
+        for n in update:
+            assert torch.equal(torch.cat([c.clone() for c in core.read_chunks(sent, n)]), decoded[n].reshape(-1))
+            squares = core.sum_of_squares(sent, n)
+            assert squares == pytest.approx(float(decoded[n].double().square().sum()), rel=1e-12)
+        assert core.digest_after(x, list(x), sent) == expected_digest
+    if transfer_dtype == "int8":  # a non-finite scale (never on the wire: refused there) is not hidden
+        values, scales = sent.encoded["a"]
+        assert not math.isfinite(core.encoded_sum_of_squares(values, torch.full_like(scales, math.inf)))
 
 
 def test_a_rounds_buffers_are_made_ahead_and_the_aggregate_writes_into_them():

@@ -7,7 +7,7 @@ same functions, so that the same float operations in the same order keep them bi
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -47,7 +47,7 @@ def aggregate(updates: Iterable[Tensors], weights: list[float], out: Tensors | N
             if i == 0:
                 out[n] = scaled(update, n, w / total, into.get(n))
             else:
-                out[n].add_(update[n], alpha=w / total)
+                add_scaled(out[n], update, n, w / total)
     if next(updates, None) is not None:
         raise ValueError(f"aggregate: got more updates than the {len(weights)} weights")
     return out
@@ -59,15 +59,41 @@ def scaled(
     """``factor * update[name]`` in new storage (``out``, when given). An update that reads in chunks
     (``wire.Decoded``: ``chunks`` and ``shapes``) is scaled chunk by chunk into it, decoded nowhere else: the
     same bits (one product per value)."""
-    chunks = getattr(update, "chunks", None)
-    if chunks is None:
+    if not hasattr(update, "chunks"):
         return torch.mul(update[name], factor, out=out) if out is not None else factor * update[name]
     out = torch.empty(update.shapes[name]) if out is None else out
     flat, at = out.view(-1), 0
-    for chunk in chunks(name):
+    for chunk in update.chunks(name):
         torch.mul(chunk, factor, out=flat[at : at + chunk.numel()])
         at += chunk.numel()
     return out
+
+
+def add_scaled(into: torch.Tensor, update: Mapping[str, torch.Tensor], name: str, factor: float) -> None:
+    """In place: ``into += factor * update[name]``, read chunk by chunk (``read_chunks``): an update that came
+    as its payload is never decoded whole. One fused op per value, as adding the whole tensor does: the same bits."""
+    flat, at = into.view(-1), 0
+    for chunk in read_chunks(update, name):
+        flat[at : at + chunk.numel()].add_(chunk, alpha=factor)
+        at += chunk.numel()
+
+
+def read_chunks(tensors: Mapping[str, torch.Tensor], name: str) -> Iterator[torch.Tensor]:
+    """A tensor's flat fp32 values, chunk by chunk, each overwritten by the next: a mapping that reads its
+    tensors from their encoding (``wire.Decoded``, ``EncodedTensors``: a ``chunks`` method) decodes them a chunk
+    at a time, never a tensor whole; any other gives the tensor whole."""
+    if hasattr(tensors, "chunks"):
+        return tensors.chunks(name)
+    return iter([tensors[name].reshape(-1)])
+
+
+def sum_of_squares(tensors: Mapping[str, torch.Tensor], name: str) -> float:
+    """``Σ v²`` over a tensor's values, in float64 (not finite when a value is not): from its encoding where
+    the mapping has one (``sum_of_squares``: int8's from its integers and scales, without decoding), else
+    chunk by chunk (``read_chunks``)."""
+    if hasattr(tensors, "sum_of_squares"):
+        return tensors.sum_of_squares(name)
+    return sum(float(torch.linalg.vector_norm(c, dtype=torch.float64)) ** 2 for c in read_chunks(tensors, name))
 
 
 def global_step(mean_update: Tensors, server_lr: float) -> Tensors:

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .algorithm import Tensors
+from .algorithm import Tensors, read_chunks
 
 
 def digest(params: Mapping[str, torch.Tensor], names: Iterable[str]) -> str:
@@ -85,18 +85,37 @@ def digest_after(
     names = tuple(names)
 
     def tensor_hash(n: str) -> str:
-        touched = [step[n] for step in steps if n in step]
+        touched = [step for step in steps if n in step]
         if not touched:
             return hashes.of(params, n) if hashes is not None else tensor_sha256(params[n])
-        value = params[n].detach()
-        for t in touched:
-            value = value + t.to(device=value.device, dtype=value.dtype)
-        return tensor_sha256(value)
+        return sha256_after(params[n], n, touched)
 
     h = hashlib.sha256()
     for n, tensor_hash_hex in zip(names, _hashing_pool().map(tensor_hash, names)):
         h.update(n.encode())
         h.update(tensor_hash_hex.encode())
+    return h.hexdigest()
+
+
+def sha256_after(tensor: torch.Tensor, name: str, steps: list[Mapping[str, torch.Tensor]]) -> str:
+    """``tensor_sha256(tensor + steps[0][name] + ...)``, chunk by chunk: each chunk of the sum is made (the very
+    float additions of the whole tensor's, in order) and hashed while in cache, so a block's check writes no
+    block-sized tensor, and a step that reads from its encoding (a reply's payload, a node's sent update:
+    ``read_chunks``) is never decoded whole."""
+    flat = tensor.detach().reshape(-1)  # in C order, as ``tensor_sha256`` reads it
+    others = [step[name].reshape(-1) for step in steps[1:]]
+    h, at, buffer = hashlib.sha256(), 0, None
+    for chunk in read_chunks(steps[0], name):
+        stop = at + chunk.numel()
+        if buffer is None or buffer.numel() < chunk.numel():  # one buffer, reused: its pages fault in once
+            buffer = torch.empty(chunk.numel(), dtype=flat.dtype, device=flat.device)
+        value = torch.add(flat[at:stop], chunk.to(device=flat.device, dtype=flat.dtype), out=buffer[: stop - at])
+        for other in others:
+            value += other[at:stop].to(device=flat.device, dtype=flat.dtype)
+        h.update(_c_order_buffer(value))
+        at = stop
+    if at != flat.numel():
+        raise ValueError(f"sha256_after: {name}'s step holds {at:,} values, expected {flat.numel():,}")
     return h.hexdigest()
 
 

@@ -104,6 +104,50 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | No
     return out
 
 
+def decoded_chunks(
+    values: torch.Tensor, scales: torch.Tensor | None, buffer: torch.Tensor | None = None
+) -> Iterator[torch.Tensor]:
+    """An encoding's flat fp32 values (int8's ``q * s``, bf16, fp16; fp32's own, read only), chunk after chunk,
+    each decoded into ``buffer`` (fp32, a multiple of ``INT8_BLOCK`` values; default ``CHUNK_VALUES``, whole on a
+    GPU) and overwritten by the next: a reader of the encoding holds no tensor-sized fp32 memory."""
+    n = values.numel()
+    step = buffer.numel() if buffer is not None else (CHUNK_VALUES if values.device.type == "cpu" else max(n, 1))
+    if buffer is None and values.dtype != torch.float32:
+        buffer = torch.empty(min(n, step), device=values.device)
+    for i in range(0, n, step):
+        j = min(n, i + step)
+        if values.dtype == torch.float32:
+            yield values[i:j]
+        elif scales is not None:
+            yield dequantize_int8(values[i:j], scales[i // INT8_BLOCK : int8_blocks(j)], out=buffer[: j - i])
+        else:
+            yield buffer[: j - i].copy_(values[i:j])
+
+
+def encoded_sum_of_squares(
+    values: torch.Tensor, scales: torch.Tensor | None, buffer: torch.Tensor | None = None
+) -> float:
+    """``Σ v²`` of the decoded values in float64 (``inf`` or ``nan`` when one is not finite), read from the
+    encoding. int8's from its integers: each block's ``Σ q²`` is an integer below 2**24 (at most
+    ``INT8_BLOCK * 127²``), so fp32 holds it exactly in any order, and ``s²`` is a power of two: one cheap pass
+    over the int8 bytes, no value decoded. Other dtypes decoded chunk by chunk (``decoded_chunks``)."""
+    if scales is None:
+        chunks = decoded_chunks(values, None, buffer)
+        return sum(float(torch.linalg.vector_norm(c, dtype=torch.float64)) ** 2 for c in chunks)
+    n, total = values.numel(), 0.0
+    squares = torch.empty(min(n, CHUNK_VALUES), device=values.device)
+    for i, j in _chunks(values):
+        chunk = squares[: j - i].copy_(values[i:j])
+        chunk.mul_(chunk)
+        full = (j - i) // INT8_BLOCK * INT8_BLOCK
+        block_sums = chunk[:full].view(-1, INT8_BLOCK).sum(1).double()
+        block_scales = scales[i // INT8_BLOCK : (i + full) // INT8_BLOCK].double()
+        total += float(torch.dot(block_sums, block_scales * block_scales))
+        if full < j - i:  # the tensor's short last block
+            total += float(chunk[full:].sum(dtype=torch.float64)) * float(scales[int8_blocks(j) - 1]) ** 2
+    return total
+
+
 def round_for_transfer(tensors: Tensors, transfer_dtype: str) -> Tensors:
     """The values as they will arrive, in fp32: exactly representable in ``transfer_dtype``.
 
@@ -135,6 +179,14 @@ class EncodedTensors(Mapping[str, torch.Tensor]):
         values, scales = self.encoded[name]
         flat = dequantize_int8(values, scales) if scales is not None else values.to(torch.float32)
         return flat.view(self.shapes[name])
+
+    def chunks(self, name: str) -> Iterator[torch.Tensor]:
+        """The tensor's flat fp32 values chunk by chunk (``decoded_chunks``): what reads it once, in order (a
+        digest, an addition) holds no fp32 copy of it."""
+        return decoded_chunks(*self.encoded[name])
+
+    def sum_of_squares(self, name: str) -> float:
+        return encoded_sum_of_squares(*self.encoded[name])
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.shapes)

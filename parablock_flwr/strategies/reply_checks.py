@@ -137,13 +137,12 @@ def read_update(
 def checked_norm(update: core.Tensors) -> float | str:
     """The update's L2 norm (accumulated in float64), or why it is refused: a non-finite value (a NaN or an
     infinity makes its tensor's sum of squares non-finite; a finite fp32 value's square never overflows
-    float64). One pass over the values as they came, decoded chunk by chunk into one small buffer that stays
-    in cache: no block in fp32, no float64 copy (fresh block-sized memory costs more than the pass itself)."""
+    float64). One pass over the values as they came (``core.sum_of_squares``): int8's from its integers and
+    scales, other dtypes decoded chunk by chunk into one small buffer that stays in cache; no block in fp32, no
+    float64 copy (fresh block-sized memory costs more than the pass itself)."""
     total = 0.0
     for name in update:
-        squares = sum(
-            float(torch.linalg.vector_norm(chunk, dtype=torch.float64)) ** 2 for chunk in wire.read_chunks(update, name)
-        )
+        squares = core.sum_of_squares(update, name)
         if not math.isfinite(squares):
             return f"non-finite values in {name}"
         total += squares

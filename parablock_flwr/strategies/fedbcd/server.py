@@ -34,7 +34,7 @@ from ...messages import GLOBAL_STEP, METRICS, ROUND, UPDATE, PartitionAnswer, Ro
 from ...privacy import ServerPrivacy
 from ...records import pieces_record, record_arrays
 from ...replica import StepLog
-from ...wire import WireError, read_chunks, round_and_pack
+from ...wire import WireError, round_and_pack
 from ..node_sync import NodeSync, ask_partitions, seeded_sample
 from ..reply_checks import (
     Expected,
@@ -452,7 +452,7 @@ class FedBCD:
         new = {}
         for name in step:
             into = new_x_into.get(name)
-            new[name] = core.added(self.global_params[name].detach(), read_chunks(step, name), into)
+            new[name] = core.added(self.global_params[name].detach(), core.read_chunks(step, name), into)
             if not all_finite(new[name]):  # x is finite: a non-finite step makes the sum non-finite too
                 return (f"the round's step is not finite in {name} as {self.config.transfer_dtype} "
                         f"(server-lr={self.config.server_lr:g}): x is left as it was")  # fmt: skip

@@ -9,10 +9,10 @@ adds what the step log lacks:
 - ``state.json``: the last complete round R, the blocks already decided
   (``b_1..b_{R+1}``), the strategy's own state, the run's clocks, the digest
   of ``x^R``;
-- ``pending/`` (ParaBlock): each client's last update ``Δ_i^R`` by
-  partition id, in two files whatever the number of clients. In round R+1 a client computes from ``x^{R-1} + Δ_i^R``;
-  after a restart nobody else holds it, and without it the run could not
-  continue bit for bit.
+- ``pending/`` (ParaBlock): each client's last update ``Δ_i^R`` by partition id, as it travelled (int8: a
+  quarter of its fp32 bytes), in two files whatever the number of clients. In round R+1 a client computes from
+  ``x^{R-1} + Δ_i^R``; after a restart nobody else holds it, and without it the run could not continue bit for
+  bit.
 
 ``RUN_DIR/checkpoint/round-NNNNN`` is written as a ``.tmp`` folder, made durable and renamed
 (``durable.replace_folder``); the older checkpoint is removed only after that, so a crash or a
@@ -33,6 +33,7 @@ import torch
 
 from .core import PendingUpdate
 from .durable import crash_point, fsync_path, make_dirs, replace_folder
+from .wire import kept_dtype, pack_pieces, unpack
 
 STAGED = "pending.staged"
 DIGEST_FORMAT = "per-tensor"
@@ -101,18 +102,39 @@ def clear_staged_pending(run_dir: Path) -> None:
 
 def stage_pending(run_dir: Path, partition_id: int, pending: PendingUpdate) -> None:
     """Append one client's pending update as soon as it is aggregated (the reply can then be
-    freed): raw fp32 bytes to ``updates.bin``, their place to ``index.jsonl``. Two files
-    whatever the number of clients; the round's checkpoint takes them once it is complete."""
+    freed): its packed arrays as it travelled (``wire.pack_pieces`` in its own encoding, ``wire.kept_dtype``:
+    an int8 update is a quarter of its fp32 bytes, and is never decoded) to ``updates.bin``, their place to
+    ``index.jsonl``. Two files whatever the number of clients; the round's checkpoint takes them once it is
+    complete."""
     folder = make_dirs(Path(run_dir) / "checkpoint") / STAGED
     folder.mkdir(exist_ok=True)  # renamed into the checkpoint's folder, which is made durable whole
-    entry = {"partition": partition_id, "block": pending.block, "base_version": pending.base_version, "tensors": []}
+    pieces = pack_pieces(pending.delta, kept_dtype(pending.delta))
+    entry = {"partition": partition_id, "block": pending.block, "base_version": pending.base_version, "arrays": {}}
     with open(folder / "updates.bin", "ab") as f:
-        for name, tensor in pending.delta.items():
-            array = tensor.detach().cpu().to(torch.float32).contiguous().numpy()
-            entry["tensors"].append([name, f.tell(), list(array.shape)])
-            f.write(memoryview(array))  # no copy (tobytes() would copy the block holding the GIL)
+        for key, parts in pieces.items():
+            entry["arrays"][key] = [f.tell(), parts[0].dtype.str, sum(part.size for part in parts)]
+            for part in parts:
+                f.write(memoryview(part))  # no copy (tobytes() would copy the block holding the GIL)
     with open(folder / "index.jsonl", "a") as f:
         f.write(json.dumps(entry) + "\n")
+
+
+def read_pending(folder: Path, entry: dict) -> PendingUpdate:
+    """One staged pending update (``stage_pending``), as it travelled (``wire.unpack(lazy=True)``: each tensor
+    decoded when read, to the very values that were staged), or, staged before 2026-12-05, fp32 tensors."""
+    data = folder / "updates.bin"
+    if "arrays" in entry:
+        arrays = {key: np.fromfile(data, dtype=np.dtype(dtype), count=count, offset=offset)
+                  for key, (offset, dtype, count) in entry["arrays"].items()}  # fmt: skip
+        delta = unpack(arrays, lazy=True)
+    else:
+        delta = {
+            name: torch.from_numpy(
+                np.fromfile(data, dtype=np.float32, count=math.prod(shape), offset=offset).reshape(shape)
+            )
+            for name, offset, shape in entry["tensors"]
+        }
+    return PendingUpdate(entry["block"], entry["base_version"], delta)
 
 
 def save_checkpoint(run_dir: Path, ckpt: Checkpoint) -> Path:
@@ -165,15 +187,7 @@ def load_checkpoint(run_dir: Path) -> Checkpoint:
     index = folder / "pending" / "index.jsonl"
     for line in index.read_text().splitlines() if index.exists() else []:
         entry = json.loads(line)
-        delta = {
-            name: torch.from_numpy(
-                np.fromfile(
-                    folder / "pending" / "updates.bin", dtype=np.float32, count=math.prod(shape), offset=offset
-                ).reshape(shape)
-            )
-            for name, offset, shape in entry["tensors"]
-        }
-        pending[entry["partition"]] = PendingUpdate(entry["block"], entry["base_version"], delta)
+        pending[entry["partition"]] = read_pending(folder / "pending", entry)
     return Checkpoint(
         round=state["round"],
         blocks={int(r): b for r, b in state["blocks"].items()},

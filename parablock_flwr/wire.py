@@ -82,9 +82,10 @@ def pack_pieces(
     # and copies a quarter (int8) or half (bf16) of the fp32 bytes to the host, not all of them to convert
     # there. Lossless on any device for values already rounded (what the node keeps is what arrives).
     if encoded is None:  # a node's kept update travels as it was encoded (in this dtype), not converted again
-        own = isinstance(tensors, EncodedTensors) and tensors.travels_as(transfer_dtype)
+        own = isinstance(tensors, (EncodedTensors, Decoded)) and tensors.travels_as(transfer_dtype)
         encoded = tensors.encoded if own else encode(tensors, transfer_dtype)
-    shapes = tensors.shapes if isinstance(tensors, EncodedTensors) else {n: t.shape for n, t in tensors.items()}
+    kept = isinstance(tensors, (EncodedTensors, Decoded))  # (their ``items()`` would decode every tensor)
+    shapes = tensors.shapes if kept else {n: t.shape for n, t in tensors.items()}
     layout = json.dumps([[name, list(shape)] for name, shape in shapes.items()]).encode()
     pieces = {LAYOUT: [np.frombuffer(layout, dtype=np.uint8)]}
     values = [encoded[name][0].cpu() for name in tensors]
@@ -94,6 +95,14 @@ def pack_pieces(
     if transfer_dtype == "int8":
         pieces[SCALES] = [encoded[name][1].cpu().numpy() for name in tensors] or [np.zeros(0, np.float32)]
     return pieces
+
+
+def kept_dtype(tensors: Mapping[str, torch.Tensor]) -> str:
+    """The transfer dtype that tensors kept as they travel are encoded in (a ``Decoded``'s, an ``EncodedTensors``'),
+    else fp32: packed in it, they are written as they are, nothing converted."""
+    if isinstance(tensors, (EncodedTensors, Decoded)):
+        return next((dtype for dtype in TRANSFER_DTYPES if tensors.travels_as(dtype)), "fp32")
+    return "fp32"
 
 
 def round_and_pack(
@@ -186,6 +195,15 @@ class Decoded(Mapping[str, torch.Tensor]):
         """The tensor's flat fp32 values chunk by chunk from its payload (``Payload.chunks``): no tensor-sized
         memory. Each chunk is overwritten by the next."""
         return self.parts[name][1].chunks(torch.empty(READ_CHUNK_VALUES))
+
+    @property
+    def encoded(self) -> Encoded:
+        """Each tensor as it came (its payload's values, int8's scales): what packs it again as it is."""
+        return {name: (payload.values, payload.scales) for name, (_, payload) in self.parts.items()}
+
+    def travels_as(self, transfer_dtype: str) -> bool:
+        """Whether it came in ``transfer_dtype`` (``EncodedTensors.travels_as``)."""
+        return all(payload.dtype == transfer_dtype for _, payload in self.parts.values())
 
     def sum_of_squares(self, name: str) -> float:
         """The tensor's ``Σ v²`` in float64, from its payload (``Payload.sum_of_squares``)."""

@@ -374,6 +374,40 @@ def test_each_checkpoint_hashes_only_what_its_round_changed_and_a_resume_checks_
         make_run(tmp_path / "bad", tiny_model_dir, 6).resume(run_dir, load_checkpoint(run_dir))
 
 
+@pytest.mark.parametrize("transfer_dtype", ["int8", "bf16", "fp32"])
+def test_a_staged_pending_update_is_written_as_it_travelled_and_reads_back_with_its_bits(tmp_path, transfer_dtype):
+    """The server stages each accepted ParaBlock update for the checkpoint as it came (its packed arrays in its own
+    encoding: int8 a quarter of the fp32 bytes, never decoded to write it); read back, it has the staged values'
+    bits and packs to the same bytes for the hand-back. A checkpoint staged in fp32 before still loads."""
+    import numpy as np
+
+    from parablock_flwr import checkpoint, wire
+
+    torch.manual_seed(0)
+    shapes = {"a": (64, 100), "b": (77,)}
+    update = {n: torch.randn(s) * 1e-3 for n, s in shapes.items()}
+    came = wire.unpack(wire.pack(update, transfer_dtype), shapes, transfer_dtype, read_only=True, lazy=True)
+    checkpoint.stage_pending(tmp_path, 3, core.PendingUpdate(1, 4, came))
+    folder = tmp_path / "checkpoint" / checkpoint.STAGED
+    per_value = {"int8": 1 + 4 / core.INT8_BLOCK, "bf16": 2, "fp32": 4}[transfer_dtype]  # values (and scales)
+    numel, layout = sum(t.numel() for t in update.values()), 64  # and the layout's JSON, a short last int8 block
+    assert numel * per_value <= (folder / "updates.bin").stat().st_size <= numel * per_value + layout
+    (entry,) = [json.loads(line) for line in (folder / "index.jsonl").read_text().splitlines()]
+    back = checkpoint.read_pending(folder, entry)
+    assert (back.block, back.base_version) == (1, 4)
+    assert all(torch.equal(back.delta[n], came[n]) for n in shapes)
+    again = wire.pack_pieces(back.delta, transfer_dtype)
+    assert {k: wire.join(v).tobytes() for k, v in again.items()} == {
+        k: wire.join(v).tobytes() for k, v in wire.pack_pieces(came, transfer_dtype).items()
+    }
+    old = tmp_path / "old"  # the fp32 format of checkpoints staged before 2026-12-05
+    old.mkdir()
+    (old / "updates.bin").write_bytes(b"".join(np.ascontiguousarray(came[n].numpy()).tobytes() for n in shapes))
+    tensors = [["a", 0, [64, 100]], ["b", 64 * 100 * 4, [77]]]
+    legacy = checkpoint.read_pending(old, {"block": 1, "base_version": 4, "tensors": tensors})
+    assert all(torch.equal(legacy.delta[n], came[n]) for n in shapes)
+
+
 def test_pending_updates_are_written_beside_the_loop_and_a_failed_write_stops_the_run_before_its_checkpoint(
     tmp_path, tiny_model_dir, monkeypatch
 ):

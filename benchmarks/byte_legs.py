@@ -5,20 +5,22 @@ each in MB/s of the block's wire bytes, beside a bare TLS socket moving the same
 the receiver (``benchmarks.transport.socket_path``), in the same run.
 
 A node's legs: the update rounded with error feedback (``core.round_with_feedback_encoded``: what it sends is its
-encoding), packed for the wire (``wire.pack_pieces`` from that encoding), its SHA-256, and with ``verify-invariant``
-its local model's digest, cached (what the node runs: ``ModelReplica.hashes``) beside the whole model hashed (what it
-ran before). The server's, for ``--nodes`` replies, as its critical path runs them: each reply's norm and finiteness
-read from its payload (``reply_checks.checked_norm``: int8's from its integers and scales), the aggregate of the
-updates as they came (``core.aggregate``: each read from its payload chunk by chunk into the sum), ``g`` rounded and
-packed (``wire.round_and_pack``, its values read back from the pieces), with differential privacy each reply clipped
-(``core.clip``) and the mean's noise drawn and added (``core.gaussian``, ``core.add_noise``), ``g`` applied to ``x``
-from its pieces chunk by chunk (``core.added``), and each reply's invariant digest, cached (the reply's block summed
-and hashed chunk by chunk from its payload, ``core.digests.sha256_after``). The sum and the new ``x`` go into buffers
-made and touched before the leg, as the server makes them while the replies are outstanding (``RoundBuffers``). The
-model is ``--blocks`` blocks, so that the whole-model digest costs what it costs on a model of that many blocks.
-Best of ``--repeats``; torch's threads: ``--threads``. Each size runs in a process of its own that maps its large
-buffers on huge pages (``memory.map_large_buffers``, ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``), as ``tools.launch``
-and the units start the worker and the ServerApp.
+encoding), its new residual written durably (``ResidualStore.save``: fp32, fsynced, under the system's temporary
+folder; the reply waits for it, the upload runs beside it), packed for the wire (``wire.pack_pieces`` from that
+encoding), its SHA-256, and with ``verify-invariant`` its local model's digest, cached (what the node runs:
+``ModelReplica.hashes``) beside the whole model hashed (what it ran before). The server's, for ``--nodes`` replies, as
+its critical path runs them: each reply's norm and finiteness read from its payload (``reply_checks.checked_norm``:
+int8's from its integers and scales), the aggregate of the updates as they came (``core.aggregate``: each read from
+its payload chunk by chunk into the sum), ``g`` rounded and packed (``wire.round_and_pack``, its values read back from
+the pieces), with differential privacy each reply clipped (``core.clip``) and the mean's noise drawn and added
+(``core.gaussian``, ``core.add_noise``), ``g`` applied to ``x`` from its pieces chunk by chunk (``core.added``), and
+each reply's invariant digest, cached (the reply's block summed and hashed chunk by chunk from its payload,
+``core.digests.sha256_after``). The sum and the new ``x`` go into buffers made and touched before the leg, as the
+server makes them while the replies are outstanding (``RoundBuffers``). The model is ``--blocks`` blocks, so that the
+whole-model digest costs what it costs on a model of that many blocks. Best of ``--repeats``; torch's threads:
+``--threads``. Each size runs in a process of its own that maps its large buffers on huge pages
+(``memory.map_large_buffers``, ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``), as ``tools.launch`` and the units start the
+worker and the ServerApp.
 
     .venv/bin/python -m benchmarks.byte_legs --params-m 61.8 243 --repeats 5 --report
 """
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import multiprocessing
 import os
 import tempfile
@@ -40,6 +43,7 @@ from benchmarks.common import write_report
 from benchmarks.transport import socket_path
 from parablock_flwr import core
 from parablock_flwr.memory import map_large_buffers, with_huge_pages
+from parablock_flwr.node.state import ResidualStore
 from parablock_flwr.strategies.reply_checks import checked_norm
 from parablock_flwr.strategies.round_buffers import touched_pairs
 from parablock_flwr.tools.credentials import make_tls
@@ -87,9 +91,12 @@ def best(fn, repeats: int) -> tuple[float, object]:
 def node_legs(update: core.Tensors, residual: core.Tensors, model: core.Tensors, dtype: str, repeats: int) -> dict:
     """A node's per-byte work between its computation and its upload, in seconds per leg."""
     legs = {}
-    legs["round with feedback"], (sent, _, encoded) = best(
+    legs["round with feedback"], (sent, kept, encoded) = best(
         lambda: core.round_with_feedback_encoded(update, residual, dtype), repeats
     )
+    with tempfile.TemporaryDirectory() as folder:  # durable before the reply leaves (``Node.feed_back``)
+        store, rounds = ResidualStore(folder), itertools.count(1)
+        legs["residual's durable write (fp32, fsynced)"], _ = best(lambda: store.save(next(rounds), 0, kept), repeats)
     legs["pack"], pieces = best(lambda: pack_pieces(sent, dtype, encoded), repeats)
     legs["SHA-256 of the wire bytes"], _ = best(lambda: sha256_of(pieces), repeats)
     names = list(model)

@@ -15,7 +15,7 @@ its payload chunk by chunk into the sum), ``g`` rounded and packed (``wire.round
 the pieces), with differential privacy each reply clipped (``core.clip``) and the mean's noise drawn and added
 (``core.gaussian``, ``core.add_noise``), ``g`` applied to ``x`` from its pieces chunk by chunk (``core.added``), and
 each reply's invariant digest, cached (the reply's block summed and hashed chunk by chunk from its payload,
-``core.digests.sha256_after``). The sum and the new ``x`` go into buffers made and touched before the leg, as the
+``core.digests.summed_sha256``). The sum and the new ``x`` go into buffers made and touched before the leg, as the
 server makes them while the replies are outstanding (``RoundBuffers``). The model is ``--blocks`` blocks, so that the
 whole-model digest costs what it costs on a model of that many blocks. Best of ``--repeats``; torch's threads:
 ``--threads``. Each size runs in a process of its own that maps its large buffers on huge pages

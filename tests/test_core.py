@@ -1,6 +1,11 @@
 """The framework-free math: blocks, schedules, aggregation, correction, time model."""
 
 import math
+import multiprocessing
+import os
+import threading
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -247,3 +252,36 @@ def test_a_rounds_buffers_are_made_ahead_and_the_aggregate_writes_into_them():
     assert all(mean[n] is into_sum[n] and torch.equal(mean[n], core.aggregate(updates, [1.0, 2.0])[n]) for n in x)
     new = core.added(x["w"], [mean["w"].reshape(-1)], into_x["w"])
     assert new is into_x["w"] and torch.equal(new, x["w"] + mean["w"])
+
+
+def native_threads() -> set[int]:
+    """The ids of this process's threads that Python did not start (an OpenMP team's, among others)."""
+    return {int(tid) for tid in os.listdir("/proc/self/task")} - {t.native_id for t in threading.enumerate()}
+
+
+@pytest.mark.slow  # a process of its own: torch imported again
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads the process's threads in /proc")
+def test_helper_threads_run_no_torch_kernel_so_the_process_keeps_one_openmp_team():
+    """The server's helper threads (the round's buffers, the digest's hashing pool) run no torch kernel: a thread
+    that runs one starts an OpenMP team of its own, and once the process's OpenMP threads outnumber its cores every
+    parallel kernel after it runs several times slower (the aggregation, five times here). Seen as threads, in a
+    fresh process (this one's other tests start threads of their own): none that Python did not start appears
+    while they work."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as fresh:
+        assert fresh.submit(threads_the_helpers_start).result() == []
+
+
+def threads_the_helpers_start() -> list[str]:
+    """The names of the threads Python did not start that appear while the helpers work (in a process of its own)."""
+    from parablock_flwr.strategies.round_buffers import RoundBuffers
+
+    torch.set_num_threads(2)
+    big = {f"t{i}": torch.randn(300_000) for i in range(4)}  # far above torch's grain: its kernels go parallel
+    step = {n: torch.randn_like(t) for n, t in big.items() if n != "t3"}  # t3 untouched: hashed by the pool
+    torch.add(big["t0"], 1.0)  # this thread's team exists before counting
+    buffers, before = RoundBuffers(), native_threads()
+    for r in range(1, 4):
+        core.digest_after(big, list(big), step, hashes=core.TensorHashes())
+        buffers.prepare(r, big)
+        assert all(torch.count_nonzero(t) == 0 for t in buffers.take(r)[0].values())
+    return [Path(f"/proc/self/task/{tid}/comm").read_text().strip() for tid in native_threads() - before]

@@ -194,11 +194,14 @@ def test_the_invariant_check_hashes_each_replys_block_and_the_rest_of_x_once(set
     replies = [reply(node, update) for node in (10, 11, 12)]
     for r in replies:
         r.content["trace"] = ConfigRecord({"local-model-sha256": uncached})
-    hashed, hash_tensor, hash_after = [], core.tensor_sha256, core.digests.sha256_after
+    hashed, hash_tensor, summed_sha256 = [], core.tensor_sha256, core.digests.summed_sha256
+
+    def summed(params, touched):
+        hashed.extend(params[n].numel() for n in touched)
+        return summed_sha256(params, touched)
+
     monkeypatch.setattr(core.digests, "tensor_sha256", lambda t: hashed.append(t.numel()) or hash_tensor(t))
-    monkeypatch.setattr(
-        core.digests, "sha256_after", lambda t, n, steps: hashed.append(t.numel()) or hash_after(t, n, steps)
-    )
+    monkeypatch.setattr(core.digests, "summed_sha256", summed)
     rec = aggregate(run, replies)
     assert (rec["num_accepted"], rec["invariant_checked"], rec["invariant_failed"]) == (3, 3, 0)
     model, block = sum(before[n].numel() for n in names), sum(t.numel() for t in update.values())

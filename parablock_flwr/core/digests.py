@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -82,45 +82,61 @@ def digest_after(
     hashed; the others' hashes come from ``hashes`` (the owner's cache of ``params``) when given, so a
     round's check costs a block's bytes, not the model's.
     """
-    names = tuple(names)
-
-    def tensor_hash(n: str) -> str:
-        touched = [step for step in steps if n in step]
-        if not touched:
-            return hashes.of(params, n) if hashes is not None else tensor_sha256(params[n])
-        return sha256_after(params[n], n, touched)
-
+    names, pool = tuple(names), _hashing_pool()
+    touched = {n: [step for step in steps if n in step] for n in names}
+    hash_of = hashes.of if hashes is not None else _sha256_of
+    cached = {n: pool.submit(hash_of, params, n) for n in names if not touched[n]}
+    summed = summed_sha256(params, {n: touched[n] for n in names if touched[n]})
     h = hashlib.sha256()
-    for n, tensor_hash_hex in zip(names, _hashing_pool().map(tensor_hash, names)):
+    for n in names:
         h.update(n.encode())
-        h.update(tensor_hash_hex.encode())
+        h.update((summed[n] if n in summed else cached[n].result()).encode())
     return h.hexdigest()
 
 
-def sha256_after(tensor: torch.Tensor, name: str, steps: list[Mapping[str, torch.Tensor]]) -> str:
-    """``tensor_sha256(tensor + steps[0][name] + ...)``, chunk by chunk: each chunk of the sum is made (the very
-    float additions of the whole tensor's, in order) and hashed while in cache, so a block's check writes no
-    block-sized tensor, and a step that reads from its encoding (a reply's payload, a node's sent update:
-    ``read_chunks``) is never decoded whole."""
-    flat = tensor.detach().reshape(-1)  # in C order, as ``tensor_sha256`` reads it
+def summed_sha256(params: Mapping[str, torch.Tensor], touched: Mapping[str, list[Tensors]]) -> dict[str, str]:
+    """``tensor_sha256(params[n] + steps[0][n] + ...)`` for each ``n, steps`` of ``touched``, chunk by chunk, in
+    this thread: each chunk of a sum is made (the very float additions of the whole tensor's, in order) and hashed
+    while in cache. No block-sized tensor is written, and a step that reads from its encoding (a reply's payload,
+    a node's sent update: ``read_chunks``) is never decoded whole. (Not on the hashing pool: see
+    ``_hashing_pool``. Nor made here and hashed there: this thread's OpenMP team spins between its kernels and
+    takes the cores the pool would hash on, measured slower than hashing here.)"""
+    out = {}
+    for n, steps in touched.items():
+        h = hashlib.sha256()
+        for data in _summed_chunks(params[n], n, steps):
+            h.update(data)
+        out[n] = h.hexdigest()
+    return out
+
+
+def _summed_chunks(tensor: torch.Tensor, name: str, steps: list[Tensors]) -> Iterator[memoryview]:
+    """The bytes of ``tensor + steps[0][name] + ...`` in C order (as ``tensor_sha256`` reads them), chunk after
+    chunk, each in one buffer (overwritten by the next)."""
+    flat = tensor.detach().reshape(-1)
     others = [step[name].reshape(-1) for step in steps[1:]]
-    h, at, buffer = hashlib.sha256(), 0, None
+    buffer, at = None, 0
     for chunk in read_chunks(steps[0], name):
         stop = at + chunk.numel()
-        if buffer is None or buffer.numel() < chunk.numel():  # one buffer, reused: its pages fault in once
+        if buffer is None or buffer.numel() < chunk.numel():  # made once, its pages faulted once
             buffer = torch.empty(chunk.numel(), dtype=flat.dtype, device=flat.device)
         value = torch.add(flat[at:stop], chunk.to(device=flat.device, dtype=flat.dtype), out=buffer[: stop - at])
         for other in others:
             value += other[at:stop].to(device=flat.device, dtype=flat.dtype)
-        h.update(_c_order_buffer(value))
+        yield memoryview(_c_order_buffer(value))
         at = stop
     if at != flat.numel():
-        raise ValueError(f"sha256_after: {name}'s step holds {at:,} values, expected {flat.numel():,}")
-    return h.hexdigest()
+        raise ValueError(f"digest_after: {name}'s step holds {at:,} values, expected {flat.numel():,}")
+
+
+def _sha256_of(params: Mapping[str, torch.Tensor], name: str) -> str:
+    return tensor_sha256(params[name])
 
 
 @functools.cache
 def _hashing_pool() -> ThreadPoolExecutor:
-    """Threads that hash a model's tensors side by side: hashlib and torch's additions release the GIL,
-    and a block's tensors are independent, so a round's digest runs at several cores' pace."""
+    """Threads that hash a model's tensors side by side (hashlib releases the GIL). They run no torch kernel: a
+    thread that runs one starts an OpenMP team of its own, and once the process's OpenMP threads outnumber its
+    cores every parallel kernel after it waits on its team asleep instead of spinning (the server's aggregation
+    ran five times slower after a digest); the sums are made in the caller's thread (``summed_sha256``)."""
     return ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="tensor-sha256")

@@ -34,6 +34,18 @@ class RoundBuffers:
 
 
 def touched_pairs(like: core.Tensors) -> tuple[core.Tensors, core.Tensors]:
-    """Two new tensors like each of ``like``, every page written once (zeros)."""
-    pairs = tuple({n: torch.zeros_like(t) for n, t in like.items()} for _ in range(2))
+    """Two new tensors like each of ``like`` (contiguous), every page written once (zeros)."""
+    pairs = tuple({n: zeros_here(t) for n, t in like.items()} for _ in range(2))
     return pairs[0], pairs[1]
+
+
+def zeros_here(like: torch.Tensor) -> torch.Tensor:
+    """Zeros shaped as ``like``, written on the host by numpy's single-threaded fill, not a torch kernel: this
+    thread must start no OpenMP team of its own (once the process's OpenMP threads outnumber its cores, every
+    parallel kernel waits on its team asleep: the round's aggregation, on the main thread, ran five times slower)."""
+    out = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+    if out.device.type == "cpu":
+        out.view(-1).view(torch.uint8).numpy().fill(0)
+    else:
+        out.zero_()  # a device kernel, queued: no host threads
+    return out

@@ -191,10 +191,10 @@ class Decoded(Mapping[str, torch.Tensor]):
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: shape for name, (shape, _) in self.parts.items()}
 
-    def chunks(self, name: str) -> Iterator[torch.Tensor]:
-        """The tensor's flat fp32 values chunk by chunk from its payload (``Payload.chunks``): no tensor-sized
-        memory. Each chunk is overwritten by the next."""
-        return self.parts[name][1].chunks(torch.empty(READ_CHUNK_VALUES))
+    def chunks(self, name: str, buffer: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
+        """The tensor's flat fp32 values chunk by chunk from its payload (``Payload.chunks``), each in ``buffer``
+        (default: ``READ_CHUNK_VALUES``) and overwritten by the next: no tensor-sized memory."""
+        return self.parts[name][1].chunks(torch.empty(READ_CHUNK_VALUES) if buffer is None else buffer)
 
     @property
     def encoded(self) -> Encoded:

@@ -78,13 +78,18 @@ def add_scaled(into: torch.Tensor, update: Mapping[str, torch.Tensor], name: str
         at += chunk.numel()
 
 
-def read_chunks(tensors: Mapping[str, torch.Tensor], name: str) -> Iterator[torch.Tensor]:
+def read_chunks(
+    tensors: Mapping[str, torch.Tensor], name: str, buffer: torch.Tensor | None = None
+) -> Iterator[torch.Tensor]:
     """A tensor's flat fp32 values, chunk by chunk, each overwritten by the next: a mapping that reads its
     tensors from their encoding (``wire.Decoded``, ``EncodedTensors``: a ``chunks`` method) decodes them a chunk
-    at a time, never a tensor whole; any other gives the tensor whole."""
+    at a time, never a tensor whole; any other gives the tensor whole. ``buffer`` (fp32, a multiple of
+    ``INT8_BLOCK`` values): chunks of its size, decoded into it (any tensor: views of it that size)."""
     if hasattr(tensors, "chunks"):
-        return tensors.chunks(name)
-    return iter([tensors[name].reshape(-1)])
+        return tensors.chunks(name, buffer)
+    flat = tensors[name].reshape(-1)
+    step = buffer.numel() if buffer is not None else max(flat.numel(), 1)
+    return (flat[i : i + step] for i in range(0, max(flat.numel(), 1), step))
 
 
 def sum_of_squares(tensors: Mapping[str, torch.Tensor], name: str) -> float:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -85,48 +85,43 @@ def digest_after(
     names, pool = tuple(names), _hashing_pool()
     touched = {n: [step for step in steps if n in step] for n in names}
     hash_of = hashes.of if hashes is not None else _sha256_of
-    cached = {n: pool.submit(hash_of, params, n) for n in names if not touched[n]}
-    summed = summed_sha256(params, {n: touched[n] for n in names if touched[n]})
+    hashed = {n: pool.submit(summed_sha256, params[n], n, touched[n]) if touched[n] else pool.submit(hash_of, params, n)
+              for n in names}  # fmt: skip
     h = hashlib.sha256()
     for n in names:
         h.update(n.encode())
-        h.update((summed[n] if n in summed else cached[n].result()).encode())
+        h.update(hashed[n].result().encode())
     return h.hexdigest()
 
 
-def summed_sha256(params: Mapping[str, torch.Tensor], touched: Mapping[str, list[Tensors]]) -> dict[str, str]:
-    """``tensor_sha256(params[n] + steps[0][n] + ...)`` for each ``n, steps`` of ``touched``, chunk by chunk, in
-    this thread: each chunk of a sum is made (the very float additions of the whole tensor's, in order) and hashed
-    while in cache. No block-sized tensor is written, and a step that reads from its encoding (a reply's payload,
-    a node's sent update: ``read_chunks``) is never decoded whole. (Not on the hashing pool: see
-    ``_hashing_pool``. Nor made here and hashed there: this thread's OpenMP team spins between its kernels and
-    takes the cores the pool would hash on, measured slower than hashing here.)"""
-    out = {}
-    for n, steps in touched.items():
-        h = hashlib.sha256()
-        for data in _summed_chunks(params[n], n, steps):
-            h.update(data)
-        out[n] = h.hexdigest()
-    return out
+# Values a digest's thread sums and hashes at a time on the host: not above torch's grain (``at::internal::GRAIN_SIZE``,
+# 32768), so that each of its kernels runs on the calling thread alone and no OpenMP team is started (see
+# ``_hashing_pool``); 128 KiB of fp32, in cache.
+SUMMED_CHUNK_VALUES = 32 * 1024
 
 
-def _summed_chunks(tensor: torch.Tensor, name: str, steps: list[Tensors]) -> Iterator[memoryview]:
-    """The bytes of ``tensor + steps[0][name] + ...`` in C order (as ``tensor_sha256`` reads them), chunk after
-    chunk, each in one buffer (overwritten by the next)."""
+def summed_sha256(tensor: torch.Tensor, name: str, steps: list[Tensors]) -> str:
+    """``tensor_sha256(tensor + steps[0][name] + ...)``, chunk by chunk: each chunk of the sum is made (the very
+    float additions of the whole tensor's, in order) and hashed while in cache. No block-sized tensor is written,
+    and a step that reads from its encoding (a reply's payload, a node's sent update: ``read_chunks``) is never
+    decoded whole. On a GPU each step is added whole, on the device, and the sum copied to the host once."""
     flat = tensor.detach().reshape(-1)
+    on_host = flat.device.type == "cpu"
+    chunk_buffer = torch.empty(SUMMED_CHUNK_VALUES) if on_host else None
     others = [step[name].reshape(-1) for step in steps[1:]]
-    buffer, at = None, 0
-    for chunk in read_chunks(steps[0], name):
+    h, buffer, at = hashlib.sha256(), None, 0
+    for chunk in read_chunks(steps[0], name, chunk_buffer):
         stop = at + chunk.numel()
         if buffer is None or buffer.numel() < chunk.numel():  # made once, its pages faulted once
             buffer = torch.empty(chunk.numel(), dtype=flat.dtype, device=flat.device)
         value = torch.add(flat[at:stop], chunk.to(device=flat.device, dtype=flat.dtype), out=buffer[: stop - at])
         for other in others:
             value += other[at:stop].to(device=flat.device, dtype=flat.dtype)
-        yield memoryview(_c_order_buffer(value))
+        h.update(_c_order_buffer(value))
         at = stop
     if at != flat.numel():
         raise ValueError(f"digest_after: {name}'s step holds {at:,} values, expected {flat.numel():,}")
+    return h.hexdigest()
 
 
 def _sha256_of(params: Mapping[str, torch.Tensor], name: str) -> str:
@@ -135,8 +130,8 @@ def _sha256_of(params: Mapping[str, torch.Tensor], name: str) -> str:
 
 @functools.cache
 def _hashing_pool() -> ThreadPoolExecutor:
-    """Threads that hash a model's tensors side by side (hashlib releases the GIL). They run no torch kernel: a
-    thread that runs one starts an OpenMP team of its own, and once the process's OpenMP threads outnumber its
-    cores every parallel kernel after it waits on its team asleep instead of spinning (the server's aggregation
-    ran five times slower after a digest); the sums are made in the caller's thread (``summed_sha256``)."""
+    """Threads that hash a model's tensors side by side (hashlib releases the GIL, and so do torch's kernels). They
+    run no parallel torch kernel (``SUMMED_CHUNK_VALUES``): a thread that runs one starts an OpenMP team of its own,
+    and once the process's OpenMP threads outnumber its cores every parallel kernel after it waits on its team
+    asleep instead of spinning (the server's aggregation ran five times slower after a digest)."""
     return ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="tensor-sha256")

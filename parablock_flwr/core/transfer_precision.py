@@ -180,10 +180,10 @@ class EncodedTensors(Mapping[str, torch.Tensor]):
         flat = dequantize_int8(values, scales) if scales is not None else values.to(torch.float32)
         return flat.view(self.shapes[name])
 
-    def chunks(self, name: str) -> Iterator[torch.Tensor]:
-        """The tensor's flat fp32 values chunk by chunk (``decoded_chunks``): what reads it once, in order (a
-        digest, an addition) holds no fp32 copy of it."""
-        return decoded_chunks(*self.encoded[name])
+    def chunks(self, name: str, buffer: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
+        """The tensor's flat fp32 values chunk by chunk (``decoded_chunks``, into ``buffer`` when given): what
+        reads it once, in order (a digest, an addition) holds no fp32 copy of it."""
+        return decoded_chunks(*self.encoded[name], buffer)
 
     def sum_of_squares(self, name: str) -> float:
         return encoded_sum_of_squares(*self.encoded[name])

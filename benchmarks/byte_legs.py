@@ -123,7 +123,7 @@ def server_legs(arrays: dict, sent: core.Tensors, model: core.Tensors, nodes: in
 
     one, _ = best(lambda: checked_norm(lazy()), repeats)
     legs[f"check {nodes} replies (norm, finite)"] = nodes * one
-    sums, new_x = touched_pairs(dict(sent.items()))  # made ahead, as the server's RoundBuffers
+    sums, new_x = touched_pairs({n: model[n] for n in sent})  # made ahead, as the server's RoundBuffers
     legs[f"aggregate {nodes}"], mean = best(
         lambda: core.aggregate([lazy() for _ in range(nodes)], [1.0] * nodes, out=sums), repeats
     )

@@ -130,7 +130,9 @@ def encoded_sum_of_squares(
     """``Σ v²`` of the decoded values in float64 (``inf`` or ``nan`` when one is not finite), read from the
     encoding. int8's from its integers: each block's ``Σ q²`` is an integer below 2**24 (at most
     ``INT8_BLOCK * 127²``), so fp32 holds it exactly in any order, and ``s²`` is a power of two: one cheap pass
-    over the int8 bytes, no value decoded. Other dtypes decoded chunk by chunk (``decoded_chunks``)."""
+    over the int8 bytes, no value decoded, in chunks of ``CHUNK_VALUES`` (not ``buffer``'s, sized for decoding in
+    cache: larger chunks take fewer of Python's turns). Other dtypes decoded chunk by chunk into ``buffer``
+    (``decoded_chunks``)."""
     if scales is None:
         chunks = decoded_chunks(values, None, buffer)
         return sum(float(torch.linalg.vector_norm(c, dtype=torch.float64)) ** 2 for c in chunks)

@@ -264,7 +264,7 @@ def native_threads() -> set[int]:
 def test_helper_threads_run_no_torch_kernel_so_the_process_keeps_one_openmp_team():
     """The server's helper threads (the round's buffers, the digest's hashing pool) run no torch kernel: a thread
     that runs one starts an OpenMP team of its own, and once the process's OpenMP threads outnumber its cores every
-    parallel kernel after it runs several times slower (the aggregation, five times here). Seen as threads, in a
+    parallel kernel after it runs several times slower. Seen as threads, in a
     fresh process (this one's other tests start threads of their own): none that Python did not start appears
     while they work."""
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as fresh:

@@ -133,5 +133,5 @@ def _hashing_pool() -> ThreadPoolExecutor:
     """Threads that hash a model's tensors side by side (hashlib releases the GIL, and so do torch's kernels). They
     run no parallel torch kernel (``SUMMED_CHUNK_VALUES``): a thread that runs one starts an OpenMP team of its own,
     and once the process's OpenMP threads outnumber its cores every parallel kernel after it waits on its team
-    asleep instead of spinning (the server's aggregation ran five times slower after a digest)."""
+    asleep instead of spinning (the server's aggregation among them, for the rest of the process)."""
     return ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="tensor-sha256")

@@ -42,7 +42,7 @@ def touched_pairs(like: core.Tensors) -> tuple[core.Tensors, core.Tensors]:
 def zeros_here(like: torch.Tensor) -> torch.Tensor:
     """Zeros shaped as ``like``, written on the host by numpy's single-threaded fill, not a torch kernel: this
     thread must start no OpenMP team of its own (once the process's OpenMP threads outnumber its cores, every
-    parallel kernel waits on its team asleep: the round's aggregation, on the main thread, ran five times slower)."""
+    parallel kernel waits on its team asleep: the round's aggregation, on the main thread, among them)."""
     out = torch.empty(like.shape, dtype=like.dtype, device=like.device)
     if out.device.type == "cpu":
         out.view(-1).view(torch.uint8).numpy().fill(0)

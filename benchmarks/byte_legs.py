@@ -4,23 +4,24 @@ its computation and its upload, and what the server does between the last reply 
 each in MB/s of the block's wire bytes, beside a bare TLS socket moving the same bytes with a SHA-256 at
 the receiver (``benchmarks.transport.socket_path``), in the same run.
 
-A node's legs: the update rounded with error feedback (``core.round_with_feedback_encoded``: what it sends is its
-encoding), its new residual written durably (``ResidualStore.save``: fp32, fsynced, under the system's temporary
-folder; the reply waits for it, the upload runs beside it), packed for the wire (``wire.pack_pieces`` from that
-encoding), its SHA-256, and with ``verify-invariant`` its local model's digest, cached (what the node runs:
-``ModelReplica.hashes``) beside the whole model hashed (what it ran before). The server's, for ``--nodes`` replies, as
-its critical path runs them: each reply's norm and finiteness read from its payload (``reply_checks.checked_norm``:
-int8's from its integers and scales), the aggregate of the updates as they came (``core.aggregate``: each read from
-its payload chunk by chunk into the sum), ``g`` rounded and packed (``wire.round_and_pack``, its values read back from
-the pieces), with differential privacy each reply clipped (``core.clip``) and the mean's noise drawn and added
-(``core.gaussian``, ``core.add_noise``), ``g`` applied to ``x`` from its pieces chunk by chunk (``core.added``), and
-each reply's invariant digest, cached (the reply's block summed and hashed chunk by chunk from its payload,
-``core.digests.summed_sha256``). The sum and the new ``x`` go into buffers made and touched before the leg, as the
-server makes them while the replies are outstanding (``RoundBuffers``). The model is ``--blocks`` blocks, so that the
-whole-model digest costs what it costs on a model of that many blocks. Best of ``--repeats``; torch's threads:
-``--threads``. Each size runs in a process of its own that maps its large buffers on huge pages
-(``memory.map_large_buffers``, ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``), as ``tools.launch`` and the units start the
-worker and the ServerApp.
+A node's legs: the round's step applied to its replica as it came (``core.apply_step``: read from its payload chunk by
+chunk), beside it decoded whole first (what it ran before); the update rounded with error feedback
+(``core.round_with_feedback_encoded``: what it sends is its encoding), its new residual written durably
+(``ResidualStore.save``: fp32, fsynced, under the system's temporary folder; the reply waits for it, the upload runs
+beside it), packed for the wire (``wire.pack_pieces`` from that encoding), its SHA-256, and with ``verify-invariant``
+its local model's digest, cached (what the node runs: ``ModelReplica.hashes``) beside the whole model hashed (what it
+ran before). The server's, for ``--nodes`` replies, as its critical path runs them: each reply's norm and finiteness
+read from its payload (``reply_checks.checked_norm``: int8's from its integers and scales), the aggregate of the
+updates as they came (``core.aggregate``: each read from its payload chunk by chunk into the sum), ``g`` rounded and
+packed (``wire.round_and_pack``, its values read back from the pieces), with differential privacy each reply clipped
+(``core.clip``) and the mean's noise drawn and added (``core.gaussian``, ``core.add_noise``), ``g`` applied to ``x``
+from its pieces chunk by chunk (``core.added``), and each reply's invariant digest, cached (the reply's block summed
+and hashed chunk by chunk from its payload, ``core.digests.summed_sha256``). The sum and the new ``x`` go into buffers
+made and touched before the leg, as the server makes them while the replies are outstanding (``RoundBuffers``). The
+model is ``--blocks`` blocks, so that the whole-model digest costs what it costs on a model of that many blocks. Best
+of ``--repeats``; torch's threads: ``--threads``. Each size runs in a process of its own that maps its large buffers
+on huge pages (``memory.map_large_buffers``, ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``), as ``tools.launch`` and the
+units start the worker and the ServerApp.
 
     .venv/bin/python -m benchmarks.byte_legs --params-m 61.8 243 --repeats 5 --report
 """
@@ -51,7 +52,7 @@ from parablock_flwr.wire import join_pieces, pack_pieces, round_and_pack, unpack
 
 WIDTH = 2048  # the rows of a block's tensors: Llama-3.2-1B's hidden size
 # What the node ran before, measured beside what replaced it (left out of the node's sum).
-BEFORE = {"invariant digest, whole model"}
+BEFORE = {"invariant digest, whole model", "apply g to its replica, decoded whole"}
 # The legs the server runs only with differential privacy, central mode (docs/privacy.md; left out of its sum).
 WITH_DP = "DP: "
 
@@ -101,6 +102,16 @@ def node_legs(update: core.Tensors, residual: core.Tensors, model: core.Tensors,
     core.digest_after(model, names, hashes=hashes)  # the replica's cache, as the node holds it
     legs["invariant digest, cached"], _ = best(lambda: core.digest_after(model, names, sent, hashes=hashes), repeats)
     legs["invariant digest, whole model"], _ = best(lambda: core.digest_after(model, names, sent), repeats)
+    # The round's first leg, before its computation: g (here the same bytes) applied to the replica as it came.
+    arrays, replica = join_pieces(pieces), {n: model[n].clone() for n in update}
+
+    def step():
+        return unpack(arrays, transfer_dtype=dtype, read_only=True, lazy=True)
+
+    legs["apply g to its replica"], _ = best(lambda: core.apply_step(replica, step()), repeats)
+    legs["apply g to its replica, decoded whole"], _ = best(
+        lambda: [replica[n].add_(t) for n, t in step().items()], repeats
+    )
     return legs, pieces, sent, kept
 
 

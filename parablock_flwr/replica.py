@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .core import PendingUpdate, TensorHashes, Tensors, apply_step, apply_step_keeping
+from .core import PendingUpdate, TensorHashes, Tensors, add_scaled, apply_step, apply_step_keeping
 from .durable import crash_point, replace_file
 from .messages import CATCH_UP, GLOBAL_STEP, RESUME_PENDING, MessageError, RoundConfig, catch_up_step
 
@@ -179,7 +179,7 @@ class ModelReplica:
             _, step = fetch_step(self.version + 1)
             self._before_last_step = {}
             self.hashes.changed(step)
-            try:  # a step is decoded tensor by tensor as it is applied (``wire.Decoded``)
+            try:  # a step that came as its payload (``wire.Decoded``) is read into x chunk by chunk, never whole
                 if self.keeps_previous:  # the overwritten tensors are kept as they were, not copied
                     self._before_last_step = apply_step_keeping(self.params, step)
                 else:
@@ -220,7 +220,7 @@ class ModelReplica:
                     p = self.device_params[n]
                     value = back.get(n, self.params[n]).to(p.device, torch.float32, copy=True)
                     if n in delta:
-                        apply_step({n: value}, {n: delta[n]})  # the float op every copy uses
+                        add_scaled(value, delta, n)  # the float op every copy uses, Δ read chunk by chunk
                     if self.weights_dtype is None:
                         kept[n] = p.detach()
                     p.data = value if n in train_names or self.weights_dtype is None else value.to(p.dtype)

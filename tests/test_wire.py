@@ -269,6 +269,28 @@ def test_the_aggregate_of_updates_read_as_they_came_has_the_bits_of_decoded_ones
         assert all(torch.equal(summed[n], eager[n]) for n in shapes)
 
 
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("transfer_dtype", ["int8", "bf16", "fp32"])
+def test_a_step_applied_from_its_payload_has_the_bits_of_the_decoded_step(transfer_dtype, weights):
+    """A node applies ``g`` as it came (``unpack(lazy=True)``), chunk by chunk into its replica (``apply_step``,
+    also ``apply_step_keeping``), never decoded whole: the bits of the decoded step added whole, in fp32 and bf16
+    weights, across chunk boundaries and a short last int8 block."""
+    torch.manual_seed(4)
+    shapes = {"a": (3, 700_001), "b": (5,)}
+    x = {n: torch.randn(s).to(weights) for n, s in shapes.items()}
+    arrays = wire.pack({n: torch.randn(s) * 1e-3 for n, s in shapes.items()}, transfer_dtype)
+    decoded = wire.unpack(arrays, shapes)
+    expected = {n: x[n] + decoded[n].to(weights) for n in shapes}
+    in_place, kept = {n: t.clone() for n, t in x.items()}, {n: t.clone() for n, t in x.items()}
+    with mock.patch.object(wire.Payload, "__call__", side_effect=AssertionError("a step decoded whole")):
+        core.apply_step(in_place, wire.unpack(arrays, shapes, lazy=True))
+        before = core.apply_step_keeping(kept, wire.unpack(arrays, shapes, lazy=True))
+    assert all(torch.equal(in_place[n], expected[n]) and torch.equal(kept[n], expected[n]) for n in shapes)
+    assert all(torch.equal(before[n], x[n]) for n in shapes)
+    with pytest.raises(ValueError, match="expected 10"):
+        core.apply_step({"a": x["a"].clone(), "b": torch.zeros(10)}, wire.unpack(arrays, shapes, lazy=True))
+
+
 @pytest.mark.parametrize("transfer_dtype", ["int8", "bf16", "fp16"])
 def test_a_nodes_rounded_update_is_its_encoding_and_packs_without_converting_again(transfer_dtype):
     """Error feedback writes no fp32 block of what it sends: ``sent`` is the encoding itself

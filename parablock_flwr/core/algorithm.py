@@ -69,13 +69,16 @@ def scaled(
     return out
 
 
-def add_scaled(into: torch.Tensor, update: Mapping[str, torch.Tensor], name: str, factor: float) -> None:
+def add_scaled(into: torch.Tensor, update: Mapping[str, torch.Tensor], name: str, factor: float = 1.0) -> None:
     """In place: ``into += factor * update[name]``, read chunk by chunk (``read_chunks``): an update that came
-    as its payload is never decoded whole. One fused op per value, as adding the whole tensor does: the same bits."""
+    as its payload is never decoded whole. One fused op per value, as adding the whole tensor does: the same bits
+    (each chunk cast to ``into``'s device and dtype first, as ``apply_step`` casts a whole step)."""
     flat, at = into.view(-1), 0
     for chunk in read_chunks(update, name):
-        flat[at : at + chunk.numel()].add_(chunk, alpha=factor)
+        flat[at : at + chunk.numel()].add_(chunk.to(device=into.device, dtype=into.dtype), alpha=factor)
         at += chunk.numel()
+    if at != into.numel():
+        raise ValueError(f"{name}: the update's chunks hold {at:,} values, expected {into.numel():,}")
 
 
 def read_chunks(
@@ -110,9 +113,11 @@ def global_step(mean_update: Tensors, server_lr: float) -> Tensors:
 
 @torch.no_grad()
 def apply_step(params: Mapping[str, torch.Tensor], step: Mapping[str, torch.Tensor]) -> None:
-    """In place: ``x[b] += g`` (or ``y[b] += Δ``), the one float op every copy uses."""
-    for n, t in step.items():
-        params[n].add_(t.to(device=params[n].device, dtype=params[n].dtype))
+    """In place: ``x[b] += g`` (or ``y[b] += Δ``), the one float op every copy uses. A step that came as its
+    encoding (``wire.Decoded``, ``EncodedTensors``) is read chunk by chunk into the sum (``add_scaled``), never
+    decoded whole into fresh memory: a node's replica takes each round's step at about memory speed."""
+    for n in step:
+        add_scaled(params[n], step, n)
 
 
 @torch.no_grad()
@@ -122,9 +127,9 @@ def apply_step_keeping(params: Mapping[str, torch.Tensor], step: Mapping[str, to
     tensors, ``x^{r-1}[b]``, uncopied. The server keeps them for a full sync without a copy of the
     block between the last reply and the next message."""
     before: Tensors = {}
-    for n, t in step.items():
+    for n in step:
         before[n] = params[n].detach()
-        params[n].data = before[n] + t.to(device=before[n].device, dtype=before[n].dtype)
+        params[n].data = added(before[n], read_chunks(step, n))
     return before
 
 

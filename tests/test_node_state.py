@@ -38,6 +38,27 @@ def test_the_store_keeps_a_bounded_number_of_files(tmp_path):
     assert sorted(store.as_of(100 - KEEP_ROUNDS)) == [0, 1, 2]
 
 
+def test_a_staged_residual_is_read_only_once_committed_and_none_outlives_its_rounds(tmp_path):
+    """A residual written ahead (``stage``) is invisible to a resume until ``commit`` renames it into its
+    round; one dropped (``discard``) or never settled (a round that failed) leaves no file past the store's
+    horizon, and ``clear`` removes it too: over 100 rounds the folder stays bounded."""
+    store = ResidualStore(tmp_path / "partition-0")
+    store.save(1, 0, residual(1.0))
+    store.stage(2, 0, residual(2.0))
+    assert torch.equal(store.as_of(2)[0]["w"], residual(1.0)["w"])  # staged: not the round's yet
+    store.commit(2, 0)
+    assert torch.equal(store.as_of(2)[0]["w"], residual(2.0)["w"])
+    store.stage(3, 1, residual(3.0))
+    store.discard(3, 1)
+    assert sorted(store.as_of(3)) == [0] and not list(store.dir.glob(".*"))
+    for r in range(4, 101):  # every round leaves a staged file behind, as rounds that failed after rounding would
+        store.stage(r, r % 3, residual(float(r)))
+        store.save(r, r % 3, residual(float(r)))
+    assert len(list(store.dir.iterdir())) <= 3 + 2 * KEEP_ROUNDS + 1
+    store.clear()
+    assert not list(store.dir.iterdir())
+
+
 def test_a_node_first_sampled_rounds_after_a_resume_goes_on_from_the_checkpoints_residuals(tmp_path):
     """The server stopped with its checkpoint at round 2 while this node had answered round 3 too. In
     the resumed run (fraction-train < 1) the node is first sampled in round 5, without a hand-back:

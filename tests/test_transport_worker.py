@@ -227,6 +227,48 @@ def test_round_r_plus_1s_update_moves_before_its_message_and_its_reply_has_the_s
     assert all(key("direct_update_ahead") not in r["metrics"] for r in plain)
 
 
+def test_an_update_moved_ahead_has_its_residual_written_before_its_message_and_its_round_only_renames_it(
+    tmp_path, tiny_model_dir, monkeypatch
+):
+    """int8, ParaBlock at-end: round r+1's update, rounded ahead, starts its residual's durable write then
+    (``ResidualStore.stage``, beside its upload), before round r+1's message is served; the round renames it
+    (``commit``) and writes none (``save`` only in round 1, which had nothing ahead). The residual files have
+    the bits of the same rounds without anything ahead, and no staged file is left."""
+    from safetensors.torch import load_file
+
+    from parablock_flwr.node.state import ResidualStore
+
+    tls = make_tls(tmp_path / "tls")
+    config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 2, "transfer-dtype": "int8",
+                                                      "correction": "at-end"})  # fmt: skip
+    events = []
+
+    def noting(what, real):
+        def call(*args):
+            events.append((what, args[1].server_round if what == "served" else args[1]))
+            return real(*args)
+
+        return call
+
+    noted = {"stage": "staged", "save": "saved", "commit": "committed"}
+    for name, what in noted.items():
+        monkeypatch.setattr(ResidualStore, name, noting(what, getattr(ResidualStore, name)))
+    monkeypatch.setattr(NodeWorker, "handle_request", noting("served", NodeWorker.handle_request))
+    moved = NodeWorker(state_dir=tmp_path / "moved")
+    worker_rounds_on_stream(tls, config, RUN, ahead=True, worker=moved)
+    moved_events, events[:] = list(events), []
+    worker_rounds_on_stream(tls, config, RUN + 1, ahead=False, worker=NodeWorker(state_dir=tmp_path / "plain"))
+    assert moved_events == [("served", 1), ("saved", 1), ("staged", 2), ("served", 2), ("committed", 2),
+                            ("staged", 3), ("served", 3), ("committed", 3)], moved_events  # fmt: skip
+    assert events == [("served", 1), ("saved", 1), ("served", 2), ("saved", 2), ("served", 3), ("saved", 3)]
+    files = {d: sorted((tmp_path / d / "partition-0").iterdir()) for d in ("moved", "plain")}
+    assert [p.name for p in files["moved"]] == ["r00001-b0.safetensors", "r00002-b1.safetensors",
+                                                "r00003-b0.safetensors", f"run-{RUN}"]  # fmt: skip
+    for mine, theirs in zip(files["moved"][:3], files["plain"][:3], strict=True):
+        a, b = load_file(str(mine)), load_file(str(theirs))
+        assert mine.name == theirs.name and a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "int8"])
 def test_a_worker_starts_a_round_when_its_content_comes_on_the_stream_and_its_message_gets_that_answer(
     tmp_path, tiny_model_dir, dtype

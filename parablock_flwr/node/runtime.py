@@ -26,6 +26,7 @@ the server keeps that node's sync state.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -73,6 +74,9 @@ class EarlyUpdate:
     sent: core.Tensors
     residual_out: core.Tensors | None
     encoded: core.Encoded | None = None  # ``sent`` as it travels (None: fp32, the values themselves)
+    # ``residual_out`` being written durably under a staged name (``ResidualStore.stage``) since it was rounded:
+    # waits for the write and raises its error (None: no store, or fp32).
+    residual_staged: Callable[[], None] | None = None
 
 
 def in_background(fn: Callable, *args) -> Callable[[], None]:
@@ -99,6 +103,27 @@ def in_background(fn: Callable, *args) -> Callable[[], None]:
             raise errors[0]
 
     return wait
+
+
+def commit_staged(staged: Callable[[], None], store: ResidualStore, server_round: int, block: int) -> Callable:
+    """The waiter of a residual staged ahead (``Node.early_update``): its write, then its rename into the
+    round's name (``ResidualStore.commit``); the reply waits for it as for ``in_background``'s."""
+
+    def wait() -> None:
+        staged()
+        store.commit(server_round, block)
+
+    return wait
+
+
+def drop_staged(early: EarlyUpdate | None, store: ResidualStore | None) -> None:
+    """An update rounded ahead that the round does not take: its staged residual's write is waited for (its
+    error matters to nobody: nothing reads the file) and the file removed, so that none outlives the round."""
+    if early is None or early.residual_staged is None or store is None:
+        return
+    with contextlib.suppress(Exception):
+        early.residual_staged()
+    store.discard(early.ahead.server_round, early.ahead.job.block)
 
 
 class ResidualsMissing(FileNotFoundError):
@@ -170,7 +195,9 @@ class Node:
         if store is not None and self.state.last_round == 0:  # this node's first message in this run
             self.begin_run(cfg, req, store, resumed_store)
         job, result, waited = self.round_update(res, cfg, req, client, ahead, fetch_step)  # 4
-        early = early if early is not None and ahead is not None and early.ahead is ahead else None
+        if early is not None and (ahead is None or early.ahead is not ahead):
+            drop_staged(early, store)
+            early = None
         residual_written, used_early, encoded = self.feed_back(cfg, req, result, store, early)  # 5
         try:
             sent = core.kept_encoded(result.delta, encoded)  # held as it travelled: a quarter of fp32 in int8
@@ -309,10 +336,13 @@ class Node:
         next update (error feedback). The residual is durable before the reply leaves, written while
         the next block starts (the function returned waits for the write). ``early`` (this round's
         computation, rounded ahead) is taken when it was rounded from the residual the node holds now, so
-        the update and residual are the very values its upload used; whether it was, second; third, the update
-        as it travels (from the same conversion: packing it converts nothing again; None for fp32)."""
+        the update and residual are the very values its upload used, and its residual, written since it was
+        rounded, only needs a rename; whether it was, second; third, the update as it travels (from the same
+        conversion: packing it converts nothing again; None for fp32)."""
         residual = self.state.residuals.get(req.block)
         used_early = early is not None and early.residual_in is residual
+        if not used_early:
+            drop_staged(early, store)
         if cfg.transfer_dtype == "fp32":
             return None, used_early, None
         if used_early:
@@ -323,15 +353,21 @@ class Node:
             )
         if store is None:
             return None, used_early, encoded
+        if used_early and early.residual_staged is not None:
+            return commit_staged(early.residual_staged, store, req.server_round, req.block), used_early, encoded
         residual = {n: t.detach().cpu() for n, t in self.state.residuals[req.block].items()}
         return in_background(store.save, req.server_round, req.block, residual), used_early, encoded
 
-    def early_update(self, cfg: RunConfig, server_round: int) -> Callable[[], EarlyUpdate | None]:
+    def early_update(
+        self, cfg: RunConfig, server_round: int, store: ResidualStore | None = None
+    ) -> Callable[[], EarlyUpdate | None]:
         """Round ``server_round``'s update rounded as soon as its computation running ahead is done, for a
         driver that moves it before its message comes: what it rounds from is taken now (call it between
         requests, when nothing changes the node), and the function returned waits for the computation and
-        rounds, changing nothing. None from it: there is no such computation, or its result depends on
-        when its message comes (``on-receipt``'s correction)."""
+        rounds, changing nothing the node holds. Its new residual starts its durable write into ``store`` at
+        once, under a staged name (``ResidualStore.stage``), beside the upload: the round that takes it then
+        renames it, and its reply waits for no write. None from it: there is no such computation, or its
+        result depends on when its message comes (``on-receipt``'s correction)."""
         ahead = self.ahead
         if ahead is None or ahead.server_round != server_round or ahead.job.slot is not None:
             return lambda: None
@@ -341,7 +377,12 @@ class Node:
             delta = ahead.future.result().delta  # its failure is the round's to report, when its message comes
             if dtype == "fp32":
                 return EarlyUpdate(ahead, residual_in, delta, residual_in)
-            return EarlyUpdate(ahead, residual_in, *core.round_with_feedback_encoded(delta, residual_in, dtype))
+            sent, residual_out, encoded = core.round_with_feedback_encoded(delta, residual_in, dtype)
+            staged = None
+            if store is not None:
+                host = {n: t.detach().cpu() for n, t in residual_out.items()}
+                staged = in_background(store.stage, server_round, ahead.job.block, host)
+            return EarlyUpdate(ahead, residual_in, sent, residual_out, encoded, staged)
 
         return rounded
 

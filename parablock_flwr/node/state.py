@@ -7,11 +7,12 @@ its checkpoint. The residuals do: the server never sees them, yet round R+1 send
 ``round(Δ + e)``, so a resume that starts them empty diverges from the uninterrupted run.
 
 ``ResidualStore`` is a folder per node (simulation: ``RUN_DIR/node-state/partition-P``; deployment: the
-worker's ``--state-dir``, else ``SOCKET.state``, then ``partition-P``). Each round that rounds an
-update writes the new residual of its block as ``r{round}-b{block}.safetensors`` (fsync of the file,
-rename, fsync of the folder); a full sync writes ``r{round}-reset``. The residuals *as of* round R are,
-per block, the newest file at or before R and after the newest reset at or before R: a node that already
-answered R+1 (or R+2) when the server died still resumes from R's. A few rounds back are kept, plus
+worker's ``--state-dir``, else ``SOCKET.state``, then ``partition-P``). Each round that rounds an update
+writes the new residual of its block as ``r{round}-b{block}.safetensors`` (fsync of the file, rename, fsync of
+the folder; an update rounded ahead of its message has its residual's bytes written and fsynced then, under a
+staged name, and its round does the rename); a full sync writes ``r{round}-reset``. The residuals *as of*
+round R are, per block, the newest file at or before R and after the newest reset at or before R: a node that
+already answered R+1 (or R+2) when the server died still resumes from R's. A few rounds back are kept, plus
 each block's newest older file: the folder holds at most ``blocks + KEEP_ROUNDS`` files.
 
 ``PendingStore`` keeps a virtual node's pending update in the same folder between its rounds, in the
@@ -42,6 +43,7 @@ from ..wire import pack_pieces, round_and_pack, unpack
 
 KEEP_ROUNDS = 4  # a checkpoint is at most 2 rounds behind what a node answered: room to spare
 _FILE = re.compile(r"r(\d+)-(b(\d+)\.safetensors|reset)$")
+_STAGED = re.compile(r"\.r(\d+)-b\d+\.safetensors\.early\.tmp$")  # ``stage``'s, until committed or dropped
 
 
 @dataclass
@@ -76,19 +78,34 @@ class ResidualStore:
     def _write(self, name: str, tensors: Tensors | None) -> None:
         make_dirs(self.dir, 0o700)  # the node's own, as its socket; each new folder's parent fsynced
         final, tmp = self.dir / name, self.dir / f".{name}.tmp"
-        if tensors is None:
-            tmp.write_bytes(b"")
-        else:
-            save_file({n: t.detach().cpu().contiguous() for n, t in tensors.items()}, str(tmp))
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
+        _write_durably(tmp, tensors)
         os.replace(tmp, final)
         fsync_path(self.dir)
 
     def save(self, server_round: int, block: int, residual: Tensors) -> None:
         """Block ``block``'s residual after round ``server_round``."""
-        self._write(f"r{server_round:05d}-b{block}.safetensors", residual)
+        self._write(_residual_name(server_round, block), residual)
         self._prune(server_round)
+
+    def stage(self, server_round: int, block: int, residual: Tensors) -> None:
+        """``save``'s write (the bytes, fsynced) under a name no reader takes, before the round is answered:
+        ``commit`` makes it the round's with a rename, ``discard`` drops it. A node whose update was rounded
+        ahead of its message writes its residual then, beside the upload, so that the reply waits for no write."""
+        make_dirs(self.dir, 0o700)
+        _write_durably(self._staged(server_round, block), residual)
+
+    def commit(self, server_round: int, block: int) -> None:
+        """The staged residual becomes block ``block``'s after round ``server_round`` (``save``'s outcome)."""
+        os.replace(self._staged(server_round, block), self.dir / _residual_name(server_round, block))
+        fsync_path(self.dir)
+        self._prune(server_round)
+
+    def discard(self, server_round: int, block: int) -> None:
+        """A staged residual the round did not take (its update was rounded again): removed."""
+        self._staged(server_round, block).unlink(missing_ok=True)
+
+    def _staged(self, server_round: int, block: int) -> Path:
+        return self.dir / f".{_residual_name(server_round, block)}.early.tmp"
 
     def reset(self, server_round: int) -> None:
         """A full sync in round ``server_round`` dropped every residual."""
@@ -121,7 +138,7 @@ class ResidualStore:
         if not self.dir.is_dir():
             return
         for path in self.dir.iterdir():
-            name = path.name.removeprefix(".").removesuffix(".tmp")
+            name = path.name.removeprefix(".").removesuffix(".tmp").removesuffix(".early")
             if _FILE.match(name) and path.is_file() and not path.is_symlink():
                 path.unlink()
         fsync_path(self.dir)
@@ -151,6 +168,23 @@ class ResidualStore:
         for _, _, path in old:
             if path not in keep.values():
                 path.unlink(missing_ok=True)
+        for path in self.dir.iterdir():  # staged residuals never committed nor dropped (a round that failed)
+            if (m := _STAGED.match(path.name)) and int(m[1]) <= horizon:
+                path.unlink(missing_ok=True)
+
+
+def _residual_name(server_round: int, block: int) -> str:
+    return f"r{server_round:05d}-b{block}.safetensors"
+
+
+def _write_durably(path: Path, tensors: Tensors | None) -> None:
+    """``tensors`` (None: an empty file) written to ``path`` and fsynced."""
+    if tensors is None:
+        path.write_bytes(b"")
+    else:
+        save_file({n: t.detach().cpu().contiguous() for n, t in tensors.items()}, str(path))
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
 
 
 class PendingStore:

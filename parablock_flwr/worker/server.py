@@ -285,7 +285,7 @@ class NodeWorker:
                                          ("its content", metrics.direct_content_fetched)) if flag == 1]  # fmt: skip
         log.info(round_line(metrics, sum(a.nbytes for a in arrays.values()), bytes_out, moved))
         if offer is not None and reply.committed:  # on the stream: round r+1's bytes move from now on
-            early_update = self.node.early_update(cfg, request.server_round + 1)
+            early_update = self.node.early_update(cfg, request.server_round + 1, store)
             self.stream.start_transfers_ahead(offer, request.run_id, cfg.transfer_dtype, early_update)
             self.start_from_stream(request)
         return reply.header, reply.pieces

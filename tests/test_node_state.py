@@ -38,23 +38,24 @@ def test_the_store_keeps_a_bounded_number_of_files(tmp_path):
     assert sorted(store.as_of(100 - KEEP_ROUNDS)) == [0, 1, 2]
 
 
-def test_a_staged_residual_is_read_only_once_committed_and_none_outlives_its_rounds(tmp_path):
-    """A residual written ahead (``stage``) is invisible to a resume until ``commit`` renames it into its
-    round; one dropped (``discard``) or never settled (a round that failed) leaves no file past the store's
-    horizon, and ``clear`` removes it too: over 100 rounds the folder stays bounded."""
+def test_a_staged_residual_is_read_only_once_committed_and_none_outlives_the_stores_next_write(tmp_path):
+    """A residual written ahead (``stage``, under a fresh name each time) is invisible to a resume until
+    ``commit`` renames it into its round; one never committed (its round took another, or failed) is gone by the
+    store's next write, and ``clear`` removes it too: over 100 rounds the folder stays bounded."""
     store = ResidualStore(tmp_path / "partition-0")
     store.save(1, 0, residual(1.0))
-    store.stage(2, 0, residual(2.0))
+    first, second = store.staged_name(2, 0), store.staged_name(2, 0)
+    assert first != second  # two stagings of one round never write one file
+    store.stage(first, residual(2.0))
+    store.stage(second, residual(5.0))
     assert torch.equal(store.as_of(2)[0]["w"], residual(1.0)["w"])  # staged: not the round's yet
-    store.commit(2, 0)
-    assert torch.equal(store.as_of(2)[0]["w"], residual(2.0)["w"])
-    store.stage(3, 1, residual(3.0))
-    store.discard(3, 1)
-    assert sorted(store.as_of(3)) == [0] and not list(store.dir.glob(".*"))
-    for r in range(4, 101):  # every round leaves a staged file behind, as rounds that failed after rounding would
-        store.stage(r, r % 3, residual(float(r)))
+    store.commit(first, 2, 0)
+    assert torch.equal(store.as_of(2)[0]["w"], residual(2.0)["w"]) and not list(store.dir.glob(".*"))
+    for r in range(3, 101):  # every round leaves a staged file behind, as rounds that failed after rounding would
+        store.stage(store.staged_name(r, r % 3), residual(float(r)))
         store.save(r, r % 3, residual(float(r)))
-    assert len(list(store.dir.iterdir())) <= 3 + 2 * KEEP_ROUNDS + 1
+    assert len(list(store.dir.iterdir())) <= 3 + KEEP_ROUNDS and not list(store.dir.glob(".*"))
+    store.stage(store.staged_name(101, 0), residual(1.0))
     store.clear()
     assert not list(store.dir.iterdir())
 

@@ -243,30 +243,61 @@ def test_an_update_moved_ahead_has_its_residual_written_before_its_message_and_i
                                                       "correction": "at-end"})  # fmt: skip
     events = []
 
-    def noting(what, real):
-        def call(*args):
-            events.append((what, args[1].server_round if what == "served" else args[1]))
-            return real(*args)
+    def noting(real, before=None, after=None):  # each event with its round, as the call begins or once it returned
+        def call(*args, **kwargs):
+            if before:
+                events.append(before(*args))
+            out = real(*args, **kwargs)
+            if after:
+                events.append(after(*args))
+            return out
 
         return call
 
-    noted = {"stage": "staged", "save": "saved", "commit": "committed"}
-    for name, what in noted.items():
-        monkeypatch.setattr(ResidualStore, name, noting(what, getattr(ResidualStore, name)))
-    monkeypatch.setattr(NodeWorker, "handle_request", noting("served", NodeWorker.handle_request))
+    def round_of(path) -> int:
+        return int(path.name[2:7])  # ".r00002-b1.safetensors.<token>.early.tmp"
+
+    store = ResidualStore
+    monkeypatch.setattr(store, "stage", noting(store.stage, lambda _, p, t: ("staged", round_of(p))))
+    monkeypatch.setattr(store, "save", noting(store.save, lambda _, r, b, t: ("saved", r)))
+    monkeypatch.setattr(store, "commit", noting(store.commit, after=lambda _, p, r, b: ("committed", r)))
+    serve, handle = NodeWorker.serve_request, NodeWorker.handle_request
+    monkeypatch.setattr(NodeWorker, "handle_request", noting(handle, lambda _, req, *a: ("served", req.server_round)))
+    monkeypatch.setattr(NodeWorker, "serve_request", noting(serve, after=lambda *a, **k: ("replied",)))
     moved = NodeWorker(state_dir=tmp_path / "moved")
     worker_rounds_on_stream(tls, config, RUN, ahead=True, worker=moved)
     moved_events, events[:] = list(events), []
     worker_rounds_on_stream(tls, config, RUN + 1, ahead=False, worker=NodeWorker(state_dir=tmp_path / "plain"))
-    assert moved_events == [("served", 1), ("saved", 1), ("staged", 2), ("served", 2), ("committed", 2),
-                            ("staged", 3), ("served", 3), ("committed", 3)], moved_events  # fmt: skip
-    assert events == [("served", 1), ("saved", 1), ("served", 2), ("saved", 2), ("served", 3), ("saved", 3)]
+    expected = [("served", 1), ("saved", 1), ("replied",), ("staged", 2), ("served", 2), ("committed", 2),
+                ("replied",), ("staged", 3), ("served", 3), ("committed", 3), ("replied",)]  # fmt: skip
+    assert moved_events == expected, moved_events  # each round's residual renamed before its reply left
+    assert [e[0] for e in events if e[0] != "replied"] == ["served", "saved"] * 3
     files = {d: sorted((tmp_path / d / "partition-0").iterdir()) for d in ("moved", "plain")}
     assert [p.name for p in files["moved"]] == ["r00001-b0.safetensors", "r00002-b1.safetensors",
                                                 "r00003-b0.safetensors", f"run-{RUN}"]  # fmt: skip
     for mine, theirs in zip(files["moved"][:3], files["plain"][:3], strict=True):
         a, b = load_file(str(mine)), load_file(str(theirs))
         assert mine.name == theirs.name and a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_a_residual_staged_ahead_that_cannot_be_written_fails_its_rounds_reply(
+    tmp_path, tiny_model_dir, monkeypatch, caplog
+):
+    """The staged write's error (a full disk, played by raising it) is the round's: its reply is an error that
+    names it, its text in the node's log, as a failed ``save``'s is
+    (``test_a_residual_write_error_fails_the_reply_whatever_else_fails_in_the_round``)."""
+    from parablock_flwr.node.state import ResidualStore
+
+    def full_disk(store, path, residual):
+        raise OSError(28, "No space left on device (staged)")
+
+    monkeypatch.setattr(ResidualStore, "stage", full_disk)
+    config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 1, "transfer-dtype": "int8",
+                                                      "correction": "at-end"})  # fmt: skip
+    with pytest.raises(AssertionError, match="'error': \"OSError"):  # round 2's reply
+        worker_rounds_on_stream(make_tls(tmp_path / "tls"), config, RUN, ahead=True,
+                                worker=NodeWorker(state_dir=tmp_path / "state"))  # fmt: skip
+    assert "No space left on device (staged)" in caplog.text
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "int8"])

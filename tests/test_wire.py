@@ -287,8 +287,12 @@ def test_a_step_applied_from_its_payload_has_the_bits_of_the_decoded_step(transf
         before = core.apply_step_keeping(kept, wire.unpack(arrays, shapes, lazy=True))
     assert all(torch.equal(in_place[n], expected[n]) and torch.equal(kept[n], expected[n]) for n in shapes)
     assert all(torch.equal(before[n], x[n]) for n in shapes)
-    with pytest.raises(ValueError, match="expected 10"):
-        core.apply_step({"a": x["a"].clone(), "b": torch.zeros(10)}, wire.unpack(arrays, shapes, lazy=True))
+    other_layout = {"a": x["a"].clone(), "b": torch.zeros(5, 1)}  # as many values, another shape: refused, unwritten
+    with pytest.raises(ValueError, match=r"b: the update's shape is \(5,\), expected \(5, 1\)"):
+        core.apply_step(other_layout, wire.unpack(arrays, shapes, lazy=True))
+    assert torch.equal(other_layout["b"], torch.zeros(5, 1))
+    strided = {n: t.t() if t.dim() == 2 else t.clone() for n, t in x.items()}  # a transposed tensor: read whole
+    core.apply_step(strided, {"a": expected["a"].t() - x["a"].t(), "b": expected["b"] - x["b"]})
 
 
 @pytest.mark.parametrize("transfer_dtype", ["int8", "bf16", "fp16"])

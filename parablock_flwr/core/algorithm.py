@@ -70,15 +70,26 @@ def scaled(
 
 
 def add_scaled(into: torch.Tensor, update: Mapping[str, torch.Tensor], name: str, factor: float = 1.0) -> None:
-    """In place: ``into += factor * update[name]``, read chunk by chunk (``read_chunks``): an update that came
-    as its payload is never decoded whole. One fused op per value, as adding the whole tensor does: the same bits
-    (each chunk cast to ``into``'s device and dtype first, as ``apply_step`` casts a whole step)."""
+    """In place: ``into += factor * update[name]``. An update that came as its encoding is read chunk by chunk
+    (``read_encoded``), never decoded whole. One fused op per value, as adding the whole tensor does: the same
+    bits (each chunk cast to ``into``'s device and dtype first, as ``apply_step`` casts a whole step)."""
+    if not read_encoded(update, name, into) or not into.is_contiguous():
+        into.add_(update[name].to(device=into.device, dtype=into.dtype), alpha=factor)
+        return
     flat, at = into.view(-1), 0
-    for chunk in read_chunks(update, name):
+    for chunk in update.chunks(name):
         flat[at : at + chunk.numel()].add_(chunk.to(device=into.device, dtype=into.dtype), alpha=factor)
         at += chunk.numel()
-    if at != into.numel():
-        raise ValueError(f"{name}: the update's chunks hold {at:,} values, expected {into.numel():,}")
+
+
+def read_encoded(update: Mapping[str, torch.Tensor], name: str, like: torch.Tensor) -> bool:
+    """Whether ``update[name]`` is read from its encoding (``wire.Decoded``, ``EncodedTensors``: ``chunks`` and
+    ``shapes``), its shape checked against ``like``'s first: a step of another layout changes nothing."""
+    if not hasattr(update, "chunks"):
+        return False
+    if tuple(update.shapes[name]) != tuple(like.shape):
+        raise ValueError(f"{name}: the update's shape is {tuple(update.shapes[name])}, expected {tuple(like.shape)}")
+    return True
 
 
 def read_chunks(
@@ -129,7 +140,10 @@ def apply_step_keeping(params: Mapping[str, torch.Tensor], step: Mapping[str, to
     before: Tensors = {}
     for n in step:
         before[n] = params[n].detach()
-        params[n].data = added(before[n], read_chunks(step, n))
+        if read_encoded(step, n, before[n]):
+            params[n].data = added(before[n], step.chunks(n))
+        else:
+            params[n].data = before[n] + step[n].to(device=before[n].device, dtype=before[n].dtype)
     return before
 
 
@@ -137,7 +151,7 @@ def apply_step_keeping(params: Mapping[str, torch.Tensor], step: Mapping[str, to
 def added(x: torch.Tensor, step_chunks: Iterable[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
     """``x + g`` in new storage (``out``, when given), ``g`` read as consecutive flat chunks (each added as it comes,
     in cache): ``apply_step``'s float op, element by element, so the bits are the same as adding ``g`` whole."""
-    out = torch.empty_like(x) if out is None else out
+    out = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out
     flat_x, flat_out, at = x.reshape(-1), out.view(-1), 0
     for chunk in step_chunks:
         stop = at + chunk.numel()

@@ -26,7 +26,6 @@ the server keeps that node's sync state.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import threading
@@ -34,6 +33,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 
 from .. import core
 from ..config import RunConfig
@@ -62,21 +62,29 @@ class Ahead:
         return self.job.server_round
 
 
+@dataclass(frozen=True)
+class StagedResidual:
+    """A residual being written durably at ``path`` (``ResidualStore.stage``), a name nothing reads until the
+    round that takes it renames it (``ResidualStore.commit``); ``wait`` waits for the write, raising its error."""
+
+    path: Path
+    wait: Callable[[], None]
+
+
 @dataclass(frozen=True, eq=False)
 class EarlyUpdate:
     """Round r+1's update rounded to ``transfer-dtype`` before its message came, as ``Node.feed_back`` would
     round it: from the computation ``ahead`` and the residual ``residual_in`` of its block (the very object
-    the node held when it was made), to ``sent`` and the residual ``residual_out``. A pure value: it changes
-    no node state; ``Node.train`` commits it only when nothing it was computed from has changed since."""
+    the node held when it was made), to ``sent`` and the residual ``residual_out``, whose durable write begins
+    then (``staged``). It changes no node state (a staged file is none: nothing reads it); ``Node.train``
+    commits it only when nothing it was computed from has changed since."""
 
     ahead: Ahead
     residual_in: core.Tensors | None
     sent: core.Tensors
     residual_out: core.Tensors | None
     encoded: core.Encoded | None = None  # ``sent`` as it travels (None: fp32, the values themselves)
-    # ``residual_out`` being written durably under a staged name (``ResidualStore.stage``) since it was rounded:
-    # waits for the write and raises its error (None: no store, or fp32).
-    residual_staged: Callable[[], None] | None = None
+    staged: StagedResidual | None = None  # ``residual_out``'s durable write, begun (None: no store, or fp32)
 
 
 def in_background(fn: Callable, *args) -> Callable[[], None]:
@@ -105,25 +113,15 @@ def in_background(fn: Callable, *args) -> Callable[[], None]:
     return wait
 
 
-def commit_staged(staged: Callable[[], None], store: ResidualStore, server_round: int, block: int) -> Callable:
+def commit_staged(staged: StagedResidual, store: ResidualStore, server_round: int, block: int) -> Callable:
     """The waiter of a residual staged ahead (``Node.early_update``): its write, then its rename into the
     round's name (``ResidualStore.commit``); the reply waits for it as for ``in_background``'s."""
 
     def wait() -> None:
-        staged()
-        store.commit(server_round, block)
+        staged.wait()
+        store.commit(staged.path, server_round, block)
 
     return wait
-
-
-def drop_staged(early: EarlyUpdate | None, store: ResidualStore | None) -> None:
-    """An update rounded ahead that the round does not take: its staged residual's write is waited for (its
-    error matters to nobody: nothing reads the file) and the file removed, so that none outlives the round."""
-    if early is None or early.residual_staged is None or store is None:
-        return
-    with contextlib.suppress(Exception):
-        early.residual_staged()
-    store.discard(early.ahead.server_round, early.ahead.job.block)
 
 
 class ResidualsMissing(FileNotFoundError):
@@ -195,9 +193,7 @@ class Node:
         if store is not None and self.state.last_round == 0:  # this node's first message in this run
             self.begin_run(cfg, req, store, resumed_store)
         job, result, waited = self.round_update(res, cfg, req, client, ahead, fetch_step)  # 4
-        if early is not None and (ahead is None or early.ahead is not ahead):
-            drop_staged(early, store)
-            early = None
+        early = early if early is not None and ahead is not None and early.ahead is ahead else None
         residual_written, used_early, encoded = self.feed_back(cfg, req, result, store, early)  # 5
         try:
             sent = core.kept_encoded(result.delta, encoded)  # held as it travelled: a quarter of fp32 in int8
@@ -341,8 +337,6 @@ class Node:
         conversion: packing it converts nothing again; None for fp32)."""
         residual = self.state.residuals.get(req.block)
         used_early = early is not None and early.residual_in is residual
-        if not used_early:
-            drop_staged(early, store)
         if cfg.transfer_dtype == "fp32":
             return None, used_early, None
         if used_early:
@@ -353,8 +347,8 @@ class Node:
             )
         if store is None:
             return None, used_early, encoded
-        if used_early and early.residual_staged is not None:
-            return commit_staged(early.residual_staged, store, req.server_round, req.block), used_early, encoded
+        if used_early and early.staged is not None:  # (one not taken is gone by the store's next write)
+            return commit_staged(early.staged, store, req.server_round, req.block), used_early, encoded
         residual = {n: t.detach().cpu() for n, t in self.state.residuals[req.block].items()}
         return in_background(store.save, req.server_round, req.block, residual), used_early, encoded
 
@@ -371,7 +365,8 @@ class Node:
         ahead = self.ahead
         if ahead is None or ahead.server_round != server_round or ahead.job.slot is not None:
             return lambda: None
-        residual_in, dtype = self.state.residuals.get(ahead.job.block), cfg.transfer_dtype
+        block, dtype = ahead.job.block, cfg.transfer_dtype
+        residual_in = self.state.residuals.get(block)
 
         def rounded() -> EarlyUpdate:
             delta = ahead.future.result().delta  # its failure is the round's to report, when its message comes
@@ -380,8 +375,9 @@ class Node:
             sent, residual_out, encoded = core.round_with_feedback_encoded(delta, residual_in, dtype)
             staged = None
             if store is not None:
+                path = store.staged_name(server_round, block)
                 host = {n: t.detach().cpu() for n, t in residual_out.items()}
-                staged = in_background(store.stage, server_round, ahead.job.block, host)
+                staged = StagedResidual(path, in_background(store.stage, path, host))
             return EarlyUpdate(ahead, residual_in, sent, residual_out, encoded, staged)
 
         return rounded

@@ -10,10 +10,11 @@ its checkpoint. The residuals do: the server never sees them, yet round R+1 send
 worker's ``--state-dir``, else ``SOCKET.state``, then ``partition-P``). Each round that rounds an update
 writes the new residual of its block as ``r{round}-b{block}.safetensors`` (fsync of the file, rename, fsync of
 the folder; an update rounded ahead of its message has its residual's bytes written and fsynced then, under a
-staged name, and its round does the rename); a full sync writes ``r{round}-reset``. The residuals *as of*
-round R are, per block, the newest file at or before R and after the newest reset at or before R: a node that
-already answered R+1 (or R+2) when the server died still resumes from R's. A few rounds back are kept, plus
-each block's newest older file: the folder holds at most ``blocks + KEEP_ROUNDS`` files.
+staged name, and its round does the rename; a staged file is gone by the store's next write); a full sync
+writes ``r{round}-reset``. The residuals *as of* round R are, per block, the newest file at or before R and
+after the newest reset at or before R: a node that already answered R+1 (or R+2) when the server died still
+resumes from R's. A few rounds back are kept, plus each block's newest older file: the folder holds at most
+``blocks + KEEP_ROUNDS`` files, besides those staged since its last write.
 
 ``PendingStore`` keeps a virtual node's pending update in the same folder between its rounds, in the
 simulation only: one Ray actor serves many virtual nodes, and an update held in memory for each of them
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import os
 import re
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -43,7 +45,7 @@ from ..wire import pack_pieces, round_and_pack, unpack
 
 KEEP_ROUNDS = 4  # a checkpoint is at most 2 rounds behind what a node answered: room to spare
 _FILE = re.compile(r"r(\d+)-(b(\d+)\.safetensors|reset)$")
-_STAGED = re.compile(r"\.r(\d+)-b\d+\.safetensors\.early\.tmp$")  # ``stage``'s, until committed or dropped
+_STAGED = re.compile(r"\.r\d+-b\d+\.safetensors\.[0-9a-f]+\.early\.tmp$")  # ``staged_name``'s
 
 
 @dataclass
@@ -87,25 +89,24 @@ class ResidualStore:
         self._write(_residual_name(server_round, block), residual)
         self._prune(server_round)
 
-    def stage(self, server_round: int, block: int, residual: Tensors) -> None:
-        """``save``'s write (the bytes, fsynced) under a name no reader takes, before the round is answered:
-        ``commit`` makes it the round's with a rename, ``discard`` drops it. A node whose update was rounded
-        ahead of its message writes its residual then, beside the upload, so that the reply waits for no write."""
-        make_dirs(self.dir, 0o700)
-        _write_durably(self._staged(server_round, block), residual)
+    def staged_name(self, server_round: int, block: int) -> Path:
+        """A fresh name for ``stage``, unique: two stagings never write one file."""
+        return self.dir / f".{_residual_name(server_round, block)}.{uuid.uuid4().hex}.early.tmp"
 
-    def commit(self, server_round: int, block: int) -> None:
-        """The staged residual becomes block ``block``'s after round ``server_round`` (``save``'s outcome)."""
-        os.replace(self._staged(server_round, block), self.dir / _residual_name(server_round, block))
+    def stage(self, path: Path, residual: Tensors) -> None:
+        """``save``'s write (the bytes, fsynced) at ``path`` (``staged_name``: a name no reader takes), before
+        the round is answered; ``commit`` makes it the round's with a rename. A node whose update was rounded
+        ahead of its message writes its residual then, beside the upload, so that its reply waits for no
+        block-sized write. One never committed is removed by the store's next write (``_prune``)."""
+        make_dirs(self.dir, 0o700)
+        _write_durably(path, residual)
+
+    def commit(self, path: Path, server_round: int, block: int) -> None:
+        """The residual staged at ``path`` becomes block ``block``'s after round ``server_round`` (``save``'s
+        outcome)."""
+        os.replace(path, self.dir / _residual_name(server_round, block))
         fsync_path(self.dir)
         self._prune(server_round)
-
-    def discard(self, server_round: int, block: int) -> None:
-        """A staged residual the round did not take (its update was rounded again): removed."""
-        self._staged(server_round, block).unlink(missing_ok=True)
-
-    def _staged(self, server_round: int, block: int) -> Path:
-        return self.dir / f".{_residual_name(server_round, block)}.early.tmp"
 
     def reset(self, server_round: int) -> None:
         """A full sync in round ``server_round`` dropped every residual."""
@@ -138,8 +139,8 @@ class ResidualStore:
         if not self.dir.is_dir():
             return
         for path in self.dir.iterdir():
-            name = path.name.removeprefix(".").removesuffix(".tmp").removesuffix(".early")
-            if _FILE.match(name) and path.is_file() and not path.is_symlink():
+            name = path.name.removeprefix(".").removesuffix(".tmp")
+            if (_FILE.match(name) or _STAGED.match(path.name)) and path.is_file() and not path.is_symlink():
                 path.unlink()
         fsync_path(self.dir)
 
@@ -156,7 +157,9 @@ class ResidualStore:
         return (self.dir / f"run-{run_id}").is_file()
 
     def _prune(self, newest_round: int) -> None:
-        """Drop what no ``as_of(R)`` for ``R >= newest_round - KEEP_ROUNDS`` reads."""
+        """Drop what no ``as_of(R)`` for ``R >= newest_round - KEEP_ROUNDS`` reads, and every staged residual
+        left (its round took another, or failed): the store writes one round at a time, and a staging starts
+        only after the round before it was answered, so none of them is still to be committed."""
         horizon = newest_round - KEEP_ROUNDS
         old = [e for e in self._entries() if e[0] <= horizon]
         keep: dict[int | None, Path] = {}
@@ -168,8 +171,8 @@ class ResidualStore:
         for _, _, path in old:
             if path not in keep.values():
                 path.unlink(missing_ok=True)
-        for path in self.dir.iterdir():  # staged residuals never committed nor dropped (a round that failed)
-            if (m := _STAGED.match(path.name)) and int(m[1]) <= horizon:
+        for path in self.dir.iterdir():
+            if _STAGED.match(path.name):
                 path.unlink(missing_ok=True)
 
 

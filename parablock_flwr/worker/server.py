@@ -263,15 +263,16 @@ class NodeWorker:
         # The residual's durable write (a block in fp32, at the disk's pace) runs on while the update uploads;
         # the reply leaves only once it is done (``wait_for_write`` below), as the node runtime requires.
         done = self.node.train(res, cfg, req, fetch_step, store, store, rounded, defer_write=True)
-        metrics = dataclasses.replace(done.metrics, request_received=received, prev_reply_sent=self.last_reply_sent,
-                                      direct_step_prefetched=1 if prefetched is not None else None,
-                                      direct_content_fetched=1 if content_fetched else None)  # fmt: skip
-        early = ahead.early_upload() if ahead is not None else None  # an upload still in flight is waited for
-        early = early if done.used_early else None  # the update is the one moved ahead, bit for bit
-        # Each array as its pieces (one per tensor), written to the socket in turn: no joined copy of the block.
-        pieces = early.pieces if early is not None else pack_pieces(done.update, cfg.transfer_dtype, done.encoded)
-        bytes_out = sum(p.nbytes for parts in pieces.values() for p in parts)
-        try:
+        try:  # from here on, every way out waits for the residual's write (and its rename) first
+            metrics = dataclasses.replace(done.metrics, request_received=received,
+                                          prev_reply_sent=self.last_reply_sent,
+                                          direct_step_prefetched=1 if prefetched is not None else None,
+                                          direct_content_fetched=1 if content_fetched else None)  # fmt: skip
+            early = ahead.early_upload() if ahead is not None else None  # an upload still in flight is waited for
+            early = early if done.used_early else None  # the update is the one moved ahead, bit for bit
+            # Each array as its pieces (one per tensor), written to the socket in turn: no joined copy of the block.
+            pieces = early.pieces if early is not None else pack_pieces(done.update, cfg.transfer_dtype, done.encoded)
+            bytes_out = sum(p.nbytes for parts in pieces.values() for p in parts)
             reply = self.train_reply(metrics, done.trace, pieces, offer, settings, cfg.round_timeout_s, early)
         except BaseException as err:
             node.wait_for_write(done.residual_written, err)

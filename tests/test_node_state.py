@@ -41,7 +41,8 @@ def test_the_store_keeps_a_bounded_number_of_files(tmp_path):
 def test_a_staged_residual_is_read_only_once_committed_and_none_outlives_the_stores_next_write(tmp_path):
     """A residual written ahead (``stage``, under a fresh name each time) is invisible to a resume until
     ``commit`` renames it into its round; one never committed (its round took another, or failed) is gone by the
-    store's next write, and ``clear`` removes it too: over 100 rounds the folder stays bounded."""
+    store's next write once its own has ended, and ``clear`` removes it too: over 100 rounds the folder stays
+    bounded."""
     store = ResidualStore(tmp_path / "partition-0")
     store.save(1, 0, residual(1.0))
     first, second = store.staged_name(2, 0), store.staged_name(2, 0)

@@ -80,6 +80,8 @@ def add_scaled(into: torch.Tensor, update: Mapping[str, torch.Tensor], name: str
     for chunk in update.chunks(name):
         flat[at : at + chunk.numel()].add_(chunk.to(device=into.device, dtype=into.dtype), alpha=factor)
         at += chunk.numel()
+    if at != into.numel():
+        raise ValueError(f"{name}: the update's chunks hold {at:,} values, expected {into.numel():,}")
 
 
 def read_encoded(update: Mapping[str, torch.Tensor], name: str, like: torch.Tensor) -> bool:
@@ -127,6 +129,8 @@ def apply_step(params: Mapping[str, torch.Tensor], step: Mapping[str, torch.Tens
     """In place: ``x[b] += g`` (or ``y[b] += Δ``), the one float op every copy uses. A step that came as its
     encoding (``wire.Decoded``, ``EncodedTensors``) is read chunk by chunk into the sum (``add_scaled``), never
     decoded whole into fresh memory: a node's replica takes each round's step at about memory speed."""
+    for n in step:  # every shape checked before any tensor moves
+        read_encoded(step, n, params[n])
     for n in step:
         add_scaled(params[n], step, n)
 
@@ -138,9 +142,10 @@ def apply_step_keeping(params: Mapping[str, torch.Tensor], step: Mapping[str, to
     tensors, ``x^{r-1}[b]``, uncopied. The server keeps them for a full sync without a copy of the
     block between the last reply and the next message."""
     before: Tensors = {}
+    encoded = {n: read_encoded(step, n, params[n]) for n in step}  # every shape checked before any tensor moves
     for n in step:
         before[n] = params[n].detach()
-        if read_encoded(step, n, before[n]):
+        if encoded[n]:
             params[n].data = added(before[n], step.chunks(n))
         else:
             params[n].data = before[n] + step[n].to(device=before[n].device, dtype=before[n].dtype)

@@ -347,7 +347,7 @@ class Node:
             )
         if store is None:
             return None, used_early, encoded
-        if used_early and early.staged is not None:  # (one not taken is gone by the store's next write)
+        if used_early and early.staged is not None:  # (one not taken is gone by a later write of the store)
             return commit_staged(early.staged, store, req.server_round, req.block), used_early, encoded
         residual = {n: t.detach().cpu() for n, t in self.state.residuals[req.block].items()}
         return in_background(store.save, req.server_round, req.block, residual), used_early, encoded

@@ -10,11 +10,11 @@ its checkpoint. The residuals do: the server never sees them, yet round R+1 send
 worker's ``--state-dir``, else ``SOCKET.state``, then ``partition-P``). Each round that rounds an update
 writes the new residual of its block as ``r{round}-b{block}.safetensors`` (fsync of the file, rename, fsync of
 the folder; an update rounded ahead of its message has its residual's bytes written and fsynced then, under a
-staged name, and its round does the rename; a staged file is gone by the store's next write); a full sync
-writes ``r{round}-reset``. The residuals *as of* round R are, per block, the newest file at or before R and
-after the newest reset at or before R: a node that already answered R+1 (or R+2) when the server died still
-resumes from R's. A few rounds back are kept, plus each block's newest older file: the folder holds at most
-``blocks + KEEP_ROUNDS`` files, besides those staged since its last write.
+staged name, and its round does the rename; a staged file is gone by the first store write after its own
+ended); a full sync writes ``r{round}-reset``. The residuals *as of* round R are, per block, the newest file
+at or before R and after the newest reset at or before R: a node that already answered R+1 (or R+2) when the
+server died still resumes from R's. A few rounds back are kept, plus each block's newest older file: the
+folder holds at most ``blocks + KEEP_ROUNDS`` files, besides those staged since its last write.
 
 ``PendingStore`` keeps a virtual node's pending update in the same folder between its rounds, in the
 simulation only: one Ray actor serves many virtual nodes, and an update held in memory for each of them
@@ -97,7 +97,7 @@ class ResidualStore:
         """``save``'s write (the bytes, fsynced) at ``path`` (``staged_name``: a name no reader takes), before
         the round is answered; ``commit`` makes it the round's with a rename. A node whose update was rounded
         ahead of its message writes its residual then, beside the upload, so that its reply waits for no
-        block-sized write. One never committed is removed by the store's next write (``_prune``)."""
+        block-sized write. One never committed is removed by the first store write after it ended (``_prune``)."""
         make_dirs(self.dir, 0o700)
         _write_durably(path, residual)
 

@@ -315,7 +315,7 @@ def worker_terms(cfg: RunConfig, shape: ModelShape, block: int) -> dict[str, dic
         "pending_update": (sent if rounding and cfg.correction_mode != "none" else largest * 4) if ahead else 0,
         "update": largest * 4,  # Δ as the computation returns it, until it is rounded
         # SENDING, once the block has trained: the update rounded and its new residual, and the bytes of the update
-        # and of the step (kept as they came, each tensor decoded when applied: ``wire.Decoded``); a node running
+        # and of the step (kept as they came, read chunk by chunk when applied: ``wire.Decoded``); a node running
         # ahead moves the bytes while the next block trains.
         "update_rounded": largest * 4 * 2 * rounding,
         "bytes_on_the_wire": 2 * sent,

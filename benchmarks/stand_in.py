@@ -16,9 +16,10 @@ ideal max(C, T_BCD - C) / T_BCD: ParaBlock hides C, so at best a round costs wha
 Reading the page: the ideal counts all of BCD's time besides C as work ParaBlock cannot hide, so ParaBlock may
 come out below it, where it hides some of that work too. Where ParaBlock's server critical path is longer than
 BCD's, two suspects, of a 2-core machine as much as of the code: the worker's per-byte work for the next round
-(its update rounded and uploaded ahead) runs beside the server's aggregation, where BCD's worker is idle; and
-ParaBlock's aggregation stages each client's pending update for the checkpoint (a block in fp32, written on a
-thread beside it). Buffers mapped afresh each round cost the rounds too (docs/transport.md, "Pages faulted in
+(its update rounded and uploaded ahead, its residual written) runs beside the server's aggregation, where BCD's
+worker is idle; and ParaBlock's aggregation stages each client's pending update for the checkpoint (as it
+travelled, written on a thread beside it). With ``--verify-invariant`` the server also hashes each reply's block in
+fp32 before accepting it. Buffers mapped afresh each round cost the rounds too (docs/transport.md, "Pages faulted in
 each round"); a pool of block-sized buffers reused across rounds is the next step.
 """
 

@@ -1,27 +1,29 @@
-"""The per-byte work of a round outside the transport, leg by leg, in one process, for blocks of the sizes
-users train (Llama-3.2-1B's 4-layer block is 243 M parameters, 247 MB in int8): what a node does between
-its computation and its upload, and what the server does between the last reply and the next message,
-each in MB/s of the block's wire bytes, beside a bare TLS socket moving the same bytes with a SHA-256 at
-the receiver (``benchmarks.transport.socket_path``), in the same run.
+"""The per-byte work of a round outside the transport, leg by leg, in one process, for blocks of the sizes users train
+(Llama-3.2-1B's 4-layer block is 243 M parameters, 247 MB in int8): what a node does between its computation and its
+upload, and what the server does between the last reply and the next message, each in MB/s of the block's wire bytes,
+beside a bare TLS socket moving the same bytes with a SHA-256 at the receiver (``benchmarks.transport.socket_path``), in
+the same run.
 
 A node's legs: the round's step applied to its replica as it came (``core.apply_step``: read from its payload chunk by
 chunk), beside it decoded whole first (what it ran before); the update rounded with error feedback
 (``core.round_with_feedback_encoded``: what it sends is its encoding), its new residual written durably
 (``ResidualStore.save``: fp32, fsynced, under the system's temporary folder; the reply waits for it, the upload runs
 beside it), packed for the wire (``wire.pack_pieces`` from that encoding), its SHA-256, and with ``verify-invariant``
-its local model's digest, cached (what the node runs: ``ModelReplica.hashes``) beside the whole model hashed (what it
-ran before). The server's, for ``--nodes`` replies, as its critical path runs them: each reply's norm and finiteness
-read from its payload (``reply_checks.checked_norm``: int8's from its integers and scales), the aggregate of the
-updates as they came (``core.aggregate``: each read from its payload chunk by chunk into the sum), ``g`` rounded and
-packed (``wire.round_and_pack``, its values read back from the pieces), with differential privacy each reply clipped
-(``core.clip``) and the mean's noise drawn and added (``core.gaussian``, ``core.add_noise``), ``g`` applied to ``x``
-from its pieces chunk by chunk (``core.added``), and each reply's invariant digest, cached (the reply's block summed
-and hashed chunk by chunk from its payload, ``core.digests.summed_sha256``). The sum and the new ``x`` go into buffers
-made and touched before the leg, as the server makes them while the replies are outstanding (``RoundBuffers``). The
-model is ``--blocks`` blocks, so that the whole-model digest costs what it costs on a model of that many blocks. Best
-of ``--repeats``; torch's threads: ``--threads``. Each size runs in a process of its own that maps its large buffers
-on huge pages (``memory.map_large_buffers``, ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``), as ``tools.launch`` and the
-units start the worker and the ServerApp.
+its local model's digest (``core.model_digest``) as the node makes it: its replica's tensors from their cache
+(``ModelReplica.hashes``) but a block's, which the round's step moved, hashed again, and the update in its encoding;
+beside it the whole model hashed. The server's, for ``--nodes`` replies, as its critical path runs them: each reply's
+norm and finiteness read from its payload (``reply_checks.checked_norm``: int8's from its integers and scales), the
+aggregate of the updates as they came (``core.aggregate``: each read from its payload chunk by chunk into the sum),
+``g`` rounded and packed (``wire.round_and_pack``, its values read back from the pieces), with differential privacy each
+reply clipped (``core.clip``) and the mean's noise drawn and added (``core.gaussian``, ``core.add_noise``), ``g``
+applied to ``x`` from its pieces chunk by chunk (``core.added``), and each reply's invariant digest
+(``core.model_digest``: ``x``'s tensors from their cache, which the checkpoint's digest filled while the replies were
+outstanding, and the reply's update hashed as it came). The sum and the new ``x`` go into buffers made and touched
+before the leg, as the server makes them while the replies are outstanding (``RoundBuffers``). The model is ``--blocks``
+blocks, so that the whole-model digest costs what it costs on a model of that many blocks. Best of ``--repeats``;
+torch's threads: ``--threads``. Each size runs in a process of its own that maps its large buffers on huge pages
+(``memory.map_large_buffers``, ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``), as ``tools.launch`` and the units start the
+worker and the ServerApp.
 
     .venv/bin/python -m benchmarks.byte_legs --params-m 61.8 243 --repeats 5 --report
 """
@@ -99,9 +101,14 @@ def node_legs(update: core.Tensors, residual: core.Tensors, model: core.Tensors,
     legs["SHA-256 of the wire bytes"], _ = best(lambda: sha256_of(pieces), repeats)
     names = list(model)
     hashes = core.TensorHashes()
-    core.digest_after(model, names, hashes=hashes)  # the replica's cache, as the node holds it
-    legs["invariant digest, cached"], _ = best(lambda: core.digest_after(model, names, sent, hashes=hashes), repeats)
-    legs["invariant digest, whole model"], _ = best(lambda: core.digest_after(model, names, sent), repeats)
+    core.model_digest(model, names, hashes=hashes)  # the replica's cache, as the node holds it
+
+    def digest():  # the block the round's step moved (here: the update's, the same size) hashed again
+        hashes.changed(sent)
+        return core.model_digest(model, names, sent, hashes)
+
+    legs["invariant digest, cached"], _ = best(digest, repeats)
+    legs["invariant digest, whole model"], _ = best(lambda: core.model_digest(model, names, sent), repeats)
     # The round's first leg, before its computation: g (here the same bytes) applied to the replica as it came.
     arrays, replica = join_pieces(pieces), {n: model[n].clone() for n in update}
 
@@ -149,8 +156,8 @@ def server_legs(arrays: dict, sent: core.Tensors, model: core.Tensors, nodes: in
         lambda: {n: core.added(x[n], core.read_chunks(step, n), new_x[n]) for n in step}, repeats
     )
     names, hashes = list(model), core.TensorHashes()
-    core.digest_after(model, names, hashes=hashes)
-    one, _ = best(lambda: core.digest_after(model, names, sent, hashes=hashes), repeats)
+    core.model_digest(model, names, hashes=hashes)  # as the checkpoint's digest leaves it
+    one, _ = best(lambda: core.model_digest(model, names, lazy(), hashes), repeats)
     legs[f"{nodes} invariant digests, cached"] = nodes * one
     return legs
 

@@ -258,7 +258,7 @@ def replay_steps(
     """Rebuild ``x^R`` in place as ``x^0`` plus the logged steps of ``from_run_dir``, from its newest snapshot
     before R when the log is bounded, checked against the checkpoint's digest; each step (and the snapshot)
     also written to the step log ``copy_to``. Returns ``g^R``."""
-    from .core import ModelDigest, apply_step_keeping, digest
+    from .core import apply_step_keeping, digest, model_digest
     from .replica import StepLog
 
     old_log = StepLog(from_run_dir)
@@ -280,7 +280,8 @@ def replay_steps(
             after_each_step(before)
         if copy_to is not None:
             copy_to.write(version, block, step)
-    rebuilt = ModelDigest(names)(global_params) if ckpt.digest_format == DIGEST_FORMAT else digest(global_params, names)
+    rebuild = model_digest if ckpt.digest_format == DIGEST_FORMAT else digest
+    rebuilt = rebuild(global_params, names)
     if rebuilt != ckpt.global_sha256:
         raise ValueError(
             f"resume-from={str(from_run_dir)!r}: x^0 plus the logged steps does not give the "

@@ -7,11 +7,12 @@ import threading
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM, OPTConfig, OPTForCausalLM
 
-from parablock_flwr import core
+from parablock_flwr import core, wire
 from parablock_flwr.model import load_model
 from parablock_flwr.replica import ModelReplica
 from parablock_flwr.strategies import ParaBlockClient, UncorrectedClient, client_half
@@ -212,14 +213,12 @@ def test_an_encoding_is_read_chunk_by_chunk_with_the_bits_of_its_decoded_tensors
     """What reads a node's sent update or a reply's payload once, in order, reads it from its encoding chunk by
     chunk (``EncodedTensors.chunks``, ``sum_of_squares``), across chunk boundaries and a short last int8 block:
     the decoded tensors' bits, the float64 sum of their squares (int8's from its integers and scales, exact per
-    block), and the invariant digest of ``x`` plus it (``digest_after``), none decoded whole."""
+    block), none decoded whole."""
     monkeypatch.setattr(core.transfer_precision, "CHUNK_VALUES", 1024)  # several chunks per tensor
     torch.manual_seed(1)
     update = {"a": torch.randn(7, 1000) * 1e-3, "b": torch.randn(77) * 1e-3, "c": torch.zeros(300)}
-    x = {n: torch.randn_like(t) for n, t in update.items()} | {"other": torch.randn(10)}
     sent, _, _ = core.round_with_feedback_encoded(update, None, transfer_dtype)
     decoded = {n: sent[n].clone() for n in update}
-    expected_digest = core.digest_after(x, list(x), decoded)
     with monkeypatch.context() as whole:
         if isinstance(sent, core.EncodedTensors):
             whole.setattr(core.EncodedTensors, "__getitem__", lambda *_: pytest.fail("a tensor decoded whole"))
@@ -227,10 +226,39 @@ def test_an_encoding_is_read_chunk_by_chunk_with_the_bits_of_its_decoded_tensors
             assert torch.equal(torch.cat([c.clone() for c in core.read_chunks(sent, n)]), decoded[n].reshape(-1))
             squares = core.sum_of_squares(sent, n)
             assert squares == pytest.approx(float(decoded[n].double().square().sum()), rel=1e-12)
-        assert core.digest_after(x, list(x), sent) == expected_digest
     if transfer_dtype == "int8":  # a non-finite scale (never on the wire: refused there) is not hidden
         values, scales = sent.encoded["a"]
         assert not math.isfinite(core.encoded_sum_of_squares(values, torch.full_like(scales, math.inf)))
+
+
+@pytest.mark.parametrize("transfer_dtype", ["int8", "bf16", "fp16", "fp32"])
+def test_a_local_models_digest_is_the_same_from_the_nodes_update_and_from_the_reply_and_moves_with_any_bit(
+    transfer_dtype, monkeypatch
+):
+    """verify-invariant: the node hashes ``x^{r-1}`` and the update it kept (``EncodedTensors``, or fp32 as it is),
+    the server ``x^{r-1}`` and the reply's payload (``wire.Decoded``): the same digest, each update hashed in its
+    encoding, never decoded. One bit changed in the payload's values or in ``x`` changes it; a cached ``x`` gives
+    the uncached digest; an update holding a tensor the model lacks is refused."""
+    torch.manual_seed(2)
+    update = {"a": torch.randn(7, 1000) * 1e-3, "b": torch.randn(77) * 1e-3}
+    x = {n: torch.randn_like(t) for n, t in update.items()} | {"other": torch.randn(10)}
+    names = list(x)
+    sent, _, _ = core.round_with_feedback_encoded(update, None, transfer_dtype)
+    arrays = {k: np.concatenate(v) for k, v in wire.pack_pieces(sent, transfer_dtype).items()}
+    with monkeypatch.context() as whole:
+        for decoding in (core.EncodedTensors, wire.Decoded):
+            whole.setattr(decoding, "__getitem__", lambda *_: pytest.fail("a tensor decoded whole"))
+        node_side = core.model_digest(x, names, sent, core.TensorHashes())
+        assert core.model_digest(x, names, wire.unpack(arrays, lazy=True)) == node_side
+        flipped = dict(arrays, values=arrays["values"].copy())
+        flipped["values"].view(np.uint8)[0] ^= 1
+        assert core.model_digest(x, names, wire.unpack(flipped, lazy=True)) != node_side
+    other = dict(x, other=x["other"].clone())
+    other["other"].view(torch.int32)[3] ^= 1
+    assert core.model_digest(other, names, sent) != node_side
+    assert core.model_digest(x, names) != node_side  # the update counts
+    with pytest.raises(ValueError, match="'stray', not a tensor of the model"):
+        core.model_digest(x, names, {"stray": torch.zeros(1)})
 
 
 def test_a_rounds_buffers_are_made_ahead_and_the_aggregate_writes_into_them():
@@ -281,7 +309,7 @@ def threads_the_helpers_start() -> list[str]:
     torch.add(big["t0"], 1.0)  # this thread's team exists before counting
     buffers, before = RoundBuffers(), native_threads()
     for r in range(1, 4):
-        core.digest_after(big, list(big), step, hashes=core.TensorHashes())
+        core.model_digest(big, list(big), step, core.TensorHashes())
         buffers.prepare(r, big)
         assert all(torch.count_nonzero(t) == 0 for t in buffers.take(r)[0].values())
     return [Path(f"/proc/self/task/{tid}/comm").read_text().strip() for tid in native_threads() - before]

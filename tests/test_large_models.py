@@ -124,12 +124,12 @@ def test_bf16_weights_keep_every_copy_of_x_bit_identical_and_training_lowers_the
                       "run-dir": "unused"},
         }  # fmt: skip
         reply, update = worker.serve_request(header, arrays)
-        delta = unpack(join_pieces(update))
+        delta = unpack(join_pieces(update), lazy=True)  # as the server reads it
         if worker.node.ahead is not None:  # round r+1 runs ahead on the replica: let it finish before reading it
             worker.node.ahead.future.result()
         replica = node.resources(cfg, 21).replica
         assert replica.version == r - 1 and all(torch.equal(replica.params[n], x[n]) for n in names)
-        assert reply["trace"]["local-model-sha256"] == core.digest_after(x, names, delta)
+        assert reply["trace"]["local-model-sha256"] == core.model_digest(x, names, delta)
         losses.append(reply["metrics"]["train-loss"])
         step = core.global_step(core.aggregate([delta], [1.0]), cfg.server_lr)  # one client: g^r = Δ^r
         core.apply_step(x, step)

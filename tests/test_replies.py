@@ -17,7 +17,7 @@ from parablock_flwr.model import load_model
 from parablock_flwr.records import to_record, to_tensors
 from parablock_flwr.server_apps.run import Run, TooFewReplies
 from parablock_flwr.strategies import ParaBlock
-from parablock_flwr.strategies.reply_checks import honest_update_bound
+from parablock_flwr.strategies.reply_checks import honest_update_bound, read_update
 from parablock_flwr.strategies.round_stats import RoundStats
 
 BLOCK = 1
@@ -182,30 +182,34 @@ def test_too_few_valid_replies_stop_the_run_with_one_line(setup):
         assert torch.equal(t.detach(), before[n]), n
 
 
-def test_the_invariant_check_hashes_each_replys_block_and_the_rest_of_x_once(setup, monkeypatch):
-    """verify-invariant on the server: each reply's check sums and hashes the reply's block only; the rest of
-    ``x`` is hashed once, kept (``FedBCD.x_hashes``) until a step moves it. A node's replica does the same
-    (``ModelReplica.hashes``), so neither side's check grows with the model's size."""
+def test_the_invariant_check_hashes_each_replys_update_and_x_only_where_the_checkpoint_did_not(setup, monkeypatch):
+    """verify-invariant on the server: each reply's check hashes the reply's update as it came; ``x``'s tensors
+    are hashed once and kept (``FedBCD.x_hashes``) until a step moves them, and the checkpoint's digest of
+    ``x^r``, made while round r+1 is out, leaves round r+1's checks nothing of ``x`` to hash. A node's replica
+    keeps its hashes too (``ModelReplica.hashes``): neither side's check grows with the model's size."""
     run, update, before = setup
     strategy = run.algorithm
     strategy.config = RunConfig(verify_invariant=True, min_accepted_replies=0, num_server_rounds=2)
     names = strategy.partition.all_names()
-    uncached = core.digest_after(before, names, update)
     replies = [reply(node, update) for node in (10, 11, 12)]
     for r in replies:
-        r.content["trace"] = ConfigRecord({"local-model-sha256": uncached})
-    hashed, hash_tensor, summed_sha256 = [], core.tensor_sha256, core.digests.summed_sha256
-
-    def summed(tensor, name, steps):
-        hashed.append(tensor.numel())
-        return summed_sha256(tensor, name, steps)
-
-    monkeypatch.setattr(core.digests, "tensor_sha256", lambda t: hashed.append(t.numel()) or hash_tensor(t))
-    monkeypatch.setattr(core.digests, "summed_sha256", summed)
+        r.content["trace"] = ConfigRecord({"local-model-sha256": core.model_digest(before, names, update)})
+    hashed, hash_tensor, hash_update = [], core.tensor_sha256, core.update_sha256
+    monkeypatch.setattr(core.digests, "tensor_sha256", lambda t: hashed.append(("x", t.numel())) or hash_tensor(t))
+    monkeypatch.setattr(core.digests, "update_sha256", lambda u, n: hashed.append(("update", n)) or hash_update(u, n))
     rec = aggregate(run, replies)
     assert (rec["num_accepted"], rec["invariant_checked"], rec["invariant_failed"]) == (3, 3, 0)
-    model, block = sum(before[n].numel() for n in names), sum(t.numel() for t in update.values())
-    assert sum(hashed) == (model - block) + 3 * block  # x's other tensors once, then each reply's block
+    model = sum(before[n].numel() for n in names)
+    assert sum(n for kind, n in hashed if kind == "x") == model  # once, for the three replies
+    assert sorted(n for kind, n in hashed if kind == "update") == sorted(3 * list(update))
+
+    hashed.clear()
+    run.save_checkpoint(1)  # x^1: the block round 1 moved is hashed again, here
+    assert sum(n for kind, n in hashed if kind == "x") == sum(t.numel() for t in update.values())
+    hashed.clear()
+    as_read = read_update(to_record(update), {n: tuple(t.shape) for n, t in update.items()})  # as a reply's
+    core.model_digest(strategy.global_params, names, as_read, strategy.x_hashes)  # round 2's check, as ParaBlock's
+    assert [kind for kind, _ in hashed] == ["update"] * len(update)  # nothing of x^1 left to hash
 
 
 def test_a_failed_invariant_check_rejects_the_update_and_resynchronises_the_node(setup):
@@ -216,7 +220,7 @@ def test_a_failed_invariant_check_rejects_the_update_and_resynchronises_the_node
     strategy.config = RunConfig(verify_invariant=True, min_accepted_replies=0, num_server_rounds=2)
     good, bad = reply(10, update), reply(11, update)
     names = strategy.partition.all_names()
-    good.content["trace"] = ConfigRecord({"local-model-sha256": core.digest_after(before, names, update)})
+    good.content["trace"] = ConfigRecord({"local-model-sha256": core.model_digest(before, names, update)})
     bad.content["trace"] = ConfigRecord({"local-model-sha256": core.digest(before, names)})  # its update is missing
     rec = aggregate(run, [good, bad])
     assert (rec["num_accepted"], rec["invariant_checked"], rec["invariant_failed"]) == (1, 2, 1)
@@ -321,7 +325,6 @@ def test_a_replys_update_is_checked_where_it_arrived_and_copied_once_when_it_is_
     """The server's checks read an fp32 update in the reply's own payload (no copy on the critical path:
     1 GB of fp32 cost a clone there); what it combines is decoded from the record into memory of its own."""
     from parablock_flwr.records import record_arrays
-    from parablock_flwr.strategies.reply_checks import read_update
 
     update = {"a": torch.randn(64, 32), "b": torch.randn(1000)}
     shapes = {n: tuple(t.shape) for n, t in update.items()}

@@ -18,8 +18,8 @@ module                     holds
 ``algorithm``              ``Tensors``, ``snapshot``, ``delta``, ``aggregate``, ``global_step``,
                            ``apply_step(_keeping)``, ``PendingUpdate``, ``parablock_base``,
                            ``correct_in_place``, ``uncorrected_offset``: the spec's arithmetic
-``digests``                ``digest``, ``tensor_sha256``, ``TensorHashes``, ``ModelDigest``, ``digest_after``:
-                           proof that two copies of ``x`` hold the same bits
+``digests``                ``digest``, ``tensor_sha256``, ``TensorHashes``, ``model_digest``, ``update_sha256``:
+                           proof that two copies of ``x`` (or of a local model) hold the same bits
 ``transfer_precision``     ``TRANSFER_DTYPES``, ``INT8_BLOCK``, ``int8_blocks``, ``quantize_int8``,
                            ``dequantize_int8``, ``encode``, ``round_for_transfer``, ``round_with_feedback(_encoded)``,
                            ``EncodedTensors``, ``kept_encoded``
@@ -49,7 +49,7 @@ from .algorithm import (
     uncorrected_offset,
 )
 from .blocks import BlockPartition, block_schedule, find_decoder_layers, one_block, partition_blocks
-from .digests import ModelDigest, TensorHashes, digest, digest_after, tensor_sha256
+from .digests import TensorHashes, digest, model_digest, tensor_sha256, update_sha256
 from .privacy import add_noise, clip, gaussian, l2_norm, noise_seed
 from .time_model import LinkModel, modeled_round_seconds
 from .transfer_precision import (
@@ -74,7 +74,6 @@ __all__ = [
     "TRANSFER_DTYPES",
     "BlockPartition",
     "LinkModel",
-    "ModelDigest",
     "TensorHashes",
     "PendingUpdate",
     "Tensors",
@@ -91,12 +90,12 @@ __all__ = [
     "delta",
     "dequantize_int8",
     "digest",
-    "digest_after",
     "find_decoder_layers",
     "gaussian",
     "global_step",
     "int8_blocks",
     "l2_norm",
+    "model_digest",
     "modeled_round_seconds",
     "noise_seed",
     "one_block",
@@ -115,5 +114,6 @@ __all__ = [
     "snapshot",
     "sum_of_squares",
     "tensor_sha256",
+    "update_sha256",
     "uncorrected_offset",
 ]

@@ -14,8 +14,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .algorithm import Tensors, read_chunks
-
 
 def digest(params: Mapping[str, torch.Tensor], names: Iterable[str]) -> str:
     """SHA-256 over the named tensors' bytes, in the given order (read in place: ``tobytes()`` would copy
@@ -56,71 +54,49 @@ class TensorHashes:
         return self._hashes[name]
 
 
-class ModelDigest:
-    """The digest of ``x`` each checkpoint stores: ``digest_after`` with no step, each tensor hashed
-    again only after a step changed it (``changed``)."""
-
-    def __init__(self, names: Iterable[str]):
-        self.names = tuple(names)
-        self._hashes = TensorHashes()
-
-    def changed(self, names: Iterable[str]) -> None:
-        self._hashes.changed(names)
-
-    def __call__(self, params: Mapping[str, torch.Tensor]) -> str:
-        return digest_after(params, self.names, hashes=self._hashes)
-
-
-def digest_after(
-    params: Mapping[str, torch.Tensor], names: Iterable[str], *steps: Tensors, hashes: TensorHashes | None = None
+def model_digest(
+    params: Mapping[str, torch.Tensor],
+    names: Iterable[str],
+    pending: Mapping[str, torch.Tensor] | None = None,
+    hashes: TensorHashes | None = None,
 ) -> str:
-    """Digest of ``params`` with ``steps`` added in order, ``params`` left unchanged: SHA-256 over every
-    named tensor's name and its own SHA-256, in order.
+    """Digest of a model kept as ``params`` plus a pending update (ParaBlock's local model ``x^{r-1} + Δ_i^r``):
+    SHA-256 over every named tensor's name, its own SHA-256 and, for a tensor the update holds, the update's
+    (``update_sha256``, the tensor as it travelled). With no update it is the digest a checkpoint stores.
 
-    Both sides of the invariant check use it: the server on ``x^{r-1} + Δ_i^r``, the client on its local
-    model, so both perform the same float additions. Only the tensors a step touches are summed and
-    hashed; the others' hashes come from ``hashes`` (the owner's cache of ``params``) when given, so a
-    round's check costs a block's bytes, not the model's.
+    Both sides of the invariant check use it: the node on its replica and its own update, the server on
+    ``x^{r-1}`` and the reply's update. Equal digests mean equal parts, hence equal local models: both sides add
+    them with the one float op (``apply_step``). So neither sums a block nor hashes it in fp32: the update is
+    hashed in its encoding (int8: a quarter of its fp32 bytes), and ``x``'s tensors come from ``hashes`` (the
+    owner's cache) when given, hashed again only after a step moved them. A round's check costs the reply's bytes
+    on the server, not the model's or a block's fp32.
     """
-    names, pool = tuple(names), _hashing_pool()
-    touched = {n: [step for step in steps if n in step] for n in names}
+    names, pending, pool = tuple(names), pending if pending is not None else {}, _hashing_pool()
+    if stray := [n for n in pending if n not in set(names)]:
+        raise ValueError(f"model_digest: the update holds {stray[0]!r}, not a tensor of the model")
     hash_of = hashes.of if hashes is not None else _sha256_of
-    hashed = {n: pool.submit(summed_sha256, params[n], n, touched[n]) if touched[n] else pool.submit(hash_of, params, n)
-              for n in names}  # fmt: skip
+    own = {n: pool.submit(hash_of, params, n) for n in names}
+    moved = {n: pool.submit(update_sha256, pending, n) for n in names if n in pending}
     h = hashlib.sha256()
     for n in names:
         h.update(n.encode())
-        h.update(hashed[n].result().encode())
+        h.update(own[n].result().encode())
+        if n in moved:
+            h.update(b"+" + moved[n].result().encode())
     return h.hexdigest()
 
 
-# Values a digest's thread sums and hashes at a time on the host: not above torch's grain (``at::internal::GRAIN_SIZE``,
-# 32768), so that each of its kernels runs on the calling thread alone and no OpenMP team is started (see
-# ``_hashing_pool``); 128 KiB of fp32, in cache.
-SUMMED_CHUNK_VALUES = 32 * 1024
-
-
-def summed_sha256(tensor: torch.Tensor, name: str, steps: list[Tensors]) -> str:
-    """``tensor_sha256(tensor + steps[0][name] + ...)``, chunk by chunk: each chunk of the sum is made (the very
-    float additions of the whole tensor's, in order) and hashed while in cache. No block-sized tensor is written,
-    and a step that reads from its encoding (a reply's payload, a node's sent update: ``read_chunks``) is never
-    decoded whole. On a GPU each step is added whole, on the device, and the sum copied to the host once."""
-    flat = tensor.detach().reshape(-1)
-    on_host = flat.device.type == "cpu"
-    chunk_buffer = torch.empty(SUMMED_CHUNK_VALUES) if on_host else None
-    others = [step[name].reshape(-1) for step in steps[1:]]
-    h, buffer, at = hashlib.sha256(), None, 0
-    for chunk in read_chunks(steps[0], name, chunk_buffer):
-        stop = at + chunk.numel()
-        if buffer is None or buffer.numel() < chunk.numel():  # made once, its pages faulted once
-            buffer = torch.empty(chunk.numel(), dtype=flat.dtype, device=flat.device)
-        value = torch.add(flat[at:stop], chunk.to(device=flat.device, dtype=flat.dtype), out=buffer[: stop - at])
-        for other in others:
-            value += other[at:stop].to(device=flat.device, dtype=flat.dtype)
-        h.update(_c_order_buffer(value))
-        at = stop
-    if at != flat.numel():
-        raise ValueError(f"digest_after: {name}'s step holds {at:,} values, expected {flat.numel():,}")
+def update_sha256(update: Mapping[str, torch.Tensor], name: str) -> str:
+    """SHA-256 of one tensor of an update as it travels: its encoding's bytes (the values in the transfer dtype,
+    then int8's scales) where the mapping keeps one (``EncodedTensors``, ``wire.Decoded``), else its fp32 values'
+    (an update in fp32 travels as it is). Read in place, never decoded."""
+    encoded = getattr(update, "encoded", None)
+    if encoded is None:
+        return tensor_sha256(update[name].detach().to(torch.float32))
+    h = hashlib.sha256()
+    for part in encoded[name]:
+        if part is not None:
+            h.update(_c_order_buffer(part.reshape(-1).view(torch.uint8)))
     return h.hexdigest()
 
 
@@ -130,8 +106,8 @@ def _sha256_of(params: Mapping[str, torch.Tensor], name: str) -> str:
 
 @functools.cache
 def _hashing_pool() -> ThreadPoolExecutor:
-    """Threads that hash a model's tensors side by side (hashlib releases the GIL, and so do torch's kernels). They
-    run no parallel torch kernel (``SUMMED_CHUNK_VALUES``): a thread that runs one starts an OpenMP team of its own,
-    and once the process's OpenMP threads outnumber its cores every parallel kernel after it waits on its team
-    asleep instead of spinning (the server's aggregation among them, for the rest of the process)."""
+    """Threads that hash a model's tensors side by side (hashlib releases the GIL). They read tensors in place and
+    run no torch kernel: a thread that runs a parallel one starts an OpenMP team of its own, and once the process's
+    OpenMP threads outnumber its cores every parallel kernel after it waits on its team asleep instead of spinning
+    (the server's aggregation among them, for the rest of the process)."""
     return ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="tensor-sha256")

@@ -410,12 +410,14 @@ class Node:
 
     @staticmethod
     def trace(res: NodeResources, cfg: RunConfig, kept: core.PendingUpdate | None) -> dict[str, str]:
-        """``verify-invariant``: the digest of the node's model after the correction, ``x^{r-1} + Δ_i^r``."""
+        """``verify-invariant``: the digest of the node's model after the correction, ``x^{r-1} + Δ_i^r``, from its
+        parts (``core.model_digest``): the replica's tensors, from their cache but the block the step moved, and
+        its own update as it travelled."""
         if not cfg.verify_invariant or kept is None:
             return {}
-        replica = res.replica  # its cache: only the blocks a step or this update moved are hashed
+        replica = res.replica
         names = res.partition.all_names()
-        return {LOCAL_MODEL_DIGEST: core.digest_after(replica.params, names, kept.delta, hashes=replica.hashes)}
+        return {LOCAL_MODEL_DIGEST: core.model_digest(replica.params, names, kept.delta, replica.hashes)}
 
     def start_ahead(self, res: NodeResources, cfg: RunConfig, req: Request, client, fetch_step: FetchStep) -> None:
         """Step 8: round r+1 starts now, from the client half's start point, while round r's reply travels."""

@@ -60,7 +60,6 @@ class Run:
         self.run_dir = run_dir = algorithm.run_dir
         self.history = StepHistory(run_dir, self.config.snapshot_every)  # x's steps, durably, beside the loop
         self.staging = PendingStaging(run_dir)  # ParaBlock's pending updates, on a writer thread
-        self._model_digest = core.ModelDigest(algorithm.partition.all_names())  # rehashes what steps change
         self.ledger = RoundLedger(run_dir, self.config.metrics_sink, algorithm.algorithm)  # records and clocks
         self.evaluator = evaluator
         self.num_rounds = self.config.num_server_rounds  # lowered by a documented stop (``stop_early``)
@@ -173,7 +172,6 @@ class Run:
                 sent = self.retry(grid, outcome, message)
                 replies = self.driver.replies(grid, sent, server_round)
         self.history.add(server_round, outcome.block, outcome.step)
-        self._model_digest.changed(outcome.step)
         outcome.record.update(self.driver.channel.end_round(server_round))  # e.g. the stream's fallbacks and refusals
         reasons = {r.node: r.reason for r in outcome.rejected}
         self.participation.note_round(self.algorithm.round_nodes, {r.node for r in outcome.accepted}, reasons)
@@ -262,10 +260,13 @@ class Run:
 
     # ------------------------------------------------------------ checkpoint and resume
     def save_checkpoint(self, server_round: int) -> None:
-        """After round r is recorded: what a restarted server needs (``checkpoint.py``)."""
-        ledger, params = self.ledger, self.algorithm.global_params
+        """After round r is recorded: what a restarted server needs (``checkpoint.py``). ``x``'s digest comes from
+        the algorithm's cache of its tensors' hashes (``x_hashes``): the block round r moved is hashed here, while
+        round r+1 is out, and round r+1's invariant checks find it hashed."""
+        ledger, algorithm = self.ledger, self.algorithm
+        digest = core.model_digest(algorithm.global_params, algorithm.partition.all_names(), hashes=algorithm.x_hashes)
         save_checkpoint(self.run_dir, Checkpoint(
-            round=server_round, global_sha256=self._model_digest(params), elapsed_s=ledger.elapsed_s(),
+            round=server_round, global_sha256=digest, elapsed_s=ledger.elapsed_s(),
             modeled_wall_s=ledger.modeled_wall_s, participation=self.participation.state(),
             **self.algorithm.checkpoint_state()))  # fmt: skip
 
@@ -279,7 +280,6 @@ class Run:
         replayed = replay_checkpoint(from_run_dir, ckpt, algorithm.global_params, names, self.history,
                                      self.ledger.recorder, algorithm.step_applied,
                                      self.config.eval_every if server_eval else None)  # fmt: skip
-        self._model_digest = core.ModelDigest(names)  # x is x^R now: hash it anew
         self.first_round, self.rounds_completed = ckpt.round + 1, ckpt.round
         self.resumed_from = Path(from_run_dir).expanduser().resolve()
         if replayed.unevaluated is not None:

@@ -29,14 +29,16 @@ class ParaBlock(FedBCD):
     def check_reply(self, server_round: int, block: int, reply: Reply) -> str | None:
         """With ``verify-invariant``: the client's local model after the correction must be
         exactly ``x^{r-1} + Δ_i^r`` (checked before ``g^r`` is applied: ``x`` is ``x^{r-1}``).
-        A failed check rejects the update; the node is then resynchronised."""
+        A failed check rejects the update; the node is then resynchronised. It hashes the reply's update as it came
+        (``core.model_digest``); ``x^{r-1}``'s tensors come from ``x_hashes``, which the checkpoint of round r-1
+        filled while this round was out."""
         if not self.config.verify_invariant:
             return None
         reported = reply.trace.get(LOCAL_MODEL_DIGEST)
         if reported is None:
             return "verify-invariant is on and the reply carries no local-model digest"
         self.stats.invariant_checked += 1
-        expected = core.digest_after(self.global_params, self.partition.all_names(), reply.update, hashes=self.x_hashes)
+        expected = core.model_digest(self.global_params, self.partition.all_names(), reply.update, self.x_hashes)
         if reported != expected:
             self.stats.invariant_failed += 1
             return "invariant broken: the local model is not x^{r-1} + its own update"

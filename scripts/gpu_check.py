@@ -13,13 +13,19 @@ Steps, each run only where `parablock-flwr plan` says it fits, else skipped with
 5. at the sizes this project is for (on a GPU only, not in the dry run): one node worker of a 1B and
    of an 8B Llama (random bf16 weights built on the GPU from docs/model-configs: a GPU machine has
    no hub), two rounds with docs/deploy-8b.md's settings (``AT_SIZE_CASES``) on rows that fill
-   ``max-seq-len``, its peak device memory and host RSS against the plan.
+   ``max-seq-len``, its peak device memory and host RSS against the plan;
+6. ParaBlock against BCD at 1B (on a GPU only): ``benchmarks.round_compare`` deploys Llama-3.2-1B's random
+   weights (4-layer blocks, 247 MB in int8; 24 local steps of 8 rows of 512 tokens, bf16), TLS and node
+   authentication, ``transport = "direct"``, with 1 SuperNode and with 2 where two fit (``--compare-nodes``),
+   in each of ``--compare-dtypes`` (default int8), ParaBlock with ``verify-invariant`` off and on; it prints
+   each run's round wall, C, W, every leg of the critical path, ParaBlock/BCD beside the ideal, the held-out
+   losses side by side and each target of issue 45 met or not, and writes ``compare.md`` under OUT.
 
 It ends with one line, ``gpu-check: PASS (...)`` or ``gpu-check: FAIL (...)``, and writes
 ``summary.json`` and each step's output under OUT. ``--cpu`` runs the same steps on the CPU with
 the tests' tiny Llama and a pretend GPU size (``--gpu-memory-gb``): the dry run the tests make.
 ``--sizing-only`` prints the decisions for a model and ``--gpus N --gpu-memory-gb G`` without
-running anything.
+running anything; ``--at-size-only`` and ``--compare-only`` run step 5 or step 6 alone.
 """
 
 from __future__ import annotations
@@ -163,23 +169,60 @@ def at_size_steps(args, devices: list[tuple[str, int]], tokenizer_from: str, res
     device, memory = devices[0]
     data = long_rows_data(work)
     for name, settings in AT_SIZE_CASES:
-        config_dir = ROOT / "docs" / "model-configs" / name
         step = f"worker-{name}-lpb{settings['layers-per-block']}-mb{settings['micro-batch-size']}"
-        need = plan_of(str(config_dir), settings).device_total
+        need = plan_of(str(ROOT / "docs" / "model-configs" / name), settings).device_total
         if need > memory:
             skip(results, step, f"needs {gib(need)}, {device} has {gib(memory)}")
             continue
-        folder = work / f"random-{name}"  # not under OUT: 16 GB for the 8B model
-        build = (
-            "import sys; from pathlib import Path; from benchmarks.memory_check import random_model; "
-            "random_model(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4])"
-        )
-        built = (folder / "config.json").exists() or run_step(
-            f"build-{name}", [sys.executable, "-c", build, str(config_dir), str(folder), tokenizer_from, device],
-            args.out, args.step_timeout_s, f"random bf16 weights of {name} on {device} -> {folder}",
-        )  # fmt: skip
-        ok = built and memory_step(step, str(folder), device, "bf16", args, args.out, data, settings)
+        folder = random_weights(name, device, tokenizer_from, args, work)
+        ok = folder is not None and memory_step(step, str(folder), device, "bf16", args, args.out, data, settings)
         results[step] = "ok" if ok else "FAIL"
+
+
+def random_weights(name: str, device: str, tokenizer_from: str, args, work: Path) -> Path | None:
+    """docs/model-configs/``name`` with random bf16 weights, built on ``device`` once (None: the build failed)."""
+    folder = work / f"random-{name}"  # not under OUT: 16 GB for the 8B model
+    build = (
+        "import sys; from pathlib import Path; from benchmarks.memory_check import random_model; "
+        "random_model(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4])"
+    )
+    config_dir = ROOT / "docs" / "model-configs" / name
+    built = (folder / "config.json").exists() or run_step(
+        f"build-{name}", [sys.executable, "-c", build, str(config_dir), str(folder), tokenizer_from, device],
+        args.out, args.step_timeout_s, f"random bf16 weights of {name} on {device} -> {folder}",
+    )  # fmt: skip
+    return folder if built else None
+
+
+# Step 6: issue 45's comparison, at the size its targets name (Llama-3.2-1B, 4-layer blocks).
+COMPARE_MODEL, COMPARE_SETTINGS = "llama-3.2-1b", {"layers-per-block": 4, "max-seq-len": 512, "batch-size": 8}
+
+
+def compare_step(args, devices: list[tuple[str, int]], tokenizer_from: str, results: dict, work: Path) -> None:
+    """Step 6: ParaBlock against BCD at 1B (``benchmarks.round_compare``), with the SuperNodes the GPUs hold."""
+    device, memory = devices[0]
+    settings = {**COMPARE_SETTINGS, "weights": "bf16", "precision": "bf16", "gradient-checkpointing": True}
+    need = plan_of(str(ROOT / "docs" / "model-configs" / COMPARE_MODEL), settings).device_total
+    if need > memory:
+        skip(results, "compare", f"one worker of {COMPARE_MODEL} needs {gib(need)}, {device} has {gib(memory)}")
+        return
+    two = [devices[0][0], devices[1][0]] if len(devices) > 1 else [device, device] if 2 * need <= memory else []
+    nodes = [n for n in args.compare_nodes if n == 1 or (n == 2 and two)]
+    for n in set(args.compare_nodes) - set(nodes):
+        say(f"compare: no run with {n} SuperNodes (two workers need {gib(2 * need)} on one GPU, {gib(memory)} here)")
+    folder = random_weights(COMPARE_MODEL, device, tokenizer_from, args, work)
+    if folder is None or not nodes:
+        results["compare"] = "FAIL" if folder is None else "skipped: no setting fits"
+        return
+    cmd = [sys.executable, "-m", "benchmarks.round_compare", "--model", str(folder), "--dataset", long_rows_data(work),
+           "--devices", *(two or [device]), "--nodes", *map(str, nodes), "--transfer-dtype", *args.compare_dtypes,
+           "--verify-invariant", "--rounds", str(args.compare_rounds), "--out", str(args.out / "compare.md"),
+           "--settings", json.dumps({**settings, "num-examples": 48, "heldout-examples": 8})]  # fmt: skip
+    shown = f"ParaBlock against BCD, {COMPARE_MODEL}, {nodes} SuperNode(s), {' and '.join(args.compare_dtypes)}"
+    ok = run_step("compare", cmd, args.out, args.compare_timeout_s, shown)
+    if ok:
+        print((args.out / "compare.md").read_text(), flush=True)
+    results["compare"] = "ok" if ok else "FAIL"
 
 
 def long_rows_data(folder: Path) -> str:
@@ -258,6 +301,11 @@ def main() -> int:
     parser.add_argument("--max-seq-len", type=int, default=128)
     parser.add_argument("--step-timeout-s", type=float, default=240)
     parser.add_argument("--at-size-only", action="store_true", help="step 5 alone (the 1B and 8B workers)")
+    parser.add_argument("--compare-only", action="store_true", help="step 6 alone (ParaBlock against BCD at 1B)")
+    parser.add_argument("--compare-nodes", type=int, nargs="+", default=[1, 2], choices=[1, 2])
+    parser.add_argument("--compare-dtypes", nargs="+", default=["int8"], choices=["int8", "bf16", "fp16"])
+    parser.add_argument("--compare-rounds", type=int, default=5)
+    parser.add_argument("--compare-timeout-s", type=float, default=3600)
     args = parser.parse_args()
     args.rounds = 2 if args.cpu else 3  # the dry run: as short as shows every step
     args.out.mkdir(parents=True, exist_ok=True)
@@ -290,14 +338,18 @@ def main() -> int:
             skip(results, "second-supernode", f"two workers need {gib(2 * size['bf16'].device_total)} on one GPU")
         say(f"deployment: {len(size['nodes'])} SuperNode(s) on {', '.join(size['nodes']) or 'nothing'}")
         return 0
-    if args.at_size_only:
-        say("steps 2-4 (the tiny worker and the deployment): not run (--at-size-only)")
+    alone = args.at_size_only or args.compare_only
+    if alone:
+        say("steps 2-4 (the tiny worker and the deployment): not run (--at-size-only, --compare-only)")
     else:
         tiny_steps(args, size, devices, model, data, results)
     if args.cpu:
-        say("step 5 (1B and 8B workers): not in the dry run")
+        say("steps 5 and 6 (the 1B and 8B workers, ParaBlock against BCD at 1B): not in the dry run")
     else:
-        at_size_steps(args, devices, model, results, work)
+        if not args.compare_only:
+            at_size_steps(args, devices, model, results, work)
+        if not args.at_size_only:
+            compare_step(args, devices, model, results, work)
     failed = [k for k, v in results.items() if v == "FAIL"]
     ran = [k for k, v in results.items() if v == "ok"]
     skipped = [k for k, v in results.items() if v.startswith("skipped")]

@@ -1,16 +1,19 @@
 """``benchmarks.stand_in`` at its smallest size, as CI runs it: a real local deployment per algorithm whose
 workers' computation waits C seconds off the CPU; the round's legs are measured, and ParaBlock's computation
-overlaps its exchange where BCD's does not."""
+overlaps its exchange where BCD's does not. The targets it reports (``benchmarks.round_compare``, which the GPU
+check's comparison runs too) are judged from the figures, met or not."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from benchmarks import stand_in
-
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+from benchmarks import round_compare, stand_in
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_the_stand_in_benchmark_measures_both_algorithms_and_parablock_hides_the_compute(capsys):
     results = stand_in.main(["--hidden", "256", "--rounds", "4", "--compute-s", "1.5"])
     bcd, parablock = results[256]["fedbcd"], results[256]["parablock"]
@@ -20,6 +23,29 @@ def test_the_stand_in_benchmark_measures_both_algorithms_and_parablock_hides_the
     # Causal, not a race of durations: ParaBlock's worker starts round r+1 before its round-r reply leaves, so
     # its computation covers part of the window; BCD's starts only once round r+1's message is in.
     assert parablock["measured_overlap_share"] > 0 and bcd["measured_overlap_share"] == 0, (parablock, bcd)
-    ratio, ideal = stand_in.against_ideal(bcd, parablock)
+    ratio, ideal = round_compare.against_ideal(bcd, parablock)
     assert 0 < ideal <= 1 and ratio > 0
-    assert "ParaBlock / BCD" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "ParaBlock / BCD" in out and "| 256 (2 MB): BCD's round ≤ C + link + 1 s (s) |" in out
+
+
+def test_each_target_is_judged_from_its_figures_and_one_not_measured_is_said():
+    """At 247 MB: the per-byte bound is 0.3 s + 0.247 s; BCD's round against C + 1 s; ParaBlock/BCD against 1.1 times
+    the ideal; verify-invariant's cost against a tenth of ParaBlock's round. A figure a run lacks is not met."""
+    bcd = {"round_wall_s": 4.0, "measured_compute_s": 2.5, "server_critical_path_s": 0.5, "worker_non_compute_s": 0.6}
+    parablock = {"round_wall_s": 2.7, "measured_compute_s": 2.5, "server_critical_path_s": 0.6}
+    verified = {"round_wall_s": 3.1, "measured_compute_s": 2.5}
+    found = round_compare.targets("s", 247e6, {"fedbcd": bcd, "parablock": parablock, round_compare.VERIFIED: verified})
+    judged = {what: (value, bound) for what, value, bound in found}
+    assert judged["s, fedbcd: server, last reply to next messages out (s)"] == (0.5, pytest.approx(0.547))
+    assert judged["s: BCD's round ≤ C + link + 1 s (s)"] == (4.0, 3.5)
+    assert judged["s: ParaBlock / BCD, within 10 % of the ideal"] == (pytest.approx(0.675), pytest.approx(0.6875))
+    assert judged["s: verify-invariant's cost, share of ParaBlock's round"][0] == pytest.approx(0.4 / 2.7)
+    assert math.isnan(judged["s, parablock: worker, message to reply less compute (s)"][0])
+    table = round_compare.targets_table(found).splitlines()
+    met = {row.split(" | ")[0].lstrip("| "): row.rsplit(" | ", 1)[1].rstrip(" |") for row in table[2:]}
+    assert met["s, fedbcd: server, last reply to next messages out (s)"] == "yes"
+    assert met["s: BCD's round ≤ C + link + 1 s (s)"] == "**no**"
+    assert met["s: ParaBlock / BCD, within 10 % of the ideal"] == "yes"
+    assert met["s: verify-invariant's cost, share of ParaBlock's round"] == "**no**"
+    assert met["s, parablock: worker, message to reply less compute (s)"] == "not measured"

@@ -1,0 +1,245 @@
+"""ParaBlock against sequential BCD in a local deployment, round by round, and the targets of a round on a GPU:
+what ``benchmarks.stand_in`` (the computation a GPU's stand-in, on any machine) and the GPU check's comparison step
+(``scripts/gpu_check.py``, the real computation on the GPUs found) both run and print.
+
+For each setting (transfer dtype, SuperNodes), one deployment per algorithm with the same seed, model and data
+(ParaBlock also with ``verify-invariant`` on, with ``--verify-invariant``). Each prints the means over rounds
+3..R of the round's wall time T, the compute C, the communication window W, the worker's own work in a round
+(``worker_non_compute``), the server's critical path (last reply to the next messages out) and
+every leg of it (``critical_path_*``); ParaBlock/BCD beside the ideal max(C, T_BCD − C) / T_BCD (ParaBlock hides
+C, so at best its round costs what BCD's costs beside it); the held-out losses of both, round by round; and each
+target as measured, met or not:
+
+- the server, from the last reply to the next messages out: ≤ 0.3 s + the block's bytes at 1 GB/s;
+- the worker, from its message coming in to its reply leaving, less the computation in that time: ≤ 0.3 s + the
+  block's bytes at 1 GB/s;
+- BCD's round ≤ C + the link's time + 1 s, and (beyond) ParaBlock's ≤ max(C, the link's time) + 1 s; on one
+  machine the link is loopback, its time taken as 0;
+- ParaBlock / BCD within 10 % of the ideal;
+- ``verify-invariant`` costs at most 10 % of ParaBlock's round.
+
+    .venv/bin/python -m benchmarks.round_compare --model FOLDER --devices cuda:0 --transfer-dtype int8 bf16 \\
+        --nodes 1 2 --verify-invariant --out /tmp/compare.md       # the real computation (the GPU check's step)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from benchmarks.common import PROJECT_DIR, command, commit, machine_line, read_records
+from parablock_flwr.tools import launch
+
+LEGS = ("aggregate", "dispatch", "delivery", "clientapp_relay", "reply_relay", "reply_to_server", "wait_for_others")
+ALGORITHMS = ("fedbcd", "parablock")
+VERIFIED = "parablock, verify-invariant"  # ParaBlock again, verify-invariant on
+PER_BYTE_GBPS, FIXED_S, ROUND_SLACK_S, WITHIN = 1.0, 0.3, 1.0, 0.10  # the targets' figures (issue 45)
+TABLE_HEAD = (
+    "| setting | algorithm | round T s | C s | W s | worker, message to reply less compute s | server critical path s "
+    "| legs of the critical path s |\n|---|---|---|---|---|---|---|---|"
+)
+
+
+def deploy(
+    algorithm: str, config: dict, workdir: Path, nodes: int = 1, secure: bool = False,
+    node_settings: list[str] | None = None, worker: Callable[[list[str]], list[str]] | None = None,
+) -> list[dict]:  # fmt: skip
+    """One local deployment of ``algorithm`` (``config`` the run config's rest): its records, round 0 first.
+    ``worker``: maps the real node worker's command to the one started instead (the stand-in's)."""
+    real = launch.worker_command
+    if worker is not None:
+        launch.worker_command = lambda *a, **kw: worker(real(*a, **kw))
+    try:
+        proc = launch.run_deployment(workdir / f"flower-{algorithm}", {**config, "algorithm": algorithm},
+                                     num_supernodes=nodes, timeout_s=1800, secure=secure,
+                                     node_settings=node_settings or ())  # fmt: skip
+    finally:
+        launch.worker_command = real
+    if proc.returncode != 0 or proc.run_dir is None:
+        sys.exit(f"{algorithm} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{proc.summary()}")
+    return read_records(proc.run_dir)
+
+
+def compare(config: dict, workdir: Path, verify: bool = False, **deployment) -> dict[str, dict]:
+    """BCD and ParaBlock (and ParaBlock with ``verify-invariant`` on, with ``verify``) deployed with ``config``:
+    each one's means (``means``) and held-out losses by round (``heldout``). ``verify-invariant`` is off in the
+    first two: its cost is the third's round against the second's. Each runs in a folder of its own in
+    ``workdir``, its run folder in it."""
+    runs = {a: (a, False) for a in ALGORITHMS} | ({VERIFIED: ("parablock", True)} if verify else {})
+    measured = {}
+    for name, (algorithm, verified) in runs.items():
+        folder = workdir / name.replace(", ", "-")
+        run_config = {**config, "verify-invariant": verified, "output-dir": str(folder / "out")}
+        records = deploy(algorithm, run_config, folder, **deployment)
+        measured[name] = {**means(records), "heldout": heldout(records)}
+    return measured
+
+
+def means(records: list[dict]) -> dict:
+    """Means over rounds 3..R (round 1 overlaps nothing, round 2 makes the second block's update)."""
+    rounds = [r for r in records if r.get("round", 0) >= 3 and "round_wall_s" in r]
+    keys = ["round_wall_s", "measured_compute_s", "measured_comm_s", "measured_overlap_share", "server_critical_path_s"]
+    keys += [f"critical_path_{leg}_s" for leg in LEGS]
+    out = {k: statistics.mean(r[k] for r in rounds if k in r) for k in keys if any(k in r for r in rounds)}
+    if busy := worker_non_compute(records):
+        out["worker_non_compute_s"] = busy
+    return out
+
+
+def worker_non_compute(records: list[dict]) -> float | None:
+    """The worker's own work in a round: from its message coming in to its reply leaving, less the computation
+    that ran in that time (the step's apply, rounding, the residual's durable write, digests, the upload; BCD's
+    computation runs in it, ParaBlock's mostly before it). From the timelines, per node, rounds r >= 3: round r's
+    ``request_received`` to round r+1's ``prev_reply_sent``, less round r's ``compute_start..compute_end`` in it."""
+    by_round = {r["round"]: {row["node"]: row for row in r.get("timeline", [])} for r in records if "round" in r}
+    spans = []
+    for r, rows_of in by_round.items():
+        for node, row in rows_of.items() if r >= 3 and r + 1 in by_round else ():
+            sent = by_round[r + 1].get(node, {}).get("prev_reply_sent", 0)
+            if sent <= 0 or not row.get("request_received"):
+                continue
+            start, end = row["request_received"], sent
+            computing = max(0.0, min(row["compute_end"], end) - max(row["compute_start"], start))
+            spans.append(end - start - computing)
+    return statistics.mean(spans) if spans else None
+
+
+def heldout(records: list[dict]) -> dict[int, float]:
+    """The held-out loss by round, where the run evaluated one."""
+    return {r["round"]: r["heldout_loss"] for r in records if "round" in r and "heldout_loss" in r}
+
+
+def against_ideal(bcd: dict, parablock: dict) -> tuple[float, float]:
+    """(ParaBlock's round over BCD's, the ideal ``max(C, T_BCD − C) / T_BCD``)."""
+    t_bcd, c = bcd["round_wall_s"], bcd["measured_compute_s"]
+    return parablock["round_wall_s"] / t_bcd, max(c, t_bcd - c) / t_bcd
+
+
+def rows(setting: str, measured: dict[str, dict]) -> list[str]:
+    """The table's rows of one setting (``TABLE_HEAD``): each run, then ParaBlock / BCD against the ideal."""
+    out = []
+    for name, m in measured.items():
+        legs = ", ".join(f"{leg} {m[f'critical_path_{leg}_s']:.2f}" for leg in LEGS if f"critical_path_{leg}_s" in m)
+        cells = [m.get(k, float("nan")) for k in ("round_wall_s", "measured_compute_s", "measured_comm_s",
+                                                    "worker_non_compute_s", "server_critical_path_s")]  # fmt: skip
+        out.append(f"| {setting} | {name} | " + " | ".join(f"{v:.2f}" for v in cells) + f" | {legs} |")
+    ratio, ideal = against_ideal(measured["fedbcd"], measured["parablock"])
+    out.append(f"| {setting} | ParaBlock / BCD | **{ratio:.2f}** (ideal {ideal:.2f}: max(C, T_BCD − C) / T_BCD; "
+               f"{ratio / ideal:.2f}× of it) | | | | | |")  # fmt: skip
+    return out
+
+
+def targets(setting: str, block_bytes: float, measured: dict[str, dict]) -> list[tuple[str, float, float]]:
+    """Each target of one setting as ``(what, measured, bound)``; met where measured <= bound (NaN: not measured)."""
+    bcd, parablock, nan = measured["fedbcd"], measured["parablock"], float("nan")
+    per_byte = FIXED_S + block_bytes / (PER_BYTE_GBPS * 1e9)
+    out = []
+    for name in ALGORITHMS:
+        m = measured[name]
+        out.append((f"{setting}, {name}: server, last reply to next messages out (s)",
+                    m.get("server_critical_path_s", nan), per_byte))  # fmt: skip
+        out.append((f"{setting}, {name}: worker, message to reply less compute (s)", m.get("worker_non_compute_s", nan),
+                    per_byte))  # fmt: skip
+    c = bcd["measured_compute_s"]
+    out.append((f"{setting}: BCD's round ≤ C + link + 1 s (s)", bcd["round_wall_s"], c + ROUND_SLACK_S))
+    out.append((f"{setting}: ParaBlock's round ≤ max(C, link) + 1 s, beyond (s)", parablock["round_wall_s"],
+                max(c, parablock["measured_compute_s"]) + ROUND_SLACK_S))  # fmt: skip
+    ratio, ideal = against_ideal(bcd, parablock)
+    out.append((f"{setting}: ParaBlock / BCD, within 10 % of the ideal", ratio, ideal * (1 + WITHIN)))
+    if VERIFIED in measured:
+        cost = measured[VERIFIED]["round_wall_s"] / parablock["round_wall_s"] - 1
+        out.append((f"{setting}: verify-invariant's cost, share of ParaBlock's round", cost, WITHIN))
+    return out
+
+
+def targets_table(found: list[tuple[str, float, float]]) -> str:
+    lines = ["| target (the link: loopback, its time taken as 0) | measured | bound | met |", "|---|---|---|---|"]
+    for what, value, bound in found:
+        met = "not measured" if value != value else "yes" if value <= bound else "**no**"
+        lines.append(f"| {what} | {value:.2f} | {bound:.2f} | {met} |")
+    return "\n".join(lines)
+
+
+def losses_table(settings: dict[str, dict[str, dict]]) -> str:
+    """The held-out losses of every run, round by round, side by side."""
+    runs = [(s, name, m["heldout"]) for s, measured in settings.items() for name, m in measured.items()]
+    rounds = sorted({r for _, _, losses in runs for r in losses})
+    head = "| setting | algorithm | " + " | ".join(f"round {r}" for r in rounds) + " |"
+    lines = [head, "|" + "---|" * (len(rounds) + 2)]
+    for setting, name, losses in runs:
+        cells = " | ".join(f"{losses[r]:.4f}" if r in losses else "" for r in rounds)
+        lines.append(f"| {setting} | {name} | {cells} |")
+    return "\n".join(lines)
+
+
+def report(settings: dict[str, dict[str, dict]], found: list[tuple[str, float, float]]) -> str:
+    """Every setting's rounds, the targets, the held-out losses: the page's body."""
+    table = "\n".join([TABLE_HEAD, *(row for s, measured in settings.items() for row in rows(s, measured))])
+    return f"{table}\n\n{targets_table(found)}\n\nHeld-out loss:\n\n{losses_table(settings)}\n"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.round_compare", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--model", required=True, help="a model folder (the GPU check: random Llama-3.2-1B weights)")
+    parser.add_argument(
+        "--dataset", required=True, help="the run's dataset (the GPU check: rows that fill max-seq-len)"
+    )
+    parser.add_argument("--devices", nargs="+", default=["cpu"], help="the devices, one SuperNode each per setting")
+    parser.add_argument("--nodes", type=int, nargs="+", default=[1], help="SuperNodes, a setting each")
+    parser.add_argument("--transfer-dtype", nargs="+", default=["int8"], choices=["int8", "bf16", "fp16"])
+    parser.add_argument("--verify-invariant", action="store_true", help="ParaBlock with it on too, in each setting")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--settings", default="{}", help="more of the run config, as JSON")
+    parser.add_argument("--out", type=Path, help="write the page here")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    """The real computation on ``--devices``, with TLS and node authentication: every setting, then the page."""
+    args = parse_args(argv)
+    config = {
+        "model": args.model, "dataset": args.dataset, "num-server-rounds": args.rounds, "schedule": "ascending",
+        "layers-per-block": 4, "local-steps": 24, "batch-size": 8, "max-seq-len": 512, "weights": "bf16",
+        "precision": "bf16", "evaluation": "clients", "num-examples": 256, "heldout-examples": 16,
+        "generate-examples": 0, "transport": "direct", **json.loads(args.settings),
+    }  # fmt: skip
+    settings, found = {}, []
+    with tempfile.TemporaryDirectory(prefix="parablock-compare-") as tmp:
+        for dtype in args.transfer_dtype:
+            for nodes in args.nodes:
+                setting = f"{dtype}, {nodes} SuperNode(s)"
+                devices = [args.devices[i % len(args.devices)] for i in range(nodes)]
+                run = {**config, "transfer-dtype": dtype}
+                measured = compare(run, Path(tmp) / f"{dtype}-{nodes}", args.verify_invariant, nodes=nodes,
+                                   secure=True, node_settings=[f'device="{d}"' for d in devices])  # fmt: skip
+                settings[setting] = measured
+                found += targets(setting, block_bytes(args.model, config["layers-per-block"], dtype), measured)
+                print("\n".join(rows(setting, measured)), flush=True)
+    page = (f"`{command('round_compare')}` at {commit()}; {machine_line()}; devices {', '.join(args.devices)}. "
+            f"TLS and node authentication, transport direct, {args.rounds} rounds, means of rounds 3..R.\n\n"
+            f"{report(settings, found)}")  # fmt: skip
+    print(page)
+    if args.out is not None:
+        args.out.write_text(f"# ParaBlock against BCD, the real computation\n\n{page}")
+    return settings
+
+
+def block_bytes(model: str, layers_per_block: int, transfer_dtype: str) -> float:
+    """The wire bytes of the largest block's update in ``transfer_dtype`` (int8's scales aside), from the model's
+    config and the run's partition (``plan.model_shape``)."""
+    from parablock_flwr.config import RunConfig
+    from parablock_flwr.plan import model_config, model_shape
+
+    cfg = RunConfig.from_flower({"model": model, "layers-per-block": layers_per_block})
+    return max(model_shape(cfg, model_config(model)).blocks) * (1 if transfer_dtype == "int8" else 2)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(PROJECT_DIR))
+    main()

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import PROJECT_DIR, RESULTS_DIR, command, commit, machine_line, replace_doc_section
-from benchmarks.round_compare import TABLE_HEAD, compare, rows, targets, targets_table
+from benchmarks.round_compare import TABLE_HEAD, compare, rounds_from_3, rows, targets, targets_table
 from parablock_flwr.tools.tiny_model import build_tiny_model
 
 LAYERS, LAYERS_PER_BLOCK = 8, 4
@@ -40,7 +40,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--hidden", type=int, nargs="+", default=[512], help="model widths, one size each")
     parser.add_argument("--compute-s", type=float, default=2.5, help="C: the stand-in's compute per round")
-    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--rounds", type=rounds_from_3, default=6)
     parser.add_argument("--nodes", type=int, default=1, help="SuperNodes, each with its stand-in worker")
     parser.add_argument("--transfer-dtype", default="int8", choices=["int8", "bf16", "fp16"])
     parser.add_argument("--verify-invariant", action="store_true", help="ParaBlock with it on too: its cost")

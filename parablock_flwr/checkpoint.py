@@ -83,7 +83,7 @@ class Checkpoint:
 
     round: int
     blocks: dict[int, int]  # server round -> block, as decided so far
-    global_sha256: str  # digest of x^round over every trainable tensor (core.ModelDigest)
+    global_sha256: str  # digest of x^round over every trainable tensor (core.model_digest)
     elapsed_s: float
     modeled_wall_s: float
     strategy_state: dict = field(default_factory=dict)
@@ -91,7 +91,7 @@ class Checkpoint:
     participation: dict = field(default_factory=dict)  # who was left out so far (Participation.state)
     node_sync: dict = field(default_factory=dict)  # what the server knew of each node (NodeSync.by_partition)
     privacy: dict = field(default_factory=dict)  # differential privacy: the ledger, the noise's secret seed
-    # "per-tensor": core.ModelDigest; "whole": core.digest (checkpoints written before 2026-12-01)
+    # "per-tensor": core.model_digest; "whole": core.digest (checkpoints written before 2026-12-01)
     digest_format: str = DIGEST_FORMAT
 
 

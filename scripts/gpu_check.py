@@ -200,7 +200,7 @@ COMPARE_MODEL, COMPARE_SETTINGS = "llama-3.2-1b", {"layers-per-block": 4, "max-s
 
 def compare_step(args, devices: list[tuple[str, int]], tokenizer_from: str, results: dict, work: Path) -> None:
     """Step 6: ParaBlock against BCD at 1B (``benchmarks.round_compare``), with the SuperNodes the GPUs hold."""
-    device, memory = devices[0]
+    device, memory = devices[0][0], min(m for _, m in devices[:2])
     settings = {**COMPARE_SETTINGS, "weights": "bf16", "precision": "bf16", "gradient-checkpointing": True}
     need = plan_of(str(ROOT / "docs" / "model-configs" / COMPARE_MODEL), settings).device_total
     if need > memory:

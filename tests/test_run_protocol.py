@@ -348,7 +348,7 @@ def test_each_checkpoint_hashes_only_what_its_round_changed_and_a_resume_checks_
     in one SHA-256) still resumes, and a wrong digest is still refused."""
     hashed = []
     hash_tensor = core.tensor_sha256
-    # Where ModelDigest looks the function up: core/digests.py (core re-exports it).
+    # Where model_digest looks the function up: core/digests.py (core re-exports it).
     monkeypatch.setattr(core.digests, "tensor_sha256", lambda t: hashed.append(t.numel()) or hash_tensor(t))
     first = make_run(tmp_path / "first", tiny_model_dir, 4, schedule="ascending")
     run_rounds(first, InMemoryFederation(2, honest_answer(first)))
@@ -359,7 +359,7 @@ def test_each_checkpoint_hashes_only_what_its_round_changed_and_a_resume_checks_
     run_dir = first.run_dir
     checkpoint = load_checkpoint(run_dir)
     assert checkpoint.digest_format == "per-tensor"
-    assert checkpoint.global_sha256 == core.ModelDigest(names)(x)
+    assert checkpoint.global_sha256 == core.model_digest(x, names)
     make_run(tmp_path / "resumed", tiny_model_dir, 6, schedule="ascending").resume(run_dir, checkpoint)
 
     state_file = next((run_dir / "checkpoint").glob("round-*")) / "state.json"

@@ -72,8 +72,8 @@ def model_digest(
     on the server, not the model's or a block's fp32.
     """
     names, pending, pool = tuple(names), pending if pending is not None else {}, _hashing_pool()
-    if stray := [n for n in pending if n not in set(names)]:
-        raise ValueError(f"model_digest: the update holds {stray[0]!r}, not a tensor of the model")
+    if stray := set(pending) - set(names):
+        raise ValueError(f"model_digest: the update holds {min(stray)!r}, not a tensor of the model")
     hash_of = hashes.of if hashes is not None else _sha256_of
     own = {n: pool.submit(hash_of, params, n) for n in names}
     moved = {n: pool.submit(update_sha256, pending, n) for n in names if n in pending}

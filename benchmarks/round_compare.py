@@ -19,8 +19,9 @@ target as measured, met or not:
 - ``verify-invariant`` costs at most 10 % of ParaBlock's round.
 
 A run with a round that lost a node's reply, failed the invariant or moved bytes off the stream is no figure: the
-benchmark stops there, saying which. With ``evaluation = "clients"`` (``main``'s default, for the held-out losses)
-each node evaluates ``x^{r-1}`` between its message and its reply, so that evaluation counts in its own work.
+benchmark stops there, saying which. ``main`` has the nodes evaluate ``x^0`` and ``x^R`` only (``evaluation =
+"clients"``, ``eval-every = R``): a node evaluates between its message and its reply, which would count in its own
+work in the rounds timed.
 
     .venv/bin/python -m benchmarks.round_compare --model FOLDER --devices cuda:0 --transfer-dtype int8 bf16 \\
         --nodes 1 2 --verify-invariant --out /tmp/compare.md       # the real computation (the GPU check's step)
@@ -227,7 +228,8 @@ def main(argv=None) -> dict:
     config = {
         "model": args.model, "dataset": args.dataset, "num-server-rounds": args.rounds, "schedule": "ascending",
         "layers-per-block": 4, "local-steps": 24, "batch-size": 8, "max-seq-len": 512, "weights": "bf16",
-        "precision": "bf16", "evaluation": "clients", "num-examples": 256, "heldout-examples": 16,
+        "precision": "bf16", "evaluation": "clients", "eval-every": args.rounds, "num-examples": 256,
+        "heldout-examples": 16,
         "generate-examples": 0, "transport": "direct", **json.loads(args.settings),
     }  # fmt: skip
     settings, found = {}, []

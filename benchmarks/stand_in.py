@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import PROJECT_DIR, RESULTS_DIR, command, commit, machine_line, replace_doc_section
-from benchmarks.round_compare import TABLE_HEAD, compare, rounds_from_3, rows, targets, targets_table
+from benchmarks.round_compare import TABLE_HEAD, block_bytes, compare, rounds_from_3, rows, targets, targets_table
 from parablock_flwr.tools.tiny_model import build_tiny_model
 
 LAYERS, LAYERS_PER_BLOCK = 8, 4
@@ -71,9 +71,8 @@ def main(argv=None) -> dict:
         workdir = Path(tmp)
         for hidden in args.hidden:
             model = build_tiny_model(workdir / f"model-{hidden}", num_layers=LAYERS, hidden=hidden, vocab=512)
-            block_params = LAYERS_PER_BLOCK * 9 * hidden * hidden  # attention 3h^2 (half the KV heads), MLP 6h^2
-            block_bytes = block_params * (1 if args.transfer_dtype == "int8" else 2)
-            setting = f"{hidden} ({block_bytes / 1e6:.0f} MB)"
+            wire_bytes = block_bytes(str(model), LAYERS_PER_BLOCK, args.transfer_dtype)
+            setting = f"{hidden} ({wire_bytes / 1e6:.0f} MB)"
             try:
                 measured = compare(run_config(model, args), workdir / f"{hidden}",
                                    args.verify_invariant, nodes=args.nodes,
@@ -84,7 +83,7 @@ def main(argv=None) -> dict:
                 continue
             results[hidden] = measured
             table += rows(setting, measured)
-            found += targets(setting, block_bytes, measured)
+            found += targets(setting, wire_bytes, measured)
             print("\n".join(table[-len(measured) - 1 :]), flush=True)
     body = f"{TABLE_HEAD}\n" + "\n".join(table) + f"\n\n{targets_table(found)}\n"
     print(body)

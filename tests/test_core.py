@@ -313,29 +313,3 @@ def threads_the_helpers_start() -> list[str]:
         buffers.prepare(r, big)
         assert all(torch.count_nonzero(t) == 0 for t in buffers.take(r)[0].values())
     return [Path(f"/proc/self/task/{tid}/comm").read_text().strip() for tid in native_threads() - before]
-
-
-def test_a_rounds_buffers_reuse_what_the_strategy_retired_unless_anything_else_still_holds_it():
-    """``RoundBuffers.retire``: the next round's sum and new ``x[b]`` are made in the memory of tensors the strategy
-    reads no more (the last sum, ``x``'s values no full sync sends), never in a tensor anything else still holds (a
-    kept reference: a step waiting for the log, a subclass's; a numpy array made from it), each as a tensor of its
-    own (no view that would keep the retired one as its base). What no buffer takes is freed."""
-    from parablock_flwr.strategies.round_buffers import RoundBuffers
-
-    x = {"w": torch.randn(64, 33), "b": torch.randn(7)}
-    buffers = RoundBuffers()
-    free = [torch.randn(64, 33), torch.randn(7), torch.randn(64 * 33)]  # the last: as many values, another shape
-    kept, as_numpy = torch.randn(64, 33), torch.randn(64, 33)
-    array = as_numpy.numpy()
-    addresses = {t.data_ptr() for t in free}
-    buffers.retire([kept, as_numpy, *free, torch.randn(5)])
-    free = None  # only the buffers' list holds them now
-    buffers.prepare(1, x)
-    into_sum, into_x = buffers.take(1)
-    made = [*into_sum.values(), *into_x.values()]
-    assert {t.data_ptr() for t in made} & addresses == addresses  # all three reused: w, b and the reshaped one
-    assert {kept.data_ptr(), as_numpy.data_ptr()}.isdisjoint(t.data_ptr() for t in made) and array.size
-    assert all(t.shape == x[n].shape and t._base is None for d in (into_sum, into_x) for n, t in d.items())
-    updates = [{n: torch.randn_like(t) for n, t in x.items()} for _ in range(2)]
-    mean = core.aggregate(updates, [1.0, 2.0], out=into_sum)  # reused memory is overwritten, not summed into
-    assert all(torch.equal(mean[n], core.aggregate(updates, [1.0, 2.0])[n]) for n in x)

@@ -380,29 +380,3 @@ def test_a_rounds_prepared_buffers_are_its_own_and_none_outlives_its_aggregate(s
     for n, (ptr, values) in x1.items():
         assert torch.equal(strategy.global_params[n], values)
         assert n not in outcome.step or strategy.global_params[n].data_ptr() != ptr  # new storage, x^1 kept apart
-
-
-def test_from_round_3_a_rounds_buffers_are_made_in_memory_of_earlier_rounds_and_x_has_the_same_bits(tmp_path, setup):
-    """Sequential BCD on one block, a reply a round: round r's sum and new ``x[b]`` are made in the memory of round
-    r-1's sum and of ``x^{r-3}[b]`` (retired once round r-1's step replaced the full sync's ``x^{r-3}``), not in
-    fresh pages, from round 3 on; ``x`` moves to the bit as it does in memory of its own each round."""
-    from parablock_flwr.strategies import FedBCD
-
-    run, update, _ = setup
-    params = run.algorithm.global_params
-    x = {n: t.detach().clone() for n, t in params.items()}
-    strategy = FedBCD(global_params=x, partition=run.algorithm.partition, schedule=[BLOCK] * 5, run_dir=tmp_path,
-                      config=RunConfig(max_update_norm=10.0, num_server_rounds=5))  # fmt: skip
-    expected = {n: t.detach().clone() for n, t in params.items()}
-    seen = {x[n].data_ptr() for n in update}  # x^0[b]
-    for server_round in range(1, 6):
-        strategy.start_round_buffers(server_round)  # as configure_train starts them
-        scaled = {n: (0.5 + server_round) * t for n, t in update.items()}
-        outcome = strategy.aggregate_train(server_round, [reply(11, scaled, server_round=server_round)], {})
-        assert outcome.step is not None, server_round
-        made = {t.data_ptr() for t in [*strategy._round_sum.values(), *(x[n] for n in update)]}
-        assert len(made) == 2 * len(update) and (server_round < 3 or made <= seen), server_round
-        seen |= made
-        outcome = None  # the round's step (in fp32 the sum itself) is logged and dropped before the next round
-        core.apply_step(expected, scaled)
-        assert all(torch.equal(x[n], expected[n]) for n in x), server_round

@@ -135,7 +135,6 @@ class FedBCD:
         # (each once: a second combine, or a later round's, makes new memory).
         self._sum_into: core.Tensors = {}
         self._new_x_into: core.Tensors = {}
-        self._round_sum: core.Tensors = {}  # combine's mean, retired (``RoundBuffers.retire``) as the next round starts
         self.stats = RoundStats(0)
         self._blocks: dict[int, int] = {}  # server round -> block, as decided so far (``block_for_round``)
         self._asked_partition: set[int] = set()  # nodes asked their partition id (select_nodes)
@@ -180,7 +179,6 @@ class FedBCD:
 
     def x_moved(self, before: core.Tensors) -> None:
         """A step replaced these tensors of ``x`` (``before``: their old values): what knows ``x`` follows."""
-        self.buffers.retire(self.sync.before_last_step.values())  # no full sync sends them any more
         self.sync.applied(before)
         self.x_hashes.changed(before)
         self._update_bounds.clear()
@@ -288,13 +286,10 @@ class FedBCD:
         ``updates`` come one at a time (a generator, in partition order): a combiner
         that needs them all at once makes a list of them first. Each is read-only and may be
         decoded again at each read (``wire.Decoded``: kept as it came). The first call of a round
-        writes the mean into the round's prepared buffers (``RoundBuffers``), whose memory a later round's
-        buffers reuse once no reference holds the mean's tensors: a subclass that keeps them (here or in
-        ``server_update``) keeps the tensors or copies, never views of them, which would be written over.
+        writes the mean into the round's prepared buffers (``RoundBuffers``).
         """
         out, self._sum_into = self._sum_into, {}
-        self._round_sum = core.aggregate(updates, weights, out=out)
-        return self._round_sum
+        return core.aggregate(updates, weights, out=out)
 
     def observe_update(self, server_round: int, block: int, reply: Reply) -> core.PendingUpdate | None:
         """Every accepted update once, before it is combined; returns what the checkpoint keeps of it for
@@ -321,19 +316,12 @@ class FedBCD:
         self.stats = RoundStats(server_round)
         self._own_counts_before = dict(self.own_counts)
         self.spill.start()
-        self.start_round_buffers(server_round)
+        self.buffers.prepare(server_round, {n: self.global_params[n] for n in self.partition.names(
+            self.block_for_round(server_round))})  # fmt: skip
         nodes = self.select_nodes(server_round, grid)
         if server_round == self.sync.first_round and (self.sync.resume_pending or self.sync.carried):
             self.sync.partitions.update(ask_partitions(grid, nodes, self.config.round_timeout_s))
         return self.train_messages(server_round, nodes, arrays, config)
-
-    def start_round_buffers(self, server_round: int) -> None:
-        """Round r's sum and new ``x[b_r]`` start being made (``RoundBuffers``), in the memory of the last round's
-        sum (its step is applied: it is read no more) and of ``x``'s values that no full sync sends any more."""
-        self.buffers.retire(self._round_sum.values())
-        self._round_sum = {}
-        block = self.block_for_round(server_round)
-        self.buffers.prepare(server_round, {n: self.global_params[n] for n in self.partition.names(block)})
 
     def train_messages(
         self, server_round: int, nodes: list[int], arrays: ArrayRecord, config: ConfigRecord

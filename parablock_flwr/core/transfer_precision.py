@@ -242,16 +242,15 @@ def round_with_feedback_encoded(
     """``round_with_feedback``, and ``sent`` as it travels (``encode``'s values, from the same conversion: a
     node that packs its update does not quantise it a second time). Each tensor chunk by chunk, where its
     update is (``_feedback_tensor``): the node's per-byte work of a round, at about memory speed. ``into``:
-    tensors nothing else reads any more (a residual the node has retired, of any block); each new residual
-    tensor is written into one of as many fp32 values on its device, where there is one: memory already
-    touched, where a fresh block's first touch costs more than the rounding (docs/transport.md)."""
+    tensors nothing else reads any more (a residual the node has retired), one per tensor of ``update`` in its
+    order, that the new residual is written into where one matches the tensor's size, dtype and device: memory
+    already touched, where a fresh block's first touch costs more than the rounding (docs/transport.md)."""
     sent: Tensors = {}
     kept: Tensors = {}
     encoded: Encoded = {}
     spare = list(into)
-    for n, t in update.items():
-        fits = [i for i, s in enumerate(spare) if (s.numel(), s.device) == (t.numel(), t.device)]
-        out = spare.pop(fits[0]) if fits else None
+    for i, (n, t) in enumerate(update.items()):
+        out = spare[i] if i < len(spare) else None
         sent[n], kept[n], encoded[n] = _feedback_tensor(t, residual[n] if residual else None, transfer_dtype, out)
     if transfer_dtype != "fp32":  # sent as it travels, decoded when read: no fp32 block of it is written
         sent = EncodedTensors(encoded, {n: t.shape for n, t in update.items()})

@@ -6,8 +6,7 @@ the same run.
 
 A node's legs: the round's step applied to its replica as it came (``core.apply_step``: read from its payload chunk by
 chunk), beside it decoded whole first (what it ran before); the update rounded with error feedback
-(``core.round_with_feedback_encoded``: what it sends is its encoding; beside it into the memory of a residual
-replaced earlier, as the node writes it, ``Node.retired``), its new residual written durably
+(``core.round_with_feedback_encoded``: what it sends is its encoding), its new residual written durably
 (``ResidualStore.save``: fp32, fsynced, under the system's temporary folder; the reply waits for it, the upload runs
 beside it), packed for the wire (``wire.pack_pieces`` from that encoding), its SHA-256, and with ``verify-invariant``
 its local model's digest (``core.model_digest``) as the node makes it: its replica's tensors from their cache
@@ -54,9 +53,8 @@ from parablock_flwr.tools.credentials import make_tls
 from parablock_flwr.wire import join_pieces, pack_pieces, round_and_pack, unpack
 
 WIDTH = 2048  # the rows of a block's tensors: Llama-3.2-1B's hidden size
-# What the node ran before (or runs only in its first rounds: a fresh residual), measured beside what replaced it
-# (left out of the node's sum).
-BEFORE = {"invariant digest, whole model", "apply g to its replica, decoded whole", "round with feedback"}
+# What the node ran before, measured beside what replaced it (left out of the node's sum).
+BEFORE = {"invariant digest, whole model", "apply g to its replica, decoded whole"}
 # The legs the server runs only with differential privacy, central mode (docs/privacy.md; left out of its sum).
 WITH_DP = "DP: "
 
@@ -98,10 +96,6 @@ def node_legs(update: core.Tensors, residual: core.Tensors, model: core.Tensors,
     legs = {}
     legs["round with feedback"], (sent, kept, encoded) = best(
         lambda: core.round_with_feedback_encoded(update, residual, dtype), repeats
-    )
-    retired = [t.clone() for t in kept.values()]  # a residual a round replaced, its pages touched (``Node.retired``)
-    legs["round with feedback, into the retired residual"], _ = best(
-        lambda: core.round_with_feedback_encoded(update, residual, dtype, retired), repeats
     )
     legs["pack"], pieces = best(lambda: pack_pieces(sent, dtype, encoded), repeats)
     legs["SHA-256 of the wire bytes"], _ = best(lambda: sha256_of(pieces), repeats)

@@ -5,8 +5,7 @@ import pytest
 
 from benchmarks import byte_legs
 
-NODE_LEGS = {"round with feedback", "round with feedback, into the retired residual",
-             "residual's durable write (fp32, fsynced)", "pack", "SHA-256 of the wire bytes",
+NODE_LEGS = {"round with feedback", "residual's durable write (fp32, fsynced)", "pack", "SHA-256 of the wire bytes",
              "invariant digest, cached", "invariant digest, whole model", "apply g to its replica",
              "apply g to its replica, decoded whole"}  # fmt: skip
 SERVER_LEGS = {"check 2 replies (norm, finite)", "aggregate 2", "DP: clip 2 replies", "DP: the mean's noise",

@@ -78,39 +78,3 @@ def test_a_node_first_sampled_rounds_after_a_resume_goes_on_from_the_checkpoints
     node = Node()
     node.begin_run(cfg, req, ResidualStore(tmp_path / "resumed-run"), before)
     assert torch.equal(node.state.residuals[0]["w"], residual(1.0)["w"])
-
-
-def test_a_round_writes_its_residual_into_the_memory_of_the_one_it_replaced_with_the_same_bits(tmp_path):
-    """Blocks of equal shapes (0, 1, 0, 1, 0, int8): from round 4 on each round's new residual is written into the
-    memory of the residual the round before replaced (the node's ``retired``, which nothing reads any more), not
-    into a fresh block whose first touch costs more than the rounding; every residual and update has the bits a
-    fresh rounding gives, and the residual of the other block is never written. An update's own memory is
-    never taken for it."""
-    from types import SimpleNamespace
-
-    from parablock_flwr import core
-    from parablock_flwr.node.runtime import Node
-    from parablock_flwr.training import TrainResult
-
-    cfg, node = SimpleNamespace(transfer_dtype="int8"), Node()
-    gen = torch.Generator().manual_seed(5)
-    expected: dict[int, dict] = {}
-    storage = {}
-    for server_round, block in enumerate((0, 1, 0, 1, 0), start=1):
-        names = (f"b{block}.w", f"b{block}.v")
-        delta = {names[0]: torch.randn(40, 33, generator=gen) * 1e-3, names[1]: torch.randn(700, generator=gen)}
-        sent, residual, _ = core.round_with_feedback_encoded(delta, expected.get(block), "int8")  # fresh memory
-        into = [t.data_ptr() for t in node.retired]
-        other = {n: t.clone() for n, t in node.state.residuals.get(1 - block, {}).items()}
-        result = TrainResult(dict(delta), 0.0, 0.0, 0.0)
-        node.feed_back(cfg, SimpleNamespace(block=block, server_round=server_round), result, None)
-        kept = node.state.residuals[block]
-        assert all(torch.equal(kept[n], residual[n]) and torch.equal(result.delta[n], sent[n]) for n in names)
-        assert all(torch.equal(node.state.residuals[1 - block][n], t) for n, t in other.items())
-        storage[server_round] = [t.data_ptr() for t in kept.values()]
-        if server_round >= 4:  # round r-1 replaced round r-3's residual of its block: r writes into it
-            assert storage[server_round] == into == storage[server_round - 3], server_round
-        expected[block] = residual
-    update = {"w": torch.randn(64, generator=gen)}
-    _, kept, _ = core.round_with_feedback_encoded(update, None, "int8", into=[update["w"]])
-    assert kept["w"].data_ptr() != update["w"].data_ptr()

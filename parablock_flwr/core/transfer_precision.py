@@ -7,7 +7,7 @@ take; ``wire.py`` encodes what these functions round, and int8's block size and 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -237,39 +237,31 @@ def round_with_feedback(update: Tensors, residual: Tensors | None, transfer_dtyp
 
 
 def round_with_feedback_encoded(
-    update: Tensors, residual: Tensors | None, transfer_dtype: str, into: Sequence[torch.Tensor] = ()
+    update: Tensors, residual: Tensors | None, transfer_dtype: str
 ) -> tuple[Tensors, Tensors, Encoded]:
     """``round_with_feedback``, and ``sent`` as it travels (``encode``'s values, from the same conversion: a
     node that packs its update does not quantise it a second time). Each tensor chunk by chunk, where its
-    update is (``_feedback_tensor``): the node's per-byte work of a round, at about memory speed. ``into``:
-    tensors nothing else reads any more (a residual the node has retired), one per tensor of ``update`` in its
-    order, that the new residual is written into where one matches the tensor's size, dtype and device: memory
-    already touched, where a fresh block's first touch costs more than the rounding (docs/transport.md)."""
+    update is (``_feedback_tensor``): the node's per-byte work of a round, at about memory speed."""
     sent: Tensors = {}
     kept: Tensors = {}
     encoded: Encoded = {}
-    spare = list(into)
-    for i, (n, t) in enumerate(update.items()):
-        out = spare[i] if i < len(spare) else None
-        sent[n], kept[n], encoded[n] = _feedback_tensor(t, residual[n] if residual else None, transfer_dtype, out)
+    for n, t in update.items():
+        sent[n], kept[n], encoded[n] = _feedback_tensor(t, residual[n] if residual else None, transfer_dtype)
     if transfer_dtype != "fp32":  # sent as it travels, decoded when read: no fp32 block of it is written
         sent = EncodedTensors(encoded, {n: t.shape for n, t in update.items()})
     return sent, kept, encoded
 
 
 def _feedback_tensor(
-    update: torch.Tensor, residual: torch.Tensor | None, transfer_dtype: str, out: torch.Tensor | None = None
+    update: torch.Tensor, residual: torch.Tensor | None, transfer_dtype: str
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor | None]]:
     """One tensor's ``sent`` (fp32 only: else None, the encoding stands for it), ``e'`` and encoding. ``e'`` is
-    computed in the buffer that first holds ``Δ + e`` (``out`` when it fits; no further block-sized buffer),
-    ``sent`` decoded from its encoding one chunk at a time through the cache (``decoded``: a chunk-sized
-    buffer)."""
+    computed in the buffer that first holds ``Δ + e`` (no further block-sized buffer), ``sent`` decoded from
+    its encoding one chunk at a time through the cache (``decoded``: a chunk-sized buffer)."""
     flat = update.detach().reshape(-1).float()
     n, device = flat.numel(), flat.device
     spans = _chunks(flat)
-    fits = out is not None and out.is_contiguous() and out.data_ptr() != flat.data_ptr()
-    fits = fits and (out.numel(), out.dtype, out.device) == (n, flat.dtype, device)
-    kept = out.view(-1) if fits else torch.empty_like(flat)
+    kept = torch.empty_like(flat)
     sent = torch.empty_like(flat) if transfer_dtype == "fp32" else None
     decoded = torch.empty(spans[0][1] if spans and sent is None else 0, device=device)
     extra = residual.detach().reshape(-1).to(device=device, dtype=torch.float32) if residual is not None else None

@@ -35,8 +35,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from .. import core
 from ..config import RunConfig
 from ..messages import LOCAL_MODEL_DIGEST, EvaluateReply, TrainMetrics
@@ -168,9 +166,6 @@ class Node:
         self.submit = submit
         self.runs_ahead = runs_ahead
         self.ahead: Ahead | None = None
-        # The residual a round replaced (nothing reads it any more): the next rounding writes into its memory,
-        # already touched, instead of a fresh block (``core.round_with_feedback_encoded``'s ``into``).
-        self.retired: list[torch.Tensor] = []
 
     # -------------------------------------------------------------- round r
     def train(
@@ -347,11 +342,9 @@ class Node:
         if used_early:
             result.delta, self.state.residuals[req.block], encoded = early.sent, early.residual_out, early.encoded
         else:
-            into, self.retired = self.retired, []
             result.delta, self.state.residuals[req.block], encoded = core.round_with_feedback_encoded(
-                result.delta, residual, cfg.transfer_dtype, into
+                result.delta, residual, cfg.transfer_dtype
             )
-        self.retired = list(residual.values()) if residual is not None else self.retired
         if store is None:
             return None, used_early, encoded
         if used_early and early.staged is not None:  # (one not taken is gone by a later write of the store)
@@ -374,13 +367,12 @@ class Node:
             return lambda: None
         block, dtype = ahead.job.block, cfg.transfer_dtype
         residual_in = self.state.residuals.get(block)
-        into, self.retired = self.retired, []  # (not taken: the next rounding makes fresh memory)
 
         def rounded() -> EarlyUpdate:
             delta = ahead.future.result().delta  # its failure is the round's to report, when its message comes
             if dtype == "fp32":
                 return EarlyUpdate(ahead, residual_in, delta, residual_in)
-            sent, residual_out, encoded = core.round_with_feedback_encoded(delta, residual_in, dtype, into)
+            sent, residual_out, encoded = core.round_with_feedback_encoded(delta, residual_in, dtype)
             staged = None
             if store is not None:
                 path = store.staged_name(server_round, block)

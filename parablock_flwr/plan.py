@@ -375,15 +375,15 @@ SIMULATION_ONLY = "node_state_simulation"  # the one disk term a deployment keep
 
 def disk_terms(cfg: RunConfig, shape: ModelShape, num_nodes: int) -> dict[str, int]:
     """Bytes the run folder grows to by the last round: the step log (``replica.StepLog``: each round's
-    step as it travelled, in ``transfer-dtype``; with ``snapshot-every = N`` at most 3 snapshots of every
-    trainable tensor in fp32 and 2N steps, from a snapshot's write to the prune before the next round's
-    messages; 2 snapshots between), and ParaBlock's pending updates (each sampled node's last update as it
-    travelled, staged as replies come and in the checkpoint: two copies while the newer replaces the older)."""
-    sent = round(max(shape.blocks) * transfer_bytes_per_value(cfg.transfer_dtype))  # a block as it travels
-    terms = {"step_log": cfg.num_server_rounds * sent}
+    step in fp32; with ``snapshot-every = N`` at most 3 snapshots of every trainable tensor and 2N
+    steps, from a snapshot's write to the prune before the next round's messages; 2 snapshots
+    between), and ParaBlock's pending updates (each sampled node's last update as it travelled, staged as
+    replies come and in the checkpoint: two copies while the newer replaces the older)."""
+    step = max(shape.blocks) * 4
+    terms = {"step_log": cfg.num_server_rounds * step}
     if cfg.snapshot_every:
-        terms["step_log"] = min(terms["step_log"], 3 * shape.trainable * 4 + 2 * cfg.snapshot_every * sent)
-    step = max(shape.blocks) * 4  # a residual: fp32
+        terms["step_log"] = min(terms["step_log"], 3 * shape.trainable * 4 + 2 * cfg.snapshot_every * step)
+    sent = round(max(shape.blocks) * transfer_bytes_per_value(cfg.transfer_dtype))  # a block as it travels
     if cfg.algorithm == "parablock":  # its server half stages them as they came (checkpoint.stage_pending)
         terms["pending_updates"] = 2 * num_nodes * sent
     # A round's accepted updates wait for their sum as they came (strategies/update_spill.py).
@@ -512,8 +512,7 @@ def render(plan: Plan, fits: list[Plan] | None, gpu_gb: float | None, extra: lis
         every = len(shape.blocks)
         bounded = disk_terms(replace(cfg, snapshot_every=every), shape, 0)["step_log"]
         if bounded < plan.disk["step_log"]:
-            step = plan.disk["step_log"] / cfg.num_server_rounds
-            lines.append(f"the step log grows by {gib(step)} GiB a round: snapshot-every={every} "
+            lines.append(f"the step log grows by {gib(max(shape.blocks) * 4)} GiB a round: snapshot-every={every} "
                          f"bounds it at {gib(bounded)} GiB, whatever the number of rounds")  # fmt: skip
     lines += extra
     if gpu_gb is not None:

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .core import EncodedTensors, PendingUpdate, TensorHashes, Tensors, add_scaled, apply_step, apply_step_keeping
+from .core import PendingUpdate, TensorHashes, Tensors, add_scaled, apply_step, apply_step_keeping
 from .durable import crash_point, replace_file
 from .messages import CATCH_UP, GLOBAL_STEP, RESUME_PENDING, MessageError, RoundConfig, catch_up_step
 
@@ -30,9 +30,6 @@ Step = tuple[int, Tensors]  # (block, g)
 FetchStep = Callable[[int], Step]  # version k -> (b_k, g^k)
 # The step log's file format (each step's safetensors metadata), not a message: its keys are named here.
 STEP_FILE_BLOCK, STEP_FILE_VERSION = "block", "version"
-# A step kept as it travelled (int8, bf16, fp16): each tensor's flat values under its name, int8's scales under
-# the name and this suffix, and every tensor's shape in the metadata (a step file without it holds fp32 tensors).
-STEP_FILE_SHAPES, STEP_FILE_SCALES = "shapes", "::scales"
 
 
 class StepLog:
@@ -54,32 +51,14 @@ class StepLog:
 
     def write(self, version: int, block: int, step: Tensors) -> None:
         """``g^version``, written atomically and durably (``durable.replace_file``): readers never see
-        a half-written step, and a resumed server finds every step its checkpoint counts on. A step that
-        travels rounded (``transfer-dtype``: its ``encoded`` pieces) is written as it travelled: a quarter
-        (int8) or half of its fp32 bytes, and no pass that decodes it (``read`` gives it back to the bit)."""
-        tensors, metadata = self.file_tensors(step)
-        metadata |= {STEP_FILE_BLOCK: json.dumps(block), STEP_FILE_VERSION: str(version)}
+        a half-written step, and a resumed server finds every step its checkpoint counts on."""
+        tensors = {n: t.contiguous() for n, t in step.items()}
 
         def write(tmp: Path) -> None:
-            save_file(tensors, str(tmp), metadata=metadata)
+            save_file(tensors, str(tmp), metadata={STEP_FILE_BLOCK: json.dumps(block), STEP_FILE_VERSION: str(version)})
             crash_point("step-log", version)  # the crash tests' point: the step written, not yet renamed
 
         replace_file(self.dir / f"v{version:05d}.safetensors", write)
-
-    @staticmethod
-    def file_tensors(step: Tensors) -> tuple[Tensors, dict[str, str]]:
-        """What a step's file holds: its pieces as they travelled (``wire.Decoded``, ``EncodedTensors``), with
-        the shapes in the metadata, or (fp32) the tensors themselves."""
-        encoded = getattr(step, "encoded", None)
-        if encoded is None or all(values.dtype == torch.float32 for values, _ in encoded.values()):
-            return {n: t.contiguous() for n, t in step.items()}, {}
-        tensors = {}
-        for name, (values, scales) in encoded.items():
-            tensors[name] = values.contiguous()
-            if scales is not None:
-                tensors[name + STEP_FILE_SCALES] = scales.contiguous()
-        shapes = {n: list(shape) for n, shape in step.shapes.items()}
-        return tensors, {STEP_FILE_SHAPES: json.dumps(shapes)}
 
     def write_snapshot(self, version: int, values: Tensors) -> None:
         """``x^version``'s exact values, written atomically and durably."""
@@ -129,21 +108,14 @@ class StepLog:
             replica.reset_to(version, self.read_snapshot(version))
 
     def read(self, version: int) -> Step:
-        """``(b_k, g^k)``: an fp32 step's tensors, or a rounded one as it travelled (``EncodedTensors``, decoded
-        when read: the very values applied)."""
         path = self.dir / f"v{version:05d}.safetensors"
         if not path.exists():
             raise FileNotFoundError(f"global step v{version} is missing from {self.dir}")
         from safetensors import safe_open
 
         with safe_open(str(path), framework="pt") as f:
-            metadata = f.metadata()
-        block, tensors = json.loads(metadata[STEP_FILE_BLOCK]), load_file(str(path))
-        if STEP_FILE_SHAPES not in metadata:
-            return block, tensors
-        shapes = {n: torch.Size(shape) for n, shape in json.loads(metadata[STEP_FILE_SHAPES]).items()}
-        encoded = {n: (tensors[n], tensors.get(n + STEP_FILE_SCALES)) for n in shapes}
-        return block, EncodedTensors(encoded, shapes)
+            block = json.loads(f.metadata()[STEP_FILE_BLOCK])
+        return block, load_file(str(path))
 
 
 class ReplicaLost(RuntimeError):

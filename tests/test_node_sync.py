@@ -55,32 +55,3 @@ def test_a_resumed_deployment_brings_each_known_node_x_keeping_its_state_and_a_s
         else:
             assert behind.fields == {"catch_up_versions": (3,), "catch_up_blocks": (1,)} and not behind.full_sync
             assert current.fields == {} and not current.full_sync
-
-
-def test_a_step_that_travelled_rounded_is_logged_as_it_travelled_and_read_back_to_the_bit(tmp_path):
-    """The server's ``g^r`` in int8, bf16 or fp16 (``wire.round_and_pack``'s pieces) is written to the step
-    log as those pieces: a quarter or half of its fp32 bytes, decoded by no pass at the write (before: every
-    round a block's fp32 decoded and written, fsynced, on the server's main thread). Read back, each tensor is
-    the applied step to the bit, a replica moves by it as by the original, and a catch-up built from it
-    carries the same values; an fp32 step is logged as before."""
-    from parablock_flwr.records import to_record, to_tensors
-    from parablock_flwr.wire import round_and_pack
-
-    gen = torch.Generator().manual_seed(3)
-    raw = {"w": torch.randn(300, 70, generator=gen) * 1e-3, "b": torch.randn(129, generator=gen)}
-    for dtype, fraction in (("int8", 0.27), ("bf16", 0.5), ("fp16", 0.5), ("fp32", 1.0)):
-        step, _ = round_and_pack(raw, dtype, lazy=True)
-        log = StepLog(tmp_path / dtype)
-        log.write(7, 1, step)
-        size = (log.dir / "v00007.safetensors").stat().st_size
-        assert size < fraction * 4 * sum(t.numel() for t in raw.values()) + 2000, (dtype, size)
-        block, back = log.read(7)
-        assert block == 1 and sorted(back) == sorted(raw)
-        for name in raw:
-            assert back[name].shape == raw[name].shape and torch.equal(back[name], step[name]), (dtype, name)
-        x, y = {n: torch.ones_like(t) for n, t in raw.items()}, {n: torch.ones_like(t) for n, t in raw.items()}
-        core.apply_step(x, step)
-        core.apply_step(y, back)
-        assert all(torch.equal(x[n], y[n]) for n in raw), dtype
-        caught_up = to_tensors(to_record(back, dtype))
-        assert all(torch.equal(caught_up[n], step[n]) for n in raw), dtype

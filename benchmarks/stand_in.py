@@ -17,7 +17,7 @@ two suspects, of a 2-core machine as much as of the code: the worker's per-byte 
 rounded and uploaded ahead, its residual written) runs beside the server's aggregation, where BCD's worker is idle;
 and ParaBlock's aggregation stages each client's pending update for the checkpoint (as it travelled, written on a
 thread beside it). Buffers mapped afresh each round cost the rounds too (docs/transport.md, "Pages faulted in each
-round": what is reused across rounds and what is still fresh). On this machine both sides' durable writes (the
+round": what is still made fresh each round). On this machine both sides' durable writes (the
 worker's fp32 residual, the server's step log) share one disk with the rest.
 """
 

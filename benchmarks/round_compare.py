@@ -6,7 +6,9 @@ For each setting (transfer dtype, SuperNodes), one deployment per algorithm with
 (ParaBlock also with ``verify-invariant`` on, with ``--verify-invariant``). Each prints the means over rounds
 3..R of the round's wall time T, the compute C, the communication window W, the worker's own work in a round
 (``worker_non_compute``), the server's critical path (last reply to the next messages out) and
-every leg of it (``critical_path_*``); ParaBlock/BCD beside the ideal max(C, T_BCD − C) / T_BCD (ParaBlock hides
+every leg of it (``critical_path_*``), the CPU seconds a round costs the ServerApp and each node worker (every
+thread; beside a stand-in the worker's are all per-byte work, and unlike wall times they do not move with what
+else the machine's cores run); ParaBlock/BCD beside the ideal max(C, T_BCD − C) / T_BCD (ParaBlock hides
 C, so at best its round costs what BCD's costs beside it); the held-out losses of both, round by round; and each
 target as measured, met or not:
 
@@ -46,7 +48,7 @@ VERIFIED = "parablock, verify-invariant"  # ParaBlock again, verify-invariant on
 PER_BYTE_GBPS, FIXED_S, ROUND_SLACK_S, WITHIN = 1.0, 0.3, 1.0, 0.10  # the targets' figures (issue 45)
 TABLE_HEAD = (
     "| setting | algorithm | round T s | C s | W s | worker, message to reply less compute s | server critical path s "
-    "| legs of the critical path s |\n|---|---|---|---|---|---|---|---|"
+    "| CPU s a round: server, worker | legs of the critical path s |\n|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -99,11 +101,24 @@ def means(records: list[dict]) -> dict:
     """Means over rounds 3..R (round 1 overlaps nothing, round 2 makes the second block's update)."""
     rounds = [r for r in records if r.get("round", 0) >= 3 and "round_wall_s" in r]
     keys = ["round_wall_s", "measured_compute_s", "measured_comm_s", "measured_overlap_share", "server_critical_path_s"]
+    keys += ["server_cpu_s"]
     keys += [f"critical_path_{leg}_s" for leg in LEGS]
     out = {k: statistics.mean(r[k] for r in rounds if k in r) for k in keys if any(k in r for r in rounds)}
     if busy := worker_non_compute(records):
         out["worker_non_compute_s"] = busy
+    if cpu := worker_cpu(records):
+        out["worker_cpu_s"] = cpu
     return out
+
+
+def worker_cpu(records: list[dict]) -> float | None:
+    """The CPU seconds a round costs a node worker, every thread: its ``worker_cpu_s`` at round r's reply less at
+    round r-1's, per node, rounds r >= 3 (means' rounds)."""
+    cpu = {r["round"]: {row["node"]: row.get("worker_cpu_s") for row in r.get("timeline", [])}
+           for r in records if "round" in r}  # fmt: skip
+    spans = [now - cpu[r - 1][node] for r, nodes in cpu.items() if r >= 3 and r - 1 in cpu
+             for node, now in nodes.items() if now is not None and cpu[r - 1].get(node) is not None]  # fmt: skip
+    return statistics.mean(spans) if spans else None
 
 
 def worker_non_compute(records: list[dict]) -> float | None:
@@ -142,10 +157,11 @@ def rows(setting: str, measured: dict[str, dict]) -> list[str]:
         legs = ", ".join(f"{leg} {m[f'critical_path_{leg}_s']:.2f}" for leg in LEGS if f"critical_path_{leg}_s" in m)
         cells = [m.get(k, float("nan")) for k in ("round_wall_s", "measured_compute_s", "measured_comm_s",
                                                     "worker_non_compute_s", "server_critical_path_s")]  # fmt: skip
-        out.append(f"| {setting} | {name} | " + " | ".join(f"{v:.2f}" for v in cells) + f" | {legs} |")
+        cpu = ", ".join(f"{m.get(k, float('nan')):.2f}" for k in ("server_cpu_s", "worker_cpu_s"))
+        out.append(f"| {setting} | {name} | " + " | ".join(f"{v:.2f}" for v in cells) + f" | {cpu} | {legs} |")
     ratio, ideal = against_ideal(measured["fedbcd"], measured["parablock"])
     out.append(f"| {setting} | ParaBlock / BCD | **{ratio:.2f}** (ideal {ideal:.2f}: max(C, T_BCD − C) / T_BCD; "
-               f"{ratio / ideal:.2f}× of it) | | | | | |")  # fmt: skip
+               f"{ratio / ideal:.2f}× of it) | | | | | | |")  # fmt: skip
     return out
 
 

@@ -10,6 +10,12 @@ max(C, T_BCD - C) / T_BCD) and every target of a round beside a GPU as measured 
 
     .venv/bin/python -m benchmarks.stand_in --hidden 1536 2560 --compute-s 2.5 --report   # a section each setting
     .venv/bin/python -m benchmarks.stand_in --hidden 512 --rounds 4          # the smallest, as CI runs it
+    .venv/bin/python -m benchmarks.stand_in --hidden 2560 --pin               # workers on CPUs of their own
+
+``--pin`` puts the node workers on the upper half of this machine's CPUs and everything else (the benchmark,
+the SuperLink, the SuperNodes, the ServerApp) on the lower half, as on machines of their own: on a machine of
+2 cores, a change that frees one side's CPU and one that shortens its path read alike otherwise, and an A/B of
+two commits measures the machine's scheduling as much as the code.
 
 Reading the page: the ideal counts all of BCD's time besides C as work ParaBlock cannot hide, so ParaBlock may come
 out below it, where it hides some of that work too. Where ParaBlock's server critical path is longer than BCD's,
@@ -24,6 +30,8 @@ worker's fp32 residual, the server's step log) share one disk with the rest.
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
 import tempfile
 import time
@@ -45,8 +53,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--nodes", type=int, default=1, help="SuperNodes, each with its stand-in worker")
     parser.add_argument("--transfer-dtype", default="int8", choices=["int8", "bf16", "fp16"])
     parser.add_argument("--verify-invariant", action="store_true", help="ParaBlock with it on too: its cost")
+    parser.add_argument("--pin", action="store_true", help="workers on the upper half of the CPUs, the rest below")
     parser.add_argument("--report", action="store_true", help="write docs/results/stand_in.md")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.pin and (len(os.sched_getaffinity(0)) < 2 or shutil.which("taskset") is None):
+        parser.error(f"--pin: {len(os.sched_getaffinity(0))} CPU(s) here, taskset {shutil.which('taskset')}; "
+                     "expected 2 CPUs or more and util-linux's taskset")  # fmt: skip
+    return args
+
+
+def pinned_halves() -> tuple[list[int], list[int]]:
+    """This process's CPUs split in two: (the rest's, the workers')."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return cpus[: len(cpus) // 2], cpus[len(cpus) // 2 :]
 
 
 def run_config(model: Path, args) -> dict:
@@ -60,13 +79,26 @@ def run_config(model: Path, args) -> dict:
     }  # fmt: skip
 
 
-def stand_in_worker(compute_s: float):
-    """The real worker's command, with the stand-in's module in its place."""
-    return lambda real: [real[0], "-m", "benchmarks.stand_in_worker", "--compute-s", str(compute_s), *real[3:]]
+def stand_in_worker(compute_s: float, cpus: list[int] | None = None):
+    """The real worker's command, with the stand-in's module in its place (``cpus``: under taskset, on those)."""
+    pin = ["taskset", "-c", ",".join(map(str, cpus))] if cpus else []
+    return lambda real: [*pin, real[0], "-m", "benchmarks.stand_in_worker", "--compute-s", str(compute_s), *real[3:]]
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    own_cpus, workers_cpus = os.sched_getaffinity(0), None
+    if args.pin:  # what this process starts inherits its CPUs; the workers' taskset overrides them
+        rest, workers_cpus = pinned_halves()
+        os.sched_setaffinity(0, rest)
+    try:
+        return run_sizes(args, workers_cpus)
+    finally:
+        os.sched_setaffinity(0, own_cpus)
+
+
+def run_sizes(args, workers_cpus: list[int] | None) -> dict:
+    """Each ``--hidden`` size deployed once per algorithm; the table printed and, with ``--report``, written."""
     results, table, found = {}, [], []
     with tempfile.TemporaryDirectory(prefix="parablock-stand-in-") as tmp:
         workdir = Path(tmp)
@@ -77,10 +109,10 @@ def main(argv=None) -> dict:
             try:
                 measured = compare(run_config(model, args), workdir / f"{hidden}",
                                    args.verify_invariant, nodes=args.nodes,
-                                   worker=stand_in_worker(args.compute_s))  # fmt: skip
+                                   worker=stand_in_worker(args.compute_s, workers_cpus))  # fmt: skip
             except SystemExit as err:  # a run that failed is a row of the table, with its last line
                 last = str(err).strip().splitlines()[-1] if str(err).strip() else "failed"
-                table.append(f"| {setting} | failed: {last[:300]} | | | | | | |")
+                table.append(f"| {setting} | failed: {last[:300]} | | | | | | | |")
                 continue
             results[hidden] = measured
             table += rows(setting, measured)
@@ -90,7 +122,8 @@ def main(argv=None) -> dict:
     print(body)
     if args.report:  # one section per setting: the file keeps the others
         heading = (f"## C = {args.compute_s:g} s, {args.nodes} SuperNode(s), {args.transfer_dtype}, "
-                   f"verify-invariant {'off and on' if args.verify_invariant else 'off'}")  # fmt: skip
+                   f"verify-invariant {'off and on' if args.verify_invariant else 'off'}"
+                   f"{', workers pinned' if args.pin else ''}")  # fmt: skip
         body = (
             f"`{command('stand_in')}` at {commit()}, {time.strftime('%Y-%m-%d')}; {machine_line()}. "
             f"Transport direct on loopback (plaintext), {args.rounds} rounds, means of rounds 3..R.\n\n{body}"

@@ -117,8 +117,12 @@ def test_round_r_is_evaluated_after_round_r_plus_1_is_sent(deployed):
 
 def test_the_relay_leg_splits_into_flowers_pull_the_send_and_the_workers_read(deployed):
     """The ClientApp's stamps reach the record: its relay leg is the sum of its three parts, each one
-    measured, and the CPU seconds of the ClientApp and the server are there for every round."""
-    for rec in succeeded(deployed).records[2:]:
+    measured, and the CPU seconds of the ClientApp, the server and the worker are there for every round (the
+    worker's a running total, so each round's costs what it grew by)."""
+    records = succeeded(deployed).records
+    worker_cpu = [{row["node"]: row["worker_cpu_s"] for row in rec["timeline"]} for rec in records[1:]]
+    assert all(0 < cpu[node] < later[node] for cpu, later in zip(worker_cpu, worker_cpu[1:]) for node in cpu)
+    for rec in records[2:]:
         parts = [rec[f"critical_path_{part}_s"] for part in ("clientapp_pull", "relay_send", "worker_read")]
         # The worker may stamp the last byte read before the ClientApp's sendall returns to stamp it sent:
         # two processes' clocks on one host, so worker_read can be a hair below zero (CI saw it), never more.

@@ -6,6 +6,7 @@ check's comparison runs too) are judged from the figures, met or not."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 
@@ -15,7 +16,10 @@ from benchmarks import round_compare, stand_in
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_the_stand_in_benchmark_measures_both_algorithms_and_parablock_hides_the_compute(capsys):
-    results = stand_in.main(["--hidden", "256", "--rounds", "4", "--compute-s", "1.5"])
+    own_cpus = os.sched_getaffinity(0)
+    pin = ["--pin"] if len(own_cpus) >= 2 else []  # workers on CPUs of their own, as the A/Bs run it
+    results = stand_in.main(["--hidden", "256", "--rounds", "4", "--compute-s", "1.5", *pin])
+    assert os.sched_getaffinity(0) == own_cpus  # the benchmark gives its own CPUs back
     bcd, parablock = results[256]["fedbcd"], results[256]["parablock"]
     for measured in (bcd, parablock):
         assert 1.5 <= measured["measured_compute_s"] < 1.8  # the stand-in's wait, as the worker timed it
@@ -27,6 +31,25 @@ def test_the_stand_in_benchmark_measures_both_algorithms_and_parablock_hides_the
     assert 0 < ideal <= 1 and ratio > 0
     out = capsys.readouterr().out
     assert "ParaBlock / BCD" in out and "| 256 (2 MB): BCD's round ≤ C + link + 1 s (s) |" in out
+
+
+def test_pinned_workers_run_under_taskset_on_the_upper_half_of_the_cpus():
+    rest, workers = stand_in.pinned_halves()
+    assert rest and workers and not set(rest) & set(workers) and set(rest) | set(workers) == os.sched_getaffinity(0)
+    real = ["/venv/python", "-m", "parablock_flwr.worker", "--socket", "s"]
+    command = stand_in.stand_in_worker(2.5, [3, 4])(real)
+    assert command == ["taskset", "-c", "3,4", "/venv/python", "-m", "benchmarks.stand_in_worker", "--compute-s", "2.5",
+                       "--socket", "s"]  # fmt: skip
+    assert stand_in.stand_in_worker(2.5)(real)[:3] == ["/venv/python", "-m", "benchmarks.stand_in_worker"]
+
+
+def test_a_workers_cpu_a_round_is_what_its_running_total_grew_by_from_round_3_on():
+    def record(r, *cpu):
+        return {"round": r, "timeline": [{"node": n, "worker_cpu_s": c} for n, c in enumerate(cpu)]}
+
+    records = [{"round": 0}, record(1, 1.0, 2.0), record(2, 3.0, 4.0), record(3, 6.0, 8.0), record(4, 10.0, 9.0)]
+    assert round_compare.worker_cpu(records) == pytest.approx((3 + 4 + 4 + 1) / 4)  # rounds 3 and 4, both nodes
+    assert round_compare.worker_cpu(records[:3]) is None  # no round 3: nothing measured
 
 
 def test_each_target_is_judged_from_its_figures_and_one_not_measured_is_said():

@@ -168,7 +168,7 @@ def timeline_metrics(accepted: list[Reply]) -> dict:
         if None not in (m.clientapp_imported_torch, m.clientapp_start, m.clientapp_reply):
             row["clientapp_imported_torch"] = m.clientapp_imported_torch
             row["clientapp_start_to_reply_s"] = float(m.clientapp_reply) - float(m.clientapp_start)
-        for cpu in ("clientapp_pull_cpu_s", "clientapp_cpu_s"):  # which process burns the bytes
+        for cpu in ("clientapp_pull_cpu_s", "clientapp_cpu_s", "worker_cpu_s"):  # which process burns the bytes
             if getattr(m, cpu) is not None:
                 row[cpu] = float(getattr(m, cpu))
         rows.append(row)

@@ -265,7 +265,7 @@ class NodeWorker:
         done = self.node.train(res, cfg, req, fetch_step, store, store, rounded, defer_write=True)
         try:  # from here on, every way out waits for the residual's write (and its rename) first
             metrics = dataclasses.replace(done.metrics, request_received=received,
-                                          prev_reply_sent=self.last_reply_sent,
+                                          prev_reply_sent=self.last_reply_sent, worker_cpu_s=time.process_time(),
                                           direct_step_prefetched=1 if prefetched is not None else None,
                                           direct_content_fetched=1 if content_fetched else None)  # fmt: skip
             early = ahead.early_upload() if ahead is not None else None  # an upload still in flight is waited for

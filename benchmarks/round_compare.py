@@ -7,8 +7,8 @@ For each setting (transfer dtype, SuperNodes), one deployment per algorithm with
 3..R of the round's wall time T, the compute C, the communication window W, the worker's own work in a round
 (``worker_non_compute``), the server's critical path (last reply to the next messages out) and
 every leg of it (``critical_path_*``), the CPU seconds a round costs the ServerApp and each node worker (every
-thread; beside a stand-in the worker's are all per-byte work, and unlike wall times they do not move with what
-else the machine's cores run); ParaBlock/BCD beside the ideal max(C, T_BCD − C) / T_BCD (ParaBlock hides
+thread; beside a stand-in the worker's are all per-byte work, less moved than wall times by what else the
+machine's cores run, though not unmoved); ParaBlock/BCD beside the ideal max(C, T_BCD − C) / T_BCD (ParaBlock hides
 C, so at best its round costs what BCD's costs beside it); the held-out losses of both, round by round; and each
 target as measured, met or not:
 
@@ -107,17 +107,19 @@ def means(records: list[dict]) -> dict:
     if busy := worker_non_compute(records):
         out["worker_non_compute_s"] = busy
     if cpu := worker_cpu(records):
-        out["worker_cpu_s"] = cpu
+        out["worker_round_cpu_s"] = cpu
     return out
 
 
 def worker_cpu(records: list[dict]) -> float | None:
-    """The CPU seconds a round costs a node worker, every thread: its ``worker_cpu_s`` at round r's reply less at
-    round r-1's, per node, rounds r >= 3 (means' rounds)."""
+    """The CPU seconds a round costs a node worker, every thread: its running total ``worker_cpu_s`` at round r's
+    reply less at round r-1's, per node, rounds r >= 3 (means' rounds); a total that fell (a restarted worker
+    counts from 0 again) is no round's figure."""
     cpu = {r["round"]: {row["node"]: row.get("worker_cpu_s") for row in r.get("timeline", [])}
            for r in records if "round" in r}  # fmt: skip
     spans = [now - cpu[r - 1][node] for r, nodes in cpu.items() if r >= 3 and r - 1 in cpu
-             for node, now in nodes.items() if now is not None and cpu[r - 1].get(node) is not None]  # fmt: skip
+             for node, now in nodes.items() if now is not None and cpu[r - 1].get(node) is not None
+             and now >= cpu[r - 1][node]]  # fmt: skip
     return statistics.mean(spans) if spans else None
 
 
@@ -157,7 +159,7 @@ def rows(setting: str, measured: dict[str, dict]) -> list[str]:
         legs = ", ".join(f"{leg} {m[f'critical_path_{leg}_s']:.2f}" for leg in LEGS if f"critical_path_{leg}_s" in m)
         cells = [m.get(k, float("nan")) for k in ("round_wall_s", "measured_compute_s", "measured_comm_s",
                                                     "worker_non_compute_s", "server_critical_path_s")]  # fmt: skip
-        cpu = ", ".join(f"{m.get(k, float('nan')):.2f}" for k in ("server_cpu_s", "worker_cpu_s"))
+        cpu = ", ".join(f"{m.get(k, float('nan')):.2f}" for k in ("server_cpu_s", "worker_round_cpu_s"))
         out.append(f"| {setting} | {name} | " + " | ".join(f"{v:.2f}" for v in cells) + f" | {cpu} | {legs} |")
     ratio, ideal = against_ideal(measured["fedbcd"], measured["parablock"])
     out.append(f"| {setting} | ParaBlock / BCD | **{ratio:.2f}** (ideal {ideal:.2f}: max(C, T_BCD − C) / T_BCD; "

@@ -250,7 +250,7 @@ class TrainMetrics:
     clientapp_reply: float | None = _metric(NUMBER)
     clientapp_pull_cpu_s: float | None = _metric(NUMBER)  # the ClientApp's CPU seconds at its handler's start ...
     clientapp_cpu_s: float | None = _metric(NUMBER)  # ... and at its reply
-    worker_cpu_s: float | None = _metric(NUMBER)  # the node worker's CPU seconds (every thread) at its reply
+    worker_cpu_s: float | None = _metric(NUMBER)  # the node worker's CPU seconds (every thread), before its upload
     clientapp_imported_torch: int | None = _metric(FLAG)
     # Simulation: steps an actor read from the server's step log, and the process that computed.
     steps_from_log: int | None = _metric(COUNT)

@@ -303,6 +303,7 @@ optional_metrics = st.fixed_dictionaries(
         "clientapp-sent": stamp,
         "clientapp-pull-cpu-s": st.floats(0.0, 10.0),
         "clientapp-cpu-s": st.floats(0.0, 10.0),
+        "worker-cpu-s": st.floats(0.0, 10.0),
         "clientapp-imported-torch": st.integers(0, 1),
         "own-data": st.integers(0, 1),
     },

@@ -59,9 +59,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--pin", action="store_true", help="workers on the upper half of the CPUs, the rest below")
     parser.add_argument("--report", action="store_true", help="write docs/results/stand_in.md")
     args = parser.parse_args(argv)
-    if args.pin and (len(os.sched_getaffinity(0)) < 2 or shutil.which("taskset") is None):
-        parser.error(f"--pin: {len(os.sched_getaffinity(0))} CPU(s) here, taskset {shutil.which('taskset')}; "
-                     "expected 2 CPUs or more and util-linux's taskset")  # fmt: skip
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0  # Linux's only
+    if args.pin and (cpus < 2 or shutil.which("taskset") is None):
+        parser.error(f"--pin: {cpus} CPU(s) to pin here, taskset {shutil.which('taskset')}; "
+                     "expected 2 CPUs or more (Linux) and util-linux's taskset")  # fmt: skip
     return args
 
 
@@ -90,10 +91,11 @@ def stand_in_worker(compute_s: float, cpus: list[int] | None = None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    own_cpus, workers_cpus = os.sched_getaffinity(0), None
-    if args.pin:  # what this process starts inherits its CPUs; the workers' taskset overrides them
-        rest, workers_cpus = pinned_halves()
-        os.sched_setaffinity(0, rest)
+    if not args.pin:
+        return run_sizes(args, None)
+    own_cpus = os.sched_getaffinity(0)
+    rest, workers_cpus = pinned_halves()
+    os.sched_setaffinity(0, rest)  # what this process starts inherits its CPUs; the workers' taskset overrides them
     try:
         return run_sizes(args, workers_cpus)
     finally:

@@ -12,6 +12,7 @@ SERVER_LEGS = {"check 2 replies (norm, finite)", "aggregate 2", "DP: clip 2 repl
                "round and pack g", "apply g to x", "2 invariant digests, cached"}  # fmt: skip
 
 
+@pytest.mark.slow
 def test_the_byte_legs_benchmark_measures_every_leg_beside_the_tls_socket(capsys):
     results = byte_legs.main(["--params-m", "0.5", "--dtypes", "int8", "bf16", "--repeats", "1", "--blocks", "3"])
     out = capsys.readouterr().out

@@ -301,6 +301,7 @@ def test_the_run_summary_counts_the_direct_streams_fallbacks_and_refusals_the_fi
     assert run_summary([{"round": 1, **quiet}]) == ""
 
 
+@pytest.mark.slow
 def test_the_default_datasets_rows_are_the_same_bits_in_every_process():
     """Deterministic mode promises the same bits in every run: the default dataset's rows must not depend
     on the process (Python randomises str hashes per process; a generator that iterates a set of letters

@@ -305,6 +305,7 @@ def test_a_first_plan_of_a_known_decoder_imports_neither_transformers_nor_peft(t
     assert imported == [] and not (tmp_path / "plan-shapes").exists()
 
 
+@pytest.mark.slow
 def test_a_second_plan_of_an_unknown_architecture_does_not_import_transformers_modeling_code(tmp_path):
     """GPT-2 is not a decoder the arithmetic knows: plan builds it on the meta device (transformers'
     modeling code) once and caches its shape, so a second plan of the same config and partition keys

@@ -325,6 +325,7 @@ reply_specs = st.lists(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     specs=reply_specs,

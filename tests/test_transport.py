@@ -690,6 +690,7 @@ class SilentProxy:
             sock.close()
 
 
+@pytest.mark.slow
 def test_a_connection_dropped_silently_ends_a_waiting_download_on_both_sides(tls):
     """A node waiting a round ahead moves no bytes: keepalive pings, answered while the connection lives,
     end the wait on both sides once it is dropped without a reset (the node's call fails as unavailable, the

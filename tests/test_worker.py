@@ -28,6 +28,7 @@ from parablock_flwr.worker.server import NodeWorker, run_worker
 from helpers import relayed, tiny_config, worker_request
 
 
+@pytest.mark.slow
 def test_a_full_sync_during_a_computation_ahead_leaves_the_invariant_exact(tmp_path, tiny_model_dir):
     """Round 1 starts round 2's computation ahead; round 2's message is a full sync (the server
     lost track of the node) that arrives while that computation still runs. The worker lets it

@@ -321,6 +321,7 @@ def impostor(path: Path, uid: int):
     return pid, count
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="listens as another user: needs root")
 def test_the_clientapp_sends_nothing_to_a_worker_of_an_unexpected_user(monkeypatch):
     """The relay checks whom it talks to (``SO_PEERCRED``) before it sends a byte: a process of uid 65534

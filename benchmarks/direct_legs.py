@@ -21,7 +21,7 @@ largest, ``benchmarks.window`` measures the window. Best of ``--repeats`` rounds
     .venv/bin/python -m benchmarks.direct_legs --sizes-mb 973 --allocators default,mapped,mapped-huge   # side by side
 
 ``--allocators``: each size in a fresh process per allocator, in turn: ``default`` (glibc's own threshold),
-``mapped`` (``memory.map_large_buffers``: every buffer of 8 MiB or more mapped afresh and unmapped when freed),
+``mapped`` (``memory.map_large_buffers``: every buffer of 1 MiB or more mapped afresh and unmapped when freed),
 ``mapped-huge`` (the same on huge pages, ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``, as the node worker and a
 deployment's ServerApp run).
 """

@@ -13,11 +13,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h); set, glibc moves neither
-# Buffers from this size up get a mapping of their own (``map_large_buffers``): above the 4 MiB chunks a round makes
-# and frees by the hundred (the stream's chunks, the rounding's), which the heap then serves again in place.
-LARGE_BUFFER_BYTES = 8 * 2**20
-HEAP_KEPT_BYTES = 16 * 2**20  # what the heap keeps free at its top, for the next chunks, before giving any back
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h); setting it also stops glibc raising it
+LARGE_BUFFER_BYTES = 2**20  # buffers from this size up get a mapping of their own (``map_large_buffers``)
 HUGE_PAGES = "glibc.malloc.hugetlb=1"  # the glibc tunable (2.35+) that madvises each mapping for huge pages
 
 
@@ -35,15 +32,9 @@ def _glibc():
 
 
 def map_large_buffers() -> bool:
-    """Serve every buffer of 8 MiB or more (a block's tensors, the step, their bytes on the wire) from a mapping
-    of its own, given back to the system when freed, so that what the process holds is what it uses, round after
-    round; and keep chunk-sized buffers in the heap, which serves the next ones from the same pages.
-
-    A page given back costs a page fault, zeroed, when it is touched again, and more where the pages freed are
-    handed to a host (a virtual machine's balloon that reports free pages: docs/results/fresh_memory.md, a block
-    of 944 MB touched anew in 0.1 to 2 s against 0.04 s for one kept). A round makes and frees its 4 MiB chunks
-    by the hundred on each side (the stream's, the rounding's): mapped, each was faulted in afresh; in the heap
-    (under ``LARGE_BUFFER_BYTES``, ``HEAP_KEPT_BYTES`` kept at its top) they take pages the heap already holds.
+    """Serve every buffer of 1 MiB or more (a block's tensors, their rounding, the step, their bytes on the wire)
+    from a mapping of its own, given back to the system when freed, so that what the process holds is what it
+    uses, round after round.
 
     glibc's default maps only buffers above a threshold that rises to 32 MiB as buffers are freed; a block's
     tensors below it, and (before this) every buffer when the heap kept what it freed, share one heap, where a
@@ -59,7 +50,6 @@ def map_large_buffers() -> bool:
     False (nothing changed) where the C library is not glibc."""
     libc = _glibc()
     mapped = libc is not None and libc.mallopt(M_MMAP_THRESHOLD, LARGE_BUFFER_BYTES) == 1
-    mapped = mapped and libc.mallopt(M_TRIM_THRESHOLD, HEAP_KEPT_BYTES) == 1
     huge = mapped and huge_pages_asked()
     huge_line = "yes" if huge else f"no (start this process with GLIBC_TUNABLES={HUGE_PAGES})"
     log.info("large buffers mapped, given back when freed: %s; on huge pages: %s",

@@ -52,7 +52,7 @@ MAX_LAYOUT_BYTES = 16 * 1024 * 1024
 # The largest int8 scale whose dequantised values (|q| <= 127) stay finite in fp32.
 MAX_INT8_SCALE = float(np.finfo(np.float32).max) / 127
 # Values a chunked read (``Payload.chunks``) decodes at a time: 256 KiB of fp32, under the allocator's mapping
-# threshold (``memory.map_large_buffers``: 8 MiB), so its buffer and float64's temporaries come from the heap
+# threshold (``memory.map_large_buffers``: 1 MiB), so its buffer and float64's temporaries come from the heap
 # and stay in cache, never faulted in afresh.
 READ_CHUNK_VALUES = 64 * 1024
 

@@ -269,38 +269,3 @@ def test_a_process_that_maps_its_large_buffers_gives_each_back_when_freed_whatev
     rss = json.loads(done.stdout)
     assert rss["mapped"] is True  # glibc here
     assert rss["after_three"] < rss["start"] + 3 * 2 + 32, rss  # what lives on, and no block kept
-
-
-CHUNK_BUFFERS = """
-import json, resource
-from parablock_flwr.memory import map_large_buffers
-
-def faults_of_chunks(count):  # 4 MiB chunks made, written through and freed one after the other, as a round does
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(count):
-        chunk = bytearray(4 * 2**20)
-        chunk[:: 4096] = b"x" * (len(chunk) // 4096)
-        del chunk
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-
-print(json.dumps({"mapped": map_large_buffers(), "first": faults_of_chunks(1), "next_100": faults_of_chunks(100)}))
-"""
-
-
-def test_a_process_that_maps_its_large_buffers_serves_its_chunks_from_pages_it_holds():
-    """A round makes and frees its 4 MiB chunks by the hundred (the stream's, the rounding's): under
-    ``memory.map_large_buffers`` the heap serves each from the pages of the last, where a mapping of its own would
-    fault each in afresh (with the threshold at 1 MiB, as before: 1,025 faults a chunk, 514 with huge pages asked;
-    a page given back can cost a fetch from a VM's host: docs/results/fresh_memory.md)."""
-    import json
-    import subprocess
-    import sys
-
-    from parablock_flwr.memory import _glibc
-
-    if _glibc() is None:
-        pytest.skip("glibc only: elsewhere map_large_buffers changes nothing")
-    done = subprocess.run([sys.executable, "-c", CHUNK_BUFFERS], capture_output=True, text=True, check=True)
-    faults = json.loads(done.stdout)
-    assert faults["mapped"] is True and faults["first"] > 0, faults  # the first chunk's pages: faulted in once
-    assert faults["next_100"] < 100, faults  # then none a chunk, where mapped chunks took hundreds each

@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
         type=float,
         nargs="+",
         default=list(PAUSES_S),
-        help="seconds between freeing a block and making the next (default: 0 1 3 8)",
+        help=f"seconds between freeing a block and making the next (default: {' '.join(f'{x:g}' for x in PAUSES_S)})",
     )
     p.add_argument("--report", action="store_true", help="write docs/results/fresh_memory.md")
     p.add_argument("--child", type=int, help=argparse.SUPPRESS)  # one process of the run, the block's bytes

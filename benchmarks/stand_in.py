@@ -18,18 +18,17 @@ the SuperLink, the SuperNodes, the ServerApp) on the lower half, as on machines 
 two commits measures the machine's scheduling as much as the code.
 
 Reading the page: the ideal counts all of BCD's time besides C as work ParaBlock cannot hide, so ParaBlock may come
-out below it, where it hides some of that work too. Where ParaBlock's server critical path is longer than BCD's,
-two suspects, of a 2-core machine as much as of the code: the worker's per-byte work for the next round (its update
+out below it, where it hides some of that work too. Where ParaBlock's server critical path is longer than BCD's, two
+suspects, of a 2-core machine as much as of the code: the worker's per-byte work for the next round (its update
 rounded and uploaded ahead, its residual written) runs beside the server's aggregation, where BCD's worker is idle;
 and ParaBlock's aggregation stages each client's pending update for the checkpoint (as it travelled, written on a
 thread beside it). Buffers mapped afresh each round cost the rounds too (docs/transport.md, "What a fresh page costs
-here": what is still made fresh each round, and what a fresh block costs on this VM). On this machine both sides'
-durable writes (the worker's fp32 residual, the server's step log) share one disk with the rest. The CPU seconds a
-round costs the ServerApp and the worker (every thread; the stand-in's wait costs none) are the per-byte work
-itself, less moved by what else the cores run than the wall times; on this VM they still vary from run to run (a
-page's first touch costs what the host makes it cost), so compare two commits by several runs of each, one after
-the other.
-"""
+here": what is kept across rounds, what is still made fresh, and what a fresh block costs on this VM). On this
+machine both sides' durable writes (the worker's fp32 residual, the server's step log) share one disk with the rest.
+The CPU seconds a round costs the ServerApp and the worker (every thread; the stand-in's wait costs none) are the
+per-byte work itself, less moved by what else the cores run than the wall times; on this VM they still vary from run
+to run (a page's first touch costs what the host makes it cost), so compare two commits by several runs of each, one
+after the other."""
 
 from __future__ import annotations
 

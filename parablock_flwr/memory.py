@@ -43,8 +43,9 @@ def map_large_buffers() -> bool:
     round 4 (docs/results/deployed_memory.md now). With the environment's ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``
     (``HUGE_PAGES``; ``tools.launch`` and the units in deploy/ set it) each mapping asks for transparent huge
     pages, so that a fresh buffer's pages fault in 2 MiB at a time (without it, the server's aggregation took
-    twice as long: docs/transport.md, "Pages faulted in each round"). Buffers reused across rounds would save
-    the faults too: not done yet.
+    twice as long: docs/transport.md, "Pages faulted in each round"). The buffers a round makes again every
+    round (a block's update, rounding, sum, step and received bytes) are kept across rounds by ``kept_blocks``,
+    which hands them out of these mappings and gives back, once a round, what lay unused.
 
     Call it first, before the process's threads allocate. Logs one line saying what holds, for the operator;
     False (nothing changed) where the C library is not glibc."""

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 
-from .. import node
+from .. import kept_blocks, node
 from ..config import RunConfig
 from ..messages import (
     BLOCK_RECORDS,
@@ -94,6 +94,8 @@ def _handle(msg: Message, context: Context, op: str) -> Message:
     except Exception as err:
         log.exception("%s failed", op)
         return error_reply(msg, error_line(err))
+    finally:
+        kept_blocks.KEPT.trim()  # once a message: the actor keeps what the last one freed, for the next node's round
     return Message(content=content, reply_to=msg)
 
 

@@ -12,17 +12,22 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import kept_blocks
+
 Tensors = dict[str, torch.Tensor]
 
 
 def snapshot(params: Mapping[str, torch.Tensor], names: Iterable[str]) -> Tensors:
-    """Detached fp32 copies of the named tensors."""
-    return {n: params[n].detach().to(torch.float32).clone() for n in names}
+    """Detached fp32 copies of the named tensors (in kept memory: a block's, every round)."""
+    return {n: kept_blocks.empty(params[n].shape, device=params[n].device).copy_(params[n].detach()) for n in names}
 
 
 def delta(after: Mapping[str, torch.Tensor], before: Mapping[str, torch.Tensor]) -> Tensors:
-    """``Δ = after - before`` in fp32: the optimizer's changes to a block."""
-    return {n: after[n].detach().float() - before[n] for n in before}
+    """``Δ = after - before`` in fp32: the optimizer's changes to a block (a bf16 ``after`` is promoted exactly, in
+    the subtraction, with no fp32 copy of its own)."""
+    return {
+        n: torch.sub(after[n].detach(), t, out=kept_blocks.empty(t.shape, device=t.device)) for n, t in before.items()
+    }
 
 
 def aggregate(updates: Iterable[Tensors], weights: list[float], out: Tensors | None = None) -> Tensors:
@@ -61,7 +66,7 @@ def scaled(
     same bits (one product per value)."""
     if not hasattr(update, "chunks"):
         return torch.mul(update[name], factor, out=out) if out is not None else factor * update[name]
-    out = torch.empty(update.shapes[name]) if out is None else out
+    out = kept_blocks.empty(update.shapes[name]) if out is None else out
     flat, at = out.view(-1), 0
     for chunk in update.chunks(name):
         torch.mul(chunk, factor, out=flat[at : at + chunk.numel()])
@@ -156,7 +161,7 @@ def apply_step_keeping(params: Mapping[str, torch.Tensor], step: Mapping[str, to
 def added(x: torch.Tensor, step_chunks: Iterable[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
     """``x + g`` in new storage (``out``, when given), ``g`` read as consecutive flat chunks (each added as it comes,
     in cache): ``apply_step``'s float op, element by element, so the bits are the same as adding ``g`` whole."""
-    out = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out
+    out = kept_blocks.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
     flat_x, flat_out, at = x.reshape(-1), out.view(-1), 0
     for chunk in step_chunks:
         stop = at + chunk.numel()

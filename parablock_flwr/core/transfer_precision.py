@@ -11,6 +11,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
+from .. import kept_blocks
 from .algorithm import Tensors
 
 # int8 is symmetric and blockwise: ``quantize_int8`` (one fp32 power-of-two scale per INT8_BLOCK values).
@@ -28,6 +29,12 @@ def int8_blocks(numel: int) -> int:
 # memory, and no block-sized temporary is allocated (its pages first-touched) per round. A multiple of
 # INT8_BLOCK, so that chunks cut no int8 block. On a GPU each tensor is one chunk: memory is fast there.
 CHUNK_VALUES = 2**20
+
+
+def _flat_fp32(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` flat in fp32: itself when it is, else an exact copy in kept memory (bf16 weights' updates)."""
+    flat = tensor.detach().reshape(-1)
+    return flat if flat.dtype == torch.float32 else kept_blocks.empty(flat.shape, device=flat.device).copy_(flat)
 
 
 def _chunks(tensor: torch.Tensor):
@@ -81,12 +88,12 @@ def quantize_int8(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     the server can round ``g``, apply it, and encode it again for the wire without changing a bit.
     Chunk by chunk (``CHUNK_VALUES``): the same bits as the whole tensor at once, blocks being independent.
     """
-    flat = tensor.detach().reshape(-1).float()
+    flat = _flat_fp32(tensor)
     n = flat.numel()
-    q = torch.empty(n, dtype=torch.int8, device=flat.device)
-    scales = torch.empty(int8_blocks(n), dtype=torch.float32, device=flat.device)
+    q = kept_blocks.empty(n, dtype=torch.int8, device=flat.device)
+    scales = kept_blocks.empty(int8_blocks(n), dtype=torch.float32, device=flat.device)
     spans = _chunks(flat)
-    work = torch.empty(int8_blocks(spans[0][1]) * INT8_BLOCK if spans else 0, device=flat.device)
+    work = kept_blocks.empty(int8_blocks(spans[0][1]) * INT8_BLOCK if spans else 0, device=flat.device)
     for i, j in spans:
         _quantize_into(flat[i:j], q[i:j], scales[i // INT8_BLOCK : int8_blocks(j)], work)
     return q, scales
@@ -97,7 +104,7 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | No
     result (``out`` when given; the scales are broadcast over each block, not repeated into a block-sized copy)."""
     n = q.numel()
     full = n // INT8_BLOCK * INT8_BLOCK
-    out = torch.empty(n, dtype=torch.float32, device=q.device) if out is None else out
+    out = kept_blocks.empty(n, dtype=torch.float32, device=q.device) if out is None else out
     torch.mul(q[:full].view(-1, INT8_BLOCK), scale[: full // INT8_BLOCK, None], out=out[:full].view(-1, INT8_BLOCK))
     if full < n:  # the tensor's short last block
         torch.mul(q[full:], scale[full // INT8_BLOCK], out=out[full:])
@@ -113,7 +120,7 @@ def decoded_chunks(
     n = values.numel()
     step = buffer.numel() if buffer is not None else (CHUNK_VALUES if values.device.type == "cpu" else max(n, 1))
     if buffer is None and values.dtype != torch.float32:
-        buffer = torch.empty(min(n, step), device=values.device)
+        buffer = kept_blocks.empty(min(n, step), device=values.device)
     for i in range(0, n, step):
         j = min(n, i + step)
         if values.dtype == torch.float32:
@@ -137,7 +144,7 @@ def encoded_sum_of_squares(
         chunks = decoded_chunks(values, None, buffer)
         return sum(float(torch.linalg.vector_norm(c, dtype=torch.float64)) ** 2 for c in chunks)
     n, total = values.numel(), 0.0
-    squares = torch.empty(min(n, CHUNK_VALUES), device=values.device)
+    squares = kept_blocks.empty(min(n, CHUNK_VALUES), device=values.device)
     for i, j in _chunks(values):
         chunk = squares[: j - i].copy_(values[i:j])
         chunk.mul_(chunk)
@@ -258,20 +265,21 @@ def _feedback_tensor(
     """One tensor's ``sent`` (fp32 only: else None, the encoding stands for it), ``e'`` and encoding. ``e'`` is
     computed in the buffer that first holds ``Δ + e`` (no further block-sized buffer), ``sent`` decoded from
     its encoding one chunk at a time through the cache (``decoded``: a chunk-sized buffer)."""
-    flat = update.detach().reshape(-1).float()
+    flat = _flat_fp32(update)
     n, device = flat.numel(), flat.device
     spans = _chunks(flat)
-    kept = torch.empty_like(flat)
-    sent = torch.empty_like(flat) if transfer_dtype == "fp32" else None
-    decoded = torch.empty(spans[0][1] if spans and sent is None else 0, device=device)
+    kept = kept_blocks.empty(n, device=device)
+    sent = kept_blocks.empty(n, device=device) if transfer_dtype == "fp32" else None
+    decoded = kept_blocks.empty(spans[0][1] if spans and sent is None else 0, device=device)
     extra = residual.detach().reshape(-1).to(device=device, dtype=torch.float32) if residual is not None else None
     if transfer_dtype == "int8":
-        values, scales = torch.empty(n, dtype=torch.int8, device=device), torch.empty(int8_blocks(n), device=device)
-        work = torch.empty(int8_blocks(spans[0][1]) * INT8_BLOCK if spans else 0, device=device)
+        values = kept_blocks.empty(n, dtype=torch.int8, device=device)
+        scales = kept_blocks.empty(int8_blocks(n), device=device)
+        work = kept_blocks.empty(int8_blocks(spans[0][1]) * INT8_BLOCK if spans else 0, device=device)
     elif transfer_dtype == "fp32":
         values, scales = sent, None
     else:
-        values, scales = torch.empty_like(flat, dtype=TRANSFER_DTYPES[transfer_dtype]), None
+        values, scales = kept_blocks.empty(n, dtype=TRANSFER_DTYPES[transfer_dtype], device=device), None
     for i, j in spans:
         corrected = kept[i:j]
         if extra is None:

@@ -12,7 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from .. import core
+from .. import core, kept_blocks
 
 
 class RoundBuffers:
@@ -43,7 +43,7 @@ def zeros_here(like: torch.Tensor) -> torch.Tensor:
     """Zeros shaped as ``like``, written on the host by numpy's single-threaded fill, not a torch kernel: this
     thread must start no OpenMP team of its own (once the process's OpenMP threads outnumber its cores, every
     parallel kernel waits on its team asleep: the round's aggregation, on the main thread, among them)."""
-    out = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+    out = kept_blocks.empty(like.shape, dtype=like.dtype, device=like.device)
     if out.device.type == "cpu":
         out.view(-1).view(torch.uint8).numpy().fill(0)
     else:

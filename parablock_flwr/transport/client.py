@@ -12,6 +12,7 @@ from pathlib import Path
 
 import grpc
 
+from parablock_flwr import kept_blocks
 from parablock_flwr.transport.capabilities import Direction, RefusalKind, Refused, Ticket
 from parablock_flwr.transport.framing import Buffers
 from parablock_flwr.transport.headers import encode_header
@@ -102,13 +103,14 @@ class TransportClient:
         self._call(lambda: self._upload(messages(), timeout=self.timeout_s))
         return sha256 or digest.hexdigest()
 
-    def download(self, ticket: Ticket, size: int, sha256: str) -> bytearray:
-        """The record ``ticket`` names, checked against ``size`` and ``sha256`` from Flower's message."""
+    def download(self, ticket: Ticket, size: int, sha256: str) -> memoryview:
+        """The record ``ticket`` names, checked against ``size`` and ``sha256`` from Flower's message, in memory
+        kept across rounds (``kept_blocks``: a block's pages already faulted in, not made afresh each round)."""
         if ticket.direction is not Direction.DOWNLOAD:
             raise ValueError(f"a {ticket.direction} ticket for download; expected a download ticket")
 
-        def receive() -> bytearray:
-            data, digest, got = bytearray(size), hashlib.sha256(), 0
+        def receive() -> memoryview:
+            data, digest, got = memoryview(kept_blocks.host_bytes(size)), hashlib.sha256(), 0
             for chunk in self._download(encode_header(ticket), timeout=self.timeout_s):
                 if got + len(chunk) > size:
                     raise TransportError(f"record {ticket.record!r}: more than the announced {size} bytes")

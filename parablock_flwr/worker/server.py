@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import core, node
+from .. import core, kept_blocks, node
 from ..config import ConfigError, RunConfig
 from ..memory import collect_round_garbage, release_freed_memory
 from ..messages import (
@@ -406,6 +406,7 @@ class NodeWorker:
                 self.release_due = False
                 await asyncio.get_running_loop().run_in_executor(None, release_freed_memory)
             seconds = await asyncio.get_running_loop().run_in_executor(None, collect_round_garbage)
+            kept_blocks.KEPT.trim()  # what the last round freed and this one did not take again
             if seconds > 0.1:  # what was loaded is frozen (memory.freeze_loaded): a pass scans only the rounds'
                 log.info("the garbage collector's pass after the reply took %.2f s", seconds)
         finally:

@@ -9,10 +9,11 @@ answered), which shows whether what it holds grows with rounds; and beside them 
 round's wall time and the node's compute, since how a process holds memory changes how fast it computes.
 
     .venv/bin/python -m benchmarks.deployed_memory --report                  # issue 51's model, both algorithms
-    .venv/bin/python -m benchmarks.deployed_memory --hidden 256 --rounds 3   # the smallest, as CI runs it
+    .venv/bin/python -m benchmarks.deployed_memory --hidden 1024 --rounds 6 --algorithms parablock --weights fp32
+                                                                            # as CI runs it
 
 The model is a wide, shallow Llama (``tools.tiny_model.build_tiny_model``: 8 layers, ``--hidden``, a vocabulary
-of 512) in two 4-layer blocks, trained with bf16 weights and precision: at hidden 2048 that is 0.30 B
+of 512) in two 4-layer blocks, trained with bf16 weights and precision (``--weights``): at hidden 2048 that is 0.30 B
 parameters and two blocks of 151 M, the shape an operator's 1B model has per block.
 
 Reading the page: ParaBlock's worker holds more than BCD's, its pending update and the update sent while the
@@ -43,18 +44,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--algorithms", nargs="+", default=["fedbcd", "parablock"])
+    parser.add_argument("--weights", default="bf16", choices=["bf16", "fp32"],
+                        help="the weights' and the computation's dtype (default: issue 51's bf16; fp32 computes "
+                             "several times faster on a CPU without bf16 instructions)")  # fmt: skip
     parser.add_argument("--transfer-dtypes", nargs="+", default=["int8"], choices=["fp32", "bf16", "fp16", "int8"])
     parser.add_argument("--workdir", type=Path, help="keep the runs' folders and logs here (default: a temporary one)")
     parser.add_argument("--report", action="store_true", help="write docs/results/deployed_memory.md")
     return parser.parse_args(argv)
 
 
-def run_config(algorithm: str, transfer_dtype: str, model: Path, rounds: int, out: Path) -> dict:
-    """Issue 51's settings (bf16 weights and precision, two local steps), rows of at most 128 tokens."""
+def run_config(algorithm: str, transfer_dtype: str, model: Path, rounds: int, out: Path, weights: str) -> dict:
+    """Issue 51's settings (bf16 weights and precision by default, two local steps), rows of at most 128 tokens."""
     return {
         "algorithm": algorithm, "model": str(model), "output-dir": str(out), "num-server-rounds": rounds,
         "layers-per-block": LAYERS_PER_BLOCK, "schedule": "ascending", "transfer-dtype": transfer_dtype,
-        "weights": "bf16", "precision": "bf16", "dataset": "reasoning-gym:gsm_symbolic", "num-examples": 32,
+        "weights": weights, "precision": weights, "dataset": "reasoning-gym:gsm_symbolic", "num-examples": 32,
         "heldout-examples": 4, "max-seq-len": 128, "batch-size": 2, "local-steps": 2, "generate-examples": 0,
         "eval-every": 1000, "evaluation": "clients", "torch-threads": 2,
         "transport": "direct", "transport-insecure": True,
@@ -135,7 +139,7 @@ def main(argv=None) -> list[dict]:
         for dtype in args.transfer_dtypes:
             for algorithm in args.algorithms:
                 name = f"{algorithm}-{dtype}"
-                config = run_config(algorithm, dtype, model, args.rounds, workdir / f"out-{name}")
+                config = run_config(algorithm, dtype, model, args.rounds, workdir / f"out-{name}", args.weights)
                 plan_worker, plan_server = planned(config)
                 peak, records = deploy(config, workdir / name)
                 result = {"algorithm": algorithm, "transfer_dtype": dtype, "peak": peak,

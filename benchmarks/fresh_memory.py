@@ -2,13 +2,13 @@
 its pages, as the ServerApp and the node workers make them (``memory.map_large_buffers``: a mapping of its own,
 given back when freed; with and without the huge pages that ``tools.launch`` and the units ask for).
 
-Each round makes blocks afresh on both sides (the server's sum and new ``x[b]``, a node's residual and the bytes
-it receives), and each is freed again before the next: what that costs depends on where the kernel finds the
-pages. A block freed moments before is cheap to make again; one freed some seconds before may cost ten times
-more: on a virtual machine whose balloon reports free pages to its host (virtio's free page reporting; this
-machine's, as the run prints), the host takes the pages back about 2 s after they are freed, and each touch
-faults them in from the host again. That cost falls on whichever process asks next, so a change that frees less
-on one side can make the other side's rounds slower: a round's CPU is read on both sides together. The
+A round makes blocks on both sides (the server's sum and new ``x[b]``, a node's residual and the bytes it receives),
+and frees each before the next; made afresh each round (before ``kept_blocks`` kept them), what that costs depends
+on where the kernel finds the pages. A block freed moments before is cheap to make again; one freed some seconds
+before may cost ten times more: on a virtual machine whose balloon reports free pages to its host (virtio's free
+page reporting; this machine's, as the run prints), the host takes the pages back about 2 s after they are freed,
+and each touch faults them in from the host again. That cost falls on whichever process asks next, so a change that
+frees less on one side can make the other side's rounds slower: a round's CPU is read on both sides together. The
 ``resident`` row is what a buffer kept across rounds costs: memory speed.
 
 Each case runs in a process of its own, started as the deployment starts its processes; the figures are the

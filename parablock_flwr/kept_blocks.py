@@ -1,97 +1,147 @@
 """Host buffers of a block's size, kept across rounds.
 
-A round makes its block-sized buffers afresh on both sides (the server's sum and new ``x[b]``, a node's residual
-and encoding) and frees them before the next round. A page given back to the system costs a fault, zeroed, when
-the next round touches it again, and far more on a virtual machine whose balloon hands freed pages to its host
-(docs/results/fresh_memory.md: a 944 MB block made fresh in 0.6-1.9 s there, against 0.04 s to write one kept).
+A round makes its block-sized buffers on both sides (the server's sum and new ``x[b]``, a node's snapshot, update,
+residual and encoding, a record's bytes received) and frees them before the next round. A page given back to the
+system costs a fault, zeroed, when the next round touches it again, and far more on a virtual machine whose
+balloon hands freed pages to its host (docs/results/fresh_memory.md).
 
-``empty`` serves such buffers from memory the process keeps, as a device's caching allocator does: when the last
-tensor over a buffer goes (its storage freed, whatever holds it), the memory goes back to this pool, not to the
-system, and the next buffer of the same byte size takes it, already faulted in. What lies unused from one
-``trim`` to the next (called once a round) is given back, so the pool holds at most what one round freed.
+``empty`` and ``host_bytes`` serve such buffers from memory the process keeps, as a device's caching allocator
+does: when the last tensor, array or memoryview over a buffer goes, the memory goes back to this pool, not to the
+system, and the next buffer of the same byte size takes it, already faulted in. The pool adds nothing to what the
+process holds at its peak: a buffer of a size the pool lacks is made only after idle buffers of at least its size
+(the longest idle first) are given back; and what lies unused from one ``trim`` to the next (called once a round)
+is given back too.
+
+Torch-free at import (the ClientApp's transport imports it and never loads torch); ``empty`` imports torch.
 """
 
 from __future__ import annotations
 
 import math
+import queue
 import threading
 import weakref
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from .memory import LARGE_BUFFER_BYTES
 
+if TYPE_CHECKING:
+    import torch
+
 # From the size up that the process maps afresh for each buffer; smaller ones the heap serves again in place.
 KEPT_FROM_BYTES = LARGE_BUFFER_BYTES
+ALIGN = 64  # bytes: a cache line, as torch aligns its own host buffers (numpy's large ones start 16 bytes in)
 
 
 class KeptBlocks:
-    """A pool of host buffers by byte size; ``empty`` takes one (or makes it), its tensors' end gives it back."""
+    """A pool of host buffers by byte size: ``host_bytes`` (and ``empty``) take one or make it; the end of the last
+    thing over it gives it back."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._idle: dict[int, list[np.ndarray]] = {}  # byte size -> buffers no tensor holds, newest last
+        self._idle: list[np.ndarray] = []  # buffers nothing holds, the longest idle first
         self._returned: set[int] = set()  # ids of buffers given back since the last trim
-        self.made = self.reused = 0  # buffers allocated anew, and served from the pool (for logs and tests)
+        # A buffer's end may come in a garbage collection inside this class's own locked code, in the same thread:
+        # it is only queued (``SimpleQueue.put`` is safe there) and taken in under the lock.
+        self._back: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
+        self.made = self.reused = 0  # buffers allocated anew, and served from the pool (for tests and logs)
 
-    def empty(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """An uninitialised host tensor (as ``torch.empty``), contiguous, in kept memory from
+    def host_bytes(self, nbytes: int) -> memoryview:
+        """``nbytes`` uninitialised bytes, kept from ``KEPT_FROM_BYTES`` up: back in the pool when the last
+        memoryview, array (``np.frombuffer``) or tensor over them goes."""
+        return memoryview(self._holder(nbytes))
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
+        """An uninitialised host tensor (as ``torch.empty``; fp32 by default), contiguous, in kept memory from
         ``KEPT_FROM_BYTES`` up."""
+        import torch
+
+        dtype = torch.float32 if dtype is None else dtype
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes < KEPT_FROM_BYTES:
             return torch.empty(shape, dtype=dtype)
-        return torch.from_numpy(self.host_bytes(nbytes)).view(dtype).view(shape)
+        return torch.from_numpy(self._holder(nbytes)).view(dtype).view(shape)
 
-    def host_bytes(self, nbytes: int) -> np.ndarray:
-        """``nbytes`` uninitialised bytes (a uint8 array), kept from ``KEPT_FROM_BYTES`` up: back in the pool when
-        the last array, memoryview or tensor over them goes."""
+    def _holder(self, nbytes: int) -> np.ndarray:
+        """A uint8 array of ``nbytes`` that whatever uses the bytes must hold (a tensor from it, a memoryview of
+        it): a view of it made by numpy holds the buffer below, not it, so it is never handed out bare."""
         if nbytes < KEPT_FROM_BYTES:
             return np.empty(nbytes, dtype=np.uint8)
         with self._lock:
-            idle = self._idle.get(nbytes)
-            buffer = idle.pop() if idle else None
-            self._returned.discard(id(buffer))
+            self._take_back()
+            buffer = next((b for b in reversed(self._idle) if b.nbytes == nbytes), None)
+            if buffer is not None:
+                self._idle = [b for b in self._idle if b is not buffer]
+                self._returned.discard(id(buffer))
+                self.reused += 1
+            else:
+                self._make_room(nbytes)
+                self.made += 1
         if buffer is None:
-            buffer, self.made = np.empty(nbytes, dtype=np.uint8), self.made + 1
-        else:
-            self.reused += 1
-        holder = buffer[:]  # a view whatever uses the bytes holds: when it goes, ``buffer`` comes back
-        weakref.finalize(holder, self._give_back, buffer)
+            raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
+            start = -raw.ctypes.data % ALIGN
+            buffer = raw[start : start + nbytes]
+        holder = buffer[:]
+        weakref.finalize(holder, self._back.put, buffer)
         return holder
 
-    def _give_back(self, buffer: np.ndarray) -> None:
-        with self._lock:
-            self._idle.setdefault(buffer.nbytes, []).append(buffer)
+    def _take_back(self) -> None:
+        """The buffers given back since (under the lock)."""
+        while True:
+            try:
+                buffer = self._back.get_nowait()
+            except queue.Empty:
+                return
+            self._idle.append(buffer)
             self._returned.add(id(buffer))
+
+    def _make_room(self, nbytes: int) -> None:
+        """Before a new buffer: give back idle buffers of at least ``nbytes`` (under the lock), the longest idle
+        first, so that the pool never holds memory beside what the process would have made anyway."""
+        freed = 0
+        while self._idle and freed < nbytes:
+            buffer = self._idle.pop(0)
+            self._returned.discard(id(buffer))
+            freed += buffer.nbytes
 
     def trim(self) -> int:
         """Give the system back every buffer that lay unused since the last trim (call once a round); the bytes
         given back."""
         with self._lock:
-            dropped = 0
-            for nbytes, idle in list(self._idle.items()):
-                kept = [b for b in idle if id(b) in self._returned]
-                dropped += nbytes * (len(idle) - len(kept))
-                if kept:
-                    self._idle[nbytes] = kept
-                else:
-                    del self._idle[nbytes]
-            self._returned.clear()
+            self._take_back()
+            kept = [b for b in self._idle if id(b) in self._returned]
+            dropped = sum(b.nbytes for b in self._idle) - sum(b.nbytes for b in kept)
+            self._idle = kept
+            self._returned = set()
+        return dropped
+
+    def clear(self) -> int:
+        """Give the system back every idle buffer (a new run starts: none of the last one's sizes may recur); the
+        bytes given back."""
+        with self._lock:
+            self._take_back()
+            dropped = sum(b.nbytes for b in self._idle)
+            self._idle, self._returned = [], set()
         return dropped
 
     def idle_bytes(self) -> int:
-        """What the pool holds that no tensor uses."""
+        """What the pool holds that nothing uses."""
         with self._lock:
-            return sum(nbytes * len(idle) for nbytes, idle in self._idle.items())
+            self._take_back()
+            return sum(b.nbytes for b in self._idle)
 
 
 KEPT = KeptBlocks()  # the process's pool: every module's block-sized host buffers share it
 host_bytes = KEPT.host_bytes
 
 
-def empty(shape, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
-    """``torch.empty``, from the process's pool on the host (a device's own caching allocator keeps its memory)."""
-    if torch.device(device).type != "cpu":
-        return torch.empty(shape, dtype=dtype, device=device)
+def empty(shape, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
+    """``torch.empty`` (fp32 by default), from the process's pool on the host (a device's own caching allocator
+    keeps its memory)."""
+    import torch
+
+    if device is not None and torch.device(device).type != "cpu":
+        return torch.empty(shape, dtype=dtype or torch.float32, device=device)
     return KEPT.empty(tuple(shape) if not isinstance(shape, int) else (shape,), dtype)

@@ -1,6 +1,9 @@
 """``kept_blocks``: a block-sized host buffer comes back to the pool when the last thing over its memory goes
 (a tensor, a view, a numpy array), never before, and the next buffer of its size takes it."""
 
+import gc
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -73,14 +76,55 @@ def test_threads_that_take_and_free_buffers_together_never_share_one():
 def test_bytes_received_come_back_once_the_last_memoryview_or_array_over_them_goes():
     """The stream's downloads: a record's bytes are read through memoryviews and numpy arrays over slices."""
     pool = KeptBlocks()
-    data = memoryview(pool.host_bytes(KEPT_FROM_BYTES))
+    data = pool.host_bytes(KEPT_FROM_BYTES)
     data[:4] = b"abcd"
     payload = np.frombuffer(data[2:], dtype=np.uint8)
     del data
     assert bytes(payload[:2]) == b"cd" and pool.idle_bytes() == 0
+    view = payload[:8].view(np.int16)  # numpy's own view of the array: it holds the memoryview still
     del payload
+    assert pool.idle_bytes() == 0 and view.nbytes == 8
+    del view
     assert pool.idle_bytes() == KEPT_FROM_BYTES
     assert pool.host_bytes(KEPT_FROM_BYTES - 1).nbytes == KEPT_FROM_BYTES - 1 and pool.made == 1  # small: numpy's
+
+
+def test_a_size_the_pool_lacks_is_made_only_after_idle_buffers_of_its_size_go():
+    """The pool adds nothing to a process's peak: a block of another size (the embeddings' block after the
+    layers') first gives back idle buffers of at least its bytes, the longest idle first."""
+    pool = KeptBlocks()
+    a, b = pool.empty(SHAPE), pool.empty(SHAPE)
+    del a, b
+    assert pool.idle_bytes() == 2 * KEPT_FROM_BYTES
+    larger = pool.empty((SHAPE[0] + 1, SHAPE[1]))  # a little more than one idle buffer: both go
+    assert pool.idle_bytes() == 0 and pool.made == 3
+    del larger
+    assert pool.clear() == KEPT_FROM_BYTES + SHAPE[1] * 4 and pool.idle_bytes() == 0
+
+
+def test_a_buffer_that_ends_inside_the_pools_own_locked_code_comes_back_without_a_deadlock():
+    """A tensor in a reference cycle ends when a garbage collection runs, which any allocation may start, the
+    pool's own under its lock among them: its give-back must not wait on that lock."""
+    pool = KeptBlocks()
+
+    class Cycle:
+        def __init__(self):
+            self.me, self.block = self, pool.empty(SHAPE)
+
+    gc.disable()
+    try:
+        Cycle()  # unreachable, freed only by a collection
+        with pool._lock:  # what a collection inside trim's or host_bytes's locked code would meet
+            gc.collect()
+    finally:
+        gc.enable()
+    assert pool.trim() == 0 and pool.idle_bytes() == KEPT_FROM_BYTES
+
+
+def test_the_pool_imports_no_torch_for_the_clientapps_transport():
+    """The deployed ClientApp starts without torch (client_apps/app.py); its transport receives into kept bytes."""
+    code = "import sys, parablock_flwr.transport.client, parablock_flwr.client_apps.app; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
 
 
 def test_the_update_and_snapshot_in_kept_memory_are_the_bits_of_plain_fp32_arithmetic():

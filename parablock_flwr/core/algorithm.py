@@ -23,11 +23,9 @@ def snapshot(params: Mapping[str, torch.Tensor], names: Iterable[str]) -> Tensor
 
 
 def delta(after: Mapping[str, torch.Tensor], before: Mapping[str, torch.Tensor]) -> Tensors:
-    """``Δ = after - before`` in fp32: the optimizer's changes to a block (a bf16 ``after`` is promoted exactly, in
-    the subtraction, with no fp32 copy of its own)."""
-    return {
-        n: torch.sub(after[n].detach(), t, out=kept_blocks.empty(t.shape, device=t.device)) for n, t in before.items()
-    }
+    """``Δ = after - before`` in fp32: the optimizer's changes to a block (``after`` widened exactly into the
+    result, then ``before`` subtracted in place: no other block-sized buffer)."""
+    return {n: kept_blocks.empty(t.shape, device=t.device).copy_(after[n].detach()).sub_(t) for n, t in before.items()}
 
 
 def aggregate(updates: Iterable[Tensors], weights: list[float], out: Tensors | None = None) -> Tensors:

@@ -104,7 +104,7 @@ class Run:
                     self.driver.pull_audits(grid)  # before the disk: Flower hands a reply over only while it lives
                     self.conclude_round(due)
                     self.ledger.times["previous_finished"] = time.time()  # beside the message's way to the nodes
-                    kept_blocks.KEPT.trim()  # what the last round freed and this one did not take again
+                    kept_blocks.KEPT.trim()  # once a round: what the last round freed and this one did not take again
                 self.staging.discard()  # what an earlier, failed attempt staged
                 replies = self.driver.replies(grid, sent, server_round)
                 outcome = self.aggregate(server_round, replies, sent, grid, (arrays, config))

@@ -110,7 +110,7 @@ class TransportClient:
             raise ValueError(f"a {ticket.direction} ticket for download; expected a download ticket")
 
         def receive() -> memoryview:
-            data, digest, got = memoryview(kept_blocks.host_bytes(size)), hashlib.sha256(), 0
+            data, digest, got = kept_blocks.host_bytes(size), hashlib.sha256(), 0
             for chunk in self._download(encode_header(ticket), timeout=self.timeout_s):
                 if got + len(chunk) > size:
                     raise TransportError(f"record {ticket.record!r}: more than the announced {size} bytes")

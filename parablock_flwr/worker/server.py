@@ -357,6 +357,7 @@ class NodeWorker:
         self.node.drop_ahead()
         self.node.state, self.run_id, self.last_reply_sent, self.last_reply_round = NodeState(), run_id, 0.0, 0
         self.answers.forget()
+        kept_blocks.KEPT.clear()  # the last run's idle buffers: this run's blocks may have other sizes
         log.info("new run %s", run_id)
 
     def residual_store(self, settings: NodeSettings, partition_id: int) -> ResidualStore | None:
@@ -406,7 +407,7 @@ class NodeWorker:
                 self.release_due = False
                 await asyncio.get_running_loop().run_in_executor(None, release_freed_memory)
             seconds = await asyncio.get_running_loop().run_in_executor(None, collect_round_garbage)
-            kept_blocks.KEPT.trim()  # what the last round freed and this one did not take again
+            kept_blocks.KEPT.trim()  # once a reply: what the last one freed and this one did not take again
             if seconds > 0.1:  # what was loaded is frozen (memory.freeze_loaded): a pass scans only the rounds'
                 log.info("the garbage collector's pass after the reply took %.2f s", seconds)
         finally:

@@ -46,7 +46,7 @@ class KeptBlocks:
         # A buffer's end may come in a garbage collection inside this class's own locked code, in the same thread:
         # it is only queued (``SimpleQueue.put`` is safe there) and taken in under the lock.
         self._back: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
-        self.made = self.reused = 0  # buffers allocated anew, and served from the pool (for tests and logs)
+        self.made = self.reused = 0  # buffers allocated anew, and served from the pool (for tests)
 
     def host_bytes(self, nbytes: int) -> memoryview:
         """``nbytes`` uninitialised bytes, kept from ``KEPT_FROM_BYTES`` up: back in the pool when the last
@@ -88,7 +88,7 @@ class KeptBlocks:
         return holder
 
     def _take_back(self) -> None:
-        """The buffers given back since (under the lock)."""
+        """Into the idle list: the buffers queued by their give-back since the last call (under the lock)."""
         while True:
             try:
                 buffer = self._back.get_nowait()

@@ -1,9 +1,10 @@
 """The fp32 buffers a round's aggregation writes: the sum of the updates and the new ``x[b_r]``.
 
-Each is a block of fresh memory, and the first touch of a fresh page costs the kernel about as much as the
-aggregation's own work on it (more while the step log's writes fill the page cache). Allocated and touched on
-a thread of their own while the round's replies are outstanding, they take no page fault between the last
-reply and the next message (the critical path). A round that finds none ready allocates its own.
+Each is a block, taken from the pages ``kept_blocks`` kept from the last round where it has them; where not
+(the first round, a block of another size), the first touch of a fresh page costs the kernel about as much as
+the aggregation's own work on it (more while the step log's writes fill the page cache). Taken and written
+(zeros) on a thread of their own while the round's replies are outstanding, they take no page fault between
+the last reply and the next message (the critical path). A round that finds none ready allocates its own.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import write_report
+from parablock_flwr.memory import HUGE_PAGES, huge_pages_asked, map_large_buffers
 from parablock_flwr.tools.credentials import make_tls
 from parablock_flwr.transport import Direction, TransportClient, TransportServer
 
@@ -111,6 +112,7 @@ def socket_path(tls, data: bytes):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    map_large_buffers()  # as the node worker and a deployment's ServerApp allocate (their huge pages: the environment)
     rows, rng, load_before = [], np.random.default_rng(0), load_average()
     with tempfile.TemporaryDirectory() as folder:
         tls = make_tls(Path(folder))
@@ -149,11 +151,14 @@ def load_average() -> float:
 
 def table(rows, args, load_before: float, load_after: float) -> str:
     mbs = lambda size_mb, s: f"{size_mb / s:.0f}"  # noqa: E731
+    huge = "yes" if huge_pages_asked() else f"no (GLIBC_TUNABLES={HUGE_PAGES} asks for them, as tools.launch does)"
     lines = [
         f"Best of {args.repeats} per size and path, the paths taking turns in one run, so the ratios compare "
         f"paths under the same "
         f"load: 1-minute load average {load_before:.1f} at the start and {load_after:.1f} at the end "
-        f"on {os.cpu_count()} CPUs shared with other work.",
+        f"on {os.cpu_count()} CPUs shared with other work. Buffers of 1 MiB or more mapped as the node worker and "
+        f"the ServerApp map them (``memory.map_large_buffers``); huge pages: "
+        f"{huge}.",
         "",
         "| size (MB) | SHA-256 once (s) | upload (s) | upload MB/s | download (s) | download MB/s "
         "| TLS socket (s) | socket MB/s | upload / socket | download / socket |",

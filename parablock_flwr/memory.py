@@ -13,8 +13,9 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h); setting it also stops glibc raising it
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h); setting one stops glibc moving it
 LARGE_BUFFER_BYTES = 2**20  # buffers from this size up get a mapping of their own (``map_large_buffers``)
+HEAP_KEPT_BYTES = 32 * 2**20  # what a heap keeps of the space freed at its top (``map_large_buffers``)
 HUGE_PAGES = "glibc.malloc.hugetlb=1"  # the glibc tunable (2.35+) that madvises each mapping for huge pages
 
 
@@ -47,10 +48,16 @@ def map_large_buffers() -> bool:
     round (a block's update, rounding, sum, step and received bytes) are kept across rounds by ``kept_blocks``,
     which hands them out of these mappings and gives back, once a round, what lay unused.
 
+    Below the threshold, the heaps keep up to ``HEAP_KEPT_BYTES`` of what is freed at their top (glibc's own
+    default, once its threshold is fixed, gives back all but 128 KiB): the stream's messages (half a
+    ``LARGE_BUFFER_BYTES`` each, ``transport.service.CHUNK_BYTES``), copied by gRPC and Python a few times on
+    their way, are freed as fast as they come and reuse the same warm pages, not pages faulted in for each message.
+
     Call it first, before the process's threads allocate. Logs one line saying what holds, for the operator;
     False (nothing changed) where the C library is not glibc."""
     libc = _glibc()
     mapped = libc is not None and libc.mallopt(M_MMAP_THRESHOLD, LARGE_BUFFER_BYTES) == 1
+    mapped = mapped and libc.mallopt(M_TRIM_THRESHOLD, HEAP_KEPT_BYTES) == 1
     huge = mapped and huge_pages_asked()
     huge_line = "yes" if huge else f"no (start this process with GLIBC_TUNABLES={HUGE_PAGES})"
     log.info("large buffers mapped, given back when freed: %s; on huge pages: %s",

@@ -20,6 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from parablock_flwr.kept_blocks import KEPT
 from parablock_flwr.tools.credentials import make_client_cert, make_tls
 from parablock_flwr.transport import (
     CapabilityRegistry,
@@ -35,7 +36,7 @@ from parablock_flwr.transport import (
 from parablock_flwr.transport.capabilities import EXPIRED_KEPT_S, Refusals
 from parablock_flwr.transport.framing import Buffers, FramingError, frame, payloads, unframe
 from parablock_flwr.transport.headers import MAX_HEADER_BYTES, encode_header, parse_header
-from parablock_flwr.transport.service import DOWNLOAD, UPLOAD, Inbox, Outbox, contiguous
+from parablock_flwr.transport.service import CHUNK_BYTES, DOWNLOAD, UPLOAD, Inbox, Outbox, contiguous
 
 from helpers import npy_bytes
 
@@ -402,7 +403,7 @@ def expect_refusal(server, kind, fn):
 
 
 def test_random_bytes_round_trip_over_tls(server, client):
-    data = os.urandom(9 * 2**20 + 123)  # three chunks, the last one short
+    data = os.urandom(9 * 2**20 + 123)  # messages of ``CHUNK_BYTES``, the last one short
     t = upload_ticket(server, len(data))
     digest = client.upload(t, data)
     assert digest == sha(data)
@@ -410,6 +411,24 @@ def test_random_bytes_round_trip_over_tls(server, client):
     record = server.outbox.publish(f"step/{next(_records)}", data=data)
     down = server.registry.issue(1, 2, 7, DOWN, record.name, ttl_s=30)
     assert client.download(down, record.size, record.sha256) == data
+
+
+def test_an_upload_in_memory_is_copied_message_by_message_into_one_buffer_the_next_upload_of_its_size_takes(
+    server, client
+):
+    """An upload received in memory (``KeptUpload``) lands in one buffer from ``kept_blocks``, its messages copied in
+    as they come: the record claimed is the bytes sent, and once it is claimed the next round's upload of its size
+    takes the same buffer, its pages faulted in already, instead of a new one."""
+    data = os.urandom(3 * CHUNK_BYTES + 7)  # 4 messages, the last one short
+    KEPT.clear()  # what the pool holds idle is then this test's own
+    made, reused = KEPT.made, KEPT.reused
+    for _ in range(3):
+        t = upload_ticket(server, len(data))
+        assert server.inbox.claim(1, 2, 7, t.record, client.upload(t, data)) == data
+        deadline = time.monotonic() + 10  # the decoding thread lets go of the buffer just after its result
+        while KEPT.idle_bytes() < len(data) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert (KEPT.made - made, KEPT.reused - reused) == (1, 2)
 
 
 def test_an_upload_is_decoded_as_it_arrives_and_handed_over_only_under_the_replys_digest_and_size(tls):

@@ -11,7 +11,7 @@ and the server read it, and neither Flower nor torch is needed.
 
 A record is framed as ``Buffers``, its parts in order (the index, then each payload's npy header and
 values), never joined: the sender hashes them and cuts the stream's chunks from them, and the server
-holds an upload as the chunks gRPC delivered, so that neither side copies a whole record on its way.
+copies an upload's chunks, as they come, into one buffer it keeps across rounds (``service.KeptUpload``).
 """
 
 from __future__ import annotations

@@ -413,6 +413,25 @@ def test_random_bytes_round_trip_over_tls(server, client):
     assert client.download(down, record.size, record.sha256) == data
 
 
+def test_a_record_fetched_before_its_announcement_lands_in_a_kept_buffer_the_next_fetch_takes(server, client):
+    """``download_unannounced`` (a step fetched a round ahead) receives into one kept buffer of its bound, not into
+    a buffer grown as the bytes come: what it returns is the record's bytes and SHA-256, once they are let go the
+    next round's fetch takes the same buffer, and a record past the bound is refused."""
+    data = os.urandom(3 * CHUNK_BYTES + 7)
+    KEPT.clear()  # what the pool holds idle is then this test's own
+    made, reused = KEPT.made, KEPT.reused
+    for _ in range(2):
+        record = server.outbox.publish(f"step/{next(_records)}", data=data)
+        got, digest = client.download_unannounced(server.registry.issue(1, 2, 7, DOWN, record.name, ttl_s=30),
+                                                  4 * len(data))  # fmt: skip
+        assert (bytes(got), digest) == (data, sha(data))
+        del got
+    assert (KEPT.made - made, KEPT.reused - reused) == (1, 1)
+    ticket = server.registry.issue(1, 2, 7, DOWN, record.name, ttl_s=30)
+    with pytest.raises(TransportError, match="more than the bound"):
+        client.download_unannounced(ticket, len(data) - 1)
+
+
 def test_an_upload_in_memory_is_copied_message_by_message_into_one_buffer_the_next_upload_of_its_size_takes(
     server, client
 ):

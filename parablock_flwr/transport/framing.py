@@ -198,7 +198,7 @@ def seal(key: bytes, content: bytes) -> bytes:
     return hmac.digest(key, content, "sha256") + content
 
 
-def unseal(key: bytes, data: bytes | bytearray) -> bytes:
+def unseal(key: bytes, data: bytes | bytearray | memoryview) -> bytes:
     """The content ``seal`` wrote under ``key``; ``MessageError`` when its HMAC is not the key's."""
     tag, content = bytes(data[:TAG_BYTES]), bytes(data[TAG_BYTES:])
     if len(data) < TAG_BYTES or not hmac.compare_digest(tag, hmac.digest(key, content, "sha256")):

@@ -375,22 +375,22 @@ SIMULATION_ONLY = "node_state_simulation"  # the one disk term a deployment keep
 
 def disk_terms(cfg: RunConfig, shape: ModelShape, num_nodes: int) -> dict[str, int]:
     """Bytes the run folder grows to by the last round: the step log (``replica.StepLog``: each round's
-    step in fp32; with ``snapshot-every = N`` at most 3 snapshots of every trainable tensor and 2N
-    steps, from a snapshot's write to the prune before the next round's messages; 2 snapshots
+    step as it travelled; with ``snapshot-every = N`` at most 3 snapshots of every trainable tensor in fp32
+    and 2N steps, from a snapshot's write to the prune before the next round's messages; 2 snapshots
     between), and ParaBlock's pending updates (each sampled node's last update as it travelled, staged as
     replies come and in the checkpoint: two copies while the newer replaces the older)."""
-    step = max(shape.blocks) * 4
-    terms = {"step_log": cfg.num_server_rounds * step}
-    if cfg.snapshot_every:
-        terms["step_log"] = min(terms["step_log"], 3 * shape.trainable * 4 + 2 * cfg.snapshot_every * step)
     sent = round(max(shape.blocks) * transfer_bytes_per_value(cfg.transfer_dtype))  # a block as it travels
+    terms = {"step_log": cfg.num_server_rounds * sent}
+    if cfg.snapshot_every:
+        terms["step_log"] = min(terms["step_log"], 3 * shape.trainable * 4 + 2 * cfg.snapshot_every * sent)
     if cfg.algorithm == "parablock":  # its server half stages them as they came (checkpoint.stage_pending)
         terms["pending_updates"] = 2 * num_nodes * sent
     # A round's accepted updates wait for their sum as they came (strategies/update_spill.py).
     terms["round_spill"] = max(0, num_nodes - IN_MEMORY) * sent
     # Simulation: each virtual node's state under RUN_DIR/node-state (deployment: on the node's own disk):
     # its pending update as sent, and (a rounding transfer-dtype) the fp32 residual of each block it trained.
-    residuals = min(cfg.num_server_rounds, len(shape.blocks)) * step if cfg.transfer_dtype != "fp32" else 0
+    blocks_trained = min(cfg.num_server_rounds, len(shape.blocks)) if cfg.transfer_dtype != "fp32" else 0
+    residuals = blocks_trained * max(shape.blocks) * 4
     terms[SIMULATION_ONLY] = num_nodes * ((sent if cfg.algorithm == "parablock" else 0) + residuals)
     return terms
 

@@ -22,14 +22,25 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .core import PendingUpdate, TensorHashes, Tensors, add_scaled, apply_step, apply_step_keeping
+from .core import (
+    TRANSFER_DTYPES,
+    EncodedTensors,
+    PendingUpdate,
+    TensorHashes,
+    Tensors,
+    add_scaled,
+    apply_step,
+    apply_step_keeping,
+    int8_blocks,
+)
 from .durable import crash_point, replace_file
 from .messages import CATCH_UP, GLOBAL_STEP, RESUME_PENDING, MessageError, RoundConfig, catch_up_step
 
 Step = tuple[int, Tensors]  # (block, g)
 FetchStep = Callable[[int], Step]  # version k -> (b_k, g^k)
 # The step log's file format (each step's safetensors metadata), not a message: its keys are named here.
-STEP_FILE_BLOCK, STEP_FILE_VERSION = "block", "version"
+STEP_FILE_BLOCK, STEP_FILE_VERSION, STEP_FILE_ENCODING = "block", "version", "encoding"
+STEP_FILE_SCALES = "/scales"  # int8's scales of a tensor, beside its values (no parameter's name has a slash)
 
 
 class StepLog:
@@ -51,11 +62,15 @@ class StepLog:
 
     def write(self, version: int, block: int, step: Tensors) -> None:
         """``g^version``, written atomically and durably (``durable.replace_file``): readers never see
-        a half-written step, and a resumed server finds every step its checkpoint counts on."""
-        tensors = {n: t.contiguous() for n, t in step.items()}
+        a half-written step, and a resumed server finds every step its checkpoint counts on. A step kept as
+        it travelled (``EncodedTensors``, ``wire.Decoded``: int8's values and scales, bf16, fp16) is written
+        so, a quarter or half of its fp32 bytes and no fp32 copy made, and ``read`` gives it back as it was:
+        decoding it is exact, so every reader sees the bits the server applied."""
+        tensors, encoding = _step_file(step)
+        metadata = {STEP_FILE_BLOCK: json.dumps(block), STEP_FILE_VERSION: str(version), STEP_FILE_ENCODING: encoding}
 
         def write(tmp: Path) -> None:
-            save_file(tensors, str(tmp), metadata={STEP_FILE_BLOCK: json.dumps(block), STEP_FILE_VERSION: str(version)})
+            save_file(tensors, str(tmp), metadata=metadata)
             crash_point("step-log", version)  # the crash tests' point: the step written, not yet renamed
 
         replace_file(self.dir / f"v{version:05d}.safetensors", write)
@@ -114,8 +129,51 @@ class StepLog:
         from safetensors import safe_open
 
         with safe_open(str(path), framework="pt") as f:
-            block = json.loads(f.metadata()[STEP_FILE_BLOCK])
-        return block, load_file(str(path))
+            metadata = f.metadata()
+        block, encoding = json.loads(metadata[STEP_FILE_BLOCK]), metadata.get(STEP_FILE_ENCODING, "fp32")
+        return block, _step_of_file(load_file(str(path)), encoding, path)
+
+
+def _step_file(step: Tensors) -> tuple[Tensors, str]:
+    """A step's tensors as its file holds them, and their encoding: as it travelled where it was kept so (each
+    tensor's values in its shape, int8's scales beside them), else its fp32 values."""
+    encoded = getattr(step, "encoded", None)
+    if not encoded:
+        return {n: t.contiguous() for n, t in step.items()}, "fp32"
+    encoding = next(name for name, dtype in TRANSFER_DTYPES.items() if next(iter(encoded.values()))[0].dtype == dtype)
+    tensors, storages = {}, set()
+    for name, (values, scales) in encoded.items():
+        for key, t in ((name, values.reshape(step.shapes[name])), (name + STEP_FILE_SCALES, scales)):
+            if t is None:
+                continue
+            shared = t.untyped_storage().data_ptr() in storages  # views of one array: safetensors writes each alone
+            storages.add(t.untyped_storage().data_ptr())
+            tensors[key] = t.clone() if shared or not t.is_contiguous() else t
+    return tensors, encoding
+
+
+def _step_of_file(tensors: Tensors, encoding: str, path: Path) -> Tensors:
+    """``_step_file``'s tensors read back: fp32 as they are, an encoding as ``EncodedTensors`` (each tensor
+    decoded when read, exactly). A file that is not one raises ``ValueError`` naming it."""
+    if encoding == "fp32":
+        return tensors
+    if encoding not in TRANSFER_DTYPES:
+        raise ValueError(f"{path}: encoding {encoding!r}; expected one of {', '.join(TRANSFER_DTYPES)}")
+    encoded, shapes = {}, {}
+    for name, values in tensors.items():
+        if name.endswith(STEP_FILE_SCALES):
+            if name.removesuffix(STEP_FILE_SCALES) not in tensors:
+                raise ValueError(f"{path}: {name} without the values they scale")
+            continue
+        scales = tensors.get(name + STEP_FILE_SCALES)
+        blocks = int8_blocks(values.numel()) if encoding == "int8" else 0
+        expected = (TRANSFER_DTYPES[encoding], torch.float32 if encoding == "int8" else None, blocks)
+        found = (values.dtype, None, 0) if scales is None else (values.dtype, scales.dtype, scales.numel())
+        if found != expected:
+            raise ValueError(f"{path}: {name}: {found[0]} values, {found[2]} scales ({found[1]}); expected "
+                             f"{expected[0]} values and {blocks} scales ({expected[1]})")  # fmt: skip
+        encoded[name], shapes[name] = (values.reshape(-1), scales), values.shape
+    return EncodedTensors(encoded, shapes)
 
 
 class ReplicaLost(RuntimeError):

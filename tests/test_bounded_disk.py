@@ -16,6 +16,35 @@ from parablock_flwr.replica import ModelReplica, StepLog
 from helpers import simulate
 
 
+@pytest.mark.parametrize("dtype, share", [("bf16", 0.5), ("fp16", 0.5), ("int8", 0.26)])
+def test_a_step_is_logged_as_it_travelled_and_read_back_bit_for_bit(tmp_path, dtype, share):
+    """The server's step as it travels (``wire.round_and_pack``) is logged in that encoding, not decoded to fp32:
+    its file is a half (bf16, fp16) or a quarter (int8, with its scales) of the fp32 step's, and what reads it
+    (resume, catch-up, a replica) gets the very values the server applied, also once it is copied to another log
+    (a resume's). A file whose tensors are not its encoding's is refused, naming it."""
+    from safetensors.torch import load_file, save_file
+
+    from parablock_flwr.replica import STEP_FILE_ENCODING
+    from parablock_flwr.wire import round_and_pack
+
+    g = {"w": torch.randn(256, 300) * 1e-3, "b": torch.randn(7) * 1e-3}
+    step, _ = round_and_pack(g, dtype, lazy=True)
+    log, fp32_log, copy = StepLog(tmp_path / "a"), StepLog(tmp_path / "b"), StepLog(tmp_path / "c")
+    log.write(1, 0, step)
+    fp32_log.write(1, 0, {n: step[n] for n in step})
+    copy.write(1, 0, log.read(1)[1])
+    size = [(lg.dir / "v00001.safetensors").stat().st_size for lg in (log, fp32_log, copy)]
+    assert size[0] == size[2] < share * size[1] + 1024, size
+    for read in (log.read(1), fp32_log.read(1), copy.read(1)):
+        assert read[0] == 0 and all(torch.equal(read[1][n], step[n]) for n in g)
+    path = log.dir / "v00001.safetensors"
+    tensors = load_file(str(path))
+    tensors["w"] = tensors["w"].float()
+    save_file(tensors, str(path), metadata={"block": "0", "version": "1", STEP_FILE_ENCODING: dtype})
+    with pytest.raises(ValueError, match=f"{path}: w: torch.float32 values"):
+        log.read(1)
+
+
 def test_prune_keeps_two_snapshots_and_the_steps_after_the_older_and_a_replica_behind_rebases(tmp_path):
     log = StepLog(tmp_path)
     x = {"w": torch.zeros(1, 3)}

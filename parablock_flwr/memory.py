@@ -57,7 +57,8 @@ def map_large_buffers() -> bool:
     False (nothing changed) where the C library is not glibc."""
     libc = _glibc()
     mapped = libc is not None and libc.mallopt(M_MMAP_THRESHOLD, LARGE_BUFFER_BYTES) == 1
-    mapped = mapped and libc.mallopt(M_TRIM_THRESHOLD, HEAP_KEPT_BYTES) == 1
+    if mapped:
+        libc.mallopt(M_TRIM_THRESHOLD, HEAP_KEPT_BYTES)
     huge = mapped and huge_pages_asked()
     huge_line = "yes" if huge else f"no (start this process with GLIBC_TUNABLES={HUGE_PAGES})"
     log.info("large buffers mapped, given back when freed: %s; on huge pages: %s",

@@ -243,15 +243,15 @@ def app_participants(records: list[dict]) -> dict[int, list[int]]:
 
 def app_models(run_dir, cfg: RunConfig) -> list[Tensors]:
     """x^1..x^R of an app run: x^0 plus the global steps it logged (``RUN_DIR/global-steps/v{k}``),
-    added as every copy of x adds them."""
-    from safetensors.torch import load_file
+    added as every copy of x adds them (each step read as the log keeps it: ``replica.StepLog``)."""
+    from .replica import StepLog
 
     model, partition = load_for_training(cfg)
     params = dict(model.named_parameters())
     x = {n: params[n].detach().clone() for n in partition.all_names()}
-    out = []
+    out, log = [], StepLog(run_dir)
     for version in range(1, cfg.num_server_rounds + 1):
-        x = plus(x, load_file(f"{run_dir}/global-steps/v{version:05d}.safetensors"))
+        x = plus(x, log.read(version)[1])
         out.append(x)
     return out
 

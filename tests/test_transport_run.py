@@ -751,8 +751,7 @@ def test_a_message_pushed_ahead_carries_its_content_sealed_and_is_withdrawn_when
         assert [waits[n].result(timeout=30) for n in (8, 9)] == [None, None]
     content = content_from_bytes(unseal(bytes.fromhex(offers[7].message_key), sealed))
     assert dict(content["round"]) == {"server-round": 4, "n": 7}
-    altered = bytes(sealed[:-1]) + bytes([sealed[-1] ^ 1])  # the content as fetched (a view of kept memory), altered
-    for key, data in ((offers[7].message_key, altered), (offers[8].message_key, sealed)):
+    for key, data in ((offers[7].message_key, sealed[:-1] + bytes([sealed[-1] ^ 1])), (offers[8].message_key, sealed)):
         with pytest.raises(MessageError, match="its HMAC is not the one the message's key gives"):
             unseal(bytes.fromhex(key), data)
     record = hub.end_round(4)

@@ -125,24 +125,21 @@ class TransportClient:
 
         return self._call(receive)
 
-    def download_unannounced(self, ticket: Ticket, max_size: int) -> tuple[memoryview, str]:
+    def download_unannounced(self, ticket: Ticket, max_size: int) -> tuple[bytearray, str]:
         """The record ``ticket`` names, before Flower's message announces its size and SHA-256 (a download
         issued a round ahead, which waits on the server until the record is published): its bytes, at most
-        ``max_size``, and their SHA-256 (hex). The caller uses them only when they equal the announcement.
-        Received into a kept buffer of ``max_size`` (``kept_blocks``, as ``download``), of which only the pages
-        the bytes fill are touched: a buffer grown as they came took new pages every round."""
+        ``max_size``, and their SHA-256 (hex). The caller uses them only when they equal the announcement."""
         if ticket.direction is not Direction.DOWNLOAD:
             raise ValueError(f"a {ticket.direction} ticket for download; expected a download ticket")
 
-        def receive() -> tuple[memoryview, str]:
-            data, digest, got = kept_blocks.host_bytes(max_size), hashlib.sha256(), 0
+        def receive() -> tuple[bytearray, str]:
+            data, digest = bytearray(), hashlib.sha256()
             for chunk in self._download(encode_header(ticket), timeout=self.timeout_s):
-                if got + len(chunk) > max_size:
+                if len(data) + len(chunk) > max_size:
                     raise TransportError(f"record {ticket.record!r}: more than the bound of {max_size} bytes")
-                data[got : got + len(chunk)] = chunk
+                data += chunk
                 digest.update(chunk)
-                got += len(chunk)
-            return data[:got], digest.hexdigest()
+            return data, digest.hexdigest()
 
         return self._call(receive)
 

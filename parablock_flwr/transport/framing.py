@@ -11,7 +11,7 @@ and the server read it, and neither Flower nor torch is needed.
 
 A record is framed as ``Buffers``, its parts in order (the index, then each payload's npy header and
 values), never joined: the sender hashes them and cuts the stream's chunks from them, and the server
-copies an upload's chunks, as they come, into one buffer it keeps across rounds (``service.KeptUpload``).
+holds an upload as the chunks gRPC delivered, so that neither side copies a whole record on its way.
 """
 
 from __future__ import annotations
@@ -198,7 +198,7 @@ def seal(key: bytes, content: bytes) -> bytes:
     return hmac.digest(key, content, "sha256") + content
 
 
-def unseal(key: bytes, data: bytes | bytearray | memoryview) -> bytes:
+def unseal(key: bytes, data: bytes | bytearray) -> bytes:
     """The content ``seal`` wrote under ``key``; ``MessageError`` when its HMAC is not the key's."""
     tag, content = bytes(data[:TAG_BYTES]), bytes(data[TAG_BYTES:])
     if len(data) < TAG_BYTES or not hmac.compare_digest(tag, hmac.digest(key, content, "sha256")):

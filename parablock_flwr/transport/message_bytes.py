@@ -105,7 +105,7 @@ def _records_from_bytes(data: bytes | bytearray, what: str, limit: int, kinds: d
     return content
 
 
-def content_ahead(offer: TransportOffer, data: bytes | bytearray | memoryview) -> RecordDict:
+def content_ahead(offer: TransportOffer, data: bytes | bytearray) -> RecordDict:
     """The content of ``offer``'s message pushed ahead (its ``message_*``), as downloaded: its HMAC checked under
     the offer's key, read strictly, and for the offer's run, node and round, of this protocol version, with an
     offer of its records; else ``MessageError`` in one line."""

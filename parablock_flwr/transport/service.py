@@ -31,7 +31,6 @@ from pathlib import Path
 
 import grpc
 
-from parablock_flwr import kept_blocks
 from parablock_flwr.memory import LARGE_BUFFER_BYTES
 from parablock_flwr.transport.capabilities import (
     CapabilityRegistry,
@@ -56,7 +55,9 @@ DOWNLOAD = f"/{SERVICE}/Download"
 CHUNK_BYTES = LARGE_BUFFER_BYTES // 2
 COALESCE_BYTES = CHUNK_BYTES // 2  # an upload's messages below this are joined before they are held (``_receive``)
 TRAILER_BYTES = 64  # an upload's SHA-256 sent after its bytes: hex digits
-MESSAGE_LIMIT = CHUNK_BYTES + 2**20  # a chunk plus room for framing; larger messages are refused by grpc
+# What either side accepts: a chunk of an earlier release too (4 MiB: a site's worker and the server may be a
+# release apart) plus room for framing; larger messages are refused by grpc.
+MESSAGE_LIMIT = 4 * 2**20 + 2**20
 # A call that moves no bytes for this long (a download waiting a round ahead) is pinged, each way; no answer
 # within KEEPALIVE_TIMEOUT_S ends it. A connection a NAT or firewall dropped silently then fails in under a
 # minute instead of holding the node's SuperNode, or one of the service's workers, until its capability ends;
@@ -274,26 +275,6 @@ class _Upload:
     spilled: SpillFile | None = None
 
 
-class KeptUpload(Buffers):
-    """An upload received in memory (``Inbox.buffer``): its declared bytes in one buffer kept across rounds
-    (``kept_blocks``), each message copied in as it comes and freed at once, so that the next message reuses its
-    warm heap pages and a block's bytes land in pages an earlier round faulted in (held as the messages gRPC
-    delivered, each took pages of its own). Read as ``Buffers`` of one part: what has come so far."""
-
-    def __init__(self, size: int) -> None:
-        super().__init__()
-        self._kept, self._got = kept_blocks.host_bytes(size), 0
-
-    def append(self, part) -> None:
-        view = memoryview(part).cast("B")
-        end = self._got + view.nbytes
-        if end > self._kept.nbytes:
-            raise ValueError(f"{end} bytes into an upload of {self._kept.nbytes}")
-        self._kept[self._got : end] = view
-        self._got = end
-        self.parts, self._ends = ([self._kept[:end]], [end]) if end else ([], [])
-
-
 def contiguous(data: Buffers | SpillFile | bytearray, record: str) -> bytes | bytearray:
     """An upload's bytes in one buffer: the inbox's ``decode`` when the service knows nothing of records."""
     return data.tobytes() if isinstance(data, Buffers | SpillFile) else data
@@ -302,7 +283,7 @@ def contiguous(data: Buffers | SpillFile | bytearray, record: str) -> bytes | by
 class Inbox:
     """Uploads whose bytes matched their declaration, waiting for the Flower reply that commits them.
 
-    An upload is received in memory into one buffer kept across rounds (``KeptUpload``) and
+    An upload is received in memory as the chunks gRPC delivered (``framing.Buffers``: not copied) and
     decoded at once, in a thread of its own, by ``decode(data, record)`` (the run's side reads the framed
     record into the arrays' payloads), so that the reply that claims it finds it ready; a claim still hands
     it over only under the declared digest and size, and a decoding that failed is raised then, never before.
@@ -348,7 +329,7 @@ class Inbox:
             in_memory = sum(u.spilled is None and not self.outside_budget(slot[3]) for slot, u in self._records.items())
             in_memory += len(self._receiving)
             if self.spill_dir is None or size == 0 or in_memory < self.memory_uploads:
-                buffers = KeptUpload(size)
+                buffers = Buffers()
                 self._receiving.add(id(buffers))
                 return buffers
         try:
@@ -765,15 +746,14 @@ class TransportServer:
         """The declared bytes into ``data`` (``Inbox.buffer``), hashed as they arrive, and their SHA-256; any
         difference from the declaration is refused. A header without a SHA-256 declares that it follows the
         bytes (``_trailer``): the client hashed while it sent. Messages under ``COALESCE_BYTES`` are joined
-        before they are kept (but into a ``KeptUpload``, one buffer already), so that many small ones cost what
-        their bytes cost."""
+        before they are kept, so that many small ones cost what their bytes cost."""
         digest, got, start, small = hashlib.sha256(), 0, time.monotonic(), bytearray()
         while got < header.size and (chunk := self._next(feed, start, got)) is not None:
             if got + len(chunk) > header.size:
                 raise Refused(RefusalKind.SIZE_MISMATCH, f"more than the declared {header.size} bytes")
             digest.update(chunk)
             got += len(chunk)
-            if (len(chunk) >= COALESCE_BYTES or isinstance(data, KeptUpload)) and not small:
+            if len(chunk) >= COALESCE_BYTES and not small:
                 data.append(chunk)
                 continue
             small += chunk

@@ -140,7 +140,7 @@ def _step_file(step: Tensors) -> tuple[Tensors, str]:
     encoded = getattr(step, "encoded", None)
     if not encoded:
         return {n: t.contiguous() for n, t in step.items()}, "fp32"
-    encoding = next(name for name, dtype in TRANSFER_DTYPES.items() if next(iter(encoded.values()))[0].dtype == dtype)
+    encoding = next(dtype for dtype in TRANSFER_DTYPES if step.travels_as(dtype))  # as ``wire.kept_dtype`` reads it
     tensors, storages = {}, set()
     for name, (values, scales) in encoded.items():
         for key, t in ((name, values.reshape(step.shapes[name])), (name + STEP_FILE_SCALES, scales)):

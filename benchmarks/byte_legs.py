@@ -7,23 +7,23 @@ the same run.
 A node's legs: the round's step applied to its replica as it came (``core.apply_step``: read from its payload chunk by
 chunk), beside it decoded whole first (what it ran before); the update rounded with error feedback
 (``core.round_with_feedback_encoded``: what it sends is its encoding), its new residual written durably
-(``ResidualStore.save``: fp32, fsynced, under the system's temporary folder; the reply waits for it, the upload runs
-beside it), packed for the wire (``wire.pack_pieces`` from that encoding), its SHA-256, and with ``verify-invariant``
-its local model's digest (``core.model_digest``) as the node makes it: its replica's tensors from their cache
-(``ModelReplica.hashes``) but a block's, which the round's step moved, hashed again, and the update in its encoding;
-beside it the whole model hashed. The server's, for ``--nodes`` replies, as its critical path runs them: each reply's
-norm and finiteness read from its payload (``reply_checks.checked_norm``: int8's from its integers and scales), the
-aggregate of the updates as they came (``core.aggregate``: each read from its payload chunk by chunk into the sum),
-``g`` rounded and packed (``wire.round_and_pack``, its values read back from the pieces), with differential privacy each
-reply clipped (``core.clip``) and the mean's noise drawn and added (``core.gaussian``, ``core.add_noise``), ``g``
-applied to ``x`` from its pieces chunk by chunk (``core.added``), and each reply's invariant digest
-(``core.model_digest``: ``x``'s tensors from their cache, which the checkpoint's digest filled while the replies were
-outstanding, and the reply's update hashed as it came). The sum and the new ``x`` go into buffers made and touched
-before the leg, as the server makes them while the replies are outstanding (``RoundBuffers``). The model is ``--blocks``
-blocks, so that the whole-model digest costs what it costs on a model of that many blocks. Best of ``--repeats``;
-torch's threads: ``--threads``. Each size runs in a process of its own that maps its large buffers on huge pages
-(``memory.map_large_buffers``, ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``), as ``tools.launch`` and the units start the
-worker and the ServerApp.
+(``ResidualStore.save``: fp32, fsynced, past the page cache, under the system's temporary folder; the reply waits for
+it, the upload runs beside it; beside it written through the page cache, as before), packed for the wire
+(``wire.pack_pieces`` from that encoding), its SHA-256, and with ``verify-invariant`` its local model's digest
+(``core.model_digest``) as the node makes it: its replica's tensors from their cache (``ModelReplica.hashes``) but a
+block's, which the round's step moved, hashed again, and the update in its encoding; beside it the whole model hashed.
+The server's, for ``--nodes`` replies, as its critical path runs them: each reply's norm and finiteness read from its
+payload (``reply_checks.checked_norm``: int8's from its integers and scales), the aggregate of the updates as they came
+(``core.aggregate``: each read from its payload chunk by chunk into the sum), ``g`` rounded and packed
+(``wire.round_and_pack``, its values read back from the pieces), with differential privacy each reply clipped
+(``core.clip``) and the mean's noise drawn and added (``core.gaussian``, ``core.add_noise``), ``g`` applied to ``x``
+from its pieces chunk by chunk (``core.added``), and each reply's invariant digest (``core.model_digest``: ``x``'s
+tensors from their cache, which the checkpoint's digest filled while the replies were outstanding, and the reply's
+update hashed as it came). The sum and the new ``x`` go into buffers made and touched before the leg, as the server
+makes them while the replies are outstanding (``RoundBuffers``). The model is ``--blocks`` blocks, so that the whole-
+model digest costs what it costs on a model of that many blocks. Best of ``--repeats``; torch's threads: ``--threads``.
+Each size runs in a process of its own that maps its large buffers on huge pages (``memory.map_large_buffers``,
+``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``), as ``tools.launch`` and the units start the worker and the ServerApp.
 
     .venv/bin/python -m benchmarks.byte_legs --params-m 61.8 243 --repeats 5 --report
 """
@@ -41,10 +41,12 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from benchmarks.common import write_report
 from benchmarks.transport import socket_path
 from parablock_flwr import core
+from parablock_flwr.durable import fsync_path
 from parablock_flwr.memory import map_large_buffers, with_huge_pages
 from parablock_flwr.node.state import ResidualStore
 from parablock_flwr.strategies.reply_checks import checked_norm
@@ -53,8 +55,10 @@ from parablock_flwr.tools.credentials import make_tls
 from parablock_flwr.wire import join_pieces, pack_pieces, round_and_pack, unpack
 
 WIDTH = 2048  # the rows of a block's tensors: Llama-3.2-1B's hidden size
+RESIDUAL_WRITE = "residual's durable write (fp32, fsynced)"
+RESIDUAL_WRITE_BEFORE = "residual's durable write, through the page cache"
 # What the node ran before, measured beside what replaced it (left out of the node's sum).
-BEFORE = {"invariant digest, whole model", "apply g to its replica, decoded whole"}
+BEFORE = {"invariant digest, whole model", "apply g to its replica, decoded whole", RESIDUAL_WRITE_BEFORE}
 # The legs the server runs only with differential privacy, central mode (docs/privacy.md; left out of its sum).
 WITH_DP = "DP: "
 
@@ -122,13 +126,22 @@ def node_legs(update: core.Tensors, residual: core.Tensors, model: core.Tensors,
     return legs, pieces, sent, kept
 
 
-def residual_write(kept: core.Tensors, repeats: int) -> float:
-    """The node's new residual written durably (``Node.feed_back``: the reply waits for it), timed last: the
-    gigabytes it leaves in the page cache would slow every leg timed after it."""
+def residual_writes(kept: core.Tensors, repeats: int) -> dict:
+    """The node's new residual written durably (``Node.feed_back``: the reply waits for it), past the page cache
+    (``tensor_file.write_tensors``), beside it written through the page cache as it was before
+    (``safetensors``' ``save_file``, then ``fsync``), timed last: the gigabytes that leaves in the page cache would
+    slow every leg timed after it."""
+    legs = {}
     with tempfile.TemporaryDirectory() as folder:
         store, rounds = ResidualStore(folder), itertools.count(1)
-        seconds, _ = best(lambda: store.save(next(rounds), 0, kept), repeats)
-    return seconds
+        legs[RESIDUAL_WRITE], _ = best(lambda: store.save(next(rounds), 0, kept), repeats)
+
+        def through_the_page_cache():
+            save_file(kept, f"{folder}/page-cache.safetensors")
+            fsync_path(Path(folder) / "page-cache.safetensors")
+
+        legs[RESIDUAL_WRITE_BEFORE], _ = best(through_the_page_cache, repeats)
+    return legs
 
 
 def server_legs(arrays: dict, sent: core.Tensors, model: core.Tensors, nodes: int, dtype: str, repeats: int) -> dict:
@@ -186,7 +199,7 @@ def measure(params_m: float, dtype: str, args, tls) -> dict:
     send, close = socket_path(tls, data)
     socket_s, _ = best(send, args.repeats)
     close()
-    node["residual's durable write (fp32, fsynced)"] = residual_write(kept, args.repeats)
+    node.update(residual_writes(kept, args.repeats))
     return {"params_m": params_m, "dtype": dtype, "wire_mb": wire_bytes / 1e6, "socket_s": socket_s,
             "node": node, "server": server}  # fmt: skip
 

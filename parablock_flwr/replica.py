@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
 from .core import (
@@ -35,6 +35,7 @@ from .core import (
 )
 from .durable import crash_point, replace_file
 from .messages import CATCH_UP, GLOBAL_STEP, RESUME_PENDING, MessageError, RoundConfig, catch_up_step
+from .tensor_file import write_tensors
 
 Step = tuple[int, Tensors]  # (block, g)
 FetchStep = Callable[[int], Step]  # version k -> (b_k, g^k)
@@ -70,15 +71,14 @@ class StepLog:
         metadata = {STEP_FILE_BLOCK: json.dumps(block), STEP_FILE_VERSION: str(version), STEP_FILE_ENCODING: encoding}
 
         def write(tmp: Path) -> None:
-            save_file(tensors, str(tmp), metadata=metadata)
+            write_tensors(tmp, tensors, metadata)
             crash_point("step-log", version)  # the crash tests' point: the step written, not yet renamed
 
         replace_file(self.dir / f"v{version:05d}.safetensors", write)
 
     def write_snapshot(self, version: int, values: Tensors) -> None:
         """``x^version``'s exact values, written atomically and durably."""
-        tensors = {n: t.detach().cpu().contiguous() for n, t in values.items()}
-        replace_file(self.dir / f"snapshot-v{version:05d}.safetensors", lambda tmp: save_file(tensors, str(tmp)))
+        replace_file(self.dir / f"snapshot-v{version:05d}.safetensors", lambda tmp: write_tensors(tmp, values))
 
     def snapshots(self) -> list[int]:
         return sorted(int(p.stem.removeprefix("snapshot-v")) for p in self.dir.glob("snapshot-v*.safetensors"))
@@ -136,19 +136,16 @@ class StepLog:
 
 def _step_file(step: Tensors) -> tuple[Tensors, str]:
     """A step's tensors as its file holds them, and their encoding: as it travelled where it was kept so (each
-    tensor's values in its shape, int8's scales beside them), else its fp32 values."""
+    tensor's values in its shape, int8's scales beside them), else its fp32 values: views, nothing copied."""
     encoded = getattr(step, "encoded", None)
     if not encoded:
-        return {n: t.contiguous() for n, t in step.items()}, "fp32"
+        return step, "fp32"
     encoding = next(dtype for dtype in TRANSFER_DTYPES if step.travels_as(dtype))  # as ``wire.kept_dtype`` reads it
-    tensors, storages = {}, set()
+    tensors = {}
     for name, (values, scales) in encoded.items():
-        for key, t in ((name, values.reshape(step.shapes[name])), (name + STEP_FILE_SCALES, scales)):
-            if t is None:
-                continue
-            shared = t.untyped_storage().data_ptr() in storages  # views of one array: safetensors writes each alone
-            storages.add(t.untyped_storage().data_ptr())
-            tensors[key] = t.clone() if shared or not t.is_contiguous() else t
+        tensors[name] = values.reshape(step.shapes[name])
+        if scales is not None:
+            tensors[name + STEP_FILE_SCALES] = scales
     return tensors, encoding
 
 

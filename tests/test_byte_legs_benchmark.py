@@ -7,7 +7,7 @@ from benchmarks import byte_legs
 
 NODE_LEGS = {"round with feedback", "residual's durable write (fp32, fsynced)", "pack", "SHA-256 of the wire bytes",
              "invariant digest, cached", "invariant digest, whole model", "apply g to its replica",
-             "apply g to its replica, decoded whole"}  # fmt: skip
+             "apply g to its replica, decoded whole", "residual's durable write, through the page cache"}  # fmt: skip
 SERVER_LEGS = {"check 2 replies (norm, finite)", "aggregate 2", "DP: clip 2 replies", "DP: the mean's noise",
                "round and pack g", "apply g to x", "2 invariant digests, cached"}  # fmt: skip
 

@@ -36,11 +36,11 @@ from typing import ClassVar
 import numpy as np
 import torch
 from safetensors import safe_open
-from safetensors.numpy import save_file as save_arrays
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from ..core import EncodedTensors, PendingUpdate, Tensors
 from ..durable import fsync_path, make_dirs, replace_file
+from ..tensor_file import write_tensors
 from ..wire import pack_pieces, round_and_pack, unpack
 
 KEEP_ROUNDS = 4  # a checkpoint is at most 2 rounds behind what a node answered: room to spare
@@ -181,11 +181,12 @@ def _residual_name(server_round: int, block: int) -> str:
 
 
 def _write_durably(path: Path, tensors: Tensors | None) -> None:
-    """``tensors`` (None: an empty file) written to ``path`` and fsynced."""
-    if tensors is None:
-        path.write_bytes(b"")
-    else:
-        save_file({n: t.detach().cpu().contiguous() for n, t in tensors.items()}, str(path))
+    """``tensors`` (None: an empty file) written to ``path`` and fsynced, past the page cache (``write_tensors``:
+    a block's residual in fp32, every round)."""
+    if tensors is not None:
+        write_tensors(path, tensors)
+        return
+    path.write_bytes(b"")
     with open(path, "rb") as f:
         os.fsync(f.fileno())
 
@@ -216,10 +217,10 @@ class PendingStore:
             rounded, pieces = round_and_pack(delta, transfer_dtype)
             if any(not torch.equal(rounded[n], t) for n, t in delta.items()):
                 pieces = pack_pieces(delta, "fp32")
-        arrays = {name: np.concatenate(parts) for name, parts in pieces.items()}
+        arrays = {name: torch.from_numpy(np.concatenate(parts)) for name, parts in pieces.items()}
         meta = {self.BLOCK: str(pending.block), self.BASE_VERSION: str(pending.base_version)}
         make_dirs(self.path.parent, 0o700)  # the node's own; each new folder's parent fsynced
-        replace_file(self.path, lambda tmp: save_arrays(arrays, str(tmp), metadata=meta))
+        replace_file(self.path, lambda tmp: write_tensors(tmp, arrays, meta))
 
     def load(self) -> PendingUpdate | None:
         """The pending update last saved, as fp32 tensors (None: none kept)."""

@@ -1,0 +1,114 @@
+"""``tensor_file.write_tensors``: the safetensors files a run writes every round (a node's residual, the server's step
+log), read back by ``safetensors`` bit for bit, written past the page cache where the file system allows it."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import mmap
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from parablock_flwr import tensor_file
+from parablock_flwr.tensor_file import PAGE, STAGING_BYTES, write_tensors
+
+
+def assert_read_back(path, tensors, metadata=None):
+    back = load_file(str(path))
+    assert list(back) == list(tensors)
+    for name, tensor in tensors.items():
+        assert back[name].dtype == tensor.dtype and back[name].shape == tensor.shape, name
+        assert torch.equal(back[name], tensor), name
+    with safe_open(str(path), framework="pt") as f:
+        assert f.metadata() == metadata
+
+
+def test_every_dtype_and_layout_is_read_back_by_safetensors_bit_for_bit(tmp_path):
+    """Views of one array (the step's int8 values), a transposed tensor, a scalar, an empty tensor, every dtype the
+    format names, and a tensor longer than the staging buffer with a length off the page: all as written."""
+    base = torch.randn(300, 77)
+    tensors = {"view a": base[:10], "view b": base[10:20], "transposed": base.t(), "scalar": torch.tensor(2.5),
+               "empty": torch.empty(0, 5), "long": torch.randn(STAGING_BYTES // 4 + 1031)}  # fmt: skip
+    for dtype in tensor_file.SAFETENSORS_DTYPES:
+        tensors[str(dtype)] = (torch.randn(513) * 100).to(dtype)
+    write_tensors(tmp_path / "a.safetensors", tensors, {"block": "3"})
+    assert_read_back(tmp_path / "a.safetensors", tensors, {"block": "3"})
+    header_bytes = int.from_bytes((tmp_path / "a.safetensors").read_bytes()[:8], "little")
+    assert (8 + header_bytes) % PAGE == 0  # the data starts on a page, where O_DIRECT writes it from
+    write_tensors(tmp_path / "none.safetensors", {})
+    assert_read_back(tmp_path / "none.safetensors", {})
+
+
+def test_a_dtype_the_format_lacks_is_refused_naming_the_tensor(tmp_path):
+    with pytest.raises(ValueError, match="tensor z: dtype torch.complex64; expected one of"):
+        write_tensors(tmp_path / "a.safetensors", {"ok": torch.zeros(2), "z": torch.zeros(2, dtype=torch.complex64)})
+
+
+def cached_pages(path) -> int:
+    """How many of the file's pages are in the page cache (``mincore`` over a mapping that touches none)."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as mapped:
+        pages = -(-size // mmap.PAGESIZE)
+        vec = (ctypes.c_ubyte * pages)()
+        address = ctypes.addressof(ctypes.c_char.from_buffer(mapped))
+        libc = ctypes.CDLL(None, use_errno=True)
+        assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), vec) == 0, os.strerror(ctypes.get_errno())
+        resident = sum(v & 1 for v in vec)
+        del address  # the mapping may close once nothing exports it
+    return resident
+
+
+def direct_io_refused(folder) -> bool:
+    try:
+        os.close(os.open(folder / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT))
+    except OSError as err:
+        return err.errno == errno.EINVAL
+    return False
+
+
+def test_a_block_is_written_past_the_page_cache(tmp_path):
+    """The point of the module: the kernel copies none of the bytes into its cache (the worker's residual, a block in
+    fp32 every round, cost a CPU second there), where the test's file system takes O_DIRECT."""
+    if direct_io_refused(tmp_path):
+        pytest.skip(f"{tmp_path}'s file system refuses O_DIRECT")
+    block = {"w": torch.randn(3 * STAGING_BYTES // 4 + 99)}
+    write_tensors(tmp_path / "r.safetensors", block)
+    assert cached_pages(tmp_path / "r.safetensors") <= 2  # at most where the kernel reads the file's ends back
+    assert_read_back(tmp_path / "r.safetensors", block)
+
+
+def test_a_file_system_that_refuses_the_alignment_gets_the_bytes_through_the_page_cache(tmp_path, monkeypatch):
+    """A write refused for its alignment (``EINVAL``: a disk whose logical block is over a page; a fault this machine
+    cannot make, so ``pwrite`` raises it once) goes on through the page cache, and the file is whole."""
+    if direct_io_refused(tmp_path):
+        pytest.skip(f"{tmp_path}'s file system refuses O_DIRECT")
+    refused = []
+    pwrite = os.pwrite
+
+    def refuse_direct_once(fd, data, offset):
+        if not refused and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", refuse_direct_once)
+    block = {"w": torch.randn(STAGING_BYTES // 2)}
+    write_tensors(tmp_path / "r.safetensors", block)
+    assert refused == [0]
+    assert_read_back(tmp_path / "r.safetensors", block)
+
+
+def test_writers_at_once_each_write_their_own_file_whole(tmp_path):
+    """Several threads write at once (a residual staged beside the server's step log in inline simulation): each
+    takes a staging buffer of its own; 32 files, every one read back as written."""
+    files = {i: {"w": torch.full((STAGING_BYTES // 4 + i,), float(i)), "i": torch.tensor([i])} for i in range(32)}
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: write_tensors(tmp_path / f"{i}.safetensors", files[i]), files))
+    for i, tensors in files.items():
+        assert_read_back(tmp_path / f"{i}.safetensors", tensors)

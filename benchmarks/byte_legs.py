@@ -8,22 +8,23 @@ A node's legs: the round's step applied to its replica as it came (``core.apply_
 chunk), beside it decoded whole first (what it ran before); the update rounded with error feedback
 (``core.round_with_feedback_encoded``: what it sends is its encoding), its new residual written durably
 (``ResidualStore.save``: fp32, fsynced, past the page cache, under the system's temporary folder; the reply waits for
-it, the upload runs beside it; beside it written through the page cache, as before), packed for the wire
-(``wire.pack_pieces`` from that encoding), its SHA-256, and with ``verify-invariant`` its local model's digest
-(``core.model_digest``) as the node makes it: its replica's tensors from their cache (``ModelReplica.hashes``) but a
-block's, which the round's step moved, hashed again, and the update in its encoding; beside it the whole model hashed.
-The server's, for ``--nodes`` replies, as its critical path runs them: each reply's norm and finiteness read from its
-payload (``reply_checks.checked_norm``: int8's from its integers and scales), the aggregate of the updates as they came
-(``core.aggregate``: each read from its payload chunk by chunk into the sum), ``g`` rounded and packed
-(``wire.round_and_pack``, its values read back from the pieces), with differential privacy each reply clipped
-(``core.clip``) and the mean's noise drawn and added (``core.gaussian``, ``core.add_noise``), ``g`` applied to ``x``
-from its pieces chunk by chunk (``core.added``), and each reply's invariant digest (``core.model_digest``: ``x``'s
-tensors from their cache, which the checkpoint's digest filled while the replies were outstanding, and the reply's
-update hashed as it came). The sum and the new ``x`` go into buffers made and touched before the leg, as the server
-makes them while the replies are outstanding (``RoundBuffers``). The model is ``--blocks`` blocks, so that the whole-
-model digest costs what it costs on a model of that many blocks. Best of ``--repeats``; torch's threads: ``--threads``.
-Each size runs in a process of its own that maps its large buffers on huge pages (``memory.map_large_buffers``,
-``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``), as ``tools.launch`` and the units start the worker and the ServerApp.
+it, the upload runs beside it; beside it written through the page cache, as before; each in wall and CPU seconds),
+packed for the wire (``wire.pack_pieces`` from that encoding), its SHA-256, and with ``verify-invariant`` its local
+model's digest (``core.model_digest``) as the node makes it: its replica's tensors from their cache
+(``ModelReplica.hashes``) but a block's, which the round's step moved, hashed again, and the update in its encoding;
+beside it the whole model hashed. The server's, for ``--nodes`` replies, as its critical path runs them: each reply's
+norm and finiteness read from its payload (``reply_checks.checked_norm``: int8's from its integers and scales), the
+aggregate of the updates as they came (``core.aggregate``: each read from its payload chunk by chunk into the sum),
+``g`` rounded and packed (``wire.round_and_pack``, its values read back from the pieces), with differential privacy each
+reply clipped (``core.clip``) and the mean's noise drawn and added (``core.gaussian``, ``core.add_noise``), ``g``
+applied to ``x`` from its pieces chunk by chunk (``core.added``), and each reply's invariant digest
+(``core.model_digest``: ``x``'s tensors from their cache, which the checkpoint's digest filled while the replies were
+outstanding, and the reply's update hashed as it came). The sum and the new ``x`` go into buffers made and touched
+before the leg, as the server makes them while the replies are outstanding (``RoundBuffers``). The model is ``--blocks``
+blocks, so that the whole- model digest costs what it costs on a model of that many blocks. Best of ``--repeats``;
+torch's threads: ``--threads``. Each size runs in a process of its own that maps its large buffers on huge pages
+(``memory.map_large_buffers``, ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``), as ``tools.launch`` and the units start the
+worker and the ServerApp.
 
     .venv/bin/python -m benchmarks.byte_legs --params-m 61.8 243 --repeats 5 --report
 """
@@ -57,6 +58,7 @@ from parablock_flwr.wire import join_pieces, pack_pieces, round_and_pack, unpack
 WIDTH = 2048  # the rows of a block's tensors: Llama-3.2-1B's hidden size
 RESIDUAL_WRITE = "residual's durable write (fp32, fsynced)"
 RESIDUAL_WRITE_BEFORE = "residual's durable write, through the page cache"
+CPU = ", CPU s"  # a leg's CPU seconds, beside its wall time (left out of the sum)
 # What the node ran before, measured beside what replaced it (left out of the node's sum).
 BEFORE = {"invariant digest, whole model", "apply g to its replica, decoded whole", RESIDUAL_WRITE_BEFORE}
 # The legs the server runs only with differential privacy, central mode (docs/privacy.md; left out of its sum).
@@ -83,15 +85,15 @@ def block(params_m: float, seed: int, scale: float = 1e-3) -> core.Tensors:
     return {f"w{i}": torch.randn(WIDTH, cols, generator=gen) * scale for i in range(4)}
 
 
-def best(fn, repeats: int) -> tuple[float, object]:
-    """The fastest of ``repeats`` calls, and the last call's result (each call's result is dropped before the
-    next, as a round drops the last one's)."""
+def best(fn, repeats: int, clock=time.perf_counter) -> tuple[float, object]:
+    """The fastest of ``repeats`` calls by ``clock`` (default: wall time), and the last call's result (each call's
+    result is dropped before the next, as a round drops the last one's)."""
     seconds, out = float("inf"), None
     for _ in range(repeats):
         out = None
-        started = time.perf_counter()
+        started = clock()
         out = fn()
-        seconds = min(seconds, time.perf_counter() - started)
+        seconds = min(seconds, clock() - started)
     return seconds, out
 
 
@@ -130,17 +132,20 @@ def residual_writes(kept: core.Tensors, repeats: int) -> dict:
     """The node's new residual written durably (``Node.feed_back``: the reply waits for it), past the page cache
     (``tensor_file.write_tensors``), beside it written through the page cache as it was before
     (``safetensors``' ``save_file``, then ``fsync``), timed last: the gigabytes that leaves in the page cache would
-    slow every leg timed after it."""
+    slow every leg timed after it. Each also in CPU seconds (the process's, best of ``repeats``): the write runs
+    beside the upload, where its CPU, not its wall time, is what it takes from the round."""
     legs = {}
     with tempfile.TemporaryDirectory() as folder:
         store, rounds = ResidualStore(folder), itertools.count(1)
-        legs[RESIDUAL_WRITE], _ = best(lambda: store.save(next(rounds), 0, kept), repeats)
 
         def through_the_page_cache():
             save_file(kept, f"{folder}/page-cache.safetensors")
             fsync_path(Path(folder) / "page-cache.safetensors")
 
-        legs[RESIDUAL_WRITE_BEFORE], _ = best(through_the_page_cache, repeats)
+        for leg, write in ((RESIDUAL_WRITE, lambda: store.save(next(rounds), 0, kept)),
+                           (RESIDUAL_WRITE_BEFORE, through_the_page_cache)):  # fmt: skip
+            legs[leg], _ = best(write, repeats)
+            legs[leg + CPU], _ = best(write, repeats, clock=time.process_time)
     return legs
 
 
@@ -214,7 +219,7 @@ def table(results: list[dict]) -> str:
                      f"| {socket_rate:,.0f} | 1.00 |")  # fmt: skip
         for side in ("node", "server"):
             legs = r[side]
-            counted = {k: v for k, v in legs.items() if k not in BEFORE and not k.startswith(WITH_DP)}
+            counted = {k: v for k, v in legs.items() if k not in BEFORE and not k.startswith(WITH_DP) and CPU not in k}
             for leg, s in [*legs.items(), ("all it runs now", sum(counted.values()))]:
                 rate = r["wire_mb"] / s
                 lines.append(f"| {head} | {r['dtype']} | {side} | {leg} | {s:.3f} | {rate:,.0f} "

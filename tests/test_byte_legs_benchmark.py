@@ -5,9 +5,10 @@ import pytest
 
 from benchmarks import byte_legs
 
-NODE_LEGS = {"round with feedback", "residual's durable write (fp32, fsynced)", "pack", "SHA-256 of the wire bytes",
-             "invariant digest, cached", "invariant digest, whole model", "apply g to its replica",
-             "apply g to its replica, decoded whole", "residual's durable write, through the page cache"}  # fmt: skip
+WRITES = (byte_legs.RESIDUAL_WRITE, byte_legs.RESIDUAL_WRITE_BEFORE)  # each in wall and CPU seconds
+NODE_LEGS = {"round with feedback", "pack", "SHA-256 of the wire bytes", "invariant digest, cached",
+             "invariant digest, whole model", "apply g to its replica", "apply g to its replica, decoded whole",
+             *WRITES, *(leg + byte_legs.CPU for leg in WRITES)}  # fmt: skip
 SERVER_LEGS = {"check 2 replies (norm, finite)", "aggregate 2", "DP: clip 2 replies", "DP: the mean's noise",
                "round and pack g", "apply g to x", "2 invariant digests, cached"}  # fmt: skip
 

@@ -21,7 +21,7 @@ applied to ``x`` from its pieces chunk by chunk (``core.added``), and each reply
 (``core.model_digest``: ``x``'s tensors from their cache, which the checkpoint's digest filled while the replies were
 outstanding, and the reply's update hashed as it came). The sum and the new ``x`` go into buffers made and touched
 before the leg, as the server makes them while the replies are outstanding (``RoundBuffers``). The model is ``--blocks``
-blocks, so that the whole- model digest costs what it costs on a model of that many blocks. Best of ``--repeats``;
+blocks, so that the whole-model digest costs what it costs on a model of that many blocks. Best of ``--repeats``;
 torch's threads: ``--threads``. Each size runs in a process of its own that maps its large buffers on huge pages
 (``memory.map_large_buffers``, ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``), as ``tools.launch`` and the units start the
 worker and the ServerApp.
@@ -52,6 +52,7 @@ from parablock_flwr.memory import map_large_buffers, with_huge_pages
 from parablock_flwr.node.state import ResidualStore
 from parablock_flwr.strategies.reply_checks import checked_norm
 from parablock_flwr.strategies.round_buffers import touched_pairs
+from parablock_flwr.tensor_file import takes_direct_io
 from parablock_flwr.tools.credentials import make_tls
 from parablock_flwr.wire import join_pieces, pack_pieces, round_and_pack, unpack
 
@@ -244,6 +245,8 @@ def main(argv=None) -> list[dict]:
     threads = args.threads or torch.get_num_threads()
     report += (
         f"\n\ntorch threads: {threads}; {args.nodes} replies; a model of {args.blocks} blocks (whole-model digest).\n"
+        f"The residual written under {tempfile.gettempdir()}: O_DIRECT "
+        f"{'taken' if takes_direct_io(tempfile.gettempdir()) else 'refused (both writes through the page cache)'}.\n"
     )
     if args.report:
         print(write_report("byte_legs", "Per-byte legs of a round, outside the transport", report, __doc__))

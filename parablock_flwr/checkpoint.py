@@ -33,6 +33,7 @@ import torch
 
 from .core import PendingUpdate
 from .durable import crash_point, fsync_path, make_dirs, replace_folder
+from .tensor_file import append_pieces
 from .wire import kept_dtype, pack_pieces, unpack
 
 STAGED = "pending.staged"
@@ -103,18 +104,15 @@ def clear_staged_pending(run_dir: Path) -> None:
 def stage_pending(run_dir: Path, partition_id: int, pending: PendingUpdate) -> None:
     """Append one client's pending update as soon as it is aggregated (the reply can then be
     freed): its packed arrays as it travelled (``wire.pack_pieces`` in its own encoding, ``wire.kept_dtype``:
-    an int8 update is a quarter of its fp32 bytes, and is never decoded) to ``updates.bin``, their place to
-    ``index.jsonl``. Two files whatever the number of clients; the round's checkpoint takes them once it is
-    complete."""
+    an int8 update is a quarter of its fp32 bytes, and is never decoded) to ``updates.bin``, past the page cache
+    (``tensor_file.append_pieces``), their place to ``index.jsonl``. Two files whatever the number of clients;
+    the round's checkpoint takes them once it is complete."""
     folder = make_dirs(Path(run_dir) / "checkpoint") / STAGED
     folder.mkdir(exist_ok=True)  # renamed into the checkpoint's folder, which is made durable whole
     pieces = pack_pieces(pending.delta, kept_dtype(pending.delta))
-    entry = {"partition": partition_id, "block": pending.block, "base_version": pending.base_version, "arrays": {}}
-    with open(folder / "updates.bin", "ab") as f:
-        for key, parts in pieces.items():
-            entry["arrays"][key] = [f.tell(), parts[0].dtype.str, sum(part.size for part in parts)]
-            for part in parts:
-                f.write(memoryview(part))  # no copy (tobytes() would copy the block holding the GIL)
+    offsets = append_pieces(folder / "updates.bin", pieces)  # past the page cache, each array from a page
+    arrays = {key: [offsets[key], parts[0].dtype.str, sum(p.size for p in parts)] for key, parts in pieces.items()}
+    entry = {"partition": partition_id, "block": pending.block, "base_version": pending.base_version, "arrays": arrays}
     with open(folder / "index.jsonl", "a") as f:
         f.write(json.dumps(entry) + "\n")
 

@@ -1,6 +1,8 @@
 """Crash-consistent files: what a resume or a report reads survives a killed process or a power loss.
 
-Every such file is written by one of three functions here, and by nothing else:
+Every such file is written by one of three functions here, and by nothing else (the bytes of a block-sized file
+come from ``tensor_file``, past the page cache; its rename and its folder's fsync are these functions' or the
+same steps in ``node.state.ResidualStore``):
 
 - ``replace_file``: a whole file, written beside its final name, fsynced, renamed over it, and
   its folder fsynced (the rename itself is then on disk). A reader sees the old file or the new

@@ -1,17 +1,18 @@
-"""Safetensors files written past the page cache: a node's residual (its block in fp32, every round), the server's
-step log and snapshots, a virtual node's pending update.
+"""Block-sized files written past the page cache, every round: a node's residual (its block in fp32), the server's
+step log and snapshots, a virtual node's pending update (``write_tensors``: safetensors files), and the clients'
+pending updates staged for the checkpoint (``append_pieces``).
 
 ``safetensors``' ``save_file`` writes through the page cache: the kernel copies every byte into cache pages it
 makes, and ``fsync`` then writes them out. For a residual (944 MB of fp32 beside a 236 MB int8 block) that copy
-cost the worker about a CPU second a round on one core (22 % of its cycles in ``perf`` beside the stand-in), for
-a file only a resume ever reads. ``write_tensors`` writes the same format with ``O_DIRECT``: the tensors pass
-through a small page-aligned buffer at memory speed and the disk reads them from it, so ``fsync`` has only the
-device to flush. Where the file system refuses ``O_DIRECT`` (tmpfs) or its alignment, the same bytes go through
+cost the worker about a CPU second a round on one core (22 % of its cycles in a ``perf`` probe beside the
+stand-in), for a file only a resume ever reads. Here the bytes go with ``O_DIRECT``: they pass through a small
+page-aligned buffer at memory speed and the disk reads them from it, so ``fsync`` has only the device to flush.
+Where the file system refuses ``O_DIRECT`` (tmpfs before Linux 6.6) or its alignment, the same bytes go through
 the page cache.
 
-The header is the format's own (an 8-byte length, then JSON giving each tensor's dtype, shape and byte range, and
-the file's metadata), padded with spaces, as the format allows, so that the data starts on a page; ``safetensors``
-reads the file back (``load_file``, ``safe_open``).
+A safetensors header is the format's own (an 8-byte length, then JSON giving each tensor's dtype, shape and byte
+range, and the file's metadata), padded with spaces, as the format allows, so that the data starts on a page;
+``safetensors`` reads the file back (``load_file``, ``safe_open``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-PAGE = 4096  # O_DIRECT's alignment of memory, offset and length: a multiple of any disk's logical block
+# O_DIRECT's alignment of memory, offset and length: a multiple of the logical block of the disks in use (512 or
+# 4096 bytes); one whose block is larger refuses it, and the bytes then go through the page cache.
+DIRECT_ALIGNMENT = 4096
+O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux's; elsewhere every write goes through the page cache
 STAGING_BYTES = 8 << 20  # what passes through one aligned buffer per write (the disk's pace from 4 MiB up)
 SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
@@ -41,10 +45,15 @@ _idle_staging: list[mmap.mmap] = []  # page-aligned buffers between writes (one 
 _staging_lock = threading.Lock()
 
 
-def write_tensors(path: Path | str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None):
+def write_tensors(
+    path: Path | str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> None:
     """``tensors`` (host or device; views of one array too) as a safetensors file at ``path``, fsynced: what
     ``safetensors.torch.save_file`` and an ``fsync`` leave, without the page cache's copy. Raises ``ValueError``
-    for a dtype the format lacks, naming the tensor."""
+    before writing for a dtype this writer does not name (those a run writes: ``SAFETENSORS_DTYPES``), naming the
+    tensor, or metadata that is not text (safetensors would refuse the file only when it is read)."""
+    if metadata and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise ValueError(f"metadata {dict(metadata)!r}: expected text keys and values")
     header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
     sources, offset = [], 0
     for name, tensor in tensors.items():
@@ -57,43 +66,87 @@ def write_tensors(path: Path | str, tensors: Mapping[str, torch.Tensor], metadat
         sources.append(data)
         offset += data.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-(8 + len(text)) % PAGE)  # the data on a page
+    text += b" " * (-(8 + len(text)) % DIRECT_ALIGNMENT)  # the data on a page
     head = struct.pack("<Q", len(text)) + text
-    _write_durably(Path(path), [np.frombuffer(head, dtype=np.uint8), *sources])
+    _write_file(Path(path), [np.frombuffer(head, dtype=np.uint8), *sources])
 
 
-def _write_durably(path: Path, sources: list[np.ndarray]) -> None:
-    """The bytes of ``sources`` one after the other in a new file at ``path``, fsynced: whole pages from an aligned
-    buffer (the last one padded, then the file cut to its length)."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+def append_pieces(path: Path | str, pieces: Mapping[str, list[np.ndarray]]) -> dict[str, int]:
+    """Each key's 1-D parts, one after the other, appended to ``path`` past the page cache, each key's from a page
+    of its own (the gaps are zeros); where each key's bytes start. One writer at a time (the checkpoint's staged
+    pending updates: ``checkpoint.stage_pending``, on the server's one staging thread). Not fsynced: its caller
+    makes the whole folder durable."""
+    fd = _open_direct(path, os.O_WRONLY | os.O_CREAT)
     try:
-        fd = os.open(path, flags | os.O_DIRECT, 0o666)
+        at, offsets = os.fstat(fd).st_size, {}
+        for key, parts in pieces.items():
+            offsets[key] = at = -(-at // DIRECT_ALIGNMENT) * DIRECT_ALIGNMENT
+            at += _write_pages(fd, [memoryview(np.ascontiguousarray(p)).cast("B") for p in parts], at)
+    finally:
+        os.close(fd)
+    return offsets
+
+
+def _write_file(path: Path, sources: list[np.ndarray]) -> None:
+    """The bytes of ``sources`` one after the other in a new file at ``path``, fsynced (the last page's padding cut
+    off)."""
+    fd = _open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        os.ftruncate(fd, _write_pages(fd, sources, 0))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def takes_direct_io(folder: Path | str) -> bool:
+    """Whether the file system of ``folder`` opens files with ``O_DIRECT`` (else these writes go through the page
+    cache); a probe file made and removed there."""
+    probe = Path(folder) / f".direct-io-probe-{os.getpid()}-{threading.get_ident()}"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | O_DIRECT, 0o600))
     except OSError as err:
         if err.errno != errno.EINVAL:
             raise
-        fd = os.open(path, flags, 0o666)  # a file system without O_DIRECT (tmpfs)
+        return False
+    finally:
+        probe.unlink(missing_ok=True)
+    return bool(O_DIRECT)
+
+
+def _open_direct(path: Path | str, flags: int) -> int:
+    """``path`` opened with ``O_DIRECT``, or without it on a file system that refuses it (tmpfs before Linux 6.6)."""
+    flags |= os.O_CLOEXEC
+    try:
+        return os.open(path, flags | O_DIRECT, 0o666)
+    except OSError as err:
+        if err.errno != errno.EINVAL or not O_DIRECT:
+            raise
+        return os.open(path, flags, 0o666)
+
+
+def _write_pages(fd: int, sources: list, offset: int) -> int:
+    """The bytes of ``sources`` (arrays or byte views) one after the other from ``offset`` (a page's start), whole
+    pages through an aligned staging buffer, the last one padded with zeros; the bytes of ``sources``."""
     staging = _take_staging()
     try:
         buffer, filled, written = np.frombuffer(staging, dtype=np.uint8), 0, 0
         for source in sources:
-            at = 0
+            source, at = np.frombuffer(source, dtype=np.uint8), 0
             while at < source.nbytes:
                 n = min(source.nbytes - at, STAGING_BYTES - filled)
                 buffer[filled : filled + n] = source[at : at + n]
                 filled, at = filled + n, at + n
                 if filled == STAGING_BYTES:
-                    _pwrite_all(fd, memoryview(staging), written)
+                    _pwrite_all(fd, memoryview(staging), offset + written)
                     filled, written = 0, written + STAGING_BYTES
         if filled:
-            whole = -(-filled // PAGE) * PAGE
+            whole = -(-filled // DIRECT_ALIGNMENT) * DIRECT_ALIGNMENT
             buffer[filled:whole] = 0
-            _pwrite_all(fd, memoryview(staging)[:whole], written)
+            _pwrite_all(fd, memoryview(staging)[:whole], offset + written)
             written += filled
         del buffer
-        os.ftruncate(fd, written)
-        os.fsync(fd)
+        return written
     finally:
-        os.close(fd)
         _give_back_staging(staging)
 
 
@@ -105,9 +158,9 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
             n = os.pwrite(fd, data, offset)
         except OSError as err:
             mode = fcntl.fcntl(fd, fcntl.F_GETFL)
-            if err.errno != errno.EINVAL or not mode & os.O_DIRECT:
+            if err.errno != errno.EINVAL or not mode & O_DIRECT:
                 raise
-            fcntl.fcntl(fd, fcntl.F_SETFL, mode & ~os.O_DIRECT)
+            fcntl.fcntl(fd, fcntl.F_SETFL, mode & ~O_DIRECT)
             continue
         if n <= 0:
             raise OSError(errno.EIO, f"wrote {n} of {data.nbytes} bytes at offset {offset}")
@@ -118,7 +171,7 @@ def _take_staging() -> mmap.mmap:
     with _staging_lock:
         if _idle_staging:
             return _idle_staging.pop()
-    return mmap.mmap(-1, STAGING_BYTES)  # anonymous: page-aligned
+    return mmap.mmap(-1, STAGING_BYTES, flags=mmap.MAP_PRIVATE)  # anonymous: page-aligned; a forked child's own
 
 
 def _give_back_staging(staging: mmap.mmap) -> None:

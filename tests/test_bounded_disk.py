@@ -12,7 +12,7 @@ from parablock_flwr.config import RunConfig
 from parablock_flwr.core import apply_step
 from parablock_flwr.plan import make_plan, model_config, model_shape
 from parablock_flwr.replica import ModelReplica, StepLog
-from parablock_flwr.tensor_file import PAGE
+from parablock_flwr.tensor_file import DIRECT_ALIGNMENT
 
 from helpers import simulate
 
@@ -35,7 +35,7 @@ def test_a_step_is_logged_as_it_travelled_and_read_back_bit_for_bit(tmp_path, dt
     fp32_log.write(1, 0, {n: step[n] for n in step})
     copy.write(1, 0, log.read(1)[1])
     size = [(lg.dir / "v00001.safetensors").stat().st_size for lg in (log, fp32_log, copy)]
-    assert size[0] == size[2] < share * size[1] + PAGE, size  # beside each file's header, padded to a page
+    assert size[0] == size[2] < share * size[1] + DIRECT_ALIGNMENT, size  # beside each file's header, padded to a page
     for read in (log.read(1), fp32_log.read(1), copy.read(1)):
         assert read[0] == 0 and all(torch.equal(read[1][n], step[n]) for n in g)
     path = log.dir / "v00001.safetensors"

@@ -10,13 +10,14 @@ import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 from parablock_flwr import tensor_file
-from parablock_flwr.tensor_file import PAGE, STAGING_BYTES, write_tensors
+from parablock_flwr.tensor_file import DIRECT_ALIGNMENT, STAGING_BYTES, append_pieces, write_tensors
 
 
 def assert_read_back(path, tensors, metadata=None):
@@ -40,14 +41,19 @@ def test_every_dtype_and_layout_is_read_back_by_safetensors_bit_for_bit(tmp_path
     write_tensors(tmp_path / "a.safetensors", tensors, {"block": "3"})
     assert_read_back(tmp_path / "a.safetensors", tensors, {"block": "3"})
     header_bytes = int.from_bytes((tmp_path / "a.safetensors").read_bytes()[:8], "little")
-    assert (8 + header_bytes) % PAGE == 0  # the data starts on a page, where O_DIRECT writes it from
+    assert (8 + header_bytes) % DIRECT_ALIGNMENT == 0  # the data starts on a page, where O_DIRECT writes it from
     write_tensors(tmp_path / "none.safetensors", {})
     assert_read_back(tmp_path / "none.safetensors", {})
 
 
-def test_a_dtype_the_format_lacks_is_refused_naming_the_tensor(tmp_path):
+def test_a_dtype_it_does_not_name_or_metadata_that_is_not_text_is_refused_before_any_write(tmp_path):
+    """Refused when written, naming what is wrong, not when a resume reads the file (safetensors refuses metadata
+    that is not text only then)."""
     with pytest.raises(ValueError, match="tensor z: dtype torch.complex64; expected one of"):
         write_tensors(tmp_path / "a.safetensors", {"ok": torch.zeros(2), "z": torch.zeros(2, dtype=torch.complex64)})
+    with pytest.raises(ValueError, match=r"metadata \{'block': 3\}: expected text keys and values"):
+        write_tensors(tmp_path / "a.safetensors", {"ok": torch.zeros(2)}, {"block": 3})
+    assert not (tmp_path / "a.safetensors").exists()
 
 
 def cached_pages(path) -> int:
@@ -65,11 +71,7 @@ def cached_pages(path) -> int:
 
 
 def direct_io_refused(folder) -> bool:
-    try:
-        os.close(os.open(folder / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT))
-    except OSError as err:
-        return err.errno == errno.EINVAL
-    return False
+    return not tensor_file.takes_direct_io(folder)
 
 
 def test_a_block_is_written_past_the_page_cache(tmp_path):
@@ -112,3 +114,23 @@ def test_writers_at_once_each_write_their_own_file_whole(tmp_path):
         list(pool.map(lambda i: write_tensors(tmp_path / f"{i}.safetensors", files[i]), files))
     for i, tensors in files.items():
         assert_read_back(tmp_path / f"{i}.safetensors", tensors)
+
+
+def test_pieces_appended_each_from_a_page_are_read_back_where_it_says(tmp_path):
+    """``append_pieces`` (the checkpoint's staged pending updates, one client after another): each key's parts read
+    back at the offset it returned, every offset on a page, earlier entries intact, none of it in the page cache
+    where the file system takes O_DIRECT."""
+    path, entries = tmp_path / "updates.bin", []
+    for client in range(3):
+        values = [np.arange(1000 * client + 777, dtype=np.int8), np.full(STAGING_BYTES + 5, client, dtype=np.int8)]
+        pieces = {"layout": [np.frombuffer(b"x" * (client + 1), dtype=np.uint8)], "values": values,
+                  "scales": [np.full(33, client + 0.5, dtype=np.float32)]}  # fmt: skip
+        entries.append((pieces, append_pieces(path, pieces)))
+    if not direct_io_refused(tmp_path):  # before anything reads it back
+        assert cached_pages(path) <= 2
+    for pieces, offsets in entries:
+        assert all(offset % DIRECT_ALIGNMENT == 0 for offset in offsets.values()), offsets
+        for key, parts in pieces.items():
+            joined = np.concatenate(parts)
+            back = np.fromfile(path, dtype=joined.dtype, count=joined.size, offset=offsets[key])
+            assert np.array_equal(back, joined), key

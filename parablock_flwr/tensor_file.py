@@ -34,6 +34,7 @@ import torch
 # 4096 bytes); one whose block is larger refuses it, and the bytes then go through the page cache.
 DIRECT_ALIGNMENT = 4096
 O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux's; elsewhere every write goes through the page cache
+IN_MEMORY_FILE_SYSTEMS = {"tmpfs", "ramfs"}  # their files are page-cache pages, whatever the open's flags
 STAGING_BYTES = 8 << 20  # what passes through one aligned buffer per write (the disk's pace from 4 MiB up)
 SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
@@ -99,8 +100,9 @@ def _write_file(path: Path, sources: list[np.ndarray]) -> None:
 
 
 def takes_direct_io(folder: Path | str) -> bool:
-    """Whether the file system of ``folder`` opens files with ``O_DIRECT`` (else these writes go through the page
-    cache); a probe file made and removed there."""
+    """Whether a file written in ``folder`` bypasses the page cache: its file system opens files with ``O_DIRECT``
+    (a probe file made and removed there) and keeps them on a device, not in memory (tmpfs takes ``O_DIRECT``
+    from Linux 6.6, but its files are the page cache)."""
     probe = Path(folder) / f".direct-io-probe-{os.getpid()}-{threading.get_ident()}"
     try:
         os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | O_DIRECT, 0o600))
@@ -110,7 +112,22 @@ def takes_direct_io(folder: Path | str) -> bool:
         return False
     finally:
         probe.unlink(missing_ok=True)
-    return bool(O_DIRECT)
+    return bool(O_DIRECT) and file_system(folder) not in IN_MEMORY_FILE_SYSTEMS
+
+
+def file_system(folder: Path | str) -> str | None:
+    """The type of the file system ``folder`` is on, from ``/proc/self/mountinfo`` (None where it cannot say)."""
+    device = os.stat(folder).st_dev
+    wanted = f"{os.major(device)}:{os.minor(device)}"
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()  # ... major:minor (third) ... - fstype source options
+                if fields[2] == wanted and "-" in fields:
+                    return fields[fields.index("-") + 1]
+    except OSError:
+        pass
+    return None
 
 
 def _open_direct(path: Path | str, flags: int) -> int:

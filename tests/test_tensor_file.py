@@ -74,6 +74,14 @@ def direct_io_refused(folder) -> bool:
     return not tensor_file.takes_direct_io(folder)
 
 
+def test_a_file_system_in_memory_is_not_taken_for_one_past_the_page_cache():
+    """tmpfs opens files with O_DIRECT from Linux 6.6, yet its files are page-cache pages: the probe the tests and
+    ``benchmarks.byte_legs`` rely on says so."""
+    if tensor_file.file_system("/dev/shm") != "tmpfs":
+        pytest.skip("/dev/shm is not a tmpfs here")
+    assert not tensor_file.takes_direct_io("/dev/shm")
+
+
 def test_a_block_is_written_past_the_page_cache(tmp_path):
     """The point of the module: the kernel copies none of the bytes into its cache (the worker's residual, a block in
     fp32 every round, cost a CPU second there), where the test's file system takes O_DIRECT."""

@@ -71,7 +71,9 @@ def _stop_on_sigterm() -> None:
     def stop(signum, _frame) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         print("parablock-flwr: SIGTERM: stopping the processes this command started", file=sys.stderr, flush=True)
-        raise SystemExit(128 + signum)
+        stopping = SystemExit(128 + signum)
+        stopping.began = time.time()  # what the run records from now on, it records because it is being stopped
+        raise stopping
 
     signal.signal(signal.SIGTERM, stop)
 
@@ -104,7 +106,7 @@ def _launch(args) -> int:
                 )
         except SystemExit as stop:  # SIGTERM (``_stop_on_sigterm``): its processes are stopped by now
             if stop.code == 128 + signal.SIGTERM:
-                _record_stopped(config, app_dir, launched)
+                _record_stopped(config, app_dir, launched, getattr(stop, "began", None))
             raise
     sys.stdout.flush()
     if result.run_dir is not None:
@@ -113,12 +115,13 @@ def _launch(args) -> int:
     return result.returncode
 
 
-def _record_stopped(config: dict, app_dir: Path, launched: float) -> None:
+def _record_stopped(config: dict, app_dir: Path, launched: float, stop_began: float | None) -> None:
     """The run the SIGTERM stopped gets its status record (``run_status.record_stopped``), said on the last line."""
     from .run_status import record_stopped
     from .tools.launch import output_dir_of
 
-    written = record_stopped(output_dir_of(config, app_dir), launched, "stopped by SIGTERM to parablock-flwr")
+    why = "stopped by SIGTERM to parablock-flwr"
+    written = record_stopped(output_dir_of(config, app_dir), launched, why, stop_began)
     if written is not None:
         print(f"parablock-flwr: run stopped: {json.loads(written.read_text())['reason']}", file=sys.stderr, flush=True)
 

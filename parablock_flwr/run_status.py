@@ -63,17 +63,21 @@ def read_status(run_dir: Path) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def record_stopped(output_dir: Path, since: float, why: str) -> Path | None:
+def record_stopped(output_dir: Path, since: float, why: str, stop_began: float | None = None) -> Path | None:
     """The status of a run whose launcher was stopped: the first run folder under ``output_dir`` whose name says it
     was made at or after ``since`` (a ``time.time()``; ``<date>-<time>-<algorithm>-<run id>``, the ServerApp's
     local time) that has no status record gets one (``stopped``: how many rounds it completed, and how to
-    continue). None when there is no such folder (the run had not started, or wrote its own)."""
+    continue). A record the run wrote once the stop had begun (``stop_began``, a ``time.time()``) is the stop's
+    too, and is replaced: the launcher stops its processes one by one, and a ServerApp that sees one of its own
+    end first (its evaluator) records that as its failure before it is stopped itself. None when there is no
+    such folder (the run had not started), or the run recorded its own end before the stop."""
     started = time.strftime("%Y%m%d-%H%M%S", time.localtime(since - 1))
     folders = sorted(p for p in Path(output_dir).glob("*-*") if p.is_dir() and p.name[:15] >= started)
     if not folders:
         return None
     run_dir = folders[0]
-    if (run_dir / STATUS_FILE).exists():
+    status = run_dir / STATUS_FILE
+    if status.exists() and (stop_began is None or status.stat().st_mtime < stop_began):
         return None
     from .metrics import RunRecorder
 

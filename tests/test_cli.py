@@ -322,6 +322,26 @@ def test_sigterm_stops_every_process_the_command_started(tmp_path, tiny_model_di
             kill(pid)
 
 
+def test_a_stopped_run_replaces_the_status_it_recorded_once_the_stop_began_but_keeps_an_earlier_one(tmp_path):
+    """The launcher stops its processes one by one: a ServerApp that sees its evaluator end first records an error
+    before it is stopped itself (a race CI met). ``record_stopped`` takes a record written once the stop began for
+    the stop's, and replaces it; a run that recorded its own end before the stop keeps its record."""
+    from parablock_flwr.run_status import read_status, record_stopped
+
+    launched = time.time()
+    run_dir = tmp_path / "out" / time.strftime("%Y%m%d-%H%M%S-parablock-7", time.localtime(launched))
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.json").write_text(json.dumps({"num-server-rounds": 50}))
+    write_status(run_dir, "error", "RuntimeError: the server's evaluation failed: killed by SIGTERM", 2, 50)
+    before = time.time() + 60  # a stop that began after the record: the record stands
+    assert record_stopped(tmp_path / "out", launched, "stopped by SIGTERM", stop_began=before) is None
+    assert read_status(run_dir)["kind"] == "error"
+    began = (run_dir / "status.json").stat().st_mtime - 1  # the record came once the stop began: the stop's
+    assert record_stopped(tmp_path / "out", launched, "stopped by SIGTERM", stop_began=began) is not None
+    status = read_status(run_dir)
+    assert (status["kind"], status["exit_code"]) == ("stopped", 143) and "resume-from=" in status["reason"], status
+
+
 @pytest.mark.e2e
 def test_a_killed_server_leaves_no_status_record_and_exits_1(tmp_path, tiny_model_dir):
     run = simulate_and_kill_server(tmp_path, tiny_model_dir, after_round=1, num_supernodes=2)

@@ -251,6 +251,17 @@ class TrainMetrics:
     clientapp_pull_cpu_s: float | None = _metric(NUMBER)  # the ClientApp's CPU seconds at its handler's start ...
     clientapp_cpu_s: float | None = _metric(NUMBER)  # ... and at its reply
     worker_cpu_s: float | None = _metric(NUMBER)  # the node worker's CPU seconds (every thread), before its upload
+    # Where the node worker's own work of the round went, leg by leg (seconds, wall-clock): its records in hand
+    # after the request came (on the stream: the step fetched, or waited for where it was fetched ahead), g
+    # applied to the replica before a computation started now (none when it ran ahead), the update rounded to
+    # transfer-dtype with error feedback (none when rounded ahead), the correction, the upload (none when it
+    # moved ahead), the residual's durable write waited for after it.
+    records_fetch_s: float | None = _metric(NUMBER)
+    step_apply_s: float | None = _metric(NUMBER)
+    rounding_s: float | None = _metric(NUMBER)
+    correction_s: float | None = _metric(NUMBER)
+    upload_s: float | None = _metric(NUMBER)
+    residual_wait_s: float | None = _metric(NUMBER)
     clientapp_imported_torch: int | None = _metric(FLAG)
     # Simulation: steps an actor read from the server's step log, and the process that computed.
     steps_from_log: int | None = _metric(COUNT)
@@ -271,6 +282,11 @@ class TrainMetrics:
         if self.partition_id < 0:
             return f"metric partition-id={self.partition_id}: expected >= 0"
         return None if self.evaluation is None else self.evaluation.check()
+
+
+# The node worker's own legs of a round, as ``TrainMetrics`` names them, in a round's order (the rest of its time
+# there is the computation, and what no leg names: the reply's metrics and digests, the next round's start).
+WORKER_LEGS = ("records_fetch_s", "step_apply_s", "rounding_s", "correction_s", "upload_s", "residual_wait_s")
 
 
 def metrics_to_record(metrics: TrainMetrics | EvaluateMetrics, **extra: float | int) -> dict[str, float | int]:

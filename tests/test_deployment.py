@@ -17,6 +17,7 @@ import pytest
 import torch
 from stream_probes import Shared, SocketTap, kinds, outsider, site_identity
 
+from parablock_flwr.messages import WORKER_LEGS
 from parablock_flwr.metrics import RunRecorder
 from parablock_flwr.tools.credentials import make_node_key
 from parablock_flwr.tools.launch import free_port, run_deployment, stop_process_group, supernode_command
@@ -130,6 +131,20 @@ def test_the_relay_leg_splits_into_flowers_pull_the_send_and_the_workers_read(de
         assert sum(parts) == pytest.approx(rec["critical_path_clientapp_relay_s"], abs=1e-6)
         assert rec["server_cpu_s"] > 0 and rec["server_times"]["previous_finished"] >= rec["server_times"]["pushed"]
         assert all(0 < row["clientapp_pull_cpu_s"] <= row["clientapp_cpu_s"] for row in rec["timeline"])
+
+
+def test_each_round_says_where_the_workers_own_time_went_leg_by_leg(deployed):
+    """Every round's timeline row carries the worker's own legs (``messages.WORKER_LEGS``): its records fetched,
+    g applied before a computation started now, the update rounded (int8), the correction, the residual's write
+    waited for; on Flower's path there is no upload of the worker's own. Each fits inside the worker's round."""
+    for rec in succeeded(deployed).records[1:]:
+        for row in rec["timeline"]:
+            legs = {leg: row.get(leg) for leg in WORKER_LEGS}
+            assert legs.pop("upload_s") is None, row
+            assert all(value is not None and value >= 0 for value in legs.values()), row
+            assert legs["rounding_s"] > 0 and legs["correction_s"] > 0, row
+            assert sum(legs.values()) < rec["round_wall_s"], (legs, rec["round_wall_s"])
+        assert {row["node"] for row in rec["timeline"]}, rec["round"]
 
 
 def test_the_serverapp_and_the_workers_map_their_block_sized_buffers_on_huge_pages(deployed):

@@ -12,6 +12,7 @@ import shutil
 import pytest
 
 from benchmarks import round_compare, stand_in
+from parablock_flwr.messages import WORKER_LEGS
 
 
 @pytest.mark.e2e
@@ -27,13 +28,18 @@ def test_the_stand_in_benchmark_measures_both_algorithms_and_parablock_hides_the
         assert 1.5 <= measured["measured_compute_s"] < 1.8  # the stand-in's wait, as the worker timed it
         assert measured["server_cpu_s"] > 0 and measured["worker_round_cpu_s"] > 0  # a round's CPU, each side
         assert measured["critical_path_aggregate_s"] >= 0 and measured["server_critical_path_s"] >= 0
+        assert all(measured[f"measured_{leg}"] >= 0 for leg in WORKER_LEGS), measured  # the worker's own legs
+    # BCD's worker applies g^{r-1} before it computes, rounds its update and uploads it once its message is in.
+    assert min(bcd["measured_step_apply_s"], bcd["measured_rounding_s"], bcd["measured_upload_s"]) > 0, bcd
     # Causal, not a race of durations: ParaBlock's worker starts round r+1 before its round-r reply leaves, so
     # its computation covers part of the window; BCD's starts only once round r+1's message is in.
     assert parablock["measured_overlap_share"] > 0 and bcd["measured_overlap_share"] == 0, (parablock, bcd)
     ratio, ideal = round_compare.against_ideal(bcd, parablock)
     assert 0 < ideal <= 1 and ratio > 0
     out = capsys.readouterr().out
-    assert "ParaBlock / BCD" in out and "| 256 (2 MB): BCD's round ≤ C + link + 1 s (s) |" in out
+    assert (
+        "ParaBlock / BCD" in out and "step apply " in out and "| 256 (2 MB): BCD's round ≤ C + link + 1 s (s) |" in out
+    )
 
 
 @pytest.mark.skipif(len(getattr(os, "sched_getaffinity", lambda _: ())(0)) < 2, reason="--pin needs 2 CPUs (Linux)")

@@ -23,7 +23,8 @@ _HOMES = {
     ),
     **dict.fromkeys(("NodeAnswer", "RequestRefused", "Request", "StateIntact", "check_blocks"), ".request"),
     **dict.fromkeys(
-        ("Ahead", "Node", "ResidualsMissing", "ResidualWriteFailed", "in_background", "wait_for_write"), ".runtime"
+        ("Ahead", "Node", "ResidualsMissing", "ResidualWriteFailed", "in_background", "timed", "wait_for_write"),
+        ".runtime",
     ),
 }
 __all__ = sorted(_HOMES)

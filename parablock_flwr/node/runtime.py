@@ -30,8 +30,9 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,6 +86,16 @@ class EarlyUpdate:
     residual_out: core.Tensors | None
     encoded: core.Encoded | None = None  # ``sent`` as it travels (None: fp32, the values themselves)
     staged: StagedResidual | None = None  # ``residual_out``'s durable write, begun (None: no store, or fp32)
+
+
+@contextmanager
+def timed(legs: dict[str, float], leg: str) -> Iterator[None]:
+    """``legs[leg]``: the seconds the block took (a leg of the round, said in its reply's metrics)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        legs[leg] = time.perf_counter() - start
 
 
 def in_background(fn: Callable, *args) -> Callable[[], None]:
@@ -192,13 +203,17 @@ class Node:
         self.apply_sync(res, req, store)  # 3
         if store is not None and self.state.last_round == 0:  # this node's first message in this run
             self.begin_run(cfg, req, store, resumed_store)
-        job, result, waited = self.round_update(res, cfg, req, client, ahead, fetch_step)  # 4
+        legs: dict[str, float] = {}  # where the round's time went (``TrainMetrics``' worker legs)
+        job, result, waited, legs["step_apply_s"] = self.round_update(res, cfg, req, client, ahead, fetch_step)  # 4
         early = early if early is not None and ahead is not None and early.ahead is ahead else None
-        residual_written, used_early, encoded = self.feed_back(cfg, req, result, store, early)  # 5
+        with timed(legs, "rounding_s"):
+            residual_written, used_early, encoded = self.feed_back(cfg, req, result, store, early)  # 5
         try:
             sent = core.kept_encoded(result.delta, encoded)  # held as it travelled: a quarter of fp32 in int8
-            kept = self.finish_round(res, req, client, job, sent, fetch_step)  # 6
+            with timed(legs, "correction_s"):
+                kept = self.finish_round(res, req, client, job, sent, fetch_step)  # 6
             metrics = self.reply_metrics(res, cfg, req, client, job, result, kept, waited)  # 7
+            metrics = dataclasses.replace(metrics, **legs)
             trace = self.trace(res, cfg, kept)
             if self.runs_ahead and client.runs_ahead and req.next_block >= 0:  # 8
                 self.start_ahead(res, cfg, req, client, fetch_step)
@@ -304,18 +319,21 @@ class Node:
 
     def round_update(
         self, res: NodeResources, cfg: RunConfig, req: Request, client, ahead: Ahead | None, fetch_step: FetchStep
-    ) -> tuple[Job, TrainResult, float]:
-        """Step 4: round r's update, and how long the node waited for the computation running ahead."""
+    ) -> tuple[Job, TrainResult, float, float]:
+        """Step 4: round r's update, how long the node waited for the computation running ahead, and how long
+        the replica took to reach the computation's start (the steps applied; none for one that ran ahead)."""
         if ahead is not None:  # round r, started from the start point when round r-1 was answered
             client.aggregate_arrived(ahead.job.slot, req.step(req.server_round - 1), ahead.job.started_from)
             wait_start = time.time()
             result = computed(ahead.future)
-            return ahead.job, result, time.time() - wait_start
+            return ahead.job, result, time.time() - wait_start, 0.0
         job = self.new_job(req, client, req.server_round, req.block, fetch_step)
-        res.replica.advance_to(job.base_version, fetch_step)
+        applied: dict[str, float] = {}
+        with timed(applied, "s"):
+            res.replica.advance_to(job.base_version, fetch_step)
         if job.slot is not None and req.server_round > 1:  # g^{r-1} came with the message
             client.aggregate_arrived(job.slot, req.step(req.server_round - 1), job.started_from)
-        return job, computed(self.submit(compute_update, res, cfg, job)), 0.0
+        return job, computed(self.submit(compute_update, res, cfg, job)), 0.0, applied["s"]
 
     def new_job(self, req: Request, client, server_round: int, block: int, fetch_step: FetchStep) -> Job:
         """Round ``server_round``'s computation of ``block``, from the client half's start point."""

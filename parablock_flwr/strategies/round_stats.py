@@ -12,7 +12,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 
 from .. import core
-from ..messages import TrainMetrics
+from ..messages import WORKER_LEGS, TrainMetrics
 from ..wire import payload_bytes
 from .reply_checks import Reply
 
@@ -168,14 +168,14 @@ def timeline_metrics(accepted: list[Reply]) -> dict:
         if None not in (m.clientapp_imported_torch, m.clientapp_start, m.clientapp_reply):
             row["clientapp_imported_torch"] = m.clientapp_imported_torch
             row["clientapp_start_to_reply_s"] = float(m.clientapp_reply) - float(m.clientapp_start)
-        for cpu in ("clientapp_pull_cpu_s", "clientapp_cpu_s", "worker_cpu_s"):  # which process burns the bytes
-            if getattr(m, cpu) is not None:
-                row[cpu] = float(getattr(m, cpu))
+        for cpu_or_leg in ("clientapp_pull_cpu_s", "clientapp_cpu_s", "worker_cpu_s", *WORKER_LEGS):  # what burns
+            if getattr(m, cpu_or_leg) is not None:  # the bytes: which process, and where in the worker's round
+                row[cpu_or_leg] = float(getattr(m, cpu_or_leg))
         rows.append(row)
     if not rows:
         return {}
     out: dict = {"timeline": rows}
-    for key in ("comm_s", "overlap_share", "idle_s", "waited_s", "clientapp_start_to_reply_s"):
+    for key in ("comm_s", "overlap_share", "idle_s", "waited_s", "clientapp_start_to_reply_s", *WORKER_LEGS):
         values = [r[key] for r in rows if key in r]
         if values:
             out[f"measured_{key}"] = sum(values) / len(values)

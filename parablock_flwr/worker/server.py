@@ -82,14 +82,23 @@ class TrainReply:
     header: dict
     pieces: dict[str, list[np.ndarray]]
     metrics: TrainMetrics
-    committed: bool  # the update is on the stream (the reply commits it)
+    trace: dict
+    commit: UpdateCommit | None  # the update is on the stream (the reply commits it); None: inline ``pieces``
+
+    @property
+    def committed(self) -> bool:
+        return self.commit is not None
 
     @classmethod
     def of(cls, metrics: TrainMetrics, trace: dict, commit: UpdateCommit | None, pieces=None) -> TrainReply:
         """With ``commit`` the reply commits the update on the stream; else it carries ``pieces`` inline."""
         stream_commit = commit.to_config() if commit is not None else {}
         reply = WorkerReply(metrics=metrics_to_record(metrics), trace=trace, stream_commit=stream_commit)
-        return cls(reply.to_header(), pieces or {}, metrics, commit is not None)
+        return cls(reply.to_header(), pieces or {}, metrics, trace, commit)
+
+    def saying(self, **fields) -> TrainReply:
+        """The same reply, its metrics with ``fields`` (a leg of the round timed once the reply was made)."""
+        return TrainReply.of(dataclasses.replace(self.metrics, **fields), self.trace, self.commit, self.pieces)
 
 
 class NodeWorker:
@@ -246,7 +255,9 @@ class NodeWorker:
         self.admit(request)
         ahead = self.stream.take_transfers_ahead(request.run_id, request.server_round)  # what moved before this message
         offer = self.stream.offer(request)  # transport = "direct": the records wait on the run's stream
-        arrays, prefetched = self.stream_records(offer, ahead, arrays, settings, cfg.round_timeout_s)
+        legs: dict[str, float] = {}  # the worker's own legs of the round (``TrainMetrics``)
+        with node.timed(legs, "records_fetch_s"):
+            arrays, prefetched = self.stream_records(offer, ahead, arrays, settings, cfg.round_timeout_s)
         setup_torch(cfg)
         res = node.resources(cfg, request.run_id, settings, serves_one_node=True)
         req = node.Request.parse(request.op, request.run_id, request.round, split_records(arrays),
@@ -267,7 +278,7 @@ class NodeWorker:
             metrics = dataclasses.replace(done.metrics, request_received=received,
                                           prev_reply_sent=self.last_reply_sent, worker_cpu_s=time.process_time(),
                                           direct_step_prefetched=1 if prefetched is not None else None,
-                                          direct_content_fetched=1 if content_fetched else None)  # fmt: skip
+                                          direct_content_fetched=1 if content_fetched else None, **legs)  # fmt: skip
             early = ahead.early_upload() if ahead is not None else None  # an upload still in flight is waited for
             early = early if done.used_early else None  # the update is the one moved ahead, bit for bit
             # Each array as its pieces (one per tensor), written to the socket in turn: no joined copy of the block.
@@ -277,7 +288,7 @@ class NodeWorker:
         except BaseException as err:
             node.wait_for_write(done.residual_written, err)
             raise
-        node.wait_for_write(done.residual_written)  # its error fails the reply: nothing is committed yet
+        reply = self.once_residual_written(reply, done)
         if reply.committed and self.stream.upload_reply(offer, settings, reply.header, cfg.round_timeout_s):
             self.stamp_reply(request.server_round)  # the server holds it now, whenever the ClientApp takes it
         metrics = reply.metrics
@@ -290,6 +301,15 @@ class NodeWorker:
             self.stream.start_transfers_ahead(offer, request.run_id, cfg.transfer_dtype, early_update)
             self.start_from_stream(request)
         return reply.header, reply.pieces
+
+    @staticmethod
+    def once_residual_written(reply: TrainReply, done: node.NodeAnswer) -> TrainReply:
+        """``reply`` once the round's residual is durable (its write's error fails the reply: nothing is committed
+        yet), saying how long the worker waited for it (``residual_wait_s``)."""
+        legs: dict[str, float] = {}
+        with node.timed(legs, "residual_wait_s"):
+            node.wait_for_write(done.residual_written)
+        return reply.saying(**legs)
 
     def stream_records(
         self, offer, ahead, arrays: dict[str, np.ndarray], settings: NodeSettings, timeout_s: float
@@ -311,9 +331,12 @@ class NodeWorker:
         (the stream unusable) the update inline, counted as a fallback (``direct-fallbacks``). An update
         ``early`` uploaded into this round's slot before the message came is committed without a second upload."""
         if early is not None and early.commit is not None and offer is not None and early.name == offer.upload_name:
-            return TrainReply.of(dataclasses.replace(metrics, direct_update_ahead=1), trace, early.commit)
+            return TrainReply.of(dataclasses.replace(metrics, direct_update_ahead=1, upload_s=0.0), trace, early.commit)
         if offer is not None and offer.upload_name:
-            commit = self.stream.upload(offer, settings, pieces, timeout_s)
+            legs: dict[str, float] = {}
+            with node.timed(legs, "upload_s"):
+                commit = self.stream.upload(offer, settings, pieces, timeout_s)
+            metrics = dataclasses.replace(metrics, **legs)
             if commit is not None:
                 return TrainReply.of(metrics, trace, commit)
             metrics = dataclasses.replace(metrics, direct_fallbacks=1)

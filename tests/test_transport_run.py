@@ -23,7 +23,6 @@ from flwr.app import ConfigRecord, Error, Message, MessageType, MetricRecord, Re
 from flwr.common.constant import ErrorCode
 from flwr.supercore.task_identity import TaskIdentity
 
-from parablock_flwr import kept_blocks
 from parablock_flwr.messages import (
     CATCH_UP,
     COMMIT,
@@ -633,26 +632,6 @@ def test_a_prefetched_step_is_used_only_when_the_message_announces_its_size_and_
     again = hub.offer(4, 7, {GLOBAL_STEP: step}, upload_max_size=10**6)
     assert {k: bytes(v) for k, v in node.fetch(again, right)[GLOBAL_STEP].items()} == payloads(step)
     assert node.fetch(again)[GLOBAL_STEP]  # its capability was not used by the fetch above
-
-
-def test_a_step_fetched_ahead_lands_in_a_buffer_kept_across_rounds(hub, node):
-    """A step fetched before its message comes is received into a buffer of its bound kept across rounds
-    (``kept_blocks``: its pages faulted in by an earlier round), not one that grows into fresh pages: once a
-    round's step is dropped, the next round's takes the same buffer again, holding that round's bytes only."""
-    bound = 2 * kept_blocks.KEPT_FROM_BYTES  # a step's bound is its block's update bound: about its size
-    steps = {4: block(31), 5: block(32)}
-    reused = []
-    for server_round, step in steps.items():
-        offer = hub.offer(server_round - 1, 7, {}, upload_max_size=10**6, ahead=(10**6, bound))
-        announced = hub.offer(server_round, 7, {GLOBAL_STEP: step}, upload_max_size=10**6)
-        hub.messaged(server_round, {7})
-        before = kept_blocks.KEPT.reused
-        fetched = node.prefetch(offer)
-        reused.append(kept_blocks.KEPT.reused - before)
-        assert fetched.matches(announced.records[0]) and len(fetched.data) == announced.records[0].size
-        assert {k: bytes(v) for k, v in node.fetch(announced, fetched)[GLOBAL_STEP].items()} == payloads(step)
-        del fetched
-    assert reused[1] == 1  # the second round's step took the first one's buffer
 
 
 def test_around_flowers_messages_a_node_on_the_stream_moves_its_next_round_ahead_and_it_is_counted(hub, node):

@@ -125,28 +125,21 @@ class TransportClient:
 
         return self._call(receive)
 
-    def download_unannounced(
-        self, ticket: Ticket, max_size: int, kept: bool = False
-    ) -> tuple[bytearray | memoryview, str]:
+    def download_unannounced(self, ticket: Ticket, max_size: int) -> tuple[bytearray, str]:
         """The record ``ticket`` names, before Flower's message announces its size and SHA-256 (a download
         issued a round ahead, which waits on the server until the record is published): its bytes, at most
-        ``max_size``, and their SHA-256 (hex). The caller uses them only when they equal the announcement.
-        ``kept``: ``max_size`` is about the record's size (a global step, bounded by its block's update), so
-        the bytes go into a buffer of that size kept across rounds (``kept_blocks``), its pages faulted in by
-        an earlier round, instead of a buffer that grows into pages made fresh as they come."""
+        ``max_size``, and their SHA-256 (hex). The caller uses them only when they equal the announcement."""
         if ticket.direction is not Direction.DOWNLOAD:
             raise ValueError(f"a {ticket.direction} ticket for download; expected a download ticket")
 
-        def receive() -> tuple[bytearray | memoryview, str]:
-            data = kept_blocks.host_bytes(max_size) if kept else bytearray()
-            digest, got = hashlib.sha256(), 0
+        def receive() -> tuple[bytearray, str]:
+            data, digest = bytearray(), hashlib.sha256()
             for chunk in self._download(encode_header(ticket), timeout=self.timeout_s):
-                if got + len(chunk) > max_size:
+                if len(data) + len(chunk) > max_size:
                     raise TransportError(f"record {ticket.record!r}: more than the bound of {max_size} bytes")
-                data[got : got + len(chunk)] = chunk
+                data += chunk
                 digest.update(chunk)
-                got += len(chunk)
-            return (data[:got] if kept else data), digest.hexdigest()  # (a memoryview's slice copies nothing)
+            return data, digest.hexdigest()
 
         return self._call(receive)
 

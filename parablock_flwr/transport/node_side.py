@@ -42,7 +42,7 @@ class Prefetched:
     for a record of that name are these bytes' (``matches``); anything else is fetched as usual."""
 
     name: str
-    data: bytearray | memoryview
+    data: bytearray
     sha256: str
 
     def matches(self, ref: RecordOffer) -> bool:
@@ -126,7 +126,7 @@ class NodeTransport:
         ticket = Ticket(bytes.fromhex(offer.ahead_step_token), offer.run_id, offer.node_id, offer.server_round + 1,
                         Direction.DOWNLOAD, offer.ahead_step_name)  # fmt: skip
         data, sha256 = self._call(
-            offer, lambda client: client.download_unannounced(ticket, offer.ahead_step_max_size, kept=True), ahead=True
+            offer, lambda client: client.download_unannounced(ticket, offer.ahead_step_max_size), ahead=True
         )
         return Prefetched(offer.ahead_step_name, data, sha256)
 

@@ -104,6 +104,7 @@ def test_micro_batch_size_must_divide_the_batch():
         RunConfig.from_flower({"lr-schedule-scope": "epoch"})
 
 
+@pytest.mark.slow
 def test_bf16_weights_keep_every_copy_of_x_bit_identical_and_training_lowers_the_loss(tmp_path, tiny_model_dir):
     """A node worker with ``weights = "bf16"`` (one node, so the server's step is its update): its model
     on the device is bf16, its fp32 master of x equals the server's x^{r-1} bit for bit after every

@@ -296,6 +296,7 @@ def _plan_in_a_fresh_process(model: str, args: list[str], cache: Path) -> tuple[
     return out, json.loads(imported.replace("'", '"'))
 
 
+@pytest.mark.slow
 def test_a_first_plan_of_a_known_decoder_imports_neither_transformers_nor_peft(tmp_path):
     """Llama-3.1-8B's shapes follow from its config.json by arithmetic: the first plan in an empty cache,
     with LoRA and the fits' search, imports neither transformers (seconds) nor peft, and caches nothing."""

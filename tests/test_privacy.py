@@ -30,6 +30,7 @@ def reply(partition_id: int, clipped: int) -> SimpleNamespace:
 
 
 # ------------------------------------------------------------------ the accountant
+@pytest.mark.slow
 @pytest.mark.parametrize("sigma, rounds, delta", [(0.8, 1, 1e-5), (1.1, 50, 1e-5), (4.0, 500, 1e-6)])
 def test_the_accountant_is_dp_accountings_rdp_and_lies_between_the_tight_and_the_classic_bound(sigma, rounds, delta):
     ours = privacy.epsilon(sigma, rounds, delta)

@@ -252,11 +252,13 @@ class TrainMetrics:
     clientapp_cpu_s: float | None = _metric(NUMBER)  # ... and at its reply
     worker_cpu_s: float | None = _metric(NUMBER)  # the node worker's CPU seconds (every thread), before its upload
     # Where the node worker's own work of the round went, leg by leg (seconds, wall-clock): its records in hand
-    # after the request came (on the stream: the step fetched, or waited for where it was fetched ahead), g
-    # applied to the replica before a computation started now (none when it ran ahead), the update rounded to
-    # transfer-dtype with error feedback (none when rounded ahead), the correction, the upload (none when it
-    # moved ahead), the residual's durable write waited for after it.
+    # after the request came (on the stream: the step fetched, or waited for where it was fetched ahead); the
+    # update moved ahead waited for (its computation, rounding and upload, where they still ran); g applied to
+    # the replica before a computation started now (none when it ran ahead), the update rounded to
+    # transfer-dtype with error feedback (none when rounded ahead), the correction, the upload on the stream
+    # (none when it moved ahead; a fallback's failed attempt), the residual's durable write waited for after it.
     records_fetch_s: float | None = _metric(NUMBER)
+    ahead_wait_s: float | None = _metric(NUMBER)
     step_apply_s: float | None = _metric(NUMBER)
     rounding_s: float | None = _metric(NUMBER)
     correction_s: float | None = _metric(NUMBER)
@@ -285,8 +287,10 @@ class TrainMetrics:
 
 
 # The node worker's own legs of a round, as ``TrainMetrics`` names them, in a round's order (the rest of its time
-# there is the computation, and what no leg names: the reply's metrics and digests, the next round's start).
-WORKER_LEGS = ("records_fetch_s", "step_apply_s", "rounding_s", "correction_s", "upload_s", "residual_wait_s")
+# there is the computation, and what no leg names: the reply's metrics and digests, the update packed, the reply's
+# own upload on the stream, the next round's start).
+WORKER_LEGS = ("records_fetch_s", "ahead_wait_s", "step_apply_s", "rounding_s", "correction_s", "upload_s",
+               "residual_wait_s")  # fmt: skip
 
 
 def metrics_to_record(metrics: TrainMetrics | EvaluateMetrics, **extra: float | int) -> dict[str, float | int]:

@@ -317,12 +317,14 @@ def test_a_server_killed_at_every_stage_of_a_round_resumes_to_the_same_final_mod
         )
 
 
-def test_a_killed_fedbcd_server_resumes_to_the_same_final_model(tmp_path, tiny_model_dir, fedbcd_run):
-    """FedBCD's resume: its server dies in round 3's checkpoint (round 2's is durable), and the resumed run,
-    which hands no update back (FedBCD keeps none pending), ends with the uninterrupted run's model
-    (`fedbcd_run`, through Ray), each step bit for bit. Without Ray (``simulate_in_process``); ParaBlock's resume in
-    a restarted deployment: tests/test_deployment.py."""
-    same = dict(algorithm="fedbcd", num_server_rounds=ROUNDS, **SCHEDULE)
+def test_a_killed_fedbcd_server_resumes_to_the_same_final_model(tmp_path, tiny_model_dir):
+    """FedBCD's resume, in bf16 transfer: its server dies in round 3's checkpoint (round 2's is durable; the
+    nodes' round-3 residuals are written), and the resumed run, which hands no update back (FedBCD keeps none
+    pending) and takes each node's residuals as of round 2, ends with the uninterrupted run's model, each step bit
+    for bit. Without Ray (``simulate_in_process``); ParaBlock's resume in a restarted deployment:
+    tests/test_deployment.py."""
+    same = dict(algorithm="fedbcd", num_server_rounds=ROUNDS, transfer_dtype="bf16", **SCHEDULE)
+    uninterrupted = simulate_in_process(tmp_path / "uninterrupted", tiny_model_dir, save_final_model=True, **same)
     killed = simulate_in_process(tmp_path / "killed", tiny_model_dir, crash_at="checkpoint@3", **same)
     assert killed.returncode == -9 and killed.run_dir is not None, killed.stdout[-3000:]
     resumed = succeeded(simulate_in_process(tmp_path / "resumed", tiny_model_dir, resume_from=str(killed.run_dir),
@@ -330,10 +332,10 @@ def test_a_killed_fedbcd_server_resumes_to_the_same_final_model(tmp_path, tiny_m
     assert "after round 2 (0 pending client updates" in resumed.stdout
     assert [r["round"] for r in resumed.records] == list(range(ROUNDS + 1))
     assert all(r["num_accepted"] == 3 and r["num_rejected"] == 0 for r in resumed.records[1:])
-    final, uninterrupted = resumed.final_model(), fedbcd_run.final_model()
-    assert final.keys() == uninterrupted.keys() and all(torch.equal(final[n], uninterrupted[n]) for n in final)
+    final, expected_final = resumed.final_model(), succeeded(uninterrupted).final_model()
+    assert final.keys() == expected_final.keys() and all(torch.equal(final[n], expected_final[n]) for n in final)
     for version in range(3, ROUNDS + 1):
-        (block, step), (expected_block, expected) = resumed.step(version), fedbcd_run.step(version)
+        (block, step), (expected_block, expected) = resumed.step(version), uninterrupted.step(version)
         assert block == expected_block and all(torch.equal(step[n], expected[n]) for n in expected), version
 
 

@@ -90,12 +90,12 @@ class EarlyUpdate:
 
 @contextmanager
 def timed(legs: dict[str, float], leg: str) -> Iterator[None]:
-    """``legs[leg]``: the seconds the block took (a leg of the round, said in its reply's metrics)."""
+    """``legs[leg]`` grows by the seconds the block took (a leg of the round, said in its reply's metrics)."""
     start = time.perf_counter()
     try:
         yield
     finally:
-        legs[leg] = time.perf_counter() - start
+        legs[leg] = legs.get(leg, 0.0) + time.perf_counter() - start
 
 
 def in_background(fn: Callable, *args) -> Callable[[], None]:

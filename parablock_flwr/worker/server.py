@@ -270,17 +270,19 @@ class NodeWorker:
         store = self.residual_store(settings, req.partition_id) if cfg.transfer_dtype != "fp32" else None
         # The update moving ahead as it was rounded: the round's training (and the next round's computation,
         # which it starts) goes on while its upload is still in flight, and the reply waits for that upload.
-        rounded = ahead.early_update() if ahead is not None else None
+        with node.timed(legs, "ahead_wait_s"):
+            rounded = ahead.early_update() if ahead is not None else None
         # The residual's durable write (a block in fp32, at the disk's pace) runs on while the update uploads;
         # the reply leaves only once it is done (``wait_for_write`` below), as the node runtime requires.
         done = self.node.train(res, cfg, req, fetch_step, store, store, rounded, defer_write=True)
         try:  # from here on, every way out waits for the residual's write (and its rename) first
+            with node.timed(legs, "ahead_wait_s"):  # an upload still in flight is waited for
+                early = ahead.early_upload() if ahead is not None else None
+            early = early if done.used_early else None  # the update is the one moved ahead, bit for bit
             metrics = dataclasses.replace(done.metrics, request_received=received,
                                           prev_reply_sent=self.last_reply_sent, worker_cpu_s=time.process_time(),
                                           direct_step_prefetched=1 if prefetched is not None else None,
                                           direct_content_fetched=1 if content_fetched else None, **legs)  # fmt: skip
-            early = ahead.early_upload() if ahead is not None else None  # an upload still in flight is waited for
-            early = early if done.used_early else None  # the update is the one moved ahead, bit for bit
             # Each array as its pieces (one per tensor), written to the socket in turn: no joined copy of the block.
             pieces = early.pieces if early is not None else pack_pieces(done.update, cfg.transfer_dtype, done.encoded)
             bytes_out = sum(p.nbytes for parts in pieces.values() for p in parts)
@@ -291,11 +293,7 @@ class NodeWorker:
         reply = self.once_residual_written(reply, done)
         if reply.committed and self.stream.upload_reply(offer, settings, reply.header, cfg.round_timeout_s):
             self.stamp_reply(request.server_round)  # the server holds it now, whenever the ClientApp takes it
-        metrics = reply.metrics
-        moved = [what for what, flag in (("its update", metrics.direct_update_ahead),
-                                         ("its step", metrics.direct_step_prefetched),
-                                         ("its content", metrics.direct_content_fetched)) if flag == 1]  # fmt: skip
-        log.info(round_line(metrics, sum(a.nbytes for a in arrays.values()), bytes_out, moved))
+        log.info(round_line(reply.metrics, sum(a.nbytes for a in arrays.values()), bytes_out))
         if offer is not None and reply.committed:  # on the stream: round r+1's bytes move from now on
             early_update = self.node.early_update(cfg, request.server_round + 1, store)
             self.stream.start_transfers_ahead(offer, request.run_id, cfg.transfer_dtype, early_update)
@@ -452,10 +450,13 @@ class NodeWorker:
             return False  # serve_request refuses it, in order, with the reason
 
 
-def round_line(metrics: TrainMetrics, bytes_in: int, bytes_out: int, moved_ahead: list[str] = ()) -> str:
+def round_line(metrics: TrainMetrics, bytes_in: int, bytes_out: int) -> str:
     """The one line a site's operator sees per round: the round, its block, the training loss, the
-    compute time, the bytes in and out, and how long the node waited for the server between its last
-    reply and this request (numbers only: nothing of the site's data)."""
+    compute time, the bytes in and out, how long the node waited for the server between its last
+    reply and this request, and what moved before the message (numbers only: nothing of the site's data)."""
+    moved_ahead = [what for what, flag in (("its update", metrics.direct_update_ahead),
+                                           ("its step", metrics.direct_step_prefetched),
+                                           ("its content", metrics.direct_content_fetched)) if flag == 1]  # fmt: skip
     prev, received = metrics.prev_reply_sent, metrics.request_received
     waited = f"{received - prev:.2f} s" if prev else "- (first request of this run)"
     return (

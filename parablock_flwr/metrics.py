@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import math
 import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from .durable import append_line, make_dirs, read_jsonl
@@ -22,6 +25,17 @@ SUMMARY_ROUNDS = 12
 
 # Keys whose value has one entry per node: kept out of the main record (``nodes.jsonl``).
 PER_NODE_KEYS = ("client_weights", "timeline", "rejected", "heldout_nodes", "served_by")
+
+
+@contextmanager
+def timed(legs: dict[str, float], leg: str) -> Iterator[None]:
+    """``legs[leg]`` grows by the seconds the block took: a leg of a round (a worker's, said in its reply's
+    metrics; the server's, in the round's record)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        legs[leg] = legs.get(leg, 0.0) + time.perf_counter() - start
 
 
 class RunRecorder:

@@ -18,6 +18,7 @@ from parablock_flwr.model import load_model
 from parablock_flwr.node.state import ResidualStore
 from parablock_flwr.replica import StepLog
 from parablock_flwr.report import report
+from parablock_flwr.strategies.round_stats import SERVER_LEGS
 
 from helpers import simulate, simulate_and_kill_server, simulate_in_process, succeeded
 
@@ -444,6 +445,13 @@ def test_only_aggregation_lies_between_a_rounds_last_reply_and_the_next_messages
     # written after them (what round r's checkpoint counts on), each round's write recorded.
     assert max(rec["server_critical_path_s"] for rec in records[1:-1]) < 5.0
     assert all(rec["step_log_write_s"] > 0 for rec in records[1:])
+    # The server's own legs (``SERVER_LEGS``): after the last reply, the mean, the step's rounding and x's new
+    # values fit between it and the aggregate (the checks ran as the replies came, the first ones before it).
+    for rec in records[1:]:
+        legs = {leg: rec[f"server_{leg}"] for leg in SERVER_LEGS}
+        assert legs["check_s"] > 0 and legs["combine_s"] > 0 and legs["x_apply_s"] > 0, legs
+        after = legs["combine_s"] + legs["step_rounding_s"] + legs["x_apply_s"]
+        assert after <= rec["server_times"]["aggregated"] - rec["server_times"]["last_reply"], (legs, rec["round"])
 
 
 @pytest.mark.parametrize("transfer_dtype", ["fp32", "bf16", "fp16", "int8"])

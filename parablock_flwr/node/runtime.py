@@ -30,15 +30,15 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from .. import core
 from ..config import RunConfig
 from ..messages import LOCAL_MODEL_DIGEST, EvaluateReply, TrainMetrics
+from ..metrics import timed
 from ..replica import FetchStep
 from ..strategies import client_half
 from ..training import TrainResult
@@ -86,16 +86,6 @@ class EarlyUpdate:
     residual_out: core.Tensors | None
     encoded: core.Encoded | None = None  # ``sent`` as it travels (None: fp32, the values themselves)
     staged: StagedResidual | None = None  # ``residual_out``'s durable write, begun (None: no store, or fp32)
-
-
-@contextmanager
-def timed(legs: dict[str, float], leg: str) -> Iterator[None]:
-    """``legs[leg]`` grows by the seconds the block took (a leg of the round, said in its reply's metrics)."""
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        legs[leg] = legs.get(leg, 0.0) + time.perf_counter() - start
 
 
 def in_background(fn: Callable, *args) -> Callable[[], None]:

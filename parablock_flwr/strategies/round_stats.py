@@ -26,6 +26,13 @@ class Rejection:
     partition_id: int | None = None  # its site, when the server knows it (``report --sites`` groups by it)
 
 
+# The server's own work in a round, each in seconds (the record's ``server_<leg>``): the replies' checks as they
+# came (the last one's on the critical path), their weighted mean (each decoded into the round's sum), the step
+# rounded as it travels, and ``x[b] + g`` with its finiteness check. The rest of ``critical_path_aggregate_s`` is
+# the run's bookkeeping.
+SERVER_LEGS = ("check_s", "combine_s", "step_rounding_s", "x_apply_s")
+
+
 @dataclass
 class RoundStats:
     """Counters of one round, from its first message to its aggregation."""
@@ -42,12 +49,14 @@ class RoundStats:
     invariant_checked: int = 0
     invariant_failed: int = 0
     state_intact_errors: int = 0  # error replies from nodes whose model state is intact (no full sync)
+    legs: dict[str, float] = field(default_factory=dict)  # SERVER_LEGS, timed as the round goes
 
     def counters(self) -> dict:
         out = asdict(self)
-        for key in ("server_round", "started", "nodes"):
+        for key in ("server_round", "started", "nodes", "legs"):
             out.pop(key)
         out["num_rejected"] = len(self.rejected)
+        out.update({f"server_{leg}": seconds for leg, seconds in self.legs.items()})
         return out
 
 

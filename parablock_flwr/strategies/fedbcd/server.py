@@ -31,6 +31,7 @@ from flwr.serverapp.strategy.strategy_utils import sample_nodes
 from ... import core
 from ...config import RunConfig
 from ...messages import GLOBAL_STEP, METRICS, ROUND, UPDATE, PartitionAnswer, RoundConfig, TrainMetrics
+from ...metrics import timed
 from ...privacy import ServerPrivacy
 from ...records import pieces_record, record_arrays
 from ...replica import StepLog
@@ -377,9 +378,10 @@ class FedBCD:
         # Float sums depend on order and replies arrive in any order: sort them by the client's stable
         # partition id (node ids change from run to run).
         outcome.accepted.sort(key=lambda r: (r.partition_id, r.node))
-        applied = self.apply_if_finite(
-            self.round_step(server_round, block, outcome.accepted, stage or (lambda *p: outcome.pending.append(p)))
-        )
+        stage = stage or (lambda *pending: outcome.pending.append(pending))
+        with timed(self.stats.legs, "combine_s"):
+            step = self.round_step(server_round, block, outcome.accepted, stage)
+        applied = self.apply_if_finite(step)
         if isinstance(applied, str):
             self.reject_aggregate(server_round, outcome.accepted, applied)
             outcome.accepted, outcome.aggregate_rejected, outcome.pending = [], True, []
@@ -446,14 +448,17 @@ class FedBCD:
         range (or fp16's, or int8's largest scale); a non-finite ``x`` would reach every copy."""
         new_x_into, self._new_x_into, self._sum_into = self._new_x_into, {}, {}  # taken once: none outlives the round
         try:  # g^r as it travels, read from its pieces chunk by chunk: no fp32 copy of it here
-            step, wire_pieces = round_and_pack(step, self.config.transfer_dtype, lazy=True)
+            with timed(self.stats.legs, "step_rounding_s"):
+                step, wire_pieces = round_and_pack(step, self.config.transfer_dtype, lazy=True)
         except WireError as err:
             return f"the round's step cannot travel as {self.config.transfer_dtype} ({err})"
         new = {}
         for name in step:
-            into = new_x_into.get(name)
-            new[name] = core.added(self.global_params[name].detach(), core.read_chunks(step, name), into)
-            if not all_finite(new[name]):  # x is finite: a non-finite step makes the sum non-finite too
+            with timed(self.stats.legs, "x_apply_s"):
+                into = new_x_into.get(name)
+                new[name] = core.added(self.global_params[name].detach(), core.read_chunks(step, name), into)
+                finite = all_finite(new[name])
+            if not finite:  # x is finite: a non-finite step makes the sum non-finite too
                 return (f"the round's step is not finite in {name} as {self.config.transfer_dtype} "
                         f"(server-lr={self.config.server_lr:g}): x is left as it was")  # fmt: skip
         before = {}
@@ -489,41 +494,49 @@ class FedBCD:
                             cfg.max_correction_drift)  # fmt: skip
         seen, checked, replied = {r.partition_id for r in accepted}, Checked(accepted), set()
         for msg in replies:
-            node = sent_to.get(msg.metadata.reply_to_message_id, msg.metadata.src_node_id)
-            replied.add(node)
-            self.stats.num_replies += 1
-            self.stats.wire_bytes_up += 0 if msg.has_error() else array_bytes(msg.content)
-            reply = parse_reply(msg, expected, node)
-            if isinstance(reply, Reply):  # well-formed: the round's rules, then the subclass's
-                reply = (
-                    check_partition(reply, seen, self.sync.partitions)
-                    or check_own_count(reply, self.own_counts)
-                    or self.check_reply(server_round, block, reply)
-                    or reply
-                )
-            if isinstance(reply, Reply):
-                seen.add(reply.partition_id)
-                if reply.metrics.own_data == 1:
-                    self.own_counts.setdefault(reply.partition_id, reply.num_examples)
-                self.spill.put(reply.node, record_arrays(msg.content[UPDATE]))  # as it came, until combined
-                reply.update = None
-                checked.accepted.append(reply)
-                continue
-            log.warning("round %d: rejected the reply of node %d: %s", server_round, node, reply)
-            claimed = None if msg.has_error() else PartitionAnswer.from_record(msg.content.metric_records.get(METRICS))
-            if claimed is not None:
-                checked.claimed_partitions[node] = claimed.partition_id
-            known = self.sync.partitions.get(node)  # what the node's accepted replies said, not what this one claims
-            site = known if known is not None else claimed.partition_id if claimed is not None else None
-            checked.rejected.append(Rejection(node, reply, site))
-            if state_intact(msg):
-                self.stats.state_intact_errors += 1  # its model is as it was: no full sync
-            else:
-                checked.resync.add(node)
+            with timed(self.stats.legs, "check_s"):
+                self.check_one(msg, sent_to, expected, seen, checked, replied)
         # A node that did not answer may still, having taken in an update the server now drops (ParaBlock's
         # pending, a computation started from it): its state is unknown, as after a rejected reply.
         checked.resync |= set(sent_to.values()) - replied
         return checked
+
+    def check_one(
+        self, msg: Message, sent_to: Mapping[str, int], expected: Expected, seen: set, checked: Checked, replied: set
+    ) -> None:
+        """One reply of ``check_replies``, into ``checked``: accepted (its update kept until it is combined), or
+        rejected with its reason; its node noted in ``replied``."""
+        node = sent_to.get(msg.metadata.reply_to_message_id, msg.metadata.src_node_id)
+        replied.add(node)
+        self.stats.num_replies += 1
+        self.stats.wire_bytes_up += 0 if msg.has_error() else array_bytes(msg.content)
+        reply = parse_reply(msg, expected, node)
+        if isinstance(reply, Reply):  # well-formed: the round's rules, then the subclass's
+            reply = (
+                check_partition(reply, seen, self.sync.partitions)
+                or check_own_count(reply, self.own_counts)
+                or self.check_reply(expected.server_round, expected.block, reply)
+                or reply
+            )
+        if isinstance(reply, Reply):
+            seen.add(reply.partition_id)
+            if reply.metrics.own_data == 1:
+                self.own_counts.setdefault(reply.partition_id, reply.num_examples)
+            self.spill.put(reply.node, record_arrays(msg.content[UPDATE]))  # as it came, until combined
+            reply.update = None
+            checked.accepted.append(reply)
+            return
+        log.warning("round %d: rejected the reply of node %d: %s", expected.server_round, node, reply)
+        claimed = None if msg.has_error() else PartitionAnswer.from_record(msg.content.metric_records.get(METRICS))
+        if claimed is not None:
+            checked.claimed_partitions[node] = claimed.partition_id
+        known = self.sync.partitions.get(node)  # what the node's accepted replies said, not what this one claims
+        site = known if known is not None else claimed.partition_id if claimed is not None else None
+        checked.rejected.append(Rejection(node, reply, site))
+        if state_intact(msg):
+            self.stats.state_intact_errors += 1  # its model is as it was: no full sync
+        else:
+            checked.resync.add(node)
 
     def accepted_updates(
         self, server_round: int, block: int, accepted: list[Reply], stage: Stage

@@ -117,13 +117,33 @@ def round_and_pack(
     pieces = pack_pieces(tensors, transfer_dtype)
     if transfer_dtype == "fp32":
         return dict(tensors), pieces
-    parts = {}
-    for i, (name, tensor) in enumerate(tensors.items()):  # decoded as a receiver decodes each tensor
-        scales = pieces[SCALES][i] if transfer_dtype == "int8" else None
-        (decode,) = _decoders(pieces[VALUES][i], transfer_dtype, [tensor.numel()], scales)
-        parts[name] = (tuple(tensor.shape), decode)
-    rounded = Decoded(parts)
+    rounded = read_pieces(pieces, {name: tuple(tensor.shape) for name, tensor in tensors.items()}, transfer_dtype)
     return (rounded if lazy else dict(rounded.items())), pieces
+
+
+def pack_encoded(
+    encoded: Encoded, shapes: Mapping[str, tuple[int, ...]], transfer_dtype: str
+) -> tuple[Mapping[str, torch.Tensor], dict[str, list[np.ndarray]]]:
+    """``round_and_pack(lazy=True)``'s two results for a step already encoded (``core.applied_mean_step``'s):
+    its values as a receiver reads them (fp32's own memory), and the pieces that carry them. Raises
+    ``WireError`` where a receiver would refuse them (an int8 scale past ``MAX_INT8_SCALE``)."""
+    pieces = pack_pieces(EncodedTensors(encoded, shapes), transfer_dtype, encoded)
+    if transfer_dtype == "fp32":
+        return {name: encoded[name][0].view(shape) for name, shape in shapes.items()}, pieces
+    return read_pieces(pieces, shapes, transfer_dtype), pieces
+
+
+def read_pieces(
+    pieces: Mapping[str, list[np.ndarray]], shapes: Mapping[str, tuple[int, ...]], transfer_dtype: str
+) -> Decoded:
+    """The fp32 values ``pack_pieces``'s pieces carry, each tensor decoded as a receiver decodes it (its int8
+    scales checked) when read."""
+    parts = {}
+    for i, (name, shape) in enumerate(shapes.items()):
+        scales = pieces[SCALES][i] if transfer_dtype == "int8" else None
+        (decode,) = _decoders(pieces[VALUES][i], transfer_dtype, [math.prod(shape)], scales)
+        parts[name] = (tuple(shape), decode)
+    return Decoded(parts)
 
 
 def join(pieces: list[np.ndarray]) -> np.ndarray:

@@ -298,7 +298,7 @@ def test_a_site_with_its_own_data_keeps_the_count_of_its_first_accepted_reply():
 def test_one_non_finite_value_anywhere_is_found(bad, where):
     """The reply check's finiteness test (minimum and maximum, no mask) finds one NaN or infinity
     wherever it sits, beside finite values as large as float32 holds, as torch.isfinite would."""
-    from parablock_flwr.strategies.reply_checks import all_finite
+    from parablock_flwr.core import all_finite
 
     values = torch.randn(10_000)
     values[1], values[2] = torch.finfo(torch.float32).max, torch.finfo(torch.float32).min
@@ -373,6 +373,7 @@ def test_a_rounds_prepared_buffers_are_its_own_and_none_outlives_its_aggregate(s
     strategy.buffers.prepare(1, {n: strategy.global_params[n] for n in strategy.partition.names(BLOCK)})
     record = aggregate(run, [reply(11, update)])
     assert record["num_accepted"] == 1
+    assert record["server_one_pass_s"] > 0 and "server_combine_s" not in record  # one reply, the default mean
     assert strategy._sum_into == {} and strategy._new_x_into == {}  # nothing of round 1's is kept
     x1 = {n: (t.data_ptr(), t.detach().clone()) for n, t in strategy.global_params.items()}
     outcome = strategy.aggregate_train(2, [], {})  # no reply, no buffers prepared: a zero step

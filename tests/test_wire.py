@@ -167,6 +167,45 @@ def test_the_servers_step_rounded_and_packed_in_one_conversion_is_round_then_pac
     assert all(torch.equal(decoded[n], expected[n]) for n in values)
 
 
+@pytest.mark.parametrize("transfer_dtype", list(core.TRANSFER_DTYPES))
+@pytest.mark.parametrize("server_lr", [1.0, 0.7])
+def test_the_servers_round_in_one_pass_is_the_mean_the_step_and_x_plus_g_one_after_another(
+    transfer_dtype, server_lr, monkeypatch
+):
+    """``core.applied_mean_step`` (the server's default round, one pass over the block) gives the bits of
+    ``aggregate``, ``global_step``, ``round_and_pack`` and ``added`` one after another: the same wire bytes, the
+    same step as read back, the same new ``x``; three updates as the server holds them (decoded when read), a
+    tensor of several chunks and a short last one, a partial int8 block, a scalar, an empty tensor."""
+    monkeypatch.setattr(core.transfer_precision, "CHUNK_VALUES", 4 * core.INT8_BLOCK)  # chunks of a small block
+    shapes = {**SHAPES, "big": (4 * core.INT8_BLOCK * 2 + 300,)}
+    g = torch.Generator().manual_seed(3)
+    x = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+    sent = [{n: torch.randn(s, generator=g) * 1e-3 for n, s in shapes.items()} for _ in range(3)]
+    updates = [wire.unpack(wire.pack(core.round_for_transfer(u, transfer_dtype), transfer_dtype), shapes, lazy=True)
+               for u in sent]  # fmt: skip
+    weights = [3.0, 1.0, 2.0]
+    step, pieces = wire.round_and_pack(core.global_step(core.aggregate(updates, weights), server_lr), transfer_dtype,
+                                       lazy=True)  # fmt: skip
+    expected = {n: core.added(x[n], core.read_chunks(step, n)) for n in shapes}
+    encoded, new, not_finite = core.applied_mean_step(updates, weights, server_lr, x, transfer_dtype)
+    one_pass, one_pass_pieces = wire.pack_encoded(encoded, shapes, transfer_dtype)
+    assert not_finite is None and list(new) == list(shapes)
+    assert {k: wire.join(v).tobytes() for k, v in one_pass_pieces.items()} == {
+        k: wire.join(v).tobytes() for k, v in pieces.items()
+    }
+    assert all(torch.equal(one_pass[n], step[n]) and torch.equal(new[n], expected[n]) for n in shapes)
+    assert all(new[n].shape == x[n].shape for n in shapes)
+
+
+def test_the_servers_round_in_one_pass_names_the_first_tensor_whose_new_values_are_not_finite():
+    """A finite step can carry ``x`` past fp32's range: the pass says where, and ``x`` keeps its values."""
+    x = {"a": torch.ones(600), "b": torch.full((600,), 3e38)}
+    update = {"a": torch.ones(600), "b": torch.full((600,), 3e38)}
+    before = {n: t.clone() for n, t in x.items()}
+    _, _, not_finite = core.applied_mean_step([update], [1.0], 1.0, x, "fp32")
+    assert not_finite == "b" and all(torch.equal(x[n], before[n]) for n in x)
+
+
 @settings(max_examples=100, deadline=None)
 @given(seed=st.integers(0, 2**31), magnitude=magnitudes.filter(lambda m: m >= 1e-30))  # normal floats: exact q * s
 def test_int8_rounds_each_block_to_nearest_within_half_its_scale(seed, magnitude):

@@ -16,12 +16,13 @@ module                     holds
 ``blocks``                 ``BlockPartition``, ``partition_blocks``, ``find_decoder_layers``,
                            ``one_block``, ``block_schedule``: the blocks and which one a round trains
 ``algorithm``              ``Tensors``, ``snapshot``, ``delta``, ``aggregate``, ``global_step``,
-                           ``apply_step(_keeping)``, ``PendingUpdate``, ``parablock_base``,
+                           ``apply_step(_keeping)``, ``all_finite``, ``PendingUpdate``, ``parablock_base``,
                            ``correct_in_place``, ``uncorrected_offset``: the spec's arithmetic
 ``digests``                ``digest``, ``tensor_sha256``, ``TensorHashes``, ``model_digest``, ``update_sha256``:
                            proof that two copies of ``x`` (or of a local model) hold the same bits
 ``transfer_precision``     ``TRANSFER_DTYPES``, ``INT8_BLOCK``, ``int8_blocks``, ``quantize_int8``,
                            ``dequantize_int8``, ``encode``, ``round_for_transfer``, ``round_with_feedback(_encoded)``,
+                           ``applied_mean_step`` (the server's mean, step and ``x + g`` in one pass),
                            ``EncodedTensors``, ``kept_encoded``
 ``time_model``             ``LinkModel``, ``modeled_round_seconds``: what a round would cost
 ``privacy``                ``l2_norm``, ``clip``, ``gaussian``, ``add_noise``, ``noise_seed``: differential
@@ -37,6 +38,7 @@ from .algorithm import (
     add_scaled,
     added,
     aggregate,
+    all_finite,
     apply_step,
     apply_step_keeping,
     correct_in_place,
@@ -57,6 +59,7 @@ from .transfer_precision import (
     TRANSFER_DTYPES,
     Encoded,
     EncodedTensors,
+    applied_mean_step,
     decoded_chunks,
     dequantize_int8,
     encode,
@@ -82,6 +85,8 @@ __all__ = [
     "aggregate",
     "apply_step",
     "added",
+    "all_finite",
+    "applied_mean_step",
     "apply_step_keeping",
     "block_schedule",
     "clip",

@@ -37,23 +37,29 @@ def aggregate(updates: Iterable[Tensors], weights: list[float], out: Tensors | N
     update are held, however many clients there are. ``out``: tensors the sum
     is written into (the server's, prepared ahead: ``RoundBuffers``).
     """
-    total = float(sum(weights))
-    if total <= 0:
-        raise ValueError(f"aggregate: weights sum to {total}, expected > 0")
+    factors = mean_factors(weights)
     updates = iter(updates)
     into, out = out or {}, {}
-    for i, w in enumerate(weights):
+    for i, factor in enumerate(factors):
         update = next(updates, None)
         if update is None:
             raise ValueError(f"aggregate: got {i} updates and {len(weights)} weights")
         for n in update:
             if i == 0:
-                out[n] = scaled(update, n, w / total, into.get(n))
+                out[n] = scaled(update, n, factor, into.get(n))
             else:
-                add_scaled(out[n], update, n, w / total)
+                add_scaled(out[n], update, n, factor)
     if next(updates, None) is not None:
         raise ValueError(f"aggregate: got more updates than the {len(weights)} weights")
     return out
+
+
+def mean_factors(weights: list[float]) -> list[float]:
+    """Each update's factor in the weighted mean, ``w_i / Σ w``."""
+    total = float(sum(weights))
+    if total <= 0:
+        raise ValueError(f"aggregate: weights sum to {total}, expected > 0")
+    return [w / total for w in weights]
 
 
 def scaled(
@@ -156,18 +162,34 @@ def apply_step_keeping(params: Mapping[str, torch.Tensor], step: Mapping[str, to
 
 
 @torch.no_grad()
-def added(x: torch.Tensor, step_chunks: Iterable[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+def added(
+    x: torch.Tensor, step_chunks: Iterable[torch.Tensor], out: torch.Tensor | None = None, finite_only: bool = False
+) -> torch.Tensor | None:
     """``x + g`` in new storage (``out``, when given), ``g`` read as consecutive flat chunks (each added as it comes,
-    in cache): ``apply_step``'s float op, element by element, so the bits are the same as adding ``g`` whole."""
+    in cache): ``apply_step``'s float op, element by element, so the bits are the same as adding ``g`` whole.
+    ``finite_only``: None as soon as a value of the sum is not finite, each chunk checked as it is written (in
+    cache: no second pass over the block)."""
     out = kept_blocks.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
     flat_x, flat_out, at = x.reshape(-1), out.view(-1), 0
     for chunk in step_chunks:
         stop = at + chunk.numel()
         torch.add(flat_x[at:stop], chunk.to(device=x.device, dtype=x.dtype), out=flat_out[at:stop])
+        if finite_only and not all_finite(flat_out[at:stop]):
+            return None
         at = stop
     if at != x.numel():
         raise ValueError(f"added: the step's chunks hold {at:,} values, expected {x.numel():,}")
     return out
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every value is finite, from the tensor's minimum and maximum: one pass that allocates nothing (a
+    NaN anywhere makes both NaN, an infinity is the minimum or the maximum), where ``torch.isfinite(t).all()``
+    writes a mask as large as the tensor."""
+    if tensor.numel() == 0:
+        return True
+    low, high = torch.aminmax(tensor)
+    return bool(torch.isfinite(low) and torch.isfinite(high))
 
 
 @dataclass

@@ -7,12 +7,12 @@ take; ``wire.py`` encodes what these functions round, and int8's block size and 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
 from .. import kept_blocks
-from .algorithm import Tensors
+from .algorithm import Tensors, all_finite, mean_factors, read_chunks
 
 # int8 is symmetric and blockwise: ``quantize_int8`` (one fp32 power-of-two scale per INT8_BLOCK values).
 TRANSFER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}
@@ -272,6 +272,7 @@ def _feedback_tensor(
     sent = kept_blocks.empty(n, device=device) if transfer_dtype == "fp32" else None
     decoded = kept_blocks.empty(spans[0][1] if spans and sent is None else 0, device=device)
     extra = residual.detach().reshape(-1).to(device=device, dtype=torch.float32) if residual is not None else None
+    work = None
     if transfer_dtype == "int8":
         values = kept_blocks.empty(n, dtype=torch.int8, device=device)
         scales = kept_blocks.empty(int8_blocks(n), device=device)
@@ -286,14 +287,71 @@ def _feedback_tensor(
             corrected.copy_(flat[i:j])
         else:
             torch.add(flat[i:j], extra[i:j], out=corrected)
-        chunk = sent[i:j] if sent is not None else decoded[: j - i]
-        if transfer_dtype == "int8":
-            _quantize_into(corrected, values[i:j], scales[i // INT8_BLOCK : int8_blocks(j)], work)
-            dequantize_int8(values[i:j], scales[i // INT8_BLOCK : int8_blocks(j)], out=chunk)
-        else:
-            values[i:j].copy_(corrected)  # fp32: sent itself; bf16, fp16: rounded to nearest
-            if values is not sent:
-                chunk.copy_(values[i:j])
-        corrected.sub_(chunk)
+        corrected.sub_(encoded_chunk(corrected, (values, scales), i, j, work, decoded))  # fp32: into sent itself
     sent = sent.view(update.shape) if sent is not None else None
     return sent, kept.view(update.shape), (values, scales)
+
+
+def encoded_chunk(
+    values: torch.Tensor, encoding: tuple[torch.Tensor, torch.Tensor | None], i: int, j: int,
+    work: torch.Tensor | None, decoded: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """Values ``[i, j)`` of a tensor (fp32: a chunk of whole int8 blocks but for the tensor's last) rounded into
+    their slots of the tensor's ``encoding`` (``empty_encoding``), and their fp32 values as they travel: decoded
+    into ``decoded`` (a chunk-sized buffer), or fp32's own slots. ``work``: int8's, as ``quantize_int8``'s."""
+    travelling, scales = encoding
+    if scales is not None:
+        _quantize_into(values, travelling[i:j], scales[i // INT8_BLOCK : int8_blocks(j)], work)
+        return dequantize_int8(travelling[i:j], scales[i // INT8_BLOCK : int8_blocks(j)], out=decoded[: j - i])
+    travelling[i:j].copy_(values)  # bf16, fp16: rounded to nearest
+    return travelling[i:j] if travelling.dtype == torch.float32 else decoded[: j - i].copy_(travelling[i:j])
+
+
+def empty_encoding(numel: int, transfer_dtype: str, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A tensor's encoding to be filled (``encoded_chunk``): its values in ``transfer_dtype`` and int8's scales."""
+    values = kept_blocks.empty(numel, dtype=TRANSFER_DTYPES[transfer_dtype], device=device)
+    return values, kept_blocks.empty(int8_blocks(numel), device=device) if transfer_dtype == "int8" else None
+
+
+@torch.no_grad()
+def applied_mean_step(
+    updates: Sequence[Mapping[str, torch.Tensor]], weights: list[float], server_lr: float,
+    x: Mapping[str, torch.Tensor], transfer_dtype: str, out: Mapping[str, torch.Tensor] | None = None,
+) -> tuple[Encoded, Tensors, str | None]:  # fmt: skip
+    """The server's round over a block in one pass: ``g = round(η_s Σ (w_i / Σw) Δ_i)`` as it travels, and
+    ``x + g`` in new storage (``out``'s tensors, where given), chunk by chunk through the cache, so that neither
+    the mean nor the step is written as an fp32 block. The same float operations as ``aggregate``,
+    ``global_step``, ``encode`` and ``added`` one after another, each elementwise (int8's blocks whole in each
+    chunk): the same bits. Every update is read at once, so all of them are in memory. Returns the step's
+    encoding, ``x``'s new tensors (in the updates' order) and the first of them with a value that is not finite
+    (None: none)."""
+    factors = mean_factors(weights)
+    encoded: Encoded = {}
+    new: Tensors = {}
+    not_finite = None
+    for name in updates[0]:
+        flat_x = x[name].detach().reshape(-1)
+        n, device = flat_x.numel(), flat_x.device
+        width = max(_chunks(flat_x)[0][1] if n else 0, 1)
+        total, decoded = kept_blocks.empty(width, device=device), kept_blocks.empty(width, device=device)
+        work = kept_blocks.empty(int8_blocks(width) * INT8_BLOCK, device=device) if transfer_dtype == "int8" else None
+        encoded[name] = empty_encoding(n, transfer_dtype, device)
+        target = (out or {}).get(name)
+        new[name] = kept_blocks.empty(x[name].shape, dtype=flat_x.dtype, device=device) if target is None else target
+        flat_new, at = new[name].view(-1), 0
+        readers = [read_chunks(u, name, kept_blocks.empty(width, device=device)) for u in updates]
+        for chunks in zip(*readers, strict=True) if n else ():
+            stop = at + chunks[0].numel()
+            mean = torch.mul(chunks[0], factors[0], out=total[: stop - at])
+            for chunk, factor in zip(chunks[1:], factors[1:]):
+                mean.add_(chunk.to(device=device, dtype=mean.dtype), alpha=factor)
+            if server_lr != 1.0:
+                mean.mul_(server_lr)
+            step = encoded_chunk(mean, encoded[name], at, stop, work, decoded)
+            torch.add(flat_x[at:stop], step.to(dtype=flat_x.dtype), out=flat_new[at:stop])
+            if not_finite is None and not all_finite(flat_new[at:stop]):
+                not_finite = name
+            at = stop
+        if at != n:
+            raise ValueError(f"{name}: the updates' chunks hold {at:,} values, expected {n:,}")
+    return encoded, new, not_finite

@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import torch
 from flwr.app import ArrayRecord, Message
 
 from .. import core, wire
@@ -147,16 +146,6 @@ def checked_norm(update: core.Tensors) -> float | str:
             return f"non-finite values in {name}"
         total += squares
     return math.sqrt(total)
-
-
-def all_finite(tensor: torch.Tensor) -> bool:
-    """Whether every value is finite, from the tensor's minimum and maximum: one pass that allocates
-    nothing (a NaN anywhere makes both NaN, an infinity is the minimum or the maximum), where
-    ``torch.isfinite(t).all()`` writes a mask as large as the tensor, on the server's critical path."""
-    if tensor.numel() == 0:
-        return True
-    low, high = torch.aminmax(tensor)
-    return bool(torch.isfinite(low) and torch.isfinite(high))
 
 
 def read_trace(content) -> dict[str, str] | str:

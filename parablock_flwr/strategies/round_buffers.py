@@ -23,10 +23,12 @@ class RoundBuffers:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="round-buffers")
         self._ready: dict[int, Future] = {}
 
-    def prepare(self, server_round: int, like: core.Tensors) -> None:
-        """Start making round r's buffers, one pair per tensor of ``like`` (its shapes, dtypes and device); any
+    def prepare(self, server_round: int, like: core.Tensors, sums: bool = True) -> None:
+        """Start making round r's buffers, one pair per tensor of ``like`` (its shapes, dtypes and device); without
+        ``sums`` (a round whose mean is never written whole: ``FedBCD.step_in_one_pass``), the new ``x`` alone. Any
         other round's are dropped."""
-        self._ready = {server_round: self._ready.get(server_round) or self._thread.submit(touched_pairs, like)}
+        ready = self._ready.get(server_round) or self._thread.submit(touched_pairs, like, sums)
+        self._ready = {server_round: ready}
 
     def take(self, server_round: int) -> tuple[core.Tensors, core.Tensors]:
         """Round r's (sum, new x) buffers, waited for; empty when none were prepared (or taken already)."""
@@ -34,10 +36,11 @@ class RoundBuffers:
         return future.result() if future is not None else ({}, {})
 
 
-def touched_pairs(like: core.Tensors) -> tuple[core.Tensors, core.Tensors]:
-    """Two new tensors like each of ``like`` (contiguous), every page written once (zeros)."""
-    pairs = tuple({n: zeros_here(t) for n, t in like.items()} for _ in range(2))
-    return pairs[0], pairs[1]
+def touched_pairs(like: core.Tensors, sums: bool = True) -> tuple[core.Tensors, core.Tensors]:
+    """Two new tensors like each of ``like`` (contiguous), every page written once (zeros); without ``sums``, the
+    first are not made (empty)."""
+    new_x = {n: zeros_here(t) for n, t in like.items()}
+    return ({n: zeros_here(t) for n, t in like.items()} if sums else {}), new_x
 
 
 def zeros_here(like: torch.Tensor) -> torch.Tensor:

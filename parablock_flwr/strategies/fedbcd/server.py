@@ -35,12 +35,11 @@ from ...metrics import timed
 from ...privacy import ServerPrivacy
 from ...records import pieces_record, record_arrays
 from ...replica import StepLog
-from ...wire import WireError, round_and_pack
+from ...wire import WireError, pack_encoded, round_and_pack
 from ..node_sync import NodeSync, ask_partitions, seeded_sample
 from ..reply_checks import (
     Expected,
     Reply,
-    all_finite,
     check_own_count,
     check_partition,
     honest_update_bound,
@@ -317,9 +316,9 @@ class FedBCD:
         self.stats = RoundStats(server_round)
         self._own_counts_before = dict(self.own_counts)
         self.spill.start()
-        self.buffers.prepare(server_round, {n: self.global_params[n] for n in self.partition.names(
-            self.block_for_round(server_round))})  # fmt: skip
         nodes = self.select_nodes(server_round, grid)
+        self.buffers.prepare(server_round, {n: self.global_params[n] for n in self.partition.names(
+            self.block_for_round(server_round))}, sums=not self.in_one_pass(len(nodes)))  # fmt: skip
         if server_round == self.sync.first_round and (self.sync.resume_pending or self.sync.carried):
             self.sync.partitions.update(ask_partitions(grid, nodes, self.config.round_timeout_s))
         return self.train_messages(server_round, nodes, arrays, config)
@@ -379,9 +378,11 @@ class FedBCD:
         # partition id (node ids change from run to run).
         outcome.accepted.sort(key=lambda r: (r.partition_id, r.node))
         stage = stage or (lambda *pending: outcome.pending.append(pending))
-        with timed(self.stats.legs, "combine_s"):
-            step = self.round_step(server_round, block, outcome.accepted, stage)
-        applied = self.apply_if_finite(step)
+        applied = self.step_in_one_pass(server_round, block, outcome.accepted, stage)
+        if applied is None:  # each step apart: a subclass's combine or server_update, privacy, many replies
+            with timed(self.stats.legs, "combine_s"):
+                step = self.round_step(server_round, block, outcome.accepted, stage)
+            applied = self.apply_if_finite(step)
         if isinstance(applied, str):
             self.reject_aggregate(server_round, outcome.accepted, applied)
             outcome.accepted, outcome.aggregate_rejected, outcome.pending = [], True, []
@@ -441,6 +442,55 @@ class FedBCD:
         self.spill.start()  # every update is combined: the file is emptied
         return self.server_update(server_round, block, mean)
 
+    def step_in_one_pass(
+        self, server_round: int, block: int, accepted: list[Reply], stage: Stage
+    ) -> tuple[core.Tensors, dict] | str | None:
+        """``round_step`` and ``apply_if_finite`` in one pass over the block (``core.applied_mean_step``: the same
+        bits, the mean and the step never written as fp32 blocks between the last reply and the next message),
+        where the round is the default weighted mean of updates the spill holds in memory. None where it is not
+        (a subclass's ``combine`` or ``server_update``, differential privacy, more replies than ``IN_MEMORY``):
+        then each step runs apart."""
+        if not self.in_one_pass(len(accepted)):
+            return None
+        _, new_x_into = self.buffers.take(server_round)
+        updates = list(self.accepted_updates(server_round, block, accepted, stage))
+        weights = [self.client_weight(r.metrics) for r in accepted]
+        cfg = self.config
+        with timed(self.stats.legs, "one_pass_s"):
+            encoded, new, not_finite = core.applied_mean_step(
+                updates, weights, cfg.server_lr, self.global_params, cfg.transfer_dtype, new_x_into
+            )
+        self.spill.start()  # every update is combined: the file is emptied
+        try:
+            step, wire_pieces = pack_encoded(encoded, {n: tuple(t.shape) for n, t in new.items()}, cfg.transfer_dtype)
+        except WireError as err:
+            return self.cannot_travel(err)
+        if not_finite is not None:
+            return self.not_finite(not_finite)
+        self.take_new_x(new)
+        return step, wire_pieces
+
+    def in_one_pass(self, replies: int) -> bool:
+        """Whether a round of ``replies`` accepted replies runs in one pass (``step_in_one_pass``): the default
+        ``combine`` and ``server_update``, no differential privacy, every update held in memory."""
+        default = type(self).combine is FedBCD.combine and type(self).server_update is FedBCD.server_update
+        return default and self.privacy is None and 0 < replies <= self.spill.in_memory
+
+    def cannot_travel(self, err: WireError) -> str:
+        return f"the round's step cannot travel as {self.config.transfer_dtype} ({err})"
+
+    def not_finite(self, name: str) -> str:
+        return (f"the round's step is not finite in {name} as {self.config.transfer_dtype} "
+                f"(server-lr={self.config.server_lr:g}): x is left as it was")  # fmt: skip
+
+    def take_new_x(self, new: core.Tensors) -> None:
+        """``x[b]`` takes its new values (as ``core.apply_step_keeping``: the same tensors, new storage)."""
+        before = {}
+        for name, values in new.items():
+            before[name] = self.global_params[name].detach()
+            self.global_params[name].data = values
+        self.x_moved(before)
+
     def apply_if_finite(self, step: core.Tensors) -> tuple[core.Tensors, dict] | str:
         """Round ``g^r`` as it travels (``transfer-dtype``, from the very pieces sent) and apply it to
         ``x``, only if the step and the new ``x`` are finite: returns (the rounded step, its wire pieces),
@@ -451,21 +501,15 @@ class FedBCD:
             with timed(self.stats.legs, "step_rounding_s"):
                 step, wire_pieces = round_and_pack(step, self.config.transfer_dtype, lazy=True)
         except WireError as err:
-            return f"the round's step cannot travel as {self.config.transfer_dtype} ({err})"
+            return self.cannot_travel(err)
         new = {}
         for name in step:
-            with timed(self.stats.legs, "x_apply_s"):
-                into = new_x_into.get(name)
-                new[name] = core.added(self.global_params[name].detach(), core.read_chunks(step, name), into)
-                finite = all_finite(new[name])
-            if not finite:  # x is finite: a non-finite step makes the sum non-finite too
-                return (f"the round's step is not finite in {name} as {self.config.transfer_dtype} "
-                        f"(server-lr={self.config.server_lr:g}): x is left as it was")  # fmt: skip
-        before = {}
-        for name, values in new.items():  # as core.apply_step_keeping: the same tensors take the new values
-            before[name] = self.global_params[name].detach()
-            self.global_params[name].data = values
-        self.x_moved(before)
+            x, into = self.global_params[name].detach(), new_x_into.get(name)
+            with timed(self.stats.legs, "x_apply_s"):  # x is finite: a non-finite step makes the sum non-finite too
+                new[name] = core.added(x, core.read_chunks(step, name), into, finite_only=True)
+            if new[name] is None:
+                return self.not_finite(name)
+        self.take_new_x(new)
         return step, wire_pieces
 
     def reject_aggregate(self, server_round: int, accepted: list[Reply], reason: str) -> None:

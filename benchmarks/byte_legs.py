@@ -14,10 +14,13 @@ model's digest (``core.model_digest``) as the node makes it: its replica's tenso
 (``ModelReplica.hashes``) but a block's, which the round's step moved, hashed again, and the update in its encoding;
 beside it the whole model hashed. The server's, for ``--nodes`` replies, as its critical path runs them: each reply's
 norm and finiteness read from its payload (``reply_checks.checked_norm``: int8's from its integers and scales), the
-aggregate of the updates as they came (``core.aggregate``: each read from its payload chunk by chunk into the sum),
-``g`` rounded and packed (``wire.round_and_pack``, its values read back from the pieces), with differential privacy each
-reply clipped (``core.clip``) and the mean's noise drawn and added (``core.gaussian``, ``core.add_noise``), ``g``
-applied to ``x`` from its pieces chunk by chunk (``core.added``), and each reply's invariant digest
+mean, ``g`` rounded as it travels and ``x + g`` in one pass over the block (``core.applied_mean_step``, each update read
+from its payload chunk by chunk, and ``wire.pack_encoded``); beside it, as the server runs them where that pass cannot
+run (left out of its sum), the aggregate of the updates as they came (``core.aggregate``: each read from its payload
+chunk by chunk into the sum), ``g`` rounded and packed (``wire.round_and_pack``, its values read back from the pieces),
+with differential privacy each reply clipped (``core.clip``) and the mean's noise drawn and added (``core.gaussian``,
+``core.add_noise``), ``g`` applied to ``x`` from its pieces chunk by chunk (``core.added``); and each reply's invariant
+digest
 (``core.model_digest``: ``x``'s tensors from their cache, which the checkpoint's digest filled while the replies were
 outstanding, and the reply's update hashed as it came). The sum and the new ``x`` go into buffers made and touched
 before the leg, as the server makes them while the replies are outstanding (``RoundBuffers``). The model is ``--blocks``
@@ -54,7 +57,7 @@ from parablock_flwr.strategies.reply_checks import checked_norm
 from parablock_flwr.strategies.round_buffers import touched_pairs
 from parablock_flwr.tensor_file import takes_direct_io
 from parablock_flwr.tools.credentials import make_tls
-from parablock_flwr.wire import join_pieces, pack_pieces, round_and_pack, unpack
+from parablock_flwr.wire import join_pieces, pack_encoded, pack_pieces, round_and_pack, unpack
 
 WIDTH = 2048  # the rows of a block's tensors: Llama-3.2-1B's hidden size
 RESIDUAL_WRITE = "residual's durable write (fp32, fsynced)"
@@ -64,6 +67,9 @@ CPU = ", CPU s"  # a leg's CPU seconds, beside its wall time (left out of the su
 BEFORE = {"invariant digest, whole model", "apply g to its replica, decoded whole", RESIDUAL_WRITE_BEFORE}
 # The legs the server runs only with differential privacy, central mode (docs/privacy.md; left out of its sum).
 WITH_DP = "DP: "
+# The server's mean, rounding and x + g each apart, as it runs them only where the one pass cannot run (privacy, a
+# subclass's combine or server_update, more replies than the spill holds in memory; left out of its sum).
+APART = " (apart)"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -161,7 +167,13 @@ def server_legs(arrays: dict, sent: core.Tensors, model: core.Tensors, nodes: in
     one, _ = best(lambda: checked_norm(lazy()), repeats)
     legs[f"check {nodes} replies (norm, finite)"] = nodes * one
     sums, new_x = touched_pairs({n: model[n] for n in sent})  # made ahead, as the server's RoundBuffers
-    legs[f"aggregate {nodes}"], mean = best(
+    x = {n: model[n].clone() for n in sent}
+    legs[f"mean, g rounded and packed, x + g: one pass, {nodes} replies"], _ = best(
+        lambda: pack_encoded(core.applied_mean_step([lazy() for _ in range(nodes)], [1.0] * nodes, 1.0, x, dtype,
+                                                    new_x)[0], {n: tuple(t.shape) for n, t in x.items()}, dtype),
+        repeats,
+    )  # fmt: skip
+    legs[f"aggregate {nodes}{APART}"], mean = best(
         lambda: core.aggregate([lazy() for _ in range(nodes)], [1.0] * nodes, out=sums), repeats
     )
     decoded = unpack(arrays, transfer_dtype=dtype)
@@ -169,9 +181,8 @@ def server_legs(arrays: dict, sent: core.Tensors, model: core.Tensors, nodes: in
     one, _ = best(lambda: core.clip(decoded, norm / 2), repeats)
     legs[f"DP: clip {nodes} replies"] = nodes * one
     legs["DP: the mean's noise"], _ = best(lambda: core.add_noise(dict(mean), core.gaussian(mean, 1), 1e-3), repeats)
-    legs["round and pack g"], (step, _) = best(lambda: round_and_pack(mean, dtype, lazy=True), repeats)
-    x = {n: model[n].clone() for n in step}
-    legs["apply g to x"], _ = best(
+    legs[f"round and pack g{APART}"], (step, _) = best(lambda: round_and_pack(mean, dtype, lazy=True), repeats)
+    legs[f"apply g to x{APART}"], _ = best(
         lambda: {n: core.added(x[n], core.read_chunks(step, n), new_x[n]) for n in step}, repeats
     )
     names, hashes = list(model), core.TensorHashes()
@@ -220,7 +231,8 @@ def table(results: list[dict]) -> str:
                      f"| {socket_rate:,.0f} | 1.00 |")  # fmt: skip
         for side in ("node", "server"):
             legs = r[side]
-            counted = {k: v for k, v in legs.items() if k not in BEFORE and not k.startswith(WITH_DP) and CPU not in k}
+            beside = {k for k in legs if k in BEFORE or k.startswith(WITH_DP) or CPU in k or APART in k}
+            counted = {k: v for k, v in legs.items() if k not in beside}
             for leg, s in [*legs.items(), ("all it runs now", sum(counted.values()))]:
                 rate = r["wire_mb"] / s
                 lines.append(f"| {head} | {r['dtype']} | {side} | {leg} | {s:.3f} | {rate:,.0f} "

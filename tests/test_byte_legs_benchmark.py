@@ -9,8 +9,10 @@ WRITES = (byte_legs.RESIDUAL_WRITE, byte_legs.RESIDUAL_WRITE_BEFORE)  # each in 
 NODE_LEGS = {"round with feedback", "pack", "SHA-256 of the wire bytes", "invariant digest, cached",
              "invariant digest, whole model", "apply g to its replica", "apply g to its replica, decoded whole",
              *WRITES, *(leg + byte_legs.CPU for leg in WRITES)}  # fmt: skip
-SERVER_LEGS = {"check 2 replies (norm, finite)", "aggregate 2", "DP: clip 2 replies", "DP: the mean's noise",
-               "round and pack g", "apply g to x", "2 invariant digests, cached"}  # fmt: skip
+APART = byte_legs.APART  # the server's steps apart, beside its one pass
+SERVER_LEGS = {"check 2 replies (norm, finite)", "mean, g rounded and packed, x + g: one pass, 2 replies",
+               f"aggregate 2{APART}", "DP: clip 2 replies", "DP: the mean's noise", f"round and pack g{APART}",
+               f"apply g to x{APART}", "2 invariant digests, cached"}  # fmt: skip
 
 
 @pytest.mark.slow

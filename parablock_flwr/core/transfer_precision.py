@@ -29,6 +29,10 @@ def int8_blocks(numel: int) -> int:
 # memory, and no block-sized temporary is allocated (its pages first-touched) per round. A multiple of
 # INT8_BLOCK, so that chunks cut no int8 block. On a GPU each tensor is one chunk: memory is fast there.
 CHUNK_VALUES = 2**20
+# The server's one pass (``applied_mean_step``) holds a chunk of each update, of the sum, of the step decoded and of
+# its int8 work at once: half of ``CHUNK_VALUES`` was the fastest of 64 Ki to 1 Mi values on this project's 2-core
+# VM (one thread, 1 and 3 replies; ``benchmarks.byte_legs`` sets the one pass beside the steps apart).
+ONE_PASS_CHUNK_VALUES = CHUNK_VALUES // 2
 
 
 def _flat_fp32(tensor: torch.Tensor) -> torch.Tensor:
@@ -105,9 +109,12 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | No
     n = q.numel()
     full = n // INT8_BLOCK * INT8_BLOCK
     out = kept_blocks.empty(n, dtype=torch.float32, device=q.device) if out is None else out
-    torch.mul(q[:full].view(-1, INT8_BLOCK), scale[: full // INT8_BLOCK, None], out=out[:full].view(-1, INT8_BLOCK))
+    # Widened into ``out`` first (exact), then scaled there: the product of int8 and fp32 would widen into a
+    # temporary of its own, mapped afresh (its pages faulted in) for every chunk of a mapping's size or more.
+    out.copy_(q)
+    out[:full].view(-1, INT8_BLOCK).mul_(scale[: full // INT8_BLOCK, None])
     if full < n:  # the tensor's short last block
-        torch.mul(q[full:], scale[full // INT8_BLOCK], out=out[full:])
+        out[full:].mul_(scale[full // INT8_BLOCK])
     return out
 
 
@@ -332,7 +339,7 @@ def applied_mean_step(
     for name in updates[0]:
         flat_x = x[name].detach().reshape(-1)
         n, device = flat_x.numel(), flat_x.device
-        width = max(_chunks(flat_x)[0][1] if n else 0, 1)
+        width = max(min(n, ONE_PASS_CHUNK_VALUES) if device.type == "cpu" else n, 1)
         total, decoded = kept_blocks.empty(width, device=device), kept_blocks.empty(width, device=device)
         work = kept_blocks.empty(int8_blocks(width) * INT8_BLOCK, device=device) if transfer_dtype == "int8" else None
         encoded[name] = empty_encoding(n, transfer_dtype, device)

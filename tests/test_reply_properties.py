@@ -366,7 +366,7 @@ def test_any_mix_of_replies_moves_the_model_by_the_valid_ones_alone(specs, algor
                 invalid_nodes.add(node)
 
         pending = {}  # what the run is handed to write for the checkpoint (test_run_protocol: the writing)
-        run.staging.stage = lambda partition_id, update: pending.setdefault(partition_id, []).append(update)
+        run.staging.stage = lambda partition_id, update, held=False: pending.setdefault(partition_id, []).append(update)
         record = aggregate(run, replies)  # must not raise
 
         assert record["num_accepted"] == len(valid)
@@ -481,15 +481,19 @@ def test_a_partial_timeline_is_read_without_its_missing_stamps():
     assert rows["critical_path_reply_relay_s"] == 8.5 - 7.5
 
 
+@pytest.mark.parametrize("one_pass", [True, False])
 @pytest.mark.parametrize("transfer_dtype", ["fp32", "fp16"])
-def test_a_finite_step_that_would_take_x_past_the_float_range_is_rejected(tmp_path, transfer_dtype):
+def test_a_finite_step_that_would_take_x_past_the_float_range_is_rejected(tmp_path, transfer_dtype, one_pass):
     """fp32, server-lr = 1: the step is finite but ``x + g`` is not (a weight near fp32's largest value).
     fp16, server-lr = 2: each reply is finite in fp16, the step (twice 60000) rounds to infinity in
-    fp16. Either way the aggregate is rejected and ``x`` stays as it was."""
+    fp16. Either way the aggregate is rejected and ``x`` stays as it was, in the server's one pass and with
+    each step apart (as a round of more replies than the spill holds in memory runs them)."""
     fp32 = transfer_dtype == "fp32"
     run, x0 = run_with(FedBCD, str(tmp_path), transfer_dtype=transfer_dtype, min_accepted_replies=0,
                        server_lr=1.0 if fp32 else 2.0)  # fmt: skip
     strategy = run.algorithm
+    strategy.spill.in_memory = strategy.spill.in_memory if one_pass else 0
+    assert strategy.in_one_pass(1) == one_pass
     if fp32:
         strategy.global_params["layer.0.w"][0, 0] = x0["layer.0.w"][0, 0] = 3e38
     record = aggregate(run, [valid_reply(strategy, 100, 0, [3e38 if fp32 else 6e4], transfer_dtype)])

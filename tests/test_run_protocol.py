@@ -852,3 +852,25 @@ def test_a_round_re_sent_to_a_node_withdraws_its_next_message_pushed_ahead_first
     assert [r["num_accepted"] for r in records[1:]] == [2] * 4
     assert records[3]["round_retries"] == 1 and records[3]["direct_messages_withdrawn"] == 1  # counted when done
     assert (1, 4) not in from_stream and (0, 4) in from_stream
+
+
+def test_updates_the_round_holds_anyway_are_staged_without_waiting_for_the_writes_before_them(tmp_path, monkeypatch):
+    """A slow disk (the writer thread held until released): updates staged with ``held`` (a round's updates in
+    memory, which the server's one pass staged before it runs) queue behind an unfinished write; one staged
+    without it, past ``MAX_STAGING`` outstanding, waits for the write that many back."""
+    from parablock_flwr.server_apps import durability
+
+    release = threading.Event()
+    monkeypatch.setattr(durability, "stage_pending", lambda *args: release.wait(30))
+    staging = durability.PendingStaging(tmp_path)
+    for partition_id in range(durability.MAX_STAGING + 2):
+        staging.stage(partition_id, None, held=True)
+    assert len(staging.writes) == durability.MAX_STAGING + 2 and not staging.writes[0].done()
+    bounded = threading.Thread(target=staging.stage, args=(99, None))
+    bounded.start()
+    bounded.join(0.5)
+    assert bounded.is_alive() and not staging.writes[0].done()  # it waits on the first write, still held
+    release.set()
+    bounded.join(10)
+    staging.wait()
+    assert not bounded.is_alive()

@@ -176,7 +176,8 @@ def test_the_servers_round_in_one_pass_is_the_mean_the_step_and_x_plus_g_one_aft
     ``aggregate``, ``global_step``, ``round_and_pack`` and ``added`` one after another: the same wire bytes, the
     same step as read back, the same new ``x``; three updates as the server holds them (decoded when read), a
     tensor of several chunks and a short last one, a partial int8 block, a scalar, an empty tensor."""
-    monkeypatch.setattr(core.transfer_precision, "CHUNK_VALUES", 4 * core.INT8_BLOCK)  # chunks of a small block
+    for chunk_values in ("CHUNK_VALUES", "ONE_PASS_CHUNK_VALUES"):  # several chunks of a small block, both ways
+        monkeypatch.setattr(core.transfer_precision, chunk_values, 4 * core.INT8_BLOCK)
     shapes = {**SHAPES, "big": (4 * core.INT8_BLOCK * 2 + 300,)}
     g = torch.Generator().manual_seed(3)
     x = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
@@ -198,12 +199,12 @@ def test_the_servers_round_in_one_pass_is_the_mean_the_step_and_x_plus_g_one_aft
 
 
 def test_the_servers_round_in_one_pass_names_the_first_tensor_whose_new_values_are_not_finite():
-    """A finite step can carry ``x`` past fp32's range: the pass says where, and ``x`` keeps its values."""
-    x = {"a": torch.ones(600), "b": torch.full((600,), 3e38)}
-    update = {"a": torch.ones(600), "b": torch.full((600,), 3e38)}
-    before = {n: t.clone() for n, t in x.items()}
-    _, _, not_finite = core.applied_mean_step([update], [1.0], 1.0, x, "fp32")
-    assert not_finite == "b" and all(torch.equal(x[n], before[n]) for n in x)
+    """A finite step can carry ``x`` past fp32's range: the pass says where (the server then rejects it)."""
+    x = {"a": torch.ones(600), "b": torch.full((600,), 3e38), "c": torch.full((600,), 3e38)}
+    update = {"a": torch.ones(600), "b": torch.full((600,), 3e38), "c": torch.full((600,), 3e38)}
+    assert core.applied_mean_step([update], [1.0], 1.0, x, "fp32")[2] == "b"
+    with pytest.raises(ValueError, match="2 updates and 1 weights"):
+        core.applied_mean_step([update, update], [1.0], 1.0, x, "fp32")
 
 
 @settings(max_examples=100, deadline=None)

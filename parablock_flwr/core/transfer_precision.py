@@ -104,8 +104,9 @@ def quantize_int8(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The flat fp32 values ``q * s`` (each exact: ``s`` is a power of two), written once into the
-    result (``out`` when given; the scales are broadcast over each block, not repeated into a block-sized copy)."""
+    """The flat fp32 values ``q * s`` (each exact: ``s`` is a power of two), in the result (``out`` when given, of
+    ``q``'s size): ``q`` widened into it, then scaled in place, the scales broadcast over each block (no block-sized
+    temporary, no copy of the scales)."""
     n = q.numel()
     full = n // INT8_BLOCK * INT8_BLOCK
     out = kept_blocks.empty(n, dtype=torch.float32, device=q.device) if out is None else out
@@ -333,6 +334,8 @@ def applied_mean_step(
     encoding, ``x``'s new tensors (in the updates' order) and the first of them with a value that is not finite
     (None: none)."""
     factors = mean_factors(weights)
+    if len(updates) != len(factors):
+        raise ValueError(f"applied_mean_step: got {len(updates)} updates and {len(factors)} weights")
     encoded: Encoded = {}
     new: Tensors = {}
     not_finite = None

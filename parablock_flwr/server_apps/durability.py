@@ -72,11 +72,13 @@ class PendingStaging:
         self.writer: ThreadPoolExecutor | None = None  # one writer thread while writes are outstanding
         self.writes: list[Future] = []
 
-    def stage(self, partition_id: int, pending: core.PendingUpdate) -> None:
-        """One client's update; ``wait`` waits for it before the checkpoint."""
+    def stage(self, partition_id: int, pending: core.PendingUpdate, held: bool = False) -> None:
+        """One client's update; ``wait`` waits for it before the checkpoint. ``held``: its memory is held anyway
+        until the round is aggregated (a round's updates in memory, ``FedBCD.step_in_one_pass``), so it waits
+        for no earlier write: the writes run beside the aggregation, not before it."""
         if self.writer is None:
             self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-pending")
-        if len(self.writes) >= MAX_STAGING:  # written in order: then at most MAX_STAGING wait in memory
+        if not held and len(self.writes) >= MAX_STAGING:  # written in order: at most MAX_STAGING wait in memory
             wait([self.writes[-MAX_STAGING]])
         self.writes.append(self.writer.submit(stage_pending, self.run_dir, partition_id, pending))
 

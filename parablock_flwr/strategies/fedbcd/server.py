@@ -55,7 +55,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 PARTITION_QUERY_TIMEOUT_S = 60.0  # asking a node its partition id: a thin message, no training
-Stage = Callable[[int, core.PendingUpdate], None]  # (partition id, a client's pending update) -> kept
+# (partition id, a client's pending update, held=...) -> kept; ``held``: its memory is held until the round's
+# aggregate anyway (``PendingStaging.stage``).
+Stage = Callable[..., None]
 
 
 @dataclass
@@ -377,7 +379,7 @@ class FedBCD:
         # Float sums depend on order and replies arrive in any order: sort them by the client's stable
         # partition id (node ids change from run to run).
         outcome.accepted.sort(key=lambda r: (r.partition_id, r.node))
-        stage = stage or (lambda *pending: outcome.pending.append(pending))
+        stage = stage or (lambda partition_id, pending, held=False: outcome.pending.append((partition_id, pending)))
         applied = self.step_in_one_pass(server_round, block, outcome.accepted, stage)
         if applied is None:  # each step apart: a subclass's combine or server_update, privacy, many replies
             with timed(self.stats.legs, "combine_s"):
@@ -453,18 +455,20 @@ class FedBCD:
         if not self.in_one_pass(len(accepted)):
             return None
         _, new_x_into = self.buffers.take(server_round)
-        updates = list(self.accepted_updates(server_round, block, accepted, stage))
-        weights = [self.client_weight(r.metrics) for r in accepted]
         cfg = self.config
-        with timed(self.stats.legs, "one_pass_s"):
+        with timed(self.stats.legs, "one_pass_s"):  # as combine_s, step_rounding_s and x_apply_s count theirs
+            # Every update in memory: each staged for the checkpoint without waiting for the writes before it.
+            updates = list(self.accepted_updates(server_round, block, accepted, stage, held=True))
+            weights = [self.client_weight(r.metrics) for r in accepted]
             encoded, new, not_finite = core.applied_mean_step(
                 updates, weights, cfg.server_lr, self.global_params, cfg.transfer_dtype, new_x_into
             )
-        self.spill.start()  # every update is combined: the file is emptied
-        try:
-            step, wire_pieces = pack_encoded(encoded, {n: tuple(t.shape) for n, t in new.items()}, cfg.transfer_dtype)
-        except WireError as err:
-            return self.cannot_travel(err)
+            self.spill.start()  # every update is combined: the file is emptied
+            try:
+                shapes = {n: tuple(t.shape) for n, t in new.items()}
+                step, wire_pieces = pack_encoded(encoded, shapes, cfg.transfer_dtype)
+            except WireError as err:
+                return self.cannot_travel(err)
         if not_finite is not None:
             return self.not_finite(not_finite)
         self.take_new_x(new)
@@ -583,7 +587,7 @@ class FedBCD:
             checked.resync.add(node)
 
     def accepted_updates(
-        self, server_round: int, block: int, accepted: list[Reply], stage: Stage
+        self, server_round: int, block: int, accepted: list[Reply], stage: Stage, held: bool = False
     ) -> Iterator[core.Tensors]:
         """Each accepted ``Δ_i^r`` in turn, read back from the round's spill (``update_spill``) and
         dropped once combined: the default weighted mean holds the running sum and one update, not one
@@ -595,7 +599,7 @@ class FedBCD:
                 reply.update = self.spill.take(reply.node, shapes)
             pending = self.observe_update(server_round, block, reply)
             if pending is not None:
-                stage(reply.partition_id, pending)
+                stage(reply.partition_id, pending, held=held)
             update, reply.update = reply.update, None
             yield update
 

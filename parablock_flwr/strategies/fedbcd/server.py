@@ -481,9 +481,11 @@ class FedBCD:
         return default and self.privacy is None and 0 < replies <= self.spill.in_memory
 
     def cannot_travel(self, err: WireError) -> str:
+        """Why a step is rejected that its receivers would refuse (an int8 scale past the wire's largest)."""
         return f"the round's step cannot travel as {self.config.transfer_dtype} ({err})"
 
     def not_finite(self, name: str) -> str:
+        """Why a step is rejected that would make ``x[name]`` not finite (``x`` is finite, so the step made it)."""
         return (f"the round's step is not finite in {name} as {self.config.transfer_dtype} "
                 f"(server-lr={self.config.server_lr:g}): x is left as it was")  # fmt: skip
 

@@ -127,7 +127,7 @@ def pack_encoded(
     """``round_and_pack(lazy=True)``'s two results for a step already encoded (``core.applied_mean_step``'s):
     its values as a receiver reads them (fp32's own memory), and the pieces that carry them. Raises
     ``WireError`` where a receiver would refuse them (an int8 scale past ``MAX_INT8_SCALE``)."""
-    pieces = pack_pieces(EncodedTensors(encoded, shapes), transfer_dtype, encoded)
+    pieces = pack_pieces(EncodedTensors(encoded, shapes), transfer_dtype)  # as it is: it travels so already
     if transfer_dtype == "fp32":
         return {name: encoded[name][0].view(shape) for name, shape in shapes.items()}, pieces
     return read_pieces(pieces, shapes, transfer_dtype), pieces

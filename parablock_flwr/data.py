@@ -43,7 +43,6 @@ from pathlib import Path
 
 import datasets
 import torch
-from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner, NaturalIdPartitioner
 
 log = logging.getLogger(__name__)
 
@@ -528,6 +527,10 @@ def client_partition(
         raise ValueError(
             f"num-partitions={num_partitions}: expected at most {len(train)} (one training row per client)"
         )
+    # Imported here: flwr_datasets' package loads its plotting stack (seaborn, matplotlib, scipy.stats), seconds of
+    # CPU that a process reading only held-out rows (the ServerApp, its evaluator) never needs.
+    from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner, NaturalIdPartitioner
+
     if partitioning == "iid":
         partitioner = IidPartitioner(num_partitions=num_partitions)  # rows are already shuffled
     elif partitioning == "dirichlet":

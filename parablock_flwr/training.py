@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import get_scheduler
 
 from .core import Tensors, delta, snapshot
 
@@ -56,6 +55,10 @@ def autocast(precision: str, device: torch.device | None = None):
 def run_schedule(optimizer: torch.optim.Optimizer, settings: TrainSettings) -> torch.optim.lr_scheduler.LambdaLR:
     """``lr-schedule`` over this round's K steps, or (``schedule_steps``) over the whole run, from step
     ``schedule_offset``: warm-up and decay are not restarted every round."""
+    # Imported here: transformers' optimization module imports its Trainer's utilities and, through them, peft,
+    # seconds of CPU that a process evaluating only (the ServerApp, its evaluator) never needs.
+    from transformers import get_scheduler
+
     total = settings.schedule_steps or settings.local_steps
     inner = get_scheduler(
         settings.lr_schedule, optimizer, num_warmup_steps=settings.warmup_steps, num_training_steps=total

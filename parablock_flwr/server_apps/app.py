@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 from flwr.app import ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
-from flwr.superlink.grid.inmemory_grid import InMemoryGrid
 
 from .. import core
 from ..checkpoint import Checkpoint, check_resumable
@@ -147,13 +146,21 @@ def load(grid: Grid, context: Context, run: dict) -> Loaded:
     return loaded
 
 
+def in_simulation(grid: Grid) -> bool:
+    """Whether ``grid`` is Flower's in-memory Grid, a simulation's. Its module is looked up, not imported: it loads
+    the SuperLink's state, a second of CPU that a deployment's ServerApp never needs, and a grid of that class
+    exists only where its module was imported."""
+    module = sys.modules.get("flwr.superlink.grid.inmemory_grid")
+    return module is not None and isinstance(grid, module.InMemoryGrid)
+
+
 def run_app(grid: Grid, context: Context, run: dict) -> None:
     """Validate, load, train; fills ``run`` (its folder, the ``Run``) as it goes. With the direct transport,
     the run's stream serves from before the first message to after the last reply."""
     # Block-sized buffers in mappings of their own, given back when freed (memory.map_large_buffers), in a
     # deployment's ServerApp, which has its process to itself (a simulation's and the tests' share theirs);
     # first, before the load's threads.
-    if not isinstance(grid, InMemoryGrid):
+    if not in_simulation(grid):
         map_large_buffers()
     loaded = load(grid, context, run)
     channel = open_channel(loaded.cfg, grid, context.run_id)
@@ -169,7 +176,7 @@ def open_channel(cfg: RunConfig, grid: Grid, run_id: int) -> Channel:
     A file or port the stream cannot use fails the run as an invalid configuration, before any round."""
     if cfg.transport != "direct":
         return Channel()
-    if isinstance(grid, InMemoryGrid):
+    if in_simulation(grid):
         log.info("transport='direct' is for deployments: this simulation moves blocks in Flower's messages")
         return Channel()
     try:
@@ -207,7 +214,7 @@ def train(grid: Grid, context: Context, run: dict, loaded: Loaded, channel: Chan
     if loaded.heldout is not None or cfg.save_every:
         evaluator = ServerEvaluator(loaded.tokenizer, loaded.heldout, cfg, run_dir)
     # A deployment's workers start a resumed run (a new Flower run) at x^0: its nodes get x's values first.
-    algorithm.sync.values_on_resume = not isinstance(grid, InMemoryGrid)
+    algorithm.sync.values_on_resume = not in_simulation(grid)
     this_run = Run(algorithm, evaluator, channel)
     try:  # Round 1 sends no step; a resumed run sends g^R in round R+1.
         first_step = this_run.resume(cfg.resume_path, loaded.checkpoint) if loaded.checkpoint else ArrayRecord()

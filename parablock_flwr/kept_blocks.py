@@ -53,20 +53,26 @@ class KeptBlocks:
         memoryview, array (``np.frombuffer``) or tensor over them goes."""
         return memoryview(self._holder(nbytes))
 
-    def empty(self, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype | None = None, touched: bool = False) -> torch.Tensor:
         """An uninitialised host tensor (as ``torch.empty``; fp32 by default), contiguous, in kept memory from
-        ``KEPT_FROM_BYTES`` up."""
+        ``KEPT_FROM_BYTES`` up. ``touched``: every page faulted in before it is returned: a buffer made afresh is
+        written once (zeros, by numpy's single-threaded fill: no torch kernel, so a helper thread starts no OpenMP
+        team); one the pool kept was touched already and is not written again (a pass over a block for nothing)."""
         import torch
 
         dtype = torch.float32 if dtype is None else dtype
         nbytes = math.prod(shape) * dtype.itemsize
-        if nbytes < KEPT_FROM_BYTES:
-            return torch.empty(shape, dtype=dtype)
-        return torch.from_numpy(self._holder(nbytes)).view(dtype).view(shape)
+        if nbytes < KEPT_FROM_BYTES:  # the heap's, as torch's own
+            out = torch.empty(shape, dtype=dtype)
+            if touched:
+                out.view(-1).view(torch.uint8).numpy().fill(0)
+            return out
+        return torch.from_numpy(self._holder(nbytes, touched)).view(dtype).view(shape)
 
-    def _holder(self, nbytes: int) -> np.ndarray:
+    def _holder(self, nbytes: int, touched: bool = False) -> np.ndarray:
         """A uint8 array of ``nbytes`` that whatever uses the bytes must hold (a tensor from it, a memoryview of
-        it): a view of it made by numpy holds the buffer below, not it, so it is never handed out bare."""
+        it): a view of it made by numpy holds the buffer below, not it, so it is never handed out bare.
+        ``touched``: a buffer made afresh is written once (``empty``)."""
         if nbytes < KEPT_FROM_BYTES:
             return np.empty(nbytes, dtype=np.uint8)
         with self._lock:
@@ -83,6 +89,8 @@ class KeptBlocks:
             raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
             start = -raw.ctypes.data % ALIGN
             buffer = raw[start : start + nbytes]
+            if touched:
+                buffer.fill(0)
         holder = buffer[:]
         weakref.finalize(holder, self._back.put, buffer)
         return holder
@@ -137,11 +145,11 @@ KEPT = KeptBlocks()  # the process's pool: every module's block-sized host buffe
 host_bytes = KEPT.host_bytes
 
 
-def empty(shape, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
+def empty(shape, dtype: torch.dtype | None = None, device=None, touched: bool = False) -> torch.Tensor:
     """``torch.empty`` (fp32 by default), from the process's pool on the host (a device's own caching allocator
-    keeps its memory)."""
+    keeps its memory); ``touched``: as ``KeptBlocks.empty``'s (on the host only: a device has no page to fault)."""
     import torch
 
     if device is not None and torch.device(device).type != "cpu":
         return torch.empty(shape, dtype=dtype or torch.float32, device=device)
-    return KEPT.empty(tuple(shape) if not isinstance(shape, int) else (shape,), dtype)
+    return KEPT.empty(tuple(shape) if not isinstance(shape, int) else (shape,), dtype, touched)

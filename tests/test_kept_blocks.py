@@ -41,6 +41,23 @@ def test_each_dtype_is_served_with_its_bytes_and_small_buffers_are_left_to_torch
     assert pool.idle_bytes() == KEPT_FROM_BYTES  # only the block came back
 
 
+def test_a_touched_buffer_is_written_once_when_made_and_not_again_when_the_pool_kept_it():
+    """``touched``: the server's round buffers, faulted in ahead of the round. A fresh one is written (zeros); one
+    the pool kept is faulted in already, and writing it again would be a pass over a block for nothing: it comes
+    back as it was left. Below the pool's size, torch's heap serves it, zeroed."""
+    pool = KeptBlocks()
+    fresh = pool.empty(SHAPE, touched=True)
+    assert torch.count_nonzero(fresh) == 0
+    fresh.fill_(7.0)
+    at = fresh.data_ptr()
+    del fresh
+    again = pool.empty(SHAPE, touched=True)
+    assert again.data_ptr() == at and (pool.made, pool.reused) == (1, 1)
+    assert bool((again == 7.0).all())  # not written again
+    small = pool.empty((3, 5), torch.bfloat16, touched=True)
+    assert small.dtype == torch.bfloat16 and torch.count_nonzero(small) == 0 and pool.made == 1
+
+
 def test_trim_gives_back_what_lay_unused_from_one_trim_to_the_next():
     pool = KeptBlocks()
     a, b = pool.empty(SHAPE), pool.empty(SHAPE)

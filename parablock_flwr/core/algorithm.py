@@ -75,6 +75,8 @@ def scaled(
     for chunk in update.chunks(name):
         torch.mul(chunk, factor, out=flat[at : at + chunk.numel()])
         at += chunk.numel()
+    if at != out.numel():  # ``out`` may be a round's buffer, uninitialised: every value must be written
+        raise ValueError(f"{name}: the update's chunks hold {at:,} values, expected {out.numel():,}")
     return out
 
 

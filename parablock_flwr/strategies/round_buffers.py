@@ -2,8 +2,8 @@
 
 Each is a block, taken from the pages ``kept_blocks`` kept from the last round where it has them; where not
 (the first round, a block of another size), the first touch of a fresh page costs the kernel about as much as
-the aggregation's own work on it (more while the step log's writes fill the page cache). Taken and written
-(zeros) on a thread of their own while the round's replies are outstanding, they take no page fault between
+the aggregation's own work on it (more while the step log's writes fill the page cache). Taken (and, fresh,
+written once) on a thread of their own while the round's replies are outstanding, they take no page fault between
 the last reply and the next message (the critical path). A round that finds none ready allocates its own.
 """
 
@@ -37,19 +37,12 @@ class RoundBuffers:
 
 
 def touched_pairs(like: core.Tensors, sums: bool = True) -> tuple[core.Tensors, core.Tensors]:
-    """Two new tensors like each of ``like`` (contiguous), every page written once (zeros); without ``sums``, the
-    first are not made (empty)."""
-    new_x = {n: zeros_here(t) for n, t in like.items()}
-    return ({n: zeros_here(t) for n, t in like.items()} if sums else {}), new_x
+    """Two new tensors like each of ``like`` (contiguous, uninitialised: the aggregation writes every value),
+    every page faulted in (``kept_blocks.empty``'s ``touched``: a buffer the pool kept from the last round is not
+    written again); without ``sums``, the first are not made (empty)."""
 
+    def touched(t: torch.Tensor) -> torch.Tensor:
+        return kept_blocks.empty(t.shape, dtype=t.dtype, device=t.device, touched=True)
 
-def zeros_here(like: torch.Tensor) -> torch.Tensor:
-    """Zeros shaped as ``like``, written on the host by numpy's single-threaded fill, not a torch kernel: this
-    thread must start no OpenMP team of its own (once the process's OpenMP threads outnumber its cores, every
-    parallel kernel waits on its team asleep: the round's aggregation, on the main thread, among them)."""
-    out = kept_blocks.empty(like.shape, dtype=like.dtype, device=like.device)
-    if out.device.type == "cpu":
-        out.view(-1).view(torch.uint8).numpy().fill(0)
-    else:
-        out.zero_()  # a device kernel, queued: no host threads
-    return out
+    new_x = {n: touched(t) for n, t in like.items()}
+    return ({n: touched(t) for n, t in like.items()} if sums else {}), new_x

@@ -3,9 +3,10 @@ what ``benchmarks.stand_in`` (the computation a GPU's stand-in, on any machine) 
 (``scripts/gpu_check.py``, the real computation on the GPUs found) both run and print.
 
 For each setting (transfer dtype, SuperNodes), one deployment per algorithm with the same seed, model and data
-(ParaBlock also with ``verify-invariant`` on, with ``--verify-invariant``). Each prints the means over rounds
-3..R of the round's wall time T, the compute C, the communication window W, the worker's own work in a round
-(``worker_non_compute``), the server's critical path (last reply to the next messages out) and
+(ParaBlock also with ``verify-invariant`` on, with ``--verify-invariant``). Each prints the means over the steady
+rounds (``first_steady_round``: from the first round in which no block is trained or stepped for the first time,
+round 3 at the earliest) of the round's wall time T, the compute C, the communication window W, the worker's own
+work in a round (``worker_non_compute``), the server's critical path (last reply to the next messages out) and
 every leg of it (``critical_path_*``), the CPU seconds a round costs the ServerApp and each node worker (every
 thread; beside a stand-in the worker's are all per-byte work, less moved than wall times by what else the
 machine's cores run, though not unmoved); ParaBlock/BCD beside the ideal max(C, T_BCD − C) / T_BCD (ParaBlock hides
@@ -101,42 +102,66 @@ def compare(config: dict, workdir: Path, verify: bool = False, **deployment) -> 
     return measured
 
 
+def first_steady_round(records: list[dict]) -> int:
+    """The first round of the means: from round 3 on (round 1 overlaps nothing, round 2 makes the second block's
+    update), the first whose block and whose step's block (the round before's) were each trained in an earlier
+    round. A block's first round writes its buffers afresh on both sides (the node's residual, its encoding) and
+    its first step is the first write to its ``x`` (on the CPU, pages copied from the model's file as they are
+    written): seconds at 236 MB on this VM, once per block and run, not a round's cost. Round 3 where no later
+    round qualifies (fewer rounds than blocks + 2)."""
+    block = {r["round"]: r["block"] for r in records if "round" in r and "block" in r}
+    for server_round in sorted(r for r in block if r >= 3 and r - 1 in block):
+        trained_before = lambda b, before: any(block.get(q) == b for q in range(1, before))  # noqa: E731
+        if trained_before(block[server_round], server_round) and trained_before(block[server_round - 1],
+                                                                                server_round - 1):  # fmt: skip
+            return server_round
+    return 3
+
+
 def means(records: list[dict]) -> dict:
-    """Means over rounds 3..R (round 1 overlaps nothing, round 2 makes the second block's update)."""
-    rounds = [r for r in records if r.get("round", 0) >= 3 and "round_wall_s" in r]
+    """Means over rounds ``first_steady_round``..R (``steady_from`` says which)."""
+    start = first_steady_round(records)
+    rounds = [r for r in records if r.get("round", 0) >= start and "round_wall_s" in r]
     keys = ["round_wall_s", "measured_compute_s", "measured_comm_s", "measured_overlap_share", "server_critical_path_s"]
     keys += ["server_cpu_s"]
     keys += [f"critical_path_{leg}_s" for leg in LEGS] + [f"measured_{leg}" for leg in WORKER_LEGS]
     keys += [f"server_{leg}" for leg in SERVER_LEGS]
     out = {k: statistics.mean(r[k] for r in rounds if k in r) for k in keys if any(k in r for r in rounds)}
-    if busy := worker_non_compute(records):
+    if busy := worker_non_compute(records, start):
         out["worker_non_compute_s"] = busy
-    if cpu := worker_cpu(records):
+    if cpu := worker_cpu(records, start):
         out["worker_round_cpu_s"] = cpu
-    return out
+    return {**out, "steady_from": start}
 
 
-def worker_cpu(records: list[dict]) -> float | None:
+def window(settings: list[dict[str, dict]]) -> str:
+    """The page's words for the rounds its means cover (``first_steady_round`` of each run)."""
+    starts = sorted({m["steady_from"] for measured in settings for m in measured.values() if "steady_from" in m})
+    return (f"means of rounds {'/'.join(map(str, starts or [3]))}..R (from the first in which no block is trained or "
+            "stepped for the first time)")  # fmt: skip
+
+
+def worker_cpu(records: list[dict], start: int = 3) -> float | None:
     """The CPU seconds a round costs a node worker, every thread: its running total ``worker_cpu_s`` at round r's
-    reply less at round r-1's, per node, rounds r >= 3 (means' rounds); a total that fell (a restarted worker
-    counts from 0 again) is no round's figure."""
+    reply less at round r-1's, per node, rounds r >= ``start`` (means' rounds); a total that fell (a restarted
+    worker counts from 0 again) is no round's figure."""
     cpu = {r["round"]: {row["node"]: row.get("worker_cpu_s") for row in r.get("timeline", [])}
            for r in records if "round" in r}  # fmt: skip
-    spans = [now - cpu[r - 1][node] for r, nodes in cpu.items() if r >= 3 and r - 1 in cpu
+    spans = [now - cpu[r - 1][node] for r, nodes in cpu.items() if r >= start and r - 1 in cpu
              for node, now in nodes.items() if now is not None and cpu[r - 1].get(node) is not None
              and now >= cpu[r - 1][node]]  # fmt: skip
     return statistics.mean(spans) if spans else None
 
 
-def worker_non_compute(records: list[dict]) -> float | None:
+def worker_non_compute(records: list[dict], start: int = 3) -> float | None:
     """The worker's own work in a round: from its message coming in to its reply leaving, less the computation
     that ran in that time (the step's apply, rounding, the residual's durable write, digests, the upload; BCD's
-    computation runs in it, ParaBlock's mostly before it). From the timelines, per node, rounds r >= 3: round r's
-    ``request_received`` to round r+1's ``prev_reply_sent``, less round r's ``compute_start..compute_end`` in it."""
+    computation runs in it, ParaBlock's mostly before it). From the timelines, per node, rounds r >= ``start``: round
+    r's ``request_received`` to round r+1's ``prev_reply_sent``, less round r's ``compute_start..compute_end`` in it."""
     by_round = {r["round"]: {row["node"]: row for row in r.get("timeline", [])} for r in records if "round" in r}
     spans = []
     for r, rows_of in by_round.items():
-        for node, row in rows_of.items() if r >= 3 and r + 1 in by_round else ():
+        for node, row in rows_of.items() if r >= start and r + 1 in by_round else ():
             sent = by_round[r + 1].get(node, {}).get("prev_reply_sent", 0)
             if sent <= 0 or not row.get("request_received"):
                 continue
@@ -244,7 +269,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def rounds_from_3(text: str) -> int:
-    """``--rounds``: the means are over rounds 3..R, so at least 3."""
+    """``--rounds``: the means start at round 3 at the earliest (``first_steady_round``), so at least 3."""
     if not text.isdigit() or int(text) < 3:
         raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number of rounds, at least 3 (means of 3..R)")
     return int(text)
@@ -273,7 +298,8 @@ def main(argv=None) -> dict:
                 found += targets(setting, block_bytes(args.model, config["layers-per-block"], dtype), measured)
                 print("\n".join(rows(setting, measured)), flush=True)
     page = (f"`{command('round_compare')}` at {commit()}; {machine_line()}; devices {', '.join(args.devices)}. "
-            f"TLS and node authentication, transport direct, {args.rounds} rounds, means of rounds 3..R.\n\n"
+            f"TLS and node authentication, transport direct, {args.rounds} rounds, "
+            f"{window(list(settings.values()))}.\n\n"
             f"{report(settings, found)}")  # fmt: skip
     print(page)
     if args.out is not None:

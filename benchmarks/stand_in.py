@@ -41,7 +41,16 @@ import time
 from pathlib import Path
 
 from benchmarks.common import PROJECT_DIR, RESULTS_DIR, command, commit, machine_line, replace_doc_section
-from benchmarks.round_compare import TABLE_HEAD, block_bytes, compare, rounds_from_3, rows, targets, targets_table
+from benchmarks.round_compare import (
+    TABLE_HEAD,
+    block_bytes,
+    compare,
+    rounds_from_3,
+    rows,
+    targets,
+    targets_table,
+    window,
+)
 from parablock_flwr.tools.tiny_model import build_tiny_model
 
 LAYERS, LAYERS_PER_BLOCK = 8, 4
@@ -131,7 +140,8 @@ def run_sizes(args, workers_cpus: list[int] | None) -> dict:
                    f"{', workers pinned' if args.pin else ''}")  # fmt: skip
         body = (
             f"`{command('stand_in')}` at {commit()}, {time.strftime('%Y-%m-%d')}; {machine_line()}. "
-            f"Transport direct on loopback (plaintext), {args.rounds} rounds, means of rounds 3..R.\n\n{body}"
+            f"Transport direct on loopback (plaintext), {args.rounds} rounds, "
+            f"{window(list(results.values()))}.\n\n{body}"
         )
         doc = RESULTS_DIR / "stand_in.md"
         if not doc.exists():

@@ -67,6 +67,24 @@ def test_a_workers_cpu_a_round_is_what_its_running_total_grew_by_from_round_3_on
     assert round_compare.worker_cpu(missing) == pytest.approx((3 + 4) / 2)
 
 
+def test_the_means_start_at_the_first_round_in_which_no_block_is_trained_or_stepped_for_the_first_time():
+    """A block's first round makes its buffers afresh and its first step is the first write to its ``x`` (on the CPU,
+    pages copied from the model's file): seconds once per block, not a round's cost. Two blocks in turn: round 3 steps
+    block 1 for the first time, round 4 is the first steady one; four blocks: round 6; too few rounds: round 3."""
+
+    def run(blocks, rounds):
+        return [{"round": 0}] + [{"round": r, "block": blocks[(r - 1) % len(blocks)], "round_wall_s": float(r)}
+                                 for r in range(1, rounds + 1)]  # fmt: skip
+
+    assert round_compare.first_steady_round(run([0, 1], 6)) == 4
+    assert round_compare.first_steady_round(run([0, 1, 2, 3], 8)) == 6
+    assert round_compare.first_steady_round(run([0, 1, 2, 3], 5)) == 3  # none steady: from round 3, as before
+    assert round_compare.first_steady_round(run([0], 4)) == 3  # one block (FedAvg): steady from round 3
+    means = round_compare.means(run([0, 1], 6))
+    assert means["steady_from"] == 4 and means["round_wall_s"] == (4 + 5 + 6) / 3
+    assert round_compare.window([{"fedbcd": means, "parablock": means}]).startswith("means of rounds 4..R")
+
+
 def test_each_target_is_judged_from_its_figures_and_one_not_measured_is_said():
     """At 247 MB: the per-byte bound is 0.3 s + 0.247 s; BCD's round against C + 1 s; ParaBlock/BCD against 1.1 times
     the ideal; verify-invariant's cost against a tenth of ParaBlock's round. A figure a run lacks is not met."""

@@ -13,7 +13,7 @@ frees less on one side can make the other side's rounds slower: a round's CPU is
 
 Each case runs in a process of its own, started as the deployment starts its processes; the figures are the
 median of ``--repeats`` touches of one block of ``--mb`` MB (a numpy fill, single-threaded, as
-``round_buffers.zeros_here`` writes them)::
+``kept_blocks.empty(touched=True)`` writes a fresh one)::
 
     python -m benchmarks.fresh_memory --mb 944 --report
 """

@@ -4,8 +4,8 @@ what ``benchmarks.stand_in`` (the computation a GPU's stand-in, on any machine) 
 
 For each setting (transfer dtype, SuperNodes), one deployment per algorithm with the same seed, model and data
 (ParaBlock also with ``verify-invariant`` on, with ``--verify-invariant``). Each prints the means over the steady
-rounds (``first_steady_round``: from the first round in which no block is trained or stepped for the first time,
-round 3 at the earliest) of the round's wall time T, the compute C, the communication window W, the worker's own
+rounds (``first_steady_round``: from the first after each block's first round and first step, round 3 at the
+earliest) of the round's wall time T, the compute C, the communication window W, the worker's own
 work in a round (``worker_non_compute``), the server's critical path (last reply to the next messages out) and
 every leg of it (``critical_path_*``), the CPU seconds a round costs the ServerApp and each node worker (every
 thread; beside a stand-in the worker's are all per-byte work, less moved than wall times by what else the
@@ -102,25 +102,26 @@ def compare(config: dict, workdir: Path, verify: bool = False, **deployment) -> 
     return measured
 
 
-def first_steady_round(records: list[dict]) -> int:
-    """The first round of the means: from round 3 on (round 1 overlaps nothing, round 2 makes the second block's
-    update), the first whose block and whose step's block (the round before's) were each trained in an earlier
-    round. A block's first round writes its buffers afresh on both sides (the node's residual, its encoding) and
-    its first step is the first write to its ``x`` (on the CPU, pages copied from the model's file as they are
-    written): seconds at 236 MB on this VM, once per block and run, not a round's cost. Round 3 where no later
-    round qualifies (fewer rounds than blocks + 2)."""
-    block = {r["round"]: r["block"] for r in records if "round" in r and "block" in r}
-    for server_round in sorted(r for r in block if r >= 3 and r - 1 in block):
-        trained_before = lambda b, before: any(block.get(q) == b for q in range(1, before))  # noqa: E731
-        if trained_before(block[server_round], server_round) and trained_before(block[server_round - 1],
-                                                                                server_round - 1):  # fmt: skip
-            return server_round
-    return 3
+def first_steady_round(records: list[dict]) -> int | None:
+    """The first round of the means: the first after every block's first round and its first step (the round after
+    it), round 3 at the earliest (round 1 overlaps nothing, round 2 makes the second block's update). A block's first
+    round writes its buffers afresh on both sides (the node's residual, its encoding) and its first step is the first
+    write to its ``x`` (on the CPU, pages copied from the model's file as they are written): seconds at 236 MB on
+    this VM, once per block and run, not a round's cost. None where no round before the last is left (the last has no
+    next message to time: fewer rounds than blocks + 3, in turn) or the records name no block."""
+    first: dict[int, int] = {}  # each block's first round
+    for r in sorted((r for r in records if "round" in r and "block" in r), key=lambda r: r["round"]):
+        first.setdefault(r["block"], r["round"])
+    rounds = [r["round"] for r in records if "round_wall_s" in r]
+    start = max(3, max(first.values(), default=0) + 2)
+    return start if first and rounds and start < max(rounds) else None  # the last round alone has no next message
 
 
 def means(records: list[dict]) -> dict:
-    """Means over rounds ``first_steady_round``..R (``steady_from`` says which)."""
-    start = first_steady_round(records)
+    """Means over rounds ``first_steady_round``..R, or 3..R where no round is steady (``steady_from`` says which,
+    ``steady`` whether it is)."""
+    steady = first_steady_round(records)
+    start = steady or 3
     rounds = [r for r in records if r.get("round", 0) >= start and "round_wall_s" in r]
     keys = ["round_wall_s", "measured_compute_s", "measured_comm_s", "measured_overlap_share", "server_critical_path_s"]
     keys += ["server_cpu_s"]
@@ -131,14 +132,16 @@ def means(records: list[dict]) -> dict:
         out["worker_non_compute_s"] = busy
     if cpu := worker_cpu(records, start):
         out["worker_round_cpu_s"] = cpu
-    return {**out, "steady_from": start}
+    return {**out, "steady_from": start, "steady": steady is not None}
 
 
 def window(settings: list[dict[str, dict]]) -> str:
     """The page's words for the rounds its means cover (``first_steady_round`` of each run)."""
-    starts = sorted({m["steady_from"] for measured in settings for m in measured.values() if "steady_from" in m})
-    return (f"means of rounds {'/'.join(map(str, starts or [3]))}..R (from the first in which no block is trained or "
-            "stepped for the first time)")  # fmt: skip
+    runs = [m for measured in settings for m in measured.values() if "steady_from" in m]
+    starts = "/".join(map(str, sorted({m["steady_from"] for m in runs}) or [3]))
+    if runs and all(m["steady"] for m in runs):
+        return f"means of rounds {starts}..R (from the first after each block's first round and first step)"
+    return f"means of rounds {starts}..R (some runs too short to leave out each block's first round and first step)"
 
 
 def worker_cpu(records: list[dict], start: int = 3) -> float | None:
@@ -165,9 +168,9 @@ def worker_non_compute(records: list[dict], start: int = 3) -> float | None:
             sent = by_round[r + 1].get(node, {}).get("prev_reply_sent", 0)
             if sent <= 0 or not row.get("request_received"):
                 continue
-            start, end = row["request_received"], sent
-            computing = max(0.0, min(row["compute_end"], end) - max(row["compute_start"], start))
-            spans.append(end - start - computing)
+            received = row["request_received"]
+            computing = max(0.0, min(row["compute_end"], sent) - max(row["compute_start"], received))
+            spans.append(sent - received - computing)
     return statistics.mean(spans) if spans else None
 
 
@@ -271,7 +274,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def rounds_from_3(text: str) -> int:
     """``--rounds``: the means start at round 3 at the earliest (``first_steady_round``), so at least 3."""
     if not text.isdigit() or int(text) < 3:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number of rounds, at least 3 (means of 3..R)")
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected a whole number of rounds, at least 3 (the means start at round 3 at the earliest)"
+        )
     return int(text)
 
 

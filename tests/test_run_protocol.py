@@ -874,3 +874,13 @@ def test_updates_the_round_holds_anyway_are_staged_without_waiting_for_the_write
     bounded.join(10)
     staging.wait()
     assert not bounded.is_alive()
+
+
+def test_a_simulations_grid_is_told_from_a_deployments_without_importing_flowers_in_memory_grid():
+    """``in_simulation`` looks Flower's in-memory Grid (a simulation's) up instead of importing it, a second of CPU a
+    deployment's ServerApp never needs: a Flower release that moved the class would make a simulation look like a
+    deployment (its workers' full syncs, the direct transport tried), which this catches."""
+    from parablock_flwr.server_apps.app import in_simulation
+
+    federation = InMemoryFederation(1, answer=None)  # never entered: its grid alone
+    assert in_simulation(federation.grid) and not in_simulation(object())

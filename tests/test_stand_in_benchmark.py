@@ -67,22 +67,41 @@ def test_a_workers_cpu_a_round_is_what_its_running_total_grew_by_from_round_3_on
     assert round_compare.worker_cpu(missing) == pytest.approx((3 + 4) / 2)
 
 
-def test_the_means_start_at_the_first_round_in_which_no_block_is_trained_or_stepped_for_the_first_time():
+def test_the_means_start_after_each_blocks_first_round_and_first_step():
     """A block's first round makes its buffers afresh and its first step is the first write to its ``x`` (on the CPU,
     pages copied from the model's file): seconds once per block, not a round's cost. Two blocks in turn: round 3 steps
-    block 1 for the first time, round 4 is the first steady one; four blocks: round 6; too few rounds: round 3."""
+    block 1 for the first time, round 4 is the first steady one; four blocks: round 6; one block: round 3; a random
+    schedule that trains block 1 first in round 4: round 6; too few rounds (the last one alone has no next message to
+    time): none, and the means run from round 3."""
 
-    def run(blocks, rounds):
+    def run(blocks, rounds=None):
+        rounds = rounds or len(blocks)
         return [{"round": 0}] + [{"round": r, "block": blocks[(r - 1) % len(blocks)], "round_wall_s": float(r)}
                                  for r in range(1, rounds + 1)]  # fmt: skip
 
     assert round_compare.first_steady_round(run([0, 1], 6)) == 4
     assert round_compare.first_steady_round(run([0, 1, 2, 3], 8)) == 6
-    assert round_compare.first_steady_round(run([0, 1, 2, 3], 5)) == 3  # none steady: from round 3, as before
-    assert round_compare.first_steady_round(run([0], 4)) == 3  # one block (FedAvg): steady from round 3
-    means = round_compare.means(run([0, 1], 6))
-    assert means["steady_from"] == 4 and means["round_wall_s"] == (4 + 5 + 6) / 3
-    assert round_compare.window([{"fedbcd": means, "parablock": means}]).startswith("means of rounds 4..R")
+    assert round_compare.first_steady_round(run([0], 4)) == 3
+    assert round_compare.first_steady_round(run([0, 0, 0, 1, 0, 1, 1])) == 6
+    assert round_compare.first_steady_round(run([0, 1, 2, 3], 5)) is None
+    assert round_compare.first_steady_round(run([0, 1], 4)) is None  # round 4 alone: the last, no next message
+    steady, short = round_compare.means(run([0, 1], 6)), round_compare.means(run([0, 1, 2, 3], 5))
+    assert (steady["steady_from"], steady["steady"], steady["round_wall_s"]) == (4, True, (4 + 5 + 6) / 3)
+    assert (short["steady_from"], short["steady"], short["round_wall_s"]) == (3, False, (3 + 4 + 5) / 3)
+    assert round_compare.window([{"fedbcd": steady, "parablock": steady}]).startswith("means of rounds 4..R (from")
+    assert "too short" in round_compare.window([{"fedbcd": steady, "parablock": short}])
+
+
+def test_the_workers_own_work_is_the_mean_over_every_round_from_the_first_steady_one():
+    """Round r's message in to its reply out (round r+1's ``prev_reply_sent``), less the computation in it, per node;
+    rounds from ``start`` to the one before the last (whose reply no later record carries)."""
+    records = [{"round": 0}]
+    for r in range(1, 6):  # the computation takes 2 s in odd rounds, 1 s in even ones; the reply leaves 5 s in
+        row = {"node": 0, "request_received": 10.0 * r, "compute_start": 10.0 * r + 1,
+               "compute_end": 10.0 * r + 2 + r % 2, "prev_reply_sent": 10.0 * (r - 1) + 5}  # fmt: skip
+        records.append({"round": r, "timeline": [row]})
+    assert round_compare.worker_non_compute(records, start=3) == pytest.approx((3 + 4) / 2)  # rounds 3 and 4
+    assert round_compare.worker_non_compute(records, start=1) == pytest.approx((3 + 4 + 3 + 4) / 4)
 
 
 def test_each_target_is_judged_from_its_figures_and_one_not_measured_is_said():

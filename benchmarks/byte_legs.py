@@ -18,13 +18,14 @@ mean, ``g`` rounded as it travels and ``x + g`` in one pass over the block (``co
 from its payload chunk by chunk, and ``wire.pack_encoded``); beside it, as the server runs them where that pass cannot
 run (left out of its sum), the aggregate of the updates as they came (``core.aggregate``: each read from its payload
 chunk by chunk into the sum), ``g`` rounded and packed (``wire.round_and_pack``, its values read back from the pieces),
-with differential privacy each reply clipped (``core.clip``) and the mean's noise drawn and added (``core.gaussian``,
-``core.add_noise``), ``g`` applied to ``x`` from its pieces chunk by chunk (``core.added``); and each reply's invariant
-digest
-(``core.model_digest``: ``x``'s tensors from their cache, which the checkpoint's digest filled while the replies were
-outstanding, and the reply's update hashed as it came). The sum and the new ``x`` go into buffers made and touched
-before the leg, as the server makes them while the replies are outstanding (``RoundBuffers``). The model is ``--blocks``
-blocks, so that the whole-model digest costs what it costs on a model of that many blocks. Best of ``--repeats``;
+``g`` applied to ``x`` from its pieces chunk by chunk (``core.added``); with differential privacy (central mode) each
+reply's clip scale (``core.clip_scale``: its norm), the mean's noise drawn (``core.gaussian``, ahead of the last reply)
+and the one pass with each reply clipped and the noise added in it (``applied_mean_step``'s ``clip_scales`` and
+``noise``); and each reply's invariant digest (``core.model_digest``: ``x``'s tensors from their cache, which the
+checkpoint's digest filled while the replies were outstanding, and the reply's update hashed as it came). The sum and
+the new ``x`` go into buffers made and touched before the leg, as the server makes them while the replies are
+outstanding (``RoundBuffers``). The model is ``--blocks`` blocks, so that the whole-model digest costs what it costs on
+a model of that many blocks. Best of ``--repeats``;
 torch's threads: ``--threads``. Each size runs in a process of its own that maps its large buffers on huge pages
 (``memory.map_large_buffers``, ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``), as ``tools.launch`` and the units start the
 worker and the ServerApp.
@@ -65,10 +66,13 @@ RESIDUAL_WRITE_BEFORE = "residual's durable write, through the page cache"
 CPU = ", CPU s"  # a leg's CPU seconds, beside its wall time (left out of the sum)
 # What the node ran before, measured beside what replaced it (left out of the node's sum).
 BEFORE = {"invariant digest, whole model", "apply g to its replica, decoded whole", RESIDUAL_WRITE_BEFORE}
-# The legs the server runs only with differential privacy, central mode (docs/privacy.md; left out of its sum).
+# The legs the server runs only with differential privacy, central mode (docs/privacy.md; left out of its sum): the
+# replies' norms for their clip scales, and the one pass with the clipping and the noise in it, on the critical path;
+# the noise's draw, on a thread of its own from when the round's messages are built (off it).
 WITH_DP = "DP: "
-# The server's mean, rounding and x + g each apart, as it runs them only where the one pass cannot run (privacy, a
-# subclass's combine or server_update, more replies than the spill holds in memory; left out of its sum).
+NOISE_DRAW = "the noise's draw (ahead, while the nodes train)"
+# The server's mean, rounding and x + g each apart, as it runs them only where the one pass cannot run (a subclass's
+# combine or server_update, more replies than the spill holds in memory; left out of its sum).
 APART = " (apart)"
 
 
@@ -176,11 +180,16 @@ def server_legs(arrays: dict, sent: core.Tensors, model: core.Tensors, nodes: in
     legs[f"aggregate {nodes}{APART}"], mean = best(
         lambda: core.aggregate([lazy() for _ in range(nodes)], [1.0] * nodes, out=sums), repeats
     )
-    decoded = unpack(arrays, transfer_dtype=dtype)
-    norm = core.l2_norm(decoded)  # each reply clipped to half its norm: the norm's pass and the scaling's
-    one, _ = best(lambda: core.clip(decoded, norm / 2), repeats)
-    legs[f"DP: clip {nodes} replies"] = nodes * one
-    legs["DP: the mean's noise"], _ = best(lambda: core.add_noise(dict(mean), core.gaussian(mean, 1), 1e-3), repeats)
+    clip_norm = core.l2_norm(lazy()) / 2  # each reply clipped to half its norm
+    one, _ = best(lambda: core.clip_scale(lazy(), clip_norm), repeats)
+    legs[f"DP: clip scales of {nodes} replies (their norms)"] = nodes * one
+    legs[f"{WITH_DP}{NOISE_DRAW}"], noise = best(lambda: core.gaussian(mean, 1), repeats)
+    legs[f"DP: mean, clip, noise, g rounded and packed, x + g: one pass, {nodes} replies"], _ = best(
+        lambda: pack_encoded(core.applied_mean_step([lazy() for _ in range(nodes)], [1.0] * nodes, 1.0, x, dtype,
+                                                    new_x, [0.5] * nodes, noise, 1e-3)[0],  # each to half its norm
+                             {n: tuple(t.shape) for n, t in x.items()}, dtype),
+        repeats,
+    )  # fmt: skip
     legs[f"round and pack g{APART}"], (step, _) = best(lambda: round_and_pack(mean, dtype, lazy=True), repeats)
     legs[f"apply g to x{APART}"], _ = best(
         lambda: {n: core.added(x[n], core.read_chunks(step, n), new_x[n]) for n in step}, repeats

@@ -354,6 +354,8 @@ def server_terms(cfg: RunConfig, shape: ModelShape, num_nodes: int) -> dict[str,
         # the ServerApp does: the round's step (one copy for every node), a full sync, N replies.
         "superlink_messages": (num_nodes + 1) * sent + shape.trainable * 4,
     }
+    if cfg.dp and cfg.dp_mode == "central" and cfg.dp_noise_multiplier > 0:
+        terms["dp_noise"] = largest * 4  # the round's noise, drawn while the nodes train (privacy.ServerPrivacy)
     if cfg.transport == "direct":
         # The blocks move on the stream (a node that falls back excepted): the SuperLink holds control data;
         # the stream holds the round's published step (the record's own bytes, as sent) and its inbox the

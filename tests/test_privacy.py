@@ -107,6 +107,26 @@ def test_the_central_noise_has_std_sigma_c_over_n_and_the_same_bits_for_the_same
     assert torch.equal(noised["w"], again["w"]) and not torch.equal(noised["w"], other_round["w"])
 
 
+def test_the_noise_drawn_ahead_is_the_noise_drawn_at_aggregation_and_is_let_go_once_released():
+    """The server draws round r's noise on a thread once the round's messages are built: the same bits as drawn
+    between the last reply and the next message (one seeded generator), for the round and block it was drawn
+    for; a block of other shapes gets its own, drawn then; the round's release lets it go."""
+    server = privacy.ServerPrivacy(RunConfig(**DP | dict(dp_noise_seed=11)))
+    x = block(8, shapes=((700, 300), (300,)))
+    server.draw_noise_ahead(5, x)
+    drawn = server.noise(5, x)
+    now = core.gaussian(x, core.noise_seed(11, 5))
+    assert list(drawn) == sorted(x) and all(torch.equal(drawn[n], now[n]) for n in x)
+    assert server.noise(5, x)["w0"] is drawn["w0"]  # a retried aggregation of the round takes it again
+    other = block(9, shapes=((20,),))
+    assert torch.equal(server.noise(5, other)["w0"], core.gaussian(other, core.noise_seed(11, 5))["w0"])
+    server.released([reply(0, 0)])
+    assert server.noise(5, x)["w0"] is not drawn["w0"]
+    local = privacy.ServerPrivacy(RunConfig(**DP | dict(dp_mode="local")))
+    local.draw_noise_ahead(5, x)  # local mode: the server adds no noise, so draws none
+    assert not local.adds_noise and local.clip_scales([x, x]) == [None, None]
+
+
 def test_the_server_clips_again_in_central_mode_and_counts_what_it_or_the_nodes_clipped():
     server = privacy.ServerPrivacy(RunConfig(**DP))
     updates = [block(3, scale=0.001), block(4, scale=5.0)]
@@ -114,6 +134,8 @@ def test_the_server_clips_again_in_central_mode_and_counts_what_it_or_the_nodes_
     assert out[0]["w0"] is updates[0]["w0"] and core.l2_norm(out[1]) == pytest.approx(1.0, rel=1e-6)
     record = server.released([reply(0, 1), reply(1, 0)])  # node 0 clipped, the server scaled node 1's
     assert record["dp_clipped"] == 2 and record["dp_epsilon"] == privacy.epsilon(0.8, 1, 1e-5)
+    assert server.clip_scales(updates) == [None, core.clip_scale(updates[1], 1.0)]  # the one pass's factors
+    assert server.released([reply(0, 0), reply(1, 0)])["dp_clipped"] == 1
 
 
 def test_local_mode_noises_on_the_node_with_std_sigma_c_and_the_server_adds_none():

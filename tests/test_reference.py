@@ -117,10 +117,13 @@ def test_the_runs_cover_stale_and_returning_clients_and_repeated_blocks(runs):
 @pytest.mark.e2e  # starts Flower processes
 def test_the_dp_runs_clipped_noised_and_accounted(runs):
     """The DP runs' equality means something: central mode clipped updates (the nodes said so) and charged
-    every sampled site; the noise moved x away from the run without it (the same draw, ``parablock``)."""
+    every sampled site; the noise moved x away from the run without it (the same draw, ``parablock``). Each round
+    ran in the server's one pass, its clipping and noise in it (``server_privacy_s``), no step apart."""
     app, cfg = runs["parablock-dp"][:2]
     trained = [r for r in app.records if r.get("dp_epsilon") is not None]
     assert len(trained) == ROUNDS and sum(r["dp_clipped"] for r in trained) > 0
+    for r in [*trained, *runs["fedbcd-dp-local"][0].records[1:]]:
+        assert r["server_one_pass_s"] >= r["server_privacy_s"] > 0 and "server_combine_s" not in r, r
     assert [r["dp_releases"] for r in trained] == sorted(r["dp_releases"] for r in trained)
     assert "differential privacy: epsilon" in app.stdout
     local = [r for r in runs["fedbcd-dp-local"][0].records if r.get("dp_epsilon") is not None]

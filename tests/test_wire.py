@@ -168,14 +168,16 @@ def test_the_servers_step_rounded_and_packed_in_one_conversion_is_round_then_pac
 
 
 @pytest.mark.parametrize("transfer_dtype", list(core.TRANSFER_DTYPES))
-@pytest.mark.parametrize("server_lr", [1.0, 0.7])
+@pytest.mark.parametrize("server_lr,dp", [(1.0, False), (0.7, False), (1.0, True), (0.7, True)])
 def test_the_servers_round_in_one_pass_is_the_mean_the_step_and_x_plus_g_one_after_another(
-    transfer_dtype, server_lr, monkeypatch
+    transfer_dtype, server_lr, dp, monkeypatch
 ):
     """``core.applied_mean_step`` (the server's default round, one pass over the block) gives the bits of
     ``aggregate``, ``global_step``, ``round_and_pack`` and ``added`` one after another: the same wire bytes, the
     same step as read back, the same new ``x``; three updates as the server holds them (decoded when read), a
-    tensor of several chunks and a short last one, a partial int8 block, a scalar, an empty tensor."""
+    tensor of several chunks and a short last one, a partial int8 block, a scalar, an empty tensor. With
+    differential privacy (central), the same with ``clip`` before the mean and ``add_noise`` after it, two of the
+    three updates outside the clip ball."""
     for chunk_values in ("CHUNK_VALUES", "ONE_PASS_CHUNK_VALUES"):  # several chunks of a small block, both ways
         monkeypatch.setattr(core.transfer_precision, chunk_values, 4 * core.INT8_BLOCK)
     shapes = {**SHAPES, "big": (4 * core.INT8_BLOCK * 2 + 300,)}
@@ -185,10 +187,18 @@ def test_the_servers_round_in_one_pass_is_the_mean_the_step_and_x_plus_g_one_aft
     updates = [wire.unpack(wire.pack(core.round_for_transfer(u, transfer_dtype), transfer_dtype), shapes, lazy=True)
                for u in sent]  # fmt: skip
     weights = [3.0, 1.0, 2.0]
-    step, pieces = wire.round_and_pack(core.global_step(core.aggregate(updates, weights), server_lr), transfer_dtype,
-                                       lazy=True)  # fmt: skip
+    clip_norm = min(core.l2_norm(u) for u in updates)  # binds for the two others
+    scales, noise, std = [None] * 3, None, 0.0
+    if dp:
+        scales, noise, std = [core.clip_scale(u, clip_norm) for u in updates], core.gaussian(x, 11), 0.02
+    assert sum(s is not None for s in scales) == (2 if dp else 0)
+    mean = core.aggregate([core.clip(u, clip_norm)[0] if dp else u for u in updates], weights)
+    mean = core.add_noise(mean, noise, std) if dp else mean
+    step, pieces = wire.round_and_pack(core.global_step(mean, server_lr), transfer_dtype, lazy=True)
     expected = {n: core.added(x[n], core.read_chunks(step, n)) for n in shapes}
-    encoded, new, not_finite = core.applied_mean_step(updates, weights, server_lr, x, transfer_dtype)
+    encoded, new, not_finite = core.applied_mean_step(
+        updates, weights, server_lr, x, transfer_dtype, clip_scales=scales, noise=noise, noise_std=std
+    )
     one_pass, one_pass_pieces = wire.pack_encoded(encoded, shapes, transfer_dtype)
     assert not_finite is None and list(new) == list(shapes)
     assert {k: wire.join(v).tobytes() for k, v in one_pass_pieces.items()} == {
@@ -203,7 +213,7 @@ def test_the_servers_round_in_one_pass_names_the_first_tensor_whose_new_values_a
     x = {"a": torch.ones(600), "b": torch.full((600,), 3e38), "c": torch.full((600,), 3e38)}
     update = {"a": torch.ones(600), "b": torch.full((600,), 3e38), "c": torch.full((600,), 3e38)}
     assert core.applied_mean_step([update], [1.0], 1.0, x, "fp32")[2] == "b"
-    with pytest.raises(ValueError, match="2 updates and 1 weights"):
+    with pytest.raises(ValueError, match="2 updates, 1 weights and 2 clip scales"):
         core.applied_mean_step([update, update], [1.0], 1.0, x, "fp32")
 
 

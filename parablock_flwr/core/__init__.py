@@ -25,8 +25,8 @@ module                     holds
                            ``applied_mean_step`` (the server's mean, step and ``x + g`` in one pass),
                            ``EncodedTensors``, ``kept_encoded``
 ``time_model``             ``LinkModel``, ``modeled_round_seconds``: what a round would cost
-``privacy``                ``l2_norm``, ``clip``, ``gaussian``, ``add_noise``, ``noise_seed``: differential
-                           privacy's clipping and noise
+``privacy``                ``l2_norm``, ``clip``, ``clip_scale``, ``gaussian``, ``add_noise``, ``noise_seed``:
+                           differential privacy's clipping and noise
 =========================  ==================================================================
 
 Every name is re-exported here; callers write ``core.X``, never a submodule's path.
@@ -52,7 +52,7 @@ from .algorithm import (
 )
 from .blocks import BlockPartition, block_schedule, find_decoder_layers, one_block, partition_blocks
 from .digests import TensorHashes, digest, model_digest, tensor_sha256, update_sha256
-from .privacy import add_noise, clip, gaussian, l2_norm, noise_seed
+from .privacy import add_noise, clip, clip_scale, gaussian, l2_norm, noise_seed
 from .time_model import LinkModel, modeled_round_seconds
 from .transfer_precision import (
     INT8_BLOCK,
@@ -90,6 +90,7 @@ __all__ = [
     "apply_step_keeping",
     "block_schedule",
     "clip",
+    "clip_scale",
     "correct_in_place",
     "decoded_chunks",
     "delta",

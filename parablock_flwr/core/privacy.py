@@ -25,13 +25,22 @@ def l2_norm(update: Mapping[str, torch.Tensor]) -> float:
     return float(torch.linalg.vector_norm(torch.stack([n.cpu() for n in norms])))
 
 
-def clip(update: Tensors, max_norm: float) -> tuple[Tensors, bool]:
-    """``Δ · min(1, C / ‖Δ‖)``: the update scaled onto the ball of radius ``max_norm`` (the same tensors when it
-    is inside); second, whether it was scaled. A non-finite norm is returned as is: the reply's checks refuse it."""
+def clip_scale(update: Mapping[str, torch.Tensor], max_norm: float) -> float | None:
+    """``C / ‖Δ‖`` where the update lies outside the ball of radius ``max_norm``; None inside it, or where the
+    norm is not finite (the reply's checks refuse such an update)."""
     norm = l2_norm(update)
     if not norm > max_norm or not math.isfinite(norm):
+        return None
+    return max_norm / norm
+
+
+def clip(update: Tensors, max_norm: float) -> tuple[Tensors, bool]:
+    """``Δ · min(1, C / ‖Δ‖)``: the update scaled onto the ball of radius ``max_norm`` (the same tensors when it
+    is inside); second, whether it was scaled. The server's one pass scales each chunk as this does
+    (``applied_mean_step``'s ``clip_scales``)."""
+    scale = clip_scale(update, max_norm)
+    if scale is None:
         return update, False
-    scale = max_norm / norm
     return {n: t * scale for n, t in update.items()}, True
 
 

@@ -315,6 +315,11 @@ def encoded_chunk(
     return travelling[i:j] if travelling.dtype == torch.float32 else decoded[: j - i].copy_(travelling[i:j])
 
 
+def _clipped(chunk: torch.Tensor, scale: float | None, buffer: torch.Tensor) -> torch.Tensor:
+    """``clip``'s ``Δ_i · scale`` of one chunk, into ``buffer`` (read before the next update's overwrites it)."""
+    return chunk if scale is None else torch.mul(chunk.to(buffer.device), scale, out=buffer[: chunk.numel()])
+
+
 def empty_encoding(numel: int, transfer_dtype: str, device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A tensor's encoding to be filled (``encoded_chunk``): its values in ``transfer_dtype`` and int8's scales."""
     values = kept_blocks.empty(numel, dtype=TRANSFER_DTYPES[transfer_dtype], device=device)
@@ -325,17 +330,23 @@ def empty_encoding(numel: int, transfer_dtype: str, device) -> tuple[torch.Tenso
 def applied_mean_step(
     updates: Sequence[Mapping[str, torch.Tensor]], weights: list[float], server_lr: float,
     x: Mapping[str, torch.Tensor], transfer_dtype: str, out: Mapping[str, torch.Tensor] | None = None,
+    clip_scales: Sequence[float | None] | None = None, noise: Mapping[str, torch.Tensor] | None = None,
+    noise_std: float = 0.0,
 ) -> tuple[Encoded, Tensors, str | None]:  # fmt: skip
     """The server's round over a block in one pass: ``g = round(η_s Σ (w_i / Σw) Δ_i)`` as it travels, and
     ``x + g`` in new storage (``out``'s tensors, where given), chunk by chunk through the cache, so that neither
     the mean nor the step is written as an fp32 block. The same float operations as ``aggregate``,
     ``global_step``, ``encode`` and ``added`` one after another, each elementwise (int8's blocks whole in each
-    chunk): the same bits. Every update is read at once, so all of them are in memory. Returns the step's
-    encoding, ``x``'s new tensors (in the updates' order) and the first of them with a value that is not finite
-    (None: none)."""
+    chunk): the same bits. Every update is read at once, so all of them are in memory. With differential
+    privacy, ``clip_scales`` (``clip_scale`` of each update; None: inside the ball) and ``noise`` (``gaussian``'s,
+    times ``noise_std``) are ``clip`` and ``add_noise`` in the same pass, with the same operations. Returns the
+    step's encoding, ``x``'s new tensors (in the updates' order) and the first of them with a value that is not
+    finite (None: none)."""
     factors = mean_factors(weights)
-    if len(updates) != len(factors):
-        raise ValueError(f"applied_mean_step: got {len(updates)} updates and {len(factors)} weights")
+    clip_scales = list(clip_scales) if clip_scales is not None else [None] * len(updates)
+    if not len(updates) == len(factors) == len(clip_scales):
+        raise ValueError(f"applied_mean_step: got {len(updates)} updates, {len(factors)} weights and "
+                         f"{len(clip_scales)} clip scales")  # fmt: skip
     encoded: Encoded = {}
     new: Tensors = {}
     not_finite = None
@@ -350,11 +361,15 @@ def applied_mean_step(
         new[name] = kept_blocks.empty(x[name].shape, dtype=flat_x.dtype, device=device) if target is None else target
         flat_new, at = new[name].view(-1), 0
         readers = [read_chunks(u, name, kept_blocks.empty(width, device=device)) for u in updates]
+        clipped = kept_blocks.empty(width if any(s is not None for s in clip_scales) else 0, device=device)
+        flat_noise = noise[name].reshape(-1) if noise is not None else None
         for chunks in zip(*readers, strict=True) if n else ():
             stop = at + chunks[0].numel()
-            mean = torch.mul(chunks[0], factors[0], out=total[: stop - at])
-            for chunk, factor in zip(chunks[1:], factors[1:]):
-                mean.add_(chunk.to(device=device, dtype=mean.dtype), alpha=factor)
+            mean = torch.mul(_clipped(chunks[0], clip_scales[0], clipped), factors[0], out=total[: stop - at])
+            for chunk, factor, scale in zip(chunks[1:], factors[1:], clip_scales[1:]):
+                mean.add_(_clipped(chunk, scale, clipped).to(device=device, dtype=mean.dtype), alpha=factor)
+            if flat_noise is not None:
+                mean.add_(flat_noise[at:stop].to(device=device), alpha=noise_std)
             if server_lr != 1.0:
                 mean.mul_(server_lr)
             step = encoded_chunk(mean, encoded[name], at, stop, work, decoded)

@@ -29,10 +29,12 @@ class Rejection:
 # The server's own work in a round, each in seconds (the record's ``server_<leg>``): the replies' checks as they
 # came (the last one's on the critical path); then either the default weighted mean, the step rounded as it
 # travels and ``x[b] + g`` with its finiteness check in one pass over the block (``one_pass_s``), or each apart
-# (a subclass's combine or server_update, privacy, more replies than the spill holds in memory): the mean (each
-# update decoded into the round's sum), the step's rounding and ``x[b] + g``. Each counts the updates read back
-# and staged for the checkpoint; the rest of ``critical_path_aggregate_s`` is the run's bookkeeping.
-SERVER_LEGS = ("check_s", "one_pass_s", "combine_s", "step_rounding_s", "x_apply_s")
+# (a subclass's combine or server_update, more replies than the spill holds in memory): the mean (each update
+# decoded into the round's sum), the step's rounding and ``x[b] + g``. Each counts the updates read back and
+# staged for the checkpoint; the rest of ``critical_path_aggregate_s`` is the run's bookkeeping. With differential
+# privacy, ``privacy_s`` (within ``one_pass_s``): the updates' norms for their clipping, and any wait for the
+# noise drawn ahead.
+SERVER_LEGS = ("check_s", "one_pass_s", "combine_s", "step_rounding_s", "x_apply_s", "privacy_s")
 
 
 @dataclass

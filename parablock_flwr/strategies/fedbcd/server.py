@@ -339,6 +339,8 @@ class FedBCD:
             msg = self.message(MessageType.TRAIN, server_round, arrays, round_config, node)
             self.stats.wire_bytes_down += array_bytes(msg.content)
             yield msg
+        if self.privacy is not None:  # once the messages are built: the noise is drawn while the nodes train
+            self.privacy.draw_noise_ahead(server_round, {n: self.global_params[n] for n in self.partition.names(block)})
 
     def message(self, kind: str, server_round: int, step: ArrayRecord, config: RoundConfig, node: int) -> Message:
         """One node's message: the step, the round config, and what keeps its copy exact (``NodeSync``)."""
@@ -381,7 +383,7 @@ class FedBCD:
         outcome.accepted.sort(key=lambda r: (r.partition_id, r.node))
         stage = stage or (lambda partition_id, pending, held=False: outcome.pending.append((partition_id, pending)))
         applied = self.step_in_one_pass(server_round, block, outcome.accepted, stage)
-        if applied is None:  # each step apart: a subclass's combine or server_update, privacy, many replies
+        if applied is None:  # each step apart: a subclass's combine or server_update, many replies
             with timed(self.stats.legs, "combine_s"):
                 step = self.round_step(server_round, block, outcome.accepted, stage)
             applied = self.apply_if_finite(step)
@@ -449,9 +451,9 @@ class FedBCD:
     ) -> tuple[core.Tensors, dict] | str | None:
         """``round_step`` and ``apply_if_finite`` in one pass over the block (``core.applied_mean_step``: the same
         bits, the mean and the step never written as fp32 blocks between the last reply and the next message),
-        where the round is the default weighted mean of updates the spill holds in memory. None where it is not
-        (a subclass's ``combine`` or ``server_update``, differential privacy, more replies than ``IN_MEMORY``):
-        then each step runs apart."""
+        where the round is the default weighted mean of updates the spill holds in memory (differential privacy's
+        clipping and noise included). None where it is not (a subclass's ``combine`` or ``server_update``, more
+        replies than ``IN_MEMORY``): then each step runs apart."""
         if not self.in_one_pass(len(accepted)):
             return None
         _, new_x_into = self.buffers.take(server_round)
@@ -460,8 +462,9 @@ class FedBCD:
             # Every update in memory: each staged for the checkpoint without waiting for the writes before it.
             updates = list(self.accepted_updates(server_round, block, accepted, stage, held=True))
             weights = [self.client_weight(r.metrics) for r in accepted]
+            privacy = self.privacy_terms(server_round, updates)
             encoded, new, not_finite = core.applied_mean_step(
-                updates, weights, cfg.server_lr, self.global_params, cfg.transfer_dtype, new_x_into
+                updates, weights, cfg.server_lr, self.global_params, cfg.transfer_dtype, new_x_into, *privacy
             )
             self.spill.start()  # every update is combined: the file is emptied
             try:
@@ -474,11 +477,24 @@ class FedBCD:
         self.take_new_x(new)
         return step, wire_pieces
 
+    def privacy_terms(self, server_round: int, updates: list[core.Tensors]) -> tuple:
+        """``applied_mean_step``'s differential privacy: each update's clip scale and the mean's noise with its
+        std (none without DP; no noise in local mode). Timed apart (``privacy_s``): the updates' norms, and any
+        wait for the noise drawn ahead."""
+        if self.privacy is None:
+            return None, None, 0.0
+        with timed(self.stats.legs, "privacy_s"):
+            scales = self.privacy.clip_scales(updates)
+            if not self.privacy.adds_noise:
+                return scales, None, 0.0
+            like = {n: self.global_params[n] for n in updates[0]}
+            return scales, self.privacy.noise(server_round, like), self.privacy.noise_std(len(updates))
+
     def in_one_pass(self, replies: int) -> bool:
         """Whether a round of ``replies`` accepted replies runs in one pass (``step_in_one_pass``): the default
-        ``combine`` and ``server_update``, no differential privacy, every update held in memory."""
+        ``combine`` and ``server_update``, every update held in memory (with differential privacy or not)."""
         default = type(self).combine is FedBCD.combine and type(self).server_update is FedBCD.server_update
-        return default and self.privacy is None and 0 < replies <= self.spill.in_memory
+        return default and 0 < replies <= self.spill.in_memory
 
     def cannot_travel(self, err: WireError) -> str:
         """Why a step is rejected that its receivers would refuse (an int8 scale past the wire's largest)."""

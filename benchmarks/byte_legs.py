@@ -19,16 +19,15 @@ from its payload chunk by chunk, and ``wire.pack_encoded``); beside it, as the s
 run (left out of its sum), the aggregate of the updates as they came (``core.aggregate``: each read from its payload
 chunk by chunk into the sum), ``g`` rounded and packed (``wire.round_and_pack``, its values read back from the pieces),
 ``g`` applied to ``x`` from its pieces chunk by chunk (``core.added``); with differential privacy (central mode) each
-reply's clip scale (``core.clip_scale``: its norm), the mean's noise drawn (``core.gaussian``, ahead of the last reply)
-and the one pass with each reply clipped and the noise added in it (``applied_mean_step``'s ``clip_scales`` and
-``noise``); and each reply's invariant digest (``core.model_digest``: ``x``'s tensors from their cache, which the
-checkpoint's digest filled while the replies were outstanding, and the reply's update hashed as it came). The sum and
-the new ``x`` go into buffers made and touched before the leg, as the server makes them while the replies are
-outstanding (``RoundBuffers``). The model is ``--blocks`` blocks, so that the whole-model digest costs what it costs on
-a model of that many blocks. Best of ``--repeats``;
-torch's threads: ``--threads``. Each size runs in a process of its own that maps its large buffers on huge pages
-(``memory.map_large_buffers``, ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``), as ``tools.launch`` and the units start the
-worker and the ServerApp.
+reply's clip scale (``core.clip_scale``: its norm, as the reply is checked), the mean's noise drawn (``core.gaussian``,
+ahead of the last reply) and the one pass with each reply clipped and the noise added in it (``applied_mean_step``'s
+``clip_scales`` and ``noise``); and each reply's invariant digest (``core.model_digest``: ``x``'s tensors from their
+cache, which the checkpoint's digest filled while the replies were outstanding, and the reply's update hashed as it
+came). The sum and the new ``x`` go into buffers made and touched before the leg, as the server makes them while the
+replies are outstanding (``RoundBuffers``). The model is ``--blocks`` blocks, so that the whole-model digest costs what
+it costs on a model of that many blocks. Best of ``--repeats``; torch's threads: ``--threads``. Each size runs in a
+process of its own that maps its large buffers on huge pages (``memory.map_large_buffers``,
+``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``), as ``tools.launch`` and the units start the worker and the ServerApp.
 
     .venv/bin/python -m benchmarks.byte_legs --params-m 61.8 243 --repeats 5 --report
 """
@@ -67,8 +66,9 @@ CPU = ", CPU s"  # a leg's CPU seconds, beside its wall time (left out of the su
 # What the node ran before, measured beside what replaced it (left out of the node's sum).
 BEFORE = {"invariant digest, whole model", "apply g to its replica, decoded whole", RESIDUAL_WRITE_BEFORE}
 # The legs the server runs only with differential privacy, central mode (docs/privacy.md; left out of its sum): the
-# replies' norms for their clip scales, and the one pass with the clipping and the noise in it, on the critical path;
-# the noise's draw, on a thread of its own from when the round's messages are built (off it).
+# replies' norms for their clip scales, each as its reply is checked (the last one's on the critical path), and the
+# one pass with the clipping and the noise in it, on it; the noise's draw, on a thread of its own from when the
+# round's messages are built (off it).
 WITH_DP = "DP: "
 NOISE_DRAW = "the noise's draw (ahead, while the nodes train)"
 # The server's mean, rounding and x + g each apart, as it runs them only where the one pass cannot run (a subclass's
@@ -182,7 +182,7 @@ def server_legs(arrays: dict, sent: core.Tensors, model: core.Tensors, nodes: in
     )
     clip_norm = core.l2_norm(lazy()) / 2  # each reply clipped to half its norm
     one, _ = best(lambda: core.clip_scale(lazy(), clip_norm), repeats)
-    legs[f"DP: clip scales of {nodes} replies (their norms)"] = nodes * one
+    legs[f"DP: clip scales of {nodes} replies (their norms, as each is checked)"] = nodes * one
     legs[f"{WITH_DP}{NOISE_DRAW}"], noise = best(lambda: core.gaussian(mean, 1), repeats)
     legs[f"DP: mean, clip, noise, g rounded and packed, x + g: one pass, {nodes} replies"], _ = best(
         lambda: pack_encoded(core.applied_mean_step([lazy() for _ in range(nodes)], [1.0] * nodes, 1.0, x, dtype,

@@ -96,14 +96,16 @@ class ServerPrivacy:
                 self.scaled.append(scaled)
             yield update
 
-    def clip_scales(self, updates: Sequence[Mapping[str, torch.Tensor]]) -> list[float | None]:
-        """``clip_updates`` as factors, for the server's one pass (``core.applied_mean_step``): each update's
-        ``core.clip_scale`` in central mode (None: left as it is), all None in local mode."""
-        if not self.central:
-            self.scaled = []
-            return [None] * len(updates)
-        scales = [core.clip_scale(u, self.cfg.dp_clip_norm) for u in updates]
-        self.scaled = [s is not None for s in scales]
+    def clip_scale(self, update: Mapping[str, torch.Tensor]) -> float | None:
+        """The factor ``clip_updates`` would scale ``update`` by (``core.clip_scale``; None: left as it is, as
+        every update in local mode): the server finds it as a reply is checked (``Reply.clip_scale``)."""
+        return core.clip_scale(update, self.cfg.dp_clip_norm) if self.central else None
+
+    def clip_scales(self, accepted: Sequence) -> list[float | None]:
+        """``clip_updates`` as factors, for the server's one pass (``core.applied_mean_step``): the accepted
+        replies' ``clip_scale``, in order, counted as ``clip_updates`` counts what it scaled."""
+        scales = [r.clip_scale for r in accepted]
+        self.scaled = [s is not None for s in scales] if self.central else []
         return scales
 
     def draw_noise_ahead(self, server_round: int, like: Mapping[str, torch.Tensor]) -> None:

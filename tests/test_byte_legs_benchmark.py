@@ -11,9 +11,9 @@ NODE_LEGS = {"round with feedback", "pack", "SHA-256 of the wire bytes", "invari
              *WRITES, *(leg + byte_legs.CPU for leg in WRITES)}  # fmt: skip
 APART = byte_legs.APART  # the server's steps apart, beside its one pass
 SERVER_LEGS = {"check 2 replies (norm, finite)", "mean, g rounded and packed, x + g: one pass, 2 replies",
-               f"aggregate 2{APART}", "DP: clip scales of 2 replies (their norms)", f"DP: {byte_legs.NOISE_DRAW}",
-               "DP: mean, clip, noise, g rounded and packed, x + g: one pass, 2 replies", f"round and pack g{APART}",
-               f"apply g to x{APART}", "2 invariant digests, cached"}  # fmt: skip
+               f"aggregate 2{APART}", "DP: clip scales of 2 replies (their norms, as each is checked)",
+               f"DP: {byte_legs.NOISE_DRAW}", "DP: mean, clip, noise, g rounded and packed, x + g: one pass, 2 replies",
+               f"round and pack g{APART}", f"apply g to x{APART}", "2 invariant digests, cached"}  # fmt: skip
 
 
 @pytest.mark.slow

@@ -124,7 +124,7 @@ def test_the_noise_drawn_ahead_is_the_noise_drawn_at_aggregation_and_is_let_go_o
     assert server.noise(5, x)["w0"] is not drawn["w0"]
     local = privacy.ServerPrivacy(RunConfig(**DP | dict(dp_mode="local")))
     local.draw_noise_ahead(5, x)  # local mode: the server adds no noise, so draws none
-    assert not local.adds_noise and local.clip_scales([x, x]) == [None, None]
+    assert not local.adds_noise and local.clip_scale(x) is None  # local mode: no update scaled on the server
 
 
 def test_the_server_clips_again_in_central_mode_and_counts_what_it_or_the_nodes_clipped():
@@ -134,7 +134,11 @@ def test_the_server_clips_again_in_central_mode_and_counts_what_it_or_the_nodes_
     assert out[0]["w0"] is updates[0]["w0"] and core.l2_norm(out[1]) == pytest.approx(1.0, rel=1e-6)
     record = server.released([reply(0, 1), reply(1, 0)])  # node 0 clipped, the server scaled node 1's
     assert record["dp_clipped"] == 2 and record["dp_epsilon"] == privacy.epsilon(0.8, 1, 1e-5)
-    assert server.clip_scales(updates) == [None, core.clip_scale(updates[1], 1.0)]  # the one pass's factors
+    # The one pass's factors, found as each reply was checked, counted as clip_updates counts what it scaled
+    scales = [server.clip_scale(u) for u in updates]
+    assert scales == [None, core.clip_scale(updates[1], 1.0)] and scales[1] == pytest.approx(1.0 / core.l2_norm(
+        updates[1]))  # fmt: skip
+    assert server.clip_scales([SimpleNamespace(clip_scale=s) for s in scales]) == scales
     assert server.released([reply(0, 0), reply(1, 0)])["dp_clipped"] == 1
 
 

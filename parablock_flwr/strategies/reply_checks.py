@@ -67,6 +67,7 @@ class Reply:
     update: core.Tensors | None  # set to None once aggregated (its memory is freed)
     trace: dict[str, str] = field(default_factory=dict)
     payload_bytes: int = 0  # the update's bytes as received
+    clip_scale: float | None = None  # differential privacy, central mode: its update's, found as it was checked
 
     @property
     def partition_id(self) -> int:

@@ -462,7 +462,7 @@ class FedBCD:
             # Every update in memory: each staged for the checkpoint without waiting for the writes before it.
             updates = list(self.accepted_updates(server_round, block, accepted, stage, held=True))
             weights = [self.client_weight(r.metrics) for r in accepted]
-            privacy = self.privacy_terms(server_round, updates)
+            privacy = self.privacy_terms(server_round, accepted, updates)
             encoded, new, not_finite = core.applied_mean_step(
                 updates, weights, cfg.server_lr, self.global_params, cfg.transfer_dtype, new_x_into, *privacy
             )
@@ -477,14 +477,14 @@ class FedBCD:
         self.take_new_x(new)
         return step, wire_pieces
 
-    def privacy_terms(self, server_round: int, updates: list[core.Tensors]) -> tuple:
-        """``applied_mean_step``'s differential privacy: each update's clip scale and the mean's noise with its
-        std (none without DP; no noise in local mode). Timed apart (``privacy_s``): the updates' norms, and any
-        wait for the noise drawn ahead."""
+    def privacy_terms(self, server_round: int, accepted: list[Reply], updates: list[core.Tensors]) -> tuple:
+        """``applied_mean_step``'s differential privacy: each update's clip scale (found as its reply was checked)
+        and the mean's noise with its std (none without DP; no noise in local mode). Timed apart (``privacy_s``):
+        any wait for the noise drawn ahead."""
         if self.privacy is None:
             return None, None, 0.0
         with timed(self.stats.legs, "privacy_s"):
-            scales = self.privacy.clip_scales(updates)
+            scales = self.privacy.clip_scales(accepted)
             if not self.privacy.adds_noise:
                 return scales, None, 0.0
             like = {n: self.global_params[n] for n in updates[0]}
@@ -588,6 +588,8 @@ class FedBCD:
             seen.add(reply.partition_id)
             if reply.metrics.own_data == 1:
                 self.own_counts.setdefault(reply.partition_id, reply.num_examples)
+            if self.privacy is not None:  # its norm as it came: only the last reply's after the last reply
+                reply.clip_scale = self.privacy.clip_scale(reply.update)
             self.spill.put(reply.node, record_arrays(msg.content[UPDATE]))  # as it came, until combined
             reply.update = None
             checked.accepted.append(reply)

@@ -108,7 +108,10 @@ def main() -> None:
         "precision": args.precision, "gradient-checkpointing": args.gradient_checkpointing,
     }  # fmt: skip
     # A node imports these where it partitions and trains (so that the ServerApp does not): they are part of the
-    # runtime before the model, not of the model's terms (65 MiB of RSS here, a tenth of the tiny model's peak).
+    # runtime before the model, not of the model's terms.
+    from parablock_flwr.data import flwr_partitioners
+
+    flwr_partitioners()
     import flwr_datasets.partitioner  # noqa: F401
     from transformers import get_scheduler  # noqa: F401
 

@@ -35,8 +35,11 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import importlib.machinery
+import importlib.util
 import json
 import logging
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -507,6 +510,30 @@ def tokenized_splits(spec: str, num_examples: int | None, heldout: int, seed: in
     return Split(train, held, dropped, malformed=malformed)
 
 
+def flwr_partitioners() -> None:
+    """Makes ``import flwr_datasets.partitioner`` leave out what its package imports for plotting: its
+    ``visualization`` subpackage (seaborn, matplotlib, scipy.stats: over a second of CPU here, in every process
+    that partitions) stands in ``sys.modules`` as a module that runs its code at its first attribute use, which
+    nothing here makes. Where flwr_datasets is imported already, or its layout differs, it is left as it is."""
+    name = "flwr_datasets.visualization"
+    if "flwr_datasets" in sys.modules or name in sys.modules:
+        return
+    package = importlib.util.find_spec("flwr_datasets")  # a top-level package: found, not imported
+    locations = package.submodule_search_locations if package is not None else None
+    spec = importlib.machinery.PathFinder.find_spec(name, locations) if locations else None
+    if spec is None or spec.loader is None:
+        return
+    module = importlib.util.module_from_spec(spec)
+
+    def load(attribute: str):  # the module's own code, run into it once (PEP 562's module __getattr__)
+        del module.__getattr__
+        spec.loader.exec_module(module)
+        return getattr(module, attribute)
+
+    module.__getattr__ = load
+    sys.modules[name] = module
+
+
 def client_partition(
     train: datasets.Dataset,
     partition_id: int,
@@ -527,8 +554,8 @@ def client_partition(
         raise ValueError(
             f"num-partitions={num_partitions}: expected at most {len(train)} (one training row per client)"
         )
-    # Imported here: flwr_datasets' package loads its plotting stack (seaborn, matplotlib, scipy.stats), seconds of
-    # CPU that a process reading only held-out rows (the ServerApp, its evaluator) never needs.
+    # Imported here, without the plotting stack flwr_datasets' package loads (``flwr_partitioners``).
+    flwr_partitioners()
     from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner, NaturalIdPartitioner
 
     if partitioning == "iid":

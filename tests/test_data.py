@@ -2,6 +2,7 @@
 
 import json
 import os
+import sys
 
 import pytest
 
@@ -10,6 +11,7 @@ from parablock_flwr.data import (
     IGNORE_INDEX,
     client_partition,
     encode,
+    flwr_partitioners,
     load_examples,
     node_splits,
     sample_batches,
@@ -64,6 +66,19 @@ def test_wrong_schema_and_unreachable_hub_say_what_to_do(tmp_path, monkeypatch):
         load_examples("mathinstruct:TIGER-Lab/MathInstruct", 10, seed=0)
     with pytest.raises(ValueError, match=r"dataset='squad:x': expected reasoning-gym"):
         load_examples("squad:x", 10, seed=0)
+
+
+def test_the_partitioners_come_without_flwr_datasets_plotting_which_loads_at_its_first_use(monkeypatch):
+    """``flwr_partitioners``: ``import flwr_datasets.partitioner`` runs none of its package's plotting code
+    (seaborn, matplotlib, scipy.stats: over a second in each process that partitions); a use of it loads it."""
+    for name in [m for m in sys.modules if m == "flwr_datasets" or m.startswith("flwr_datasets.")]:
+        monkeypatch.delitem(sys.modules, name)  # a fresh import here; the process's own modules come back after
+    flwr_partitioners()
+    import flwr_datasets.partitioner
+
+    plotting = sys.modules["flwr_datasets.visualization"]
+    assert flwr_datasets.partitioner.IidPartitioner and "plot_label_distributions" not in vars(plotting)
+    assert callable(plotting.plot_label_distributions) and "plot_label_distributions" in vars(plotting)
 
 
 def test_instruction_mix_families_and_partitioners():

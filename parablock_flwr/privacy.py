@@ -12,6 +12,7 @@ released most (``PrivacyLedger``).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import secrets
 import threading
@@ -101,9 +102,12 @@ class ServerPrivacy:
         every update in local mode): the server finds it as a reply is checked (``Reply.clip_scale``)."""
         return core.clip_scale(update, self.cfg.dp_clip_norm) if self.central else None
 
-    def clip_scales(self, accepted: Sequence) -> list[float | None]:
+    def clip_scales(self, accepted: Sequence) -> list[float | None] | None:
         """``clip_updates`` as factors, for the server's one pass (``core.applied_mean_step``): the accepted
-        replies' ``clip_scale``, in order, counted as ``clip_updates`` counts what it scaled."""
+        replies' ``clip_scale``, in order, counted as ``clip_updates`` counts what it scaled. None where a reply's
+        was not found as it was checked (one made elsewhere): then each step runs apart, ``clip_updates`` included."""
+        if not all(r.clip_scale_found for r in accepted):
+            return None
         scales = [r.clip_scale for r in accepted]
         self.scaled = [s is not None for s in scales] if self.central else []
         return scales
@@ -131,7 +135,8 @@ class ServerPrivacy:
         for these shapes, else drawn now. The same bits either way (one seeded generator, in name order)."""
         ahead = self._noise.get(server_round)
         if ahead is not None and ahead[0] == _shapes(like):
-            return ahead[1].result()
+            with contextlib.suppress(Exception):  # a draw that failed (out of memory, say) is made again here
+                return ahead[1].result()
         return core.gaussian(like, core.noise_seed(self.secret, server_round))
 
     def noise_std(self, num_updates: int) -> float:

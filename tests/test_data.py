@@ -71,7 +71,8 @@ def test_wrong_schema_and_unreachable_hub_say_what_to_do(tmp_path, monkeypatch):
 def test_the_partitioners_come_without_flwr_datasets_plotting_which_loads_at_its_first_use(monkeypatch):
     """``flwr_partitioners``: ``import flwr_datasets.partitioner`` runs none of its package's plotting code
     (seaborn, matplotlib, scipy.stats: over a second in each process that partitions); a use of it loads it."""
-    for name in [m for m in sys.modules if m == "flwr_datasets" or m.startswith("flwr_datasets.")]:
+    ours = [m for m in sys.modules if m == "flwr_datasets" or m.startswith("flwr_datasets.")]
+    for name in ours:
         monkeypatch.delitem(sys.modules, name)  # a fresh import here; the process's own modules come back after
     flwr_partitioners()
     import flwr_datasets.partitioner
@@ -79,6 +80,8 @@ def test_the_partitioners_come_without_flwr_datasets_plotting_which_loads_at_its
     plotting = sys.modules["flwr_datasets.visualization"]
     assert flwr_datasets.partitioner.IidPartitioner and "plot_label_distributions" not in vars(plotting)
     assert callable(plotting.plot_label_distributions) and "plot_label_distributions" in vars(plotting)
+    for name in [m for m in sys.modules if m.startswith("flwr_datasets") and m not in ours]:
+        del sys.modules[name]  # this test's own copies that the process did not hold before
 
 
 def test_instruction_mix_families_and_partitioners():

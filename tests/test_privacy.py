@@ -127,6 +127,24 @@ def test_the_noise_drawn_ahead_is_the_noise_drawn_at_aggregation_and_is_let_go_o
     assert not local.adds_noise and local.clip_scale(x) is None  # local mode: no update scaled on the server
 
 
+def test_a_noise_draw_that_failed_ahead_is_drawn_again_when_the_round_needs_it(monkeypatch):
+    """A fault that cannot be made real here (the server out of memory while it draws ahead): the round's
+    aggregation draws the noise itself, the same bits."""
+    real, seeds = core.gaussian, []
+
+    def failing_once(like, seed):
+        seeds.append(seed)
+        if len(seeds) == 1:
+            raise MemoryError("the draw ahead found no memory")
+        return real(like, seed)
+
+    monkeypatch.setattr(core, "gaussian", failing_once)
+    server, x = privacy.ServerPrivacy(RunConfig(**DP | dict(dp_noise_seed=11))), block(8)
+    server.draw_noise_ahead(5, x)
+    noise = server.noise(5, x)
+    assert len(seeds) == 2 and torch.equal(noise["w0"], real(x, core.noise_seed(11, 5))["w0"])
+
+
 def test_the_server_clips_again_in_central_mode_and_counts_what_it_or_the_nodes_clipped():
     server = privacy.ServerPrivacy(RunConfig(**DP))
     updates = [block(3, scale=0.001), block(4, scale=5.0)]
@@ -138,7 +156,9 @@ def test_the_server_clips_again_in_central_mode_and_counts_what_it_or_the_nodes_
     scales = [server.clip_scale(u) for u in updates]
     assert scales == [None, core.clip_scale(updates[1], 1.0)] and scales[1] == pytest.approx(1.0 / core.l2_norm(
         updates[1]))  # fmt: skip
-    assert server.clip_scales([SimpleNamespace(clip_scale=s) for s in scales]) == scales
+    assert server.clip_scales([SimpleNamespace(clip_scale=s, clip_scale_found=True) for s in scales]) == scales
+    # A reply whose factor was not found as it was checked: no factors, so the server clips it in its steps apart
+    assert server.clip_scales([SimpleNamespace(clip_scale=None, clip_scale_found=False)]) is None
     assert server.released([reply(0, 0), reply(1, 0)])["dp_clipped"] == 1
 
 

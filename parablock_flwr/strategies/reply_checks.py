@@ -67,7 +67,10 @@ class Reply:
     update: core.Tensors | None  # set to None once aggregated (its memory is freed)
     trace: dict[str, str] = field(default_factory=dict)
     payload_bytes: int = 0  # the update's bytes as received
-    clip_scale: float | None = None  # differential privacy, central mode: its update's, found as it was checked
+    # Differential privacy: its update's clip factor (``ServerPrivacy.clip_scale``; None: left as it is), found
+    # as it was checked (``clip_scale_found``), for the server's one pass.
+    clip_scale: float | None = None
+    clip_scale_found: bool = False
 
     @property
     def partition_id(self) -> int:

@@ -32,7 +32,7 @@ class Rejection:
 # (a subclass's combine or server_update, more replies than the spill holds in memory): the mean (each update
 # decoded into the round's sum), the step's rounding and ``x[b] + g``. Each counts the updates read back and
 # staged for the checkpoint; the rest of ``critical_path_aggregate_s`` is the run's bookkeeping. With differential
-# privacy, ``privacy_s`` (within ``one_pass_s``): any wait for the noise drawn ahead (each update's norm for its
+# privacy, ``privacy_s`` (before the one pass): any wait for the noise drawn ahead (each update's norm for its
 # clipping is found as its reply is checked, in ``check_s``).
 SERVER_LEGS = ("check_s", "one_pass_s", "combine_s", "step_rounding_s", "x_apply_s", "privacy_s")
 

@@ -456,13 +456,15 @@ class FedBCD:
         replies than ``IN_MEMORY``): then each step runs apart."""
         if not self.in_one_pass(len(accepted)):
             return None
+        privacy = self.privacy_terms(server_round, block, accepted)
+        if privacy is None:  # a reply whose clip factor was not found as it was checked: each step apart clips it
+            return None
         _, new_x_into = self.buffers.take(server_round)
         cfg = self.config
         with timed(self.stats.legs, "one_pass_s"):  # as combine_s, step_rounding_s and x_apply_s count theirs
             # Every update in memory: each staged for the checkpoint without waiting for the writes before it.
             updates = list(self.accepted_updates(server_round, block, accepted, stage, held=True))
             weights = [self.client_weight(r.metrics) for r in accepted]
-            privacy = self.privacy_terms(server_round, accepted, updates)
             encoded, new, not_finite = core.applied_mean_step(
                 updates, weights, cfg.server_lr, self.global_params, cfg.transfer_dtype, new_x_into, *privacy
             )
@@ -477,18 +479,20 @@ class FedBCD:
         self.take_new_x(new)
         return step, wire_pieces
 
-    def privacy_terms(self, server_round: int, accepted: list[Reply], updates: list[core.Tensors]) -> tuple:
+    def privacy_terms(self, server_round: int, block: int, accepted: list[Reply]) -> tuple | None:
         """``applied_mean_step``'s differential privacy: each update's clip scale (found as its reply was checked)
-        and the mean's noise with its std (none without DP; no noise in local mode). Timed apart (``privacy_s``):
-        any wait for the noise drawn ahead."""
+        and the mean's noise with its std (none without DP; no noise in local mode); None where a clip scale was
+        not found. Timed (``privacy_s``): any wait for the noise drawn ahead."""
         if self.privacy is None:
             return None, None, 0.0
         with timed(self.stats.legs, "privacy_s"):
             scales = self.privacy.clip_scales(accepted)
+            if scales is None:
+                return None
             if not self.privacy.adds_noise:
                 return scales, None, 0.0
-            like = {n: self.global_params[n] for n in updates[0]}
-            return scales, self.privacy.noise(server_round, like), self.privacy.noise_std(len(updates))
+            like = {n: self.global_params[n] for n in self.partition.names(block)}
+            return scales, self.privacy.noise(server_round, like), self.privacy.noise_std(len(accepted))
 
     def in_one_pass(self, replies: int) -> bool:
         """Whether a round of ``replies`` accepted replies runs in one pass (``step_in_one_pass``): the default
@@ -589,7 +593,7 @@ class FedBCD:
             if reply.metrics.own_data == 1:
                 self.own_counts.setdefault(reply.partition_id, reply.num_examples)
             if self.privacy is not None:  # its norm as it came: only the last reply's after the last reply
-                reply.clip_scale = self.privacy.clip_scale(reply.update)
+                reply.clip_scale, reply.clip_scale_found = self.privacy.clip_scale(reply.update), True
             self.spill.put(reply.node, record_arrays(msg.content[UPDATE]))  # as it came, until combined
             reply.update = None
             checked.accepted.append(reply)

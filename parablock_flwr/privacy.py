@@ -113,9 +113,10 @@ class ServerPrivacy:
         return scales
 
     def draw_noise_ahead(self, server_round: int, like: Mapping[str, torch.Tensor]) -> None:
-        """Round r's noise (``core.gaussian`` for the block ``like`` shapes) drawn on a thread of its own from
-        when the round's messages go out: a pass over the block at the generator's pace (one core: about 200 M
-        values a second here), while the nodes train rather than between the last reply and the next message."""
+        """Round r's noise (``core.gaussian`` for the block ``like`` shapes) drawn on a thread of its own once
+        the round's messages are built: a pass over the block at the generator's pace (one core: about 230 M
+        values a second here, docs/privacy.md), while the nodes train rather than between the last reply and the
+        next message."""
         if not self.adds_noise or server_round in self._noise:
             return
         shapes = {n: torch.empty(t.shape, device="meta") for n, t in like.items()}

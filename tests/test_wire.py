@@ -319,6 +319,18 @@ def test_the_aggregate_of_updates_read_as_they_came_has_the_bits_of_decoded_ones
         assert all(torch.equal(summed[n], eager[n]) for n in shapes)
 
 
+def test_an_update_of_another_shape_than_the_rounds_buffer_is_refused_not_resized_into_it():
+    """``core.scaled`` writes the first update into the round's prepared buffer: an update of another shape is a
+    ValueError naming it (torch.mul would resize the buffer), whether it reads in chunks or whole."""
+    buffer = torch.empty(4, 5)
+    with pytest.raises(ValueError, match=r"a: the update's shape is \(20,\), expected \(4, 5\)"):
+        core.aggregate([{"a": torch.ones(20)}], [1.0], out={"a": buffer})
+    lazy = wire.unpack(wire.pack({"a": torch.ones(21)}, "int8"), {"a": (21,)}, lazy=True)
+    with pytest.raises(ValueError, match=r"a: the update's chunks hold 21 values, expected 20"):
+        core.aggregate([lazy], [1.0], out={"a": buffer})
+    assert buffer.shape == (4, 5)
+
+
 @pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("transfer_dtype", ["int8", "bf16", "fp32"])
 def test_a_step_applied_from_its_payload_has_the_bits_of_the_decoded_step(transfer_dtype, weights):

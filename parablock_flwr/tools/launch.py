@@ -460,7 +460,15 @@ def flwr_run(
     workdir = Path(workdir)
     overrides = workdir / "run-config.toml"
     overrides.write_text("".join(f"{k} = {toml_value(v)}\n" for k, v in run_config.items()))
-    cmd = [*prefix, _bin("flwr"), "run", str(app_dir), "local", "--stream", "--run-config", str(overrides), *extra]
+    from flwr.cli.utils import AppPathDepthError  # (flwr.cli: about 1 s to import, only where a run starts)
+
+    from .app_bundle import stage_app
+
+    try:  # `flwr run` on a copy of what its FAB holds: it would list every file of the app, its .venv's too
+        bundle = stage_app(app_dir, workdir / "fab-files")
+    except AppPathDepthError:
+        bundle = app_dir  # `flwr run` says why, as on the app itself
+    cmd = [*prefix, _bin("flwr"), "run", str(bundle), "local", "--stream", "--run-config", str(overrides), *extra]
     env = flower_env(workdir / "flwr-home")
     stdout, stderr, returncode = _run_streaming(cmd, env, timeout_s, capture)
     started_runs = STARTED_RUN.findall(stdout)

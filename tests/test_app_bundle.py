@@ -87,12 +87,35 @@ def test_flower_builds_the_same_fab_from_the_staged_app(tmp_path, gitignore, mon
     assert ("runs/out" in walked) == negated and ("runs/keep.json" in held) == negated, (walked, held)
 
 
-def test_staging_again_drops_what_the_app_no_longer_has(tmp_path):
+def test_the_copy_lives_outside_the_app_while_the_run_needs_it(tmp_path):
+    """``bundled``: a new temporary folder (nothing of an earlier copy in it), gone afterwards; the app untouched."""
     app = _app(tmp_path / "app", ".venv\n")
-    staged = app_bundle.stage_app(app, tmp_path / "staged")
-    (app / "pkg" / "app.py").unlink()
-    app_bundle.stage_app(app, staged)
-    assert not (staged / "pkg" / "app.py").exists() and (staged / "pkg" / "__init__.py").exists()
+    before = sorted(p.relative_to(app) for p in app.rglob("*"))
+    with app_bundle.bundled(app) as folder:
+        assert not folder.resolve().is_relative_to(app.resolve()) and (folder / "pkg" / "app.py").is_file()
+        assert build_fab_from_disk(folder) == build_fab_from_disk(app)
+    assert not folder.exists() and sorted(p.relative_to(app) for p in app.rglob("*")) == before
+
+
+def test_an_app_flower_refuses_is_given_to_flower_as_it_is(tmp_path):
+    """A path deeper than Flower allows (its ``AppPathDepthError``): `flwr run` gets the app itself, and says why."""
+    app = _app(tmp_path / "app", ".venv\n")
+    deep = app.joinpath(*[f"d{i}" for i in range(12)])
+    deep.mkdir(parents=True)
+    (deep / "x.py").write_text("")
+    with app_bundle.bundled(app) as folder:
+        assert folder == app
+
+
+def test_a_symlinked_gitignore_is_no_gitignore_as_flower_reads_it(tmp_path):
+    """Flower lists no symlink, its ``.gitignore`` included: then only its own exclusions drop a folder."""
+    app = _app(tmp_path / "app", "")
+    (app / ".gitignore").unlink()
+    (tmp_path / "ignore").write_text("runs/\nbuild/\n")
+    (app / ".gitignore").symlink_to(tmp_path / "ignore")
+    with app_bundle.bundled(app) as folder:
+        assert (folder / "runs" / "keep.json").is_file()
+        assert build_fab_from_disk(folder) == build_fab_from_disk(app)
 
 
 @pytest.mark.slow

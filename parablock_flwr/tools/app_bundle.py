@@ -5,13 +5,17 @@ only then keeps those its rules keep: in a project with its ``.venv`` inside, 55
 kept, 6 s of a 2-core machine's CPU before every run starts. ``stage_app`` walks the app without entering
 a folder those rules drop whole (the ``.gitignore``'s and Flower's own excluded folders), keeps what
 Flower's ``filter_paths_for_publish`` keeps of the rest, and copies it: the FAB `flwr run` builds from the
-copy is the one it builds from the app, byte for byte (tests/test_app_bundle.py).
+copy is the one it builds from the app, byte for byte (tests/test_app_bundle.py). The copy goes to a folder outside
+the app (``bundled``), so that no later build finds it; Flower's own messages then name the copy's files.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from flwr.cli.utils import (
@@ -27,8 +31,8 @@ def _dropped_whole(app_dir: Path):
     ``.gitignore`` or an exclude pattern names is dropped whole (gitignore's rule: what is below an ignored
     folder is ignored); with a negation (``!pattern``) in the ``.gitignore`` no folder is (it could keep a
     file below one)."""
-    gitignore = app_dir / ".gitignore"
-    patterns = load_gitignore_patterns(gitignore.read_bytes() if gitignore.is_file() else b"")
+    gitignore = app_dir / ".gitignore"  # as ``collect_files`` lists it: not a symlink; unreadable, no pattern
+    patterns = load_gitignore_patterns(gitignore) if gitignore.is_file() and not gitignore.is_symlink() else []
     specs = [build_pathspec(APP_PUBLISH_EXCLUDE_PATTERNS)]
     gitignore_spec = build_pathspec(patterns)
     if all(p.include is not False for p in gitignore_spec.patterns):
@@ -53,11 +57,24 @@ def app_files(app_dir: Path) -> dict[str, Path]:
 
 
 def stage_app(app_dir: Path, into: Path) -> Path:
-    """``into``, emptied, holding a copy of the app's FAB files (``app_files``): the folder to give `flwr run`."""
+    """``into`` (a new folder) holding a copy of the app's FAB files (``app_files``): the folder to give `flwr run`."""
     into = Path(into)
-    shutil.rmtree(into, ignore_errors=True)
+    into.mkdir()  # new: nothing of an earlier copy can stay in it
     for relative, source in app_files(app_dir).items():
         target = into / relative
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source, target)
     return into
+
+
+@contextlib.contextmanager
+def bundled(app_dir: Path) -> Iterator[Path]:
+    """The folder to give `flwr run` while the context lasts: a copy of the app's FAB files in a temporary folder,
+    removed afterwards, or the app itself where Flower's own rules refuse it (too deep a path, a bad pattern) or it
+    cannot be read: `flwr run` then says why, as on the app."""
+    with tempfile.TemporaryDirectory(prefix="parablock-app-") as tmp:
+        try:
+            folder = stage_app(app_dir, Path(tmp) / "app")
+        except (ValueError, OSError):  # AppPathDepthError and pathspec's pattern errors are ValueErrors
+            folder = Path(app_dir)
+        yield folder

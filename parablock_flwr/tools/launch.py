@@ -457,20 +457,15 @@ def flwr_run(
     namespace). Without ``capture`` the run's output also goes to this process's stdout
     and stderr as it comes. Past ``timeout_s`` `flwr run` is stopped: exit code 4.
     """
+    from .app_bundle import bundled  # (it imports flwr.cli: about 1 s, only where a run starts)
+
     workdir = Path(workdir)
     overrides = workdir / "run-config.toml"
     overrides.write_text("".join(f"{k} = {toml_value(v)}\n" for k, v in run_config.items()))
-    from flwr.cli.utils import AppPathDepthError  # (flwr.cli: about 1 s to import, only where a run starts)
-
-    from .app_bundle import stage_app
-
-    try:  # `flwr run` on a copy of what its FAB holds: it would list every file of the app, its .venv's too
-        bundle = stage_app(app_dir, workdir / "fab-files")
-    except AppPathDepthError:
-        bundle = app_dir  # `flwr run` says why, as on the app itself
-    cmd = [*prefix, _bin("flwr"), "run", str(bundle), "local", "--stream", "--run-config", str(overrides), *extra]
     env = flower_env(workdir / "flwr-home")
-    stdout, stderr, returncode = _run_streaming(cmd, env, timeout_s, capture)
+    with bundled(app_dir) as app:  # a copy of what the FAB holds: `flwr run` lists every file of the app, .venv too
+        cmd = [*prefix, _bin("flwr"), "run", str(app), "local", "--stream", "--run-config", str(overrides), *extra]
+        stdout, stderr, returncode = _run_streaming(cmd, env, timeout_s, capture)
     started_runs = STARTED_RUN.findall(stdout)
     run_id = int(started_runs[-1]) if started_runs else None
     output_dir = output_dir_of(run_config, app_dir)

@@ -50,12 +50,12 @@ SETTINGS = {  # as issue 45's GPU run (benchmarks/round_compare.py), on a tiny m
 }  # fmt: skip
 
 
-def disagreement(run_dir: Path, clients: int = 2) -> float | None:
+def disagreement(run_dir: Path) -> float | None:
     """``‖Δ_1 − Δ_2‖ / ‖Δ_1 + Δ_2‖`` of the two nodes' last updates, from their pending updates (as sent); None where
     a node kept none. Only for a run with the correction: ``correction = "none"`` keeps an offset of several blocks
     there, not an update."""
-    pending = [PendingStore(run_dir / "node-state" / f"partition-{i}").load() for i in range(clients)]
-    if clients != 2 or any(p is None for p in pending):
+    pending = [PendingStore(run_dir / "node-state" / f"partition-{i}").load() for i in range(2)]
+    if any(p is None for p in pending):
         return None
     a, b = (torch.cat([p.delta[n].reshape(-1) for n in sorted(p.delta)]) for p in pending)
     return float((a - b).norm() / (a + b).norm())

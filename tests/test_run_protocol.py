@@ -30,6 +30,7 @@ from parablock_flwr.messages import COMMIT, OFFER, STREAM_UNUSABLE, TransportOff
 from parablock_flwr.metrics import RunRecorder, run_summary
 from parablock_flwr.model import load_model, load_tokenizer
 from parablock_flwr.records import to_record
+from parablock_flwr.replica import StepLog
 from parablock_flwr.server_apps.evaluator import ServerEvaluator
 from parablock_flwr.server_apps.round_driver import RoundDriver
 from parablock_flwr.server_apps.run import Run
@@ -66,17 +67,22 @@ def make_run(tmp_path: Path, model_dir: Path, rounds: int, algorithm=FedBCD, eva
     return Run(strategy, evaluator)
 
 
-def honest_answer(run: Run, num_examples: int = 10, own_data: int | None = None):
+def honest_answer(run: Run, num_examples: int = 10, own_data: int | None = None, varied: bool = False,
+                  reweighted: frozenset = frozenset(), poisoned: frozenset = frozenset()):  # fmt: skip
     """A node's reply: a small deterministic update of the round's block, the metrics every reply
-    carries, and the held-out evaluation the message asks for (``evaluation = "clients"``)."""
+    carries, and the held-out evaluation the message asks for (``evaluation = "clients"``). ``varied``: each
+    value its own (seeded by node and round), not one value a tensor; ``reweighted``: the (node, round) whose
+    reply says another example count; ``poisoned``: those whose update is not finite."""
     strategy = run.algorithm
 
     def answer(index: int, msg: Message) -> RecordDict:
         if msg.metadata.message_type == MessageType.QUERY:  # a resumed server asks each node's partition
             return RecordDict({"node": MetricRecord({"partition-id": index})})
         cfg = msg.content.config_records["round"]
-        metrics = {"server-round": int(cfg["server-round"]), "block": int(cfg["block"]), "partition-id": index,
-                   "num-examples": num_examples, "train-loss": 1.0, "compute-s": 0.01,
+        at = (index, int(cfg["server-round"]))
+        metrics = {"server-round": at[1], "block": int(cfg["block"]), "partition-id": index,
+                   "num-examples": 3 * num_examples if at in reweighted else num_examples,
+                   "train-loss": 1.0, "compute-s": 0.01,
                    "base-version": int(cfg["server-round"]) - 1}  # fmt: skip
         if own_data is not None:
             metrics["own-data"] = own_data
@@ -86,6 +92,11 @@ def honest_answer(run: Run, num_examples: int = 10, own_data: int | None = None)
         if msg.metadata.message_type == MessageType.TRAIN:
             names = strategy.partition.names(int(cfg["block"]))
             update = {n: torch.full_like(strategy.global_params[n], 1e-4 * (index + 1)) for n in names}
+            if varied:
+                gen = torch.Generator().manual_seed(1000 * at[1] + index)
+                update = {n: 1e-3 * torch.randn(u.shape, generator=gen) for n, u in update.items()}
+            if at in poisoned:
+                update = {n: torch.full_like(u, float("nan")) for n, u in update.items()}
             content["update"] = to_record(update)
         return content
 
@@ -453,7 +464,6 @@ def test_a_bounded_step_log_is_pruned_only_between_rounds_never_while_a_rounds_n
     but what a snapshot lets it drop is dropped only after a round's aggregation and before the next
     messages (a lagging Ray actor of the round in flight may be reading those steps). The run ends
     with 2 snapshots and the steps after the older one."""
-    from parablock_flwr.replica import StepLog
 
     events = []
     real_prune, real_push = StepLog.prune, RoundDriver.push
@@ -712,7 +722,8 @@ def test_rounds_a_stopped_run_had_not_evaluated_are_counted_as_skipped_when_it_r
 
 
 def run_with_messages_ahead(
-    folder: Path, model_dir: Path, num_nodes: int, ahead: bool, fail=(), replies: dict | None = None, **config
+    folder: Path, model_dir: Path, num_nodes: int, ahead: bool, fail=(), replies: dict | None = None,
+    landed_s: float = 0.0, reweighted=frozenset(), poisoned=frozenset(), **config
 ):  # fmt: skip
     """A run of 4 rounds on the direct stream, each node a thread answering its messages in order (as its
     SuperNode does), uploading its update and committing it; a message pushed a round ahead is answered once
@@ -721,17 +732,19 @@ def run_with_messages_ahead(
     node uploads its reply's content on the stream too, and its Flower reply follows 0.2 s later, as Flower's
     relay would; (node, round) -> ``"malformed"`` (bytes that are no reply's uploaded instead; 0.6 s),
     ``"contradicted"`` (the Flower reply commits another update) or ``"reweighted"`` (it says another example
-    count). Returns the records, the (node, round) of
+    count). ``landed_s``: each node replies that long after its upload (as a ParaBlock node, which uploads ahead,
+    then corrects), with varied updates (``honest_answer``, as ``reweighted`` and ``poisoned``). Returns the
+    records, the (node, round) of
     each message whose content came from the stream, and the step log."""
     from parablock_flwr.messages import MESSAGE_AHEAD, WITHDRAWN
-    from parablock_flwr.replica import StepLog
     from parablock_flwr.transport.framing import unseal
     from parablock_flwr.transport.message_bytes import content_from_bytes, reply_to_bytes
 
     run = make_run(folder, model_dir, 4, transport_messages_ahead=ahead, **config)
     transport = RunTransport(StreamSettings("localhost:0", insecure=True), run_id=1, ttl_s=60)
     run.driver.channel = DirectChannel(transport, replies_on_stream=replies is not None)
-    honest, node, from_stream, failed = honest_answer(run), NodeTransport(), [], set()
+    honest = honest_answer(run, varied=landed_s > 0, reweighted=reweighted, poisoned=poisoned)
+    node, from_stream, failed = NodeTransport(), [], set()
 
     def answer(index: int, msg: Message):
         if MESSAGE_AHEAD in msg.content.config_records:
@@ -749,6 +762,7 @@ def run_with_messages_ahead(
             return Error(code=0, reason="state-intact: node worker failed: out of memory")
         offer = TransportOffer.from_config(dict(msg.content.config_records[OFFER]))
         commit = node.upload(offer, {name: bytes(a.data) for name, a in content.pop("update").items()})
+        time.sleep(landed_s)
         content[COMMIT] = ConfigRecord(commit.to_config())
         if replies is not None and offer.reply_name:
             how = replies.get(at)
@@ -828,6 +842,30 @@ def test_a_reply_on_the_stream_that_is_malformed_or_contradicted_by_flowers_is_c
     for version in range(1, 5):
         (block_a, step_a), (block_b, step_b) = log.read(version), reference.read(version)
         assert block_a == block_b and all(torch.equal(step_a[n], step_b[n]) for n in step_a)
+
+
+def test_the_rounds_pass_runs_ahead_on_updates_that_land_before_their_replies_and_changes_no_bit(
+    tmp_path, tiny_model_dir
+):  # fmt: skip
+    """Each node's update lands 0.5 s before its reply (as a ParaBlock node's, uploaded ahead while it corrects):
+    from round 2 on (each node's weight known from round 1) the server runs the round's pass then
+    (``server_apps/step_ahead.py``) and keeps it (``one_pass_ahead``). In round 3 node 1's update is not finite
+    (the pass ahead reads it; its reply is rejected), and in round 4 node 0 says another example count: the
+    pass that ran ahead read other inputs, so the round's pass runs again after the replies. Every global step
+    is the one of the same run on Flower's path, bit for bit."""
+    odd = {"reweighted": frozenset({(0, 4)}), "poisoned": frozenset({(1, 3)})}
+    records, _, log = run_with_messages_ahead(tmp_path / "ahead", tiny_model_dir, 2, ahead=True, landed_s=0.5, **odd)
+    flower = make_run(tmp_path / "flower", tiny_model_dir, 4)
+    run_rounds(flower, InMemoryFederation(2, honest_answer(flower, varied=True, **odd)))
+    rounds = records[1:5]
+    assert [r["num_accepted"] for r in rounds] == [2, 2, 1, 2]
+    assert [r["one_pass_ahead"] for r in rounds] == [0, 1, 0, 0], rounds
+    assert rounds[1]["server_one_pass_ahead_s"] > 0 and "server_one_pass_ahead_s" not in rounds[2]
+    reference = StepLog(tmp_path / "flower")
+    for version in range(1, 5):
+        (block_a, step_a), (block_b, step_b) = log.read(version), reference.read(version)
+        assert block_a == block_b and all(torch.equal(step_a[n], step_b[n]) for n in step_a)
+        assert any(step_a[n].abs().max() > 0 for n in step_a)
 
 
 def test_a_message_pushed_ahead_to_a_node_not_sampled_is_withdrawn_and_its_reply_dropped(tmp_path, tiny_model_dir):

@@ -183,6 +183,28 @@ def test_an_update_is_claimed_only_under_the_digest_its_reply_commits(hub, node)
     assert counts["direct_refused_digest_mismatch"] == 1 and counts["direct_refused_size_mismatch"] == 1
 
 
+def test_an_update_that_landed_is_read_ahead_of_its_reply_as_the_claim_hands_it_over(tls, node, tmp_path):
+    """``landed_update`` reads an upload before any reply commits it, leaving it for the claim, which hands over
+    the very same payloads (a pass run on them ahead reads the memory the reply's update reads:
+    ``FedBCD.precompute_step``); after the claim, nothing. An upload waiting in a file is not read ahead (it is
+    decoded only when claimed), nor one whose payloads are no npy arrays (its decoding failed: the claim refuses
+    it)."""
+    with RunTransport(settings(tls), RUN, TTL, LIMITS, spill_dir=tmp_path / "spill", memory_uploads=1) as hub:
+        bound = update_bound(64 * 48 + 48, 2)
+        offers = {n: hub.offer(4, node=n, records={}, upload_max_size=bound) for n in (7, 8, 9)}
+        assert hub.landed_update(4, 7) is None  # nothing uploaded yet
+        commit = node.upload(offers[7], payloads(block(7)))
+        landed = hub.landed_update(4, 7)
+        assert {k: bytes(v) for k, v in landed.items()} == payloads(block(7))
+        assert hub.landed_update(4, 7) is landed  # read again, still there
+        node.upload(offers[8], payloads(block(8)))  # past the budget: in a file
+        assert hub.server.inbox.spilled == 1 and hub.landed_update(4, 8) is None
+        assert hub.claim(4, 7, commit) is landed and hub.landed_update(4, 7) is None
+        node.upload(offers[9], {"values": b"not an npy payload"})
+        assert hub.landed_update(4, 9) is None
+        hub.end_round(4)
+
+
 def test_uploads_past_the_inboxs_budget_wait_for_their_replies_in_files_and_leave_nothing_behind(tls, node, tmp_path):
     """The inbox holds in memory as many uploads as a round's aggregation holds updates
     (``update_spill.IN_MEMORY``), however large (a block of 1 GB is not written to disk and read back on the

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -32,6 +33,7 @@ from .client_evaluation import ClientEvaluations
 from .durability import PendingStaging, StepHistory, replay_checkpoint
 from .ledger import Participation, RoundLedger
 from .round_driver import RoundDriver
+from .step_ahead import StepAhead
 
 if TYPE_CHECKING:
     from ..strategies.fedbcd.server import FedBCD, RoundOutcome
@@ -75,6 +77,7 @@ class Run:
         model_bytes = sum(t.numel() * t.element_size() for t in algorithm.global_params.values())
         self.driver = RoundDriver(channel if channel is not None else Channel(), self.config.round_timeout_s,
                                   self.config.pull_interval_s, model_bytes)  # fmt: skip
+        self.step_ahead = StepAhead()  # a round's pass on updates that landed before their replies
 
     # ------------------------------------------------------------ the loop
     def start(self, grid: Grid, first_step: ArrayRecord) -> Result:
@@ -106,8 +109,12 @@ class Run:
                     self.ledger.times["previous_finished"] = time.time()  # beside the message's way to the nodes
                     kept_blocks.KEPT.trim()  # once a round: what the last round freed and this one did not take again
                 self.staging.discard()  # what an earlier, failed attempt staged
-                replies = self.driver.replies(grid, sent, server_round)
-                outcome = self.aggregate(server_round, replies, sent, grid, (arrays, config))
+                ahead = self.pass_ahead(server_round, sent)
+                replies = self.step_ahead.replies(self.driver.replies(grid, sent, server_round))
+                try:
+                    outcome = self.aggregate(server_round, replies, sent, grid, (arrays, config), ahead)
+                finally:
+                    self.step_ahead.finish()
                 numbers = {k: v for k, v in outcome.record.items() if type(v) in (int, float)}
                 arrays = result.arrays = outcome.arrays
                 result.train_metrics_clientapp[server_round] = MetricRecord(numbers)
@@ -124,13 +131,23 @@ class Run:
             self.prune_step_log()
         except BaseException:
             self.staging.cancel()
+            self.step_ahead.close()
             if self.evaluator is not None:
                 self.evaluator.close(raise_error=False)  # the run's own error is the one to report
             raise
+        self.step_ahead.close()
         if self.evaluator is not None:
             self.evaluator.close()  # the queue drains: every round handed over is evaluated first
             self.prune_step_log()  # what the evaluator held back
         return result
+
+    def pass_ahead(self, server_round: int, sent: dict[str, int]) -> Future | None:
+        """Round r's one pass, started beside the loop once the updates of every node it went to are held
+        (``StepAhead``), where the channel holds updates before their replies; None where it cannot."""
+        if not self.driver.channel.updates_land_ahead or not sent:
+            return None
+        return self.step_ahead.start(self.algorithm, self.driver.channel, server_round, set(sent.values()),
+                                     self.config.round_timeout_s)  # fmt: skip
 
     def stop_early(self, server_round: int, why: str) -> None:
         """The run ends after round r-1 instead of ``num-server-rounds`` (``stopped_early`` says why): what
@@ -152,17 +169,19 @@ class Run:
 
     # ------------------------------------------------------------ a round's replies
     def aggregate(self, server_round: int, replies: Iterable[Message], sent: dict[str, int], grid: Grid | None,
-                  message: RoundMessage | None = None) -> RoundOutcome:  # fmt: skip
+                  message: RoundMessage | None = None, ahead: Future | None = None) -> RoundOutcome:  # fmt: skip
         """Round r's replies (answering ``sent``) checked as they arrive and aggregated by the algorithm;
         then ``g^r`` logged, the round's participation, clocks and the nodes' evaluations noted. Too few
         valid replies: the round is re-sent to the nodes without one (``on-too-few-replies = "retry"``, at
         most ``max-round-retries`` times), or the run stops (``TooFewReplies``); an aggregate the
         algorithm rejected voids what its replies staged for the checkpoint. Returns the outcome, its
         record completed with the run's figures. ``message``: the round's step and the run's part of its
-        config, which a retry sends again."""
+        config, which a retry sends again. ``ahead``: the round's pass run beside it (``pass_ahead``), for its
+        first aggregation."""
         accepted: list[Reply] = []
         while True:
-            outcome = self.algorithm.aggregate_train(server_round, replies, sent, accepted, self.staging.stage)
+            outcome = self.algorithm.aggregate_train(server_round, replies, sent, accepted, self.staging.stage, ahead)
+            ahead = None  # a retry's replies are others
             self.participation.note_claimed(outcome.claimed_partitions)
             if outcome.step is not None:
                 break

@@ -34,7 +34,9 @@ class Rejection:
 # staged for the checkpoint; the rest of ``critical_path_aggregate_s`` is the run's bookkeeping. With differential
 # privacy, ``privacy_s`` (before the one pass): any wait for the noise drawn ahead (each update's norm for its
 # clipping is found as its reply is checked, in ``check_s``).
-SERVER_LEGS = ("check_s", "one_pass_s", "combine_s", "step_rounding_s", "x_apply_s", "privacy_s")
+# ``one_pass_ahead_s``: the one pass run before the last reply, on updates that landed ahead of their replies (off
+# the critical path: ``one_pass_s`` then holds any wait for it and the staging; ``one_pass_ahead`` counts it).
+SERVER_LEGS = ("check_s", "one_pass_s", "combine_s", "step_rounding_s", "x_apply_s", "privacy_s", "one_pass_ahead_s")
 
 
 @dataclass
@@ -53,6 +55,7 @@ class RoundStats:
     invariant_checked: int = 0
     invariant_failed: int = 0
     state_intact_errors: int = 0  # error replies from nodes whose model state is intact (no full sync)
+    one_pass_ahead: int = 0  # 1: the round's step came from its one pass run ahead (``FedBCD.precompute_step``)
     legs: dict[str, float] = field(default_factory=dict)  # SERVER_LEGS, timed as the round goes
 
     def counters(self) -> dict:

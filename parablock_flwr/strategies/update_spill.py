@@ -57,6 +57,11 @@ class UpdateSpill:
                 f.write(memoryview(np.ascontiguousarray(array)).cast("B"))
         self._index[key] = entries
 
+    def fingerprint(self, key: int) -> tuple | None:
+        """``fingerprint`` of the arrays kept in memory under ``key`` (None: none, or in the file)."""
+        held = self._held.get(key)
+        return fingerprint(held) if held is not None else None
+
     def take(self, key: int, shapes: Mapping[str, tuple[int, ...]]) -> Tensors:
         """The tensors kept under ``key``, in ``shapes``' order, each decoded to fp32 when read (``wire.Decoded``:
         the aggregate reads the first update in chunks into its sum, decoding no block apart from it); the entry
@@ -68,3 +73,13 @@ class UpdateSpill:
             for name, dtype, offset, count in self._index.pop(key)
         }
         return unpack(arrays, shapes, lazy=True)
+
+
+def fingerprint(arrays: Mapping[str, np.ndarray]) -> tuple:
+    """Where each packed array's bytes lie: (name, address, size, dtype, shape). Two updates with one fingerprint
+    read the same memory, so while either is alive they hold the same values: an upload's payloads are bytes,
+    never written once they arrived. A pass run on one stands for the other (``FedBCD.pass_run_ahead``)."""
+    return tuple(
+        (name, array.__array_interface__["data"][0], array.nbytes, array.dtype.str, array.shape)
+        for name, array in arrays.items()
+    )

@@ -21,6 +21,7 @@ class Channel:
     Flower has them."""
 
     replies_on_stream = False  # whether replies may come before Flower's pull (``replies_from_stream``)
+    updates_land_ahead = False  # whether updates may be held before their replies come (``landed_updates``)
 
     def __init__(self) -> None:
         # Message id -> a reply taken early whose Flower reply is still awaited as its audit (``audit``).
@@ -53,6 +54,12 @@ class Channel:
     def replies_from_stream(self, server_round: int, waiting: dict[str, int]) -> list[Message]:
         """Replies of ``waiting``'s nodes (message id -> node) that came before Flower's pull."""
         return []
+
+    def landed_updates(self, server_round: int, nodes: set[int]) -> dict[int, dict] | None:
+        """Each of ``nodes``' round-r update as its reply will carry it (array name -> the array over the very bytes
+        the reply's update will hold), once every one has landed before its reply; None until then, and always on
+        Flower's path, where an update comes only with its reply."""
+        return None
 
     def incoming(self, reply: Message, server_round: int, node: int) -> Message:
         """``reply`` as the algorithm checks it (its update where Flower's path carries it)."""

@@ -91,6 +91,8 @@ def audit_digest(content: RecordDict) -> str:
 class DirectChannel(Channel):
     """The run's side of ``transport = "direct"`` around Flower's messages (the module's docstring)."""
 
+    updates_land_ahead = True  # a node's update is uploaded before its reply (ParaBlock's: a round ahead)
+
     def __init__(self, transport: RunTransport, replies_on_stream: bool = False):
         super().__init__()
         self.transport = transport
@@ -212,6 +214,17 @@ class DirectChannel(Channel):
         Flower's path is returned as it is, its fallback noted."""
         why = self._take(reply, server_round, node)
         return reply if why is None else rejected(reply, why)
+
+    def landed_updates(self, server_round: int, nodes: set[int]) -> dict[int, dict] | None:
+        """Each of ``nodes``' round-r update uploaded and not yet claimed, as ``incoming`` will put it in its reply
+        (``_array`` over the same payloads: the arrays read the same memory), or None while one has not landed."""
+        landed = {}
+        for node in sorted(nodes):
+            payloads = self.transport.landed_update(server_round, node)
+            if payloads is None:
+                return None
+            landed[node] = {name: npy_view(payload, name) for name, payload in payloads.items()}  # npy, checked
+        return landed
 
     def _ahead_ok(self, node: int) -> bool:
         """Whether ``node`` gets its next round's message (and content) a round ahead: its last reply committed

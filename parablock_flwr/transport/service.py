@@ -440,6 +440,19 @@ class Inbox:
         finally:
             held.spilled.close()
 
+    def peek(self, run_id: int, node_id: int, round: int, record: str):
+        """The upload in this slot as its claim would hand it over (the same object), left for that claim; None
+        when there is none, it waits in a file (decoded only when claimed), or its decoding failed (the claim
+        raises that). Nothing here vouches for it: no reply has committed its digest yet."""
+        with self._lock:
+            held = self._records.get((run_id, node_id, round, record))
+        if held is None or held.decoding is None:
+            return None
+        try:
+            return held.decoding.result()
+        except Exception:  # noqa: BLE001 - the claim raises it, once a reply commits the upload
+            return None
+
     def holds(self, run_id: int, node_id: int, round: int, record: str) -> bool:
         """Whether an upload waits in this slot (for a reply to claim it)."""
         with self._lock:

@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
@@ -35,7 +38,7 @@ from ...metrics import timed
 from ...privacy import ServerPrivacy
 from ...records import pieces_record, record_arrays
 from ...replica import StepLog
-from ...wire import WireError, pack_encoded, round_and_pack
+from ...wire import WireError, pack_encoded, round_and_pack, unpack
 from ..node_sync import NodeSync, ask_partitions, seeded_sample
 from ..reply_checks import (
     Expected,
@@ -48,7 +51,7 @@ from ..reply_checks import (
 )
 from ..round_buffers import RoundBuffers
 from ..round_stats import Rejection, RoundStats, array_bytes, round_record
-from ..update_spill import UpdateSpill
+from ..update_spill import UpdateSpill, fingerprint
 
 if TYPE_CHECKING:
     from ...checkpoint import Checkpoint
@@ -92,6 +95,29 @@ class RoundOutcome:
     aggregate_rejected: bool = False
     record: dict = field(default_factory=dict)  # the round's record: the algorithm's fields
     pending: list[tuple[int, core.PendingUpdate]] = field(default_factory=list)  # kept here when no ``stage``
+
+
+@dataclass
+class PrecomputedStep:
+    """Round r's one pass (``core.applied_mean_step``) run before its last reply, on the updates that landed ahead
+    of their replies (``FedBCD.precompute_step``). Its result stands for replies that carry those very updates
+    (the same memory: ``update_spill.fingerprint``) from the same nodes, partitions and weights: the same inputs in
+    the same order, so the same bits. Taken once (``take``): kept or not, its memory goes then."""
+
+    inputs: list[tuple]  # (node, partition id, weight, the update's fingerprint), in partition order
+    result: tuple | None  # applied_mean_step's (encoding, new x[b], first tensor not finite)
+    seconds: float  # the pass's own time, off the critical path
+    held: list  # the packed updates it read: alive until taken, so that no other buffer takes their memory
+
+    def take(self, inputs: list[tuple]) -> tuple | None:
+        """The pass's result where ``inputs`` are the ones it ran on, else None; either way it holds nothing after."""
+        result = self.result if inputs == self.inputs else None
+        self.discard()
+        return result
+
+    def discard(self) -> None:
+        """Its memory goes (a round that never took it: too few replies, a retry)."""
+        self.result, self.held = None, []
 
 
 class FedBCD:
@@ -143,6 +169,7 @@ class FedBCD:
         self.own_counts: dict[int, float] = {}  # partition -> num-examples of a site with its own data
         self._own_counts_before = dict(self.own_counts)  # as the round in flight began: a rejected aggregate
         self.privacy = ServerPrivacy(self.config) if self.config.dp else None  # docs/privacy.md
+        self._last_weights: dict[int, float] = {}  # node -> its last accepted reply's weight (``precompute_step``)
 
     def resumed(self, ckpt: Checkpoint) -> None:
         """Called by ``Run.resume`` once ``x^R`` is rebuilt: the blocks decided, the clients' pending
@@ -362,6 +389,7 @@ class FedBCD:
         sent_to: Mapping[str, int] | None = None,
         accepted: Sequence[Reply] = (),
         stage: Stage | None = None,
+        precomputed: Future | None = None,
     ) -> RoundOutcome:
         """Check each reply and, with at least ``min-accepted-replies`` valid ones (with ``accepted``,
         those of this round's earlier replies), aggregate them and apply ``g^r`` to ``x``.
@@ -369,6 +397,8 @@ class FedBCD:
         ``sent_to``: message id -> node of the messages the replies answer (a node among them that did
         not reply is resynchronised). ``stage``: where each accepted client's pending update for the
         checkpoint goes as it is combined (``observe_update``); without one it is kept in the outcome.
+        ``precomputed``: the round's ``precompute_step``, run while the replies were outstanding (a future: its
+        result is read once every reply is checked), kept where the replies carry the updates it read.
         Nothing on the server changes before every reply is checked, and then only if ``g^r`` keeps ``x``
         finite: else the aggregate is rejected, and its replies with it (``apply_if_finite``).
         """
@@ -386,7 +416,7 @@ class FedBCD:
         # partition id (node ids change from run to run).
         outcome.accepted.sort(key=lambda r: (r.partition_id, r.node))
         stage = stage or (lambda partition_id, pending, held=False: outcome.pending.append((partition_id, pending)))
-        applied = self.step_in_one_pass(server_round, block, outcome.accepted, stage)
+        applied = self.step_in_one_pass(server_round, block, outcome.accepted, stage, precomputed)
         if applied is None:  # each step apart: a subclass's combine or server_update, many replies
             with timed(self.stats.legs, "combine_s"):
                 step = self.round_step(server_round, block, outcome.accepted, stage)
@@ -398,9 +428,10 @@ class FedBCD:
             return outcome
         outcome.step, wire_pieces = applied
         outcome.arrays = pieces_record(wire_pieces)
-        for reply in outcome.accepted:
-            self.sync.accepted(reply.node, server_round, reply.partition_id)
         weights = [self.client_weight(r.metrics) for r in outcome.accepted]
+        for reply, weight in zip(outcome.accepted, weights):
+            self.sync.accepted(reply.node, server_round, reply.partition_id)
+            self._last_weights[reply.node] = weight
         outcome.record = round_record(
             self.stats, self.partition.labels[block], block, outcome.step, outcome.accepted, weights, self.link,
             self.overlapped, self.config.transfer_dtype,
@@ -451,25 +482,27 @@ class FedBCD:
         return self.server_update(server_round, block, mean)
 
     def step_in_one_pass(
-        self, server_round: int, block: int, accepted: list[Reply], stage: Stage
+        self, server_round: int, block: int, accepted: list[Reply], stage: Stage, precomputed: Future | None = None
     ) -> tuple[core.Tensors, dict] | str | None:
         """``round_step`` and ``apply_if_finite`` in one pass over the block (``core.applied_mean_step``: the same
         bits, the mean and the step never written as fp32 blocks between the last reply and the next message),
         where the round is the default weighted mean of updates the spill holds in memory (differential privacy's
         clipping and noise included). None where it is not (a subclass's ``combine`` or ``server_update``, more
-        replies than ``IN_MEMORY``): then each step runs apart."""
+        replies than ``IN_MEMORY``): then each step runs apart. The pass run ahead (``precomputed``) stands for it
+        where it read the accepted replies' very updates."""
         if not self.in_one_pass(len(accepted)):
             return None
         privacy = self.privacy_terms(server_round, block, accepted)
         if privacy is None:  # a reply whose clip factor was not found as it was checked: each step apart clips it
             return None
-        _, new_x_into = self.buffers.take(server_round)
         cfg = self.config
+        weights = [self.client_weight(r.metrics) for r in accepted]
         with timed(self.stats.legs, "one_pass_s"):  # as combine_s, step_rounding_s and x_apply_s count theirs
+            ahead = self.pass_run_ahead(precomputed, accepted, weights)  # waits for it, if it is still running
+            _, new_x_into = self.buffers.take(server_round)  # (taken already by the pass run ahead)
             # Every update in memory: each staged for the checkpoint without waiting for the writes before it.
             updates = list(self.accepted_updates(server_round, block, accepted, stage, held=True))
-            weights = [self.client_weight(r.metrics) for r in accepted]
-            encoded, new, not_finite = core.applied_mean_step(
+            encoded, new, not_finite = ahead or core.applied_mean_step(
                 updates, weights, cfg.server_lr, self.global_params, cfg.transfer_dtype, new_x_into, *privacy
             )
             self.spill.start()  # every update is combined: the file is emptied
@@ -482,6 +515,49 @@ class FedBCD:
             return self.not_finite(not_finite)
         self.take_new_x(new)
         return step, wire_pieces
+
+    def precompute_step(
+        self, server_round: int, landed: Mapping[int, Mapping[str, np.ndarray]]
+    ) -> PrecomputedStep | None:
+        """Round r's one pass on updates that came before their replies (``landed``: node -> its packed update, as
+        the transport holds it), each node taken at the partition and weight of its last accepted reply; None
+        where the round would not run in one pass, a node is new, or an update does not unpack. It changes nothing
+        of the algorithm's but taking the round's buffer for the new ``x[b]``; the run calls it beside its loop
+        while the round's replies are outstanding (``server_apps/step_ahead.py``), and ``aggregate_train`` keeps its
+        result only where the replies bring the very updates it read (``PrecomputedStep``). No differential
+        privacy here: its clip scales are the checked replies', its noise is drawn once."""
+        if self.privacy is not None or not self.in_one_pass(len(landed)):
+            return None
+        known = [(self.sync.partitions.get(node), node, self._last_weights.get(node)) for node in landed]
+        if any(partition is None or weight is None for partition, _, weight in known):
+            return None
+        known.sort(key=lambda k: (k[0], k[1]))  # the partition order ``aggregate_train`` sums in
+        names = self.partition.names(self.block_for_round(server_round))
+        shapes = {n: tuple(self.global_params[n].shape) for n in names}
+        try:
+            updates = [unpack(landed[node], shapes, lazy=True) for _, node, _ in known]
+        except WireError:  # its reply is refused for it, as it is checked
+            return None
+        _, new_x_into = self.buffers.take(server_round)
+        cfg, start = self.config, time.perf_counter()
+        result = core.applied_mean_step(updates, [w for *_, w in known], cfg.server_lr, self.global_params,
+                                        cfg.transfer_dtype, new_x_into)  # fmt: skip
+        inputs = [(node, partition, weight, fingerprint(landed[node])) for partition, node, weight in known]
+        return PrecomputedStep(inputs, result, time.perf_counter() - start, [landed[node] for _, node, _ in known])
+
+    def pass_run_ahead(self, precomputed: Future | None, accepted: list[Reply], weights: list[float]) -> tuple | None:
+        """The result of the round's pass run ahead (``precompute_step``) where it read exactly the accepted
+        replies' updates (in their order, with their partitions and weights), else None; counted in the round's
+        record (``one_pass_ahead``, and ``server_one_pass_ahead_s``: the pass's own time, off the critical path)."""
+        ahead = precomputed.result() if precomputed is not None else None
+        if ahead is None:
+            return None
+        inputs = [(r.node, r.partition_id, w, self.spill.fingerprint(r.node)) for r, w in zip(accepted, weights)]
+        result = ahead.take(inputs)
+        if result is not None:
+            self.stats.one_pass_ahead = 1
+            self.stats.legs["one_pass_ahead_s"] = ahead.seconds
+        return result
 
     def privacy_terms(self, server_round: int, block: int, accepted: list[Reply]) -> tuple | None:
         """``applied_mean_step``'s differential privacy: each update's clip scale (found as its reply was checked)

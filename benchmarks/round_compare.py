@@ -124,7 +124,7 @@ def means(records: list[dict]) -> dict:
     start = steady or 3
     rounds = [r for r in records if r.get("round", 0) >= start and "round_wall_s" in r]
     keys = ["round_wall_s", "measured_compute_s", "measured_comm_s", "measured_overlap_share", "server_critical_path_s"]
-    keys += ["server_cpu_s"]
+    keys += ["server_cpu_s", "one_pass_ahead"]  # the last: the share of rounds whose pass ran before the last reply
     keys += [f"critical_path_{leg}_s" for leg in LEGS] + [f"measured_{leg}" for leg in WORKER_LEGS]
     keys += [f"server_{leg}" for leg in SERVER_LEGS]
     out = {k: statistics.mean(r[k] for r in rounds if k in r) for k in keys if any(k in r for r in rounds)}
@@ -195,6 +195,8 @@ def rows(setting: str, measured: dict[str, dict]) -> list[str]:
         cpu = ", ".join(f"{m.get(k, float('nan')):.2f}" for k in ("server_cpu_s", "worker_round_cpu_s"))
         server = ", ".join(f"{leg.removesuffix('_s').replace('_', ' ')} {m[f'server_{leg}']:.2f}"
                            for leg in SERVER_LEGS if f"server_{leg}" in m)  # fmt: skip
+        if m.get("one_pass_ahead"):  # the pass ahead's mean is over the rounds that kept it
+            server += f" (kept in {m['one_pass_ahead']:.0%} of rounds)"
         own = ", ".join(f"{leg.removesuffix('_s').replace('_', ' ')} {m[f'measured_{leg}']:.2f}"
                         for leg in WORKER_LEGS if f"measured_{leg}" in m)  # fmt: skip
         out.append(f"| {setting} | {name} | " + " | ".join(f"{v:.2f}" for v in cells)

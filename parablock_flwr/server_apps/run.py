@@ -103,13 +103,13 @@ class Run:
                 sent = self.driver.push(grid, self.outgoing(server_round, messages), ahead_round=server_round)
                 if self.config.transport_messages_ahead and server_round < self.num_rounds:
                     self.driver.push_ahead(grid, server_round + 1, set(sent.values()))
+                ahead = self.pass_ahead(server_round, sent)  # beside round r-1's disk, if round r's updates come first
                 if due is not None:
                     self.driver.pull_audits(grid)  # before the disk: Flower hands a reply over only while it lives
                     self.conclude_round(due)
                     self.ledger.times["previous_finished"] = time.time()  # beside the message's way to the nodes
                     kept_blocks.KEPT.trim()  # once a round: what the last round freed and this one did not take again
                 self.staging.discard()  # what an earlier, failed attempt staged
-                ahead = self.pass_ahead(server_round, sent)
                 replies = self.step_ahead.replies(self.driver.replies(grid, sent, server_round))
                 try:
                     outcome = self.aggregate(server_round, replies, sent, grid, (arrays, config), ahead)

@@ -186,7 +186,7 @@ def test_an_update_is_claimed_only_under_the_digest_its_reply_commits(hub, node)
 def test_an_update_that_landed_is_read_ahead_of_its_reply_as_the_claim_hands_it_over(tls, node, tmp_path):
     """``landed_update`` reads an upload before any reply commits it, leaving it for the claim, which hands over
     the very same payloads (a pass run on them ahead reads the memory the reply's update reads:
-    ``FedBCD.precompute_step``); after the claim, nothing. An upload waiting in a file is not read ahead (it is
+    ``FedBCD.prepare_pass_ahead``); after the claim, nothing. An upload waiting in a file is not read ahead (it is
     decoded only when claimed), nor one whose payloads are no npy arrays (its decoding failed: the claim refuses
     it)."""
     with RunTransport(settings(tls), RUN, TTL, LIMITS, spill_dir=tmp_path / "spill", memory_uploads=1) as hub:
@@ -200,7 +200,8 @@ def test_an_update_that_landed_is_read_ahead_of_its_reply_as_the_claim_hands_it_
         node.upload(offers[8], payloads(block(8)))  # past the budget: in a file
         assert hub.server.inbox.spilled == 1 and hub.landed_update(4, 8) is None
         assert hub.claim(4, 7, commit) is landed and hub.landed_update(4, 7) is None
-        node.upload(offers[9], {"values": b"not an npy payload"})
+        node.upload(offers[9], {"values": b"not an npy payload"})  # in memory: node 7's claim freed its place
+        assert hub.server.inbox.holds(RUN, 9, 4, hub.upload_name(4, 9)) and hub.server.inbox.spilled == 1
         assert hub.landed_update(4, 9) is None
         hub.end_round(4)
 

@@ -103,7 +103,7 @@ class Run:
                 sent = self.driver.push(grid, self.outgoing(server_round, messages), ahead_round=server_round)
                 if self.config.transport_messages_ahead and server_round < self.num_rounds:
                     self.driver.push_ahead(grid, server_round + 1, set(sent.values()))
-                ahead = self.pass_ahead(server_round, sent)  # beside round r-1's disk, if round r's updates come first
+                ahead = self.start_pass_ahead(server_round, sent)  # beside round r-1's disk, round r's updates first
                 if due is not None:
                     self.driver.pull_audits(grid)  # before the disk: Flower hands a reply over only while it lives
                     self.conclude_round(due)
@@ -111,10 +111,7 @@ class Run:
                     kept_blocks.KEPT.trim()  # once a round: what the last round freed and this one did not take again
                 self.staging.discard()  # what an earlier, failed attempt staged
                 replies = self.step_ahead.replies(self.driver.replies(grid, sent, server_round))
-                try:
-                    outcome = self.aggregate(server_round, replies, sent, grid, (arrays, config), ahead)
-                finally:
-                    self.step_ahead.finish()
+                outcome = self.aggregate(server_round, replies, sent, grid, (arrays, config), ahead)
                 numbers = {k: v for k, v in outcome.record.items() if type(v) in (int, float)}
                 arrays = result.arrays = outcome.arrays
                 result.train_metrics_clientapp[server_round] = MetricRecord(numbers)
@@ -141,7 +138,7 @@ class Run:
             self.prune_step_log()  # what the evaluator held back
         return result
 
-    def pass_ahead(self, server_round: int, sent: dict[str, int]) -> Future | None:
+    def start_pass_ahead(self, server_round: int, sent: dict[str, int]) -> Future | None:
         """Round r's one pass, started beside the loop once the updates of every node it went to are held
         (``StepAhead``), where the channel holds updates before their replies; None where it cannot."""
         if not self.driver.channel.updates_land_ahead or not sent:
@@ -181,7 +178,9 @@ class Run:
         accepted: list[Reply] = []
         while True:
             outcome = self.algorithm.aggregate_train(server_round, replies, sent, accepted, self.staging.stage, ahead)
-            ahead = None  # a retry's replies are others
+            if ahead is not None:  # kept or not, the pass ahead is done with: a retry's replies are others
+                self.step_ahead.finish()
+                ahead = None
             self.participation.note_claimed(outcome.claimed_partitions)
             if outcome.step is not None:
                 break

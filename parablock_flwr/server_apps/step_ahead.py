@@ -4,10 +4,11 @@ With ``transport = "direct"`` a ParaBlock node uploads its round-r update while 
 message: it trained the block ahead, from its own pending update, and its update does not depend on the step
 the message brings. So the server holds every update of the round seconds before the replies that commit
 them: each node must still download ``g^{r-1}`` and correct before it replies. ``StepAhead`` watches for that
-moment on a thread of its own and runs the algorithm's one pass then (``FedBCD.precompute_step``);
-``aggregate_train`` keeps its result where the replies commit those very updates (the same bits), else runs the
-pass again. From the last reply to the next message there remain the replies' checks and the staging, not the
-pass over the block. On Flower's path, and where no update comes before its reply, nothing changes.
+moment on a thread of its own and runs the algorithm's one pass then (``FedBCD.prepare_pass_ahead``,
+``PassAhead``); ``aggregate_train`` keeps its result where the replies commit those very updates (the same bits),
+else runs the pass again at once. From the last reply to the next message there remain the replies' checks and
+the staging, not the pass over the block. On Flower's path, and where an update comes only with its reply (the
+first reply's claim takes it from the inbox), nothing changes.
 """
 
 from __future__ import annotations
@@ -27,54 +28,66 @@ POLL_S = 0.02  # how often the thread looks for the round's updates in the trans
 
 
 class StepAhead:
-    """One round at a time: ``start`` after its messages are out, its replies read through ``replies``,
-    ``finish`` once it is aggregated (a pass still running is waited for: the algorithm's state has one owner
-    again). ``close`` at the run's end."""
+    """One round at a time: ``start`` once its messages are out, its replies read through ``replies``, ``finish``
+    after its first aggregation (a pass ahead that was not kept is dropped: its memory goes, and if it still runs,
+    it ends on its own thread, reading its own snapshot of ``x[b]``). ``close`` at the run's end waits for it."""
 
     def __init__(self) -> None:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step-ahead")
         self._settled = threading.Event()
-        self._future: Future | None = None
+        self._prepared: Future | None = None
 
     def start(self, algorithm, channel: Channel, server_round: int, nodes: set[int], timeout_s: float) -> Future:
         """Round r's pass, once every one of ``nodes`` has its update landed and unclaimed (``Channel.landed_updates``),
-        until the round's replies are all in (``replies``) or ``timeout_s`` passes. The future's result is the
-        algorithm's ``PrecomputedStep``, or None (nothing ran, or it could not)."""
+        until the round's replies are all in (``replies``) or ``timeout_s`` passes. The future's result, set before
+        the pass runs, is the algorithm's ``PassAhead`` (``prepare_pass_ahead``), or None (none could be)."""
         self.finish()
         self._settled = threading.Event()
+        self._prepared = prepared = Future()
         deadline = time.monotonic() + timeout_s
-        self._future = self._thread.submit(watch, algorithm, channel, server_round, set(nodes), self._settled, deadline)
-        return self._future
+        self._thread.submit(watch, algorithm, channel, server_round, set(nodes), self._settled, deadline, prepared)
+        return prepared
 
     def replies(self, replies: Iterable[Message]) -> Iterator[Message]:
         """``replies`` as they come; once they are all in, an update that has not landed will not (each reply
-        claimed its own): a pass not yet started is not started."""
+        claimed its own): a pass not yet prepared is not."""
         try:
             yield from replies
         finally:
             self._settled.set()
 
     def finish(self) -> None:
-        """The round is aggregated (or failed): no pass starts now, one running is waited for, and what the
-        aggregation did not take is dropped (its memory is a block's)."""
+        """The round's first aggregation is over: no pass is prepared now, and one the aggregation did not take is
+        dropped, never waited for (it is on no path)."""
         self._settled.set()
-        future, self._future = self._future, None
-        if future is not None and (precomputed := future.result()) is not None:
-            precomputed.discard()
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None and prepared.done() and (ahead := prepared.result()) is not None:
+            ahead.drop()
 
     def close(self) -> None:
         self.finish()
         self._thread.shutdown(wait=True)
 
 
-def watch(algorithm, channel: Channel, server_round: int, nodes: set[int], settled: threading.Event, deadline: float):
-    """``StepAhead.start``'s thread: the pass once every update has landed, or None."""
+def watch(
+    algorithm, channel: Channel, server_round: int, nodes: set[int], settled: threading.Event, deadline: float,
+    prepared: Future,
+) -> None:  # fmt: skip
+    """``StepAhead.start``'s thread: the pass prepared and run once every update has landed; ``prepared`` says it."""
     try:
         while not settled.is_set() and time.monotonic() < deadline:
             landed = channel.landed_updates(server_round, nodes)
             if landed is not None:
-                return algorithm.precompute_step(server_round, landed)
+                ahead = algorithm.prepare_pass_ahead(server_round, landed)
+                if ahead is not None and settled.is_set():  # the round's aggregation is over already
+                    ahead.drop()
+                prepared.set_result(ahead)
+                if ahead is not None:
+                    ahead.run()
+                return
             settled.wait(POLL_S)
-    except Exception as err:  # noqa: BLE001 - the round aggregates as it would have: the pass runs after the replies
+    except Exception as err:  # noqa: BLE001 - the round aggregates as it would have: its pass runs after the replies
         log.warning("round %d: the pass ahead of the replies failed (%s); it runs after them", server_round, err)
-    return None
+    finally:
+        if not prepared.done():
+            prepared.set_result(None)

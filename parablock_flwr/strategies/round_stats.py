@@ -55,7 +55,8 @@ class RoundStats:
     invariant_checked: int = 0
     invariant_failed: int = 0
     state_intact_errors: int = 0  # error replies from nodes whose model state is intact (no full sync)
-    one_pass_ahead: int = 0  # 1: the round's step came from its one pass run ahead (``FedBCD.precompute_step``)
+    one_pass_ahead: int = 0  # 1: the round's step came from its one pass run ahead (``fedbcd.server.PassAhead``)
+    one_pass_ahead_dropped: int = 0  # 1: a pass ran ahead on other inputs than the accepted replies' (run again)
     legs: dict[str, float] = field(default_factory=dict)  # SERVER_LEGS, timed as the round goes
 
     def counters(self) -> dict:

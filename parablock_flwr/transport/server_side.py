@@ -417,7 +417,7 @@ class RunTransport:
     def landed_update(self, server_round: int, node: int) -> dict[str, bytes] | None:
         """The npy payload of each array of ``node``'s round-r update uploaded so far, unclaimed (``claim`` still
         hands over the same payloads, under the reply's digest), or None: for work started before the reply
-        comes that is kept only if the reply commits these very bytes (``FedBCD.precompute_step``)."""
+        comes that is kept only if the reply commits these very bytes (``FedBCD.prepare_pass_ahead``)."""
         return self.server.inbox.peek(self.run_id, node, server_round, self.upload_name(server_round, node))
 
     def take_reply(self, server_round: int, node: int, attempt: int) -> bytes | None:

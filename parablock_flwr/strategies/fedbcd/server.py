@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
@@ -98,26 +99,49 @@ class RoundOutcome:
 
 
 @dataclass
-class PrecomputedStep:
-    """Round r's one pass (``core.applied_mean_step``) run before its last reply, on the updates that landed ahead
-    of their replies (``FedBCD.precompute_step``). Its result stands for replies that carry those very updates
-    (the same memory: ``update_spill.fingerprint``) from the same nodes, partitions and weights: the same inputs in
-    the same order, so the same bits. Taken once (``take``): kept or not, its memory goes then."""
+class PassAhead:
+    """Round r's one pass (``core.applied_mean_step``) on the updates that landed ahead of their replies, prepared
+    by ``FedBCD.prepare_pass_ahead`` and run beside the loop (``run``). Its inputs are known before it runs: the
+    aggregation compares them first (``take``) and waits for the pass only where they are the accepted replies'
+    (the same nodes, partitions and weights, each update in the very memory it read: ``update_spill.fingerprint``),
+    so that the same inputs in the same order give the same bits; else it drops it at once and runs its own. The
+    pass reads ``x[b]`` as it was prepared (a step taken meanwhile gives ``x`` new storage, not new values here),
+    so a dropped pass may end on its own thread, changing nothing."""
 
     inputs: list[tuple]  # (node, partition id, weight, the update's fingerprint), in partition order
-    result: tuple | None  # applied_mean_step's (encoding, new x[b], first tensor not finite)
-    seconds: float  # the pass's own time, off the critical path
-    held: list  # the packed updates it read: alive until taken, so that no other buffer takes their memory
+    args: tuple  # applied_mean_step's arguments
+    held: list  # the packed updates read: alive until taken or dropped, so that no other buffer takes their memory
+    result: tuple | None = None  # applied_mean_step's (encoding, new x[b], first tensor not finite)
+    seconds: float = 0.0  # the pass's own time, off the critical path
+    dropped: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def run(self) -> None:
+        """The pass, unless dropped already; its result is kept only until taken or dropped."""
+        start = time.perf_counter()
+        try:
+            result = core.applied_mean_step(*self.args) if not self.dropped else None
+            with self.lock:
+                self.result = None if self.dropped else result
+        finally:
+            self.seconds, self.args = time.perf_counter() - start, ()
+            self.done.set()
 
     def take(self, inputs: list[tuple]) -> tuple | None:
-        """The pass's result where ``inputs`` are the ones it ran on, else None; either way it holds nothing after."""
-        result = self.result if inputs == self.inputs else None
-        self.discard()
+        """The pass's result where ``inputs`` are the ones it read (waited for), else None at once (dropped)."""
+        if inputs != self.inputs:
+            self.drop()
+            return None
+        self.done.wait()
+        with self.lock:
+            result, self.result, self.held = self.result, None, []
         return result
 
-    def discard(self) -> None:
-        """Its memory goes (a round that never took it: too few replies, a retry)."""
-        self.result, self.held = None, []
+    def drop(self) -> None:
+        """Its result and the updates it holds go (a pass still running ends on its own, its result unkept)."""
+        with self.lock:
+            self.dropped, self.result, self.held = True, None, []
 
 
 class FedBCD:
@@ -169,7 +193,7 @@ class FedBCD:
         self.own_counts: dict[int, float] = {}  # partition -> num-examples of a site with its own data
         self._own_counts_before = dict(self.own_counts)  # as the round in flight began: a rejected aggregate
         self.privacy = ServerPrivacy(self.config) if self.config.dp else None  # docs/privacy.md
-        self._last_weights: dict[int, float] = {}  # node -> its last accepted reply's weight (``precompute_step``)
+        self._last_weights: dict[int, float] = {}  # node -> its last accepted reply's weight (``prepare_pass_ahead``)
 
     def resumed(self, ckpt: Checkpoint) -> None:
         """Called by ``Run.resume`` once ``x^R`` is rebuilt: the blocks decided, the clients' pending
@@ -389,7 +413,7 @@ class FedBCD:
         sent_to: Mapping[str, int] | None = None,
         accepted: Sequence[Reply] = (),
         stage: Stage | None = None,
-        precomputed: Future | None = None,
+        ahead: Future | None = None,
     ) -> RoundOutcome:
         """Check each reply and, with at least ``min-accepted-replies`` valid ones (with ``accepted``,
         those of this round's earlier replies), aggregate them and apply ``g^r`` to ``x``.
@@ -397,8 +421,8 @@ class FedBCD:
         ``sent_to``: message id -> node of the messages the replies answer (a node among them that did
         not reply is resynchronised). ``stage``: where each accepted client's pending update for the
         checkpoint goes as it is combined (``observe_update``); without one it is kept in the outcome.
-        ``precomputed``: the round's ``precompute_step``, run while the replies were outstanding (a future: its
-        result is read once every reply is checked), kept where the replies carry the updates it read.
+        ``ahead``: the round's ``PassAhead``, prepared while the replies were outstanding (a future, read once every
+        reply is checked: None where none was), kept where the replies carry the very updates it read.
         Nothing on the server changes before every reply is checked, and then only if ``g^r`` keeps ``x``
         finite: else the aggregate is rejected, and its replies with it (``apply_if_finite``).
         """
@@ -416,7 +440,7 @@ class FedBCD:
         # partition id (node ids change from run to run).
         outcome.accepted.sort(key=lambda r: (r.partition_id, r.node))
         stage = stage or (lambda partition_id, pending, held=False: outcome.pending.append((partition_id, pending)))
-        applied = self.step_in_one_pass(server_round, block, outcome.accepted, stage, precomputed)
+        applied = self.step_in_one_pass(server_round, block, outcome.accepted, stage, ahead)
         if applied is None:  # each step apart: a subclass's combine or server_update, many replies
             with timed(self.stats.legs, "combine_s"):
                 step = self.round_step(server_round, block, outcome.accepted, stage)
@@ -482,27 +506,27 @@ class FedBCD:
         return self.server_update(server_round, block, mean)
 
     def step_in_one_pass(
-        self, server_round: int, block: int, accepted: list[Reply], stage: Stage, precomputed: Future | None = None
+        self, server_round: int, block: int, accepted: list[Reply], stage: Stage, ahead: Future | None = None
     ) -> tuple[core.Tensors, dict] | str | None:
         """``round_step`` and ``apply_if_finite`` in one pass over the block (``core.applied_mean_step``: the same
         bits, the mean and the step never written as fp32 blocks between the last reply and the next message),
         where the round is the default weighted mean of updates the spill holds in memory (differential privacy's
         clipping and noise included). None where it is not (a subclass's ``combine`` or ``server_update``, more
-        replies than ``IN_MEMORY``): then each step runs apart. The pass run ahead (``precomputed``) stands for it
-        where it read the accepted replies' very updates."""
+        replies than ``IN_MEMORY``): then each step runs apart. The pass run ahead (``ahead``: ``PassAhead``) stands
+        for it where it read the accepted replies' very updates."""
         if not self.in_one_pass(len(accepted)):
             return None
         privacy = self.privacy_terms(server_round, block, accepted)
         if privacy is None:  # a reply whose clip factor was not found as it was checked: each step apart clips it
             return None
+        _, new_x_into = self.buffers.take(server_round)  # none left where a pass ahead took them
         cfg = self.config
         weights = [self.client_weight(r.metrics) for r in accepted]
         with timed(self.stats.legs, "one_pass_s"):  # as combine_s, step_rounding_s and x_apply_s count theirs
-            ahead = self.pass_run_ahead(precomputed, accepted, weights)  # waits for it, if it is still running
-            _, new_x_into = self.buffers.take(server_round)  # (taken already by the pass run ahead)
+            taken = self.pass_run_ahead(ahead, accepted, weights)  # waited for where it is kept
             # Every update in memory: each staged for the checkpoint without waiting for the writes before it.
             updates = list(self.accepted_updates(server_round, block, accepted, stage, held=True))
-            encoded, new, not_finite = ahead or core.applied_mean_step(
+            encoded, new, not_finite = taken or core.applied_mean_step(
                 updates, weights, cfg.server_lr, self.global_params, cfg.transfer_dtype, new_x_into, *privacy
             )
             self.spill.start()  # every update is combined: the file is emptied
@@ -516,18 +540,17 @@ class FedBCD:
         self.take_new_x(new)
         return step, wire_pieces
 
-    def precompute_step(
-        self, server_round: int, landed: Mapping[int, Mapping[str, np.ndarray]]
-    ) -> PrecomputedStep | None:
+    def prepare_pass_ahead(self, server_round: int, landed: Mapping[int, Mapping[str, np.ndarray]]) -> PassAhead | None:
         """Round r's one pass on updates that came before their replies (``landed``: node -> its packed update, as
-        the transport holds it), each node taken at the partition and weight of its last accepted reply; None
-        where the round would not run in one pass, a node is new, or an update does not unpack. It changes nothing
-        of the algorithm's but taking the round's buffer for the new ``x[b]``; the run calls it beside its loop
-        while the round's replies are outstanding (``server_apps/step_ahead.py``), and ``aggregate_train`` keeps its
-        result only where the replies bring the very updates it read (``PrecomputedStep``). No differential
-        privacy here: its clip scales are the checked replies', its noise is drawn once."""
+        the transport holds it), each node at the partition and weight of its last accepted reply, ready to run
+        (``PassAhead.run``); None where the round would not run in one pass, a node is new, or an update does not
+        unpack. It changes nothing of the algorithm's but taking the round's buffer for the new ``x[b]``; the run
+        calls it beside its loop while the round's replies are outstanding (``server_apps/step_ahead.py``). No
+        differential privacy here: its clip scales are the checked replies', its noise is drawn once."""
         if self.privacy is not None or not self.in_one_pass(len(landed)):
             return None
+        if any(a.flags.writeable for arrays in landed.values() for a in arrays.values()):
+            return None  # memory that may change: its fingerprint vouches for nothing
         known = [(self.sync.partitions.get(node), node, self._last_weights.get(node)) for node in landed]
         if any(partition is None or weight is None for partition, _, weight in known):
             return None
@@ -538,25 +561,28 @@ class FedBCD:
             updates = [unpack(landed[node], shapes, lazy=True) for _, node, _ in known]
         except WireError:  # its reply is refused for it, as it is checked
             return None
+        x = {n: self.global_params[n].detach() for n in names}  # x[b] as it is: a step replaces its storage
         _, new_x_into = self.buffers.take(server_round)
-        cfg, start = self.config, time.perf_counter()
-        result = core.applied_mean_step(updates, [w for *_, w in known], cfg.server_lr, self.global_params,
-                                        cfg.transfer_dtype, new_x_into)  # fmt: skip
+        cfg, weights = self.config, [w for *_, w in known]
         inputs = [(node, partition, weight, fingerprint(landed[node])) for partition, node, weight in known]
-        return PrecomputedStep(inputs, result, time.perf_counter() - start, [landed[node] for _, node, _ in known])
+        args = (updates, weights, cfg.server_lr, x, cfg.transfer_dtype, new_x_into)
+        return PassAhead(inputs, args, held=[landed[node] for _, node, _ in known])
 
-    def pass_run_ahead(self, precomputed: Future | None, accepted: list[Reply], weights: list[float]) -> tuple | None:
-        """The result of the round's pass run ahead (``precompute_step``) where it read exactly the accepted
-        replies' updates (in their order, with their partitions and weights), else None; counted in the round's
-        record (``one_pass_ahead``, and ``server_one_pass_ahead_s``: the pass's own time, off the critical path)."""
-        ahead = precomputed.result() if precomputed is not None else None
-        if ahead is None:
+    def pass_run_ahead(self, ahead: Future | None, accepted: list[Reply], weights: list[float]) -> tuple | None:
+        """The result of the round's ``PassAhead`` where it read exactly the accepted replies' updates (in their
+        order, with their partitions and weights), waited for; else None, at once. Counted in the round's record:
+        ``one_pass_ahead`` (kept, with ``server_one_pass_ahead_s``, the pass's own time, off the critical path) or
+        ``one_pass_ahead_dropped``."""
+        prepared = ahead.result() if ahead is not None else None
+        if prepared is None:
             return None
         inputs = [(r.node, r.partition_id, w, self.spill.fingerprint(r.node)) for r, w in zip(accepted, weights)]
-        result = ahead.take(inputs)
-        if result is not None:
-            self.stats.one_pass_ahead = 1
-            self.stats.legs["one_pass_ahead_s"] = ahead.seconds
+        result = prepared.take(inputs)
+        if result is None:
+            self.stats.one_pass_ahead_dropped = 1
+            return None
+        self.stats.one_pass_ahead = 1
+        self.stats.legs["one_pass_ahead_s"] = prepared.seconds
         return result
 
     def privacy_terms(self, server_round: int, block: int, accepted: list[Reply]) -> tuple | None:

@@ -173,7 +173,7 @@ class Run:
         most ``max-round-retries`` times), or the run stops (``TooFewReplies``); an aggregate the
         algorithm rejected voids what its replies staged for the checkpoint. Returns the outcome, its
         record completed with the run's figures. ``message``: the round's step and the run's part of its
-        config, which a retry sends again. ``ahead``: the round's pass run beside it (``pass_ahead``), for its
+        config, which a retry sends again. ``ahead``: the round's pass run beside it (``start_pass_ahead``), for its
         first aggregation."""
         accepted: list[Reply] = []
         while True:

@@ -282,6 +282,10 @@ class FedBCD:
         """``x[b]``: the block's tensors of the global model, by name."""
         return {n: self.global_params[n] for n in self.partition.names(block)}
 
+    def block_shapes(self, block: int) -> dict[str, tuple[int, ...]]:
+        """The shape of each of ``x[b]``'s tensors: what a reply's update of the block must have."""
+        return {n: tuple(t.shape) for n, t in self.block_x(block).items()}
+
     def decided_blocks(self) -> dict[int, int]:
         """Round -> block, for the rounds decided so far (after a resume: from the last checkpointed
         round on; the step log names each earlier step's block)."""
@@ -555,13 +559,12 @@ class FedBCD:
         if any(partition is None or weight is None for partition, _, weight in known):
             return None
         known.sort(key=lambda k: (k[0], k[1]))  # the partition order ``aggregate_train`` sums in
-        names = self.partition.names(self.block_for_round(server_round))
-        shapes = {n: tuple(self.global_params[n].shape) for n in names}
+        block = self.block_for_round(server_round)
         try:
-            updates = [unpack(landed[node], shapes, lazy=True) for _, node, _ in known]
+            updates = [unpack(landed[node], self.block_shapes(block), lazy=True) for _, node, _ in known]
         except WireError:  # its reply is refused for it, as it is checked
             return None
-        x = {n: self.global_params[n].detach() for n in names}  # x[b] as it is: a step replaces its storage
+        x = {n: t.detach() for n, t in self.block_x(block).items()}  # x[b] as it is: a step replaces its storage
         _, new_x_into = self.buffers.take(server_round)
         cfg, weights = self.config, [w for *_, w in known]
         inputs = [(node, partition, weight, fingerprint(landed[node])) for partition, node, weight in known]
@@ -662,7 +665,7 @@ class FedBCD:
         (``messages.STATE_INTACT``), and so is a node of ``sent_to`` that did not reply. A reply is
         the node's its message went to (a reply Flower makes itself for an unavailable node names the
         SuperLink as its sender)."""
-        shapes = {n: tuple(self.global_params[n].shape) for n in self.partition.names(block)}
+        shapes = self.block_shapes(block)
         cfg = self.config
         bound = self.max_update_norm(block)
         expected = Expected(server_round, block, shapes, cfg.max_examples_per_client, bound, cfg.transfer_dtype,
@@ -722,7 +725,7 @@ class FedBCD:
         dropped once combined: the default weighted mean holds the running sum and one update, not one
         per client. What ``observe_update`` keeps of it for the checkpoint goes to ``stage`` (the run
         writes it on a thread of its own, holding a bounded number in memory)."""
-        shapes = {n: tuple(self.global_params[n].shape) for n in self.partition.names(block)}
+        shapes = self.block_shapes(block)
         for reply in accepted:
             if reply.update is None:
                 reply.update = self.spill.take(reply.node, shapes)

@@ -42,7 +42,7 @@ class Prefetched:
     for a record of that name are these bytes' (``matches``); anything else is fetched as usual."""
 
     name: str
-    data: bytearray
+    data: memoryview
     sha256: str
 
     def matches(self, ref: RecordOffer) -> bool:
@@ -150,7 +150,7 @@ class NodeTransport:
         for client in clients:
             client.close()
 
-    def message_content(self, offer: TransportOffer) -> bytearray | None:
+    def message_content(self, offer: TransportOffer) -> bytes | None:
         """The content of a message pushed a round ahead (the offer's ``message_*``), which the server
         publishes once it has built it (the call waits until then); None when the server withdrew it (its
         capability revoked while it waited, or an empty record). Raises ``StreamUnusable``."""
@@ -158,14 +158,14 @@ class NodeTransport:
             raise StreamUnusable("the message names no content on the stream")
         ticket = self._ticket(offer, Direction.DOWNLOAD, offer.message_name, offer.message_token)
 
-        def fetch(client: TransportClient) -> bytearray | None:
+        def fetch(client: TransportClient) -> bytes | None:
             try:
                 data, _ = client.download_unannounced(ticket, offer.message_max_size)
             except TransportError as err:
                 if err.code == "NOT_FOUND":  # revoked while it waited: not messaged in this round after all
                     return None
                 raise
-            return data or None
+            return bytes(data) or None  # (at most a MiB of config records: its own bytes, the kept buffer freed)
 
         return self._call(offer, fetch, ahead=True)
 

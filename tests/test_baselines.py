@@ -19,9 +19,28 @@ from parablock_flwr import core
 from parablock_flwr.config import RunConfig
 from parablock_flwr.model import load_for_training
 
-from helpers import simulate_in_process, succeeded
+from helpers import side_by_side, simulate_in_process, succeeded
 
 pytestmark = pytest.mark.e2e  # every test here runs the ServerApp and its nodes
+
+
+# Each test's run, all three side by side (``side_by_side``): each test reads its own.
+RUNS = {
+    "fedavg-lora": dict(algorithm="fedavg-lora", num_supernodes=2, num_server_rounds=2, save_final_model=True,
+                        save_every=1, learning_rate=1e-2),
+    "fedavg-full": dict(algorithm="fedavg-full", num_supernodes=2, num_server_rounds=2, save_final_model=True,
+                        generate_examples=0),
+    "parablock-lora": dict(algorithm="parablock", train="lora", num_server_rounds=3, verify_invariant=True,
+                           generate_examples=0, learning_rate=1e-2),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_model_dir) -> dict:
+    def one(label):
+        return lambda: simulate_in_process(tmp_path_factory.mktemp(label), tiny_model_dir, **RUNS[label])
+
+    return side_by_side({label: one(label) for label in RUNS})
 
 
 def _replayed(run) -> tuple[torch.nn.Module, core.BlockPartition, dict[str, torch.Tensor]]:
@@ -54,19 +73,8 @@ def _nbytes(names, params) -> int:
     return sum(params[n].numel() * 4 for n in names)
 
 
-def test_fedavg_lora_sends_every_adapter_and_exports_a_peft_folder(tmp_path, tiny_model_dir, capsys):
-    run = succeeded(
-        simulate_in_process(
-            tmp_path,
-            tiny_model_dir,
-            algorithm="fedavg-lora",
-            num_supernodes=2,
-            num_server_rounds=2,
-            save_final_model=True,
-            save_every=1,
-            learning_rate=1e-2,
-        )
-    )
+def test_fedavg_lora_sends_every_adapter_and_exports_a_peft_folder(runs, tiny_model_dir, capsys):
+    run = succeeded(runs["fedavg-lora"])
     model, partition, initial = _replayed(run)
     params = dict(model.named_parameters())
     assert partition.num_blocks == 1 and all(".lora_" in n for n in partition.all_names())
@@ -101,18 +109,8 @@ def test_fedavg_lora_sends_every_adapter_and_exports_a_peft_folder(tmp_path, tin
     assert result["task_accuracy"] == records[-1]["task_accuracy"]
 
 
-def test_fedavg_full_sends_every_weight_and_exports_a_plain_folder(tmp_path, tiny_model_dir, capsys):
-    run = succeeded(
-        simulate_in_process(
-            tmp_path,
-            tiny_model_dir,
-            algorithm="fedavg-full",
-            num_supernodes=2,
-            num_server_rounds=2,
-            save_final_model=True,
-            generate_examples=0,
-        )
-    )
+def test_fedavg_full_sends_every_weight_and_exports_a_plain_folder(runs, capsys):
+    run = succeeded(runs["fedavg-full"])
     model, partition, initial = _replayed(run)
     params = dict(model.named_parameters())
     layers = core.partition_blocks(model, 1)  # every decoder layer: what fedavg-full trains
@@ -126,20 +124,9 @@ def test_fedavg_full_sends_every_weight_and_exports_a_plain_folder(tmp_path, tin
     assert_export_rebuilds(run, "model.safetensors", capsys)
 
 
-def test_parablock_over_lora_blocks_keeps_the_invariant(tmp_path, tiny_model_dir):
+def test_parablock_over_lora_blocks_keeps_the_invariant(runs):
     """train="lora": a block is the adapters of its layers; the ParaBlock invariant holds to the bit."""
-    run = succeeded(
-        simulate_in_process(
-            tmp_path,
-            tiny_model_dir,
-            algorithm="parablock",
-            train="lora",
-            num_server_rounds=3,
-            verify_invariant=True,
-            generate_examples=0,
-            learning_rate=1e-2,
-        )
-    )
+    run = succeeded(runs["parablock-lora"])
     model, partition, initial = _replayed(run)
     params = dict(model.named_parameters())
     assert partition.num_blocks == 2 and all(".lora_" in n for n in partition.all_names())

@@ -15,7 +15,6 @@ seeded draw, and the reference then trains exactly those.
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -23,7 +22,7 @@ import torch
 from parablock_flwr import reference
 from parablock_flwr.config import RunConfig
 
-from helpers import simulate_in_process
+from helpers import side_by_side, simulate_in_process
 
 ROUNDS = 5
 SETTINGS = dict(
@@ -68,10 +67,10 @@ def runs(tmp_path_factory, tiny_model_dir):
     the app's x^1..x^R)}."""
 
     def one(label):
-        return simulate_in_process(tmp_path_factory.mktemp(label), tiny_model_dir, **SETTINGS, **ALGORITHMS[label])
+        return lambda: simulate_in_process(tmp_path_factory.mktemp(label), tiny_model_dir, **SETTINGS,
+                                           **ALGORITHMS[label])  # fmt: skip
 
-    with ThreadPoolExecutor(len(ALGORITHMS)) as pool:
-        apps = dict(zip(ALGORITHMS, pool.map(one, ALGORITHMS)))
+    apps = side_by_side({label: one(label) for label in ALGORITHMS})
     out, threads, deterministic = {}, torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     for label, app in apps.items():
         assert app.returncode == 0, (app.stdout[-2000:], app.stderr[-2000:])

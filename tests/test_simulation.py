@@ -20,7 +20,7 @@ from parablock_flwr.replica import StepLog
 from parablock_flwr.report import report
 from parablock_flwr.strategies.round_stats import SERVER_LEGS
 
-from helpers import simulate, simulate_and_kill_server, simulate_in_process, succeeded
+from helpers import side_by_side, simulate, simulate_and_kill_server, simulate_in_process, succeeded
 
 pytestmark = pytest.mark.e2e  # every test here runs `flwr run` (or reads a run's output)
 
@@ -29,45 +29,36 @@ SCHEDULE = dict(schedule="uniform-random", seed=1)  # over 2 blocks: [0, 0, 1, 0
 
 
 @pytest.fixture(scope="module")
-def parablock_run(tmp_path_factory, tiny_model_dir):
-    return simulate(
-        tmp_path_factory.mktemp("parablock"),
-        tiny_model_dir,
-        algorithm="parablock",
-        num_server_rounds=ROUNDS,
-        verify_invariant=True,
-        save_final_model=True,
-        **SCHEDULE,
-    )
+def module_runs(tmp_path_factory, tiny_model_dir) -> dict:
+    """The runs several tests read, side by side (``side_by_side``): ParaBlock through Ray (``parablock_run``), and
+    without Ray (the same ServerApp and ClientApp, the same bits) ParaBlock in int8 and FedBCD."""
+    same = dict(num_server_rounds=ROUNDS, save_final_model=True, **SCHEDULE)
+    return side_by_side({
+        "parablock": lambda: simulate(tmp_path_factory.mktemp("parablock"), tiny_model_dir, algorithm="parablock",
+                                      verify_invariant=True, **same),
+        "parablock-int8": lambda: simulate_in_process(tmp_path_factory.mktemp("parablock-int8"), tiny_model_dir,
+                                                      algorithm="parablock", verify_invariant=True,
+                                                      transfer_dtype="int8", **same),
+        "fedbcd": lambda: simulate_in_process(tmp_path_factory.mktemp("fedbcd"), tiny_model_dir, algorithm="fedbcd",
+                                              **same),
+    })  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def parablock_int8_run(tmp_path_factory, tiny_model_dir):
+def parablock_run(module_runs):
+    return module_runs["parablock"]
+
+
+@pytest.fixture(scope="module")
+def parablock_int8_run(module_runs):
     """`parablock_run` with `transfer-dtype = "int8"` (error feedback: each node's residuals). int8 rather than
-    bf16: the same error feedback and residual store, and the one with scales (bf16: tests/test_wire.py).
-    Without Ray (``simulate_in_process``): the same ServerApp and ClientApp, the same bits."""
-    return simulate_in_process(
-        tmp_path_factory.mktemp("parablock-int8"),
-        tiny_model_dir,
-        algorithm="parablock",
-        num_server_rounds=ROUNDS,
-        verify_invariant=True,
-        save_final_model=True,
-        transfer_dtype="int8",
-        **SCHEDULE,
-    )
+    bf16: the same error feedback and residual store, and the one with scales (bf16: tests/test_wire.py)."""
+    return module_runs["parablock-int8"]
 
 
 @pytest.fixture(scope="module")
-def fedbcd_run(tmp_path_factory, tiny_model_dir):
-    return simulate(
-        tmp_path_factory.mktemp("fedbcd"),
-        tiny_model_dir,
-        algorithm="fedbcd",
-        num_server_rounds=ROUNDS,
-        save_final_model=True,
-        **SCHEDULE,
-    )
+def fedbcd_run(module_runs):
+    return module_runs["fedbcd"]
 
 
 def test_the_records_read_forwards_in_time_and_the_export_reads_like_its_folder(parablock_int8_run):
@@ -136,18 +127,19 @@ def test_parablock_and_fedbcd_differ_from_round_2(parablock_run, fedbcd_run):
     assert any(not torch.equal(step_p2[n], step_f2[n]) for n in step_p2)
 
 
-def test_the_correction_modes_change_the_run_only_where_the_correction_acts(tmp_path, tiny_model_dir):
-    """Against ParaBlock at-end: ``on-receipt`` (in simulation, after the first local step) first differs in
-    round 2, whose computation it corrects; the ablation ``none`` trains round 2 from the same
-    x^0 + Δ_i^1 and first differs in round 3, the first computation that at-end's correction reaches.
-    The three runs without Ray (``simulate_in_process``: the same ClientApp and node code, seconds to start)."""
-    runs = {
-        mode: succeeded(
-            simulate_in_process(tmp_path / mode, tiny_model_dir, num_server_rounds=ROUNDS, correction=mode, **SCHEDULE)
-        )
-        for mode in ("at-end", "on-receipt", "none")
-    }
-    at_end = runs.pop("at-end")
+def test_the_correction_modes_change_the_run_only_where_the_correction_acts(tmp_path, tiny_model_dir, parablock_run):
+    """Against ParaBlock at-end (``parablock_run``: the same settings, its invariant digests change no bit):
+    ``on-receipt`` (in simulation, after the first local step) first differs in round 2, whose computation it
+    corrects; the ablation ``none`` trains round 2 from the same x^0 + Δ_i^1 and first differs in round 3, the
+    first computation that at-end's correction reaches. The two runs without Ray (``simulate_in_process``: the same
+    ClientApp and node code, seconds to start), side by side."""
+
+    def run(mode):
+        return lambda: simulate_in_process(tmp_path / mode, tiny_model_dir, num_server_rounds=ROUNDS, correction=mode,
+                                           **SCHEDULE)  # fmt: skip
+
+    runs = {mode: succeeded(done) for mode, done in side_by_side({m: run(m) for m in ("on-receipt", "none")}).items()}
+    at_end = succeeded(parablock_run)
     first_difference = {}
     for mode, run in runs.items():
         for version in range(1, ROUNDS + 1):
@@ -177,21 +169,13 @@ def test_frozen_parameters_are_untouched_and_only_scheduled_blocks_move(parabloc
 
 def test_single_client_parablock_equals_fedbcd_bit_for_bit(tmp_path, tiny_model_dir):
     """With one client Δ̄ = Δ, so the correction is zero and there is no staleness. (Without Ray:
-    ``simulate_in_process``, the same ClientApp and node code.)"""
-    runs = [
-        simulate_in_process(
-            tmp_path / algo,
-            tiny_model_dir,
-            algorithm=algo,
-            num_supernodes=1,
-            num_server_rounds=3,
-            deterministic=True,
-            server_lr=1.0,
-        )
-        for algo in ("parablock", "fedbcd")
-    ]
-    for run in runs:
-        succeeded(run)
+    ``simulate_in_process``, the same ClientApp and node code; the two side by side.)"""
+
+    def run(algo):
+        return lambda: simulate_in_process(tmp_path / algo, tiny_model_dir, algorithm=algo, num_supernodes=1,
+                                           num_server_rounds=3, deterministic=True, server_lr=1.0)  # fmt: skip
+
+    runs = [succeeded(done) for done in side_by_side({a: run(a) for a in ("parablock", "fedbcd")}).values()]
     for version in (1, 2, 3):
         (bp, sp), (bf, sf) = runs[0].step(version), runs[1].step(version)
         assert bp == bf
@@ -437,10 +421,29 @@ def test_only_aggregation_lies_between_a_rounds_last_reply_and_the_next_messages
 
 # Each rounding transfer dtype once, FedBCD's resume in one of them (fp32's resume, which keeps no residuals: the
 # kill at every stage above).
-@pytest.mark.parametrize(("algorithm", "transfer_dtype"), [("parablock", "int8"), ("parablock", "fp16"),
-                                                          ("fedbcd", "bf16")])  # fmt: skip
+RESUMED_BY_NAME = [("parablock", "int8"), ("parablock", "fp16"), ("fedbcd", "bf16")]
+
+
+@pytest.fixture(scope="module")
+def resumed_by_name(tmp_path_factory, tiny_model_dir) -> dict:
+    """Each case of ``RESUMED_BY_NAME`` killed in round 4's checkpoint, then resumed from its run folder's name:
+    {case: (killed, resumed)}, the cases side by side (``side_by_side``). Node 1's reply of round 3 is rejected."""
+    folders = {case: tmp_path_factory.mktemp("-".join(case)) for case in RESUMED_BY_NAME}
+
+    def run(case, **more):
+        same = dict(algorithm=case[0], num_server_rounds=ROUNDS, transfer_dtype=case[1], reject="1@3", **SCHEDULE)
+        return lambda: simulate_in_process(folders[case], tiny_model_dir, **same, **more)
+
+    killed = side_by_side({case: run(case, crash_at="checkpoint@4") for case in RESUMED_BY_NAME})
+    for case, stopped in killed.items():
+        assert stopped.returncode == -9 and stopped.run_dir is not None, (case, stopped.stdout[-3000:])
+    resumed = side_by_side({case: run(case, resume_from=killed[case].run_dir.name) for case in RESUMED_BY_NAME})
+    return {case: (killed[case], resumed[case]) for case in RESUMED_BY_NAME}
+
+
+@pytest.mark.parametrize(("algorithm", "transfer_dtype"), RESUMED_BY_NAME)
 def test_a_resume_from_a_run_folders_name_goes_on_with_each_nodes_residuals_in_every_transfer_dtype(
-    tmp_path, tiny_model_dir, algorithm, transfer_dtype
+    resumed_by_name, algorithm, transfer_dtype
 ):
     """`resume-from` as docs/usage.md shows it, the run folder's name inside `output-dir`: the server
     resolves it once and tells the nodes where their residuals are, so a node whose working
@@ -452,12 +455,9 @@ def test_a_resume_from_a_run_folders_name_goes_on_with_each_nodes_residuals_in_e
     node's round-4 residuals equal the killed run's bit for bit. ParaBlock hands each accepted node its
     pending update back; FedBCD keeps none, and its nodes take x's values with their residuals. Without Ray
     (``simulate_in_process``)."""
-    same = dict(algorithm=algorithm, num_server_rounds=ROUNDS, transfer_dtype=transfer_dtype, reject="1@3",
-                **SCHEDULE)  # fmt: skip
-    killed = simulate_in_process(tmp_path, tiny_model_dir, crash_at="checkpoint@4", **same)
-    assert killed.returncode == -9 and killed.run_dir is not None, killed.stdout[-3000:] + killed.stderr[-3000:]
+    killed, resumed = resumed_by_name[algorithm, transfer_dtype]
     assert killed.records[3]["num_accepted"] == 2 and killed.records[4]["full_syncs_sent"] == 1
-    resumed = succeeded(simulate_in_process(tmp_path, tiny_model_dir, resume_from=killed.run_dir.name, **same))
+    succeeded(resumed)
     pending = 2 if algorithm == "parablock" else 0  # round 3's accepted nodes' updates (node 1's was rejected)
     assert resumed.run_dir != killed.run_dir and f"after round 3 ({pending} pending client updates" in resumed.stdout
     # ParaBlock's hand-backs each come with x^2, and node 1's sync; FedBCD's nodes catch up as they would have.
@@ -466,10 +466,9 @@ def test_a_resume_from_a_run_folders_name_goes_on_with_each_nodes_residuals_in_e
     if algorithm == "parablock":  # (FedBCD's nodes always train from x^{r-1}: none counts as resynchronised)
         assert resumed.records[4]["num_resynchronised"] == 1
     assert all(torch.equal(a, b) for a, b in zip(resumed.step(4)[1].values(), killed.step(4)[1].values()))
-    if transfer_dtype != "fp32":
-        for partition in range(3):
-            old, new = (ResidualStore(run.run_dir / "node-state" / f"partition-{partition}").as_of(4)
-                        for run in (killed, resumed))  # fmt: skip
-            assert old and old.keys() == new.keys(), (partition, sorted(old), sorted(new))
-            for block in old:
-                assert all(torch.equal(old[block][n], new[block][n]) for n in old[block]), (partition, block)
+    for partition in range(3):
+        old, new = (ResidualStore(run.run_dir / "node-state" / f"partition-{partition}").as_of(4)
+                    for run in (killed, resumed))  # fmt: skip
+        assert old and old.keys() == new.keys(), (partition, sorted(old), sorted(new))
+        for block in old:
+            assert all(torch.equal(old[block][n], new[block][n]) for n in old[block]), (partition, block)

@@ -11,7 +11,7 @@ from parablock_flwr.model import load_model
 from parablock_flwr.server_apps.run import Run
 from parablock_flwr.strategies import FedBCD, ParaBlock, strategy_class
 
-from helpers import simulate
+from helpers import side_by_side, simulate
 
 TRIMMED = "parablock_flwr.examples.trimmed_mean:TrimmedMeanParaBlock"
 LARGEST = "parablock_flwr.examples.largest_update:LargestUpdateParaBlock"
@@ -62,18 +62,31 @@ def test_strategy_key_is_checked():
     assert strategy_class("fedbcd", "parablock_flwr.strategies:FedBCD") is FedBCD
 
 
+EXAMPLES = {TRIMMED: 5, LARGEST: 2}  # each example strategy and its clients
+
+
+@pytest.fixture(scope="module")
+def example_runs(tmp_path_factory, tiny_model_dir) -> dict:
+    """Both examples through `flwr run` on Ray, side by side (``side_by_side``: each its own SuperLink and Ray)."""
+
+    def run(strategy):
+        return lambda: simulate(
+            tmp_path_factory.mktemp("example"),
+            tiny_model_dir,
+            num_supernodes=EXAMPLES[strategy],
+            strategy=strategy,
+            num_server_rounds=3,
+            layers_per_block=1,
+            verify_invariant=True,
+        )
+
+    return side_by_side({strategy: run(strategy) for strategy in EXAMPLES})
+
+
 @pytest.mark.e2e  # starts Flower processes
-@pytest.mark.parametrize("strategy, clients", [(TRIMMED, 5), (LARGEST, 2)], ids=["trimmed-mean", "largest-update"])
-def test_examples_run_through_flwr_run(tmp_path, tiny_model_dir, strategy, clients):
-    run = simulate(
-        tmp_path,
-        tiny_model_dir,
-        num_supernodes=clients,
-        strategy=strategy,
-        num_server_rounds=3,
-        layers_per_block=1,
-        verify_invariant=True,
-    )
+@pytest.mark.parametrize("strategy, clients", list(EXAMPLES.items()), ids=["trimmed-mean", "largest-update"])
+def test_examples_run_through_flwr_run(example_runs, strategy, clients):
+    run = example_runs[strategy]
     assert run.returncode == 0 and run.run_dir is not None, run.stdout[-3000:]
     assert strategy.rsplit(":", 1)[1] + ":" in run.stdout  # the strategy's summary line names the class
     records = run.records

@@ -61,6 +61,31 @@ def fedbcd_run(module_runs):
     return module_runs["fedbcd"]
 
 
+# The runs of the tests of a run's outcome, each with its own settings (``outcome_runs``).
+OUTCOMES = {
+    # 4 clients, half sampled each round (without Ray: Flower's in-memory grid samples the same way)
+    "partial": (simulate_in_process, dict(num_supernodes=4, fraction_train=0.5, num_server_rounds=6,
+                                          verify_invariant=True)),
+    # every update breaks a tiny norm bound; one retry (without Ray)
+    "too-few": (simulate_in_process, dict(num_supernodes=2, num_server_rounds=2, max_update_norm=1e-9,
+                                          max_round_retries=1)),
+    "invalid": (simulate, dict(num_supernodes=1, layers_per_block=9)),
+    # every reply claims more examples than allowed, and no reply is needed
+    "exclusions": (simulate, dict(num_supernodes=2, num_server_rounds=2, max_num_examples=1, min_accepted_replies=0)),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def outcome_runs(tmp_path_factory, tiny_model_dir) -> dict:
+    """``OUTCOMES``' runs side by side (``side_by_side``)."""
+
+    def run(label):
+        how, settings = OUTCOMES[label]
+        return lambda: how(tmp_path_factory.mktemp(label), tiny_model_dir, **settings)
+
+    return side_by_side({label: run(label) for label in OUTCOMES})
+
+
 def test_the_records_read_forwards_in_time_and_the_export_reads_like_its_folder(parablock_int8_run):
     """Round 0 (x^0) is stamped at the run's start, whenever its evaluation ended, and each round's stamp is
     after the one before: loss against wall-clock reads forwards. Every file of the exported model has the
@@ -182,8 +207,8 @@ def test_single_client_parablock_equals_fedbcd_bit_for_bit(tmp_path, tiny_model_
         assert all(torch.equal(sp[n], sf[n]) for n in sp), f"step {version} differs"
 
 
-def test_invalid_config_stops_before_training_with_one_line(tmp_path, tiny_model_dir):
-    run = simulate(tmp_path, tiny_model_dir, num_supernodes=1, layers_per_block=9)
+def test_invalid_config_stops_before_training_with_one_line(outcome_runs):
+    run = outcome_runs["invalid"]
     assert "Invalid configuration: layers-per-block=9: expected 1..4" in run.stdout + run.stderr
     # Nothing was trained or written but the status record, and the exit code says why.
     assert run.returncode == 2 and [p.name for p in run.run_dir.iterdir()] == ["status.json"]
@@ -205,14 +230,10 @@ def test_report_and_evaluate_commands_on_the_run(parablock_run, capsys):
     assert result["heldout_loss"] == pytest.approx(run.records[-1]["heldout_loss"], rel=1e-5)
 
 
-def test_partial_participation_resynchronises_returning_clients(tmp_path, tiny_model_dir):
+def test_partial_participation_resynchronises_returning_clients(outcome_runs):
     """4 clients, half sampled each round: a client back from a skipped round trains from x^{r-1}. Without Ray
     (Flower's in-memory grid samples the same way)."""
-    run = succeeded(
-        simulate_in_process(
-            tmp_path, tiny_model_dir, num_supernodes=4, fraction_train=0.5, num_server_rounds=6, verify_invariant=True
-        )
-    )
+    run = succeeded(outcome_runs["partial"])
     records = run.records[1:]
     assert all(r["num_replies"] == 2 and r["num_accepted"] == 2 for r in records)
     # Every participating client's local model is exactly x^{r-1} + its own update, resynchronised or not.
@@ -221,12 +242,10 @@ def test_partial_participation_resynchronises_returning_clients(tmp_path, tiny_m
     assert records[-1]["heldout_loss"] < run.records[0]["heldout_loss"]
 
 
-def test_too_few_valid_replies_are_retried_then_stop_the_run(tmp_path, tiny_model_dir):
+def test_too_few_valid_replies_are_retried_then_stop_the_run(outcome_runs):
     """Every update breaks a tiny norm bound: the round is re-sent once, then the run stops with one line.
     Without Ray."""
-    run = simulate_in_process(
-        tmp_path, tiny_model_dir, num_supernodes=2, num_server_rounds=2, max_update_norm=1e-9, max_round_retries=1
-    )
+    run = outcome_runs["too-few"]
     out = run.stdout + run.stderr
     assert out.count("fewer than min-accepted-replies=1: re-sending to 2 nodes (retry 1 of 1)") == 1, out[-3000:]
     assert "Stopping the run: round 1: 0 valid replies, expected at least min-accepted-replies=1" in out
@@ -234,12 +253,11 @@ def test_too_few_valid_replies_are_retried_then_stop_the_run(tmp_path, tiny_mode
     assert not (run.run_dir / "global-steps").exists()  # x never moved
 
 
-def test_a_run_that_left_nodes_out_says_so_and_exits_5(tmp_path, tiny_model_dir):
+def test_a_run_that_left_nodes_out_says_so_and_exits_5(outcome_runs):
     """Every reply claims more examples than `max-num-examples = 1` allows: each round is rejected
     (and, with `min-accepted-replies = 0`, left empty). The run does not end as `completed`: its
     status, exit code and last line name each node left out and why (before: exit 0, "completed")."""
-    run = simulate(tmp_path, tiny_model_dir, num_supernodes=2, num_server_rounds=2, max_num_examples=1,
-                   min_accepted_replies=0)  # fmt: skip
+    run = outcome_runs["exclusions"]
     assert run.returncode == 5 and run.status["kind"] == "completed-with-exclusions", run.stdout[-3000:]
     excluded = run.status["excluded_nodes"]
     assert len(excluded) == 2 and all("not aggregated in 2 of 2 rounds" in line for line in excluded), excluded

@@ -411,7 +411,7 @@ def test_random_bytes_round_trip_over_tls(server, client):
     record = server.outbox.publish(f"step/{next(_records)}", data=data)
     down = server.registry.issue(1, 2, 7, DOWN, record.name, ttl_s=30)
     assert client.download(down, record.size, record.sha256) == data
-    # Fetched a round ahead: into a buffer of the bound's size, handed back as the bytes that came and their digest.
+    # Fetched a round ahead, its size unknown: the bytes that came, at most the bound, and their digest.
     ahead = server.registry.issue(1, 2, 7, DOWN, record.name, ttl_s=30)
     got, digest = client.download_unannounced(ahead, 2 * len(data))
     assert got == data and digest == sha(data)

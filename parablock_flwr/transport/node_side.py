@@ -42,7 +42,7 @@ class Prefetched:
     for a record of that name are these bytes' (``matches``); anything else is fetched as usual."""
 
     name: str
-    data: memoryview
+    data: bytearray
     sha256: str
 
     def matches(self, ref: RecordOffer) -> bool:

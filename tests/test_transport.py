@@ -408,6 +408,9 @@ def test_random_bytes_round_trip_over_tls(server, client):
     digest = client.upload(t, data)
     assert digest == sha(data)
     assert server.inbox.claim(1, 2, 7, t.record, digest) == data
+    declared = upload_ticket(server, len(data))  # a digest in the header instead of after the bytes
+    assert client.upload(declared, data, digest) == digest
+    assert server.inbox.claim(1, 2, 7, declared.record, digest) == data
     record = server.outbox.publish(f"step/{next(_records)}", data=data)
     down = server.registry.issue(1, 2, 7, DOWN, record.name, ttl_s=30)
     assert client.download(down, record.size, record.sha256) == data

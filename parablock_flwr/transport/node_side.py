@@ -165,7 +165,7 @@ class NodeTransport:
                 if err.code == "NOT_FOUND":  # revoked while it waited: not messaged in this round after all
                     return None
                 raise
-            return bytes(data) or None  # (at most a MiB of config records: its own bytes, the kept buffer freed)
+            return bytes(data) or None
 
         return self._call(offer, fetch, ahead=True)
 

@@ -150,7 +150,7 @@ class NodeTransport:
         for client in clients:
             client.close()
 
-    def message_content(self, offer: TransportOffer) -> bytes | None:
+    def message_content(self, offer: TransportOffer) -> bytearray | None:
         """The content of a message pushed a round ahead (the offer's ``message_*``), which the server
         publishes once it has built it (the call waits until then); None when the server withdrew it (its
         capability revoked while it waited, or an empty record). Raises ``StreamUnusable``."""
@@ -158,14 +158,14 @@ class NodeTransport:
             raise StreamUnusable("the message names no content on the stream")
         ticket = self._ticket(offer, Direction.DOWNLOAD, offer.message_name, offer.message_token)
 
-        def fetch(client: TransportClient) -> bytes | None:
+        def fetch(client: TransportClient) -> bytearray | None:
             try:
                 data, _ = client.download_unannounced(ticket, offer.message_max_size)
             except TransportError as err:
                 if err.code == "NOT_FOUND":  # revoked while it waited: not messaged in this round after all
                     return None
                 raise
-            return bytes(data) or None
+            return data or None
 
         return self._call(offer, fetch, ahead=True)
 

@@ -33,7 +33,6 @@ from parablock_flwr.transport import (
     TransportServer,
 )
 from parablock_flwr.transport.capabilities import EXPIRED_KEPT_S, Refusals
-from parablock_flwr.transport.client import HashBehind
 from parablock_flwr.transport.framing import Buffers, FramingError, frame, payloads, unframe
 from parablock_flwr.transport.headers import MAX_HEADER_BYTES, encode_header, parse_header
 from parablock_flwr.transport.service import DOWNLOAD, UPLOAD, Inbox, Outbox, contiguous
@@ -421,23 +420,6 @@ def test_random_bytes_round_trip_over_tls(server, client):
     short = server.registry.issue(1, 2, 7, DOWN, record.name, ttl_s=30)
     with pytest.raises(TransportError, match=f"more than the bound of {len(data) - 1} bytes"):
         client.download_unannounced(short, len(data) - 1)
-
-
-@settings(max_examples=50, deadline=None)
-@given(st.binary(max_size=9000), st.lists(st.integers(0, 9000), max_size=6))
-def test_a_digest_hashed_behind_is_hashlibs_and_its_thread_ends_whatever_happens(data, cuts):
-    """``HashBehind`` hashes on a thread of its own the buffers handed to it, in order; it ends its thread after
-    ``hexdigest`` and after an error alike (a download that failed halfway leaves no thread behind)."""
-    bounds = [0, *sorted(min(c, len(data)) for c in cuts), len(data)]
-    view = memoryview(data)
-    with HashBehind() as digest:
-        for start, stop in zip(bounds, bounds[1:]):
-            digest.update(view[start:stop])
-        assert digest.hexdigest() == sha(data) == digest.hexdigest()
-    with pytest.raises(RuntimeError, match="broken off"), HashBehind() as broken:
-        broken.update(view)
-        raise RuntimeError("broken off")
-    assert not [t for t in threading.enumerate() if t.name == "transport-sha256"]
 
 
 def test_an_earlier_releases_4_mib_messages_are_still_accepted(server, tls):

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import queue
-import threading
 from pathlib import Path
 
 import grpc
@@ -32,42 +30,6 @@ class TransportError(Exception):
 
 def _identity(b):
     return b
-
-
-class HashBehind:
-    """The SHA-256 of the buffers handed to ``update``, computed on a thread of its own while the caller moves the
-    next bytes: hashlib lets go of the GIL over a large buffer, so the stream's thread only moves bytes (what that
-    gained on this project's 2-core VM: docs/transport.md). The buffers must not change until ``hexdigest``
-    returns; ``close`` ends the thread whatever happened."""
-
-    def __init__(self) -> None:
-        self._buffers: queue.SimpleQueue = queue.SimpleQueue()
-        self._sha256 = hashlib.sha256()
-        self._thread = threading.Thread(target=self._hash, daemon=True, name="transport-sha256")
-        self._thread.start()
-
-    def _hash(self) -> None:
-        while (buffer := self._buffers.get()) is not None:
-            self._sha256.update(buffer)
-
-    def update(self, buffer) -> None:
-        self._buffers.put(buffer)
-
-    def hexdigest(self) -> str:
-        """The digest of every buffer handed in, once the thread has hashed them."""
-        self.close()
-        return self._sha256.hexdigest()
-
-    def close(self) -> None:
-        if self._thread.is_alive():
-            self._buffers.put(None)
-            self._thread.join()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 class TransportClient:
@@ -127,19 +89,19 @@ class TransportClient:
         if ticket.direction is not Direction.UPLOAD:
             raise ValueError(f"a {ticket.direction} ticket for upload; expected an upload ticket")
         data = data if isinstance(data, Buffers) else Buffers([data])
-        with HashBehind() as digest:
-            if not sha256:  # the parts themselves, hashed beside the chunks cut from them and sent
-                for part in data.parts:
-                    digest.update(part)
+        digest = hashlib.sha256()
 
-            def messages():
-                yield encode_header(ticket, len(data), sha256 or "")
-                yield from data.chunks(CHUNK_BYTES)
+        def messages():
+            yield encode_header(ticket, len(data), sha256 or "")
+            for chunk in data.chunks(CHUNK_BYTES):
                 if not sha256:
-                    yield digest.hexdigest().encode()
+                    digest.update(chunk)
+                yield chunk
+            if not sha256:
+                yield digest.hexdigest().encode()
 
-            self._call(lambda: self._upload(messages(), timeout=self.timeout_s))
-            return sha256 or digest.hexdigest()
+        self._call(lambda: self._upload(messages(), timeout=self.timeout_s))
+        return sha256 or digest.hexdigest()
 
     def download(self, ticket: Ticket, size: int, sha256: str) -> memoryview:
         """The record ``ticket`` names, checked against ``size`` and ``sha256`` from Flower's message, in memory
@@ -148,18 +110,17 @@ class TransportClient:
             raise ValueError(f"a {ticket.direction} ticket for download; expected a download ticket")
 
         def receive() -> memoryview:
-            data, got = kept_blocks.host_bytes(size), 0
-            with HashBehind() as digest:
-                for chunk in self._download(encode_header(ticket), timeout=self.timeout_s):
-                    if got + len(chunk) > size:
-                        raise TransportError(f"record {ticket.record!r}: more than the announced {size} bytes")
-                    data[got : got + len(chunk)] = chunk
-                    digest.update(data[got : got + len(chunk)])
-                    got += len(chunk)
-                if got != size:
-                    raise TransportError(f"record {ticket.record!r}: {got} bytes; announced {size}")
-                if not hmac.compare_digest(digest.hexdigest(), sha256):
-                    raise TransportError(f"record {ticket.record!r}: SHA-256 differs from the announced one")
+            data, digest, got = kept_blocks.host_bytes(size), hashlib.sha256(), 0
+            for chunk in self._download(encode_header(ticket), timeout=self.timeout_s):
+                if got + len(chunk) > size:
+                    raise TransportError(f"record {ticket.record!r}: more than the announced {size} bytes")
+                data[got : got + len(chunk)] = chunk
+                digest.update(chunk)
+                got += len(chunk)
+            if got != size:
+                raise TransportError(f"record {ticket.record!r}: {got} bytes; announced {size}")
+            if not hmac.compare_digest(digest.hexdigest(), sha256):
+                raise TransportError(f"record {ticket.record!r}: SHA-256 differs from the announced one")
             return data
 
         return self._call(receive)
@@ -174,14 +135,13 @@ class TransportClient:
             raise ValueError(f"a {ticket.direction} ticket for download; expected a download ticket")
 
         def receive() -> tuple[bytearray, str]:
-            data = bytearray()
-            with HashBehind() as digest:
-                for chunk in self._download(encode_header(ticket), timeout=self.timeout_s):
-                    if len(data) + len(chunk) > max_size:
-                        raise TransportError(f"record {ticket.record!r}: more than the bound of {max_size} bytes")
-                    data += chunk
-                    digest.update(chunk)  # (the chunk itself: a view would pin the growing buffer)
-                return data, digest.hexdigest()
+            data, digest = bytearray(), hashlib.sha256()
+            for chunk in self._download(encode_header(ticket), timeout=self.timeout_s):
+                if len(data) + len(chunk) > max_size:
+                    raise TransportError(f"record {ticket.record!r}: more than the bound of {max_size} bytes")
+                data += chunk
+                digest.update(chunk)
+            return data, digest.hexdigest()
 
         return self._call(receive)
 

@@ -20,6 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from parablock_flwr.kept_blocks import KEPT, KEPT_FROM_BYTES
 from parablock_flwr.tools.credentials import make_client_cert, make_tls
 from parablock_flwr.transport import (
     CapabilityRegistry,
@@ -205,16 +206,16 @@ def test_uploads_still_arriving_count_toward_the_inboxs_memory_budget(tmp_path):
     """Uploads that arrive together cannot pass the in-memory budget together: one still being received in
     memory counts from its ``buffer`` on, so the next one past the budget goes to a file, however small; a
     buffer given back (``discard``: its upload refused or broken off) frees its place."""
-    from parablock_flwr.transport.service import SpillFile
+    from parablock_flwr.transport.service import KeptUpload, SpillFile
 
     inbox = Inbox(Refusals(), spill_dir=tmp_path, memory_uploads=1)
     first = inbox.buffer(600)
-    assert isinstance(first, Buffers)
+    assert isinstance(first, KeptUpload)
     second = inbox.buffer(6)  # the first is still arriving: a second would pass one upload in memory
     assert isinstance(second, SpillFile) and inbox.spilled == 1
     inbox.discard(second)
     inbox.discard(first)
-    assert isinstance(inbox.buffer(600), Buffers)
+    assert isinstance(inbox.buffer(600), KeptUpload)
     assert list(tmp_path.iterdir()) == []  # the spilled one was unlinked when created
 
 
@@ -417,6 +418,15 @@ def test_random_bytes_round_trip_over_tls(server, client):
     ahead = server.registry.issue(1, 2, 7, DOWN, record.name, ttl_s=30)
     got, digest = client.download_unannounced(ahead, 2 * len(data))
     assert got == data and digest == sha(data)
+    # Received into kept memory of the size expected, and into a growing buffer past it (from the first chunk
+    # or from a later one): the same bytes and digest whatever the guess.
+    for expected in (len(data), len(data) + 4096, len(data) - 1, 100, 2 * len(data)):
+        again = server.registry.issue(1, 2, 7, DOWN, record.name, ttl_s=30)
+        taken = KEPT.made + KEPT.reused
+        got, digest = client.download_unannounced(again, 2 * len(data), expected)
+        assert bytes(got) == data and digest == sha(data), expected
+        assert isinstance(got, memoryview) == (expected >= len(data)), expected
+        assert KEPT.made + KEPT.reused == taken + (expected >= KEPT_FROM_BYTES), expected  # the pool's, once
     short = server.registry.issue(1, 2, 7, DOWN, record.name, ttl_s=30)
     with pytest.raises(TransportError, match=f"more than the bound of {len(data) - 1} bytes"):
         client.download_unannounced(short, len(data) - 1)
@@ -438,8 +448,8 @@ def test_an_upload_is_decoded_as_it_arrives_and_handed_over_only_under_the_reply
     decoded = threading.Event()
 
     def decode(data, record):
-        out = contiguous(data, record)
-        if out.startswith(b"not framed"):
+        out = contiguous(data, record)  # the bytes where they landed (a view of kept memory)
+        if bytes(out[:10]) == b"not framed":
             raise FramingError(f"record {record}: not framed")
         decoded.set()
         return out

@@ -196,6 +196,9 @@ def test_an_update_that_landed_is_read_ahead_of_its_reply_as_the_claim_hands_it_
         commit = node.upload(offers[7], payloads(block(7)))
         landed = hub.landed_update(4, 7)
         assert {k: bytes(v) for k, v in landed.items()} == payloads(block(7))
+        # Read where it landed (kept memory, ``KeptUpload``), read-only: a pass ahead takes only memory that stays.
+        assert all(isinstance(v, memoryview) and v.readonly for v in landed.values())
+        assert not any(npy_view(v, k).flags.writeable for k, v in landed.items())
         assert hub.landed_update(4, 7) is landed  # read again, still there
         node.upload(offers[8], payloads(block(8)))  # past the budget: in a file
         assert hub.server.inbox.spilled == 1 and hub.landed_update(4, 8) is None

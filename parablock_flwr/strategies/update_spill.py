@@ -77,9 +77,10 @@ class UpdateSpill:
 
 def fingerprint(arrays: Mapping[str, np.ndarray]) -> tuple:
     """Where each packed array's bytes lie: (name, address, size, dtype, shape, read-only). Two read-only updates
-    with one fingerprint, both alive, read the same memory, so they hold the same values: an upload's payloads
-    are bytes, never written once they arrived (a freed buffer's address may be taken again: the pass ahead
-    holds what it read until it is compared). A pass run on one stands for the other (``FedBCD.pass_run_ahead``)."""
+    with one fingerprint, both alive, read the same memory, so they hold the same values: an upload's payloads are
+    read-only (bytes, or views of the kept memory it landed in), never written once they arrived (a buffer's
+    address is taken again once it is free, by design in kept memory: the pass ahead holds what it read until it
+    is compared). A pass run on one stands for the other (``FedBCD.pass_run_ahead``)."""
     return tuple(
         (name, array.__array_interface__["data"][0], array.nbytes, array.dtype.str, array.shape, array.flags.writeable)
         for name, array in arrays.items()

@@ -125,23 +125,39 @@ class TransportClient:
 
         return self._call(receive)
 
-    def download_unannounced(self, ticket: Ticket, max_size: int) -> tuple[bytearray, str]:
+    def download_unannounced(
+        self, ticket: Ticket, max_size: int, expected_size: int = 0
+    ) -> tuple[bytearray | memoryview, str]:
         """The record ``ticket`` names, before Flower's message announces its size and SHA-256 (a download
         issued a round ahead, which waits on the server until the record is published): its bytes, at most
         ``max_size``, and their SHA-256 (hex). The caller uses them only when they equal the announcement.
-        Its size unknown (``max_size`` bounds a step in fp32: four times an int8 one), it grows as it comes, not
-        in kept memory: a buffer of the bound would take the pool's room for the round's other buffers."""
+
+        ``expected_size``: the size the record most likely has (a step's: the node's own update of that block,
+        the same arrays in the same dtype). Its bytes are received into kept memory of that size
+        (``kept_blocks``: faulted in once, not afresh each round; taken when the first byte comes, once the
+        round before has given its own back), and one that turns out larger moves to a buffer that grows as it
+        comes. Never one of ``max_size`` (a step in fp32, four times an int8 one): it would take the pool's
+        room for the round's other buffers."""
         if ticket.direction is not Direction.DOWNLOAD:
             raise ValueError(f"a {ticket.direction} ticket for download; expected a download ticket")
 
-        def receive() -> tuple[bytearray, str]:
-            data, digest = bytearray(), hashlib.sha256()
+        def receive() -> tuple[bytearray | memoryview, str]:
+            kept, grown, got, digest = None, bytearray(), 0, hashlib.sha256()
             for chunk in self._download(encode_header(ticket), timeout=self.timeout_s):
-                if len(data) + len(chunk) > max_size:
+                end = got + len(chunk)
+                if end > max_size:
                     raise TransportError(f"record {ticket.record!r}: more than the bound of {max_size} bytes")
-                data += chunk
+                if kept is None and not grown and 0 < expected_size <= max_size:
+                    kept = kept_blocks.host_bytes(expected_size)
+                if kept is not None and end <= len(kept):
+                    kept[got:end] = chunk
+                else:
+                    if kept is not None:  # larger than expected: what came so far moves to the growing buffer
+                        grown, kept = bytearray(kept[:got]), None
+                    grown += chunk
                 digest.update(chunk)
-            return data, digest.hexdigest()
+                got = end
+            return (kept[:got] if kept is not None else grown), digest.hexdigest()
 
         return self._call(receive)
 

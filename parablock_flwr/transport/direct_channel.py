@@ -318,7 +318,9 @@ class DirectChannel(Channel):
         if payloads is None:
             return (f"its update ({commit.update_size} bytes) is committed but was not uploaded on the stream in round "
                     f"{server_round}")  # fmt: skip
-        content[UPDATE] = ArrayRecord({name: _array(payload, name) for name, payload in payloads.items()})
+        content[UPDATE] = update = ArrayRecord()  # filled item by item: its constructor makes each Array again
+        for name, payload in payloads.items():
+            update[name] = _array(payload, name)
         del content[COMMIT]
         self.on_stream[node] = True
         self.committed.add(node)
@@ -352,8 +354,12 @@ def rejected(reply: Message, why: str) -> Message:
     return Message(error=Error(code=ErrorCode.UNKNOWN, reason=f"{DIRECT} {why}"), metadata=copy.copy(reply.metadata))
 
 
-def _array(payload: bytes, name: str) -> Array:
-    """Flower's ``Array`` of an npy payload (bytes of its own, read from the upload as it arrived): the
-    ``Array`` Flower's path would have delivered."""
+def _array(payload: memoryview | bytes, name: str) -> Array:
+    """Flower's ``Array`` of an npy payload, the ``Array`` Flower's path would have delivered. A payload read where
+    the upload landed (a read-only view of kept memory, ``service.KeptUpload``) is set after the constructor, which
+    takes ``bytes`` only: copied into ``bytes``, a block would cost a pass into new memory on the critical path;
+    what reads ``Array.data`` here (``records.from_array``, ``Array.numpy``, ``len``) takes any buffer."""
     view = npy_view(payload, name)  # checked by the claim already
-    return Array(dtype=str(view.dtype), shape=view.shape, stype=SType.NUMPY, data=payload)
+    array = Array(dtype=str(view.dtype), shape=view.shape, stype=SType.NUMPY, data=b"")
+    array.data = payload
+    return array

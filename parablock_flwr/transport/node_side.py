@@ -42,7 +42,7 @@ class Prefetched:
     for a record of that name are these bytes' (``matches``); anything else is fetched as usual."""
 
     name: str
-    data: bytearray
+    data: bytearray | memoryview
     sha256: str
 
     def matches(self, ref: RecordOffer) -> bool:
@@ -118,16 +118,16 @@ class NodeTransport:
             raise StreamUnusable("the message offers no reply capability")
         self._upload(offer, Buffers([content]), offer.reply_name, offer.reply_token, MAX_REPLY_CONTENT)
 
-    def prefetch(self, offer: TransportOffer) -> Prefetched:
+    def prefetch(self, offer: TransportOffer, expected_size: int = 0) -> Prefetched:
         """Round r+1's global step under the capability round r's ``offer`` issued ahead, as soon as the server
-        publishes it (the call waits until then). Raises ``StreamUnusable``."""
+        publishes it (the call waits until then), received into kept memory of ``expected_size`` where given
+        (``TransportClient.download_unannounced``). Raises ``StreamUnusable``."""
         if not offer.ahead_step_name:
             raise StreamUnusable("the message offers no download ahead")
         ticket = Ticket(bytes.fromhex(offer.ahead_step_token), offer.run_id, offer.node_id, offer.server_round + 1,
                         Direction.DOWNLOAD, offer.ahead_step_name)  # fmt: skip
-        data, sha256 = self._call(
-            offer, lambda client: client.download_unannounced(ticket, offer.ahead_step_max_size), ahead=True
-        )
+        bound = offer.ahead_step_max_size
+        data, sha256 = self._call(offer, lambda c: c.download_unannounced(ticket, bound, expected_size), ahead=True)
         return Prefetched(offer.ahead_step_name, data, sha256)
 
     def _upload(

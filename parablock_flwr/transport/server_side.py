@@ -33,8 +33,8 @@ from ..messages import (
     UpdateCommit,
 )
 from .capabilities import CapabilityRegistry, Direction, RefusalKind, Refused
-from .framing import FramingError, framed, payloads, seal
-from .service import Limits, TransportServer, contiguous
+from .framing import FramingError, framed, payloads, seal, unframe
+from .service import KeptUpload, Limits, TransportServer, contiguous
 
 log = logging.getLogger(__name__)
 NPY_HEADER_BOUND = 4096  # an npy header of a 1-D array, at most (numpy pads them to 64 or 128 bytes)
@@ -91,8 +91,10 @@ def is_reply(record: str) -> bool:
 
 def _decode(data, record: str):
     """An upload as its claim or take hands it over: a reply's content as its bytes, a block's framed record as
-    its arrays' payloads."""
-    return bytes(contiguous(data, record)) if is_reply(record) else payloads(data, record)
+    its arrays' payloads (read-only views where it landed in memory, ``KeptUpload``; from a spill file, bytes)."""
+    if is_reply(record):
+        return bytes(contiguous(data, record))
+    return unframe(data.view(), record) if isinstance(data, KeptUpload) else payloads(data, record)
 
 
 def update_bound(numel: int, num_tensors: int) -> int:
@@ -398,11 +400,12 @@ class RunTransport:
             return name, out.size, out.sha256
 
     # ------------------------------------------------------------ a node's reply
-    def claim(self, server_round: int, node: int, commit: UpdateCommit) -> dict[str, bytes] | None:
-        """The npy payload of each array of ``node``'s uploaded update, when its SHA-256 and size are the
-        reply's ``commit``; None when nothing was uploaded under this round's name. A different digest or
-        size, or bytes that are not a framed record, raise ``Refused`` (counted; the reply is rejected).
-        The payloads were read from the upload as it arrived (``service.Inbox``); only this hands them over."""
+    def claim(self, server_round: int, node: int, commit: UpdateCommit) -> dict[str, memoryview | bytes] | None:
+        """The npy payload of each array of ``node``'s uploaded update (read-only, never written again), when its
+        SHA-256 and size are the reply's ``commit``; None when nothing was uploaded under this round's name. A
+        different digest or size, or bytes that are not a framed record, raise ``Refused`` (counted; the reply is
+        rejected). The payloads were read from the upload as it arrived (``service.Inbox``); only this hands them
+        over."""
         name = self.upload_name(server_round, node)
         try:
             return self.server.inbox.claim(
@@ -414,7 +417,7 @@ class RunTransport:
         except FramingError as err:
             self._refuse(Refused(RefusalKind.BAD_HEADER, str(err)))
 
-    def landed_update(self, server_round: int, node: int) -> dict[str, bytes] | None:
+    def landed_update(self, server_round: int, node: int) -> dict[str, memoryview | bytes] | None:
         """The npy payload of each array of ``node``'s round-r update uploaded so far, unclaimed (``claim`` still
         hands over the same payloads, under the reply's digest), or None: for work started before the reply
         comes that is kept only if the reply commits these very bytes (``FedBCD.prepare_pass_ahead``)."""

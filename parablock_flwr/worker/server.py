@@ -296,7 +296,8 @@ class NodeWorker:
         log.info(round_line(reply.metrics, sum(a.nbytes for a in arrays.values()), bytes_out))
         if offer is not None and reply.committed:  # on the stream: round r+1's bytes move from now on
             early_update = self.node.early_update(cfg, request.server_round + 1, store)
-            self.stream.start_transfers_ahead(offer, request.run_id, cfg.transfer_dtype, early_update)
+            self.stream.start_transfers_ahead(offer, request.run_id, cfg.transfer_dtype, early_update,
+                                              reply.commit.update_size)  # fmt: skip
             self.start_from_stream(request)
         return reply.header, reply.pieces
 

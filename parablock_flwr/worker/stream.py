@@ -126,14 +126,21 @@ class WorkerStream:
         self._closed = threading.Event()  # the worker exits: a transfer ahead not yet started does not start
 
     def start_transfers_ahead(
-        self, offer: TransportOffer, run_id: int, transfer_dtype: str, early: Callable[[], EarlyUpdate | None]
+        self,
+        offer: TransportOffer,
+        run_id: int,
+        transfer_dtype: str,
+        early: Callable[[], EarlyUpdate | None],
+        step_size: int = 0,
     ) -> None:
         """After round r's reply committed on the stream: round r+1's global step fetched as soon as the server
         publishes it, and round r+1's update (``early``: its rounding, once the computation ahead is done)
-        uploaded, both under the capabilities round r's offer issued ahead, in the background."""
+        uploaded, both under the capabilities round r's offer issued ahead, in the background. ``step_size``:
+        the size round r+1's step most likely has (round r's committed update: ``g^r`` is of the same block,
+        packed alike), which the download receives into kept memory."""
         step = update = rounded = None
         if offer.ahead_step_name:
-            step = self._ahead_pool.submit(self._prefetch, offer)
+            step = self._ahead_pool.submit(self._prefetch, offer, step_size)
         if offer.ahead_upload_name:
             rounded = Future()
             update = self._ahead_pool.submit(self._upload_ahead, offer, transfer_dtype, early, rounded)
@@ -202,9 +209,9 @@ class WorkerStream:
         ahead, self.ahead = self.ahead, None
         return ahead if ahead is not None and (ahead.run_id, ahead.server_round) == (run_id, server_round) else None
 
-    def _prefetch(self, offer: TransportOffer) -> Prefetched | None:
+    def _prefetch(self, offer: TransportOffer, step_size: int) -> Prefetched | None:
         try:
-            return self.transport.prefetch(offer)
+            return self.transport.prefetch(offer, step_size)
         except StreamUnusable as err:  # the round then fetches its step as usual
             log.info("direct transport: round %d's global step not fetched ahead: %s", offer.server_round + 1, err)
             return None

@@ -250,8 +250,9 @@ def cut(data: bytes, points: list[int]) -> Buffers:
     st.lists(st.integers(0, 400), max_size=8),
 )
 def test_a_record_read_in_the_parts_it_arrived_in_is_the_record_read_whole(data, points):
-    """The server reads an upload as the chunks it came in (``framing.payloads`` of ``Buffers``): any bytes,
-    cut anywhere, give the payloads of the same bytes read whole (``unframe``), or the same one-line refusal."""
+    """A record read in the parts it arrived in (``framing.payloads`` of ``Buffers``, as a spilled upload is read):
+    any bytes, cut anywhere, give the payloads of the same bytes read whole (``unframe``), or the same one-line
+    refusal."""
     parts = cut(data, points)
     assert len(parts) == len(data) and parts.tobytes() == data and parts.sha256() == sha(data)
     assert b"".join(parts.chunks(7)) == data and all(len(c) == 7 for c in list(parts.chunks(7))[:-1])

@@ -33,7 +33,7 @@ from parablock_flwr.messages import (
 from parablock_flwr.npy import npy_view
 from parablock_flwr.records import pieces_record
 from parablock_flwr.tools.credentials import make_tls
-from parablock_flwr.transport import RunTransport, StreamSettings
+from parablock_flwr.transport import NodeTransport, RunTransport, StreamSettings
 from parablock_flwr.transport.message_bytes import content_to_bytes, reply_from_bytes
 from parablock_flwr.versions import PROTOCOL_VERSION
 from parablock_flwr.wire import join_pieces, pack_pieces, unpack
@@ -210,11 +210,22 @@ def worker_rounds_on_stream(
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "int8"])
-def test_round_r_plus_1s_update_moves_before_its_message_and_its_reply_has_the_same_bits(tmp_path, tiny_model_dir,
-                                                                                        dtype):  # fmt: skip
+def test_round_r_plus_1s_update_moves_before_its_message_and_its_reply_has_the_same_bits(
+    tmp_path, tiny_model_dir, dtype, monkeypatch
+):
     """ParaBlock at-end on a node worker: with the capabilities issued a round ahead, rounds 2 and 3's updates
     are in the server's inbox before their requests are served, and their steps were fetched before; every
-    round's update has the bits of the same rounds without them (int8: the error feedback's residuals too)."""
+    round's update has the bits of the same rounds without them (int8: the error feedback's residuals too).
+    A step fetched ahead lands in kept memory of the size of the node's own update (``download_unannounced``):
+    in fp32 this test's steps have that size; in bf16 and int8 they are larger (its server sends fp32 steps),
+    and grow as they come, the same bits either way."""
+    prefetched, prefetch = [], NodeTransport.prefetch
+
+    def kept(self, offer, expected_size=0):  # the real download, its result kept for the asserts below
+        prefetched.append((expected_size, got := prefetch(self, offer, expected_size)))
+        return got
+
+    monkeypatch.setattr(NodeTransport, "prefetch", kept)
     tls = make_tls(tmp_path / "tls")
     config = tiny_config(tiny_model_dir, tmp_path, **{"local-steps": 2, "transfer-dtype": dtype,
                                                       "correction": "at-end"})  # fmt: skip
@@ -225,6 +236,9 @@ def test_round_r_plus_1s_update_moves_before_its_message_and_its_reply_has_the_s
              for r in moved]  # fmt: skip
     assert flags == [(None, None), (1, 1), (1, 1)], flags
     assert all(key("direct_update_ahead") not in r["metrics"] for r in plain)
+    assert len(prefetched) == 2 and all(expected > 0 for expected, _ in prefetched), prefetched
+    fitted = [isinstance(got.data, memoryview) and len(got.data) == expected for expected, got in prefetched]
+    assert fitted == [dtype == "fp32"] * 2, [(expected, type(got.data), len(got.data)) for expected, got in prefetched]
 
 
 def test_an_update_moved_ahead_has_its_residual_written_before_its_message_and_its_round_only_renames_it(

@@ -10,8 +10,9 @@ npy array), since nothing read off a network is trusted to be well formed. numpy
 and the server read it, and neither Flower nor torch is needed.
 
 A record is framed as ``Buffers``, its parts in order (the index, then each payload's npy header and
-values), never joined: the sender hashes them and cuts the stream's chunks from them, and the server
-holds an upload as the chunks gRPC delivered, so that neither side copies a whole record on its way.
+values), never joined: the sender hashes them and cuts the stream's chunks from them, and the server reads
+an upload's payloads where it landed (``unframe``; ``service.KeptUpload``), so that neither side copies a whole
+record on its way.
 """
 
 from __future__ import annotations
@@ -132,8 +133,8 @@ def unframe(data: bytes | bytearray | memoryview, record: str) -> dict[str, memo
 
 def payloads(data, record: str) -> dict[str, bytes]:
     """``unframe``'s payloads as bytes of their own (what Flower's ``Array.data`` holds), each copied once from
-    ``data``: bytes-like, or anything with ``len`` and ``read(start, stop)`` as ``Buffers`` (an upload as it was
-    received, in memory or in a file). Raises ``FramingError`` naming ``record``."""
+    ``data``: bytes-like, or anything with ``len`` and ``read(start, stop)`` as ``Buffers`` (an upload the server
+    received into a file, ``service.SpillFile``). Raises ``FramingError`` naming ``record``."""
     if isinstance(data, bytes | bytearray | memoryview):
         data = Buffers([data])
     entries = _entries(len(data), data.read, record)

@@ -228,7 +228,8 @@ class KeptUpload:
     """An upload received in memory kept across rounds (``kept_blocks``): a buffer of its declared size, each chunk
     copied into place as it comes, on the receiving thread while the rest is still on its way. Its arrays are then
     read where they landed (``view``): no copy after the last byte, and no block's pages faulted in afresh each
-    round (a copy into new memory cost about a second a 236 MB update on this project's 2-core VM)."""
+    round (a copy into new memory cost about a second a 236 MB update on this project's 2-core VM). The buffer is
+    taken when the upload's header comes, for the size it declares (bounded by its capability)."""
 
     def __init__(self, size: int) -> None:
         self._data = kept_blocks.host_bytes(size)
@@ -242,12 +243,6 @@ class KeptUpload:
 
     def __len__(self) -> int:
         return self._size
-
-    def read(self, start: int, stop: int) -> bytes:
-        return bytes(self._data[start : min(stop, self._size)])
-
-    def tobytes(self) -> bytes:
-        return self.read(0, self._size)
 
     def view(self) -> memoryview:
         """The bytes received, read-only (the buffer goes back to the pool when the last view of it goes)."""

@@ -34,7 +34,7 @@ from parablock_flwr.tools.app_config import (
 )
 from parablock_flwr.tools.launch import RunResult, check_run_config, find_run_dir, run_simulation, running
 
-from helpers import flower_pids, kill, tiny_config
+from helpers import flower_pids, kill, side_by_side, tiny_config
 
 PROJECT_DIR = find_project_dir(Path(__file__).resolve().parent)
 COMMAND = str(Path(sys.executable).parent / "parablock-flwr")  # the installed console script
@@ -224,14 +224,33 @@ FLOWER_WARNS_ALWAYS = (
 )
 
 
+@pytest.fixture(scope="module")
+def outcome_runs(tmp_path_factory, tiny_model_dir) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """The command's runs whose outcome the tests below read, side by side (``helpers.side_by_side``: each in its own
+    folders, with its own SuperLink and ports): a completed run, an invalid value, too few replies."""
+    runs = {
+        "completed": (2, {"num_server_rounds": 2, "dataset": "reasoning-gym:syllogism"}),
+        "invalid": (1, {"layers_per_block": 99}),
+        "too_few": (3, {"num_server_rounds": 2, "min_accepted_replies": 5, "on_too_few_replies": "stop"}),
+    }
+    folders = {label: tmp_path_factory.mktemp(label) for label in runs}
+    done = side_by_side({
+        label: lambda label=label, nodes=nodes, overrides=overrides: simulate_command(
+            folders[label], tiny_model_dir, nodes, **overrides
+        )
+        for label, (nodes, overrides) in runs.items()
+    })  # fmt: skip
+    return {label: (folders[label], proc) for label, proc in done.items()}
+
+
 @pytest.mark.e2e
-def test_a_completed_run_exits_0_and_logs_no_warning(tmp_path, tiny_model_dir):
+def test_a_completed_run_exits_0_and_logs_no_warning(outcome_runs):
     """A normal run (the default job's data, whose rows all fit `max-seq-len`) says nothing it would
     warn about: no WARNING line from us, Flower, Ray or transformers, in the command's output (the
     ServerApp's and the ClientApps' logs streamed) or in the SuperLink's log (issue 24), but those
     Flower always logs. Before: also Ray's FutureWarning about GPUs, and at the end the SuperLink's
     "SuperExec subprocess did not terminate within 1 second" and "Connection attempt failed"."""
-    proc = simulate_command(tmp_path, tiny_model_dir, 2, num_server_rounds=2, dataset="reasoning-gym:syllogism")
+    tmp_path, proc = outcome_runs["completed"]
     run_dir, status = run_folder(tmp_path)
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert status["status"] == "completed" and status["rounds_completed"] == status["num_rounds"] == 2
@@ -243,8 +262,8 @@ def test_a_completed_run_exits_0_and_logs_no_warning(tmp_path, tiny_model_dir):
 
 
 @pytest.mark.e2e
-def test_an_invalid_value_exits_2_with_a_failed_status_record(tmp_path, tiny_model_dir):
-    proc = simulate_command(tmp_path, tiny_model_dir, 1, layers_per_block=99)
+def test_an_invalid_value_exits_2_with_a_failed_status_record(outcome_runs):
+    tmp_path, proc = outcome_runs["invalid"]
     run_dir, status = run_folder(tmp_path)
     assert proc.returncode == 2, proc.stdout[-4000:]
     run_id = re.search(r"Successfully started run (\d+)", proc.stdout).group(1)
@@ -254,10 +273,8 @@ def test_an_invalid_value_exits_2_with_a_failed_status_record(tmp_path, tiny_mod
 
 
 @pytest.mark.e2e
-def test_too_few_replies_exits_3(tmp_path, tiny_model_dir):
-    proc = simulate_command(
-        tmp_path, tiny_model_dir, 3, num_server_rounds=2, min_accepted_replies=5, on_too_few_replies="stop"
-    )
+def test_too_few_replies_exits_3(outcome_runs):
+    tmp_path, proc = outcome_runs["too_few"]
     _, status = run_folder(tmp_path)
     assert proc.returncode == 3, proc.stdout[-4000:]
     assert status["kind"] == "too-few-replies" and status["rounds_completed"] == 0

@@ -13,15 +13,18 @@ Flower's own work on a block. The npy reading and writing is
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
-from flwr.app import Array, ArrayRecord
+from flwr.app import Array, ArrayRecord, Message
 from flwr.common.constant import SType
 
 from .core import Tensors
 from .npy import NpyError, npy_header, npy_view
 from .wire import WIRE_DTYPES, WireError, pack_pieces, unpack
 
-__all__ = ["WIRE_DTYPES", "WireError", "pieces_record", "record_arrays", "to_record", "to_tensors"]
+__all__ = ["WIRE_DTYPES", "WireError", "flower_ready", "payloads_record", "pieces_record", "record_arrays",
+           "to_record", "to_tensors"]  # fmt: skip
 
 
 def to_array(pieces: list[np.ndarray]) -> Array:
@@ -63,3 +66,35 @@ def to_record(tensors: Tensors, transfer_dtype: str = "fp32") -> ArrayRecord:
 def pieces_record(pieces: dict[str, list[np.ndarray]]) -> ArrayRecord:
     """The record of ``wire.pack_pieces``'s (or ``wire.round_and_pack``'s) pieces, each array joined once."""
     return ArrayRecord({name: to_array(array_pieces) for name, array_pieces in pieces.items()})
+
+
+def payloads_record(payloads: Mapping[str, memoryview | bytes]) -> ArrayRecord:
+    """The record of npy payloads as they lie (``wire.encoding_payloads``' once filled, an upload's where it
+    landed): each ``Array`` over its payload, nothing copied (``payload_array``). It is filled item by item: the
+    ``ArrayRecord`` constructor makes each ``Array`` again."""
+    record = ArrayRecord()
+    for name, payload in payloads.items():
+        record[name] = payload_array(payload, name)
+    return record
+
+
+def payload_array(payload: memoryview | bytes, name: str) -> Array:
+    """Flower's ``Array`` of an npy payload as it lies (a read-only view of kept memory, or bytes), checked to be
+    a plain npy array. The view is set after the constructor, which takes ``bytes`` only: copied into ``bytes``, a
+    block would cost a pass into new memory on the critical path. What reads ``Array.data`` in this app
+    (``from_array``, ``Array.numpy``, ``len``, the stream's framing) takes any buffer; Flower's own path takes
+    ``bytes`` (``flower_ready``)."""
+    view = npy_view(payload, name)
+    array = Array(dtype=str(view.dtype), shape=view.shape, stype=SType.NUMPY, data=b"")
+    array.data = payload
+    return array
+
+
+def flower_ready(message: Message) -> Message:
+    """``message`` as Flower's own path takes it (its protobuf, Ray's pickling): the payload of an ``Array`` that
+    is a view (``payload_array``'s) becomes ``bytes`` of its own, the copy it would have cost anyway."""
+    for record in message.content.array_records.values():
+        for name in record:
+            if not isinstance(record[name].data, bytes):
+                record[name].data = bytes(record[name].data)
+    return message

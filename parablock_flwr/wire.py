@@ -27,6 +27,7 @@ from collections.abc import Iterator, Mapping
 import numpy as np
 import torch
 
+from . import kept_blocks
 from .core import (
     INT8_BLOCK,
     TRANSFER_DTYPES,
@@ -38,6 +39,7 @@ from .core import (
     encoded_sum_of_squares,
     int8_blocks,
 )
+from .npy import npy_header
 
 # The payload dtype each transfer precision uses on the wire, from core.TRANSFER_DTYPES (the one table):
 # the same dtype in numpy, but bf16 (which numpy lacks) as its raw 16-bit patterns.
@@ -86,8 +88,7 @@ def pack_pieces(
         encoded = tensors.encoded if own else encode(tensors, transfer_dtype)
     kept = isinstance(tensors, (EncodedTensors, Decoded))  # (their ``items()`` would decode every tensor)
     shapes = tensors.shapes if kept else {n: t.shape for n, t in tensors.items()}
-    layout = json.dumps([[name, list(shape)] for name, shape in shapes.items()]).encode()
-    pieces = {LAYOUT: [np.frombuffer(layout, dtype=np.uint8)]}
+    pieces = {LAYOUT: [np.frombuffer(layout_bytes(shapes), dtype=np.uint8)]}
     values = [encoded[name][0].cpu() for name in tensors]
     bf16 = transfer_dtype == "bf16"
     pieces[VALUES] = [v.view(torch.int16).numpy() if bf16 else v.numpy() for v in values]
@@ -95,6 +96,49 @@ def pack_pieces(
     if transfer_dtype == "int8":
         pieces[SCALES] = [encoded[name][1].cpu().numpy() for name in tensors] or [np.zeros(0, np.float32)]
     return pieces
+
+
+def layout_bytes(shapes: Mapping[str, tuple[int, ...]]) -> bytes:
+    """A packed record's ``layout`` array's bytes: the names and shapes, in order."""
+    return json.dumps([[name, list(shape)] for name, shape in shapes.items()]).encode()
+
+
+def encoding_payloads(
+    shapes: Mapping[str, tuple[int, ...]], transfer_dtype: str
+) -> tuple[Encoded, dict[str, memoryview]]:
+    """A block's encoding to be written where it travels from (``core.applied_mean_step``'s ``encoded_into``: the
+    server's step). Each array of its packed record (``pack_pieces``'s values, layout and int8's scales) is one npy
+    payload in kept memory, its header then its values; each tensor's values and scales are views of their place
+    in it. Returns those views, to fill, and the payloads (array name -> its npy bytes, read-only), which once the
+    views are filled are the record as it is: nothing joined (``records.payloads_record``). Joined into fresh memory,
+    the step cost a pass over the block between the last reply and the next message."""
+    counts = [math.prod(shape) for shape in shapes.values()]
+    blocks = [int8_blocks(count) if transfer_dtype == "int8" else 0 for count in counts]
+    layout = np.frombuffer(layout_bytes(shapes), dtype=np.uint8)
+    payloads: dict[str, memoryview] = {}  # in ``pack_pieces``' order: the framed record's bytes are the same
+    _payload(payloads, LAYOUT, layout.dtype, layout.size)[:] = layout
+    values = _payload(payloads, VALUES, WIRE_DTYPES[transfer_dtype], sum(counts))
+    scales = _payload(payloads, SCALES, np.dtype(np.float32), sum(blocks)) if transfer_dtype == "int8" else None
+    encoded, at, scales_at = {}, 0, 0
+    for name, count, tensor_blocks in zip(shapes, counts, blocks):
+        tensor_values = torch.from_numpy(values[at : at + count])
+        if transfer_dtype == "bf16":
+            tensor_values = tensor_values.view(torch.bfloat16)
+        tensor_scales = torch.from_numpy(scales[scales_at : scales_at + tensor_blocks]) if scales is not None else None
+        encoded[name] = (tensor_values, tensor_scales)
+        at, scales_at = at + count, scales_at + tensor_blocks
+    return encoded, payloads
+
+
+def _payload(payloads: dict[str, memoryview], name: str, dtype: np.dtype, count: int) -> np.ndarray:
+    """An npy payload of ``count`` values of ``dtype`` in kept memory, its header written: into ``payloads`` as a
+    read-only view of all its bytes; returned, the writable array of its values (a view of the kept memory's own
+    memoryview, which holds that memory as long as the array lives: ``kept_blocks``)."""
+    header = npy_header(dtype, (count,))  # its length a multiple of 64: the values start aligned as the memory does
+    memory = kept_blocks.KEPT.host_bytes(len(header) + count * dtype.itemsize)
+    memory[: len(header)] = header
+    payloads[name] = memory.toreadonly()
+    return np.frombuffer(memory, dtype=dtype, count=count, offset=len(header))
 
 
 def kept_dtype(tensors: Mapping[str, torch.Tensor]) -> str:

@@ -9,13 +9,14 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord
+from flwr.app import ArrayRecord, Message, MessageType, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from parablock_flwr import core, wire
 from parablock_flwr.node.state import ResidualStore
-from parablock_flwr.records import to_tensors
+from parablock_flwr.records import flower_ready, payloads_record, pieces_record, to_tensors
 
 SHAPES = {"w": (7, 300), "b": (300,), "s": (), "e": (0, 4)}  # a partial int8 block, a scalar, an empty tensor
 
@@ -206,6 +207,19 @@ def test_the_servers_round_in_one_pass_is_the_mean_the_step_and_x_plus_g_one_aft
     }
     assert all(torch.equal(one_pass[n], step[n]) and torch.equal(new[n], expected[n]) for n in shapes)
     assert all(new[n].shape == x[n].shape for n in shapes)
+    # Written where it travels from (the server's step): its record is the joined one, byte for byte, read where
+    # the pass wrote it; Flower's own path gets bytes of it, the same object for Flower as the joined record.
+    encoded_into, payloads = wire.encoding_payloads(shapes, transfer_dtype)
+    in_place, _, _ = core.applied_mean_step(updates, weights, server_lr, x, transfer_dtype, clip_scales=scales,
+                                            noise=noise, noise_std=std, encoded_into=encoded_into)  # fmt: skip
+    assert all(in_place[n][0].data_ptr() == encoded_into[n][0].data_ptr() for n in shapes)
+    record, joined = payloads_record(payloads), pieces_record(pieces)
+    assert all(isinstance(a.data, memoryview) and a.data.readonly for a in record.values())
+    assert {k: bytes(a.data) for k, a in record.items()} == {k: a.data for k, a in joined.items()}
+    for field, value in {"_run_id": 1, "_task_id": 1, "_node_id": 0}.items():  # the ServerApp's, as Flower sets them
+        monkeypatch.setattr(TaskIdentity, field, value)
+    flower_ready(Message(RecordDict({"step": record}), dst_node_id=1, message_type=MessageType.TRAIN))
+    assert all(type(a.data) is bytes for a in record.values()) and record.object_id == joined.object_id
 
 
 def test_the_servers_round_in_one_pass_names_the_first_tensor_whose_new_values_are_not_finite():

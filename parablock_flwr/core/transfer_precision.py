@@ -331,7 +331,7 @@ def applied_mean_step(
     updates: Sequence[Mapping[str, torch.Tensor]], weights: list[float], server_lr: float,
     x: Mapping[str, torch.Tensor], transfer_dtype: str, out: Mapping[str, torch.Tensor] | None = None,
     clip_scales: Sequence[float | None] | None = None, noise: Mapping[str, torch.Tensor] | None = None,
-    noise_std: float = 0.0,
+    noise_std: float = 0.0, encoded_into: Encoded | None = None,
 ) -> tuple[Encoded, Tensors, str | None]:  # fmt: skip
     """The server's round over a block in one pass: ``g = round(η_s Σ (w_i / Σw) Δ_i)`` as it travels, and
     ``x + g`` in new storage (``out``'s tensors, where given), chunk by chunk through the cache, so that neither
@@ -339,9 +339,10 @@ def applied_mean_step(
     ``global_step``, ``encode`` and ``added`` one after another, each elementwise (int8's blocks whole in each
     chunk): the same bits. Every update is read at once, so all of them are in memory. With differential
     privacy, ``clip_scales`` (``clip_scale`` of each update; None: inside the ball) and ``noise`` (``gaussian``'s,
-    times ``noise_std``) are ``clip`` and ``add_noise`` in the same pass, with the same operations. Returns the
-    step's encoding, ``x``'s new tensors (in the updates' order) and the first of them with a value that is not
-    finite (None: none)."""
+    times ``noise_std``) are ``clip`` and ``add_noise`` in the same pass, with the same operations. The step's
+    encoding is written into ``encoded_into``'s tensors where given (where it travels from). Returns the step's
+    encoding, ``x``'s new tensors (in the updates' order) and the first of them with a value that is not finite
+    (None: none)."""
     factors = mean_factors(weights)
     clip_scales = list(clip_scales) if clip_scales is not None else [None] * len(updates)
     if not len(updates) == len(factors) == len(clip_scales):
@@ -356,7 +357,7 @@ def applied_mean_step(
         width = max(min(n, ONE_PASS_CHUNK_VALUES) if device.type == "cpu" else n, 1)
         total, decoded = kept_blocks.empty(width, device=device), kept_blocks.empty(width, device=device)
         work = kept_blocks.empty(int8_blocks(width) * INT8_BLOCK, device=device) if transfer_dtype == "int8" else None
-        encoded[name] = empty_encoding(n, transfer_dtype, device)
+        encoded[name] = encoded_into[name] if encoded_into is not None else empty_encoding(n, transfer_dtype, device)
         target = (out or {}).get(name)
         new[name] = kept_blocks.empty(x[name].shape, dtype=flat_x.dtype, device=device) if target is None else target
         flat_new, at = new[name].view(-1), 0

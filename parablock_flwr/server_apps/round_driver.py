@@ -17,6 +17,7 @@ from flwr.app import Message
 from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 from flwr.serverapp import Grid
 
+from ..records import flower_ready
 from ..strategies.round_stats import array_bytes
 from ..transport.channel import Channel
 
@@ -111,7 +112,7 @@ class RoundDriver:
         the stream): Flower delivers each as soon as its SuperNode has pushed round r-1's reply, and the node's
         worker waits on the stream for the content round r's push publishes. They live until round r may end."""
         messages = [m for n in sorted(nodes) if (m := self.channel.message_ahead(server_round, n)) is not None]
-        taken = {mid for mid in grid.push_messages(messages) if mid} if messages else set()
+        taken = {mid for mid in grid.push_messages([flower_ready(m) for m in messages]) if mid} if messages else set()
         for msg in messages:
             if msg.metadata.message_id in taken:
                 self.channel.pushed(server_round, msg.metadata.dst_node_id, msg.metadata.message_id)
@@ -126,7 +127,7 @@ class RoundDriver:
     def _push_batch(self, grid: Grid, batch: list[Message]) -> dict[str, int]:
         if not batch:
             return {}
-        taken = {mid for mid in grid.push_messages(batch) if mid}
+        taken = {mid for mid in grid.push_messages([flower_ready(m) for m in batch]) if mid}
         sent = {}
         for msg in batch:
             if msg.metadata.message_id in taken:

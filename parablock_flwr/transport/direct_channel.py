@@ -36,8 +36,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
 
-from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType, Metadata, RecordDict
-from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode, SType
+from flwr.app import ConfigRecord, Error, Message, MessageType, Metadata, RecordDict
+from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 
 from ..messages import (
     BLOCK_RECORDS,
@@ -54,6 +54,7 @@ from ..messages import (
     key,
 )
 from ..npy import npy_view
+from ..records import payloads_record
 from ..versions import PROTOCOL_VERSION
 from .capabilities import RefusalKind, Refused
 from .channel import Channel
@@ -318,9 +319,7 @@ class DirectChannel(Channel):
         if payloads is None:
             return (f"its update ({commit.update_size} bytes) is committed but was not uploaded on the stream in round "
                     f"{server_round}")  # fmt: skip
-        content[UPDATE] = update = ArrayRecord()  # filled item by item: its constructor makes each Array again
-        for name, payload in payloads.items():
-            update[name] = _array(payload, name)
+        content[UPDATE] = payloads_record(payloads)  # read where they landed: nothing copied
         del content[COMMIT]
         self.on_stream[node] = True
         self.committed.add(node)
@@ -352,14 +351,3 @@ def rejected(reply: Message, why: str) -> Message:
     """An error reply in place of ``reply`` (same sender, same message answered): the reply checks reject it
     with ``why``, and its node, whose update the server could not take, gets a full sync next."""
     return Message(error=Error(code=ErrorCode.UNKNOWN, reason=f"{DIRECT} {why}"), metadata=copy.copy(reply.metadata))
-
-
-def _array(payload: memoryview | bytes, name: str) -> Array:
-    """Flower's ``Array`` of an npy payload, the ``Array`` Flower's path would have delivered. A payload read where
-    the upload landed (a read-only view of kept memory, ``service.KeptUpload``) is set after the constructor, which
-    takes ``bytes`` only: copied into ``bytes``, a block would cost a pass into new memory on the critical path;
-    what reads ``Array.data`` here (``records.from_array``, ``Array.numpy``, ``len``) takes any buffer."""
-    view = npy_view(payload, name)  # checked by the claim already
-    array = Array(dtype=str(view.dtype), shape=view.shape, stype=SType.NUMPY, data=b"")
-    array.data = payload
-    return array

@@ -92,12 +92,15 @@ def frame(payloads: Mapping[str, object]) -> bytes:
 
 
 def framed(payloads: Mapping[str, object]) -> Buffers:
-    """``frame``'s bytes as ``Buffers`` of the payloads themselves: nothing copied. A payload that is not
-    ``bytes`` (a mutable buffer) is copied first, so that what is hashed is what is sent."""
+    """``frame``'s bytes as ``Buffers`` of the payloads themselves: nothing copied. A payload that is neither
+    ``bytes`` nor a read-only view (a buffer this app never writes again: the server's step where its pass wrote
+    it, ``wire.encoding_payloads``) is copied first, so that what is hashed is what is sent."""
 
     def owned(p):
         data = getattr(p, "data", p)
-        return data if isinstance(data, bytes) else bytes(memoryview(data).cast("B"))
+        if isinstance(data, bytes) or (isinstance(data, memoryview) and data.readonly):
+            return data
+        return bytes(memoryview(data).cast("B"))
 
     return _joined({name: [owned(p)] for name, p in payloads.items()})
 

@@ -37,9 +37,9 @@ from ...config import RunConfig
 from ...messages import GLOBAL_STEP, METRICS, ROUND, UPDATE, PartitionAnswer, RoundConfig, TrainMetrics
 from ...metrics import timed
 from ...privacy import ServerPrivacy
-from ...records import pieces_record, record_arrays
+from ...records import payloads_record, pieces_record, record_arrays
 from ...replica import StepLog
-from ...wire import WireError, pack_encoded, round_and_pack, unpack
+from ...wire import WireError, encoding_payloads, pack_encoded, round_and_pack, unpack
 from ..node_sync import NodeSync, ask_partitions, seeded_sample
 from ..reply_checks import (
     Expected,
@@ -110,6 +110,8 @@ class PassAhead:
 
     inputs: list[tuple]  # (node, partition id, weight, the update's fingerprint), in partition order
     args: tuple  # applied_mean_step's arguments
+    encoded_into: dict  # where the pass writes the step's encoding: views of ``payloads``
+    payloads: dict  # the step's record as it travels (``wire.encoding_payloads``)
     held: list  # the packed updates read: alive until taken or dropped, so that no other buffer takes their memory
     result: tuple | None = None  # applied_mean_step's (encoding, new x[b], first tensor not finite)
     seconds: float = 0.0  # the pass's own time, off the critical path
@@ -121,27 +123,28 @@ class PassAhead:
         """The pass, unless dropped already; its result is kept only until taken or dropped."""
         start = time.perf_counter()
         try:
-            result = core.applied_mean_step(*self.args) if not self.dropped else None
+            result = core.applied_mean_step(*self.args, encoded_into=self.encoded_into) if not self.dropped else None
             with self.lock:
                 self.result = None if self.dropped else result
         finally:
-            self.seconds, self.args = time.perf_counter() - start, ()
+            self.seconds, self.args, self.encoded_into = time.perf_counter() - start, (), {}
             self.done.set()
 
     def take(self, inputs: list[tuple]) -> tuple | None:
-        """The pass's result where ``inputs`` are the ones it read (waited for), else None at once (dropped)."""
+        """The pass's result and the payloads it wrote where ``inputs`` are the ones it read (waited for), else None
+        at once (dropped)."""
         if inputs != self.inputs:
             self.drop()
             return None
         self.done.wait()
         with self.lock:
             result, self.result, self.held = self.result, None, []
-        return result
+        return (result, self.payloads) if result is not None else None
 
     def drop(self) -> None:
         """Its result and the updates it holds go (a pass still running ends on its own, its result unkept)."""
         with self.lock:
-            self.dropped, self.result, self.held = True, None, []
+            self.dropped, self.result, self.held, self.payloads = True, None, [], {}
 
 
 class FedBCD:
@@ -454,8 +457,7 @@ class FedBCD:
             outcome.accepted, outcome.aggregate_rejected, outcome.pending = [], True, []
             outcome.reason, outcome.rejected = self.too_few([]), list(self.stats.rejected)
             return outcome
-        outcome.step, wire_pieces = applied
-        outcome.arrays = pieces_record(wire_pieces)
+        outcome.step, outcome.arrays = applied
         weights = [self.client_weight(r.metrics) for r in outcome.accepted]
         for reply, weight in zip(outcome.accepted, weights):
             self.sync.accepted(reply.node, server_round, reply.partition_id)
@@ -511,9 +513,10 @@ class FedBCD:
 
     def step_in_one_pass(
         self, server_round: int, block: int, accepted: list[Reply], stage: Stage, ahead: Future | None = None
-    ) -> tuple[core.Tensors, dict] | str | None:
+    ) -> tuple[core.Tensors, ArrayRecord] | str | None:
         """``round_step`` and ``apply_if_finite`` in one pass over the block (``core.applied_mean_step``: the same
-        bits, the mean and the step never written as fp32 blocks between the last reply and the next message),
+        bits, the mean and the step never written as fp32 blocks between the last reply and the next message; the
+        step's record written where it travels from, ``wire.encoding_payloads``),
         where the round is the default weighted mean of updates the spill holds in memory (differential privacy's
         clipping and noise included). None where it is not (a subclass's ``combine`` or ``server_update``, more
         replies than ``IN_MEMORY``): then each step runs apart. The pass run ahead (``ahead``: ``PassAhead``) stands
@@ -530,19 +533,21 @@ class FedBCD:
             taken = self.pass_run_ahead(ahead, accepted, weights)  # waited for where it is kept
             # Every update in memory: each staged for the checkpoint without waiting for the writes before it.
             updates = list(self.accepted_updates(server_round, block, accepted, stage, held=True))
-            encoded, new, not_finite = taken or core.applied_mean_step(
-                updates, weights, cfg.server_lr, self.global_params, cfg.transfer_dtype, new_x_into, *privacy
-            )
+            if taken is None:
+                encoded_into, payloads = encoding_payloads(self.block_shapes(block), cfg.transfer_dtype)
+                taken = core.applied_mean_step(updates, weights, cfg.server_lr, self.global_params, cfg.transfer_dtype,
+                                               new_x_into, *privacy, encoded_into=encoded_into), payloads  # fmt: skip
+            (encoded, new, not_finite), payloads = taken
             self.spill.start()  # every update is combined: the file is emptied
             try:
                 shapes = {n: tuple(t.shape) for n, t in new.items()}
-                step, wire_pieces = pack_encoded(encoded, shapes, cfg.transfer_dtype)
+                step, _ = pack_encoded(encoded, shapes, cfg.transfer_dtype)  # its scales checked as a receiver would
             except WireError as err:
                 return self.cannot_travel(err)
         if not_finite is not None:
             return self.not_finite(not_finite)
         self.take_new_x(new)
-        return step, wire_pieces
+        return step, payloads_record(payloads)
 
     def prepare_pass_ahead(self, server_round: int, landed: Mapping[int, Mapping[str, np.ndarray]]) -> PassAhead | None:
         """Round r's one pass on updates that came before their replies (``landed``: node -> its packed update, as
@@ -568,12 +573,14 @@ class FedBCD:
         _, new_x_into = self.buffers.take(server_round)
         cfg, weights = self.config, [w for *_, w in known]
         inputs = [(node, partition, weight, fingerprint(landed[node])) for partition, node, weight in known]
+        encoded_into, payloads = encoding_payloads(self.block_shapes(block), cfg.transfer_dtype)
         args = (updates, weights, cfg.server_lr, x, cfg.transfer_dtype, new_x_into)
-        return PassAhead(inputs, args, held=[landed[node] for _, node, _ in known])
+        return PassAhead(inputs, args, encoded_into, payloads, held=[landed[node] for _, node, _ in known])
 
     def pass_run_ahead(self, ahead: Future | None, accepted: list[Reply], weights: list[float]) -> tuple | None:
-        """The result of the round's ``PassAhead`` where it read exactly the accepted replies' updates (in their
-        order, with their partitions and weights), waited for; else None, at once. Counted in the round's record:
+        """The result of the round's ``PassAhead`` (with the payloads it wrote) where it read exactly the accepted
+        replies' updates (in their order, with their partitions and weights), waited for; else None, at once.
+        Counted in the round's record:
         ``one_pass_ahead`` (kept, with ``server_one_pass_ahead_s``, the pass's own time, off the critical path) or
         ``one_pass_ahead_dropped``."""
         prepared = ahead.result() if ahead is not None else None
@@ -625,9 +632,9 @@ class FedBCD:
             self.global_params[name].data = values
         self.x_moved(before)
 
-    def apply_if_finite(self, step: core.Tensors) -> tuple[core.Tensors, dict] | str:
+    def apply_if_finite(self, step: core.Tensors) -> tuple[core.Tensors, ArrayRecord] | str:
         """Round ``g^r`` as it travels (``transfer-dtype``, from the very pieces sent) and apply it to
-        ``x``, only if the step and the new ``x`` are finite: returns (the rounded step, its wire pieces),
+        ``x``, only if the step and the new ``x`` are finite: returns (the rounded step, its record),
         or why not, with ``x`` unchanged. Finite replies can sum, or scale by ``server-lr``, past fp32's
         range (or fp16's, or int8's largest scale); a non-finite ``x`` would reach every copy."""
         new_x_into, self._new_x_into, self._sum_into = self._new_x_into, {}, {}  # taken once: none outlives the round
@@ -644,7 +651,7 @@ class FedBCD:
             if new[name] is None:
                 return self.not_finite(name)
         self.take_new_x(new)
-        return step, wire_pieces
+        return step, pieces_record(wire_pieces)
 
     def reject_aggregate(self, server_round: int, accepted: list[Reply], reason: str) -> None:
         """The round's aggregate is not applied: every reply in it is rejected with ``reason`` (counted,

@@ -8,7 +8,9 @@ Each ``Array`` holds standard ``.npy`` bytes (what ``Array(ndarray)`` and ``Arra
 read), built and read here with one copy: ``np.save`` into a ``BytesIO`` and ``np.load`` from one copy a
 block-sized array three and two times, which on a machine short of memory bandwidth cost more than
 Flower's own work on a block. The npy reading and writing is
-``npy.py``'s, which the torch-free ClientApp relay shares.
+``npy.py``'s, which the torch-free ClientApp relay shares. A record whose payloads already lie in memory as npy
+(the server's step where its pass wrote it, an upload where it landed) gets ``Array``s that view them, no copy
+(``payloads_record``), and ``bytes`` of them only where Flower's own path serialises it (``flower_ready``).
 """
 
 from __future__ import annotations

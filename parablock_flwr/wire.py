@@ -169,7 +169,8 @@ def pack_encoded(
     encoded: Encoded, shapes: Mapping[str, tuple[int, ...]], transfer_dtype: str
 ) -> tuple[Mapping[str, torch.Tensor], dict[str, list[np.ndarray]]]:
     """``round_and_pack(lazy=True)``'s two results for a step already encoded (``core.applied_mean_step``'s):
-    its values as a receiver reads them (fp32's own memory), and the pieces that carry them. Raises
+    its values as a receiver reads them (fp32's own memory, to be read only: it may be the very bytes sent,
+    ``encoding_payloads``), and the pieces that carry them. Raises
     ``WireError`` where a receiver would refuse them (an int8 scale past ``MAX_INT8_SCALE``)."""
     pieces = pack_pieces(EncodedTensors(encoded, shapes), transfer_dtype)  # as it is: it travels so already
     if transfer_dtype == "fp32":

@@ -26,6 +26,7 @@ from uuid import uuid4
 
 from flwr.app import Error, Message, RecordDict
 from flwr.common.constant import NOOP_ACCOUNT_NAME, NOOP_FLWR_AID, SUPERLINK_NODE_ID
+from flwr.common.serde import recorddict_to_proto
 from flwr.proto.task_pb2 import Task  # pylint: disable=E0611
 from flwr.server.superlink.linkstate import LinkStateFactory
 from flwr.server.superlink.linkstate.in_memory_linkstate import RunRecord
@@ -89,6 +90,7 @@ class InMemoryFederation:
         self.heartbeat_s = heartbeat_s
         self.heartbeat: Callable[[int], bool] = lambda index: True  # does node ``index`` still heartbeat?
         self.stop = threading.Event()
+        self.errors: list[Exception] = []  # a message a SuperNode could not have received
         self.threads = [threading.Thread(target=self._serve, args=(i,), daemon=True) for i in range(num_nodes)]
 
     def __enter__(self) -> InMemoryFederation:
@@ -100,6 +102,8 @@ class InMemoryFederation:
         self.stop.set()
         for thread in self.threads:
             thread.join(timeout=10)
+        if self.errors:
+            raise AssertionError(f"a message Flower could not serialise: {self.errors[0]}")
 
     def _serve(self, index: int) -> None:
         node = self.nodes[index]
@@ -107,7 +111,13 @@ class InMemoryFederation:
             if self.heartbeat(index):
                 self.state.acknowledge_node_heartbeat(node_id=node, heartbeat_interval=self.heartbeat_s)
             for msg in self.state.get_message_ins(node_id=node, limit=1):
-                content = self.answer(index, msg)
+                try:  # as a SuperNode receives it: serialised by protobuf, which takes only ``bytes``
+                    recorddict_to_proto(msg.content)
+                except TypeError as err:  # said at the federation's exit; the run fails now, not at its timeouts
+                    self.errors.append(err)
+                    content = Error(code=0, reason=f"not serialisable: {err}")
+                else:
+                    content = self.answer(index, msg)
                 if content is None:
                     continue
                 reply = content if isinstance(content, Message) else Message(content, reply_to=msg)

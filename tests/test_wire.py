@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from parablock_flwr import core, wire
 from parablock_flwr.node.state import ResidualStore
 from parablock_flwr.records import flower_ready, payloads_record, pieces_record, to_tensors
+from parablock_flwr.transport.framing import framed
 
 SHAPES = {"w": (7, 300), "b": (300,), "s": (), "e": (0, 4)}  # a partial int8 block, a scalar, an empty tensor
 
@@ -216,6 +217,8 @@ def test_the_servers_round_in_one_pass_is_the_mean_the_step_and_x_plus_g_one_aft
     record, joined = payloads_record(payloads), pieces_record(pieces)
     assert all(isinstance(a.data, memoryview) and a.data.readonly for a in record.values())
     assert {k: bytes(a.data) for k, a in record.items()} == {k: a.data for k, a in joined.items()}
+    address = lambda buffer: np.frombuffer(buffer, np.uint8).ctypes.data  # noqa: E731
+    assert address(payloads["values"]) in map(address, framed(record).parts)  # the stream sends them as they lie
     for field, value in {"_run_id": 1, "_task_id": 1, "_node_id": 0}.items():  # the ServerApp's, as Flower sets them
         monkeypatch.setattr(TaskIdentity, field, value)
     flower_ready(Message(RecordDict({"step": record}), dst_node_id=1, message_type=MessageType.TRAIN))

@@ -340,9 +340,9 @@ def applied_mean_step(
     chunk): the same bits. Every update is read at once, so all of them are in memory. With differential
     privacy, ``clip_scales`` (``clip_scale`` of each update; None: inside the ball) and ``noise`` (``gaussian``'s,
     times ``noise_std``) are ``clip`` and ``add_noise`` in the same pass, with the same operations. The step's
-    encoding is written into ``encoded_into``'s tensors where given (where it travels from). Returns the step's
-    encoding, ``x``'s new tensors (in the updates' order) and the first of them with a value that is not finite
-    (None: none)."""
+    encoding is written into ``encoded_into``'s tensors where given (where it travels from; on ``x``'s device).
+    Returns the step's encoding, ``x``'s new tensors (in the updates' order) and the first of them with a value
+    that is not finite (None: none)."""
     factors = mean_factors(weights)
     clip_scales = list(clip_scales) if clip_scales is not None else [None] * len(updates)
     if not len(updates) == len(factors) == len(clip_scales):

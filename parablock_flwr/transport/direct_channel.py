@@ -218,7 +218,8 @@ class DirectChannel(Channel):
 
     def landed_updates(self, server_round: int, nodes: set[int]) -> dict[int, dict] | None:
         """Each of ``nodes``' round-r update uploaded and not yet claimed, as ``incoming`` will put it in its reply
-        (``_array`` over the same payloads: the arrays read the same memory), or None while one has not landed."""
+        (``records.payloads_record`` over the same payloads: the arrays read the same memory), or None while one has
+        not landed."""
         landed = {}
         for node in sorted(nodes):
             payloads = self.transport.landed_update(server_round, node)

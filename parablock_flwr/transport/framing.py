@@ -92,9 +92,10 @@ def frame(payloads: Mapping[str, object]) -> bytes:
 
 
 def framed(payloads: Mapping[str, object]) -> Buffers:
-    """``frame``'s bytes as ``Buffers`` of the payloads themselves: nothing copied. A payload that is neither
-    ``bytes`` nor a read-only view (a buffer this app never writes again: the server's step where its pass wrote
-    it, ``wire.encoding_payloads``) is copied first, so that what is hashed is what is sent."""
+    """``frame``'s bytes as ``Buffers`` of the payloads themselves: nothing copied. ``bytes`` and read-only views
+    (of memory this app never writes again: the server's step where its pass wrote it, ``wire.encoding_payloads``)
+    are taken as they are; any other payload (a mutable buffer) is copied first, so that what is hashed is what is
+    sent."""
 
     def owned(p):
         data = getattr(p, "data", p)

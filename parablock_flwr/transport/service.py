@@ -168,9 +168,9 @@ class Outbox:
         self, name: str, data: Buffers | bytes | None = None, path: Path | None = None, held: bool = False
     ) -> Published:
         """Publish ``data`` or the file at ``path`` under ``name``; its size and SHA-256 go into Flower's message.
-        ``Buffers`` are served as they are (their parts must not change: ``framing.framed`` gives immutable
-        ones); other bytes-like data is copied first. ``held``: downloads waiting for it (``wait_for``) get it
-        only once it is ``release``d."""
+        ``Buffers`` are served as they are (their parts must not change: ``framing.framed`` gives ``bytes``, or
+        read-only views of memory this app never writes again); other bytes-like data is copied first. ``held``:
+        downloads waiting for it (``wait_for``) get it only once it is ``release``d."""
         if (data is None) == (path is None):
             raise ValueError(
                 f"publish {name!r}: give either data or path, not {'both' if data is not None else 'neither'}"

@@ -90,7 +90,7 @@ class RoundOutcome:
     rejected: list[Rejection]  # every rejection of the round so far, with its reason
     num_replies: int = 0  # replies received this round, valid or not
     claimed_partitions: dict[int, int] = field(default_factory=dict)  # node -> the partition a rejected reply names
-    step: core.Tensors | None = None  # g^r, applied to x, rounded as it travels
+    step: core.Tensors | None = None  # g^r, applied to x, rounded as it travels; read only (it views ``arrays``)
     arrays: ArrayRecord | None = None
     reason: str = ""
     aggregate_rejected: bool = False
@@ -138,8 +138,8 @@ class PassAhead:
             return None
         self.done.wait()
         with self.lock:
-            result, self.result, self.held = self.result, None, []
-        return (result, self.payloads) if result is not None else None
+            result, self.result, self.held, payloads = self.result, None, [], self.payloads
+        return (result, payloads) if result is not None else None
 
     def drop(self) -> None:
         """Its result and the updates it holds go (a pass still running ends on its own, its result unkept)."""

@@ -527,20 +527,19 @@ class FedBCD:
         if privacy is None:  # a reply whose clip factor was not found as it was checked: each step apart clips it
             return None
         _, new_x_into = self.buffers.take(server_round)  # none left where a pass ahead took them
-        cfg = self.config
+        cfg, shapes = self.config, self.block_shapes(block)
         weights = [self.client_weight(r.metrics) for r in accepted]
         with timed(self.stats.legs, "one_pass_s"):  # as combine_s, step_rounding_s and x_apply_s count theirs
             taken = self.pass_run_ahead(ahead, accepted, weights)  # waited for where it is kept
             # Every update in memory: each staged for the checkpoint without waiting for the writes before it.
             updates = list(self.accepted_updates(server_round, block, accepted, stage, held=True))
             if taken is None:
-                encoded_into, payloads = encoding_payloads(self.block_shapes(block), cfg.transfer_dtype)
+                encoded_into, payloads = encoding_payloads(shapes, cfg.transfer_dtype)
                 taken = core.applied_mean_step(updates, weights, cfg.server_lr, self.global_params, cfg.transfer_dtype,
                                                new_x_into, *privacy, encoded_into=encoded_into), payloads  # fmt: skip
             (encoded, new, not_finite), payloads = taken
             self.spill.start()  # every update is combined: the file is emptied
             try:
-                shapes = {n: tuple(t.shape) for n, t in new.items()}
                 step, _ = pack_encoded(encoded, shapes, cfg.transfer_dtype)  # its scales checked as a receiver would
             except WireError as err:
                 return self.cannot_travel(err)

@@ -2,13 +2,14 @@
 
 A record's tensors travel packed, not one array per tensor: Flower stores, hashes, pushes and pulls
 every ``Array`` as an object of its own, so a block of dozens of tensors (a full model: hundreds)
-cost dozens of round trips. A packed record is
+cost dozens of round trips. A packed record is, in this order (the order its bytes travel in, so that a
+receiver can decode the values chunk by chunk as they land: ``LandingArrays``)
 
+- ``layout``: the names and shapes, UTF-8 JSON ``[[name, [d0, d1, ...]], ...]`` in a ``uint8`` array;
+- ``scales`` (int8 only): one fp32 scale per ``core.INT8_BLOCK`` values of each tensor;
 - ``values``: every tensor's values, flattened and concatenated in the layout's order, as one 1-D
   array of the transfer dtype (``WIRE_DTYPES``: fp32, fp16; bf16, which numpy lacks, as its raw
-  16-bit patterns in ``int16``; int8);
-- ``layout``: the names and shapes, UTF-8 JSON ``[[name, [d0, d1, ...]], ...]`` in a ``uint8`` array;
-- ``scales`` (int8 only): one fp32 scale per ``core.INT8_BLOCK`` values of each tensor.
+  16-bit patterns in ``int16``; int8).
 
 ``unpack`` trusts nothing a record declares: the layout is parsed and bounded, the payload's own
 dtype and size (not its metadata) are checked against the layout (and against the receiver's
@@ -57,6 +58,9 @@ MAX_INT8_SCALE = float(np.finfo(np.float32).max) / 127
 # threshold (``memory.map_large_buffers``: 1 MiB), so its buffer and float64's temporaries come from the heap
 # and stay in cache, never faulted in afresh.
 READ_CHUNK_VALUES = 64 * 1024
+# Values decoded per wait while a record still lands (``LandingArrays``): 4 MiB of int8, a few of the stream's chunks,
+# so that the pass waits a few hundred times for a block, not once per chunk it decodes.
+LANDING_PIECE_VALUES = 4 * 1024 * 1024
 
 
 class WireError(ValueError):
@@ -89,12 +93,12 @@ def pack_pieces(
     kept = isinstance(tensors, (EncodedTensors, Decoded))  # (their ``items()`` would decode every tensor)
     shapes = tensors.shapes if kept else {n: t.shape for n, t in tensors.items()}
     pieces = {LAYOUT: [np.frombuffer(layout_bytes(shapes), dtype=np.uint8)]}
+    if transfer_dtype == "int8":  # before the values: a receiver decodes each chunk of them as it lands
+        pieces[SCALES] = [encoded[name][1].cpu().numpy() for name in tensors] or [np.zeros(0, np.float32)]
     values = [encoded[name][0].cpu() for name in tensors]
     bf16 = transfer_dtype == "bf16"
     pieces[VALUES] = [v.view(torch.int16).numpy() if bf16 else v.numpy() for v in values]
     pieces[VALUES] = pieces[VALUES] or [np.zeros(0, WIRE_DTYPES[transfer_dtype])]
-    if transfer_dtype == "int8":
-        pieces[SCALES] = [encoded[name][1].cpu().numpy() for name in tensors] or [np.zeros(0, np.float32)]
     return pieces
 
 
@@ -117,8 +121,8 @@ def encoding_payloads(
     layout = np.frombuffer(layout_bytes(shapes), dtype=np.uint8)
     payloads: dict[str, memoryview] = {}  # in ``pack_pieces``' order: the framed record's bytes are the same
     _payload(payloads, LAYOUT, layout.dtype, layout.size)[:] = layout
-    values = _payload(payloads, VALUES, WIRE_DTYPES[transfer_dtype], sum(counts))
     scales = _payload(payloads, SCALES, np.dtype(np.float32), sum(blocks)) if transfer_dtype == "int8" else None
+    values = _payload(payloads, VALUES, WIRE_DTYPES[transfer_dtype], sum(counts))
     encoded, at, scales_at = {}, 0, 0
     for name, count, tensor_blocks in zip(shapes, counts, blocks):
         tensor_values = torch.from_numpy(values[at : at + count])
@@ -196,6 +200,18 @@ def join(pieces: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(pieces)
 
 
+class LandingArrays(dict):
+    """A packed record's arrays (name -> read-only array) over memory its bytes are still landing in: its layout and
+    scales have landed, its values may not have (the last on the wire: ``pack_pieces``). ``wait_until(address)``
+    returns once every byte below ``address`` has landed, and raises where they never will. ``unpack`` reads it as
+    any record, and its ``Decoded`` decodes each piece of the values once it has landed: the server's pass over a
+    round's updates runs as they arrive (``FedBCD.prepare_pass_ahead``)."""
+
+    def __init__(self, arrays: Mapping[str, np.ndarray], wait_until) -> None:
+        super().__init__(arrays)
+        self.wait_until = wait_until
+
+
 def unpack(
     arrays: Mapping[str, np.ndarray],
     expected: Mapping[str, tuple[int, ...]] | None = None,
@@ -234,6 +250,8 @@ def unpack(
     if values.size != sum(sizes):
         raise WireError(f"values: {values.size:,} numbers, expected {sum(sizes):,} ({len(sizes)} tensors' shapes)")
     decoders = _decoders(values, dtype, sizes, arrays.get(SCALES), read_only)
+    for decoder in decoders if isinstance(arrays, LandingArrays) else ():
+        decoder.wait_until = arrays.wait_until
     if lazy:
         out = Decoded({name: (shape, d) for (name, shape), d in zip(layout.items(), decoders)})
         return out if expected is None else Decoded({name: out.parts[name] for name in expected})
@@ -342,10 +360,13 @@ class Payload:
     memory: a check that only reads (a reply's norm) writes no block in fp32, whose fresh pages cost more
     than the decode on the server's critical path."""
 
+    wait_until = None  # while the values still land: returns once the bytes below an address have (LandingArrays)
+
     def __init__(self, values: torch.Tensor, dtype: str, scales: torch.Tensor | None = None, shared: bool = False):
         self.values, self.dtype, self.scales, self.shared = values, dtype, scales, shared
 
     def __call__(self) -> torch.Tensor:
+        self.landed(self.values.numel())
         if self.dtype == "int8":
             return dequantize_int8(self.values, self.scales)
         if self.dtype == "fp32":
@@ -354,11 +375,29 @@ class Payload:
 
     def chunks(self, buffer: torch.Tensor) -> Iterator[torch.Tensor]:
         """The fp32 values, chunk after chunk, each in ``buffer`` (fp32, a multiple of ``INT8_BLOCK`` values;
-        overwritten by the next chunk) or, in fp32, the payload itself (read only)."""
-        return decoded_chunks(self.values, self.scales, buffer)
+        overwritten by the next chunk) or, in fp32, the payload itself (read only). While the values land, a piece
+        of ``LANDING_PIECE_VALUES`` (whole chunks) is decoded once its bytes have: the same chunks, as they land."""
+        if self.wait_until is None:
+            return decoded_chunks(self.values, self.scales, buffer)
+        return self._chunks_as_they_land(buffer)
+
+    def _chunks_as_they_land(self, buffer: torch.Tensor) -> Iterator[torch.Tensor]:
+        n, step = self.values.numel(), buffer.numel()
+        piece = max(step, LANDING_PIECE_VALUES // step * step)  # whole chunks, each whole int8 blocks
+        for start in range(0, n, piece):
+            stop = min(n, start + piece)
+            self.landed(stop)
+            scales = self.scales[start // INT8_BLOCK : int8_blocks(stop)] if self.scales is not None else None
+            yield from decoded_chunks(self.values[start:stop], scales, buffer)
+
+    def landed(self, count: int) -> None:
+        """Returns once the first ``count`` values have landed (at once for a payload that came whole)."""
+        if self.wait_until is not None and count:
+            self.wait_until(self.values.data_ptr() + count * self.values.element_size())
 
     def sum_of_squares(self, buffer: torch.Tensor) -> float:
         """``Σ v²`` in float64, read from the payload (``core.encoded_sum_of_squares``: int8's without decoding)."""
+        self.landed(self.values.numel())
         return encoded_sum_of_squares(self.values, self.scales, buffer)
 
 

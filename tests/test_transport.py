@@ -209,13 +209,14 @@ def test_uploads_still_arriving_count_toward_the_inboxs_memory_budget(tmp_path):
     from parablock_flwr.transport.service import KeptUpload, SpillFile
 
     inbox = Inbox(Refusals(), spill_dir=tmp_path, memory_uploads=1)
-    first = inbox.buffer(600)
+    tickets = [Ticket(os.urandom(32), 1, 2, 3, UP, f"update/{i}") for i in range(3)]
+    first = inbox.buffer(tickets[0], 600)
     assert isinstance(first, KeptUpload)
-    second = inbox.buffer(6)  # the first is still arriving: a second would pass one upload in memory
+    second = inbox.buffer(tickets[1], 6)  # the first is still arriving: a second would pass one upload in memory
     assert isinstance(second, SpillFile) and inbox.spilled == 1
     inbox.discard(second)
     inbox.discard(first)
-    assert isinstance(inbox.buffer(600), KeptUpload)
+    assert isinstance(inbox.buffer(tickets[2], 600), KeptUpload)
     assert list(tmp_path.iterdir()) == []  # the spilled one was unlinked when created
 
 
@@ -225,7 +226,7 @@ def test_a_closed_inbox_still_hands_over_what_it_holds_and_what_arrives_late():
     inbox = Inbox(Refusals())
     tickets = [Ticket(os.urandom(32), 1, 2, 3, UP, f"update/{i}") for i in range(2)]
     inbox.put(tickets[0], sha(b"abc"), Buffers([b"abc"]))
-    late = inbox.buffer(3)
+    late = inbox.buffer(tickets[1], 3)
     inbox.close()
     late.append(b"xyz")
     inbox.put(tickets[1], sha(b"xyz"), late)

@@ -23,6 +23,7 @@ from flwr.app import ConfigRecord, Error, Message, MessageType, MetricRecord, Re
 from flwr.common.constant import ErrorCode
 from flwr.supercore.task_identity import TaskIdentity
 
+from parablock_flwr import core
 from parablock_flwr.messages import (
     CATCH_UP,
     COMMIT,
@@ -44,9 +45,11 @@ from parablock_flwr.npy import npy_view
 from parablock_flwr.records import pieces_record, record_arrays, to_record, to_tensors
 from parablock_flwr.strategies.reply_checks import Expected, parse_reply
 from parablock_flwr.strategies.round_stats import array_bytes
+from parablock_flwr.strategies.update_spill import fingerprint
 from parablock_flwr.tools.credentials import make_tls
 from parablock_flwr.transport import (
     CapabilityRegistry,
+    Direction,
     Limits,
     NodeTransport,
     RefusalKind,
@@ -54,13 +57,17 @@ from parablock_flwr.transport import (
     RunTransport,
     StreamSettings,
     StreamUnusable,
+    Ticket,
+    TransportClient,
+    TransportError,
     TransportSetupError,
     update_bound,
 )
 from parablock_flwr.transport.direct_channel import DirectChannel
-from parablock_flwr.transport.framing import Buffers, FramingError, arrays, frame, unframe
+from parablock_flwr.transport.framing import Buffers, FramingError, arrays, frame, framed_pieces, unframe
 from parablock_flwr.transport.node_side import Prefetched
-from parablock_flwr.wire import pack_pieces, unpack
+from parablock_flwr.transport.service import UploadBrokenOff
+from parablock_flwr.wire import LandingArrays, pack_pieces, unpack
 
 from helpers import npy_bytes
 
@@ -207,6 +214,75 @@ def test_an_update_that_landed_is_read_ahead_of_its_reply_as_the_claim_hands_it_
         assert hub.server.inbox.holds(RUN, 9, 4, hub.upload_name(4, 9)) and hub.server.inbox.spilled == 1
         assert hub.landed_update(4, 9) is None
         hub.end_round(4)
+
+
+class Paused(Buffers):
+    """A record's bytes whose upload stops before chunk ``at`` until ``go`` is set, as on a slow link; then it goes
+    on, or (``broken``) the link breaks there."""
+
+    def __init__(self, parts, at: int) -> None:
+        super().__init__(parts)
+        self.at, self.go, self.broken = at, threading.Event(), False
+
+    def chunks(self, size: int):
+        for i, chunk in enumerate(super().chunks(size)):
+            if i == self.at:
+                self.go.wait(30)
+                if self.broken:
+                    raise ConnectionAbortedError("the link broke")
+            yield chunk
+
+
+def until(found, timeout_s: float = 20.0):
+    """``found()`` once it is not None, polled."""
+    deadline = time.monotonic() + timeout_s
+    while (value := found()) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return value
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_the_rounds_pass_reads_an_update_as_its_bytes_land_and_the_same_bits_as_the_claimed_one(hub, broken):
+    """An update still arriving (its upload paused halfway, as on a slow link) is offered for the round's pass
+    once its layout and scales have landed (``DirectChannel.landed_updates``: ``wire.LandingArrays``); the pass
+    reads its values as they land, waiting for those still on their way, and its result is the pass's over the
+    update the reply claims, bit for bit, read from the same memory (``update_spill.fingerprint``: the pass ahead
+    is kept for it). An upload broken off ends the wait with ``UploadBrokenOff``, never a pass over bytes that
+    never came."""
+    gen = torch.Generator().manual_seed(11)
+    tensors = {"layers.0.w": torch.randn(2048, 1024, generator=gen), "layers.0.b": torch.randn(1024, generator=gen)}
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    x = {name: torch.randn(shape, generator=gen) for name, shape in shapes.items()}
+    offer = hub.offer(4, node=7, records={}, upload_max_size=update_bound(2048 * 1024 + 1024, 2))
+    ticket = Ticket(bytes.fromhex(offer.upload_token), RUN, 7, 4, Direction.UPLOAD, offer.upload_name)
+    data = Paused(framed_pieces(pack_pieces(tensors, "int8")).parts, at=2)  # 1 MiB of 2 sent, then a pause
+    channel = DirectChannel(hub)
+    client = TransportClient(hub.address, ca_pem=hub.ca_pem.encode(), timeout_s=30)
+    with client, ThreadPoolExecutor(2) as pool:
+        assert channel.landed_updates(4, {7}) is None  # nothing uploaded yet
+        uploading = pool.submit(client.upload, ticket, data)
+        landing = until(lambda: channel.landed_updates(4, {7}))[7]
+        assert isinstance(landing, LandingArrays) and not any(a.flags.writeable for a in landing.values())
+        passing = pool.submit(core.applied_mean_step, [unpack(landing, shapes, lazy=True)], [1.0], 1.0, x, "int8")
+        time.sleep(0.5)
+        assert not passing.done()  # waiting for the values still on their way
+        data.broken = broken
+        data.go.set()
+        if broken:
+            with pytest.raises(TransportError):
+                uploading.result(30)
+            with pytest.raises(UploadBrokenOff, match="the upload ended at"):
+                passing.result(30)
+            return
+        commit = UpdateCommit(update_size=len(data), update_sha256=uploading.result(30))
+        ahead = passing.result(30)
+    claimed = {name: npy_view(payload, name) for name, payload in hub.claim(4, 7, commit).items()}
+    assert fingerprint(claimed) == fingerprint(landing)
+    after = core.applied_mean_step([unpack(claimed, shapes, lazy=True)], [1.0], 1.0, x, "int8")
+    for name in shapes:
+        assert torch.equal(ahead[0][name][0], after[0][name][0]) and torch.equal(ahead[0][name][1], after[0][name][1])
+        assert torch.equal(ahead[1][name], after[1][name])
+    assert ahead[2] is None
 
 
 def test_uploads_past_the_inboxs_budget_wait_for_their_replies_in_files_and_leave_nothing_behind(tls, node, tmp_path):

@@ -1,14 +1,17 @@
-"""A round's one pass started before its last reply, on the updates that landed ahead of their replies.
+"""A round's one pass started before its last reply, on the updates that landed, or are landing, ahead of their
+replies.
 
-With ``transport = "direct"`` a ParaBlock node uploads its round-r update while it still waits for round r's
-message: it trained the block ahead, from its own pending update, and its update does not depend on the step
-the message brings. So the server holds every update of the round seconds before the replies that commit
-them: each node must still download ``g^{r-1}`` and correct before it replies. ``StepAhead`` watches for that
-moment on a thread of its own and runs the algorithm's one pass then (``FedBCD.prepare_pass_ahead``,
-``PassAhead``); ``aggregate_train`` keeps its result where the replies commit those very updates (the same bits),
-else runs the pass again at once. From the last reply to the next message there remain the replies' checks and
-the staging, not the pass over the block. On Flower's path, and where an update comes only with its reply (the
-first reply's claim takes it from the inbox), nothing changes.
+With ``transport = "direct"`` every node uploads its update on the stream before the reply that commits it. A
+ParaBlock node does so while it still waits for round r's message: it trained the block ahead, from its own pending
+update, and its update does not depend on the step the message brings; so the server holds every update of the
+round seconds before the replies (each node must still download ``g^{r-1}`` and correct). A BCD node replies once
+its upload has landed: there the pass reads each update as its bytes land (``wire.LandingArrays``), and ends about
+when its last byte does, not a pass later. ``StepAhead`` watches for the moment every update of the round has
+begun to land (its layout and scales in) on a thread of its own and runs the algorithm's one pass then
+(``FedBCD.prepare_pass_ahead``, ``PassAhead``); ``aggregate_train`` keeps its result where the replies commit those
+very updates (the same bits), else runs the pass again at once. From the last reply to the next message there
+remain the replies' checks and the staging, not the pass over the block. On Flower's path, and where an update comes
+only with its reply, nothing changes.
 """
 
 from __future__ import annotations
@@ -38,9 +41,10 @@ class StepAhead:
         self._prepared: Future | None = None
 
     def start(self, algorithm, channel: Channel, server_round: int, nodes: set[int], timeout_s: float) -> Future:
-        """Round r's pass, once every one of ``nodes`` has its update landed and unclaimed (``Channel.landed_updates``),
-        until the round's replies are all in (``replies``) or ``timeout_s`` passes. The future's result, set before
-        the pass runs, is the algorithm's ``PassAhead`` (``prepare_pass_ahead``), or None (none could be)."""
+        """Round r's pass, once every one of ``nodes`` has its update landed or landing, unclaimed
+        (``Channel.landed_updates``), until the round's replies are all in (``replies``) or ``timeout_s`` passes. The
+        future's result, set before the pass runs, is the algorithm's ``PassAhead`` (``prepare_pass_ahead``), or None
+        (none could be)."""
         self.finish()
         self._settled = threading.Event()
         self._prepared = prepared = Future()

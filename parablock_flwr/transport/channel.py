@@ -57,8 +57,9 @@ class Channel:
 
     def landed_updates(self, server_round: int, nodes: set[int]) -> dict[int, dict] | None:
         """Each of ``nodes``' round-r update as its reply will carry it (array name -> the array over the very bytes
-        the reply's update will hold), once every one has landed before its reply; None until then, and always on
-        Flower's path, where an update comes only with its reply."""
+        the reply's update will hold), once every one has landed before its reply or is landing (``wire.LandingArrays``:
+        its values read as their bytes land); None until then, and always on Flower's path, where an update comes
+        only with its reply."""
         return None
 
     def incoming(self, reply: Message, server_round: int, node: int) -> Message:

@@ -56,6 +56,7 @@ from ..messages import (
 from ..npy import npy_view
 from ..records import payloads_record
 from ..versions import PROTOCOL_VERSION
+from ..wire import LandingArrays
 from .capabilities import RefusalKind, Refused
 from .channel import Channel
 from .message_bytes import content_to_bytes, reply_from_bytes
@@ -218,14 +219,17 @@ class DirectChannel(Channel):
 
     def landed_updates(self, server_round: int, nodes: set[int]) -> dict[int, dict] | None:
         """Each of ``nodes``' round-r update uploaded and not yet claimed, as ``incoming`` will put it in its reply
-        (``records.payloads_record`` over the same payloads: the arrays read the same memory), or None while one has
-        not landed."""
+        (``records.payloads_record`` over the same payloads: the arrays read the same memory), or still arriving,
+        as ``wire.LandingArrays`` over the memory it lands in; None while one has not begun to land."""
         landed = {}
         for node in sorted(nodes):
-            payloads = self.transport.landed_update(server_round, node)
+            payloads, wait_until = self.transport.landed_update(server_round, node), None
+            if payloads is None and (landing := self.transport.landing_update(server_round, node)) is not None:
+                payloads, wait_until = landing
             if payloads is None:
                 return None
-            landed[node] = {name: npy_view(payload, name) for name, payload in payloads.items()}  # npy, checked
+            arrays = {name: npy_view(payload, name) for name, payload in payloads.items()}  # npy, checked
+            landed[node] = arrays if wait_until is None else LandingArrays(arrays, wait_until)
         return landed
 
     def _ahead_ok(self, node: int) -> bool:

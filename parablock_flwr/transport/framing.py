@@ -27,7 +27,7 @@ from collections.abc import Iterable, Iterator, Mapping
 import numpy as np
 
 from ..messages import MessageError
-from ..npy import NpyError, npy_header, npy_view
+from ..npy import HEAD_BYTES, NpyError, npy_header, npy_view
 
 MAX_INDEX_BYTES = 64 * 1024
 ARRAY_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -132,6 +132,23 @@ def unframe(data: bytes | bytearray | memoryview, record: str) -> dict[str, memo
     be a plain npy array of the length its header says. Raises ``FramingError`` naming ``record``."""
     view = memoryview(data).cast("B")
     entries = _entries(view.nbytes, lambda start, stop: bytes(view[start:stop]), record)
+    return _checked({name: view[start:stop] for name, start, stop in entries}, record)
+
+
+def landed_far_enough(data: memoryview, landed: int, record: str) -> dict[str, memoryview] | None:
+    """``unframe``'s payloads of a record whose declared bytes are ``data`` while only the first ``landed`` of them
+    have landed: once its index, every payload but the last, and the last's npy header have (the last is a packed
+    record's ``values``, read chunk by chunk as they land: ``wire.LandingArrays``); None before. Raises
+    ``FramingError`` for an index that is not one (the claim refuses the whole record then)."""
+    view = memoryview(data).cast("B")
+    if landed < 4 or landed < 4 + int.from_bytes(view[:4], "big"):
+        return None
+    entries = _entries(view.nbytes, lambda start, stop: bytes(view[start:stop]), record)
+    if not entries:
+        return None
+    *before, (_, start, stop) = entries
+    if landed < max([start + min(HEAD_BYTES, stop - start), *(end for *_, end in before)]):
+        return None
     return _checked({name: view[start:stop] for name, start, stop in entries}, record)
 
 

@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import secrets
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +33,7 @@ from ..messages import (
     UpdateCommit,
 )
 from .capabilities import CapabilityRegistry, Direction, RefusalKind, Refused
-from .framing import FramingError, framed, payloads, seal, unframe
+from .framing import FramingError, framed, landed_far_enough, payloads, seal, unframe
 from .service import KeptUpload, Limits, TransportServer, contiguous
 
 log = logging.getLogger(__name__)
@@ -422,6 +422,20 @@ class RunTransport:
         hands over the same payloads, under the reply's digest), or None: for work started before the reply
         comes that is kept only if the reply commits these very bytes (``FedBCD.prepare_pass_ahead``)."""
         return self.server.inbox.peek(self.run_id, node, server_round, self.upload_name(server_round, node))
+
+    def landing_update(self, server_round: int, node: int) -> tuple[dict[str, memoryview], Callable] | None:
+        """``node``'s round-r update while it still arrives in memory, once its index, layout and scales have
+        landed: the npy payload of each array over all its declared bytes, and what waits for them (``wait_until``:
+        an address in them), for a pass over its values as they land (``wire.LandingArrays``); else None. As
+        ``landed_update``'s, kept only where the reply commits the bytes that then lie there."""
+        upload = self.server.inbox.landing(self.run_id, node, server_round, self.upload_name(server_round, node))
+        if upload is None:
+            return None
+        try:
+            payloads = landed_far_enough(upload.landing(), len(upload), self.upload_name(server_round, node))
+        except FramingError:  # its claim refuses it once it has landed
+            return None
+        return None if payloads is None else (payloads, upload.wait_until)
 
     def take_reply(self, server_round: int, node: int, attempt: int) -> bytes | None:
         """``node``'s reply content to its ``attempt``-th round-r message, as uploaded under its capability

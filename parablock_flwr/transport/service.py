@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import numpy as np
 
 from parablock_flwr import kept_blocks
 from parablock_flwr.memory import LARGE_BUFFER_BYTES
@@ -229,17 +230,25 @@ class KeptUpload:
     copied into place as it comes, on the receiving thread while the rest is still on its way. Its arrays are then
     read where they landed (``view``): no copy after the last byte, and no block's pages faulted in afresh each
     round (a copy into new memory cost about a second a 236 MB update on this project's 2-core VM). The buffer is
-    taken when the upload's header comes, for the size it declares (bounded by its capability)."""
+    taken when the upload's header comes, for the size it declares (bounded by its capability).
+
+    While it lands, a reader may read what has landed (``landing``, ``wait_until``): the server's pass over a
+    round's updates runs as their bytes arrive (``wire.LandingArrays``). Landed bytes are never written again."""
 
     def __init__(self, size: int) -> None:
         self._data = kept_blocks.host_bytes(size)
         self._size = 0
+        self._landed = threading.Condition()
+        self._broken_off = False
+        self.address = np.frombuffer(self._data, dtype=np.uint8).ctypes.data if size else 0
 
     def append(self, chunk) -> None:
         """The next chunk (the service refuses one past the declared size before it comes here)."""
         end = self._size + len(chunk)
         self._data[self._size : end] = chunk
-        self._size = end
+        with self._landed:
+            self._size = end
+            self._landed.notify_all()
 
     def __len__(self) -> int:
         return self._size
@@ -247,6 +256,30 @@ class KeptUpload:
     def view(self) -> memoryview:
         """The bytes received, read-only (the buffer goes back to the pool when the last view of it goes)."""
         return self._data[: self._size].toreadonly()
+
+    def landing(self) -> memoryview:
+        """All the declared bytes, read-only, whether they have landed or not: read only what ``wait_until`` says
+        has (the same memory as ``view``'s once all have)."""
+        return self._data.toreadonly()
+
+    def wait_until(self, address: int) -> None:
+        """Returns once every byte below ``address`` (in ``landing``'s memory) has landed; raises
+        ``UploadBrokenOff`` where the upload ended before them (refused, broken off: ``break_off``)."""
+        with self._landed:
+            while self._size < address - self.address:
+                if self._broken_off:
+                    raise UploadBrokenOff(f"the upload ended at {self._size:,} of {len(self._data):,} bytes")
+                self._landed.wait()
+
+    def break_off(self) -> None:
+        """No more bytes will land (the service gave the upload up): whoever waits for them is told."""
+        with self._landed:
+            self._broken_off = True
+            self._landed.notify_all()
+
+
+class UploadBrokenOff(RuntimeError):
+    """The bytes waited for (``KeptUpload.wait_until``) will not land."""
 
 
 class SpillFile:
@@ -343,26 +376,26 @@ class Inbox:
         self.spill_dir, self.memory_uploads, self.decode = spill_dir, memory_uploads, decode
         self.outside_budget = outside_budget  # record name -> whether its upload is kept out of the budget
         self.spilled = 0  # uploads received into a file
-        self._receiving: set[int] = set()  # id(buffer): uploads in memory still being received
+        self._receiving: dict[int, tuple] = {}  # id(buffer) -> (slot, buffer): uploads in memory still arriving
         self._ended: dict[int, int] = {}  # run id -> its last round ended (``drop_round``): later uploads are late
         # One thread: a decoding reads a record's index where its bytes landed, or copies them from the spill file.
         self._decoder = futures.ThreadPoolExecutor(1, "transport-decode")
         self.arrived = threading.Event()  # set by every upload held: whoever waits for one checks again
 
-    def buffer(self, size: int, record: str = "") -> Received:
+    def buffer(self, ticket: Ticket, size: int) -> Received:
         """Where an upload of ``size`` bytes is received: memory (``KeptUpload``), or (the class's
         docstring) a ``SpillFile`` in ``spill_dir``, its space reserved first (a full disk is an error here,
         not a failed write halfway). An upload received in memory counts toward ``memory_uploads`` from here on,
-        not from its ``put``, so that uploads arriving together cannot pass the budget together; ``discard``
-        gives back what was not ``put``."""
-        if self.outside_budget(record):  # a reply's content: small, never a file, no block's share of the budget
+        not from its ``put``, so that uploads arriving together cannot pass the budget together, and can be read
+        as it lands (``landing``); ``discard`` gives back what was not ``put``."""
+        if self.outside_budget(ticket.record):  # a reply's content: small, never a file, no block's share of memory
             return Buffers()
         with self._lock:
             in_memory = sum(u.spilled is None and not self.outside_budget(slot[3]) for slot, u in self._records.items())
             in_memory += len(self._receiving)
             if self.spill_dir is None or size == 0 or in_memory < self.memory_uploads:
                 received = KeptUpload(size)
-                self._receiving.add(id(received))
+                self._receiving[id(received)] = (_slot(ticket), received)
                 return received
         try:
             self.spill_dir.mkdir(parents=True, exist_ok=True)
@@ -394,7 +427,7 @@ class Inbox:
         else:
             upload = _Upload(sha256, len(data), decoding=self._decode_soon(data, ticket.record))
         with self._lock:
-            self._receiving.discard(id(data))
+            self._receiving.pop(id(data), None)
             try:
                 self._refuse_if_ended(ticket)  # its round may have ended while its decoding started
             except Refused:
@@ -430,7 +463,9 @@ class Inbox:
         """An upload's buffer that will not be ``put`` (refused, broken off): its share of the memory budget
         given back, its file closed."""
         with self._lock:
-            self._receiving.discard(id(data))
+            self._receiving.pop(id(data), None)
+        if isinstance(data, KeptUpload):
+            data.break_off()
         if isinstance(data, SpillFile):
             data.close()
 
@@ -484,6 +519,13 @@ class Inbox:
             return held.decoding.result()
         except Exception:  # noqa: BLE001 - the claim raises it, once a reply commits the upload
             return None
+
+    def landing(self, run_id: int, node_id: int, round: int, record: str) -> KeptUpload | None:
+        """The upload still arriving in memory in this slot (read as it lands: ``KeptUpload.wait_until``), or None.
+        Nothing vouches for it: its digest is checked when its last byte lands, and a reply commits it later."""
+        with self._lock:
+            return next((data for slot, data in self._receiving.values() if slot == (run_id, node_id, round, record)),
+                        None)  # fmt: skip
 
     def holds(self, run_id: int, node_id: int, round: int, record: str) -> bool:
         """Whether an upload waits in this slot (for a reply to claim it)."""
@@ -768,7 +810,7 @@ class TransportServer:
             feed = _Feed(requests)
             header = parse_header(self._header(feed), Direction.UPLOAD)
             ticket = call.ticket = self.registry.reserve(header.claim, header.size, call.certificate)
-            data = self.inbox.buffer(header.size, header.claim.record)
+            data = self.inbox.buffer(ticket, header.size)
             sha256 = self._receive(feed, header, data)
             self.inbox.put(ticket, sha256, data)
             self.registry.finish(ticket, call.certificate)

@@ -550,7 +550,8 @@ class FedBCD:
 
     def prepare_pass_ahead(self, server_round: int, landed: Mapping[int, Mapping[str, np.ndarray]]) -> PassAhead | None:
         """Round r's one pass on updates that came before their replies (``landed``: node -> its packed update, as
-        the transport holds it), each node at the partition and weight of its last accepted reply, ready to run
+        the transport holds it, or as it lands: ``wire.LandingArrays``, each piece of its values read once it has
+        landed), each node at the partition and weight of its last accepted reply, ready to run
         (``PassAhead.run``); None where the round would not run in one pass, a node is new, or an update does not
         unpack. It changes nothing of the algorithm's but taking the round's buffer for the new ``x[b]``; the run
         calls it beside its loop while the round's replies are outstanding (``server_apps/step_ahead.py``). No

@@ -852,13 +852,18 @@ def test_the_rounds_pass_runs_ahead_on_updates_that_land_before_their_replies_an
     (``server_apps/step_ahead.py``) and keeps it (``one_pass_ahead``). In round 3 node 1's update is not finite
     (the pass ahead reads it; its reply is rejected), and in round 4 node 0 says another example count: the
     pass that ran ahead read other inputs, so it is dropped (``one_pass_ahead_dropped``) and the round's pass runs
-    again after the replies. Every global step is the one of the same run on Flower's path, bit for bit."""
+    again after the replies. Each reply's update norm is found as it landed, beside the pass (``PassAhead.run_norms``),
+    the poisoned one's too (its reply rejected for the same reason as on Flower's path). Every global step is the one
+    of the same run on Flower's path, bit for bit."""
     odd = {"reweighted": frozenset({(0, 4)}), "poisoned": frozenset({(1, 3)})}
     records, _, log = run_with_messages_ahead(tmp_path / "ahead", tiny_model_dir, 2, ahead=True, landed_s=1.0, **odd)
     flower = make_run(tmp_path / "flower", tiny_model_dir, 4)
-    run_rounds(flower, InMemoryFederation(2, honest_answer(flower, varied=True, **odd)))
+    flower_records = run_rounds(flower, InMemoryFederation(2, honest_answer(flower, varied=True, **odd)))
     rounds = records[1:5]
     assert [r["num_accepted"] for r in rounds] == [2, 2, 1, 2]
+    assert [r["update_norms_ahead"] for r in rounds] == [0, 2, 2, 2], rounds
+    reasons = [[(r["partition_id"], r["reason"]) for r in one["rejected"]] for one in (rounds[2], flower_records[3])]
+    assert reasons[0] == reasons[1] and "non-finite" in reasons[0][0][1], reasons
     assert [r["one_pass_ahead"] for r in rounds] == [0, 1, 0, 0], rounds
     assert [r["one_pass_ahead_dropped"] for r in rounds] == [0, 0, 1, 1], rounds
     assert rounds[1]["server_one_pass_ahead_s"] > 0 and "server_one_pass_ahead_s" not in rounds[2]

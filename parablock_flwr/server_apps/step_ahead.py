@@ -37,6 +37,7 @@ class StepAhead:
 
     def __init__(self) -> None:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step-ahead")
+        self._norms = ThreadPoolExecutor(max_workers=1, thread_name_prefix="norms-ahead")  # ``PassAhead.run_norms``
         self._settled = threading.Event()
         self._prepared: Future | None = None
 
@@ -49,7 +50,8 @@ class StepAhead:
         self._settled = threading.Event()
         self._prepared = prepared = Future()
         deadline = time.monotonic() + timeout_s
-        self._thread.submit(watch, algorithm, channel, server_round, set(nodes), self._settled, deadline, prepared)
+        self._thread.submit(watch, algorithm, channel, server_round, set(nodes), self._settled, deadline, prepared,
+                            self._norms)  # fmt: skip
         return prepared
 
     def replies(self, replies: Iterable[Message]) -> Iterator[Message]:
@@ -71,13 +73,15 @@ class StepAhead:
     def close(self) -> None:
         self.finish()
         self._thread.shutdown(wait=True)
+        self._norms.shutdown(wait=True)
 
 
 def watch(
     algorithm, channel: Channel, server_round: int, nodes: set[int], settled: threading.Event, deadline: float,
-    prepared: Future,
+    prepared: Future, norms: ThreadPoolExecutor,
 ) -> None:  # fmt: skip
-    """``StepAhead.start``'s thread: the pass prepared and run once every update has landed; ``prepared`` says it."""
+    """``StepAhead.start``'s thread: the pass prepared and run once every update has landed or begun to, and the
+    updates' norms found beside it on ``norms``' thread (``PassAhead.run_norms``); ``prepared`` says it."""
     try:
         while not settled.is_set() and time.monotonic() < deadline:
             landed = channel.landed_updates(server_round, nodes)
@@ -85,6 +89,8 @@ def watch(
                 ahead = algorithm.prepare_pass_ahead(server_round, landed)
                 if ahead is not None and settled.is_set():  # the round's aggregation is over already
                     ahead.drop()
+                if ahead is not None:
+                    norms.submit(ahead.run_norms)  # a check that finds a norm not started yet finds it itself
                 prepared.set_result(ahead)
                 if ahead is not None:
                     ahead.run()

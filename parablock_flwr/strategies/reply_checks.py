@@ -81,9 +81,12 @@ class Reply:
         return float(self.metrics.num_examples)
 
 
-def parse_reply(msg: Message, expected: Expected, node: int | None = None) -> Reply | str:
+def parse_reply(
+    msg: Message, expected: Expected, node: int | None = None, norm: float | str | None = None
+) -> Reply | str:
     """The checked reply, or why it must not enter the aggregate. ``node``: the node the message
-    went to (default: the reply's sender)."""
+    went to (default: the reply's sender). ``norm``: ``checked_norm`` of its update, found as the update's very
+    bytes landed (``FedBCD.norm_ahead``); None: found here."""
     if msg.has_error():
         return f"client error: {msg.error.reason}"
     content = msg.content
@@ -107,7 +110,7 @@ def parse_reply(msg: Message, expected: Expected, node: int | None = None) -> Re
     update = read_update(arrays, expected.shapes, expected.transfer_dtype)
     if isinstance(update, str):
         return update
-    norm = checked_norm(update)
+    norm = checked_norm(update) if norm is None else norm
     if isinstance(norm, str):
         return norm
     if expected.max_update_norm > 0 and norm > expected.max_update_norm:

@@ -57,6 +57,7 @@ class RoundStats:
     state_intact_errors: int = 0  # error replies from nodes whose model state is intact (no full sync)
     one_pass_ahead: int = 0  # 1: the round's step came from its one pass run ahead (``fedbcd.server.PassAhead``)
     one_pass_ahead_dropped: int = 0  # 1: a pass ran ahead on other inputs than the accepted replies' (run again)
+    update_norms_ahead: int = 0  # replies whose update's norm was found as it landed (``PassAhead.run_norms``)
     legs: dict[str, float] = field(default_factory=dict)  # SERVER_LEGS, timed as the round goes
 
     def counters(self) -> dict:

@@ -46,6 +46,7 @@ from ..reply_checks import (
     Reply,
     check_own_count,
     check_partition,
+    checked_norm,
     honest_update_bound,
     parse_reply,
     state_intact,
@@ -113,6 +114,9 @@ class PassAhead:
     encoded_into: dict  # where the pass writes the step's encoding: views of ``payloads``
     payloads: dict  # the step's record as it travels (``wire.encoding_payloads``)
     held: list  # the packed updates read: alive until taken or dropped, so that no other buffer takes their memory
+    # Each update's checked norm (``reply_checks.checked_norm``) read as it lands, on a thread of its own
+    # (``run_norms``), for its reply's check (``norm_found_ahead``): update fingerprint -> (the update, its future).
+    norms: dict = field(default_factory=dict)
     result: tuple | None = None  # applied_mean_step's (encoding, new x[b], first tensor not finite)
     seconds: float = 0.0  # the pass's own time, off the critical path
     dropped: bool = False
@@ -129,6 +133,29 @@ class PassAhead:
         finally:
             self.seconds, self.args, self.encoded_into = time.perf_counter() - start, (), {}
             self.done.set()
+
+    def run_norms(self) -> None:
+        """Each update's norm, in turn, as its bytes land (waiting for them): set in its future, or the error (an
+        upload broken off); one whose future a reply's check found unstarted is left to that check."""
+        for update, norm in self.norms.values():
+            if not norm.set_running_or_notify_cancel():
+                continue
+            try:
+                norm.set_result(checked_norm(update))
+            except Exception as err:  # noqa: BLE001 - its reply's check computes the norm itself
+                norm.set_exception(err)
+
+    def norm_found_ahead(self, key: tuple) -> float | str | None:
+        """The norm ``run_norms`` found of the update with fingerprint ``key`` (waited for, if it is being found:
+        the reply's bytes have all landed), or None: not found ahead (not among these updates, not started yet,
+        failed)."""
+        entry = self.norms.get(key)
+        if entry is None or entry[1].cancel():  # not started: the check finds it sooner than the thread would
+            return None
+        try:
+            return entry[1].result()
+        except Exception:  # noqa: BLE001 - found again by the check
+            return None
 
     def take(self, inputs: list[tuple]) -> tuple | None:
         """The pass's result and the payloads it wrote where ``inputs`` are the ones it read (waited for), else None
@@ -434,7 +461,7 @@ class FedBCD:
         finite: else the aggregate is rejected, and its replies with it (``apply_if_finite``).
         """
         block = self.block_for_round(server_round)
-        checked = self.check_replies(server_round, block, replies, sent_to or {}, list(accepted))
+        checked = self.check_replies(server_round, block, replies, sent_to or {}, list(accepted), ahead)
         self.stats.rejected.extend(checked.rejected)
         for node in checked.resync:
             self.sync.failed(node)  # its own state is not trusted: it gets a full sync next time
@@ -575,7 +602,8 @@ class FedBCD:
         inputs = [(node, partition, weight, fingerprint(landed[node])) for partition, node, weight in known]
         encoded_into, payloads = encoding_payloads(self.block_shapes(block), cfg.transfer_dtype)
         args = (updates, weights, cfg.server_lr, x, cfg.transfer_dtype, new_x_into)
-        return PassAhead(inputs, args, encoded_into, payloads, held=[landed[node] for _, node, _ in known])
+        norms = {key: (update, Future()) for (*_, key), update in zip(inputs, updates)}
+        return PassAhead(inputs, args, encoded_into, payloads, held=[landed[node] for _, node, _ in known], norms=norms)
 
     def pass_run_ahead(self, ahead: Future | None, accepted: list[Reply], weights: list[float]) -> tuple | None:
         """The result of the round's ``PassAhead`` (with the payloads it wrote) where it read exactly the accepted
@@ -665,13 +693,14 @@ class FedBCD:
 
     def check_replies(
         self, server_round: int, block: int, replies: Iterable[Message], sent_to: Mapping[str, int],
-        accepted: list[Reply],
+        accepted: list[Reply], ahead: Future | None = None,
     ) -> Checked:  # fmt: skip
         """``accepted`` plus the valid ones of ``replies``, and the others with their reasons; a rejected
         reply's node is resynchronised unless the reply says that its state is intact
         (``messages.STATE_INTACT``), and so is a node of ``sent_to`` that did not reply. A reply is
         the node's its message went to (a reply Flower makes itself for an unavailable node names the
-        SuperLink as its sender)."""
+        SuperLink as its sender). ``ahead``: the round's ``PassAhead``, whose norms of the updates it read, found as
+        they landed, stand for those of the replies that carry those very updates (``norm_ahead``)."""
         shapes = self.block_shapes(block)
         cfg = self.config
         bound = self.max_update_norm(block)
@@ -680,22 +709,38 @@ class FedBCD:
         seen, checked, replied = {r.partition_id for r in accepted}, Checked(accepted), set()
         for msg in replies:
             with timed(self.stats.legs, "check_s"):
-                self.check_one(msg, sent_to, expected, seen, checked, replied)
+                self.check_one(msg, sent_to, expected, seen, checked, replied, self.norm_ahead(ahead, msg))
         # A node that did not answer may still, having taken in an update the server now drops (ParaBlock's
         # pending, a computation started from it): its state is unknown, as after a rejected reply.
         checked.resync |= set(sent_to.values()) - replied
         return checked
 
+    def norm_ahead(self, ahead: Future | None, msg: Message) -> float | str | None:
+        """The norm of ``msg``'s update found as it landed, by the round's ``PassAhead`` (``run_norms``), where the
+        reply's update is the very memory it read (``update_spill.fingerprint``: read-only, never written once
+        landed, held by the pass); else None. Counted in the record (``update_norms_ahead``)."""
+        prepared = ahead.result() if ahead is not None and ahead.done() else None
+        record = None if prepared is None or msg.has_error() else msg.content.array_records.get(UPDATE)
+        if record is None:
+            return None
+        try:
+            norm = prepared.norm_found_ahead(fingerprint(record_arrays(record)))
+        except WireError:  # its check says why
+            return None
+        self.stats.update_norms_ahead += norm is not None
+        return norm
+
     def check_one(
-        self, msg: Message, sent_to: Mapping[str, int], expected: Expected, seen: set, checked: Checked, replied: set
-    ) -> None:
+        self, msg: Message, sent_to: Mapping[str, int], expected: Expected, seen: set, checked: Checked, replied: set,
+        norm: float | str | None = None,
+    ) -> None:  # fmt: skip
         """One reply of ``check_replies``, into ``checked``: accepted (its update kept until it is combined), or
-        rejected with its reason; its node noted in ``replied``."""
+        rejected with its reason; its node noted in ``replied``. ``norm``: its update's, found ahead."""
         node = sent_to.get(msg.metadata.reply_to_message_id, msg.metadata.src_node_id)
         replied.add(node)
         self.stats.num_replies += 1
         self.stats.wire_bytes_up += 0 if msg.has_error() else array_bytes(msg.content)
-        reply = parse_reply(msg, expected, node)
+        reply = parse_reply(msg, expected, node, norm)
         if isinstance(reply, Reply):  # well-formed: the round's rules, then the subclass's
             reply = (
                 check_partition(reply, seen, self.sync.partitions)

@@ -111,7 +111,7 @@ def encoding_payloads(
     shapes: Mapping[str, tuple[int, ...]], transfer_dtype: str
 ) -> tuple[Encoded, dict[str, memoryview]]:
     """A block's encoding to be written where it travels from (``core.applied_mean_step``'s ``encoded_into``: the
-    server's step). Each array of its packed record (``pack_pieces``'s values, layout and int8's scales) is one npy
+    server's step). Each array of its packed record (``pack_pieces``'s layout, int8's scales and values) is one npy
     payload in kept memory, its header then its values; each tensor's values and scales are views of their place
     in it. Returns those views, to fill, and the payloads (array name -> its npy bytes, read-only), which once the
     views are filled are the record as it is: nothing joined (``records.payloads_record``). Joined into fresh memory,
@@ -281,7 +281,9 @@ class Decoded(Mapping[str, torch.Tensor]):
 
     @property
     def encoded(self) -> Encoded:
-        """Each tensor as it came (its payload's values, int8's scales): what packs it again as it is."""
+        """Each tensor as it came (its payload's values, int8's scales): what packs it again as it is (once landed)."""
+        for _, payload in self.parts.values():
+            payload.landed(payload.values.numel())
         return {name: (payload.values, payload.scales) for name, (_, payload) in self.parts.items()}
 
     def travels_as(self, transfer_dtype: str) -> bool:
@@ -382,6 +384,9 @@ class Payload:
         return self._chunks_as_they_land(buffer)
 
     def _chunks_as_they_land(self, buffer: torch.Tensor) -> Iterator[torch.Tensor]:
+        """``decoded_chunks``' chunks, a piece at a time once it has landed. A piece is whole chunks (each whole
+        int8 blocks), so the chunks are the very ones of a payload that came whole: the server's pass reads the
+        updates' chunks side by side (``zip(strict=True)``), landed or landing, and sums the same floats."""
         n, step = self.values.numel(), buffer.numel()
         piece = max(step, LANDING_PIECE_VALUES // step * step)  # whole chunks, each whole int8 blocks
         for start in range(0, n, piece):

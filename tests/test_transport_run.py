@@ -23,7 +23,7 @@ from flwr.app import ConfigRecord, Error, Message, MessageType, MetricRecord, Re
 from flwr.common.constant import ErrorCode
 from flwr.supercore.task_identity import TaskIdentity
 
-from parablock_flwr import core
+from parablock_flwr import core, wire
 from parablock_flwr.messages import (
     CATCH_UP,
     COMMIT,
@@ -67,7 +67,7 @@ from parablock_flwr.transport.direct_channel import DirectChannel
 from parablock_flwr.transport.framing import Buffers, FramingError, arrays, frame, framed_pieces, unframe
 from parablock_flwr.transport.node_side import Prefetched
 from parablock_flwr.transport.service import UploadBrokenOff
-from parablock_flwr.wire import LandingArrays, pack_pieces, unpack
+from parablock_flwr.wire import LandingArrays, pack, pack_pieces, unpack
 
 from helpers import npy_bytes
 
@@ -217,20 +217,20 @@ def test_an_update_that_landed_is_read_ahead_of_its_reply_as_the_claim_hands_it_
 
 
 class Paused(Buffers):
-    """A record's bytes whose upload stops before chunk ``at`` until ``go`` is set, as on a slow link; then it goes
-    on, or (``broken``) the link breaks there."""
+    """A record's bytes whose upload stops after the first ``at`` of them until ``go`` is set, as on a slow link;
+    then it goes on, or (``broken``) the link breaks there."""
 
     def __init__(self, parts, at: int) -> None:
         super().__init__(parts)
         self.at, self.go, self.broken = at, threading.Event(), False
 
     def chunks(self, size: int):
-        for i, chunk in enumerate(super().chunks(size)):
-            if i == self.at:
-                self.go.wait(30)
-                if self.broken:
-                    raise ConnectionAbortedError("the link broke")
-            yield chunk
+        yield self.read(0, self.at)
+        self.go.wait(30)
+        if self.broken:
+            raise ConnectionAbortedError("the link broke")
+        for start in range(self.at, len(self), size):
+            yield self.read(start, min(start + size, len(self)))
 
 
 def until(found, timeout_s: float = 20.0):
@@ -241,34 +241,51 @@ def until(found, timeout_s: float = 20.0):
     return value
 
 
-@pytest.mark.parametrize("broken", [False, True])
-def test_the_rounds_pass_reads_an_update_as_its_bytes_land_and_the_same_bits_as_the_claimed_one(hub, broken):
+@pytest.mark.parametrize("how", ["lands", "broken off", "values not last"])
+def test_the_rounds_pass_reads_an_update_as_its_bytes_land_and_the_same_bits_as_the_claimed_one(hub, how, monkeypatch):
     """An update still arriving (its upload paused halfway, as on a slow link) is offered for the round's pass
     once its layout and scales have landed (``DirectChannel.landed_updates``: ``wire.LandingArrays``); the pass
-    reads its values as they land, waiting for those still on their way, and its result is the pass's over the
-    update the reply claims, bit for bit, read from the same memory (``update_spill.fingerprint``: the pass ahead
-    is kept for it). An upload broken off ends the wait with ``UploadBrokenOff``, never a pass over bytes that
-    never came."""
+    reads its values as they land, a piece at a time (here two chunks, the last one short), beside an update that
+    came whole, waiting for those still on their way, and its result is the pass's over the update the reply
+    claims, bit for bit, read from the same memory (``update_spill.fingerprint``: the pass ahead is kept for it).
+    An upload broken off ends the wait with ``UploadBrokenOff``, never a pass over bytes that never came. A record
+    whose values do not come last (its scales after them: valid on the wire) is offered only once it has landed
+    whole: its scales are read whole."""
+    monkeypatch.setattr(wire, "LANDING_PIECE_VALUES", 2 * core.transfer_precision.ONE_PASS_CHUNK_VALUES)
     gen = torch.Generator().manual_seed(11)
-    tensors = {"layers.0.w": torch.randn(2048, 1024, generator=gen), "layers.0.b": torch.randn(1024, generator=gen)}
+    tensors = {"layers.0.w": torch.randn(2048, 1000, generator=gen), "layers.0.b": torch.randn(1000, generator=gen)}
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}
     x = {name: torch.randn(shape, generator=gen) for name, shape in shapes.items()}
-    offer = hub.offer(4, node=7, records={}, upload_max_size=update_bound(2048 * 1024 + 1024, 2))
+    other = unpack(pack({name: torch.randn(shape, generator=gen) for name, shape in shapes.items()}, "int8"), lazy=True)
+    offer = hub.offer(4, node=7, records={}, upload_max_size=update_bound(2048 * 1000 + 1000, 2))
     ticket = Ticket(bytes.fromhex(offer.upload_token), RUN, 7, 4, Direction.UPLOAD, offer.upload_name)
-    data = Paused(framed_pieces(pack_pieces(tensors, "int8")).parts, at=2)  # 1 MiB of 2 sent, then a pause
+    pieces = pack_pieces(tensors, "int8")
+    if how == "values not last":
+        pieces = {name: pieces[name] for name in ("layout", "values", "scales")}
+    framed = framed_pieces(pieces)
+    # Paused mid-values; or, values not last, with them and the scales' header landed, the scales' values not.
+    at = len(framed) // 2 if how != "values not last" else len(framed) - pieces["scales"][0].nbytes // 2
+    data = Paused(framed.parts, at)
     channel = DirectChannel(hub)
     client = TransportClient(hub.address, ca_pem=hub.ca_pem.encode(), timeout_s=30)
     with client, ThreadPoolExecutor(2) as pool:
         assert channel.landed_updates(4, {7}) is None  # nothing uploaded yet
         uploading = pool.submit(client.upload, ticket, data)
+        if how == "values not last":
+            assert until(lambda: channel.landed_updates(4, {7}), timeout_s=1.0) is None  # not while it lands
+            data.go.set()
+            commit = UpdateCommit(update_size=len(data), update_sha256=uploading.result(30))
+            assert not isinstance(channel.landed_updates(4, {7})[7], LandingArrays)  # landed whole
+            return
         landing = until(lambda: channel.landed_updates(4, {7}))[7]
         assert isinstance(landing, LandingArrays) and not any(a.flags.writeable for a in landing.values())
-        passing = pool.submit(core.applied_mean_step, [unpack(landing, shapes, lazy=True)], [1.0], 1.0, x, "int8")
+        updates = [unpack(landing, shapes, lazy=True), other]
+        passing = pool.submit(core.applied_mean_step, updates, [1.0, 2.0], 1.0, x, "int8")
         time.sleep(0.5)
         assert not passing.done()  # waiting for the values still on their way
-        data.broken = broken
+        data.broken = how == "broken off"
         data.go.set()
-        if broken:
+        if data.broken:
             with pytest.raises(TransportError):
                 uploading.result(30)
             with pytest.raises(UploadBrokenOff, match="the upload ended at"):
@@ -278,7 +295,7 @@ def test_the_rounds_pass_reads_an_update_as_its_bytes_land_and_the_same_bits_as_
         ahead = passing.result(30)
     claimed = {name: npy_view(payload, name) for name, payload in hub.claim(4, 7, commit).items()}
     assert fingerprint(claimed) == fingerprint(landing)
-    after = core.applied_mean_step([unpack(claimed, shapes, lazy=True)], [1.0], 1.0, x, "int8")
+    after = core.applied_mean_step([unpack(claimed, shapes, lazy=True), other], [1.0, 2.0], 1.0, x, "int8")
     for name in shapes:
         assert torch.equal(ahead[0][name][0], after[0][name][0]) and torch.equal(ahead[0][name][1], after[0][name][1])
         assert torch.equal(ahead[1][name], after[1][name])

@@ -89,7 +89,7 @@ def watch(
                 ahead = algorithm.prepare_pass_ahead(server_round, landed)
                 if ahead is not None and settled.is_set():  # the round's aggregation is over already
                     ahead.drop()
-                if ahead is not None:
+                elif ahead is not None:
                     norms.submit(ahead.run_norms)  # a check that finds a norm not started yet finds it itself
                 prepared.set_result(ahead)
                 if ahead is not None:

@@ -56,7 +56,7 @@ from ..messages import (
 from ..npy import npy_view
 from ..records import payloads_record
 from ..versions import PROTOCOL_VERSION
-from ..wire import LandingArrays
+from ..wire import VALUES, LandingArrays
 from .capabilities import RefusalKind, Refused
 from .channel import Channel
 from .message_bytes import content_to_bytes, reply_from_bytes
@@ -224,7 +224,7 @@ class DirectChannel(Channel):
         landed = {}
         for node in sorted(nodes):
             payloads, wait_until = self.transport.landed_update(server_round, node), None
-            if payloads is None and (landing := self.transport.landing_update(server_round, node)) is not None:
+            if payloads is None and (landing := self.transport.landing_update(server_round, node, VALUES)) is not None:
                 payloads, wait_until = landing
             if payloads is None:
                 return None

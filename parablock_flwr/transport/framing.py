@@ -135,16 +135,18 @@ def unframe(data: bytes | bytearray | memoryview, record: str) -> dict[str, memo
     return _checked({name: view[start:stop] for name, start, stop in entries}, record)
 
 
-def landed_far_enough(data: memoryview, landed: int, record: str) -> dict[str, memoryview] | None:
+def landed_far_enough(data: memoryview, landed: int, record: str, last: str) -> dict[str, memoryview] | None:
     """``unframe``'s payloads of a record whose declared bytes are ``data`` while only the first ``landed`` of them
-    have landed: once its index, every payload but the last, and the last's npy header have (the last is a packed
-    record's ``values``, read chunk by chunk as they land: ``wire.LandingArrays``); None before. Raises
-    ``FramingError`` for an index that is not one (the claim refuses the whole record then)."""
+    have landed: once its index, every payload but the last, and the last's npy header have, where the last is the
+    array ``last`` (a packed record's ``values``, which a reader reads chunk by chunk as they land:
+    ``wire.LandingArrays``; every other array is read whole, so it must have landed whole); None before, and for a
+    record whose arrays come in another order (it is read once it has landed whole). Raises ``FramingError`` for an
+    index that is not one (the claim refuses the whole record then)."""
     view = memoryview(data).cast("B")
     if landed < 4 or landed < 4 + int.from_bytes(view[:4], "big"):
         return None
     entries = _entries(view.nbytes, lambda start, stop: bytes(view[start:stop]), record)
-    if not entries:
+    if not entries or entries[-1][0] != last:
         return None
     *before, (_, start, stop) = entries
     if landed < max([start + min(HEAD_BYTES, stop - start), *(end for *_, end in before)]):

@@ -423,16 +423,17 @@ class RunTransport:
         comes that is kept only if the reply commits these very bytes (``FedBCD.prepare_pass_ahead``)."""
         return self.server.inbox.peek(self.run_id, node, server_round, self.upload_name(server_round, node))
 
-    def landing_update(self, server_round: int, node: int) -> tuple[dict[str, memoryview], Callable] | None:
-        """``node``'s round-r update while it still arrives in memory, once its index, layout and scales have
-        landed: the npy payload of each array over all its declared bytes, and what waits for them (``wait_until``:
-        an address in them), for a pass over its values as they land (``wire.LandingArrays``); else None. As
-        ``landed_update``'s, kept only where the reply commits the bytes that then lie there."""
+    def landing_update(self, server_round: int, node: int, last: str) -> tuple[dict[str, memoryview], Callable] | None:
+        """``node``'s round-r update while it still arrives in memory, once every array but ``last`` (its values,
+        the last on the wire) has landed (``framing.landed_far_enough``): the npy payload of each array over all its
+        declared bytes, and what waits for them (``wait_until``: an address in them), for a pass over its values as
+        they land (``wire.LandingArrays``); else None. As ``landed_update``'s, kept only where the reply commits the
+        bytes that then lie there."""
         upload = self.server.inbox.landing(self.run_id, node, server_round, self.upload_name(server_round, node))
         if upload is None:
             return None
         try:
-            payloads = landed_far_enough(upload.landing(), len(upload), self.upload_name(server_round, node))
+            payloads = landed_far_enough(upload.landing(), len(upload), self.upload_name(server_round, node), last)
         except FramingError:  # its claim refuses it once it has landed
             return None
         return None if payloads is None else (payloads, upload.wait_until)

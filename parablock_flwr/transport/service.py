@@ -539,8 +539,11 @@ class Inbox:
             self._ended[run_id] = max(self._ended.get(run_id, 0), round)
             slots = [slot for slot in self._records if slot[:1] + slot[2:3] == (run_id, round)]
             dropped = [self._records.pop(slot) for slot in slots]
+            late = [data for slot, data in self._receiving.values() if slot[0] == run_id and slot[2] <= round]
         for upload in dropped:
             _forget(upload)
+        for data in late:  # refused when its last byte lands: whoever reads it as it lands stops now
+            data.break_off()
         return len(dropped)
 
     def close(self) -> None:

@@ -101,13 +101,15 @@ class RoundOutcome:
 
 @dataclass
 class PassAhead:
-    """Round r's one pass (``core.applied_mean_step``) on the updates that landed ahead of their replies, prepared
-    by ``FedBCD.prepare_pass_ahead`` and run beside the loop (``run``). Its inputs are known before it runs: the
-    aggregation compares them first (``take``) and waits for the pass only where they are the accepted replies'
-    (the same nodes, partitions and weights, each update in the very memory it read: ``update_spill.fingerprint``),
-    so that the same inputs in the same order give the same bits; else it drops it at once and runs its own. The
-    pass reads ``x[b]`` as it was prepared (a step taken meanwhile gives ``x`` new storage, not new values here),
-    so a dropped pass may end on its own thread, changing nothing."""
+    """Round r's one pass (``core.applied_mean_step``) on the updates that landed, or are landing (read as they
+    land: ``wire.LandingArrays``), ahead of their replies, prepared by ``FedBCD.prepare_pass_ahead`` and run beside
+    the loop (``run``). Its inputs are known before it runs: the aggregation compares them first (``take``) and waits
+    for the pass only where they are the accepted replies' (the same nodes, partitions and weights, each update in
+    the very memory it read: ``update_spill.fingerprint``), so that the same inputs in the same order give the same
+    bits; else it drops it at once and runs its own. The pass reads ``x[b]`` as it was prepared (a step taken
+    meanwhile gives ``x`` new storage, not new values here), so a dropped pass may end on its own thread, changing
+    nothing (one waiting for an upload's bytes ends when they land or the upload ends: refused, broken off, or its
+    round's end)."""
 
     inputs: list[tuple]  # (node, partition id, weight, the update's fingerprint), in partition order
     args: tuple  # applied_mean_step's arguments
@@ -137,13 +139,15 @@ class PassAhead:
     def run_norms(self) -> None:
         """Each update's norm, in turn, as its bytes land (waiting for them): set in its future, or the error (an
         upload broken off); one whose future a reply's check found unstarted is left to that check."""
-        for update, norm in self.norms.values():
+        for update, norm in list(self.norms.values()):
             if not norm.set_running_or_notify_cancel():
                 continue
             try:
                 norm.set_result(checked_norm(update))
-            except Exception as err:  # noqa: BLE001 - its reply's check computes the norm itself
+            except BaseException as err:  # its reply's check computes the norm itself; never a future left running
                 norm.set_exception(err)
+                if not isinstance(err, Exception):
+                    raise
 
     def norm_found_ahead(self, key: tuple) -> float | str | None:
         """The norm ``run_norms`` found of the update with fingerprint ``key`` (waited for, if it is being found:
@@ -166,12 +170,21 @@ class PassAhead:
         self.done.wait()
         with self.lock:
             result, self.result, self.held, payloads = self.result, None, [], self.payloads
+        self.let_go_of_norms()
         return (result, payloads) if result is not None else None
 
     def drop(self) -> None:
         """Its result and the updates it holds go (a pass still running ends on its own, its result unkept)."""
         with self.lock:
             self.dropped, self.result, self.held, self.payloads = True, None, [], {}
+        self.let_go_of_norms()
+
+    def let_go_of_norms(self) -> None:
+        """The replies are checked: the norms not started are not found, and the updates they read go (each a
+        block's memory, which the next round's uploads may take)."""
+        norms, self.norms = self.norms, {}  # a new dict: ``run_norms`` may be going through the old one
+        for _, norm in norms.values():
+            norm.cancel()
 
 
 class FedBCD:

@@ -11,6 +11,12 @@ max(C, T_BCD - C) / T_BCD) and every target of a round beside a GPU as measured 
     .venv/bin/python -m benchmarks.stand_in --hidden 1536 2560 --compute-s 2.5 --report   # a section each setting
     .venv/bin/python -m benchmarks.stand_in --hidden 512 --rounds 4          # the smallest, as CI runs it
     .venv/bin/python -m benchmarks.stand_in --hidden 2560 --pin               # workers on CPUs of their own
+    .venv/bin/python -m benchmarks.stand_in --hidden 2560 --link-mbit 1000    # loopback shaped to 1 Gbit/s (root)
+
+``--link-mbit`` limits loopback to that rate for the run (``tc`` ``tbf`` on ``lo``, removed after), so that an
+update takes a link's time to land and the server's work as its bytes land shows: every loopback byte is counted,
+both ways together (ParaBlock's upload and download ahead share the rate, as they would not on a full-duplex link),
+and the targets' link is a block each way at that rate.
 
 ``--pin`` puts the node workers on the upper half of this machine's CPUs and everything else (the benchmark,
 the SuperLink, the SuperNodes, the ServerApp) on the lower half, as on machines of their own: on a machine of
@@ -41,6 +47,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import PROJECT_DIR, RESULTS_DIR, command, commit, machine_line, replace_doc_section
+from benchmarks.network import netlab
 from benchmarks.round_compare import (
     TABLE_HEAD,
     block_bytes,
@@ -66,12 +73,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--transfer-dtype", default="int8", choices=["int8", "bf16", "fp16"])
     parser.add_argument("--verify-invariant", action="store_true", help="ParaBlock with it on too: its cost")
     parser.add_argument("--pin", action="store_true", help="workers on the upper half of the CPUs, the rest below")
+    parser.add_argument("--link-mbit", type=float, default=0.0, help="loopback shaped to this rate (root, tc)")
     parser.add_argument("--report", action="store_true", help="write docs/results/stand_in.md")
     args = parser.parse_args(argv)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0  # Linux's only
     if args.pin and (cpus < 2 or shutil.which("taskset") is None):
         parser.error(f"--pin: {cpus} CPU(s) to pin here, taskset {shutil.which('taskset')}; "
                      "expected 2 CPUs or more (Linux) and util-linux's taskset")  # fmt: skip
+    if args.link_mbit < 0 or args.link_mbit and (os.geteuid() != 0 or not Path(netlab.TC).exists()):
+        parser.error(f"--link-mbit {args.link_mbit:g}: expected a rate > 0, root and iproute2's tc ({netlab.TC})")
     return args
 
 
@@ -92,6 +102,11 @@ def run_config(model: Path, args) -> dict:
     }  # fmt: skip
 
 
+def link_seconds(wire_bytes: float, link_mbit: float) -> float:
+    """A block's time on the link one way (0: loopback unshaped)."""
+    return wire_bytes * 8 / (link_mbit * 1e6) if link_mbit else 0.0
+
+
 def stand_in_worker(compute_s: float, cpus: list[int] | None = None):
     """The real worker's command, with the stand-in's module in its place (``cpus``: under taskset, on those)."""
     pin = ["taskset", "-c", ",".join(map(str, cpus))] if cpus else []
@@ -100,6 +115,14 @@ def stand_in_worker(compute_s: float, cpus: list[int] | None = None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if not args.link_mbit:
+        return run_pinned_or_not(args)
+    netlab.stop_on_sigterm()  # the shaping goes with the run, however it ends
+    with netlab.shaped_loopback(args.link_mbit):
+        return run_pinned_or_not(args)
+
+
+def run_pinned_or_not(args) -> dict:
     if not args.pin:
         return run_sizes(args, None)
     own_cpus = os.sched_getaffinity(0)
@@ -130,17 +153,24 @@ def run_sizes(args, workers_cpus: list[int] | None) -> dict:
                 continue
             results[hidden] = measured
             table += rows(setting, measured)
-            found += targets(setting, wire_bytes, measured)
+            found += targets(setting, wire_bytes, measured, link_s=2 * link_seconds(wire_bytes, args.link_mbit))
             print("\n".join(table[-len(measured) - 1 :]), flush=True)
-    body = f"{TABLE_HEAD}\n" + "\n".join(table) + f"\n\n{targets_table(found)}\n"
+    link = (
+        f"loopback at {args.link_mbit:g} Mbit/s, a block each way"
+        if args.link_mbit
+        else "loopback, its time taken as 0"
+    )
+    body = f"{TABLE_HEAD}\n" + "\n".join(table) + f"\n\n{targets_table(found, link)}\n"
     print(body)
     if args.report:  # one section per setting: the file keeps the others
         heading = (f"## C = {args.compute_s:g} s, {args.nodes} SuperNode(s), {args.transfer_dtype}, "
                    f"verify-invariant {'off and on' if args.verify_invariant else 'off'}"
-                   f"{', workers pinned' if args.pin else ''}")  # fmt: skip
+                   f"{', workers pinned' if args.pin else ''}"
+                   f"{f', loopback at {args.link_mbit:g} Mbit/s' if args.link_mbit else ''}")  # fmt: skip
+        shaped = f" shaped to {args.link_mbit:g} Mbit/s (tbf on lo: both ways together)" if args.link_mbit else ""
         body = (
             f"`{command('stand_in')}` at {commit()}, {time.strftime('%Y-%m-%d')}; {machine_line()}. "
-            f"Transport direct on loopback (plaintext), {args.rounds} rounds, "
+            f"Transport direct on loopback{shaped} (plaintext), {args.rounds} rounds, "
             f"{window(list(results.values()))}.\n\n{body}"
         )
         doc = RESULTS_DIR / "stand_in.md"

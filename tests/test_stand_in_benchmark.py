@@ -124,3 +124,10 @@ def test_each_target_is_judged_from_its_figures_and_one_not_measured_is_said():
     assert met["s: ParaBlock / BCD, within 10 % of the ideal"] == "yes"
     assert met["s: verify-invariant's cost, share of ParaBlock's round"] == "**no**"
     assert met["s, parablock: worker, message to reply less compute (s)"] == "not measured"
+    # On a link of 4 s a round (a block each way): the rounds and the worker's own work get its time, not the server.
+    on_link = round_compare.targets("s", 247e6, {"fedbcd": bcd, "parablock": parablock}, link_s=4.0)
+    linked = {what: bound for what, _, bound in on_link}
+    assert linked["s: BCD's round ≤ C + link + 1 s (s)"] == 7.5
+    assert linked["s: ParaBlock's round ≤ max(C, link) + 1 s, beyond (s)"] == 5.0
+    assert linked["s, fedbcd: worker, message to reply less compute (s)"] == pytest.approx(4.547)
+    assert linked["s, fedbcd: server, last reply to next messages out (s)"] == pytest.approx(0.547)

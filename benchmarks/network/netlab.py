@@ -102,24 +102,32 @@ def _quietly(*cmd: str) -> None:
     subprocess.run(cmd, capture_output=True)
 
 
-def shape(net: Network, rate_mbps: float, latency_ms: float) -> None:
-    """Limit every link to ``rate_mbps`` each way (tbf on both ends of each veth pair).
+def tbf(rate_mbps: float, latency_ms: float = 0.0) -> list[str]:
+    """The root qdisc that limits a device's egress to ``rate_mbps``.
 
     The burst must hold a whole (GSO) packet of up to 64 KiB, else large packets
     never pass; 10 ms of traffic above that. The queue holds 400 ms plus a round
     trip of the proxy's delay, so TCP keeps the link busy.
     """
     burst = max(64 * 1024, int(rate_mbps * 1e6 / 8 * 0.01))
-    args = [
-        "root",
-        "tbf",
-        "rate",
-        f"{rate_mbps * 1000:.0f}kbit",
-        "burst",
-        str(burst),
-        "latency",
-        f"{400 + 2 * latency_ms:.0f}ms",
-    ]
+    return ["root", "tbf", "rate", f"{rate_mbps * 1000:.0f}kbit", "burst", str(burst), "latency",
+            f"{400 + 2 * latency_ms:.0f}ms"]  # fmt: skip
+
+
+@contextlib.contextmanager
+def shaped_loopback(rate_mbps: float):
+    """Loopback limited to ``rate_mbps`` while the block runs (tbf on ``lo``: every loopback byte, both ways
+    together), and as it was after, whatever happens (also on SIGTERM: ``stop_on_sigterm``)."""
+    sh(TC, "qdisc", "replace", "dev", "lo", *tbf(rate_mbps))
+    try:
+        yield
+    finally:
+        _quietly(TC, "qdisc", "del", "dev", "lo", "root")
+
+
+def shape(net: Network, rate_mbps: float, latency_ms: float) -> None:
+    """Limit every link to ``rate_mbps`` each way (``tbf`` on both ends of each veth pair)."""
+    args = tbf(rate_mbps, latency_ms)
     for node in net.nodes:
         sh(TC, "-n", node.ns, "qdisc", "replace", "dev", node.dev, *args)
         sh(TC, "-n", net.link_ns, "qdisc", "replace", "dev", node.link_dev, *args)

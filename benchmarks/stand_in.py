@@ -16,7 +16,8 @@ max(C, T_BCD - C) / T_BCD) and every target of a round beside a GPU as measured 
 ``--link-mbit`` limits loopback to that rate for the run (``tc`` ``tbf`` on ``lo``, removed after), so that an
 update takes a link's time to land and the server's work as its bytes land shows: every loopback byte is counted,
 both ways together (ParaBlock's upload and download ahead share the rate, as they would not on a full-duplex link),
-and the targets' link is a block each way at that rate.
+and the targets' link is a block each way for each node at that rate (``tc qdisc del dev lo root`` removes a
+shaping a run killed outright left; a run without ``--link-mbit`` refuses to start on a shaped loopback).
 
 ``--pin`` puts the node workers on the upper half of this machine's CPUs and everything else (the benchmark,
 the SuperLink, the SuperNodes, the ServerApp) on the lower half, as on machines of their own: on a machine of
@@ -39,6 +40,7 @@ after the other."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import sys
@@ -80,8 +82,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.pin and (cpus < 2 or shutil.which("taskset") is None):
         parser.error(f"--pin: {cpus} CPU(s) to pin here, taskset {shutil.which('taskset')}; "
                      "expected 2 CPUs or more (Linux) and util-linux's taskset")  # fmt: skip
-    if args.link_mbit < 0 or args.link_mbit and (os.geteuid() != 0 or not Path(netlab.TC).exists()):
-        parser.error(f"--link-mbit {args.link_mbit:g}: expected a rate > 0, root and iproute2's tc ({netlab.TC})")
+    rate = args.link_mbit
+    if rate and not (math.isfinite(rate) and rate >= 1 and os.geteuid() == 0 and Path(netlab.TC).exists()):
+        parser.error(f"--link-mbit {rate:g}: expected 0 (loopback as it is) or a rate of at least 1 Mbit/s, as root, "
+                     f"with iproute2's tc ({netlab.TC})")  # fmt: skip
+    if not rate and netlab.loopback_shaped():
+        parser.error("loopback is shaped (tc qdisc show dev lo: tbf), left by a run killed outright; "
+                     "remove it: tc qdisc del dev lo root")  # fmt: skip
     return args
 
 
@@ -153,10 +160,11 @@ def run_sizes(args, workers_cpus: list[int] | None) -> dict:
                 continue
             results[hidden] = measured
             table += rows(setting, measured)
-            found += targets(setting, wire_bytes, measured, link_s=2 * link_seconds(wire_bytes, args.link_mbit))
+            link_s = 2 * args.nodes * link_seconds(wire_bytes, args.link_mbit)  # every node's bytes share lo's rate
+            found += targets(setting, wire_bytes, measured, link_s=link_s)
             print("\n".join(table[-len(measured) - 1 :]), flush=True)
     link = (
-        f"loopback at {args.link_mbit:g} Mbit/s, a block each way"
+        f"loopback at {args.link_mbit:g} Mbit/s, a block each way for each node"
         if args.link_mbit
         else "loopback, its time taken as 0"
     )

@@ -274,7 +274,7 @@ def test_the_rounds_pass_reads_an_update_as_its_bytes_land_and_the_same_bits_as_
         if how == "values not last":
             assert until(lambda: channel.landed_updates(4, {7}), timeout_s=1.0) is None  # not while it lands
             data.go.set()
-            commit = UpdateCommit(update_size=len(data), update_sha256=uploading.result(30))
+            uploading.result(30)
             assert not isinstance(channel.landed_updates(4, {7})[7], LandingArrays)  # landed whole
             return
         landing = until(lambda: channel.landed_updates(4, {7}))[7]

@@ -102,27 +102,42 @@ def _quietly(*cmd: str) -> None:
     subprocess.run(cmd, capture_output=True)
 
 
-def tbf(rate_mbps: float, latency_ms: float = 0.0) -> list[str]:
+def tbf(rate_mbps: float, latency_ms: float = 0.0, least_burst: int = 64 * 1024) -> list[str]:
     """The root qdisc that limits a device's egress to ``rate_mbps``.
 
-    The burst must hold a whole (GSO) packet of up to 64 KiB, else large packets
+    The burst must hold a whole (GSO) packet of up to 64 KiB (``least_burst``), else large packets
     never pass; 10 ms of traffic above that. The queue holds 400 ms plus a round
     trip of the proxy's delay, so TCP keeps the link busy.
     """
-    burst = max(64 * 1024, int(rate_mbps * 1e6 / 8 * 0.01))
+    burst = max(least_burst, int(rate_mbps * 1e6 / 8 * 0.01))
     return ["root", "tbf", "rate", f"{rate_mbps * 1000:.0f}kbit", "burst", str(burst), "latency",
             f"{400 + 2 * latency_ms:.0f}ms"]  # fmt: skip
+
+
+LOOPBACK_BURST = 4 * 65536  # bytes: a segment on ``lo`` (MTU 65536) and its headers pass whole, with room
 
 
 @contextlib.contextmanager
 def shaped_loopback(rate_mbps: float):
     """Loopback limited to ``rate_mbps`` while the block runs (tbf on ``lo``: every loopback byte, both ways
-    together), and as it was after, whatever happens (also on SIGTERM: ``stop_on_sigterm``)."""
-    sh(TC, "qdisc", "replace", "dev", "lo", *tbf(rate_mbps))
+    together), and its root qdisc deleted after, whatever happens (also on SIGTERM: ``stop_on_sigterm``; a
+    second signal during the cleanup is ignored). A process killed outright leaves it: ``tc qdisc del dev lo
+    root`` removes it (``loopback_shaped`` says so)."""
+    sh(TC, "qdisc", "replace", "dev", "lo", *tbf(rate_mbps, least_burst=LOOPBACK_BURST))
     try:
         yield
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         _quietly(TC, "qdisc", "del", "dev", "lo", "root")
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def loopback_shaped() -> bool:
+    """Whether ``lo`` has a tbf qdisc (one left by a run killed outright: loopback is not what it seems)."""
+    if not Path(TC).exists():
+        return False
+    shown = subprocess.run([TC, "qdisc", "show", "dev", "lo"], capture_output=True, text=True)
+    return " tbf " in f" {shown.stdout} "
 
 
 def shape(net: Network, rate_mbps: float, latency_ms: float) -> None:

@@ -249,9 +249,8 @@ def unpack(
     sizes = [math.prod(shape) for shape in layout.values()]
     if values.size != sum(sizes):
         raise WireError(f"values: {values.size:,} numbers, expected {sum(sizes):,} ({len(sizes)} tensors' shapes)")
-    decoders = _decoders(values, dtype, sizes, arrays.get(SCALES), read_only)
-    for decoder in decoders if isinstance(arrays, LandingArrays) else ():
-        decoder.wait_until = arrays.wait_until
+    wait_until = arrays.wait_until if isinstance(arrays, LandingArrays) else None
+    decoders = _decoders(values, dtype, sizes, arrays.get(SCALES), read_only, wait_until)
     if lazy:
         out = Decoded({name: (shape, d) for (name, shape), d in zip(layout.items(), decoders)})
         return out if expected is None else Decoded({name: out.parts[name] for name in expected})
@@ -335,22 +334,24 @@ def check_layout(layout: Mapping[str, tuple[int, ...]], expected: Mapping[str, t
             raise WireError(f"wrong shape for {name}: {layout[name]}, expected {tuple(shape)}")
 
 
-def _decoders(values: np.ndarray, dtype: str, sizes: list[int], scales, read_only: bool = False) -> list[Payload]:
-    """For each tensor, its ``Payload``: what gives its flat fp32 values. The scales are checked here, before any
-    is used."""
+def _decoders(
+    values: np.ndarray, dtype: str, sizes: list[int], scales, read_only: bool = False, wait_until=None
+) -> list[Payload]:
+    """For each tensor, its ``Payload``: what gives its flat fp32 values (``wait_until``: a ``LandingArrays``' own,
+    while the values land). The scales are checked here, before any is used."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         parts = torch.split(torch.from_numpy(values), sizes)
     if dtype == "int8":
         scales = check_scales(scales, sum(int8_blocks(n) for n in sizes))
         per_tensor = torch.split(scales, [int8_blocks(n) for n in sizes])
-        return [Payload(p, "int8", s) for p, s in zip(parts, per_tensor)]
+        return [Payload(p, "int8", s, wait_until=wait_until) for p, s in zip(parts, per_tensor)]
     if scales is not None:
         raise WireError(f"scales with transfer-dtype={dtype}: expected them with int8 only")
     if dtype == "bf16":
-        return [Payload(p.view(torch.bfloat16), dtype) for p in parts]
+        return [Payload(p.view(torch.bfloat16), dtype, wait_until=wait_until) for p in parts]
     shared = dtype == "fp32" and (values.flags.writeable or read_only)
-    return [Payload(p, dtype, shared=shared) for p in parts]
+    return [Payload(p, dtype, shared=shared, wait_until=wait_until) for p in parts]
 
 
 class Payload:
@@ -362,10 +363,12 @@ class Payload:
     memory: a check that only reads (a reply's norm) writes no block in fp32, whose fresh pages cost more
     than the decode on the server's critical path."""
 
-    wait_until = None  # while the values still land: returns once the bytes below an address have (LandingArrays)
-
-    def __init__(self, values: torch.Tensor, dtype: str, scales: torch.Tensor | None = None, shared: bool = False):
+    def __init__(
+        self, values: torch.Tensor, dtype: str, scales: torch.Tensor | None = None, shared: bool = False,
+        wait_until=None,
+    ):  # fmt: skip
         self.values, self.dtype, self.scales, self.shared = values, dtype, scales, shared
+        self.wait_until = wait_until  # while the values land: returns once the bytes below an address have
 
     def __call__(self) -> torch.Tensor:
         self.landed(self.values.numel())

@@ -429,11 +429,12 @@ class RunTransport:
         declared bytes, and what waits for them (``wait_until``: an address in them), for a pass over its values as
         they land (``wire.LandingArrays``); else None. As ``landed_update``'s, kept only where the reply commits the
         bytes that then lie there."""
-        upload = self.server.inbox.landing(self.run_id, node, server_round, self.upload_name(server_round, node))
+        name = self.upload_name(server_round, node)
+        upload = self.server.inbox.landing(self.run_id, node, server_round, name)
         if upload is None:
             return None
         try:
-            payloads = landed_far_enough(upload.landing(), len(upload), self.upload_name(server_round, node), last)
+            payloads = landed_far_enough(upload.landing(), len(upload), name, last)
         except FramingError:  # its claim refuses it once it has landed
             return None
         return None if payloads is None else (payloads, upload.wait_until)
